@@ -1,0 +1,1 @@
+"""Attention backends. `reference` is the readable truth every faster path is checked against."""

@@ -1,0 +1,142 @@
+"""Configuration: what the checkpoint says about the model, and what the user says about the engine.
+
+`ModelConfig` is read from a Hugging Face style `config.json` and validated, so an unsupported
+architecture fails here with one clear line instead of deep inside a matmul. `EngineConfig` holds
+the engine's switches; every later optimization (paging, prefix sharing, quantization, ...) adds
+its switch here, so one object describes a run.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
+DEFAULT_MODEL_DIR = Path("weights") / "SmolLM2-135M-Instruct"
+FETCH_HINT = "run: python weights_fetch.py"
+
+
+class ConfigError(ValueError):
+    """A checkpoint or a setting that minillm cannot use; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int  # d_model
+    intermediate_size: int  # SwiGLU hidden width
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # key/value heads (GQA: num_heads is a multiple of it)
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "ModelConfig":
+        architectures = raw.get("architectures") or [raw.get("model_type", "unknown")]
+        if architectures[0] not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"Unsupported architecture {architectures[0]!r} in config.json; "
+                f"minillm runs {', '.join(SUPPORTED_ARCHITECTURES)} checkpoints."
+            )
+        if raw.get("rope_scaling"):
+            raise ConfigError("config.json asks for rope_scaling, which minillm does not implement; "
+                              "use a Llama checkpoint with plain RoPE.")
+        num_heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads", num_heads)
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"num_attention_heads={num_heads} is not a multiple of "
+                              f"num_key_value_heads={num_kv_heads} in config.json.")
+        eos = raw.get("eos_token_id")
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+        )
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"Weights not found in {model_dir} (no config.json) — {FETCH_HINT}")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{path} is not valid JSON ({err}) — delete it and {FETCH_HINT}") from err
+        try:
+            return cls.from_dict(raw)
+        except KeyError as err:
+            raise ConfigError(f"{path} lacks the field {err.args[0]!r}; is it a Llama config.json?") from err
+
+    def to_hf_dict(self) -> dict:
+        """The config.json fields transformers' LlamaForCausalLM reads (our own reader too)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "mlp_bias": False,
+            "torch_dtype": "float32",
+        }
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """The KV cache formula: K and V, for every layer and KV head, head_dim numbers each."""
+        element_size = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Every switch of a run. Later chapters add theirs (block size, prefix cache, kv dtype...)."""
+
+    model_dir: Path = DEFAULT_MODEL_DIR
+    dtype: str = "float32"
+    device: str = "cpu"
+    decoder: str = "cached"  # "naive" (the oracle: no cache) or "cached" (one contiguous cache)
+    max_seq_len: int | None = None  # defaults to the model's context length
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+        if self.decoder not in ("naive", "cached"):
+            raise ConfigError(f"decoder must be 'naive' or 'cached', not {self.decoder!r}.")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

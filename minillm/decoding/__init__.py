@@ -1,0 +1,81 @@
+"""Decoding one sequence: the naive oracle, the cached decoder, and the loop they share.
+
+Both decoders answer two questions — `prefill(prompt_ids)` and `step(token_id)` — with the
+logits for the next token. `generate` turns those logits into tokens until EOS, the token limit,
+or the end of the context.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+from minillm.decoding.cached import CachedDecoder
+from minillm.decoding.naive import NaiveDecoder
+from minillm.model import Transformer
+from minillm.sampling import Sampler, SamplingParams
+
+DECODERS = {"naive": NaiveDecoder, "cached": CachedDecoder}
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+def check_prompt(prompt_ids: list[int], context_len: int) -> None:
+    if not prompt_ids:
+        raise ValueError("The prompt is empty; give at least one token.")
+    if len(prompt_ids) >= context_len:
+        raise PromptTooLongError(f"The prompt has {len(prompt_ids)} tokens but the context holds {context_len} "
+                                 f"(and needs room for one new token); shorten the prompt.")
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = "length"  # "eos" or "length"
+    prefill_s: float = 0.0  # time to first token
+    decode_s: float = 0.0  # time for the remaining tokens
+    kv_bytes: int = 0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return (len(self.token_ids) - 1) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached",
+           eos_token_id: int | None = None, context_len: int | None = None) -> Iterator[tuple[int, Generation]]:
+    """Yield (token_id, generation so far) for every new token; the generation carries timings."""
+    context_len = context_len or model.config.max_position_embeddings
+    check_prompt(prompt_ids, context_len)
+    max_new = min(params.max_tokens, context_len - len(prompt_ids))
+    decoder_impl = DECODERS[decoder](model, len(prompt_ids) + max_new)
+    sampler = Sampler(params)
+    gen = Generation(prompt_ids=list(prompt_ids), kv_bytes=decoder_impl.kv_bytes)
+
+    start = time.perf_counter()
+    logits = decoder_impl.prefill(prompt_ids)
+    for i in range(max_new):
+        token = sampler(logits)
+        gen.token_ids.append(token)
+        now = time.perf_counter()
+        if i == 0:
+            gen.prefill_s, start = now - start, now
+        else:
+            gen.decode_s = now - start
+        yield token, gen
+        if token == eos_token_id and not params.ignore_eos:
+            gen.finish_reason = "eos"
+            return
+        if i + 1 < max_new:
+            logits = decoder_impl.step(token)
+
+
+def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached",
+             eos_token_id: int | None = None, context_len: int | None = None) -> Generation:
+    gen = None
+    for _, gen in stream(model, prompt_ids, params, decoder, eos_token_id, context_len):
+        pass
+    return gen

@@ -1,0 +1,153 @@
+"""A Llama-family transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied embeddings.
+
+The model knows nothing about memory. Each attention layer projects q, k, v, rotates q and k by
+their positions, and hands them to `ctx.attend(layer_idx, q, k, v)`. The context object owns the
+KV cache — none at all (naive decoding), one contiguous tensor (cached decoding), or paged blocks
+in later chapters — so new memory systems plug in without touching this file.
+
+Tokens are a flat list, not a (batch, time) grid: `forward(token_ids (N,), positions (N,), ctx)`.
+A batch of ragged sequences is just their tokens laid end to end, and the context knows which
+token belongs to which sequence. This is the layout continuous batching needs.
+
+Two projections are fused for speed, as nano-vllm and gpt-fast do: q, k and v are one matmul
+(`wqkv`), and the SwiGLU gate and up projections are another (`w_gate_up`). `weights.py`
+concatenates the checkpoint's separate matrices into them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minillm.config import ModelConfig
+
+
+class AttentionContext(Protocol):
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (N, num_heads, head_dim); k, v: (N, num_kv_heads, head_dim) for this step's tokens.
+        Stores k, v wherever this context keeps its cache, attends over each token's history,
+        and returns (N, num_heads, head_dim)."""
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 even for bf16 models: the mean of squares loses too much in bf16.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_tables(config: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position: (max_len, head_dim) each.
+
+    Pair i of a head (dimension i with i + head_dim/2, the "rotate half" layout of HF Llama)
+    turns by angle position * theta^(-2i/head_dim): fast for early dims, slow for late ones.
+    """
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / config.head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, half)
+    angles = torch.cat([angles, angles], dim=-1)  # (max_len, head_dim)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (N, heads, head_dim); cos, sin: (N, head_dim). Rotates each pair by its position's angle."""
+    half = x.shape[-1] // 2
+    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        self.qkv_sizes = [self.num_heads * self.head_dim, kv_width, kv_width]
+        self.wqkv = nn.Linear(config.hidden_size, sum(self.qkv_sizes), bias=False)
+        self.wo = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)
+        q = q.view(n_tokens, self.num_heads, self.head_dim)  # (N, num_heads, head_dim)
+        k = k.view(n_tokens, self.num_kv_heads, self.head_dim)  # (N, num_kv_heads, head_dim)
+        v = v.view(n_tokens, self.num_kv_heads, self.head_dim)  # (N, num_kv_heads, head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = ctx.attend(self.layer_idx, q, k, v)  # (N, num_heads, head_dim)
+        return self.wo(out.reshape(n_tokens, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.w_gate_up = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.w_down = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (N, intermediate) each
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, layer_idx)
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x, cos, sin, ctx):
+        x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else \
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_rope()
+
+    def init_rope(self):
+        """(Re)compute the RoPE tables; called after weights are loaded onto their device."""
+        device = self.embed.weight.device
+        cos, sin = rope_tables(self.config, self.config.max_position_embeddings)
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """token_ids, positions: (N,). Returns the final hidden states (N, hidden_size);
+        `logits` turns the ones you need into scores, so prefill can skip all but the last."""
+        dtype = self.embed.weight.dtype
+        cos = self.rope_cos[positions].to(dtype)  # (N, head_dim)
+        sin = self.rope_sin[positions].to(dtype)
+        x = self.embed(token_ids)  # (N, hidden_size)
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: (N, hidden_size) -> (N, vocab_size), in fp32 for sampling."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype

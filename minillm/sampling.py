@@ -1,0 +1,71 @@
+"""From logits to the next token: greedy, temperature, top-k, top-p, with a seed.
+
+`temperature=0` is greedy decoding (argmax), the mode every exactness test uses. Otherwise the
+logits are divided by the temperature, cut to the k most likely tokens and then to the smallest
+set whose probability reaches p ("nucleus"), and one token is drawn. Each request owns a seeded
+`torch.Generator`, so the same seed gives the same sample whatever else runs beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 means no top-k cut
+    top_p: float = 1.0  # 1 means no nucleus cut
+    max_tokens: int = 64
+    seed: int | None = None
+    ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
+
+    def __post_init__(self):
+        problems = []
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        if problems:
+            raise ValueError("; ".join(problems) + ".")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.generator = torch.Generator()
+        if params.seed is not None:
+            self.generator.manual_seed(params.seed)
+        else:
+            self.generator.seed()
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        """logits: (vocab_size,) fp32 -> the chosen token id."""
+        if self.params.greedy:
+            return int(logits.argmax())
+        probs = self.filtered_probs(logits.cpu())
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    def filtered_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits / self.params.temperature
+        if self.params.top_k:
+            kth_largest = torch.topk(logits, min(self.params.top_k, logits.numel())).values[-1]
+            logits = logits.masked_fill(logits < kth_largest, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        if self.params.top_p < 1:
+            sorted_probs, order = probs.sort(descending=True)
+            # keep a token if the mass *before* it is still below p: the top token always stays
+            mass_before = sorted_probs.cumsum(-1) - sorted_probs
+            sorted_probs[mass_before >= self.params.top_p] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return probs / probs.sum()

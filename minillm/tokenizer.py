@@ -1,0 +1,90 @@
+"""Text <-> token ids with tiktoken, plus the ChatML chat template.
+
+A byte-level BPE tokenizer is two things: a regex that cuts text into pieces ("pre-tokenization"),
+and merge ranks that glue each piece's bytes into tokens, lowest rank first. tiktoken does both
+in Rust, given the ranks and the regex; `weights_fetch.py` writes them from the checkpoint:
+`tokenizer.tiktoken` (base64 token bytes and rank, one per line) and `tokenizer_config.json`
+(regex, special tokens, chat template).
+
+Two traps of SmolLM2's tokenizer live in that data, not in this code:
+- its pre-tokenizer isolates every digit *before* the GPT-2 regex runs, so its regex is the GPT-2
+  one rewritten to treat a digit as a piece boundary (see `weights_fetch.pretokenizer_regex`);
+- 21 single bytes (mostly control characters) have no token. tiktoken needs every byte to have a
+  rank, so they get ranks past the vocabulary, and `encode` drops them afterwards — exactly what
+  the upstream tokenizer does with a character it cannot encode.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from pathlib import Path
+
+import tiktoken
+from tiktoken.load import load_tiktoken_bpe
+
+from minillm.config import FETCH_HINT, ConfigError
+
+RANKS_FILE = "tokenizer.tiktoken"
+CONFIG_FILE = "tokenizer_config.json"
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        model_dir = Path(model_dir)
+        if not (model_dir / RANKS_FILE).is_file() or not (model_dir / CONFIG_FILE).is_file():
+            raise ConfigError(f"Tokenizer files missing in {model_dir} ({RANKS_FILE}, {CONFIG_FILE}) — {FETCH_HINT}")
+        spec = json.loads((model_dir / CONFIG_FILE).read_text())
+        ranks = load_tiktoken_bpe(str(model_dir / RANKS_FILE))
+        self.vocab_size: int = spec["vocab_size"]
+        self.special_tokens: dict[str, int] = spec["special_tokens"]
+        self.eos_token_id: int = self.special_tokens[spec["eos_token"]]
+        self.chat_format: str | None = spec.get("chat_format")
+        self.default_system_prompt: str | None = spec.get("default_system_prompt")
+        for byte in range(256):  # bytes without a token: ranks past the vocabulary, dropped by encode
+            ranks.setdefault(bytes([byte]), self.vocab_size + byte)
+        self.encoding = tiktoken.Encoding(name=model_dir.name, pat_str=spec["pattern"],
+                                          mergeable_ranks=ranks, special_tokens=self.special_tokens)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text to ids. Special-token strings in the text are encoded as text, never as
+        control tokens: a user cannot forge `<|im_end|>` by typing it."""
+        ids = self.encoding.encode_ordinary(text)
+        return [i for i in ids if i < self.vocab_size]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def stream_decoder(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """ChatML: <|im_start|>role\\ncontent<|im_end|>\\n per message, then <|im_start|>assistant\\n.
+        Like the checkpoint's template, a conversation that does not open with a system message
+        gets the default system prompt ("You are a helpful AI assistant named SmolLM, ...")."""
+        if self.chat_format != "chatml":
+            raise ConfigError("This checkpoint has no ChatML chat template; use `minillm generate` without --chat.")
+        if self.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
+            messages = [{"role": "system", "content": self.default_system_prompt}, *messages]
+        start, end = self.special_tokens["<|im_start|>"], self.special_tokens["<|im_end|>"]
+        ids: list[int] = []
+        for message in messages:
+            ids += [start, *self.encode(f"{message['role']}\n{message['content']}"), end, *self.encode("\n")]
+        if add_generation_prompt:
+            ids += [start, *self.encode("assistant\n")]
+        return ids
+
+
+class StreamDecoder:
+    """Turns a stream of ids into a stream of text. One character may span several tokens (an
+    emoji is 4 bytes, often 2 tokens), so bytes wait here until they form whole characters."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_id: int) -> str:
+        return self.utf8.decode(self.tokenizer.encoding.decode_single_token_bytes(token_id))
+
+    def flush(self) -> str:
+        return self.utf8.decode(b"", final=True)
