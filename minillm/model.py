@@ -39,30 +39,31 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 even for bf16 models: the mean of squares loses too much in bf16.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # x / sqrt(mean(x^2) + eps) * weight, normalized in fp32 even for bf16 models: the mean
+        # of squares loses too much in bf16. F.rms_norm is that formula in one kernel.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 def rope_tables(config: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position: (max_len, head_dim) each.
+    """cos and signed sin for every position: (max_len, head_dim) each.
 
-    Pair i of a head (dimension i with i + head_dim/2, the "rotate half" layout of HF Llama)
-    turns by angle position * theta^(-2i/head_dim): fast for early dims, slow for late ones.
+    RoPE turns pair i of a head (dimension i with i + head_dim/2, the "rotate half" layout of HF
+    Llama) by the angle position * theta^(-2i/head_dim): fast for early dims, slow for late ones.
+    The sin table carries the rotation's sign (-sin for the first half), see `apply_rope`.
     """
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / config.head_dim))
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, half)
-    angles = torch.cat([angles, angles], dim=-1)  # (max_len, head_dim)
-    return angles.cos(), angles.sin()
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)  # (max_len, head_dim)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    return cos, signed_sin
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (N, heads, head_dim); cos, sin: (N, head_dim). Rotates each pair by its position's angle."""
-    half = x.shape[-1] // 2
-    rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated_half * sin[:, None, :]
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: (N, heads, head_dim); cos, signed_sin: (N, head_dim).
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with x1, x2 the two halves of each head."""
+    swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
+    return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
 
 
 class Attention(nn.Module):
@@ -70,18 +71,18 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        kv_width = self.num_kv_heads * self.head_dim
-        self.qkv_sizes = [self.num_heads * self.head_dim, kv_width, kv_width]
-        self.wqkv = nn.Linear(config.hidden_size, sum(self.qkv_sizes), bias=False)
+        self.kv_width = self.num_kv_heads * self.head_dim
+        self.qk_width = self.num_heads * self.head_dim + self.kv_width
+        self.wqkv = nn.Linear(config.hidden_size, self.qk_width + self.kv_width, bias=False)
         self.wo = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         n_tokens = x.shape[0]
-        q, k, v = self.wqkv(x).split(self.qkv_sizes, dim=-1)
-        q = q.view(n_tokens, self.num_heads, self.head_dim)  # (N, num_heads, head_dim)
-        k = k.view(n_tokens, self.num_kv_heads, self.head_dim)  # (N, num_kv_heads, head_dim)
+        qk, v = self.wqkv(x).split([self.qk_width, self.kv_width], dim=-1)
+        # q and k heads turn by the same angles: one RoPE call rotates both
+        qk = apply_rope(qk.view(n_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (N, num_heads | num_kv_heads, head_dim)
         v = v.view(n_tokens, self.num_kv_heads, self.head_dim)  # (N, num_kv_heads, head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v)  # (N, num_heads, head_dim)
         return self.wo(out.reshape(n_tokens, self.num_heads * self.head_dim))
 

@@ -1,13 +1,17 @@
-"""Causal attention over a sequence's history, in plain torch.
+"""Causal attention over a sequence's history, in plain torch math.
 
 Every KV layout in minillm (no cache, one contiguous cache, paged blocks later) ends by handing
-this function the keys and values of one sequence in position order. Grouped-query attention
-(GQA) lets `num_heads` query heads share `num_kv_heads` key/value heads: that sharing is what
-makes the KV cache of SmolLM2 three times smaller than its query width suggests.
+this function the keys and values of one sequence in position order. It is the readable truth
+the faster paths are checked against.
+
+Grouped-query attention (GQA): `num_heads` query heads share `num_kv_heads` key/value heads, in
+groups of `group = num_heads // num_kv_heads` (SmolLM2: 9 query heads, 3 KV heads, groups of 3).
+That sharing is why SmolLM2's KV cache is 3x smaller than its query width suggests. We compute it
+without copying K and V: fold each group's query heads into the query axis, so one KV head
+answers `group x Tq` query rows in a single matmul.
 """
 
 import torch
-import torch.nn.functional as F
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -18,10 +22,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     Query i sees key j iff j <= q_positions[i]: the causal mask, in absolute positions, so a
     prefill chunk that starts mid-sequence is masked correctly too.
     """
-    key_positions = torch.arange(k.shape[0], device=k.device)
-    visible = key_positions[None, :] <= q_positions[:, None]  # (Tq, Tk)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),  # (heads, T, head_dim)
-        attn_mask=visible, enable_gqa=True,
-    )  # (num_heads, Tq, head_dim)
-    return out.transpose(0, 1)
+    n_queries, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    q_rows = q.permute(1, 0, 2).reshape(num_kv_heads, group * n_queries, head_dim)  # (kv_heads, group*Tq, hd)
+    scores = torch.bmm(q_rows, k.permute(1, 2, 0)) * head_dim ** -0.5  # (kv_heads, group*Tq, Tk)
+    if n_queries > 1:  # a single decode token is the newest position: it sees every key
+        key_positions = torch.arange(k.shape[0], device=k.device)
+        hidden = key_positions[None, :] > q_positions[:, None]  # (Tq, Tk)
+        scores = scores.masked_fill(hidden.repeat(group, 1), float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    out = torch.bmm(probs, v.transpose(0, 1))  # (kv_heads, group*Tq, head_dim)
+    return out.view(num_heads, n_queries, head_dim).transpose(0, 1)

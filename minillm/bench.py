@@ -1,0 +1,141 @@
+"""`minillm bench decode`: batch-1 decode speed beside its physical roof, measured in one run.
+
+Decoding one token reads every weight once (and the KV cache so far) to do about 2 FLOPs per
+weight: on a CPU that is a memory-bandwidth problem, not a compute one. So next to tok/s we print
+*bandwidth achieved* = bytes read per step x steps per second, and its ratio to a copy bandwidth
+measured here, now (STREAM's convention: bytes read + bytes written per second).
+
+Three decoders run on the same weights, prompt and thread settings, interleaved so machine drift
+hits them alike: naive (no cache), cached (contiguous KV cache) and HF transformers `generate`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from minillm.decoding import generate
+from minillm.sampling import SamplingParams
+from minillm.weights import load_model
+
+GPL_TEXT = Path("/usr/share/common-licenses/GPL-3")  # real prose from outside the project
+
+
+def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes moved per second by a large tensor copy (read + write), best of `repeats`."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best
+
+
+def bench_prompt(model_dir: Path, prompt_len: int) -> list[int]:
+    from minillm.tokenizer import Tokenizer
+    return Tokenizer(model_dir).encode(GPL_TEXT.read_text())[:prompt_len]
+
+
+def time_minillm(model, prompt_ids: list[int], new_tokens: int, decoder: str) -> float:
+    """Decode tokens per second (prefill excluded)."""
+    gen = generate(model, prompt_ids, SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True), decoder)
+    return new_tokens / gen.decode_s
+
+
+def time_hf(hf_model, prompt_ids: list[int], new_tokens: int) -> float:
+    """HF generate, greedy; the prefill-only call is subtracted so only decode is timed."""
+    ids = torch.tensor([prompt_ids])
+
+    def run(n: int) -> float:
+        start = time.perf_counter()
+        hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones_like(ids), pad_token_id=0)
+        return time.perf_counter() - start
+
+    return new_tokens / (run(new_tokens + 1) - run(1))
+
+
+def bytes_per_step(model, prompt_len: int, new_tokens: int, with_kv: bool) -> float:
+    """Weights once per step (the lm_head reads the whole tied embedding), plus the KV cache read
+    at the mean context length of the decode steps."""
+    weight_bytes = sum(p.nbytes for p in model.parameters())
+    mean_context = prompt_len + new_tokens / 2
+    kv = model.config.kv_bytes_per_token(model.dtype) * mean_context if with_kv else 0
+    return weight_bytes + kv
+
+
+def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 64, naive_tokens: int = 16,
+                 include_hf: bool = True, dtype: str = "float32", repeats: int = 3) -> dict:
+    from minillm.config import DTYPES
+
+    torch_dtype = DTYPES[dtype]
+    model = load_model(model_dir, torch_dtype)
+    prompt_ids = bench_prompt(model_dir, prompt_len)
+    hf_model = None
+    if include_hf:
+        from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+
+    runs: dict[str, list[float]] = {"naive": [], "cached": [], **({"hf_transformers": []} if hf_model else {})}
+    with torch.inference_mode():
+        time_minillm(model, prompt_ids, 4, "cached")  # warm-up
+        for _ in range(repeats):
+            runs["naive"].append(time_minillm(model, prompt_ids, naive_tokens, "naive"))
+            runs["cached"].append(time_minillm(model, prompt_ids, new_tokens, "cached"))
+            if hf_model is not None:
+                runs["hf_transformers"].append(time_hf(hf_model, prompt_ids, new_tokens))
+
+        threads = {}
+        default_threads = torch.get_num_threads()
+        for n in range(1, (os.cpu_count() or 1) + 1):
+            torch.set_num_threads(n)
+            threads[n] = max(time_minillm(model, prompt_ids, new_tokens, "cached") for _ in range(2))
+        torch.set_num_threads(default_threads)
+
+    roof = copy_bandwidth()
+    decoders = {}
+    for name, samples in runs.items():
+        tok_s = max(samples)
+        step_bytes = bytes_per_step(model, prompt_len, naive_tokens if name == "naive" else new_tokens,
+                                    with_kv=name != "naive")
+        decoders[name] = {"tok_s": tok_s, "ms_per_token": 1000 / tok_s, "bytes_per_step": step_bytes,
+                          "bandwidth_GBs": step_bytes * tok_s / 1e9, "roof_fraction": step_bytes * tok_s / roof,
+                          "samples_tok_s": samples}
+    report = {
+        "machine": {"cpus": os.cpu_count(), "torch_threads": default_threads, "torch": torch.__version__,
+                    "processor": platform.processor() or platform.machine()},
+        "model_dir": str(model_dir), "dtype": dtype, "prompt_len": len(prompt_ids), "new_tokens": new_tokens,
+        "naive_tokens": naive_tokens, "copy_bandwidth_GBs": roof / 1e9, "decoders": decoders,
+        "cached_tok_s_by_threads": threads,
+        "cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"],
+    }
+    if "hf_transformers" in decoders:
+        report["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
+    return report
+
+
+def print_decode_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"batch-1 decode, {report['dtype']}, prompt {report['prompt_len']} tokens, "
+                        f"{report['machine']['torch_threads']} threads")
+    for column in ("decoder", "tok/s", "ms/token", "MB read/step", "GB/s achieved", "of copy roof"):
+        table.add_column(column, justify="right")
+    for name, d in report["decoders"].items():
+        table.add_row(name, f"{d['tok_s']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['bytes_per_step'] / 1e6:.0f}",
+                      f"{d['bandwidth_GBs']:.1f}", f"{d['roof_fraction']:.0%}")
+    console.print(table)
+    console.print(f"copy bandwidth measured now: {report['copy_bandwidth_GBs']:.1f} GB/s (read + write)")
+    console.print("cached decode by torch threads: " +
+                  ", ".join(f"{n}: {v:.1f} tok/s" for n, v in report["cached_tok_s_by_threads"].items()))
+    console.print(f"cached is {report['cached_vs_naive']:.1f}x naive" +
+                  (f" and {report['cached_vs_hf']:.2f}x HF transformers" if "cached_vs_hf" in report else ""))
+    console.print("[dim]naive's bandwidth is not its limit: it recomputes the whole sequence, so it is "
+                  "compute bound and its GB/s only counts the weights once per step.[/dim]")

@@ -1,0 +1,236 @@
+"""The `minillm` command: generate, chat, info, bench.
+
+    minillm generate "Why is the sky blue?" --chat --max-tokens 64
+    minillm chat
+    minillm info --json
+    minillm bench decode --json
+
+Every error a user can cause (missing weights, a bad switch, a prompt too long) ends in one line
+on stderr that says what to do, and exit status 2. Every command that measures takes --json and
+prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from minillm.config import DEFAULT_MODEL_DIR, DTYPES, ConfigError, EngineConfig
+from minillm.runtime import Runtime
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                        help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR})")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights and KV dtype (default: float32)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off (default: 1)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--decoder", choices=["naive", "cached"], default="cached",
+                        help="naive recomputes everything per token (the oracle); cached keeps a KV cache")
+
+
+def sampling_from(args):
+    from minillm.sampling import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def runtime_from(args) -> Runtime:
+    config = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device,
+                          decoder=getattr(args, "decoder", "cached"))
+    return Runtime(config)
+
+
+# ----------------------------------------------------------------------------- generate
+
+def cmd_generate(args) -> None:
+    runtime = runtime_from(args)
+    params = sampling_from(args)
+    prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
+    if args.json:
+        gen = runtime.generate(prompt_ids, params)
+        print(json.dumps({
+            "prompt": args.prompt, "prompt_ids": gen.prompt_ids, "generated_ids": gen.token_ids,
+            "text": runtime.tokenizer.decode(gen.token_ids), "finish_reason": gen.finish_reason,
+            "decoder": args.decoder,
+            "timings": {"prefill_s": gen.prefill_s, "decode_s": gen.decode_s, "decode_tok_s": gen.decode_tok_s},
+        }))
+        return
+    gen = None
+    for piece, gen in runtime.stream_text(prompt_ids, params):
+        console.print(piece, end="", markup=False, highlight=False)
+    console.print()
+    err_console.print(f"[dim]{len(gen.token_ids)} tokens, {gen.finish_reason}; "
+                      f"first token {gen.prefill_s * 1000:.0f} ms, {gen.decode_tok_s:.1f} tok/s decode[/dim]")
+
+
+# ----------------------------------------------------------------------------- chat
+
+CHAT_HELP = "/reset clears the conversation, /stats shows speed and KV memory, /exit quits."
+
+
+def cmd_chat(args) -> None:
+    runtime = runtime_from(args)
+    params = sampling_from(args)
+    history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    initial = list(history)
+    last = None
+    console.print(f"[bold]minillm chat[/bold] — {args.model.name}, {args.decoder} decoder. {CHAT_HELP}")
+    while True:
+        try:
+            user = console.input("[bold green]you>[/bold green] ").strip()
+        except (EOFError, KeyboardInterrupt):
+            console.print()
+            return
+        if user in ("/exit", "/quit"):
+            return
+        if user == "/reset":
+            history, last = list(initial), None
+            console.print("[dim]conversation cleared[/dim]")
+            continue
+        if user == "/stats":
+            console.print(stats_line(runtime, last) if last else "[dim]no reply yet[/dim]")
+            continue
+        if not user:
+            continue
+        history.append({"role": "user", "content": user})
+        prompt_ids = runtime.tokenizer.encode_chat(history)
+        console.print("[bold blue]smol>[/bold blue] ", end="")
+        try:
+            for piece, last in runtime.stream_text(prompt_ids, params):
+                console.print(piece, end="", markup=False, highlight=False)
+        except ValueError as err:  # e.g. the conversation outgrew the context
+            history.pop()
+            console.print(f"\n[red]error:[/red] {err} Type /reset to start over.")
+            continue
+        console.print()
+        history.append({"role": "assistant", "content": runtime.tokenizer.decode(
+            [t for t in last.token_ids if t != runtime.tokenizer.eos_token_id])})
+
+
+def stats_line(runtime: Runtime, gen) -> str:
+    return (f"prompt {len(gen.prompt_ids)} tokens, reply {len(gen.token_ids)} tokens | "
+            f"first token {gen.prefill_s * 1000:.0f} ms | decode {gen.decode_tok_s:.1f} tok/s | "
+            f"KV cache {gen.kv_bytes / 2**20:.1f} MiB allocated "
+            f"({runtime.kv_bytes_per_token} B/token x {len(gen.prompt_ids) + len(gen.token_ids)} tokens = "
+            f"{runtime.kv_bytes_per_token * (len(gen.prompt_ids) + len(gen.token_ids)) / 2**20:.1f} MiB live)")
+
+
+# ----------------------------------------------------------------------------- info
+
+def cmd_info(args) -> None:
+    from minillm.decoding.cached import ContiguousKVCache
+
+    runtime = runtime_from(args)
+    cfg = runtime.model.config
+    probe_len = 1024
+    allocated = ContiguousKVCache(runtime.model, probe_len).nbytes // probe_len
+    n_params = sum(p.numel() for p in runtime.model.parameters())
+    info = {
+        "model_dir": str(args.model), "dtype": args.dtype, "device": args.device, "parameters": n_params,
+        "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "query_heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
+        "tied_embeddings": cfg.tie_word_embeddings,
+        "kv_bytes_per_token_formula": runtime.kv_bytes_per_token,
+        "kv_bytes_per_token_allocated": allocated,
+        "weight_bytes": sum(p.nbytes for p in runtime.model.parameters()),
+    }
+    if args.json:
+        print(json.dumps(info))
+        return
+    from rich.table import Table
+    table = Table(title=f"minillm info — {args.model}", show_header=False)
+    for key, value in info.items():
+        table.add_row(key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
+    console.print(table)
+    console.print(f"KV bytes per token = 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x "
+                  f"{cfg.head_dim} head_dim x {DTYPES[args.dtype].itemsize} bytes = {runtime.kv_bytes_per_token:,}; "
+                  f"a {probe_len}-token cache allocates {allocated:,} per token.")
+
+
+# ----------------------------------------------------------------------------- bench
+
+def cmd_bench_decode(args) -> None:
+    from minillm.bench import bench_decode, print_decode_report
+    report = bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens,
+                          naive_tokens=args.naive_tokens, include_hf=not args.no_hf, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_decode_report(report, console)
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minillm", description="A readable reference engine for LLM inference.",
+                                     epilog="First fetch the default weights: python weights_fetch.py")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="continue a prompt (or answer it with --chat)",
+                         description="Generate text from a prompt, streamed to the terminal.")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (as a user turn)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: ids, text, timings")
+    add_sampling_args(gen, max_tokens=128)
+    add_model_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="talk to the model in the terminal",
+                          description=f"Multi-turn chat with streamed replies. {CHAT_HELP}")
+    chat.add_argument("--system", default=None, help="system prompt (default: the checkpoint's own)")
+    add_sampling_args(chat, max_tokens=256)
+    add_model_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    info = sub.add_parser("info", help="model config and KV cache size per token",
+                          description="Model configuration and KV bytes per token, from the formula and from allocated tensors.")
+    info.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(info)
+    info.set_defaults(func=cmd_info)
+
+    bench = sub.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
+    bench_sub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    decode = bench_sub.add_parser("decode", help="batch-1 decode tok/s: naive vs cached vs HF transformers",
+                                  description="Batch-1 decode speed of the naive and cached decoders and of HF "
+                                              "transformers' generate on the same weights, with bandwidth achieved "
+                                              "against this machine's measured copy bandwidth.")
+    decode.add_argument("--tokens", type=int, default=64, help="new tokens per run for cached and HF (default: 64)")
+    decode.add_argument("--naive-tokens", type=int, default=16, help="new tokens for the slow naive decoder (default: 16)")
+    decode.add_argument("--prompt-len", type=int, default=64, help="prompt length in tokens (default: 64)")
+    decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    decode.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(decode)
+    decode.set_defaults(func=cmd_bench_decode)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ConfigError, ValueError) as err:
+        err_console.print(f"[red]error:[/red] {err}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""One loaded model with its tokenizer: what the CLI and the lessons drive.
+
+`Runtime(EngineConfig)` loads the checkpoint once; `generate` / `stream_text` run one request
+through the decoder the config names. The serving engine (many requests, paged memory) grows
+beside it in `minillm.engine`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from minillm.config import EngineConfig
+from minillm.decoding import Generation, generate, stream
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+
+class Runtime:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.tokenizer = Tokenizer(config.model_dir)
+        self.model = load_model(config.model_dir, config.torch_dtype, config.device)
+        self.context_len = config.max_seq_len or self.model.config.max_position_embeddings
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.model.config.kv_bytes_per_token(self.model.dtype)
+
+    def prompt_ids(self, prompt: str, chat: bool = False) -> list[int]:
+        return self.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenizer.encode(prompt)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return generate(self.model, prompt_ids, params, self.config.decoder,
+                        self.tokenizer.eos_token_id, self.context_len)
+
+    def stream_text(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[str, Generation]]:
+        """Yield (new text, generation so far) per token; the EOS token itself prints nothing."""
+        text = self.tokenizer.stream_decoder()
+        gen = None
+        for token, gen in stream(self.model, prompt_ids, params, self.config.decoder,
+                                 self.tokenizer.eos_token_id, self.context_len):
+            if token != self.tokenizer.eos_token_id:
+                yield text.feed(token), gen
+        if gen is not None:
+            yield text.flush(), gen
