@@ -20,7 +20,7 @@ TINY_CONFIG = {
     "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
 }
 

@@ -31,6 +31,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         key_positions = torch.arange(k.shape[0], device=k.device)
         hidden = key_positions[None, :] > q_positions[:, None]  # (Tq, Tk)
         scores = scores.masked_fill(hidden.repeat(group, 1), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # fp32 softmax, as HF does, even for bf16
     out = torch.bmm(probs, v.transpose(0, 1))  # (kv_heads, group*Tq, head_dim)
     return out.view(num_heads, n_queries, head_dim).transpose(0, 1)
