@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.func(args)
     except (ConfigError, ValueError) as err:
-        err_console.print(f"[red]error:[/red] {err}", highlight=False)
+        print(f"error: {err}", file=sys.stderr)  # one line, never wrapped
         return 2
     except KeyboardInterrupt:
         return 130

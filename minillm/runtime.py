@@ -19,8 +19,8 @@ from minillm.weights import load_model
 class Runtime:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.tokenizer = Tokenizer(config.model_dir)
         self.model = load_model(config.model_dir, config.torch_dtype, config.device)
+        self.tokenizer = Tokenizer(config.model_dir)
         self.context_len = config.max_seq_len or self.model.config.max_position_embeddings
 
     @property

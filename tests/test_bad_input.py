@@ -1,0 +1,135 @@
+"""Every bad input a user can cause ends in one clear line that says what to do."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from minillm.cli import main
+from minillm.config import ConfigError
+from minillm.decoding import PromptTooLongError, generate
+from minillm.sampling import SamplingParams
+from minillm.weights import load_model
+
+
+@pytest.fixture
+def tiny_copy(tiny_dir, tmp_path):
+    return shutil.copytree(tiny_dir, tmp_path / "model")
+
+
+def test_missing_weights_name_the_fetch_command(tmp_path):
+    with pytest.raises(ConfigError, match="python weights_fetch.py"):
+        load_model(tmp_path / "nowhere")
+
+
+def test_missing_safetensors_file_names_the_fetch_command(tiny_copy):
+    (tiny_copy / "model.safetensors").unlink()
+    with pytest.raises(ConfigError, match="model.safetensors is missing.*weights_fetch.py"):
+        load_model(tiny_copy)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_damaged_safetensors_is_reported_as_corrupt(tiny_copy, damage):
+    path = tiny_copy / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncate" else b"\x07" * 64 + data[64:])
+    with pytest.raises(ConfigError, match="truncated or corrupt"):
+        load_model(tiny_copy)
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    write_checkpoint(tmp_path, {**TINY_CONFIG, "architectures": ["GPT2LMHeadModel"]}, random_llama_tensors(TINY_CONFIG))
+    with pytest.raises(ConfigError, match="Unsupported architecture 'GPT2LMHeadModel'"):
+        load_model(tmp_path)
+
+
+def test_invalid_config_json_is_reported(tiny_copy):
+    (tiny_copy / "config.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_model(tiny_copy)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    tensors = random_llama_tensors(TINY_CONFIG)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    write_checkpoint(tmp_path, TINY_CONFIG, tensors)
+    with pytest.raises(ConfigError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(tmp_path)
+
+
+def test_shape_disagreeing_with_config_is_named(tmp_path):
+    write_checkpoint(tmp_path, {**TINY_CONFIG, "intermediate_size": 128}, random_llama_tensors(TINY_CONFIG))
+    with pytest.raises(ConfigError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_nan_weights_are_refused(tmp_path):
+    tensors = random_llama_tensors(TINY_CONFIG)
+    tensors["model.norm.weight"][3] = float("nan")
+    write_checkpoint(tmp_path, TINY_CONFIG, tensors)
+    with pytest.raises(ConfigError, match="NaN"):
+        load_model(tmp_path)
+
+
+def test_prompt_longer_than_the_context_is_refused(tiny_model):
+    context = tiny_model.config.max_position_embeddings
+    with pytest.raises(PromptTooLongError, match=f"{context + 5} tokens but the context holds {context}"):
+        generate(tiny_model, [1] * (context + 5), SamplingParams())
+
+
+def test_empty_prompt_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="empty"):
+        generate(tiny_model, [], SamplingParams())
+
+
+# ----------------------------------------------------------------------------- through the CLI
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_missing_weights_is_one_line(capsys, tmp_path):
+    code, out, err = run_cli(capsys, "generate", "hello", "--model", str(tmp_path / "nowhere"))
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "python weights_fetch.py" in err
+
+
+def test_cli_bad_sampling_is_one_line(capsys, real_dir):
+    code, _, err = run_cli(capsys, "generate", "hello", "--top-p", "2", "--model", str(real_dir))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "top_p" in err
+
+
+def test_cli_prompt_too_long_is_one_line(capsys, real_dir):
+    code, _, err = run_cli(capsys, "generate", "word " * 9000, "--model", str(real_dir))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "shorten the prompt" in err
+
+
+def test_cli_generate_json_prints_ids_text_and_timings(capsys, real_dir, real_tokenizer):
+    code, out, _ = run_cli(capsys, "generate", "The capital of France is", "--max-tokens", "5", "--json",
+                           "--model", str(real_dir))
+    report = json.loads(out)
+    assert code == 0
+    assert report["prompt_ids"] == real_tokenizer.encode("The capital of France is")
+    assert len(report["generated_ids"]) == 5 and report["text"] == real_tokenizer.decode(report["generated_ids"])
+    assert report["timings"]["prefill_s"] > 0
+
+
+def test_cli_info_reports_kv_bytes_from_formula_and_tensors(capsys, real_dir):
+    code, out, _ = run_cli(capsys, "info", "--json", "--model", str(real_dir))
+    info = json.loads(out)
+    assert code == 0
+    assert info["kv_bytes_per_token_formula"] == 2 * 30 * 3 * 64 * 4 == info["kv_bytes_per_token_allocated"]
+
+
+def test_cli_chat_streams_replies_and_handles_commands(monkeypatch, capsys, real_dir):
+    lines = iter(["/stats", "Say hello.", "/stats", "/reset", "/exit"])
+    monkeypatch.setattr("minillm.cli.console.input", lambda prompt="": next(lines))
+    code, out, _ = run_cli(capsys, "chat", "--max-tokens", "8", "--model", str(real_dir))
+    out = " ".join(out.split())  # the terminal wraps long lines
+    assert code == 0
+    assert "no reply yet" in out and "tok/s" in out and "KV cache" in out and "conversation cleared" in out

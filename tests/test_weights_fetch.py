@@ -1,0 +1,162 @@
+"""weights_fetch.py: the GGUF conversion undoes llama.cpp's permutation (checked against
+transformers' own GGUF reader), and the Hugging Face path works against a fake hub on 127.0.0.1."""
+
+import functools
+import http.server
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import weights_fetch
+from conftest import GGUF_CACHE, TINY_CONFIG, random_llama_tensors
+from minillm.decoding.naive import sequence_logits
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+REPO = "tester/tiny-llama"
+
+
+def test_dequantized_tensors_match_transformers_gguf_reader(real_dir):
+    """transformers reads the same GGUF with its own code (dequantize + reverse permutation)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        shapes_only = LlamaForCausalLM(LlamaConfig.from_pretrained(real_dir))
+    gguf = next(GGUF_CACHE.glob("*.gguf"))
+    theirs = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=shapes_only)["tensors"]
+    ours = load_file(real_dir / "model.safetensors")
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                 "model.layers.29.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
+                 "model.embed_tokens.weight"):
+        assert torch.equal(ours[name], theirs[name]), name
+
+
+def test_undo_rope_permutation_inverts_llama_cpp_order():
+    heads, head_dim = 3, 8
+    weight = torch.arange(heads * head_dim * 2, dtype=torch.float32).reshape(heads * head_dim, 2).numpy()
+    # llama.cpp's convert script: rows of each head go from halves to interleaved pairs
+    permuted = weight.reshape(heads, 2, head_dim // 2, 2).swapaxes(1, 2).reshape(weight.shape)
+    assert (weights_fetch.undo_rope_permutation(permuted, heads) == weight).all()
+
+
+# ----------------------------------------------------------------------------- fake hub
+
+def tiny_tokenizer_files(folder: Path, vocab_size: int) -> None:
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([Path("/usr/share/common-licenses/GPL-3").read_text()], trainer)
+    assert tok.get_vocab_size() == vocab_size
+    tok.save(str(folder / "tokenizer.json"))
+    template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+
+
+@pytest.fixture(scope="module")
+def fake_hub(tmp_path_factory):
+    """A folder laid out like the hub's URLs ({repo}/resolve/main/{file}), served on 127.0.0.1."""
+    root = tmp_path_factory.mktemp("hub")
+    config = {**TINY_CONFIG, "vocab_size": 300, "eos_token_id": 2}
+    tensors = random_llama_tensors(config, seed=3)
+
+    single = root / REPO / "resolve" / "main"
+    single.mkdir(parents=True)
+    (single / "config.json").write_text(json.dumps(config))
+    save_file(tensors, single / "model.safetensors")
+    tiny_tokenizer_files(single, config["vocab_size"])
+
+    sharded = root / "tester/tiny-sharded" / "resolve" / "main"
+    sharded.mkdir(parents=True)
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for shard, shard_names in shards.items():
+        save_file({n: tensors[n] for n in shard_names}, sharded / shard)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: shard for shard, shard_names in shards.items() for n in shard_names}}))
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (sharded / name).write_bytes((single / name).read_bytes())
+
+    handler = functools.partial(QuietHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield {"endpoint": f"http://127.0.0.1:{server.server_port}", "tensors": tensors, "source": single}
+    server.shutdown()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hub_env(fake_hub, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", fake_hub["endpoint"])
+    return fake_hub
+
+
+@pytest.mark.parametrize("repo", [REPO, "tester/tiny-sharded"])
+def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
+    assert weights_fetch.main(["--hf", repo, "--out", str(tmp_path)]) == 0
+    out = tmp_path / repo.split("/")[-1]
+    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.tiktoken",
+                                                "tokenizer_config.json", "manifest.json"}
+    reference_dir = tmp_path / "reference"
+    reference_dir.mkdir()
+    (reference_dir / "config.json").write_text((hub_env["source"] / "config.json").read_text())
+    save_file(hub_env["tensors"], reference_dir / "model.safetensors")
+    ids = list(range(3, 60))
+    assert torch.equal(sequence_logits(load_model(out), ids), sequence_logits(load_model(reference_dir), ids))
+
+
+def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
+    ours = Tokenizer(tmp_path / "tiny-llama")
+    theirs = HFTokenizer.from_file(str(hub_env["source"] / "tokenizer.json"))
+    for line in Path("/usr/share/common-licenses/Apache-2.0").read_text().splitlines() + ["x =  5", "naïve 😀"]:
+        assert ours.encode(line) == theirs.encode(line, add_special_tokens=False).ids
+    chat = ours.decode(ours.encode_chat([{"role": "user", "content": "hi"}]))
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # no default system prompt here
+
+
+def test_second_fetch_is_a_no_op(hub_env, tmp_path, capsys):
+    weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
+    weights = tmp_path / "tiny-llama" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
+    assert weights.stat().st_mtime_ns == stamp
+    assert "nothing to do" in capsys.readouterr().err
+
+
+def test_a_damaged_file_is_fetched_again(hub_env, tmp_path):
+    weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
+    weights = tmp_path / "tiny-llama" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
+    load_model(tmp_path / "tiny-llama")
+
+
+def test_unknown_repo_fails_with_one_clear_line(hub_env, tmp_path, capsys):
+    assert weights_fetch.main(["--hf", "tester/no-such-model", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "404" in err and "repository name" in err
+    assert not (tmp_path / "no-such-model").exists()
+
+
+def test_unreachable_hub_fails_with_one_clear_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
+    assert "Cannot reach" in capsys.readouterr().err
