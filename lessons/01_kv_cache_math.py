@@ -1,0 +1,97 @@
+"""Lesson 01 — how big is a KV cache?
+
+Every generated token leaves behind, in every layer, one key and one value vector per KV head.
+So the cache costs
+
+    bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per number
+
+and grows linearly with context length and batch size, while the weights stay fixed. This lesson
+computes the formula for SmolLM2 and for 7B/70B-class configurations, shows what grouped-query
+attention (GQA) saves, and checks the formula against tensors actually allocated in this process.
+
+    python lessons/01_kv_cache_math.py
+"""
+
+import resource
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from _common import console, require_model, save_plot, table  # noqa: E402
+from minillm.config import ModelConfig  # noqa: E402
+from minillm.decoding.cached import ContiguousKVCache  # noqa: E402
+from minillm.weights import load_model  # noqa: E402
+
+GiB = 2**30
+
+# Architecture facts from each model's published config.json: (layers, query heads, kv heads, head_dim, params)
+ARCHITECTURES = {
+    "Llama-2-7B (MHA)": (32, 32, 32, 128, 6.7e9),
+    "Llama-3-8B (GQA)": (32, 32, 8, 128, 8.0e9),
+    "Llama-2-70B (GQA)": (80, 64, 8, 128, 69e9),
+}
+
+
+def kv_bytes_per_token(layers, kv_heads, head_dim, bytes_per_number):
+    return 2 * layers * kv_heads * head_dim * bytes_per_number
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def main():
+    model_dir = require_model()
+    smol = ModelConfig.from_dir(model_dir)
+    configs = {"SmolLM2-135M (GQA)": (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim, 135e6),
+               **ARCHITECTURES}
+
+    console.rule("1. The formula, in fp16 (2 bytes per number)")
+    rows = []
+    for name, (layers, heads, kv_heads, head_dim, params) in configs.items():
+        per_token = kv_bytes_per_token(layers, kv_heads, head_dim, 2)
+        rows.append([name, layers, f"{heads}/{kv_heads}", head_dim, f"{per_token / 1024:.0f} KiB",
+                     f"{per_token * 4096 / GiB:.2f}", f"{per_token * 4096 * 32 / GiB:.1f}",
+                     f"{per_token * 4096 * 32 / (params * 2):.1f}x"])
+    table("KV cache size", ["model", "layers", "q/kv heads", "head_dim", "per token", "GiB @ 4k tokens",
+                            "GiB @ 4k x 32 seqs", "vs fp16 weights"], rows)
+
+    console.rule("2. What grouped-query attention saves")
+    mha = kv_bytes_per_token(smol.num_layers, smol.num_heads, smol.head_dim, 4)
+    gqa = kv_bytes_per_token(smol.num_layers, smol.num_kv_heads, smol.head_dim, 4)
+    console.print(f"SmolLM2 in fp32: {mha:,} B/token if every query head had its own K/V (MHA), "
+                  f"{gqa:,} B/token with {smol.num_kv_heads} shared KV heads: {mha / gqa:.0f}x smaller.")
+
+    console.rule("3. The formula against tensors allocated now")
+    model = load_model(model_dir)
+    rows = []
+    for tokens in (4096, 16384):  # large enough that the allocator asks the OS for fresh pages
+        before = rss_bytes()
+        cache = ContiguousKVCache(model, tokens)  # torch.zeros touches every page
+        grown = rss_bytes() - before
+        formula = smol.kv_bytes_per_token(torch.float32) * tokens
+        rows.append([tokens, f"{formula:,}", f"{cache.nbytes:,}", f"{grown:,}", f"{grown / formula:.3f}"])
+        del cache
+    table("SmolLM2 fp32 cache", ["tokens", "formula bytes", "tensor bytes", "process memory grew", "grew / formula"], rows)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    contexts = [512, 1024, 2048, 4096, 8192, 16384, 32768]
+    for name, (layers, _, kv_heads, head_dim, _) in configs.items():
+        ax.plot(contexts, [kv_bytes_per_token(layers, kv_heads, head_dim, 2) * c / GiB for c in contexts],
+                marker="o", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV cache of one sequence, fp16 (GiB)",
+           title="KV cache grows linearly with context")
+    ax.legend()
+    save_plot(fig, "01_kv_cache_math.png")
+
+    console.print("\n[bold]What it means:[/bold] the cache is a per-token tax that, at long contexts and large "
+                  "batches, outgrows the weights themselves; GQA cuts it by the ratio of query to KV heads, "
+                  "and the tensors we allocate cost exactly what the formula says.")
+
+
+if __name__ == "__main__":
+    main()
