@@ -126,10 +126,22 @@ class EngineConfig:
     model_dir: Path = DEFAULT_MODEL_DIR
     dtype: str = "float32"
     device: str = "cpu"
-    decoder: str = "cached"  # "naive" (the oracle: no cache) or "cached" (one contiguous cache)
+    decoder: str = "cached"  # single-sequence decoding: "naive" (the oracle) or "cached"
     max_seq_len: int | None = None  # defaults to the model's context length
+    # --- the serving engine (minillm.engine): paged KV memory and scheduling
+    block_size: int = 16  # token slots per KV block
+    kv_cache_bytes: int = 512 * 2**20  # the KV pool's budget; it is cut into blocks
+    scheduling: str = "continuous"  # "continuous" (iteration-level) or "static" (batch at a time)
+    max_num_seqs: int = 64  # sequences running at once
+    max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
 
     def __post_init__(self):
+        for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
+        if self.scheduling not in ("continuous", "static"):
+            raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if self.decoder not in ("naive", "cached"):

@@ -1,0 +1,248 @@
+"""The serving engine: requests in, tokens out, one batched forward pass per step.
+
+One `LLMEngine.step()`:
+  1. the scheduler picks sequences and token counts (decode tokens, prefill chunks), growing
+     their block tables — or preempting when blocks run out;
+  2. every scheduled token gets a slot through its sequence's block table;
+  3. one forward pass over all the step's tokens, laid end to end; each attention layer writes
+     k, v into the slots and reads each sequence's history through its table (PagedAttention);
+  4. each sequence whose tokens are all computed samples its next token; finished sequences
+     release their blocks.
+
+`LLM` wraps it with a vLLM-shaped API: `LLM(model_dir, **switches).generate(prompts, params)`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from minillm.attention.paged import PagedAttention, PagedKVCache, SequenceSlice, context_slots
+from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig
+from minillm.engine.scheduler import ScheduledSequence, Scheduler
+from minillm.engine.sequence import Sequence, Status
+from minillm.memory.accounting import MemoryStats, paged_stats
+from minillm.memory.block_manager import BlockManager
+from minillm.model import Transformer
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    error: str | None
+    ttft: float | None  # seconds from arrival to first token
+    tpot: float | None  # seconds per output token after the first
+    num_preemptions: int
+    tokenizer: Tokenizer | None = field(default=None, repr=False)
+
+    @property
+    def text(self) -> str:
+        if self.tokenizer is None:
+            raise ConfigError("This engine has no tokenizer; read token_ids instead of text.")
+        return self.tokenizer.decode([t for t in self.token_ids if t != self.tokenizer.eos_token_id])
+
+    @classmethod
+    def of(cls, seq: Sequence, tokenizer: Tokenizer | None) -> "RequestOutput":
+        ttft = tpot = None
+        if seq.first_token_time is not None:
+            ttft = seq.first_token_time - seq.arrival_time
+            if seq.finish_time is not None and len(seq.output_ids) > 1:
+                tpot = (seq.finish_time - seq.first_token_time) / (len(seq.output_ids) - 1)
+        return cls(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.status is Status.FINISHED,
+                   seq.finish_reason, seq.error, ttft, tpot, seq.num_preemptions, tokenizer)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0  # prefill + decode tokens through the model
+    tokens_generated: int = 0
+    memory: list[MemoryStats] = field(default_factory=list)  # after every step
+
+    def kv_utilization(self) -> float:
+        """Live slots / reserved slots, summed over all steps."""
+        reserved = sum(m.reserved_slots for m in self.memory)
+        return sum(m.live_slots for m in self.memory) / reserved if reserved else 1.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model: Transformer | None = None, tokenizer: Tokenizer | None = None):
+        if config.decoder != "cached":
+            raise ConfigError("The engine always keeps a (paged) KV cache; decoder='naive' is for single-sequence "
+                              "decoding (minillm generate --decoder naive).")
+        self.config = config
+        self.model = model if model is not None else load_model(config.model_dir, config.torch_dtype, config.device)
+        self.tokenizer = tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
+        self.context_len = config.max_seq_len or self.model.config.max_position_embeddings
+        self.bytes_per_slot = self.model.config.kv_bytes_per_token(self.model.dtype)
+        num_blocks = config.kv_cache_bytes // (self.bytes_per_slot * config.block_size)
+        if num_blocks < 1:
+            raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes:,} cannot hold one block of {config.block_size} "
+                              f"tokens ({self.bytes_per_slot * config.block_size:,} bytes); raise it.")
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.cache = PagedKVCache(self.model.config, num_blocks, config.block_size, self.model.dtype, self.model.device)
+        self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.sequences: dict[str, Sequence] = {}
+        self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
+        self.stats = EngineStats()
+        self.seq_ids = itertools.count()
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        seq_id = next(self.seq_ids)
+        request_id = request_id if request_id is not None else str(seq_id)
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_len = min(self.context_len, len(prompt_ids) + params.max_tokens)
+        seq = Sequence(seq_id, request_id, prompt_ids, params, max_len)
+        self.sequences[request_id] = seq
+        problem = self.admission_problem(seq)
+        if problem:
+            seq.finish("error", problem)
+            self.rejected.append(seq)
+        else:
+            self.scheduler.add(seq)
+        return request_id
+
+    def admission_problem(self, seq: Sequence) -> str | None:
+        """Why a request can never run, or None. It fails alone; the others go on."""
+        if not seq.prompt_ids:
+            return "The prompt is empty; give at least one token."
+        if len(seq.prompt_ids) >= self.context_len:
+            return (f"The prompt has {len(seq.prompt_ids)} tokens but the context holds {self.context_len}; "
+                    "shorten the prompt.")
+        needed = self.block_manager.blocks_for(seq.max_len)
+        if needed > self.block_manager.num_blocks:
+            return (f"This request may need {needed} KV blocks ({seq.max_len} tokens) but the pool has only "
+                    f"{self.block_manager.num_blocks}; raise kv_cache_bytes or lower max_tokens.")
+        return None
+
+    def abort(self, request_id: str) -> None:
+        seq = self.sequences[request_id]
+        if seq.status is not Status.FINISHED:
+            self.scheduler.finish(seq)
+            seq.finish("abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.rejected)
+
+    # ----------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return an output for every request that got a token or ended."""
+        outputs = [RequestOutput.of(seq, self.tokenizer) for seq in self.rejected]
+        self.rejected.clear()
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return outputs
+        hidden, slices = self.forward(scheduled)
+        for item in scheduled:
+            item.seq.num_computed += item.num_tokens
+        ready = [(item.seq, s) for item, s in zip(scheduled, slices) if item.seq.num_uncomputed == 0]
+        if ready:
+            last_rows = torch.tensor([s.query_end - 1 for _, s in ready], device=hidden.device)
+            logits = self.model.logits(hidden[last_rows])  # (sequences ready to sample, vocab)
+            eos = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
+            for (seq, _), seq_logits in zip(ready, logits):
+                seq.append(seq.sampler(seq_logits), eos)
+                if seq.status is Status.FINISHED:
+                    self.scheduler.finish(seq)
+                outputs.append(RequestOutput.of(seq, self.tokenizer))
+        self.record_step(scheduled, len(ready))
+        return outputs
+
+    def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[SequenceSlice]]:
+        """One forward pass over every scheduled token, sequences laid end to end."""
+        device, block_size = self.model.device, self.config.block_size
+        token_ids, positions, write_slots, slices = [], [], [], []
+        for item in scheduled:
+            seq, start = item.seq, item.seq.num_computed
+            end = start + item.num_tokens
+            token_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            write_slots += self.block_manager.slots(seq.seq_id, start, end)
+            row = len(token_ids) - item.num_tokens
+            slices.append(SequenceSlice(row, row + item.num_tokens, torch.arange(start, end, device=device),
+                                        context_slots(self.block_manager.table(seq.seq_id), block_size, end, device)))
+        ctx = PagedAttention(self.cache, torch.tensor(write_slots, device=device), slices)
+        hidden = self.model(torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), ctx)
+        return hidden, slices
+
+    def record_step(self, scheduled: list[ScheduledSequence], sampled: int) -> None:
+        self.stats.steps += 1
+        self.stats.tokens_computed += sum(item.num_tokens for item in scheduled)
+        self.stats.tokens_generated += sampled
+        live = {seq.seq_id: seq.num_computed for seq in self.scheduler.running}
+        self.stats.memory.append(paged_stats(self.block_manager, live, self.bytes_per_slot))
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+
+class LLM:
+    """`LLM(model_dir, **switches)`; switches are `EngineConfig` fields (block_size, scheduling, ...)."""
+
+    def __init__(self, model_dir: str | Path = DEFAULT_MODEL_DIR, *, model: Transformer | None = None,
+                 tokenizer: Tokenizer | None = None, **switches):
+        self.engine = LLMEngine(EngineConfig(model_dir=Path(model_dir), **switches), model, tokenizer)
+
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        with _progress(progress, len(ids)) as advance:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        advance()
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output each time it gains a token (the last one is finished)."""
+        request_id = self.engine.add_request(prompt, params)
+        while True:
+            for out in self.engine.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+
+
+class _progress:
+    """A rich progress bar over finished requests, or nothing."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda: None
+        from rich.progress import Progress
+        self.bar = Progress(transient=True)
+        self.bar.start()
+        task = self.bar.add_task("requests", total=self.total)
+        return lambda: self.bar.advance(task)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.stop()
+        return False

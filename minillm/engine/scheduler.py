@@ -1,0 +1,99 @@
+"""Which sequences run this step, and how many tokens each computes.
+
+Continuous batching (Orca's iteration-level scheduling): every step, sequences that finished
+leave and waiting ones join, so the batch stays full. Static batching, the baseline, admits a new
+batch only when the whole previous one has finished: short requests wait for the longest.
+
+Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
+first: a decode costs 1 token, an unfinished prefill takes what is left of the budget (chunked
+prefill). Waiting sequences are admitted FIFO while budget, sequence slots and KV blocks last.
+
+When a running sequence needs a block and none is free, the newest running sequence is
+preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
+with num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
+allows. Running out of blocks is a scheduling event, never a crash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from minillm.engine.sequence import Sequence, Status
+from minillm.memory.block_manager import BlockManager
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_tokens: int  # tokens to compute this step, starting at seq.num_computed
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, policy: str, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.policy = policy
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # oldest first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSequence]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted = False
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
+                continue
+            num_tokens = min(seq.num_uncomputed, budget)
+            while not self.block_manager.can_grow(seq.seq_id, seq.num_computed + num_tokens):
+                preempted = True
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.block_manager.grow(seq.seq_id, seq.num_computed + num_tokens)
+                scheduled.append(ScheduledSequence(seq, num_tokens))
+                budget -= num_tokens
+
+        may_admit = not preempted and (self.policy == "continuous" or not self.running)
+        while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = min(seq.num_uncomputed, budget)
+            if not self.block_manager.can_grow(seq.seq_id, seq.num_computed + num_tokens):
+                break  # wait for memory; FIFO, so nobody overtakes
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.block_manager.grow(seq.seq_id, seq.num_computed + num_tokens)
+            scheduled.append(ScheduledSequence(seq, num_tokens))
+            budget -= num_tokens
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def finish(self, seq: Sequence) -> None:
+        """Release a finished (or aborted) sequence's blocks; waiting sequences hold none."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,73 @@
+"""A request as the engine sees it: its tokens, how many have their KV computed, its timings.
+
+`num_computed` is the heart of iteration-level scheduling: a sequence's tokens [0, num_computed)
+have keys and values in the cache; the rest still need a forward pass. A prefill is "compute many
+at once", a decode step is "compute the one token sampled last", a chunked prefill is "compute
+some now, the rest later", and preemption by recompute is "forget them all" (num_computed = 0).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minillm.sampling import Sampler, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_len: int  # min(context length, prompt + max_tokens): the sequence stops there
+    sampler: Sampler = field(init=False)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: str | None = None  # "eos", "length", "abort", "error"
+    error: str | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self):
+        self.sampler = Sampler(self.params)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_uncomputed > 1
+
+    def append(self, token_id: int, eos_token_id: int | None) -> None:
+        now = time.perf_counter()
+        self.output_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if token_id == eos_token_id and not self.params.ignore_eos:
+            self.finish("eos")
+        elif self.num_tokens >= self.max_len:
+            self.finish("length")
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
+        self.finish_time = time.perf_counter()

@@ -1,0 +1,103 @@
+"""Paged KV memory: fixed-size blocks, per-sequence block tables, reference counts.
+
+The idea of PagedAttention (vLLM): instead of reserving one contiguous stretch of KV memory per
+request sized for its longest possible output, cut the KV pool into blocks of `block_size` token
+slots and give each sequence a *block table* — logical block i -> physical block id — that grows
+one block at a time. A sequence then wastes at most the unused tail of its last block, and any
+free block can serve any sequence, so free memory never fragments.
+
+Slots are numbered `block_id * block_size + offset`; the attention layer writes token t of a
+sequence into slot `table[t // block_size] * block_size + t % block_size` and reads its history by
+gathering the slots of positions 0..t.
+
+Reference counts prepare sharing: `fork` lets two tables point at the same blocks (parallel
+sampling, beams, shared prefixes); a block returns to the free pool when its count drops to 0.
+Invariants, checked by `check_invariants` and the property tests:
+  - a block is free iff its refcount is 0;
+  - a block's refcount equals the number of tables that hold it;
+  - when every sequence is freed, every block is free.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+
+
+class BlockManagerError(RuntimeError):
+    """Misuse of the block manager (a bug in the caller), e.g. freeing a sequence twice."""
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1 (got {num_blocks}, {block_size}).")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.refcounts = [0] * num_blocks
+        self.block_tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
+
+    # ---------------------------------------------------------------- counting
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)  # ceil
+
+    def blocks_missing(self, seq_id: int, num_tokens: int) -> int:
+        """New blocks the sequence needs to hold `num_tokens` tokens in total."""
+        held = len(self.block_tables.get(seq_id, ()))
+        return max(0, self.blocks_for(num_tokens) - held)
+
+    def can_grow(self, seq_id: int, num_tokens: int) -> bool:
+        return self.blocks_missing(seq_id, num_tokens) <= self.num_free_blocks
+
+    # ---------------------------------------------------------------- changing
+    def grow(self, seq_id: int, num_tokens: int) -> None:
+        """Make the sequence's table (created if new) long enough for `num_tokens` tokens."""
+        missing = self.blocks_missing(seq_id, num_tokens)
+        if missing > self.num_free_blocks:
+            raise BlockManagerError(f"sequence {seq_id} needs {missing} blocks, {self.num_free_blocks} are free; "
+                                    "check can_grow first")
+        table = self.block_tables.setdefault(seq_id, [])
+        for _ in range(missing):
+            block = self.free_blocks.popleft()
+            self.refcounts[block] = 1
+            table.append(block)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent; writes must copy first (copy-on-write)."""
+        if child_id in self.block_tables:
+            raise BlockManagerError(f"sequence {child_id} already has a block table")
+        table = self.table(parent_id)
+        for block in table:
+            self.refcounts[block] += 1
+        self.block_tables[child_id] = list(table)
+
+    def free(self, seq_id: int) -> None:
+        """Drop the sequence's table; blocks nobody else holds go back to the free pool."""
+        for block in self.table(seq_id):
+            self.refcounts[block] -= 1
+            if self.refcounts[block] == 0:
+                self.free_blocks.append(block)
+        del self.block_tables[seq_id]
+
+    # ---------------------------------------------------------------- reading
+    def table(self, seq_id: int) -> list[int]:
+        if seq_id not in self.block_tables:
+            raise BlockManagerError(f"sequence {seq_id} has no block table (never allocated, or freed twice)")
+        return self.block_tables[seq_id]
+
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Slot ids of positions start..end-1 of the sequence."""
+        table, size = self.table(seq_id), self.block_size
+        return [table[pos // size] * size + pos % size for pos in range(start, end)]
+
+    def check_invariants(self) -> None:
+        holders = Counter(block for table in self.block_tables.values() for block in table)
+        free = set(self.free_blocks)
+        assert len(free) == len(self.free_blocks), "a block is in the free pool twice"
+        for block in range(self.num_blocks):
+            assert self.refcounts[block] == holders[block], f"block {block}: refcount != tables holding it"
+            assert (self.refcounts[block] == 0) == (block in free), f"block {block}: free iff refcount 0 broken"

@@ -1,0 +1,141 @@
+"""The paged, continuously batched engine gives the naive decoder's greedy tokens, whatever the
+block size, KV budget (preemption), token budget (chunked prefill) or scheduling policy."""
+
+import random
+
+import pytest
+
+from minillm.config import ConfigError
+from minillm.decoding import generate
+from minillm.engine import LLM, SamplingParams
+
+KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model: layers 3, kv heads 2, head_dim 16, fp32
+
+
+def mixed_requests(count, vocab, seed=0, max_prompt=60, max_new=40):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))] for _ in range(count)]
+    params = [SamplingParams(max_tokens=rng.randint(1, max_new), ignore_eos=True) for _ in prompts]
+    return prompts, params
+
+
+def assert_matches_naive(model, llm, prompts, params):
+    outputs = llm.generate(prompts, params)
+    for out, prompt, sp in zip(outputs, prompts, params):
+        assert out.finished and out.error is None
+        assert out.token_ids == generate(model, prompt, sp, "naive").token_ids, out.request_id
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks  # the run drained: every block is free
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 128])  # 128 > any prompt
+def test_engine_matches_naive_for_every_block_size(tiny_dir, tiny_model, block_size):
+    prompts, params = mixed_requests(32, tiny_model.config.vocab_size, seed=block_size)
+    llm = LLM(tiny_dir, model=tiny_model, block_size=block_size, kv_cache_bytes=8 << 20)
+    assert_matches_naive(tiny_model, llm, prompts, params)
+
+
+def test_engine_matches_naive_under_preemption(tiny_dir, tiny_model):
+    prompts, params = mixed_requests(32, tiny_model.config.vocab_size, seed=11)
+    llm = LLM(tiny_dir, model=tiny_model, block_size=8, kv_cache_bytes=30 * 8 * KV_BYTES_PER_TOKEN)  # 30 blocks
+    assert_matches_naive(tiny_model, llm, prompts, params)
+    assert llm.engine.num_preemptions > 0
+
+
+def test_engine_matches_naive_with_chunked_prefill(tiny_dir, tiny_model):
+    prompts, params = mixed_requests(32, tiny_model.config.vocab_size, seed=12)
+    llm = LLM(tiny_dir, model=tiny_model, max_num_batched_tokens=7, kv_cache_bytes=8 << 20)
+    assert_matches_naive(tiny_model, llm, prompts, params)
+    assert llm.engine.stats.steps > sum(len(p) for p in prompts) / 7  # prompts really went in chunks
+
+
+def test_static_batching_matches_naive_and_takes_more_steps(tiny_dir, tiny_model):
+    prompts, params = mixed_requests(32, tiny_model.config.vocab_size, seed=13)
+    static = LLM(tiny_dir, model=tiny_model, scheduling="static", max_num_seqs=8, kv_cache_bytes=8 << 20)
+    assert_matches_naive(tiny_model, static, prompts, params)
+    continuous = LLM(tiny_dir, model=tiny_model, max_num_seqs=8, kv_cache_bytes=8 << 20)
+    continuous.generate(prompts, params)
+    assert continuous.engine.stats.steps < static.engine.stats.steps
+
+
+def test_seeded_sampling_in_a_batch_matches_single_sequence_sampling(tiny_dir, tiny_model):
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8] * 20]
+    params = [SamplingParams(temperature=0.9, top_k=20, seed=s, max_tokens=15, ignore_eos=True) for s in (1, 2, 3)]
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=20 * 4 * KV_BYTES_PER_TOKEN)
+    for out, prompt, sp in zip(llm.generate(prompts, params), prompts, params):
+        assert out.token_ids == generate(tiny_model, prompt, sp, "naive").token_ids
+
+
+def test_request_that_can_never_fit_fails_alone(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=10 * 4 * KV_BYTES_PER_TOKEN)  # 40 slots
+    prompts = [[1, 2, 3], list(range(50)), [4, 5]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    small, huge, other = llm.generate(prompts, params)
+    assert huge.finish_reason == "error" and "raise kv_cache_bytes" in huge.error
+    assert small.token_ids == generate(tiny_model, [1, 2, 3], params).token_ids
+    assert other.finished and len(other.token_ids) == 5
+
+
+def test_prompt_longer_than_the_context_fails_alone(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=8 << 20)
+    too_long, fine = llm.generate([[1] * 300, [1, 2]], SamplingParams(max_tokens=3))
+    assert too_long.finish_reason == "error" and "shorten the prompt" in too_long.error
+    assert fine.finished and fine.error is None
+
+
+def test_abort_frees_the_blocks(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=8 << 20)
+    engine = llm.engine
+    keep = engine.add_request([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
+    drop = engine.add_request([4, 5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
+    engine.step()
+    engine.abort(drop)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.sequences[drop].finish_reason == "abort" and engine.sequences[keep].finish_reason == "length"
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stream_yields_one_token_at_a_time(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=8 << 20)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    seen = [len(out.token_ids) for out in llm.stream([3, 1, 4, 1, 5], params)]
+    assert seen == [1, 2, 3, 4, 5, 6]
+
+
+def test_metrics_are_recorded(tiny_dir, tiny_model):
+    prompts, params = mixed_requests(8, tiny_model.config.vocab_size, seed=3)
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=8 << 20)
+    outputs = llm.generate(prompts, params)
+    assert all(o.ttft > 0 for o in outputs)
+    assert all(o.tpot > 0 for o in outputs if len(o.token_ids) > 1)
+    stats = llm.engine.stats
+    assert stats.tokens_generated == sum(len(o.token_ids) for o in outputs)
+    assert len(stats.memory) == stats.steps and 0 < stats.kv_utilization() <= 1
+
+
+@pytest.mark.parametrize("switches, word", [
+    ({"scheduling": "fifo"}, "scheduling"), ({"block_size": 0}, "block_size"),
+    ({"kv_cache_bytes": 100}, "cannot hold one block"), ({"decoder": "naive"}, "decoder='naive'"),
+])
+def test_bad_switches_are_refused_with_the_reason(tiny_dir, tiny_model, switches, word):
+    with pytest.raises(ConfigError, match=word):
+        LLM(tiny_dir, model=tiny_model, **switches)
+
+
+def test_real_model_engine_matches_naive(real_dir, real_model, real_tokenizer):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+               "1, 2, 3, 4,", "The GNU General Public License is"] + \
+              [real_tokenizer.encode_chat([{"role": "user", "content": q}]) for q in
+               ("What is 2 + 2?", "Name three colors.", "Say hello in French.")]
+    params = [SamplingParams(max_tokens=n) for n in (12, 20, 8, 16, 10, 12, 18, 9)]
+    # 6 blocks of 16 tokens: fewer than the batch wants, so sequences get preempted and recomputed
+    llm = LLM(real_dir, model=real_model, tokenizer=real_tokenizer,
+              kv_cache_bytes=6 * 16 * real_model.config.kv_bytes_per_token(real_model.dtype))
+    outputs = llm.generate(prompts, params)
+    for out, prompt, sp in zip(outputs, prompts, params):
+        ids = real_tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        assert out.token_ids == generate(real_model, ids, sp, "naive", real_tokenizer.eos_token_id).token_ids
+    assert llm.engine.num_preemptions > 0
+    assert outputs[0].text == real_tokenizer.decode(outputs[0].token_ids)
