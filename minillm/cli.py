@@ -166,13 +166,23 @@ def cmd_info(args) -> None:
 # ----------------------------------------------------------------------------- bench
 
 def cmd_bench_decode(args) -> None:
-    from minillm.bench import bench_decode, print_decode_report
+    from minillm.benchmarks.decode import bench_decode, print_decode_report
     report = bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens,
                           naive_tokens=args.naive_tokens, include_hf=not args.no_hf, dtype=args.dtype)
     if args.json:
         print(json.dumps(report))
     else:
         print_decode_report(report, console)
+
+
+def cmd_bench_serve(args) -> None:
+    from minillm.benchmarks.serve import bench_serve, print_serve_report
+    report = bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
+                         block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_serve_report(report, console)
 
 
 # ----------------------------------------------------------------------------- main
@@ -217,6 +227,20 @@ def build_parser() -> argparse.ArgumentParser:
     decode.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(decode)
     decode.set_defaults(func=cmd_bench_decode)
+
+    serve = bench_sub.add_parser("serve", help="a 64-request trace: continuous vs static vs HF transformers",
+                                 description="Serve one seeded trace (prompts U[16, 320], outputs U[8, 160] tokens) "
+                                             "with minillm continuous and static batching and HF transformers' "
+                                             "batched generate: output tok/s, TTFT, TPOT, KV utilization of paged "
+                                             "vs contiguous memory, and a block-size sweep.")
+    serve.add_argument("--requests", type=int, default=64, help="requests in the trace (default: 64)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="batch size for every server (default: 16)")
+    serve.add_argument("--block-sizes", type=int, nargs="*", default=[8, 16, 32, 64, 128],
+                       help="block sizes to sweep (default: 8 16 32 64 128; none to skip)")
+    serve.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    serve.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
     return parser
 
 

@@ -1,8 +1,9 @@
 """Which sequences run this step, and how many tokens each computes.
 
 Continuous batching (Orca's iteration-level scheduling): every step, sequences that finished
-leave and waiting ones join, so the batch stays full. Static batching, the baseline, admits a new
-batch only when the whole previous one has finished: short requests wait for the longest.
+leave and waiting ones join, so the batch stays full. Static batching, the baseline, starts a new
+batch of `max_num_seqs` requests only when the whole previous one has finished: short requests
+wait for the longest, and their slots in the batch sit idle.
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
 first: a decode costs 1 token, an unfinished prefill takes what is left of the budget (chunked
@@ -48,6 +49,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSequence]:
+        if self.policy == "static" and not self.running:
+            self.start_static_batch()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted = False
@@ -68,7 +71,7 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, num_tokens))
                 budget -= num_tokens
 
-        may_admit = not preempted and (self.policy == "continuous" or not self.running)
+        may_admit = self.policy == "continuous" and not preempted
         while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             num_tokens = min(seq.num_uncomputed, budget)
@@ -81,6 +84,14 @@ class Scheduler:
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def start_static_batch(self) -> None:
+        """Static batching: the next max_num_seqs requests form a batch that runs to its end.
+        Their prefills may still be spread over several steps by the token budget."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)

@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch
 
+from minillm.benchmarks import GPL_TEXT
 from minillm.decoding import generate
 from minillm.sampling import SamplingParams
 from minillm.weights import load_model
 
-GPL_TEXT = Path("/usr/share/common-licenses/GPL-3")  # real prose from outside the project
+
 
 
 def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:

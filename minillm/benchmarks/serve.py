@@ -1,0 +1,174 @@
+"""`minillm bench serve`: one request trace, three servers, measured side by side.
+
+The trace (seeded, so every run and commit sees the same one): N requests (default 64), all
+arriving at t=0 (an offline batch). Prompt lengths are uniform in [16, 320] tokens, cut at random
+offsets from real prose (the GPL-3 text Debian ships); output lengths are uniform in [8, 160]
+tokens, decoded greedily to exactly that length (EOS ignored), so every server does the same work.
+
+Servers, all with the same batch size (`max_num_seqs`):
+  - minillm continuous: iteration-level scheduling over paged KV memory;
+  - minillm static: the same engine, but a new batch starts only when the last one has finished;
+  - HF transformers static: `generate` on left-padded batches; a batch runs until its longest
+    request is done, and only each request's own tokens count as output.
+
+On the continuous run we also replay memory: at every step, the paged pool's reserved slots vs
+what a contiguous allocator would reserve for the same running requests (prompt + max_tokens
+each), and a block-size sweep: wasted slots, block-table entries, speed.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from minillm.benchmarks import GPL_TEXT
+from minillm.engine import LLM, SamplingParams
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+
+def make_trace(tokenizer: Tokenizer, num_requests: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
+    """[(prompt_ids, output_len)]: prompts U[16, 320] tokens of real text, outputs U[8, 160]."""
+    text_ids = tokenizer.encode(GPL_TEXT.read_text())
+    rng = random.Random(seed)
+    trace = []
+    for _ in range(num_requests):
+        prompt_len = rng.randint(16, 320)
+        start = rng.randrange(len(text_ids) - prompt_len)
+        trace.append((text_ids[start:start + prompt_len], rng.randint(8, 160)))
+    return trace
+
+
+def latency_summary(name: str, values: list[float]) -> dict:
+    values = sorted(values)
+    return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": values[int(0.9 * (len(values) - 1))]}
+
+
+def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_num_seqs: int) -> dict:
+    llm = LLM(model=model, tokenizer=tokenizer, scheduling=scheduling, block_size=block_size,
+              max_num_seqs=max_num_seqs)
+    engine = llm.engine
+    start = time.perf_counter()
+    for prompt_ids, output_len in trace:
+        engine.add_request(prompt_ids, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    live = paged = arena = table_entries = running_samples = 0
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+        running = engine.scheduler.running
+        live += sum(seq.num_computed for seq in running)
+        paged += sum(len(engine.block_manager.table(seq.seq_id)) for seq in running) * block_size
+        arena += sum(seq.max_len for seq in running)  # a contiguous allocator reserves the maximum
+        table_entries += sum(len(engine.block_manager.table(seq.seq_id)) for seq in running)
+        running_samples += len(running)
+    elapsed = time.perf_counter() - start
+    output_tokens = sum(len(out.token_ids) for out in finished)
+    return {
+        "output_tok_s": output_tokens / elapsed, "elapsed_s": elapsed, "steps": engine.stats.steps,
+        "preemptions": engine.num_preemptions,
+        **latency_summary("ttft", [out.ttft for out in finished]),
+        **latency_summary("tpot", [out.tpot for out in finished if out.tpot is not None]),
+        "kv_utilization_paged": live / paged if paged else 1.0,
+        "kv_utilization_contiguous": live / arena if arena else 1.0,
+        "wasted_slots_per_step": (paged - live) / engine.stats.steps,
+        "block_table_entries_per_seq": table_entries / max(running_samples, 1),
+    }
+
+
+class TokenClock:
+    """A `generate` streamer that notes when each new token (of the whole batch) appears."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.saw_prompt = False
+
+    def put(self, value):
+        if self.saw_prompt:
+            self.times.append(time.perf_counter())
+        self.saw_prompt = True
+
+    def end(self):
+        pass
+
+
+def run_hf(hf_model, trace, batch_size: int) -> dict:
+    start = time.perf_counter()
+    ttft, tpot, output_tokens = [], [], 0
+    for first in range(0, len(trace), batch_size):
+        batch = trace[first:first + batch_size]
+        width = max(len(p) for p, _ in batch)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        longest = max(n for _, n in batch)
+        clock = TokenClock()
+        with torch.inference_mode():
+            hf_model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
+                              do_sample=False, pad_token_id=0, streamer=clock)
+        for _, n in batch:  # request i is done when its own n-th token appears
+            ttft.append(clock.times[0] - start)
+            if n > 1:
+                tpot.append((clock.times[n - 1] - clock.times[0]) / (n - 1))
+            output_tokens += n
+    elapsed = time.perf_counter() - start
+    return {"output_tok_s": output_tokens / elapsed, "elapsed_s": elapsed,
+            **latency_summary("ttft", ttft), **latency_summary("tpot", tpot)}
+
+
+def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
+                block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128), include_hf: bool = True) -> dict:
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    trace = make_trace(tokenizer, num_requests)
+    servers = {
+        "minillm_continuous": run_minillm(model, tokenizer, trace, "continuous", 16, max_num_seqs),
+        "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs),
+    }
+    if include_hf:
+        from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
+    sweep = {size: run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs) for size in block_sizes}
+    report = {
+        "trace": {"requests": num_requests, "prompt_tokens": sum(len(p) for p, _ in trace),
+                  "output_tokens": sum(n for _, n in trace), "prompt_len": "U[16, 320]", "output_len": "U[8, 160]",
+                  "seed": 0, "max_num_seqs": max_num_seqs},
+        "servers": servers,
+        "continuous_vs_static": servers["minillm_continuous"]["output_tok_s"] / servers["minillm_static"]["output_tok_s"],
+        "block_size_sweep": {size: {key: run[key] for key in ("output_tok_s", "kv_utilization_paged",
+                                                               "wasted_slots_per_step", "block_table_entries_per_seq")}
+                             for size, run in sweep.items()},
+    }
+    if include_hf:
+        report["continuous_vs_hf"] = (servers["minillm_continuous"]["output_tok_s"]
+                                      / servers["hf_transformers_static"]["output_tok_s"])
+    return report
+
+
+def print_serve_report(report: dict, console) -> None:
+    from rich.table import Table
+
+    trace = report["trace"]
+    table = Table(title=f"{trace['requests']} requests (prompts {trace['prompt_len']}, outputs {trace['output_len']}), "
+                        f"batch {trace['max_num_seqs']}")
+    for column in ("server", "output tok/s", "TTFT mean", "TTFT p90", "TPOT mean", "TPOT p90"):
+        table.add_column(column, justify="right")
+    for name, run in report["servers"].items():
+        table.add_row(name, f"{run['output_tok_s']:.1f}", f"{run['ttft_mean_s']:.1f} s", f"{run['ttft_p90_s']:.1f} s",
+                      f"{run['tpot_mean_s'] * 1e3:.0f} ms", f"{run['tpot_p90_s'] * 1e3:.0f} ms")
+    console.print(table)
+    cont = report["servers"]["minillm_continuous"]
+    console.print(f"continuous is {report['continuous_vs_static']:.2f}x static" +
+                  (f" and {report['continuous_vs_hf']:.2f}x HF transformers" if "continuous_vs_hf" in report else ""))
+    console.print(f"KV utilization on this trace: paged {cont['kv_utilization_paged']:.1%}, "
+                  f"contiguous max-length reservation {cont['kv_utilization_contiguous']:.1%}; "
+                  f"{cont['preemptions']} preemptions")
+    sweep = Table(title="block-size sweep (continuous)")
+    for column in ("block size", "output tok/s", "KV utilization", "wasted slots/step", "table entries/seq"):
+        sweep.add_column(column, justify="right")
+    for size, run in report["block_size_sweep"].items():
+        sweep.add_row(str(size), f"{run['output_tok_s']:.1f}", f"{run['kv_utilization_paged']:.1%}",
+                      f"{run['wasted_slots_per_step']:.0f}", f"{run['block_table_entries_per_seq']:.1f}")
+    console.print(sweep)
