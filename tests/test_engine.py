@@ -59,6 +59,14 @@ def test_static_batching_matches_naive_and_takes_more_steps(tiny_dir, tiny_model
     assert continuous.engine.stats.steps < static.engine.stats.steps
 
 
+def test_static_batching_matches_naive_under_preemption(tiny_dir, tiny_model):
+    prompts, params = mixed_requests(16, tiny_model.config.vocab_size, seed=14)
+    llm = LLM(tiny_dir, model=tiny_model, scheduling="static", max_num_seqs=8, block_size=8,
+              max_num_batched_tokens=64, kv_cache_bytes=20 * 8 * KV_BYTES_PER_TOKEN)
+    assert_matches_naive(tiny_model, llm, prompts, params)
+    assert llm.engine.num_preemptions > 0
+
+
 def test_seeded_sampling_in_a_batch_matches_single_sequence_sampling(tiny_dir, tiny_model):
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8] * 20]
     params = [SamplingParams(temperature=0.9, top_k=20, seed=s, max_tokens=15, ignore_eos=True) for s in (1, 2, 3)]

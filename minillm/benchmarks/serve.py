@@ -59,11 +59,12 @@ def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_n
     finished = []
     while engine.has_unfinished_requests():
         finished += [out for out in engine.step() if out.finished]
-        running = engine.scheduler.running
+        running = engine.scheduler.running  # static batching holds members whose prefill has not begun
+        tables = [engine.block_manager.block_tables.get(seq.seq_id, []) for seq in running]
         live += sum(seq.num_computed for seq in running)
-        paged += sum(len(engine.block_manager.table(seq.seq_id)) for seq in running) * block_size
+        paged += sum(map(len, tables)) * block_size
         arena += sum(seq.max_len for seq in running)  # a contiguous allocator reserves the maximum
-        table_entries += sum(len(engine.block_manager.table(seq.seq_id)) for seq in running)
+        table_entries += sum(map(len, tables))
         running_samples += len(running)
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(out.token_ids) for out in finished)
@@ -130,7 +131,8 @@ def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
         from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
         hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
-    sweep = {size: run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs) for size in block_sizes}
+    sweep = {size: servers["minillm_continuous"] if size == 16 else
+             run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs) for size in block_sizes}
     report = {
         "trace": {"requests": num_requests, "prompt_tokens": sum(len(p) for p, _ in trace),
                   "output_tokens": sum(n for _, n in trace), "prompt_len": "U[16, 320]", "output_len": "U[8, 160]",

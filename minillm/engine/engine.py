@@ -69,6 +69,7 @@ class EngineStats:
     tokens_computed: int = 0  # prefill + decode tokens through the model
     tokens_generated: int = 0
     memory: list[MemoryStats] = field(default_factory=list)  # after every step
+    batches: list[list[tuple[str, int]]] = field(default_factory=list)  # per step: (request_id, tokens computed)
 
     def kv_utilization(self) -> float:
         """Live slots / reserved slots, summed over all steps."""
@@ -107,6 +108,8 @@ class LLMEngine:
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ConfigError("This engine has no tokenizer; pass prompts as token ids.")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_len = min(self.context_len, len(prompt_ids) + params.max_tokens)
         seq = Sequence(seq_id, request_id, prompt_ids, params, max_len)
@@ -187,6 +190,7 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.tokens_computed += sum(item.num_tokens for item in scheduled)
         self.stats.tokens_generated += sampled
+        self.stats.batches.append([(item.seq.request_id, item.num_tokens) for item in scheduled])
         live = {seq.seq_id: seq.num_computed for seq in self.scheduler.running}
         self.stats.memory.append(paged_stats(self.block_manager, live, self.bytes_per_slot))
 

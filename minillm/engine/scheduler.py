@@ -94,7 +94,8 @@ class Scheduler:
             self.running.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.seq_id)
+        if seq.seq_id in self.block_manager.block_tables:  # a static-batch member may not have started
+            self.block_manager.free(seq.seq_id)
         self.running.remove(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.num_preemptions += 1
@@ -105,6 +106,7 @@ class Scheduler:
         """Release a finished (or aborted) sequence's blocks; waiting sequences hold none."""
         if seq in self.running:
             self.running.remove(seq)
-            self.block_manager.free(seq.seq_id)
+            if seq.seq_id in self.block_manager.block_tables:
+                self.block_manager.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)

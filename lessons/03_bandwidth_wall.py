@@ -1,0 +1,90 @@
+"""Lesson 03 — the bandwidth wall: why batching helps decode, and where it stops helping.
+
+One decode step of one sequence reads every weight (540 MB for SmolLM2 in fp32) to do about two
+FLOPs per weight: the processor mostly waits for memory. Decoding B sequences together reads the
+weights once for all B, so throughput grows almost linearly with B — until the step has enough
+arithmetic per byte that the cores, not memory, are the limit. We measure both roofs on this
+machine (a large copy, a large matmul) and where each batch size sits between them.
+
+    python lessons/03_bandwidth_wall.py
+"""
+
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from _common import console, require_model, save_plot, table  # noqa: E402
+from minillm.benchmarks.decode import copy_bandwidth  # noqa: E402
+from minillm.engine import LLM, SamplingParams  # noqa: E402
+from minillm.weights import load_model  # noqa: E402
+
+PROMPT_LEN, TIMED_STEPS = 64, 12
+
+
+def matmul_flops(size: int = 1024, repeats: int = 5) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def decode_step_time(model, batch: int) -> float:
+    """Seconds per decode step with `batch` sequences, prefill excluded."""
+    llm = LLM(model=model, max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_LEN)
+    engine = llm.engine
+    for i in range(batch):
+        engine.add_request([(7 * i + j) % 1000 + 100 for j in range(PROMPT_LEN)],
+                           SamplingParams(max_tokens=TIMED_STEPS + 2, ignore_eos=True))
+    engine.step()  # every prompt in one prefill step
+    start = time.perf_counter()
+    for _ in range(TIMED_STEPS):
+        engine.step()
+    return (time.perf_counter() - start) / TIMED_STEPS
+
+
+def main():
+    model = load_model(require_model())
+    weight_bytes = sum(p.nbytes for p in model.parameters())
+    params = sum(p.numel() for p in model.parameters())
+    kv_per_token = model.config.kv_bytes_per_token(model.dtype)
+    bandwidth, flops = copy_bandwidth(), matmul_flops()
+    console.print(f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s; "
+                  f"weights {weight_bytes / 1e6:.0f} MB")
+
+    rows, batches, throughput, bw_fraction, flop_fraction = [], [1, 2, 4, 8, 16, 32], [], [], []
+    for batch in batches:
+        step = decode_step_time(model, batch)
+        context = PROMPT_LEN + TIMED_STEPS / 2
+        step_bytes = weight_bytes + batch * context * kv_per_token
+        step_flops = 2 * params * batch
+        throughput.append(batch / step)
+        bw_fraction.append(step_bytes / step / bandwidth)
+        flop_fraction.append(step_flops / step / flops)
+        rows.append([batch, f"{step * 1e3:.0f}", f"{batch / step:.0f}", f"{step_bytes / step / 1e9:.1f}",
+                     f"{bw_fraction[-1]:.0%}", f"{step_flops / step / 1e9:.1f}", f"{flop_fraction[-1]:.0%}"])
+    table("decode, one step = one token for every sequence", ["batch", "ms/step", "tok/s", "GB/s read",
+          "of copy roof", "GFLOP/s", "of matmul roof"], rows)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
+    left.plot(batches, throughput, marker="o")
+    left.plot(batches, [throughput[0] * b for b in batches], linestyle="--", label="perfect scaling")
+    left.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s", title="Decode throughput")
+    left.legend()
+    right.plot(batches, [f * 100 for f in bw_fraction], marker="o", label="memory bandwidth used (%)")
+    right.plot(batches, [f * 100 for f in flop_fraction], marker="s", label="compute used (%)")
+    right.set(xscale="log", xlabel="batch size", ylabel="% of measured roof", title="Which roof binds")
+    right.legend()
+    save_plot(fig, "03_bandwidth_wall.png")
+    console.print("\n[bold]What it means:[/bold] at batch 1 the step is a weight read with little math; "
+                  "batching amortizes that read, so tokens/s climbs until the compute share nears its roof "
+                  "(and attention over each sequence's own KV, which batching cannot share, grows).")
+
+
+if __name__ == "__main__":
+    main()

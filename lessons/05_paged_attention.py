@@ -1,0 +1,85 @@
+"""Lesson 05 — paged attention: block tables, the same tokens as naive, the block-size trade-off.
+
+Each sequence's KV lives in fixed-size blocks scattered through one pool; its block table says
+which physical block holds its logical block i. Attention reads a sequence's history by walking
+its table. We draw the tables of a few live sequences, check that the engine produces exactly
+the naive decoder's tokens, and weigh block sizes: small blocks waste fewer slots, large blocks
+make shorter tables (less indexing, bigger contiguous reads).
+
+    python lessons/05_paged_attention.py
+"""
+
+import math
+import random
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from _common import console, require_model, save_plot, table  # noqa: E402
+from minillm.decoding import generate  # noqa: E402
+from minillm.engine import LLM, SamplingParams  # noqa: E402
+from minillm.tokenizer import Tokenizer  # noqa: E402
+from minillm.weights import load_model  # noqa: E402
+
+PROMPTS = ["The history of the printing press", "def quicksort(items):", "Ten facts about octopuses:"]
+
+
+def draw_tables(engine) -> None:
+    """Each running sequence: its block table, and how full each block is."""
+    manager = engine.block_manager
+    for seq in engine.scheduler.running:
+        blocks = manager.table(seq.seq_id)
+        cells = []
+        for i, block in enumerate(blocks):
+            used = min(manager.block_size, seq.num_computed - i * manager.block_size)
+            cells.append(f"[{block:>3}] {'#' * (used * 8 // manager.block_size):<8}")
+        console.print(f"request {seq.request_id} ({seq.num_computed:>3} tokens): " + " ".join(cells))
+
+
+def main():
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    console.rule("1. Block tables of live sequences (block size 16)")
+    llm = LLM(model=model, tokenizer=tokenizer, block_size=16, kv_cache_bytes=64 * 16 * model.config.kv_bytes_per_token(model.dtype))
+    params = SamplingParams(max_tokens=40)
+    for prompt in PROMPTS:
+        llm.engine.add_request(prompt, params)
+    for step in range(25):
+        llm.engine.step()
+    console.print(f"after 25 steps: {llm.engine.block_manager.num_free_blocks} of "
+                  f"{llm.engine.block_manager.num_blocks} blocks free; [n] = physical block, # = filled slots")
+    draw_tables(llm.engine)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+
+    console.rule("2. Same tokens as the naive decoder")
+    outputs = LLM(model=model, tokenizer=tokenizer, block_size=16).generate(PROMPTS, params)
+    rows = []
+    for prompt, out in zip(PROMPTS, outputs):
+        naive = generate(model, tokenizer.encode(prompt), params, "naive", tokenizer.eos_token_id)
+        rows.append([prompt, len(out.token_ids), str(out.token_ids == naive.token_ids)])
+    table("paged engine vs naive decoding (greedy)", ["prompt", "tokens", "identical"], rows)
+
+    console.rule("3. The block-size trade-off")
+    rng = random.Random(0)
+    lengths = [rng.randint(16, 320) + rng.randint(8, 160) for _ in range(1000)]  # bench serve's trace shape
+    sizes = [1, 4, 8, 16, 32, 64, 128, 256]
+    waste = [sum(math.ceil(n / b) * b - n for n in lengths) / sum(math.ceil(n / b) * b for n in lengths) for b in sizes]
+    entries = [sum(math.ceil(n / b) for n in lengths) / len(lengths) for b in sizes]
+    table("1,000 finished sequences of 24..480 tokens", ["block size", "slots wasted", "table entries / seq"],
+          [[b, f"{w:.1%}", f"{e:.1f}"] for b, w, e in zip(sizes, waste, entries)])
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(sizes, [w * 100 for w in waste], marker="o", label="slots wasted (%)")
+    ax.plot(sizes, entries, marker="s", label="block-table entries per sequence")
+    ax.set(xscale="log", xlabel="block size (tokens)", title="Small blocks waste less, large blocks index less")
+    ax.legend()
+    save_plot(fig, "05_paged_attention.png")
+    console.print("\n[bold]What it means:[/bold] the block table is the only indirection paging adds; with "
+                  "16-token blocks a sequence wastes half a block on average (about 2% here) while its table "
+                  "stays a few dozen entries — and the tokens are exactly the naive decoder's.")
+
+
+if __name__ == "__main__":
+    main()
