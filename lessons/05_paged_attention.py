@@ -11,6 +11,7 @@ make shorter tables (less indexing, bigger contiguous reads).
 
 import math
 import random
+import time
 
 import matplotlib
 
@@ -76,10 +77,19 @@ def main():
     ax.set(xscale="log", xlabel="block size (tokens)", title="Small blocks waste less, large blocks index less")
     ax.legend()
     save_plot(fig, "05_paged_attention.png")
-    console.print("\n[bold]What it means:[/bold] the block table is the only indirection paging adds; with "
-                  "16-token blocks a sequence wastes half a block on average (about 2% here) while its table "
-                  "stays a few dozen entries — and the tokens are exactly the naive decoder's.")
-
+    rows = []
+    for size in (1, 16, 128):
+        speed_llm = LLM(model=model, tokenizer=tokenizer, block_size=size)
+        start = time.perf_counter()
+        outputs = speed_llm.generate(PROMPTS * 3, SamplingParams(max_tokens=32, ignore_eos=True))
+        rows.append([size, f"{sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start):.1f}"])
+    table("engine speed, 9 requests x 32 tokens", ["block size", "output tok/s"], rows)
+    i16 = sizes.index(16)
+    console.print(f"\n[bold]What it means:[/bold] the block table is the only indirection paging adds; with "
+                  f"16-token blocks the sequences above waste {waste[i16]:.1%} of their slots (half a block each) "
+                  f"with tables of {entries[i16]:.0f} entries, and the tokens are exactly the naive decoder's. "
+                  "In this torch reference the block size barely changes speed: the gather through the table "
+                  "costs the same per token whatever the block size.")
 
 if __name__ == "__main__":
     main()

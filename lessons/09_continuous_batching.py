@@ -36,7 +36,7 @@ def timeline(ax, stats, title, num_requests):
         for request_id, num_tokens in batch:
             color = "tab:orange" if num_tokens > 1 else "tab:blue"
             ax.broken_barh([(step, 1)], (int(request_id) - 0.4, 0.8), color=color)
-    ax.set(title=title, xlabel="engine step", ylabel="request", yticks=range(num_requests))
+    ax.set(title=title, ylabel="request", yticks=range(num_requests))
 
 
 def main():
@@ -65,6 +65,8 @@ def main():
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for ax, policy in zip(axes, ("static", "continuous")):
         timeline(ax, results[policy][0], f"{policy} batching (orange: prefill, blue: decode)", len(prompts))
+    axes[-1].set_xlabel("engine step")
+    fig.tight_layout()
     save_plot(fig, "09_continuous_batching.png")
     console.print("\n[bold]What it means:[/bold] under static batching short requests finish and leave "
                   "empty slots until the longest one ends; continuous batching fills them at once, so the "
