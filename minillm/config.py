@@ -134,6 +134,7 @@ class EngineConfig:
     scheduling: str = "continuous"  # "continuous" (iteration-level) or "static" (batch at a time)
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
+    attention_backend: str = "torch"  # decode attention: "torch" (reference), "cpu" (C++), "cuda" kernel
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -146,6 +147,11 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if self.decoder not in ("naive", "cached"):
             raise ConfigError(f"decoder must be 'naive' or 'cached', not {self.decoder!r}.")
+        if self.attention_backend not in ("torch", "cpu", "cuda"):
+            raise ConfigError(f"attention_backend must be 'torch', 'cpu' or 'cuda', not {self.attention_backend!r}.")
+        if self.attention_backend != "torch" and self.attention_backend != self.device.split(":")[0]:
+            raise ConfigError(f"attention_backend={self.attention_backend!r} cannot read a KV cache on "
+                              f"device={self.device!r}; use the matching device or attention_backend='torch'.")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
 

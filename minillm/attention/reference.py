@@ -34,3 +34,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # fp32 softmax, as HF does, even for bf16
     out = torch.bmm(probs, v.transpose(0, 1))  # (kv_heads, group*Tq, head_dim)
     return out.view(num_heads, n_queries, head_dim).transpose(0, 1)
+
+
+def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Decode attention through block tables: the contract the C++ and CUDA kernels implement.
+
+    query (S, num_heads, head_dim): the newest token of S sequences;
+    key_cache, value_cache (num_slots, num_kv_heads, head_dim), or int8 with
+    k_scales, v_scales (num_slots, num_kv_heads): value = int8 x scale;
+    block_tables (S, max_blocks) int32; context_lens (S,) int32. Returns (S, num_heads, head_dim).
+    """
+    out = torch.empty_like(query)
+    for seq in range(query.shape[0]):
+        positions = torch.arange(int(context_lens[seq]), device=query.device)
+        slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
+        k, v = key_cache[slots], value_cache[slots]  # (context_len, num_kv_heads, head_dim)
+        if k_scales is not None:
+            k = (k.float() * k_scales[slots][..., None]).to(query.dtype)
+            v = (v.float() * v_scales[slots][..., None]).to(query.dtype)
+        out[seq] = causal_attention(query[seq:seq + 1], k, v, positions[-1:])[0]
+    return out

@@ -21,7 +21,8 @@ from typing import Iterator, Sequence as Seq
 
 import torch
 
-from minillm.attention.paged import PagedAttention, PagedKVCache, SequenceSlice, context_slots
+from minillm.attention.kernels import decode_backend
+from minillm.attention.paged import DecodeBatch, PagedAttention, PagedKVCache, SequenceSlice, context_slots
 from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig
 from minillm.engine.scheduler import ScheduledSequence, Scheduler
 from minillm.engine.sequence import Sequence, Status
@@ -93,6 +94,7 @@ class LLMEngine:
                               f"tokens ({self.bytes_per_slot * config.block_size:,} bytes); raise it.")
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.cache = PagedKVCache(self.model.config, num_blocks, config.block_size, self.model.dtype, self.model.device)
+        self.decode_attention = decode_backend(config.attention_backend)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.sequences: dict[str, Sequence] = {}
@@ -153,13 +155,13 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
-        hidden, slices = self.forward(scheduled)
+        hidden, last_rows = self.forward(scheduled)
         for item in scheduled:
             item.seq.num_computed += item.num_tokens
-        ready = [(item.seq, s) for item, s in zip(scheduled, slices) if item.seq.num_uncomputed == 0]
+        ready = [(item.seq, row) for item, row in zip(scheduled, last_rows) if item.seq.num_uncomputed == 0]
         if ready:
-            last_rows = torch.tensor([s.query_end - 1 for _, s in ready], device=hidden.device)
-            logits = self.model.logits(hidden[last_rows])  # (sequences ready to sample, vocab)
+            rows = torch.tensor([row for _, row in ready], device=hidden.device)
+            logits = self.model.logits(hidden[rows])  # (sequences ready to sample, vocab)
             eos = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
             for (seq, _), seq_logits in zip(ready, logits):
                 seq.append(seq.sampler(seq_logits), eos)
@@ -169,22 +171,33 @@ class LLMEngine:
         self.record_step(scheduled, len(ready))
         return outputs
 
-    def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[SequenceSlice]]:
-        """One forward pass over every scheduled token, sequences laid end to end."""
+    def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
+        """One forward pass over every scheduled token, sequences laid end to end.
+        Returns the hidden states (N, hidden) and each sequence's last row."""
         device, block_size = self.model.device, self.config.block_size
-        token_ids, positions, write_slots, slices = [], [], [], []
+        token_ids, positions, write_slots, prefills = [], [], [], []
+        decode_rows, decode_tables, decode_lens, last_rows = [], [], [], []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed
             end = start + item.num_tokens
+            row = len(token_ids)
             token_ids += seq.token_ids[start:end]
             positions += range(start, end)
             write_slots += self.block_manager.slots(seq.seq_id, start, end)
-            row = len(token_ids) - item.num_tokens
-            slices.append(SequenceSlice(row, row + item.num_tokens, torch.arange(start, end, device=device),
-                                        context_slots(self.block_manager.table(seq.seq_id), block_size, end, device)))
-        ctx = PagedAttention(self.cache, torch.tensor(write_slots, device=device), slices)
+            table = self.block_manager.table(seq.seq_id)
+            if item.num_tokens == 1:  # one query: the decode backend's job
+                decode_rows.append(row)
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefills.append(SequenceSlice(row, row + item.num_tokens, torch.arange(start, end, device=device),
+                                              context_slots(table, block_size, end, device)))
+            last_rows.append(row + item.num_tokens - 1)
+        decode = DecodeBatch.of(decode_rows, decode_tables, decode_lens, device) if decode_rows else None
+        ctx = PagedAttention(self.cache, torch.tensor(write_slots, device=device), prefills, decode,
+                             self.decode_attention)
         hidden = self.model(torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), ctx)
-        return hidden, slices
+        return hidden, last_rows
 
     def record_step(self, scheduled: list[ScheduledSequence], sampled: int) -> None:
         self.stats.steps += 1

@@ -1,0 +1,102 @@
+// Paged attention for decode, on the CPU: the C++ twin of paged_attention.cu.
+//
+// Contract (shared with the CUDA kernel and checked against minillm/attention/reference.py):
+//   query        (num_seqs, num_heads, head_dim)        float32 / float16 / bfloat16
+//   key_cache    (num_slots, num_kv_heads, head_dim)    same dtype as query, or int8
+//   value_cache  (num_slots, num_kv_heads, head_dim)    like key_cache
+//   block_tables (num_seqs, max_blocks) int32           physical block of each logical block
+//   context_lens (num_seqs,) int32                      tokens in each sequence's history
+//   k_scales, v_scales (num_slots, num_kv_heads) float32, only for int8 caches (else empty)
+//   returns      (num_seqs, num_heads, head_dim)        query's dtype; scores scaled by 1/sqrt(head_dim)
+// Slot of position t: block_tables[s][t / block_size] * block_size + t % block_size.
+//
+// One task per (sequence, query head), spread over threads with at::parallel_for. Each task
+// walks its sequence's history once, position by position, through the block table, and keeps
+// an *online softmax*: the running maximum m, the running sum l of exp(score - m) and the
+// running weighted sum of values acc. When a larger score arrives, the old l and acc are
+// rescaled by exp(m_old - m_new), so one pass suffices and no score array is stored.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+template <typename cache_t>
+inline float load(const cache_t* row, int64_t d, float scale) {
+  return static_cast<float>(row[d]) * scale;
+}
+
+template <typename scalar_t, typename cache_t>
+void decode(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
+            const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
+            const float* k_scales, const float* v_scales, torch::Tensor& out) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = key_cache.size(1), group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
+  const scalar_t* q_all = query.data_ptr<scalar_t>();
+  const cache_t* k_all = key_cache.data_ptr<cache_t>();
+  const cache_t* v_all = value_cache.data_ptr<cache_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  scalar_t* out_all = out.data_ptr<scalar_t>();
+
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(head_dim), acc(head_dim);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_heads, head = task % num_heads, kv_head = head / group;
+      const scalar_t* q_row = q_all + task * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) q[d] = static_cast<float>(q_row[d]) * scale;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+
+      for (int64_t t = 0; t < lens[seq]; ++t) {
+        const int64_t block = tables[seq * max_blocks + t / block_size];
+        const int64_t row = (block * block_size + t % block_size) * num_kv_heads + kv_head;
+        const float k_scale = k_scales ? k_scales[row] : 1.f, v_scale = v_scales ? v_scales[row] : 1.f;
+        const cache_t* k = k_all + row * head_dim;
+        const cache_t* v = v_all + row * head_dim;
+
+        float score = 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) score += q[d] * load(k, d, k_scale);
+        const float m_new = std::max(m, score);
+        const float correction = std::exp(m - m_new);  // 0 on the first position (m = -inf)
+        const float p = std::exp(score - m_new);
+        l = l * correction + p;
+        for (int64_t d = 0; d < head_dim; ++d) acc[d] = acc[d] * correction + p * load(v, d, v_scale);
+        m = m_new;
+      }
+      scalar_t* out_row = out_all + task * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) out_row[d] = static_cast<scalar_t>(l > 0.f ? acc[d] / l : 0.f);
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor paged_attention_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
+                                     torch::Tensor k_scales, torch::Tensor v_scales) {
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
+              "query and caches must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
+              "block_tables and context_lens must be int32");
+  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  auto out = torch::empty_like(query);
+  const bool int8 = key_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(int8 || key_cache.scalar_type() == query.scalar_type(), "cache dtype must be query's dtype or int8");
+  TORCH_CHECK(!int8 || (k_scales.numel() > 0 && v_scales.numel() > 0), "int8 caches need k_scales and v_scales");
+  const float* ks = int8 ? k_scales.data_ptr<float>() : nullptr;
+  const float* vs = int8 ? v_scales.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode", [&] {
+    if (int8) {
+      decode<scalar_t, int8_t>(query, key_cache, value_cache, block_tables, context_lens, block_size, ks, vs, out);
+    } else {
+      decode<scalar_t, scalar_t>(query, key_cache, value_cache, block_tables, context_lens, block_size, ks, vs, out);
+    }
+  });
+  return out;
+}

@@ -1,0 +1,70 @@
+"""Attention backends for decode: the torch reference, a C++ CPU kernel, a CUDA kernel.
+
+All three have one signature, `paged_decode_attention(query, key_cache, value_cache,
+block_tables, context_lens, block_size, k_scales, v_scales)` (see `reference.py`), and the
+switch `EngineConfig.attention_backend` picks one. The kernels live in `kernels_cuda/` and are
+compiled on first use with `torch.utils.cpp_extension.load_inline`; the build is cached (under
+~/.cache/torch_extensions) and reused by later runs.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from minillm.attention.reference import paged_decode_attention
+from minillm.config import ConfigError
+
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels_cuda"
+CPU_SOURCE = KERNEL_DIR / "paged_attention_cpu.cpp"
+CUDA_SOURCE = KERNEL_DIR / "paged_attention.cu"
+SIGNATURE = ("torch::Tensor {name}(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache, "
+             "torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, "
+             "torch::Tensor k_scales, torch::Tensor v_scales);")
+
+
+def build(name: str, **sources) -> object:
+    from torch.utils.cpp_extension import load_inline
+
+    try:
+        return load_inline(name=name, functions=["paged_attention_decode"], extra_cflags=["-O3", "-fopenmp"],
+                           extra_cuda_cflags=["-O3"], **sources)
+    except Exception as err:  # compiler missing, compile error, ...
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"The {name} kernel did not build ({reason}); use attention_backend='torch'.") from err
+
+
+@functools.cache
+def cpu_kernel():
+    return build("minillm_paged_attention_cpu", cpp_sources=[CPU_SOURCE.read_text()])
+
+
+@functools.cache
+def cuda_kernel():
+    if not torch.cuda.is_available():
+        raise ConfigError("attention_backend='cuda' needs a CUDA GPU, and torch sees none; use 'cpu' or 'torch'.")
+    return build("minillm_paged_attention_cuda", cpp_sources=[SIGNATURE.format(name="paged_attention_decode")],
+                 cuda_sources=[CUDA_SOURCE.read_text()])
+
+
+def with_empty_scales(kernel_fn):
+    """The kernels take empty tensors where the reference takes None (no int8 scales)."""
+    def call(query, key_cache, value_cache, block_tables, context_lens, block_size, k_scales=None, v_scales=None):
+        empty = query.new_empty(0, dtype=torch.float32)
+        return kernel_fn(query, key_cache, value_cache, block_tables, context_lens, block_size,
+                         empty if k_scales is None else k_scales, empty if v_scales is None else v_scales)
+    return call
+
+
+def decode_backend(name: str) -> Callable:
+    """The decode attention function for `attention_backend=name`; builds a kernel if needed."""
+    if name == "torch":
+        return paged_decode_attention
+    if name == "cpu":
+        return with_empty_scales(cpu_kernel().paged_attention_decode)
+    if name == "cuda":
+        return with_empty_scales(cuda_kernel().paged_attention_decode)
+    raise ConfigError(f"attention_backend must be 'torch', 'cpu' or 'cuda', not {name!r}.")
