@@ -10,24 +10,22 @@
 //   returns      (num_seqs, num_heads, head_dim)        query's dtype; scores scaled by 1/sqrt(head_dim)
 // Slot of position t: block_tables[s][t / block_size] * block_size + t % block_size.
 //
-// One task per (sequence, query head), spread over threads with at::parallel_for. Each task
-// walks its sequence's history once, position by position, through the block table, and keeps
-// an *online softmax*: the running maximum m, the running sum l of exp(score - m) and the
-// running weighted sum of values acc. When a larger score arrives, the old l and acc are
-// rescaled by exp(m_old - m_new), so one pass suffices and no score array is stored.
+// One task per (sequence, KV head), spread over threads with at::parallel_for: the task serves
+// the whole GQA group of query heads that share this KV head, so each K and V row is read from
+// memory once, not once per query head. It walks the sequence's history block by block through
+// the block table and keeps an *online softmax* per query head: the running maximum m, the
+// running sum l of exp(score - m) and the running weighted sum of values acc. Per block it
+// computes the block's scores, and if the block raises the maximum it rescales l and acc by
+// exp(m_old - m_new) once — one pass, no score array longer than a block.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
-
-template <typename cache_t>
-inline float load(const cache_t* row, int64_t d, float scale) {
-  return static_cast<float>(row[d]) * scale;
-}
 
 template <typename scalar_t, typename cache_t>
 void decode(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
@@ -44,33 +42,57 @@ void decode(const torch::Tensor& query, const torch::Tensor& key_cache, const to
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   scalar_t* out_all = out.data_ptr<scalar_t>();
 
-  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(head_dim), acc(head_dim);
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    // per query head g of the group: q[g], scores of the current block, m[g], l[g], acc[g]
+    std::vector<float> q(group * head_dim), scores(group * block_size), acc(group * head_dim), k_row(head_dim);
+    std::vector<float> m(group), l(group);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_heads, head = task % num_heads, kv_head = head / group;
-      const scalar_t* q_row = q_all + task * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) q[d] = static_cast<float>(q_row[d]) * scale;
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const scalar_t* q_rows = q_all + (seq * num_heads + kv_head * group) * head_dim;  // the group's heads
+      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_rows[i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
-      float m = -std::numeric_limits<float>::infinity(), l = 0.f;
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
 
-      for (int64_t t = 0; t < lens[seq]; ++t) {
-        const int64_t block = tables[seq * max_blocks + t / block_size];
-        const int64_t row = (block * block_size + t % block_size) * num_kv_heads + kv_head;
-        const float k_scale = k_scales ? k_scales[row] : 1.f, v_scale = v_scales ? v_scales[row] : 1.f;
-        const cache_t* k = k_all + row * head_dim;
-        const cache_t* v = v_all + row * head_dim;
-
-        float score = 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) score += q[d] * load(k, d, k_scale);
-        const float m_new = std::max(m, score);
-        const float correction = std::exp(m - m_new);  // 0 on the first position (m = -inf)
-        const float p = std::exp(score - m_new);
-        l = l * correction + p;
-        for (int64_t d = 0; d < head_dim; ++d) acc[d] = acc[d] * correction + p * load(v, d, v_scale);
-        m = m_new;
+      const int64_t context_len = lens[seq];
+      for (int64_t first = 0; first < context_len; first += block_size) {
+        const int64_t block = tables[seq * max_blocks + first / block_size];
+        const int64_t n = std::min(block_size, context_len - first);  // tokens in this block
+        // 1. scores of this block's tokens for every query head of the group
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t row = (block * block_size + j) * num_kv_heads + kv_head;
+          const cache_t* k = k_all + row * head_dim;
+          const float k_scale = k_scales ? k_scales[row] : 1.f;
+          for (int64_t d = 0; d < head_dim; ++d) k_row[d] = static_cast<float>(k[d]) * k_scale;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = &q[g * head_dim];
+            float dot = 0.f;
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k_row[d];
+            scores[g * block_size + j] = dot;
+          }
+        }
+        // 2. online softmax: rescale what we have if the maximum grew, then add the block's values
+        for (int64_t g = 0; g < group; ++g) {
+          float* s = &scores[g * block_size];
+          float* a = &acc[g * head_dim];
+          const float m_new = std::max(m[g], *std::max_element(s, s + n));
+          const float correction = std::exp(m[g] - m_new);  // 0 on the first block (m = -inf)
+          l[g] *= correction;
+          for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t row = (block * block_size + j) * num_kv_heads + kv_head;
+            const cache_t* v = v_all + row * head_dim;
+            const float p = std::exp(s[j] - m_new) * (v_scales ? v_scales[row] : 1.f);
+            l[g] += std::exp(s[j] - m_new);
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+          }
+          m[g] = m_new;
+        }
       }
-      scalar_t* out_row = out_all + task * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) out_row[d] = static_cast<scalar_t>(l > 0.f ? acc[d] / l : 0.f);
+      scalar_t* out_rows = out_all + (seq * num_heads + kv_head * group) * head_dim;
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+          out_rows[g * head_dim + d] = static_cast<scalar_t>(l[g] > 0.f ? acc[g * head_dim + d] / l[g] : 0.f);
     }
   });
 }

@@ -19,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from _common import console, require_model, save_plot, table  # noqa: E402
-from minillm.benchmarks.decode import copy_bandwidth  # noqa: E402
+from minillm.benchmarks import copy_bandwidth  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 

@@ -185,6 +185,15 @@ def cmd_bench_serve(args) -> None:
         print_serve_report(report, console)
 
 
+def cmd_bench_attention(args) -> None:
+    from minillm.benchmarks.attention import bench_attention, print_attention_report
+    report = bench_attention(tuple(args.batches), tuple(args.contexts), args.device, DTYPES[args.dtype])
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_attention_report(report, console)
+
+
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -241,6 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
+
+    attention = bench_sub.add_parser("attention", help="decode attention: torch reference vs C++ / CUDA kernels",
+                                     description="Time one layer of SmolLM2-shaped paged decode attention for each "
+                                                 "backend over batch x context, with bandwidth achieved against "
+                                                 "the device's measured copy bandwidth.")
+    attention.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="(default: 1 4 16 64)")
+    attention.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 4096],
+                           help="(default: 128 512 1024 4096)")
+    attention.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    attention.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: float32)")
+    attention.add_argument("--json", action="store_true", help="print one JSON object")
+    attention.set_defaults(func=cmd_bench_attention)
     return parser
 
 

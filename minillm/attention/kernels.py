@@ -21,6 +21,9 @@ from minillm.config import ConfigError
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels_cuda"
 CPU_SOURCE = KERNEL_DIR / "paged_attention_cpu.cpp"
 CUDA_SOURCE = KERNEL_DIR / "paged_attention.cu"
+# -march=native: this machine's vector width (the build is cached per machine). The three math
+# flags let the compiler reorder the float sums of the dot products, so it can vectorize them.
+CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 SIGNATURE = ("torch::Tensor {name}(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache, "
              "torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, "
              "torch::Tensor k_scales, torch::Tensor v_scales);")
@@ -30,7 +33,7 @@ def build(name: str, **sources) -> object:
     from torch.utils.cpp_extension import load_inline
 
     try:
-        return load_inline(name=name, functions=["paged_attention_decode"], extra_cflags=["-O3", "-fopenmp"],
+        return load_inline(name=name, functions=["paged_attention_decode"], extra_cflags=CPU_FLAGS,
                            extra_cuda_cflags=["-O3"], **sources)
     except Exception as err:  # compiler missing, compile error, ...
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__

@@ -4,3 +4,25 @@ dict (printed as JSON with --json) so numbers can be compared across commits."""
 from pathlib import Path
 
 GPL_TEXT = Path("/usr/share/common-licenses/GPL-3")  # real prose from outside the project (Debian base-files)
+
+
+def copy_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
+    """Bytes moved per second by a large tensor copy (read + write, STREAM's convention), best of
+    `repeats`: the memory roof that decode speeds are compared with."""
+    import time
+
+    import torch
+
+    src = torch.ones(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * nbytes / best

@@ -18,25 +18,12 @@ from pathlib import Path
 
 import torch
 
-from minillm.benchmarks import GPL_TEXT
+from minillm.benchmarks import GPL_TEXT, copy_bandwidth
 from minillm.decoding import generate
 from minillm.sampling import SamplingParams
 from minillm.weights import load_model
 
 
-
-
-def copy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
-    """Bytes moved per second by a large tensor copy (read + write), best of `repeats`."""
-    src = torch.ones(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-    return 2 * nbytes / best
 
 
 def bench_prompt(model_dir: Path, prompt_len: int) -> list[int]:
