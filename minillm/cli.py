@@ -165,33 +165,28 @@ def cmd_info(args) -> None:
 
 # ----------------------------------------------------------------------------- bench
 
+def show(report: dict, printer, as_json: bool) -> None:
+    """One JSON object with --json (to compare across commits), else rich tables."""
+    print(json.dumps(report)) if as_json else printer(report, console)
+
+
 def cmd_bench_decode(args) -> None:
     from minillm.benchmarks.decode import bench_decode, print_decode_report
-    report = bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens,
-                          naive_tokens=args.naive_tokens, include_hf=not args.no_hf, dtype=args.dtype)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_decode_report(report, console)
+    show(bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens, naive_tokens=args.naive_tokens,
+                      include_hf=not args.no_hf, dtype=args.dtype), print_decode_report, args.json)
 
 
 def cmd_bench_serve(args) -> None:
     from minillm.benchmarks.serve import bench_serve, print_serve_report
-    report = bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
-                         block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf)
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_serve_report(report, console)
+    show(bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
+                     block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf,
+                     attention_backend=args.attention_backend), print_serve_report, args.json)
 
 
 def cmd_bench_attention(args) -> None:
     from minillm.benchmarks.attention import bench_attention, print_attention_report
-    report = bench_attention(tuple(args.batches), tuple(args.contexts), args.device, DTYPES[args.dtype])
-    if args.json:
-        print(json.dumps(report))
-    else:
-        print_attention_report(report, console)
+    show(bench_attention(tuple(args.batches), tuple(args.contexts), args.device, DTYPES[args.dtype]),
+         print_attention_report, args.json)
 
 
 # ----------------------------------------------------------------------------- main
@@ -246,6 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-seqs", type=int, default=16, help="batch size for every server (default: 16)")
     serve.add_argument("--block-sizes", type=int, nargs="*", default=[8, 16, 32, 64, 128],
                        help="block sizes to sweep (default: 8 16 32 64 128; none to skip)")
+    serve.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch",
+                       help="minillm's decode attention: torch reference or the C++ kernel (default: torch)")
     serve.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(serve)

@@ -48,9 +48,10 @@ def latency_summary(name: str, values: list[float]) -> dict:
     return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": values[int(0.9 * (len(values) - 1))]}
 
 
-def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_num_seqs: int) -> dict:
+def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_num_seqs: int,
+                attention_backend: str) -> dict:
     llm = LLM(model=model, tokenizer=tokenizer, scheduling=scheduling, block_size=block_size,
-              max_num_seqs=max_num_seqs)
+              max_num_seqs=max_num_seqs, attention_backend=attention_backend)
     engine = llm.engine
     start = time.perf_counter()
     for prompt_ids, output_len in trace:
@@ -120,23 +121,25 @@ def run_hf(hf_model, trace, batch_size: int) -> dict:
 
 
 def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
-                block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128), include_hf: bool = True) -> dict:
+                block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128), include_hf: bool = True,
+                attention_backend: str = "torch") -> dict:
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     trace = make_trace(tokenizer, num_requests)
     servers = {
-        "minillm_continuous": run_minillm(model, tokenizer, trace, "continuous", 16, max_num_seqs),
-        "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs),
+        "minillm_continuous": run_minillm(model, tokenizer, trace, "continuous", 16, max_num_seqs, attention_backend),
+        "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs, attention_backend),
     }
     if include_hf:
         from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
         hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
     sweep = {size: servers["minillm_continuous"] if size == 16 else
-             run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs) for size in block_sizes}
+             run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs, attention_backend)
+             for size in block_sizes}
     report = {
         "trace": {"requests": num_requests, "prompt_tokens": sum(len(p) for p, _ in trace),
                   "output_tokens": sum(n for _, n in trace), "prompt_len": "U[16, 320]", "output_len": "U[8, 160]",
-                  "seed": 0, "max_num_seqs": max_num_seqs},
+                  "seed": 0, "max_num_seqs": max_num_seqs, "attention_backend": attention_backend},
         "servers": servers,
         "continuous_vs_static": servers["minillm_continuous"]["output_tok_s"] / servers["minillm_static"]["output_tok_s"],
         "block_size_sweep": {size: {key: run[key] for key in ("output_tok_s", "kv_utilization_paged",
