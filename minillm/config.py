@@ -134,6 +134,7 @@ class EngineConfig:
     scheduling: str = "continuous"  # "continuous" (iteration-level) or "static" (batch at a time)
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
+    prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
     attention_backend: str = "torch"  # decode attention: "torch" (reference), "cpu" (C++), "cuda" kernel
 
     def __post_init__(self):

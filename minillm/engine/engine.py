@@ -92,7 +92,7 @@ class LLMEngine:
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes:,} cannot hold one block of {config.block_size} "
                               f"tokens ({self.bytes_per_slot * config.block_size:,} bytes); raise it.")
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.cache = PagedKVCache(self.model.config, num_blocks, config.block_size, self.model.dtype, self.model.device)
         self.decode_attention = decode_backend(config.attention_backend)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
@@ -156,8 +156,12 @@ class LLMEngine:
         if not scheduled:
             return outputs
         hidden, last_rows = self.forward(scheduled)
+        cache = self.block_manager.prefix_cache
         for item in scheduled:
             item.seq.num_computed += item.num_tokens
+            if cache:  # blocks that just became full and computed can serve later prompts
+                cache.register(item.seq.seq_id, self.block_manager.table(item.seq.seq_id), item.seq.token_ids,
+                               item.seq.num_computed)
         ready = [(item.seq, row) for item, row in zip(scheduled, last_rows) if item.seq.num_uncomputed == 0]
         if ready:
             rows = torch.tensor([row for _, row in ready], device=hidden.device)
@@ -183,6 +187,7 @@ class LLMEngine:
             row = len(token_ids)
             token_ids += seq.token_ids[start:end]
             positions += range(start, end)
+            self.block_manager.check_writable(seq.seq_id, start, end)
             write_slots += self.block_manager.slots(seq.seq_id, start, end)
             table = self.block_manager.table(seq.seq_id)
             if item.num_tokens == 1:  # one query: the decode backend's job

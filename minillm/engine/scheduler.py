@@ -9,6 +9,9 @@ Each step has a token budget (`max_num_batched_tokens`). Running sequences go fi
 first: a decode costs 1 token, an unfinished prefill takes what is left of the budget (chunked
 prefill). Waiting sequences are admitted FIFO while budget, sequence slots and KV blocks last.
 
+A sequence's first blocks may come from the prefix cache: its prompt's leading full blocks,
+computed before for another request, are shared and skipped (num_computed starts past them).
+
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
 with num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
@@ -59,31 +62,46 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING:  # preempted earlier in this loop
                 continue
-            num_tokens = min(seq.num_uncomputed, budget)
-            while not self.block_manager.can_grow(seq.seq_id, seq.num_computed + num_tokens):
+            while not (num_tokens := self.reserve(seq, budget)):
                 preempted = True
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.grow(seq.seq_id, seq.num_computed + num_tokens)
                 scheduled.append(ScheduledSequence(seq, num_tokens))
                 budget -= num_tokens
 
         may_admit = self.policy == "continuous" and not preempted
         while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = min(seq.num_uncomputed, budget)
-            if not self.block_manager.can_grow(seq.seq_id, seq.num_computed + num_tokens):
+            num_tokens = self.reserve(seq, budget)
+            if not num_tokens:
                 break  # wait for memory; FIFO, so nobody overtakes
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self.block_manager.grow(seq.seq_id, seq.num_computed + num_tokens)
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
         return scheduled
+
+    def reserve(self, seq: Sequence, budget: int) -> int:
+        """Give the sequence blocks for its next chunk (at most `budget` tokens); return the
+        chunk's length, or 0 if memory is short. A sequence without blocks first looks for its
+        prompt's leading blocks in the prefix cache: those tokens need no computing at all."""
+        manager, cache = self.block_manager, self.block_manager.prefix_cache
+        starting = seq.seq_id not in manager.block_tables
+        hits = cache.lookup(seq.token_ids) if cache and starting else []
+        start = len(hits) * manager.block_size if starting else seq.num_computed
+        num_tokens = min(seq.num_tokens - start, budget)
+        if not manager.can_grow(seq.seq_id, start + num_tokens, adopting=hits):
+            return 0
+        if cache and starting:
+            cache.record_lookup(seq.token_ids, len(hits))
+            manager.adopt(seq.seq_id, hits)
+            seq.num_computed = start
+        manager.grow(seq.seq_id, start + num_tokens)
+        return num_tokens
 
     def start_static_batch(self) -> None:
         """Static batching: the next max_num_seqs requests form a batch that runs to its end.

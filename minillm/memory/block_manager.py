@@ -10,8 +10,9 @@ Slots are numbered `block_id * block_size + offset`; the attention layer writes 
 sequence into slot `table[t // block_size] * block_size + t % block_size` and reads its history by
 gathering the slots of positions 0..t.
 
-Reference counts prepare sharing: `fork` lets two tables point at the same blocks (parallel
-sampling, beams, shared prefixes); a block returns to the free pool when its count drops to 0.
+Reference counts make sharing possible: `fork` lets two tables point at the same blocks (parallel
+sampling, beams), `adopt` starts a table with blocks found in the prefix cache; a block returns to
+the free pool when its count drops to 0, and is never written while another table holds it.
 Invariants, checked by `check_invariants` and the property tests:
   - a block is free iff its refcount is 0;
   - a block's refcount equals the number of tables that hold it;
@@ -20,7 +21,9 @@ Invariants, checked by `check_invariants` and the property tests:
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter, OrderedDict
+
+from minillm.memory.prefix_cache import PrefixCache
 
 
 class BlockManagerError(RuntimeError):
@@ -28,14 +31,17 @@ class BlockManagerError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1 (got {num_blocks}, {block_size}).")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))
+        # the free pool, least recently freed first; an OrderedDict so a prefix hit can take a
+        # block out of the middle
+        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.refcounts = [0] * num_blocks
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
+        self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
 
     # ---------------------------------------------------------------- counting
     @property
@@ -50,8 +56,12 @@ class BlockManager:
         held = len(self.block_tables.get(seq_id, ()))
         return max(0, self.blocks_for(num_tokens) - held)
 
-    def can_grow(self, seq_id: int, num_tokens: int) -> bool:
-        return self.blocks_missing(seq_id, num_tokens) <= self.num_free_blocks
+    def can_grow(self, seq_id: int, num_tokens: int, adopting: list[int] = ()) -> bool:
+        """Room for `num_tokens` tokens, after taking over the cached blocks `adopting`
+        (those waiting in the free pool stop being free)."""
+        missing = self.blocks_missing(seq_id, num_tokens) - len(adopting)
+        reclaimed = sum(1 for block in adopting if self.refcounts[block] == 0)
+        return missing <= self.num_free_blocks - reclaimed
 
     # ---------------------------------------------------------------- changing
     def grow(self, seq_id: int, num_tokens: int) -> None:
@@ -62,9 +72,21 @@ class BlockManager:
                                     "check can_grow first")
         table = self.block_tables.setdefault(seq_id, [])
         for _ in range(missing):
-            block = self.free_blocks.popleft()
+            block, _ = self.free_blocks.popitem(last=False)  # least recently freed
+            if self.prefix_cache:
+                self.prefix_cache.evict(block)  # its old content is about to be overwritten
             self.refcounts[block] = 1
             table.append(block)
+
+    def adopt(self, seq_id: int, blocks: list[int]) -> None:
+        """Start a new sequence's table with cached blocks (a prefix hit): share, don't recompute."""
+        if seq_id in self.block_tables:
+            raise BlockManagerError(f"sequence {seq_id} already has a block table")
+        for block in blocks:
+            if self.refcounts[block] == 0:
+                del self.free_blocks[block]
+            self.refcounts[block] += 1
+        self.block_tables[seq_id] = list(blocks)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; writes must copy first (copy-on-write)."""
@@ -80,8 +102,10 @@ class BlockManager:
         for block in self.table(seq_id):
             self.refcounts[block] -= 1
             if self.refcounts[block] == 0:
-                self.free_blocks.append(block)
+                self.free_blocks[block] = None  # most recently freed; a cached block keeps its entry
         del self.block_tables[seq_id]
+        if self.prefix_cache:
+            self.prefix_cache.forget_sequence(seq_id)
 
     # ---------------------------------------------------------------- reading
     def table(self, seq_id: int) -> list[int]:
@@ -94,10 +118,17 @@ class BlockManager:
         table, size = self.table(seq_id), self.block_size
         return [table[pos // size] * size + pos % size for pos in range(start, end)]
 
+    def check_writable(self, seq_id: int, start: int, end: int) -> None:
+        """Positions start..end-1 are about to be written: their blocks must not be shared."""
+        table = self.table(seq_id)
+        for index in range(start // self.block_size, self.blocks_for(end)):
+            if self.refcounts[table[index]] > 1:
+                raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, "
+                                        f"shared by {self.refcounts[table[index]]} tables; copy it first")
+
     def check_invariants(self) -> None:
         holders = Counter(block for table in self.block_tables.values() for block in table)
         free = set(self.free_blocks)
-        assert len(free) == len(self.free_blocks), "a block is in the free pool twice"
         for block in range(self.num_blocks):
             assert self.refcounts[block] == holders[block], f"block {block}: refcount != tables holding it"
             assert (self.refcounts[block] == 0) == (block in free), f"block {block}: free iff refcount 0 broken"

@@ -1,0 +1,98 @@
+"""Prefix caching: reuse the KV of a prompt's leading blocks computed for an earlier request.
+
+Many requests start alike (a system prompt, a shared document). A *full* block's keys and values
+depend only on the tokens up to its end, so a block can be found again by its content: the key
+is a hash chain, hash(parent block's hash, this block's token ids), as in vLLM. A hit raises the
+block's refcount instead of recomputing it.
+
+A hash can collide, and wrong KV must never come back, so every entry also stores its block's
+tokens and its parent *block*; a lookup accepts a block only if its tokens equal the prompt's and
+its parent is the block accepted just before. By induction the whole prefix is then exactly the
+prompt's. When a block is reused for other content (evicted), the entries of its descendants go
+too, so a stale parent can never vouch for a child.
+
+Freed blocks keep their entry while they wait in the free pool; the pool hands out the least
+recently freed block first (LRU), and only then is its entry dropped. A prompt that is entirely
+cached still recomputes its last token, to get the logits the next token is sampled from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Entry:
+    key: int  # hash(parent key, tokens)
+    parent: int | None  # parent block id (None for a first block)
+    tokens: tuple[int, ...]
+
+
+class PrefixCache:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.block_of: dict[int, int] = {}  # key -> block
+        self.entries: dict[int, Entry] = {}  # block -> its entry
+        self.children: dict[int, set[int]] = {}  # block -> cached blocks whose parent it is
+        self.registered: dict[int, int] = {}  # seq_id -> how many of its leading blocks were offered
+        self.queried_blocks = 0
+        self.hit_blocks = 0
+
+    def block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+        return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+
+    def lookup(self, token_ids: list[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of full blocks of `token_ids`, at most all
+        but the last token (which must be computed for its logits)."""
+        blocks: list[int] = []
+        key = None
+        for index in range((len(token_ids) - 1) // self.block_size):
+            tokens = self.block_tokens(token_ids, index)
+            key = hash((key, tokens))
+            block = self.block_of.get(key)
+            entry = self.entries.get(block)
+            if entry is None or entry.tokens != tokens or entry.parent != (blocks[-1] if blocks else None):
+                break  # a miss, or a hash collision caught
+            blocks.append(block)
+        return blocks
+
+    def record_lookup(self, token_ids: list[int], hits: int) -> None:
+        self.queried_blocks += (len(token_ids) - 1) // self.block_size
+        self.hit_blocks += hits
+
+    def register(self, seq_id: int, table: list[int], token_ids: list[int], num_computed: int) -> None:
+        """Offer the sequence's newly full and computed blocks to the cache."""
+        done = self.registered.get(seq_id, 0)
+        for index in range(done, num_computed // self.block_size):
+            block = table[index]
+            parent = table[index - 1] if index else None
+            parent_entry = self.entries.get(parent) if parent is not None else None
+            if index and parent_entry is None:
+                break  # the parent is not cached (e.g. a duplicate), so neither can the child be
+            if block not in self.entries:
+                key = hash((parent_entry.key if parent_entry else None, self.block_tokens(token_ids, index)))
+                if key in self.block_of:
+                    break  # the same content is cached in another block already
+                self.block_of[key] = block
+                self.entries[block] = Entry(key, parent, self.block_tokens(token_ids, index))
+                if parent is not None:
+                    self.children.setdefault(parent, set()).add(block)
+            self.registered[seq_id] = index + 1
+
+    def forget_sequence(self, seq_id: int) -> None:
+        self.registered.pop(seq_id, None)
+
+    def evict(self, block: int) -> None:
+        """The block is about to hold other content: drop its entry and its descendants'."""
+        entry = self.entries.pop(block, None)
+        if entry is None:
+            return
+        del self.block_of[entry.key]
+        if entry.parent is not None:
+            self.children.get(entry.parent, set()).discard(block)
+        for child in self.children.pop(block, set()):
+            self.evict(child)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
