@@ -189,6 +189,12 @@ def cmd_bench_attention(args) -> None:
          print_attention_report, args.json)
 
 
+def cmd_bench_prefix(args) -> None:
+    from minillm.benchmarks.prefix import bench_prefix, print_prefix_report
+    show(bench_prefix(args.model, args.requests, args.system_tokens, args.attention_backend),
+         print_prefix_report, args.json)
+
+
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -247,6 +253,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(serve)
     serve.set_defaults(func=cmd_bench_serve)
+
+    prefix = bench_sub.add_parser("prefix", help="requests sharing a system prompt: prefix cache off vs on",
+                                  description="Requests that share a ~500-token system prompt, one after another, "
+                                              "with and without the prefix cache: TTFT and prefill tokens computed.")
+    prefix.add_argument("--requests", type=int, default=32, help="(default: 32)")
+    prefix.add_argument("--system-tokens", type=int, default=500, help="system prompt length (default: 500)")
+    prefix.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch", help="(default: torch)")
+    prefix.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(prefix)
+    prefix.set_defaults(func=cmd_bench_prefix)
 
     attention = bench_sub.add_parser("attention", help="decode attention: torch reference vs C++ / CUDA kernels",
                                      description="Time one layer of SmolLM2-shaped paged decode attention for each "

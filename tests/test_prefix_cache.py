@@ -43,7 +43,17 @@ def test_prefix_hits_give_identical_tokens_and_save_prefill(tiny_dir, tiny_model
     without = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=2 << 20)
     run_one_by_one(without, prompts, params)
     saved = without.engine.stats.tokens_computed - llm.engine.stats.tokens_computed
-    assert saved == cache.hit_blocks * BLOCK
+    assert saved == cache.hit_blocks * BLOCK == cache.stats()["prefill_tokens_saved"]
+
+
+def test_concurrent_hits_share_blocks(tiny_dir, tiny_model):
+    prefix = [(5 * i) % 97 for i in range(BLOCK * 4)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True, kv_cache_bytes=1 << 20)
+    llm.generate([prefix + [1]], params)
+    outputs = llm.generate([prefix + [2, 3], prefix + [4]], params)
+    assert_naive(tiny_model, outputs, [prefix + [2, 3], prefix + [4]], [params, params])
+    assert max(m.shared_slots for m in llm.engine.stats.memory) == 4 * BLOCK  # 4 blocks held twice
 
 
 def test_same_prefix_in_the_same_step(tiny_dir, tiny_model):

@@ -35,7 +35,8 @@ class PrefixCache:
         self.entries: dict[int, Entry] = {}  # block -> its entry
         self.children: dict[int, set[int]] = {}  # block -> cached blocks whose parent it is
         self.registered: dict[int, int] = {}  # seq_id -> how many of its leading blocks were offered
-        self.queried_blocks = 0
+        self.queried_tokens = 0  # prompt tokens of every lookup
+        self.queried_blocks = 0  # full blocks a lookup could have hit
         self.hit_blocks = 0
 
     def block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
@@ -57,6 +58,7 @@ class PrefixCache:
         return blocks
 
     def record_lookup(self, token_ids: list[int], hits: int) -> None:
+        self.queried_tokens += len(token_ids)
         self.queried_blocks += (len(token_ids) - 1) // self.block_size
         self.hit_blocks += hits
 
@@ -96,3 +98,10 @@ class PrefixCache:
     @property
     def hit_rate(self) -> float:
         return self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
+
+    def stats(self) -> dict:
+        hit_tokens = self.hit_blocks * self.block_size  # prefill tokens not computed
+        return {"queried_blocks": self.queried_blocks, "hit_blocks": self.hit_blocks, "block_hit_rate": self.hit_rate,
+                "prompt_tokens": self.queried_tokens, "prefill_tokens_saved": hit_tokens,
+                "token_hit_rate": hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
+                "cached_blocks": len(self.entries)}
