@@ -39,8 +39,6 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off (default: 1)")
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
-    parser.add_argument("--decoder", choices=["naive", "cached"], default="cached",
-                        help="naive recomputes everything per token (the oracle); cached keeps a KV cache")
 
 
 def sampling_from(args):
@@ -80,16 +78,21 @@ def cmd_generate(args) -> None:
 
 # ----------------------------------------------------------------------------- chat
 
-CHAT_HELP = "/reset clears the conversation, /stats shows speed and KV memory, /exit quits."
+CHAT_HELP = "/reset clears the conversation, /stats shows speed, KV memory and prefix reuse, /exit quits."
 
 
 def cmd_chat(args) -> None:
-    runtime = runtime_from(args)
+    """Multi-turn chat on the serving engine with the prefix cache on: each turn's prompt is the
+    whole conversation, and everything but the newest turn is found in the cache, not recomputed."""
+    from minillm.engine import LLM
+
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True)
+    tokenizer, cache = llm.engine.tokenizer, llm.engine.block_manager.prefix_cache
     params = sampling_from(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
     initial = list(history)
     last = None
-    console.print(f"[bold]minillm chat[/bold] — {args.model.name}, {args.decoder} decoder. {CHAT_HELP}")
+    console.print(f"[bold]minillm chat[/bold] — {args.model.name}, paged KV with prefix caching. {CHAT_HELP}")
     while True:
         try:
             user = console.input("[bold green]you>[/bold green] ").strip()
@@ -103,31 +106,37 @@ def cmd_chat(args) -> None:
             console.print("[dim]conversation cleared[/dim]")
             continue
         if user == "/stats":
-            console.print(stats_line(runtime, last) if last else "[dim]no reply yet[/dim]")
+            console.print(stats_line(llm, *last) if last else "[dim]no reply yet[/dim]")
             continue
         if not user:
             continue
         history.append({"role": "user", "content": user})
-        prompt_ids = runtime.tokenizer.encode_chat(history)
+        hits_before = cache.hit_blocks
+        text, out = tokenizer.stream_decoder(), None
         console.print("[bold blue]smol>[/bold blue] ", end="")
-        try:
-            for piece, last in runtime.stream_text(prompt_ids, params):
-                console.print(piece, end="", markup=False, highlight=False)
-        except ValueError as err:  # e.g. the conversation outgrew the context
+        for out in llm.stream(tokenizer.encode_chat(history), params):
+            token = out.token_ids[-1] if out.token_ids else None
+            if token is not None and token != tokenizer.eos_token_id:
+                console.print(text.feed(token), end="", markup=False, highlight=False)
+        if out.finish_reason == "error":  # e.g. the conversation outgrew the context
             history.pop()
-            console.print(f"\n[red]error:[/red] {err} Type /reset to start over.")
+            console.print(f"\n[red]error:[/red] {out.error} Type /reset to start over.")
             continue
-        console.print()
-        history.append({"role": "assistant", "content": runtime.tokenizer.decode(
-            [t for t in last.token_ids if t != runtime.tokenizer.eos_token_id])})
+        console.print(text.flush())
+        history.append({"role": "assistant", "content": out.text})
+        last = (out, (cache.hit_blocks - hits_before) * cache.block_size)
 
 
-def stats_line(runtime: Runtime, gen) -> str:
-    return (f"prompt {len(gen.prompt_ids)} tokens, reply {len(gen.token_ids)} tokens | "
-            f"first token {gen.prefill_s * 1000:.0f} ms | decode {gen.decode_tok_s:.1f} tok/s | "
-            f"KV cache {gen.kv_bytes / 2**20:.1f} MiB allocated "
-            f"({runtime.kv_bytes_per_token} B/token x {len(gen.prompt_ids) + len(gen.token_ids)} tokens = "
-            f"{runtime.kv_bytes_per_token * (len(gen.prompt_ids) + len(gen.token_ids)) / 2**20:.1f} MiB live)")
+def stats_line(llm, out, reused_tokens: int) -> str:
+    engine = llm.engine
+    per_token = engine.bytes_per_slot
+    held = len(out.prompt_token_ids) + len(out.token_ids)
+    decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
+    return (f"prompt {len(out.prompt_token_ids)} tokens ({reused_tokens} reused from the prefix cache), "
+            f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
+            f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
+            f"{len(engine.block_manager.prefix_cache.entries)} blocks cached, "
+            f"{engine.block_manager.num_free_blocks} of {engine.block_manager.num_blocks} blocks free")
 
 
 # ----------------------------------------------------------------------------- info
@@ -207,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (as a user turn)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: ids, text, timings")
+    gen.add_argument("--decoder", choices=["naive", "cached"], default="cached",
+                     help="naive recomputes everything per token (the oracle); cached keeps a KV cache")
     add_sampling_args(gen, max_tokens=128)
     add_model_args(gen)
     gen.set_defaults(func=cmd_generate)

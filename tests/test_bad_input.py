@@ -1,6 +1,7 @@
 """Every bad input a user can cause ends in one clear line that says what to do."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -127,9 +128,11 @@ def test_cli_info_reports_kv_bytes_from_formula_and_tensors(capsys, real_dir):
 
 
 def test_cli_chat_streams_replies_and_handles_commands(monkeypatch, capsys, real_dir):
-    lines = iter(["/stats", "Say hello.", "/stats", "/reset", "/exit"])
+    lines = iter(["/stats", "Say hello.", "/stats", "And goodbye?", "/stats", "/reset", "/exit"])
     monkeypatch.setattr("minillm.cli.console.input", lambda prompt="": next(lines))
     code, out, _ = run_cli(capsys, "chat", "--max-tokens", "8", "--model", str(real_dir))
     out = " ".join(out.split())  # the terminal wraps long lines
     assert code == 0
     assert "no reply yet" in out and "tok/s" in out and "KV cache" in out and "conversation cleared" in out
+    reused = [int(n) for n in re.findall(r"\((\d+) reused from the prefix cache\)", out)]
+    assert reused[0] == 0 and reused[1] >= 32  # the second turn finds the first one's blocks cached
