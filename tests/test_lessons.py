@@ -9,10 +9,10 @@ import pytest
 LESSONS = Path(__file__).parent.parent / "lessons"
 
 
-@pytest.mark.parametrize("lesson", ["01_kv_cache_math.py", "04_fragmentation.py", "12_kernel.py"])
+@pytest.mark.parametrize("lesson", ["01_kv_cache_math.py", "04_fragmentation.py", "06_prefix_sharing.py", "12_kernel.py"])
 def test_lesson_runs_and_saves_its_plot(lesson, real_dir):
     result = subprocess.run([sys.executable, str(LESSONS / lesson)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "What it means" in result.stdout
-    if lesson != "12_kernel.py":  # the kernel lesson prints tables only
+    if lesson not in ("06_prefix_sharing.py", "12_kernel.py"):  # these print tables only
         assert (LESSONS / "out" / lesson.replace(".py", ".png")).is_file()

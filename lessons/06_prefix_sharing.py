@@ -1,0 +1,83 @@
+"""Lesson 06 — prefix sharing: many requests, one copy of the shared system prompt.
+
+Requests to a chat service mostly start alike: the same system prompt, the same instructions.
+Their leading KV blocks are identical, so the prefix cache keeps one copy and points every
+request's block table at it: the prompt is neither recomputed nor stored twice. We draw the block
+tables of concurrent requests, count the prefill saved, and show the classic pitfall: a system
+prompt with the current time in it is different for every request, so nothing is shared — until
+the volatile part is moved out of the shared prefix.
+
+    python lessons/06_prefix_sharing.py
+"""
+
+import datetime
+
+from _common import console, require_model, table  # noqa: E402
+from minillm.engine import LLM, SamplingParams  # noqa: E402
+from minillm.tokenizer import Tokenizer  # noqa: E402
+from minillm.weights import load_model  # noqa: E402
+
+SYSTEM = ("You are a support assistant for a library. Answer briefly and politely. Opening hours are 9 to 17 on "
+          "weekdays and 10 to 14 on Saturdays. Members may borrow up to ten books for three weeks.")
+QUESTIONS = ["When do you open on Saturday?", "How many books can I borrow?", "How long can I keep a book?",
+             "Are you open on Sunday?"]
+
+
+def draw_tables(engine, names):
+    cache = engine.block_manager.prefix_cache
+    for seq in engine.scheduler.running:
+        cells = [f"[{b:>3}]{'*' if engine.block_manager.refcounts[b] > 1 else ' '}"
+                 for b in engine.block_manager.table(seq.seq_id)]
+        console.print(f"{names[seq.request_id]:<34} " + "".join(cells))
+    console.print(f"\\[n] = physical block, * = held by several requests now; {len(cache.entries)} blocks cached")
+
+
+def serve(model, tokenizer, prompts, title, draw=False):
+    llm = LLM(model=model, tokenizer=tokenizer, prefix_caching=True, block_size=16)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    engine.add_request(prompts[0], params)  # the first request fills the cache ...
+    while engine.has_unfinished_requests():
+        engine.step()
+    names = {engine.add_request(p, params): f"request {i}: {QUESTIONS[i % len(QUESTIONS)][:22]}"
+             for i, p in enumerate(prompts) if i}  # ... the others arrive together
+    engine.step()
+    if draw:
+        draw_tables(engine, names)
+    while engine.has_unfinished_requests():
+        engine.step()
+    stats = engine.block_manager.prefix_cache.stats()
+    shared = max(m.shared_slots * m.bytes_per_slot for m in engine.stats.memory)
+    return [title, sum(len(p) for p in prompts), engine.stats.tokens_computed - engine.stats.tokens_generated
+            + len(prompts), stats["prefill_tokens_saved"], f"{stats['block_hit_rate']:.0%}", f"{shared / 2**20:.2f} MiB"]
+
+
+def chat(tokenizer, system, question):
+    return tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+
+
+def main():
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    console.rule("1. Four requests, one system prompt: their block tables")
+    same = [chat(tokenizer, SYSTEM, q) for q in QUESTIONS + QUESTIONS[:1]]
+    shared_row = serve(model, tokenizer, same, "same system prompt", draw=True)
+
+    console.rule("2. The pitfall: a timestamp at the start of the system prompt")
+    start = datetime.datetime(2026, 11, 29, 9, 0, 0)
+    stamped = [chat(tokenizer, f"Current time: {start + datetime.timedelta(seconds=7 * i)}. {SYSTEM}", q)
+               for i, q in enumerate(QUESTIONS + QUESTIONS[:1])]
+    stamped_row = serve(model, tokenizer, stamped, "timestamp first")
+    fixed = [chat(tokenizer, SYSTEM, f"(current time: {start + datetime.timedelta(seconds=7 * i)}) {q}")
+             for i, q in enumerate(QUESTIONS + QUESTIONS[:1])]
+    fixed_row = serve(model, tokenizer, fixed, "timestamp in the turn")
+    table("5 requests, the first alone, then 4 together", ["system prompt", "prompt tokens", "prefill computed",
+          "prefill saved", "block hit rate", "KV shared (peak)"], [shared_row, stamped_row, fixed_row])
+    console.print(f"\n[bold]What it means:[/bold] a shared prefix is computed once and stored once "
+                  f"({shared_row[3]} of {shared_row[1]} prompt tokens not recomputed here); one changing byte "
+                  f"near the start breaks the hash chain for everything after it (saved: {stamped_row[3]}), so "
+                  f"keep volatile text out of the shared prefix (saved again: {fixed_row[3]}).")
+
+
+if __name__ == "__main__":
+    main()
