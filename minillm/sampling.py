@@ -19,7 +19,8 @@ class SamplingParams:
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0  # 1 means no nucleus cut
     max_tokens: int = 64
-    seed: int | None = None
+    seed: int | None = None  # sample i of n uses seed + i
+    n: int = 1  # parallel samples of one prompt; they share the prompt's KV blocks
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
 
     def __post_init__(self):
@@ -30,6 +31,8 @@ class SamplingParams:
             problems.append(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (isinstance(self.n, int) and self.n >= 1):
+            problems.append(f"n must be an integer >= 1, got {self.n}")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if problems:
@@ -41,11 +44,11 @@ class SamplingParams:
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, sample_index: int = 0):
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed + sample_index)
         else:
             self.generator.seed()
 

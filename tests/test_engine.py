@@ -101,7 +101,7 @@ def test_abort_frees_the_blocks(tiny_dir, tiny_model):
     engine.abort(drop)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.sequences[drop].finish_reason == "abort" and engine.sequences[keep].finish_reason == "length"
+    assert engine.requests[drop][0].finish_reason == "abort" and engine.requests[keep][0].finish_reason == "length"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 

@@ -39,6 +39,13 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's keys and values, in every layer."""
+        size = self.block_size
+        for src, dst in pairs:
+            self.k_cache[:, dst * size:(dst + 1) * size] = self.k_cache[:, src * size:(src + 1) * size]
+            self.v_cache[:, dst * size:(dst + 1) * size] = self.v_cache[:, src * size:(src + 1) * size]
+
 
 @dataclass
 class SequenceSlice:

@@ -36,32 +36,46 @@ from minillm.weights import load_model
 
 @dataclass
 class RequestOutput:
+    """A request's state. With n parallel samples, `token_ids` is sample 0 and `samples` holds all."""
+
     request_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    finished: bool
+    finished: bool  # every sample has finished
     finish_reason: str | None
     error: str | None
     ttft: float | None  # seconds from arrival to first token
     tpot: float | None  # seconds per output token after the first
     num_preemptions: int
+    samples: list[list[int]] = field(default_factory=list)
     tokenizer: Tokenizer | None = field(default=None, repr=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ConfigError("This engine has no tokenizer; read token_ids instead of text.")
+        return self.tokenizer.decode([t for t in token_ids if t != self.tokenizer.eos_token_id])
 
     @property
     def text(self) -> str:
-        if self.tokenizer is None:
-            raise ConfigError("This engine has no tokenizer; read token_ids instead of text.")
-        return self.tokenizer.decode([t for t in self.token_ids if t != self.tokenizer.eos_token_id])
+        return self.decode(self.token_ids)
+
+    @property
+    def texts(self) -> list[str]:
+        return [self.decode(sample) for sample in self.samples]
 
     @classmethod
-    def of(cls, seq: Sequence, tokenizer: Tokenizer | None) -> "RequestOutput":
+    def of(cls, seqs: list[Sequence], tokenizer: Tokenizer | None) -> "RequestOutput":
+        first = seqs[0]
         ttft = tpot = None
-        if seq.first_token_time is not None:
-            ttft = seq.first_token_time - seq.arrival_time
-            if seq.finish_time is not None and len(seq.output_ids) > 1:
-                tpot = (seq.finish_time - seq.first_token_time) / (len(seq.output_ids) - 1)
-        return cls(seq.request_id, list(seq.prompt_ids), list(seq.output_ids), seq.status is Status.FINISHED,
-                   seq.finish_reason, seq.error, ttft, tpot, seq.num_preemptions, tokenizer)
+        if first.first_token_time is not None:
+            ttft = first.first_token_time - first.arrival_time
+            if first.finish_time is not None and len(first.output_ids) > 1:
+                tpot = (first.finish_time - first.first_token_time) / (len(first.output_ids) - 1)
+        finished = all(seq.status is Status.FINISHED for seq in seqs) and len(seqs) == first.params.n \
+            or first.finish_reason in ("error", "abort")
+        return cls(first.request_id, list(first.prompt_ids), list(first.output_ids), finished, first.finish_reason,
+                   first.error, ttft, tpot, sum(seq.num_preemptions for seq in seqs),
+                   [list(seq.output_ids) for seq in seqs], tokenizer)
 
 
 @dataclass
@@ -97,7 +111,7 @@ class LLMEngine:
         self.decode_attention = decode_backend(config.attention_backend)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.sequences: dict[str, Sequence] = {}
+        self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' sequences
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
@@ -108,14 +122,14 @@ class LLMEngine:
         params = params or SamplingParams()
         seq_id = next(self.seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
-        if request_id in self.sequences:
+        if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ConfigError("This engine has no tokenizer; pass prompts as token ids.")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_len = min(self.context_len, len(prompt_ids) + params.max_tokens)
         seq = Sequence(seq_id, request_id, prompt_ids, params, max_len)
-        self.sequences[request_id] = seq
+        self.requests[request_id] = [seq]
         problem = self.admission_problem(seq)
         if problem:
             seq.finish("error", problem)
@@ -138,10 +152,10 @@ class LLMEngine:
         return None
 
     def abort(self, request_id: str) -> None:
-        seq = self.sequences[request_id]
-        if seq.status is not Status.FINISHED:
-            self.scheduler.finish(seq)
-            seq.finish("abort")
+        for seq in self.requests[request_id]:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish("abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.rejected)
@@ -150,11 +164,13 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that got a token or ended."""
-        outputs = [RequestOutput.of(seq, self.tokenizer) for seq in self.rejected]
+        outputs = [RequestOutput.of([seq], self.tokenizer) for seq in self.rejected]
         self.rejected.clear()
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
+        self.cache.copy_blocks(self.scheduler.pending_copies)  # copy-on-write, before anyone writes
+        self.scheduler.pending_copies = []
         hidden, last_rows = self.forward(scheduled)
         cache = self.block_manager.prefix_cache
         for item in scheduled:
@@ -167,13 +183,28 @@ class LLMEngine:
             rows = torch.tensor([row for _, row in ready], device=hidden.device)
             logits = self.model.logits(hidden[rows])  # (sequences ready to sample, vocab)
             eos = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
+            changed = {}
             for (seq, _), seq_logits in zip(ready, logits):
-                seq.append(seq.sampler(seq_logits), eos)
-                if seq.status is Status.FINISHED:
-                    self.scheduler.finish(seq)
-                outputs.append(RequestOutput.of(seq, self.tokenizer))
+                for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
+                    sample.append(sample.sampler(seq_logits), eos)
+                    if sample.status is Status.FINISHED:
+                        self.scheduler.finish(sample)
+                changed[seq.request_id] = self.requests[seq.request_id]
+            outputs += [RequestOutput.of(seqs, self.tokenizer) for seqs in changed.values()]
         self.record_step(scheduled, len(ready))
         return outputs
+
+    def samples_of(self, seq: Sequence) -> list[Sequence]:
+        """The sequences that sample from `seq`'s logits: itself, and when a request with n > 1
+        samples for the first time, n - 1 forks sharing its blocks (parallel sampling)."""
+        if seq.params.n == 1 or len(self.requests[seq.request_id]) == seq.params.n:
+            return [seq]
+        forks = [seq.fork(next(self.seq_ids), index) for index in range(1, seq.params.n)]
+        for child in forks:
+            self.block_manager.fork(seq.seq_id, child.seq_id)
+            self.scheduler.running.append(child)
+        self.requests[seq.request_id] += forks
+        return [seq, *forks]
 
     def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
         """One forward pass over every scheduled token, sequences laid end to end.

@@ -11,6 +11,8 @@ prefill). Waiting sequences are admitted FIFO while budget, sequence slots and K
 
 A sequence's first blocks may come from the prefix cache: its prompt's leading full blocks,
 computed before for another request, are shared and skipped (num_computed starts past them).
+A block that a sequence is about to write while others hold it (parallel samples share their
+prompt's last, partly filled block) is copied first: copy-on-write.
 
 When a running sequence needs a block and none is free, the newest running sequence is
 preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
@@ -44,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks for this step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -94,13 +97,15 @@ class Scheduler:
         hits = cache.lookup(seq.token_ids) if cache and starting else []
         start = len(hits) * manager.block_size if starting else seq.num_computed
         num_tokens = min(seq.num_tokens - start, budget)
-        if not manager.can_grow(seq.seq_id, start + num_tokens, adopting=hits):
+        copies = len(manager.shared_blocks(seq.seq_id, start, start + num_tokens))
+        if not manager.can_grow(seq.seq_id, start + num_tokens, adopting=hits, copies=copies):
             return 0
         if cache and starting:
             cache.record_lookup(seq.token_ids, len(hits))
             manager.adopt(seq.seq_id, hits)
             seq.num_computed = start
         manager.grow(seq.seq_id, start + num_tokens)
+        self.pending_copies += manager.copy_on_write(seq.seq_id, start, start + num_tokens)
         return num_tokens
 
     def start_static_batch(self) -> None:

@@ -28,6 +28,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     max_len: int  # min(context length, prompt + max_tokens): the sequence stops there
+    sample_index: int = 0  # which of the request's n parallel samples this is
     sampler: Sampler = field(init=False)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
@@ -40,7 +41,7 @@ class Sequence:
     num_preemptions: int = 0
 
     def __post_init__(self):
-        self.sampler = Sampler(self.params)
+        self.sampler = Sampler(self.params, self.sample_index)
 
     @property
     def token_ids(self) -> list[int]:
@@ -67,6 +68,13 @@ class Sequence:
             self.finish("eos")
         elif self.num_tokens >= self.max_len:
             self.finish("length")
+
+    def fork(self, seq_id: int, sample_index: int) -> "Sequence":
+        """A parallel sample: the same tokens so far (its KV blocks are shared, not copied), its
+        own sampler."""
+        return Sequence(seq_id, self.request_id, self.prompt_ids, self.params, self.max_len, sample_index,
+                        output_ids=list(self.output_ids), num_computed=self.num_computed, status=self.status,
+                        arrival_time=self.arrival_time)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error

@@ -42,6 +42,7 @@ class BlockManager:
         self.refcounts = [0] * num_blocks
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
+        self.num_copies = 0  # copy-on-write copies made
 
     # ---------------------------------------------------------------- counting
     @property
@@ -56,10 +57,16 @@ class BlockManager:
         held = len(self.block_tables.get(seq_id, ()))
         return max(0, self.blocks_for(num_tokens) - held)
 
-    def can_grow(self, seq_id: int, num_tokens: int, adopting: list[int] = ()) -> bool:
-        """Room for `num_tokens` tokens, after taking over the cached blocks `adopting`
-        (those waiting in the free pool stop being free)."""
-        missing = self.blocks_missing(seq_id, num_tokens) - len(adopting)
+    def shared_blocks(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Indices in the table of blocks that positions start..end-1 would write and others hold."""
+        table = self.block_tables.get(seq_id, [])
+        return [i for i in range(start // self.block_size, min(len(table), self.blocks_for(end)))
+                if self.refcounts[table[i]] > 1]
+
+    def can_grow(self, seq_id: int, num_tokens: int, adopting: list[int] = (), copies: int = 0) -> bool:
+        """Room for `num_tokens` tokens and `copies` copy-on-write blocks, after taking over the
+        cached blocks `adopting` (those waiting in the free pool stop being free)."""
+        missing = self.blocks_missing(seq_id, num_tokens) - len(adopting) + copies
         reclaimed = sum(1 for block in adopting if self.refcounts[block] == 0)
         return missing <= self.num_free_blocks - reclaimed
 
@@ -72,11 +79,28 @@ class BlockManager:
                                     "check can_grow first")
         table = self.block_tables.setdefault(seq_id, [])
         for _ in range(missing):
-            block, _ = self.free_blocks.popitem(last=False)  # least recently freed
-            if self.prefix_cache:
-                self.prefix_cache.evict(block)  # its old content is about to be overwritten
-            self.refcounts[block] = 1
-            table.append(block)
+            table.append(self.take_free_block())
+
+    def take_free_block(self) -> int:
+        block, _ = self.free_blocks.popitem(last=False)  # least recently freed
+        if self.prefix_cache:
+            self.prefix_cache.evict(block)  # its old content is about to be overwritten
+        self.refcounts[block] = 1
+        return block
+
+    def copy_on_write(self, seq_id: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Give the sequence private copies of the shared blocks positions start..end-1 will
+        write. Returns (source, destination) block pairs whose KV the caller must copy."""
+        table, copies = self.table(seq_id), []
+        for index in self.shared_blocks(seq_id, start, end):
+            shared = table[index]
+            if len(self.free_blocks) == 0:
+                raise BlockManagerError(f"no free block to copy block {shared} into; check can_grow first")
+            self.refcounts[shared] -= 1
+            table[index] = self.take_free_block()
+            copies.append((shared, table[index]))
+        self.num_copies += len(copies)
+        return copies
 
     def adopt(self, seq_id: int, blocks: list[int]) -> None:
         """Start a new sequence's table with cached blocks (a prefix hit): share, don't recompute."""
