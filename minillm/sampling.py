@@ -21,6 +21,7 @@ class SamplingParams:
     max_tokens: int = 64
     seed: int | None = None  # sample i of n uses seed + i
     n: int = 1  # parallel samples of one prompt; they share the prompt's KV blocks
+    beam_width: int = 1  # > 1: beam search (greedy over total log-probability) instead of sampling
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
 
     def __post_init__(self):
@@ -33,10 +34,19 @@ class SamplingParams:
             problems.append(f"top_p must be in (0, 1], got {self.top_p}")
         if not (isinstance(self.n, int) and self.n >= 1):
             problems.append(f"n must be an integer >= 1, got {self.n}")
+        if not (isinstance(self.beam_width, int) and self.beam_width >= 1):
+            problems.append(f"beam_width must be an integer >= 1, got {self.beam_width}")
+        elif self.beam_width > 1 and (self.temperature != 0 or self.n != 1):
+            problems.append("beam search is deterministic: use it with temperature=0 and n=1")
         if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
             problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if problems:
             raise ValueError("; ".join(problems) + ".")
+
+    @property
+    def num_outputs(self) -> int:
+        """Token sequences a request returns: its beams or its samples."""
+        return self.beam_width if self.beam_width > 1 else self.n
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ import torch
 from minillm.attention.kernels import decode_backend
 from minillm.attention.paged import DecodeBatch, PagedAttention, PagedKVCache, SequenceSlice, context_slots
 from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig
+from minillm.engine.beam import BeamGroup, select
 from minillm.engine.scheduler import ScheduledSequence, Scheduler
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory.accounting import MemoryStats, paged_stats
@@ -36,7 +37,8 @@ from minillm.weights import load_model
 
 @dataclass
 class RequestOutput:
-    """A request's state. With n parallel samples, `token_ids` is sample 0 and `samples` holds all."""
+    """A request's state. With n parallel samples, `token_ids` is sample 0 and `samples` holds all;
+    with beam search, `samples` are the beams, best first."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -71,7 +73,7 @@ class RequestOutput:
             ttft = first.first_token_time - first.arrival_time
             if first.finish_time is not None and len(first.output_ids) > 1:
                 tpot = (first.finish_time - first.first_token_time) / (len(first.output_ids) - 1)
-        finished = all(seq.status is Status.FINISHED for seq in seqs) and len(seqs) == first.params.n \
+        finished = all(seq.status is Status.FINISHED for seq in seqs) and len(seqs) == first.params.num_outputs \
             or first.finish_reason in ("error", "abort")
         return cls(first.request_id, list(first.prompt_ids), list(first.output_ids), finished, first.finish_reason,
                    first.error, ttft, tpot, sum(seq.num_preemptions for seq in seqs),
@@ -111,7 +113,8 @@ class LLMEngine:
         self.decode_attention = decode_backend(config.attention_backend)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' sequences
+        self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
+        self.beam_groups: dict[str, BeamGroup] = {}
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
@@ -130,6 +133,8 @@ class LLMEngine:
         max_len = min(self.context_len, len(prompt_ids) + params.max_tokens)
         seq = Sequence(seq_id, request_id, prompt_ids, params, max_len)
         self.requests[request_id] = [seq]
+        if params.beam_width > 1:
+            self.beam_groups[request_id] = BeamGroup(params.beam_width, live=[(seq, 0.0)])
         problem = self.admission_problem(seq)
         if problem:
             seq.finish("error", problem)
@@ -185,6 +190,13 @@ class LLMEngine:
             eos = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
             changed = {}
             for (seq, _), seq_logits in zip(ready, logits):
+                group = self.beam_groups.get(seq.request_id)
+                if group is not None:
+                    group.pending[seq.seq_id] = torch.log_softmax(seq_logits, dim=-1)
+                    if group.ready():  # every live beam has its next-token scores: choose
+                        self.advance_beams(group, eos)
+                        changed[seq.request_id] = self.requests[seq.request_id]
+                    continue
                 for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
                     sample.append(sample.sampler(seq_logits), eos)
                     if sample.status is Status.FINISHED:
@@ -193,6 +205,40 @@ class LLMEngine:
             outputs += [RequestOutput.of(seqs, self.tokenizer) for seqs in changed.values()]
         self.record_step(scheduled, len(ready))
         return outputs
+
+    def advance_beams(self, group: BeamGroup, eos: int | None) -> None:
+        """One beam-search step: keep the best `width` (beam, token) pairs; fork beams chosen
+        more than once, drop beams chosen by nobody (their blocks go back to the pool)."""
+        live = group.live
+        choices = select([score for _, score in live], torch.stack([group.pending[s.seq_id] for s, _ in live]),
+                         group.width)
+        group.pending.clear()
+        chosen = {beam for beam, _, _ in choices}
+        for index, (seq, _) in enumerate(live):
+            if index not in chosen:
+                self.scheduler.finish(seq)
+                seq.finish("pruned")
+        claimed, assignments = set(), []
+        for beam, token, score in choices:  # fork before any beam appends, so forks copy the parent as it was
+            parent = live[beam][0]
+            seq = parent if beam not in claimed else parent.fork(next(self.seq_ids), 0)
+            if seq is not parent and parent.seq_id in self.block_manager.block_tables:
+                self.block_manager.fork(parent.seq_id, seq.seq_id)
+                self.scheduler.running.append(seq)
+            elif seq is not parent:  # the parent was preempted: the child recomputes too
+                self.scheduler.waiting.append(seq)
+            claimed.add(beam)
+            assignments.append((seq, token, score))
+        group.live = []
+        for seq, token, score in assignments:
+            seq.append(token, eos)
+            if seq.status is Status.FINISHED:
+                self.scheduler.finish(seq)
+                group.finished.append((seq, score))
+            else:
+                group.live.append((seq, score))
+        request_id = live[0][0].request_id
+        self.requests[request_id] = [seq for seq, _ in group.live] or group.ranked()
 
     def samples_of(self, seq: Sequence) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits: itself, and when a request with n > 1

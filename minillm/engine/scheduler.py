@@ -63,8 +63,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:  # preempted earlier in this loop
-                continue
+            if seq.status is not Status.RUNNING or seq.num_uncomputed == 0:  # preempted in this loop, or a
+                continue  # beam whose scores are in, waiting for its siblings
             while not (num_tokens := self.reserve(seq, budget)):
                 preempted = True
                 victim = self.running[-1]
@@ -86,6 +86,11 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
+        if not scheduled and self.waiting and self.running:
+            # Nobody running has work (beams waiting for a sibling that waits for memory): make room
+            # for the head of the queue; the victim queues behind it, or it would take the room back.
+            self.preempt(self.running[-1], front=False)
+            return self.schedule()
         return scheduled
 
     def reserve(self, seq: Sequence, budget: int) -> int:
@@ -116,13 +121,13 @@ class Scheduler:
             seq.status = Status.RUNNING
             self.running.append(seq)
 
-    def preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence, front: bool = True) -> None:
         if seq.seq_id in self.block_manager.block_tables:  # a static-batch member may not have started
             self.block_manager.free(seq.seq_id)
         self.running.remove(seq)
         seq.status, seq.num_computed = Status.WAITING, 0
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.appendleft(seq) if front else self.waiting.append(seq)
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:

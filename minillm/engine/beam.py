@@ -1,0 +1,60 @@
+"""Beam search: keep the `beam_width` most likely continuations, sharing their common history.
+
+Every step, each live beam proposes its next tokens; the `beam_width` best (beam, token) pairs by
+total log-probability survive. A beam chosen twice is forked — the two children share all the
+parent's blocks and copy only the last one when they write into it — and a beam chosen by nobody
+is dropped and releases its blocks. A beam that emits EOS or reaches max_tokens is finished; the
+search ends when no beam is live, and the results are the best finished beams.
+
+`select` is shared by the engine and by `reference_beam_search`, which recomputes every beam
+from scratch with the naive decoder: the two must agree beam for beam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from minillm.decoding.naive import sequence_logits
+from minillm.engine.sequence import Sequence
+
+
+def select(scores: list[float], logprobs: torch.Tensor, width: int) -> list[tuple[int, int, float]]:
+    """scores: total log-probability of each live beam; logprobs: (beams, vocab) for its next
+    token. Returns the `width` best (beam index, token, new score), best first."""
+    totals = torch.tensor(scores, dtype=torch.float64)[:, None] + logprobs.double()  # (beams, vocab)
+    values, flat = totals.flatten().topk(width)
+    vocab = logprobs.shape[1]
+    return [(int(i) // vocab, int(i) % vocab, float(v)) for v, i in zip(values, flat)]
+
+
+@dataclass
+class BeamGroup:
+    """The beams of one request: live ones (with their scores) and finished ones."""
+
+    width: int
+    live: list[tuple[Sequence, float]]
+    finished: list[tuple[Sequence, float]] = field(default_factory=list)
+    pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> next-token log-probs
+
+    def ready(self) -> bool:
+        return all(seq.seq_id in self.pending for seq, _ in self.live)
+
+    def ranked(self) -> list[Sequence]:
+        return [seq for seq, _ in sorted(self.finished, key=lambda beam: -beam[1])[:self.width]]
+
+
+def reference_beam_search(model, prompt_ids: list[int], width: int, max_tokens: int,
+                          eos_token_id: int | None) -> list[list[int]]:
+    """The same search, recomputing every beam's whole sequence every step (no cache at all)."""
+    live, finished = [([], 0.0)], []
+    while live:
+        logprobs = torch.stack([torch.log_softmax(sequence_logits(model, prompt_ids + out)[-1], -1) for out, _ in live])
+        survivors = []
+        for beam, token, score in select([score for _, score in live], logprobs, width):
+            out = live[beam][0] + [token]
+            done = token == eos_token_id or len(out) >= max_tokens
+            (finished if done else survivors).append((out, score))
+        live = survivors
+    return [out for out, _ in sorted(finished, key=lambda beam: -beam[1])[:width]]
