@@ -104,15 +104,16 @@ def test_hash_collisions_never_return_wrong_kv(tiny_dir, tiny_model, monkeypatch
     assert_naive(tiny_model, run_one_by_one(llm, prompts, params), prompts, params)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14), min_size=1, max_size=12),
-       frees=st.lists(st.booleans(), min_size=12, max_size=12))
-def test_cached_blocks_always_hold_the_prompts_tokens(prompts, frees):
-    """Random prompts over a 3-token alphabet (many shared prefixes, few blocks): every adopted
-    block's recorded tokens are the prompt's, and the refcount invariants hold throughout."""
-    manager = BlockManager(num_blocks=10, block_size=2, prefix_caching=True)
-    cache, live = manager.prefix_cache, []
-    for seq_id, (prompt, free_it) in enumerate(zip(prompts, frees)):
+       actions=st.lists(st.sampled_from(["keep", "free", "fork_and_write"]), min_size=12, max_size=12))
+def test_cached_blocks_always_hold_the_prompts_tokens(prompts, actions):
+    """Random prompts over a 3-token alphabet (many shared prefixes, few blocks), with frees, forks
+    and copy-on-write appends: every adopted block's recorded tokens are the prompt's, no write
+    lands in a shared block, and the refcount invariants hold throughout."""
+    manager = BlockManager(num_blocks=12, block_size=2, prefix_caching=True)
+    cache, live, lengths = manager.prefix_cache, [], {}
+    for seq_id, (prompt, action) in enumerate(zip(prompts, actions)):
         hits = cache.lookup(prompt)
         if not manager.can_grow(seq_id, len(prompt), adopting=hits):
             for old in live:
@@ -125,9 +126,32 @@ def test_cached_blocks_always_hold_the_prompts_tokens(prompts, frees):
         manager.grow(seq_id, len(prompt))
         cache.register(seq_id, manager.table(seq_id), prompt, len(prompt))
         live.append(seq_id)
-        if free_it:
+        lengths[seq_id] = len(prompt)
+        if action == "free":
             manager.free(live.pop())
+        elif action == "fork_and_write":
+            child = 1000 + seq_id
+            manager.fork(seq_id, child)
+            live.append(child)
+            n = lengths[seq_id]
+            copies = len(manager.shared_blocks(child, n, n + 1))
+            if manager.can_grow(child, n + 1, copies=copies):
+                manager.grow(child, n + 1)
+                manager.copy_on_write(child, n, n + 1)
+                manager.check_writable(child, n, n + 1)  # the child may now write position n
         manager.check_invariants()
+
+
+def test_real_model_with_prefix_cache_matches_naive(real_dir, real_model, real_tokenizer):
+    system = "You are a careful assistant. " * 12
+    prompts = [real_tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in ("What is 2 + 2?", "Name a color.", "Say hi.", "What is 2 + 2?")]
+    params = SamplingParams(max_tokens=12)
+    llm = LLM(real_dir, model=real_model, tokenizer=real_tokenizer, prefix_caching=True, kv_cache_bytes=64 << 20)
+    outputs = run_one_by_one(llm, prompts, [params] * 4)
+    for out, prompt in zip(outputs, prompts):
+        assert out.token_ids == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
+    assert llm.engine.block_manager.prefix_cache.hit_blocks >= 3 * (len(prompts[0]) // 16 - 1)
 
 
 def test_writing_a_shared_block_is_refused():
