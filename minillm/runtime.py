@@ -1,4 +1,4 @@
-"""One loaded model with its tokenizer: what the CLI and the lessons drive.
+"""One loaded model with its tokenizer, for single-sequence decoding (`minillm generate`, `info`).
 
 `Runtime(EngineConfig)` loads the checkpoint once; `generate` / `stream_text` run one request
 through the decoder the config names. The serving engine (many requests, paged memory) grows
