@@ -22,10 +22,18 @@ class ContiguousKVCache:
         shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)  # (layers, max_len, kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
-        self.positions: torch.Tensor | None = None  # this step's positions: a contiguous run
+        self.start = self.end = 0  # this step writes positions start..end-1
+        self.positions: torch.Tensor | None = None  # (end - start,) the same, as a tensor
+
+    def begin_step(self, start: int, end: int, device) -> torch.Tensor:
+        """Set this step's positions once, as ints too: reading them back from the tensor in each
+        of the 30 layers would cost a device sync per layer on a GPU."""
+        self.start, self.end = start, end
+        self.positions = torch.arange(start, end, device=device)
+        return self.positions
 
     def attend(self, layer_idx, q, k, v):
-        start, end = int(self.positions[0]), int(self.positions[-1]) + 1
+        start, end = self.start, self.end
         self.k_cache[layer_idx, start:end] = k  # (N, kv_heads, head_dim)
         self.v_cache[layer_idx, start:end] = v
         return causal_attention(q, self.k_cache[layer_idx, :end], self.v_cache[layer_idx, :end], self.positions)
@@ -45,8 +53,7 @@ class CachedDecoder:
     def forward(self, token_ids: list[int]) -> torch.Tensor:
         """Append `token_ids` to the sequence; return logits after its last token (vocab_size,)."""
         device = self.model.device
-        positions = torch.arange(self.length, self.length + len(token_ids), device=device)
-        self.cache.positions = positions
+        positions = self.cache.begin_step(self.length, self.length + len(token_ids), device)
         hidden = self.model(torch.tensor(token_ids, device=device), positions, self.cache)
         self.length += len(token_ids)
         return self.model.logits(hidden[-1:])[0]
