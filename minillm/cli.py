@@ -65,6 +65,7 @@ def cmd_generate(args) -> None:
             "prompt": args.prompt, "prompt_ids": gen.prompt_ids, "generated_ids": gen.token_ids,
             "text": runtime.tokenizer.decode(gen.token_ids), "finish_reason": gen.finish_reason,
             "decoder": args.decoder,
+            "kv_bytes_allocated": gen.kv_bytes,
             "timings": {"prefill_s": gen.prefill_s, "decode_s": gen.decode_s, "decode_tok_s": gen.decode_tok_s},
         }))
         return

@@ -118,6 +118,7 @@ def test_cli_generate_json_prints_ids_text_and_timings(capsys, real_dir, real_to
     assert report["prompt_ids"] == real_tokenizer.encode("The capital of France is")
     assert len(report["generated_ids"]) == 5 and report["text"] == real_tokenizer.decode(report["generated_ids"])
     assert report["timings"]["prefill_s"] > 0
+    assert report["kv_bytes_allocated"] == (len(report["prompt_ids"]) + 5) * 2 * 30 * 3 * 64 * 4  # cached decoder
 
 
 def test_cli_info_reports_kv_bytes_from_formula_and_tensors(capsys, real_dir):

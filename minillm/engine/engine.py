@@ -61,10 +61,6 @@ class RequestOutput:
     def text(self) -> str:
         return self.decode(self.token_ids)
 
-    @property
-    def texts(self) -> list[str]:
-        return [self.decode(sample) for sample in self.samples]
-
     @classmethod
     def of(cls, seqs: list[Sequence], tokenizer: Tokenizer | None) -> "RequestOutput":
         first = seqs[0]

@@ -28,8 +28,6 @@ from dataclasses import dataclass
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory.block_manager import BlockManager
 
-POLICIES = ("continuous", "static")
-
 
 @dataclass
 class ScheduledSequence:

@@ -55,10 +55,6 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_uncomputed > 1
-
     def append(self, token_id: int, eos_token_id: int | None) -> None:
         now = time.perf_counter()
         self.output_ids.append(token_id)
