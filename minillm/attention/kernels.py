@@ -24,9 +24,9 @@ CUDA_SOURCE = KERNEL_DIR / "paged_attention.cu"
 # -march=native: this machine's vector width (the build is cached per machine). The three math
 # flags let the compiler reorder the float sums of the dot products, so it can vectorize them.
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-SIGNATURE = ("torch::Tensor {name}(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache, "
-             "torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, "
-             "torch::Tensor k_scales, torch::Tensor v_scales);")
+DECLARATION = ("torch::Tensor paged_attention_decode(torch::Tensor query, torch::Tensor key_cache, "
+               "torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size, "
+               "torch::Tensor k_scales, torch::Tensor v_scales);")  # the .cu defines it; the bindings need it
 
 
 def build(name: str, **sources) -> object:
@@ -49,7 +49,7 @@ def cpu_kernel():
 def cuda_kernel():
     if not torch.cuda.is_available():
         raise ConfigError("attention_backend='cuda' needs a CUDA GPU, and torch sees none; use 'cpu' or 'torch'.")
-    return build("minillm_paged_attention_cuda", cpp_sources=[SIGNATURE.format(name="paged_attention_decode")],
+    return build("minillm_paged_attention_cuda", cpp_sources=[DECLARATION],
                  cuda_sources=[CUDA_SOURCE.read_text()])
 
 
