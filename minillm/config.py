@@ -117,6 +117,8 @@ class ModelConfig:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = ("auto", "int8", "int4", "fp8")
+EVICTION_POLICIES = ("none", "h2o", "sinks", "window")
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
     prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
     attention_backend: str = "torch"  # decode attention: "torch" (reference), "cpu" (C++), "cuda" kernel
+    # --- KV compression (minillm.memory.quantization, minillm.memory.eviction); both lossy
+    kv_dtype: str = "auto"  # "auto" (the model's dtype), "int8", "int4" (two per byte) or "fp8" (e4m3)
+    kv_key_scales: str = "channel"  # quantized keys share a scale per "channel" of a block, or per "token"
+    eviction: str = "none"  # "none", "h2o" (heavy hitters + recent), "sinks" (first tokens + recent), "window"
+    kv_budget: int | float | None = None  # with eviction: entries kept per sequence (int) or fraction (float)
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -153,8 +160,33 @@ class EngineConfig:
         if self.attention_backend != "torch" and self.attention_backend != self.device.split(":")[0]:
             raise ConfigError(f"attention_backend={self.attention_backend!r} cannot read a KV cache on "
                               f"device={self.device!r}; use the matching device or attention_backend='torch'.")
+        self.check_kv_compression()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
+
+    def check_kv_compression(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}.")
+        if self.kv_key_scales not in ("channel", "token"):
+            raise ConfigError(f"kv_key_scales must be 'channel' or 'token', not {self.kv_key_scales!r}.")
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, not {self.eviction!r}.")
+        budget = self.kv_budget
+        if self.eviction == "none" and budget is not None:
+            raise ConfigError("kv_budget only applies with eviction; choose --eviction h2o, sinks or window.")
+        if self.eviction != "none":
+            if budget is None:
+                raise ConfigError(f"eviction={self.eviction!r} needs kv_budget: tokens kept (e.g. 256) or a fraction (e.g. 0.2).")
+            fraction_ok = isinstance(budget, float) and 0 < budget <= 1
+            tokens_ok = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
+            if not (fraction_ok or tokens_ok):
+                raise ConfigError(f"kv_budget must be a token count >= 1 or a fraction in (0, 1], not {budget!r}.")
+            if self.prefix_caching:
+                raise ConfigError("eviction and prefix_caching do not combine: an evicted cache no longer holds the "
+                                  "prompt's K/V that other requests would share; turn one off.")
+        if self.attention_backend != "torch" and (self.kv_dtype != "auto" or self.eviction == "h2o"):
+            raise ConfigError(f"attention_backend={self.attention_backend!r} reads the unquantized pool and returns no "
+                              "attention scores; use attention_backend='torch' with kv_dtype or eviction='h2o'.")
 
     @property
     def torch_dtype(self) -> torch.dtype:

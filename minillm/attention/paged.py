@@ -1,17 +1,21 @@
 """Paged attention: write K/V into slots, read them back through block tables.
 
-The KV pool is one tensor per layer of *slots*: (num_blocks * block_size, kv_heads, head_dim).
-Which slots belong to which sequence is the block manager's business; this module only needs,
-for one engine step,
+The KV pool holds *slots*: one per token, numbered block_id * block_size + offset. Which slots
+belong to which sequence is the block manager's business; this module only needs, for one step,
   - `write_slots` (N,): where each of the step's N tokens stores its k and v;
-  - for each prefill chunk: its rows in the flat batch, their positions, and `context_slots` —
-    the slots of its positions 0..last, in order, read through its block table;
-  - for the decode tokens (one query each): their rows, block tables and context lengths, handed
-    together to the decode backend — the torch reference, the C++ kernel or the CUDA kernel
-    (`attention_backend`), which all share one signature.
+  - for each sequence attended in torch: its rows in the flat batch, the cache indices of its
+    queries, and `context_slots` — the slots of its cache entries 0..last, in order, read
+    through its block table;
+  - or, with a kernel backend (`attention_backend` "cpu" / "cuda"), the decode tokens (one query
+    each) with their block tables and context lengths, handed to the kernel together.
 
 A step may mix prefill chunks and decode tokens of many sequences of different lengths (ragged);
 each sequence attends only over its own history.
+
+The pool itself is a `PagedKVCache` (numbers in the model's dtype) or a `QuantizedKVCache`
+(`memory/quantization.py`); both offer `write(layer, slots, k, v)` and `read(layer, slots)`, so
+attention does not care how the numbers are stored. A cache index equals the token's position
+until eviction (`memory/eviction.py`) drops entries; then positions run ahead of indices.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from minillm.config import ModelConfig
 
 
 class PagedKVCache:
-    """The KV pool: k_cache[layer], v_cache[layer] are (num_slots, kv_heads, head_dim)."""
+    """The KV pool in the model's dtype: k_cache[layer], v_cache[layer] are (num_slots, kv_heads, head_dim)."""
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
         self.block_size = block_size
@@ -39,6 +43,15 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (n, kv_heads, head_dim) go into `slots` (n,)."""
+        self.k_cache[layer].index_copy_(0, slots, k)
+        self.v_cache[layer].index_copy_(0, slots, v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values in `slots` (n,): (n, kv_heads, head_dim) each."""
+        return self.k_cache[layer][slots], self.v_cache[layer][slots]
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block dst gets block src's keys and values, in every layer."""
         size = self.block_size
@@ -46,27 +59,31 @@ class PagedKVCache:
             self.k_cache[:, dst * size:(dst + 1) * size] = self.k_cache[:, src * size:(src + 1) * size]
             self.v_cache[:, dst * size:(dst + 1) * size] = self.v_cache[:, src * size:(src + 1) * size]
 
+    def forget_free_blocks(self, refcounts: list[int]) -> None:
+        """Nothing to do: every number lives in its block (the quantized pool keeps staging too)."""
+
 
 @dataclass
 class SequenceSlice:
-    """One prefill chunk's share of a step."""
+    """One sequence's share of a step, attended in torch (a prefill chunk, or a decode token)."""
 
     query_start: int  # its queries are rows query_start..query_end-1 of the flat batch
     query_end: int
-    q_positions: torch.Tensor  # (n,) positions of those queries
-    context_slots: torch.Tensor  # (context_len,) slots of positions 0..context_len-1
+    q_indices: torch.Tensor  # (n,) cache indices of those queries (their positions, until eviction)
+    context_slots: torch.Tensor  # (context_len,) slots of cache entries 0..context_len-1
+    attention_mass: torch.Tensor | None = None  # (layers, kv_heads, context_len), accumulated for H2O
 
 
 def context_slots(block_table: list[int], block_size: int, context_len: int, device) -> torch.Tensor:
-    """Slots of positions 0..context_len-1: table[p // block_size] * block_size + p % block_size."""
-    positions = torch.arange(context_len, device=device)
+    """Slots of entries 0..context_len-1: table[i // block_size] * block_size + i % block_size."""
+    indices = torch.arange(context_len, device=device)
     table = torch.tensor(block_table, device=device)
-    return table[positions // block_size] * block_size + positions % block_size
+    return table[indices // block_size] * block_size + indices % block_size
 
 
 @dataclass
 class DecodeBatch:
-    """The step's decode tokens: one query per sequence, attended by the decode backend together."""
+    """The step's decode tokens for a kernel backend: one query per sequence, attended together."""
 
     rows: torch.Tensor  # (S,) their rows in the flat batch
     block_tables: torch.Tensor  # (S, max_blocks) int32, padded with block 0
@@ -83,25 +100,28 @@ class DecodeBatch:
 class PagedAttention:
     """The attention context of one engine step (see `model.AttentionContext`)."""
 
-    def __init__(self, cache: PagedKVCache, write_slots: torch.Tensor, prefills: list[SequenceSlice],
-                 decode: DecodeBatch | None, decode_attention: Callable):
+    def __init__(self, cache, write_slots: torch.Tensor, sequences: list[SequenceSlice],
+                 decode: DecodeBatch | None = None, decode_kernel: Callable | None = None):
         self.cache = cache
         self.write_slots = write_slots  # (N,)
-        self.prefills = prefills
+        self.sequences = sequences
         self.decode = decode
-        self.decode_attention = decode_attention
+        self.decode_kernel = decode_kernel
 
     def attend(self, layer_idx, q, k, v):
-        k_cache, v_cache = self.cache.k_cache[layer_idx], self.cache.v_cache[layer_idx]
-        k_cache.index_copy_(0, self.write_slots, k)  # store this step's keys and values first:
-        v_cache.index_copy_(0, self.write_slots, v)  # every query attends to its own token too
-        out = torch.empty_like(q)  # (N, num_heads, head_dim)
+        self.cache.write(layer_idx, self.write_slots, k, v)  # store this step's keys and values first:
+        out = torch.empty_like(q)  # (N, num_heads, head_dim)      every query attends to its own token too
         if self.decode is not None:
             d = self.decode
-            out[d.rows] = self.decode_attention(q[d.rows].contiguous(), k_cache, v_cache, d.block_tables,
-                                                d.context_lens, self.cache.block_size)
-        for seq in self.prefills:
+            out[d.rows] = self.decode_kernel(q[d.rows].contiguous(), self.cache.k_cache[layer_idx],
+                                             self.cache.v_cache[layer_idx], d.block_tables, d.context_lens,
+                                             self.cache.block_size)
+        for seq in self.sequences:
             rows = slice(seq.query_start, seq.query_end)
-            out[rows] = causal_attention(q[rows], k_cache[seq.context_slots], v_cache[seq.context_slots],
-                                         seq.q_positions)
+            keys, values = self.cache.read(layer_idx, seq.context_slots)
+            if seq.attention_mass is None:
+                out[rows] = causal_attention(q[rows], keys, values, seq.q_indices)
+            else:
+                out[rows], mass = causal_attention(q[rows], keys, values, seq.q_indices, with_key_mass=True)
+                seq.attention_mass[layer_idx] += mass
         return out

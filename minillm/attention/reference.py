@@ -14,13 +14,16 @@ answers `group x Tq` query rows in a single matmul.
 import torch
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     q_positions: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
+                     with_key_mass: bool = False):
     """q: (Tq, num_heads, head_dim) at positions `q_positions` (Tq,);
-    k, v: (Tk, num_kv_heads, head_dim) for positions 0..Tk-1. Returns (Tq, num_heads, head_dim).
+    k, v: (Tk, num_kv_heads, head_dim) for positions 0..Tk-1. Returns (Tq, num_heads, head_dim),
+    and with `with_key_mass` also the attention each key received, summed over all queries and
+    the query heads of its group: (num_kv_heads, Tk) in fp32 (what H2O accumulates).
 
     Query i sees key j iff j <= q_positions[i]: the causal mask, in absolute positions, so a
-    prefill chunk that starts mid-sequence is masked correctly too.
+    prefill chunk that starts mid-sequence is masked correctly too. (After eviction these are
+    indices in the cache, not token positions: the mask only needs their order.)
     """
     n_queries, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -31,9 +34,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         key_positions = torch.arange(k.shape[0], device=k.device)
         hidden = key_positions[None, :] > q_positions[:, None]  # (Tq, Tk)
         scores = scores.masked_fill(hidden.repeat(group, 1), float("-inf"))
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)  # fp32 softmax, as HF does, even for bf16
-    out = torch.bmm(probs, v.transpose(0, 1))  # (kv_heads, group*Tq, head_dim)
-    return out.view(num_heads, n_queries, head_dim).transpose(0, 1)
+    probs = torch.softmax(scores.float(), dim=-1)  # fp32 softmax, as HF does, even for bf16
+    out = torch.bmm(probs.to(v.dtype), v.transpose(0, 1))  # (kv_heads, group*Tq, head_dim)
+    out = out.view(num_heads, n_queries, head_dim).transpose(0, 1)
+    return (out, probs.sum(dim=1)) if with_key_mass else out
 
 
 def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

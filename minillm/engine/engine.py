@@ -6,7 +6,8 @@ One `LLMEngine.step()`:
   2. every scheduled token gets a slot through its sequence's block table;
   3. one forward pass over all the step's tokens, laid end to end; each attention layer writes
      k, v into the slots and reads each sequence's history through its table (PagedAttention);
-  4. each sequence whose tokens are all computed samples its next token; finished sequences
+  4. with eviction, sequences over their KV budget drop entries (memory/eviction.py);
+  5. each sequence whose tokens are all computed samples its next token; finished sequences
      release their blocks.
 
 `LLM` wraps it with a vLLM-shaped API: `LLM(model_dir, **switches).generate(prompts, params)`.
@@ -15,6 +16,7 @@ One `LLMEngine.step()`:
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
@@ -29,6 +31,8 @@ from minillm.engine.scheduler import ScheduledSequence, Scheduler
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory.accounting import MemoryStats, paged_stats
 from minillm.memory.block_manager import BlockManager
+from minillm.memory.eviction import budget_for, evict, grow_attention_mass, kept_entries
+from minillm.memory.quantization import FORMATS, QuantizedKVCache, bytes_per_token
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
@@ -99,14 +103,14 @@ class LLMEngine:
         self.model = model if model is not None else load_model(config.model_dir, config.torch_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
         self.context_len = config.max_seq_len or self.model.config.max_position_embeddings
-        self.bytes_per_slot = self.model.config.kv_bytes_per_token(self.model.dtype)
+        self.bytes_per_slot = self.kv_bytes_per_token()
         num_blocks = config.kv_cache_bytes // (self.bytes_per_slot * config.block_size)
         if num_blocks < 1:
             raise ConfigError(f"kv_cache_bytes={config.kv_cache_bytes:,} cannot hold one block of {config.block_size} "
                               f"tokens ({self.bytes_per_slot * config.block_size:,} bytes); raise it.")
         self.block_manager = BlockManager(num_blocks, config.block_size, config.prefix_caching)
-        self.cache = PagedKVCache(self.model.config, num_blocks, config.block_size, self.model.dtype, self.model.device)
-        self.decode_attention = decode_backend(config.attention_backend)
+        self.cache = self.make_cache(num_blocks)
+        self.decode_kernel = None if config.attention_backend == "torch" else decode_backend(config.attention_backend)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
@@ -114,6 +118,24 @@ class LLMEngine:
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
+
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token slot costs, scales included for a quantized pool."""
+        model_config, config = self.model.config, self.config
+        if config.kv_dtype == "auto":
+            return model_config.kv_bytes_per_token(self.model.dtype)
+        if model_config.head_dim % FORMATS[config.kv_dtype].values_per_byte:
+            raise ConfigError(f"kv_dtype={config.kv_dtype!r} packs two numbers per byte and needs an even head_dim "
+                              f"(this model has {model_config.head_dim}); use int8 or fp8.")
+        return math.ceil(bytes_per_token(model_config, FORMATS[config.kv_dtype], config.kv_key_scales,
+                                         config.block_size))
+
+    def make_cache(self, num_blocks: int):
+        config, model = self.config, self.model
+        if config.kv_dtype == "auto":
+            return PagedKVCache(model.config, num_blocks, config.block_size, model.dtype, model.device)
+        return QuantizedKVCache(model.config, num_blocks, config.block_size, FORMATS[config.kv_dtype],
+                                config.kv_key_scales, model.dtype, model.device)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -146,7 +168,11 @@ class LLMEngine:
         if len(seq.prompt_ids) >= self.context_len:
             return (f"The prompt has {len(seq.prompt_ids)} tokens but the context holds {self.context_len}; "
                     "shorten the prompt.")
-        needed = self.block_manager.blocks_for(seq.max_len)
+        most_held = seq.max_len
+        if self.config.eviction != "none":  # the budget plus one step's tokens, before they are evicted
+            most_held = min(most_held, budget_for(self.config.kv_budget, seq.max_len)
+                            + self.config.max_num_batched_tokens)
+        needed = self.block_manager.blocks_for(most_held)
         if needed > self.block_manager.num_blocks:
             return (f"This request may need {needed} KV blocks ({seq.max_len} tokens) but the pool has only "
                     f"{self.block_manager.num_blocks}; raise kv_cache_bytes or lower max_tokens.")
@@ -170,6 +196,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return outputs
+        self.cache.forget_free_blocks(self.block_manager.refcounts)
         self.cache.copy_blocks(self.scheduler.pending_copies)  # copy-on-write, before anyone writes
         self.scheduler.pending_copies = []
         hidden, last_rows = self.forward(scheduled)
@@ -179,6 +206,8 @@ class LLMEngine:
             if cache:  # blocks that just became full and computed can serve later prompts
                 cache.register(item.seq.seq_id, self.block_manager.table(item.seq.seq_id), item.seq.token_ids,
                                item.seq.num_computed)
+            if self.config.eviction != "none":
+                self.evict_over_budget(item.seq)
         ready = [(item.seq, row) for item, row in zip(scheduled, last_rows) if item.seq.num_uncomputed == 0]
         if ready:
             rows = torch.tensor([row for _, row in ready], device=hidden.device)
@@ -236,6 +265,16 @@ class LLMEngine:
         request_id = live[0][0].request_id
         self.requests[request_id] = [seq for seq, _ in group.live] or group.ranked()
 
+    def evict_over_budget(self, seq: Sequence) -> None:
+        """Drop the sequence's least needed cache entries down to its budget (eviction policy)."""
+        keep = budget_for(self.config.kv_budget, seq.max_len)
+        if seq.num_cached <= keep:
+            return
+        model_config = self.model.config
+        kept = kept_entries(self.config.eviction, seq.num_cached, keep, model_config.num_layers,
+                            model_config.num_kv_heads, seq.attention_mass).to(self.model.device)
+        evict(seq, kept, self.cache, self.block_manager)
+
     def samples_of(self, seq: Sequence) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits: itself, and when a request with n > 1
         samples for the first time, n - 1 forks sharing its blocks (parallel sampling)."""
@@ -251,29 +290,32 @@ class LLMEngine:
     def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
         """One forward pass over every scheduled token, sequences laid end to end.
         Returns the hidden states (N, hidden) and each sequence's last row."""
-        device, block_size = self.model.device, self.config.block_size
-        token_ids, positions, write_slots, prefills = [], [], [], []
+        device, block_size, model_config = self.model.device, self.config.block_size, self.model.config
+        token_ids, positions, write_slots, sequences = [], [], [], []
         decode_rows, decode_tables, decode_lens, last_rows = [], [], [], []
         for item in scheduled:
-            seq, start = item.seq, item.seq.num_computed
-            end = start + item.num_tokens
+            seq, n = item.seq, item.num_tokens
+            first, end = seq.num_cached, seq.num_cached + n  # cache indices of the new tokens
             row = len(token_ids)
-            token_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            self.block_manager.check_writable(seq.seq_id, start, end)
-            write_slots += self.block_manager.slots(seq.seq_id, start, end)
+            token_ids += seq.token_ids[seq.num_computed:seq.num_computed + n]
+            positions += range(seq.num_computed, seq.num_computed + n)
+            self.block_manager.check_writable(seq.seq_id, first, end)
+            write_slots += self.block_manager.slots(seq.seq_id, first, end)
             table = self.block_manager.table(seq.seq_id)
-            if item.num_tokens == 1:  # one query: the decode backend's job
+            if self.decode_kernel is not None and n == 1:  # one query: the kernel's job
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(end)
             else:
-                prefills.append(SequenceSlice(row, row + item.num_tokens, torch.arange(start, end, device=device),
-                                              context_slots(table, block_size, end, device)))
-            last_rows.append(row + item.num_tokens - 1)
+                mass = None
+                if self.config.eviction == "h2o":
+                    mass = grow_attention_mass(seq, end, model_config.num_layers, model_config.num_kv_heads, device)
+                sequences.append(SequenceSlice(row, row + n, torch.arange(first, end, device=device),
+                                               context_slots(table, block_size, end, device), mass))
+            last_rows.append(row + n - 1)
         decode = DecodeBatch.of(decode_rows, decode_tables, decode_lens, device) if decode_rows else None
-        ctx = PagedAttention(self.cache, torch.tensor(write_slots, device=device), prefills, decode,
-                             self.decode_attention)
+        ctx = PagedAttention(self.cache, torch.tensor(write_slots, device=device), sequences, decode,
+                             self.decode_kernel)
         hidden = self.model(torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), ctx)
         return hidden, last_rows
 
@@ -282,7 +324,7 @@ class LLMEngine:
         self.stats.tokens_computed += sum(item.num_tokens for item in scheduled)
         self.stats.tokens_generated += sampled
         self.stats.batches.append([(item.seq.request_id, item.num_tokens) for item in scheduled])
-        live = {seq.seq_id: seq.num_computed for seq in self.scheduler.running}
+        live = {seq.seq_id: seq.num_cached for seq in self.scheduler.running}
         self.stats.memory.append(paged_stats(self.block_manager, live, self.bytes_per_slot))
 
     @property

@@ -98,17 +98,19 @@ class Scheduler:
         manager, cache = self.block_manager, self.block_manager.prefix_cache
         starting = seq.seq_id not in manager.block_tables
         hits = cache.lookup(seq.token_ids) if cache and starting else []
-        start = len(hits) * manager.block_size if starting else seq.num_computed
-        num_tokens = min(seq.num_tokens - start, budget)
-        copies = len(manager.shared_blocks(seq.seq_id, start, start + num_tokens))
-        if not manager.can_grow(seq.seq_id, start + num_tokens, adopting=hits, copies=copies):
+        skipped = len(hits) * manager.block_size  # prompt tokens whose K/V the cache already holds
+        num_tokens = min(seq.num_uncomputed - skipped, budget)
+        start = seq.num_cached + skipped  # cache index of the chunk's first token
+        end = start + num_tokens
+        copies = len(manager.shared_blocks(seq.seq_id, start, end))
+        if not manager.can_grow(seq.seq_id, end, adopting=hits, copies=copies):
             return 0
         if cache and starting:
             cache.record_lookup(seq.token_ids, len(hits))
             manager.adopt(seq.seq_id, hits)
-            seq.num_computed = start
-        manager.grow(seq.seq_id, start + num_tokens)
-        self.pending_copies += manager.copy_on_write(seq.seq_id, start, start + num_tokens)
+            seq.num_computed = skipped
+        manager.grow(seq.seq_id, end)
+        self.pending_copies += manager.copy_on_write(seq.seq_id, start, end)
         return num_tokens
 
     def start_static_batch(self) -> None:
@@ -123,7 +125,8 @@ class Scheduler:
         if seq.seq_id in self.block_manager.block_tables:  # a static-batch member may not have started
             self.block_manager.free(seq.seq_id)
         self.running.remove(seq)
-        seq.status, seq.num_computed = Status.WAITING, 0
+        seq.status = Status.WAITING
+        seq.forget_cache()
         seq.num_preemptions += 1
         self.waiting.appendleft(seq) if front else self.waiting.append(seq)
         self.num_preemptions += 1

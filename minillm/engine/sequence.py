@@ -4,6 +4,10 @@
 have keys and values in the cache; the rest still need a forward pass. A prefill is "compute many
 at once", a decode step is "compute the one token sampled last", a chunked prefill is "compute
 some now, the rest later", and preemption by recompute is "forget them all" (num_computed = 0).
+
+With KV eviction the cache holds fewer entries than tokens computed: `num_evicted` of them were
+dropped, and the next token's K/V go to cache index `num_cached = num_computed - num_evicted`
+while its position (for RoPE) stays `num_computed`.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from minillm.sampling import Sampler, SamplingParams
 
@@ -32,6 +38,8 @@ class Sequence:
     sampler: Sampler = field(init=False)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    num_evicted: int = 0  # tokens computed whose K/V eviction dropped
+    attention_mass: torch.Tensor | None = None  # H2O: (layers, kv_heads, num_cached) attention received
     status: Status = Status.WAITING
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -55,6 +63,16 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 
+    @property
+    def num_cached(self) -> int:
+        """Entries in the KV cache; equal to num_computed unless eviction dropped some."""
+        return self.num_computed - self.num_evicted
+
+    def forget_cache(self) -> None:
+        """Preemption by recompute: nothing of this sequence is in the cache any more."""
+        self.num_computed = self.num_evicted = 0
+        self.attention_mass = None
+
     def append(self, token_id: int, eos_token_id: int | None) -> None:
         now = time.perf_counter()
         self.output_ids.append(token_id)
@@ -69,8 +87,9 @@ class Sequence:
         """A parallel sample: the same tokens so far (its KV blocks are shared, not copied), its
         own sampler."""
         return Sequence(seq_id, self.request_id, self.prompt_ids, self.params, self.max_len, sample_index,
-                        output_ids=list(self.output_ids), num_computed=self.num_computed, status=self.status,
-                        arrival_time=self.arrival_time)
+                        output_ids=list(self.output_ids), num_computed=self.num_computed,
+                        num_evicted=self.num_evicted, status=self.status, arrival_time=self.arrival_time,
+                        attention_mass=None if self.attention_mass is None else self.attention_mass.clone())
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error

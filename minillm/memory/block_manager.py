@@ -121,6 +121,15 @@ class BlockManager:
             self.refcounts[block] += 1
         self.block_tables[child_id] = list(table)
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Keep only the blocks holding the first `num_tokens` entries (eviction shrank the sequence)."""
+        table = self.table(seq_id)
+        for block in table[self.blocks_for(num_tokens):]:
+            self.refcounts[block] -= 1
+            if self.refcounts[block] == 0:
+                self.free_blocks[block] = None
+        del table[self.blocks_for(num_tokens):]
+
     def free(self, seq_id: int) -> None:
         """Drop the sequence's table; blocks nobody else holds go back to the free pool."""
         for block in self.table(seq_id):

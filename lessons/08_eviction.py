@@ -1,0 +1,80 @@
+"""Lesson 08 — KV eviction: keep only the tokens that matter, and measure what the rest were worth.
+
+Quantization makes every cached token cheaper; eviction keeps fewer of them. With a budget of
+20%, a sequence's cache holds a fifth of its tokens, whatever its length. Which fifth decides
+everything:
+  - window: the most recent tokens only;
+  - sinks + window (StreamingLLM): also the first 4 tokens, where attention parks its spare mass;
+  - H2O: the "heavy hitters" with the most attention accumulated so far, per KV head, plus a
+    recent window of half the budget.
+We sweep the budget from 10% to 100% and score Alice's Adventures in Wonderland through the
+evicted cache (every token predicted by a decode step that sees only what survived).
+
+    python lessons/08_eviction.py [--segments 4 --segment-len 512]
+"""
+
+import argparse
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from _common import console, require_model, save_plot, table  # noqa: E402
+from minillm.engine import LLM  # noqa: E402
+from minillm.evaluation import perplexity, read_text  # noqa: E402
+from minillm.tokenizer import Tokenizer  # noqa: E402
+from minillm.weights import load_model  # noqa: E402
+
+BUDGETS = [0.1, 0.2, 0.3, 0.5, 0.75]
+POLICIES = ["h2o", "sinks", "window"]
+TARGET_BUDGET, TARGET_RATIO = 0.2, 1.10  # H2O at 20% within 10% of the full cache's perplexity
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--segments", type=int, default=4, help="text segments scored side by side (default: 4)")
+    parser.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
+    args = parser.parse_args()
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    token_ids = tokenizer.encode(read_text())
+
+    def score(**switches):
+        llm = LLM(model_dir, model=model, tokenizer=tokenizer, **switches)
+        return perplexity(llm, token_ids, args.segment_len, args.segments, progress=True).perplexity
+
+    console.rule(f"Perplexity vs KV budget: {args.segments} x {args.segment_len} tokens of Alice")
+    full = score()
+    curves = {policy: [score(eviction=policy, kv_budget=budget) for budget in BUDGETS] for policy in POLICIES}
+    rows = [[f"{budget:.0%}"] + [f"{curves[p][i]:.2f} ({curves[p][i] / full:.2f}x)" for p in POLICIES]
+            for i, budget in enumerate(BUDGETS)]
+    rows.append(["100%"] + [f"{full:.2f} (1.00x)"] * len(POLICIES))
+    table("Perplexity (and ratio to the full cache) by budget, as a fraction of the tokens seen",
+          ["budget", "H2O", "sinks + window", "window only"], rows)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for policy, label in zip(POLICIES, ["H2O (heavy hitters + recent)", "sinks + window", "window only"]):
+        ax.plot(BUDGETS + [1.0], curves[policy] + [full], marker="o", label=label)
+    ax.axhline(full * TARGET_RATIO, color="gray", linestyle=":", label="full cache + 10%")
+    ax.set_yscale("log")
+    ax.set_xlabel("KV budget (fraction of tokens kept)")
+    ax.set_ylabel("perplexity (log)")
+    ax.set_title("KV eviction on SmolLM2-135M")
+    ax.legend()
+    save_plot(fig, "08_eviction.png")
+
+    at = BUDGETS.index(TARGET_BUDGET)
+    h2o, sinks, window = (curves[p][at] for p in POLICIES)
+    verdict = "met" if h2o <= full * TARGET_RATIO else "missed"
+    console.print(
+        f"\n[bold]What it means:[/bold] keeping 20% of the tokens, H2O scores {h2o:.2f} against {full:.2f} for the "
+        f"full cache ({h2o / full - 1:+.0%}; target within +10%: {verdict}); sinks + window {sinks:.2f}, window "
+        f"only {window:.2f}. A window alone throws away the first tokens, where attention parks its spare mass, "
+        f"and the model falls apart; keeping 4 sinks repairs most of that; choosing by accumulated attention "
+        f"keeps the few tokens the text keeps returning to. Positions stay true after eviction: kept keys carry "
+        f"their original rotation and new tokens their true position.")
+
+
+if __name__ == "__main__":
+    main()

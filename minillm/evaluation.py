@@ -1,0 +1,122 @@
+"""Perplexity through the KV cache: what a lossy cache (quantized, evicted) costs the model.
+
+Perplexity is exp(mean negative log-likelihood of each token given the ones before it); lower is
+better, and the change from the full-precision cache is the price of a compression switch.
+
+The trap: a single forward pass over a window of text computes every position's logits from the
+fresh keys and values of that same pass. The cache is written but never read, so quantization or
+eviction would look free. Here every scored token is predicted by a *decode step*: a one-token
+query whose attention reads all earlier tokens from the cache, stored however the switches say.
+There is no other path in this module.
+
+The text is cut into segments of `segment_len` tokens. Each segment is one engine request whose
+prompt is the segment's first token and whose sampler is replaced by `TeacherForcing`: it records
+log p(the text's next token) and then "samples" that token, so the sequence follows the text.
+All segments decode side by side, one token per step each.
+
+The default text is Lewis Carroll's "Alice's Adventures in Wonderland" (public domain, Project
+Gutenberg), the `alice29.txt` of the Canterbury corpus that the `brotli` source package on PyPI
+ships as test data; `python weights_fetch.py` fetches it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from minillm.config import ConfigError, FETCH_HINT
+
+DEFAULT_TEXT = Path("weights") / "texts" / "alice29.txt"
+
+
+def read_text(path: Path = DEFAULT_TEXT) -> str:
+    if not path.is_file():
+        raise ConfigError(f"The evaluation text {path} is missing — {FETCH_HINT}")
+    return path.read_text(encoding="utf-8")
+
+
+class TeacherForcing:
+    """A sampler that records log p(next text token) and returns that token."""
+
+    def __init__(self, continuation: list[int]):
+        self.continuation = continuation
+        self.logprobs: list[float] = []
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        token = self.continuation[len(self.logprobs)]
+        self.logprobs.append(torch.log_softmax(logits.float(), dim=-1)[token].item())
+        return token
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean negative log-likelihood per scored token, in nats
+    tokens_scored: int
+    segments: int
+    segment_len: int
+    seconds: float
+    kv_bytes_per_token: int  # scales included
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def segments_of(token_ids: list[int], segment_len: int, num_segments: int) -> list[list[int]]:
+    available = len(token_ids) // segment_len
+    if segment_len < 2 or available < num_segments:
+        raise ConfigError(f"The text has {len(token_ids)} tokens: not enough for {num_segments} segments of "
+                          f"{segment_len} (each needs at least 2); ask for fewer or shorter segments.")
+    return [token_ids[i * segment_len:(i + 1) * segment_len] for i in range(num_segments)]
+
+
+def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: int = 4,
+               progress: bool = False) -> PerplexityResult:
+    """Score `num_segments` segments of `segment_len` tokens through `llm`'s cache (see above)."""
+    from minillm.sampling import SamplingParams
+
+    engine = llm.engine
+    if segment_len > engine.context_len:
+        raise ConfigError(f"segment_len={segment_len} is longer than the context ({engine.context_len}); lower it.")
+    scorers = []
+    for segment in segments_of(token_ids, segment_len, num_segments):
+        request_id = engine.add_request(segment[:1], SamplingParams(max_tokens=segment_len - 1, ignore_eos=True))
+        scorer = TeacherForcing(segment[1:])
+        engine.requests[request_id][0].sampler = scorer
+        scorers.append(scorer)
+    start = time.perf_counter()
+    with _progress(progress, segment_len - 1) as advance:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.error:
+                    raise ConfigError(out.error)
+            advance(min(len(s.logprobs) for s in scorers))
+    logprobs = [lp for scorer in scorers for lp in scorer.logprobs]
+    nll = -sum(logprobs) / len(logprobs)
+    return PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len,
+                            time.perf_counter() - start, engine.bytes_per_slot)
+
+
+class _progress:
+    """A rich progress bar over tokens scored per segment, or nothing."""
+
+    def __init__(self, enabled: bool, total: int):
+        self.enabled, self.total = enabled, total
+
+    def __enter__(self):
+        if not self.enabled:
+            return lambda done: None
+        from rich.progress import Progress
+        self.bar = Progress(transient=True)
+        self.bar.start()
+        task = self.bar.add_task("scoring through the cache", total=self.total)
+        return lambda done: self.bar.update(task, completed=done)
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.bar.stop()
+        return False

@@ -1,0 +1,199 @@
+"""KV quantization: keys and values in 8 bits, 4 bits or fp8, with scales stored beside them.
+
+The KV cache is what grows with every token and every sequence, so its bytes per token decide how
+many sequences fit. Storing each number in fewer bits buys room directly: int8 halves a bf16 cache
+and quarters an fp32 one, int4 (two values packed in one byte) halves it again.
+
+Quantizing a group of numbers x that share one scale:
+
+    center = (max x + min x) / 2     the middle of the group's range
+    scale = (max x - min x) / 2 / qmax     qmax = 127 (int8), 7 (int4), 448 (fp8 e4m3's largest)
+    stored = round((x - center) / scale)   int8 / int4: an integer in [-qmax, qmax]
+           = fp8((x - center) / scale)     fp8: the nearest e4m3 float (3 mantissa bits)
+    x ~ stored * scale + center            the error is at most scale / 2 for the integer formats
+
+The center costs 2 bytes per group and pays for itself: a key channel whose values sit in
+[1, 4] uses all 15 int4 levels on that range instead of half of them on [-4, 4]. Measured on
+SmolLM2 (lesson 07's text): int4 perplexity +1.00 with a plain max|x| scale, +0.27 centred.
+
+Which numbers share a scale (the *granularity*) matters as much as the bits. Values are
+quantized per token and head: one scale per head_dim-long vector. Keys are different: a few
+channels of the key vectors are large for every token (RoPE's slow dimensions carry them), so one
+scale per token is dominated by those channels and rounds the small ones to nothing. Quantizing
+keys per *channel* — one scale per (head, dimension) over the tokens of a block — gives each
+channel a scale that fits it (KIVI, Liu et al. 2024). `kv_key_scales` picks "channel" (default)
+or "token"; lesson 07 measures both.
+
+A per-channel scale needs the whole block, so a block's keys wait in full precision ("staging")
+until its last slot is written, and are quantized then, once. Values are quantized on write.
+
+Memory per token, scales included (`bytes_per_token`; SmolLM2: 30 layers x 3 KV heads x
+head_dim 64, blocks of 16, scale and center in fp16): fp32 46,080 B; int8 11,520 B of numbers +
+360 B for the values' scales and centers + 1,440 B for the keys' (30 x 3 x 64 x 4 B per block,
+shared by its 16 tokens) = 13,320 B, 3.5x smaller; int4 7,560 B, 6.1x smaller.
+The staging block of each running sequence comes on top: at most one block per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minillm.config import ModelConfig
+
+SCALE_DTYPE = torch.float16  # scales and centers; quantizing uses the rounded ones, so nothing drifts
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    qmax: float  # the largest magnitude a stored number may have
+    values_per_byte: int  # 2 for int4: two 4-bit numbers share a byte
+
+
+FORMATS = {"int8": KVFormat("int8", 127.0, 1), "int4": KVFormat("int4", 7.0, 2), "fp8": KVFormat("fp8", 448.0, 1)}
+
+
+def quantize(x: torch.Tensor, fmt: KVFormat, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., head_dim) -> (stored (..., head_dim / values_per_byte), scales (..., 2)).
+
+    The numbers sharing a scale are those along `dim` (-1: per token, 0: per channel). Each group
+    is centred first: center = (max + min) / 2, scale = (max - min) / 2 / qmax, so the group's
+    range maps onto [-qmax, qmax] even when it is not centred on zero (key channels often are
+    not). `scales[..., 0]` is the scale and `scales[..., 1]` the center, with `dim` kept as size 1.
+    """
+    high, low = x.amax(dim=dim, keepdim=True).float(), x.amin(dim=dim, keepdim=True).float()
+    center = ((high + low) / 2).to(SCALE_DTYPE)
+    scale = ((high - low) / 2 / fmt.qmax).clamp_min(torch.finfo(SCALE_DTYPE).tiny).to(SCALE_DTYPE)
+    scaled = (x.float() - center.float()) / scale.float()
+    scales = torch.stack([scale, center], dim=-1)
+    if fmt.name == "fp8":
+        # stored as raw bytes: torch's CPU index_copy_ has no float8 kernel, uint8 moves the same bits
+        return scaled.to(torch.float8_e4m3fn).view(torch.uint8), scales
+    ints = scaled.round().clamp(-fmt.qmax, fmt.qmax)
+    if fmt.name == "int8":
+        return ints.to(torch.int8), scales
+    return pack_int4(ints), scales
+
+
+def dequantize(stored: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """The inverse of `quantize`, in fp32; `scales` (..., 2) broadcasts against (..., head_dim)."""
+    if fmt.name == "fp8":
+        numbers = stored.view(torch.float8_e4m3fn).float()
+    elif fmt.name == "int8":
+        numbers = stored.float()
+    else:
+        numbers = unpack_int4(stored)
+    return numbers * scales[..., 0].float() + scales[..., 1].float()
+
+
+def pack_int4(ints: torch.Tensor) -> torch.Tensor:
+    """Integers in [-7, 7] (..., d) -> bytes (..., d/2): dimension 2i in the low 4 bits, 2i+1 in
+    the high 4 bits, each stored as value + 8 (so 1..15, never negative)."""
+    nibbles = (ints + 8).to(torch.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    low, high = packed & 0x0F, packed >> 4
+    return torch.stack([low, high], dim=-1).flatten(-2).float() - 8  # (..., d) in [-7, 7]
+
+
+def bytes_per_token(config: ModelConfig, fmt: KVFormat, key_scales: str, block_size: int) -> float:
+    """KV bytes one token costs in a quantized pool, scales included (per-channel key scales are
+    shared by a block's tokens, so each token pays 1 / block_size of them)."""
+    heads = config.num_layers * config.num_kv_heads
+    data = 2 * heads * config.head_dim // fmt.values_per_byte
+    scale_size = 2 * torch.empty((), dtype=SCALE_DTYPE).element_size()  # a scale and a center
+    value_scales = heads * scale_size
+    key_scales_bytes = heads * config.head_dim * scale_size / block_size if key_scales == "channel" else value_scales
+    return data + value_scales + key_scales_bytes
+
+
+class QuantizedKVCache:
+    """The paged KV pool with quantized numbers; the same `write` / `read` as `PagedKVCache`.
+
+    Per layer: key and value numbers (num_slots, kv_heads, head_dim / values_per_byte), value
+    scales per slot and head, key scales per slot and head ("token") or per block, head and
+    channel ("channel"), and the staging keys of blocks still filling (channel scales only).
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat, key_scales: str,
+                 dtype: torch.dtype, device):
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.fmt, self.key_scales, self.dtype = fmt, key_scales, dtype
+        layers, slots, heads = config.num_layers, num_blocks * block_size, config.num_kv_heads
+        stored = (layers, slots, heads, config.head_dim // fmt.values_per_byte)
+        storage_dtype = torch.int8 if fmt.name == "int8" else torch.uint8
+        self.k_data = torch.zeros(stored, dtype=storage_dtype, device=device)
+        self.v_data = torch.zeros(stored, dtype=storage_dtype, device=device)
+        self.v_scale = torch.zeros(layers, slots, heads, 1, 2, dtype=SCALE_DTYPE, device=device)
+        key_scale_shape = (layers, num_blocks, heads, config.head_dim, 2) if key_scales == "channel" else (layers, slots, heads, 1, 2)
+        self.k_scale = torch.zeros(key_scale_shape, dtype=SCALE_DTYPE, device=device)
+        # (layer, block) -> (block_size, kv_heads, head_dim): keys of a block that is still filling
+        self.staging: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        staged = sum(t.nbytes for t in self.staging.values())
+        return self.k_data.nbytes + self.v_data.nbytes + self.v_scale.nbytes + self.k_scale.nbytes + staged
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        data, scale = quantize(v, self.fmt, dim=-1)
+        self.v_data[layer].index_copy_(0, slots, data)
+        self.v_scale[layer].index_copy_(0, slots, scale)
+        if self.key_scales == "token":
+            data, scale = quantize(k, self.fmt, dim=-1)
+            self.k_data[layer].index_copy_(0, slots, data)
+            self.k_scale[layer].index_copy_(0, slots, scale)
+        else:
+            self.stage_keys(layer, slots, k)
+
+    def stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Keys wait in their block's staging tensor; the write that fills a block quantizes it."""
+        size = self.block_size
+        blocks, offsets = slots // size, slots % size
+        for block in blocks.unique().tolist():  # a step writes a few blocks per sequence
+            rows = blocks == block
+            staged = self.staging.setdefault((layer, block), k.new_zeros(size, *k.shape[1:]))
+            staged[offsets[rows]] = k[rows]
+            if int(offsets[rows].max()) == size - 1:  # the last slot: the block is full
+                data, scale = quantize(staged, self.fmt, dim=0)  # one scale per (head, channel)
+                self.k_data[layer, block * size:(block + 1) * size] = data
+                self.k_scale[layer, block] = scale[0]
+                del self.staging[(layer, block)]
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of a sequence's `slots` (in order): (n, kv_heads, head_dim)."""
+        values = dequantize(self.v_data[layer][slots], self.v_scale[layer][slots], self.fmt)
+        if self.key_scales == "token":
+            keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][slots], self.fmt)
+            return keys.to(self.dtype), values.to(self.dtype)
+        keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][slots // self.block_size], self.fmt)
+        last = int(slots[-1])
+        staged = self.staging.get((layer, last // self.block_size))
+        if staged is not None:  # the sequence's last block is still filling: its keys are exact
+            filled = last % self.block_size + 1
+            keys[-filled:] = staged[:filled]
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: numbers, scales and staging keys of block src go to block dst."""
+        size = self.block_size
+        for src, dst in pairs:
+            source, target = slice(src * size, (src + 1) * size), slice(dst * size, (dst + 1) * size)
+            for tensor in (self.k_data, self.v_data, self.v_scale):
+                tensor[:, target] = tensor[:, source]
+            if self.key_scales == "channel":
+                self.k_scale[:, dst] = self.k_scale[:, src]
+            else:
+                self.k_scale[:, target] = self.k_scale[:, source]
+            for (layer, block), staged in list(self.staging.items()):
+                if block == src:
+                    self.staging[(layer, dst)] = staged.clone()
+
+    def forget_free_blocks(self, refcounts: list[int]) -> None:
+        """Drop the staging keys of blocks no sequence holds any more (finished or preempted)."""
+        for key in [key for key in self.staging if refcounts[key[1]] == 0]:
+            del self.staging[key]
