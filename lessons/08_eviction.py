@@ -50,7 +50,7 @@ def main():
     rows = [[f"{budget:.0%}"] + [f"{curves[p][i]:.2f} ({curves[p][i] / full:.2f}x)" for p in POLICIES]
             for i, budget in enumerate(BUDGETS)]
     rows.append(["100%"] + [f"{full:.2f} (1.00x)"] * len(POLICIES))
-    table("Perplexity (and ratio to the full cache) by budget, as a fraction of the tokens seen",
+    table("Perplexity (ratio to the full cache) by budget, a fraction of each segment's length",
           ["budget", "H2O", "sinks + window", "window only"], rows)
 
     fig, ax = plt.subplots(figsize=(7, 4))

@@ -110,8 +110,9 @@ class _progress:
     def __enter__(self):
         if not self.enabled:
             return lambda done: None
+        from rich.console import Console
         from rich.progress import Progress
-        self.bar = Progress(transient=True)
+        self.bar = Progress(transient=True, console=Console(stderr=True))
         self.bar.start()
         task = self.bar.add_task("scoring through the cache", total=self.total)
         return lambda done: self.bar.update(task, completed=done)

@@ -144,6 +144,19 @@ def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, 
     assert not llm.engine.cache.staging  # nothing left behind
 
 
+@pytest.mark.parametrize("key_scales", ["channel", "token"])
+def test_samples_sharing_quantized_blocks_equal_independent_requests(tiny_dir, tiny_model, key_scales):
+    """The samples share the prompt's blocks, the partly filled last one with its staging keys;
+    writing one copies it first. Were a write to land in the shared block, a sibling would change."""
+    prompt = [(5 * j + 2) % 97 for j in range(13)]  # a partly filled last block of 8
+    switches = dict(kv_dtype="int4", kv_key_scales=key_scales, block_size=8)
+    sampling = dict(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
+    together = LLM(tiny_dir, model=tiny_model, **switches).generate([prompt], SamplingParams(n=3, **sampling))[0]
+    for index, sample in enumerate(together.samples):
+        params = SamplingParams(**{**sampling, "seed": sampling["seed"] + index})
+        assert sample == LLM(tiny_dir, model=tiny_model, **switches).generate([prompt], params)[0].token_ids
+
+
 def test_int4_needs_an_even_head_dim(tmp_path):
     from minillm.weights import load_model
     from conftest import random_llama_tensors, write_checkpoint

@@ -6,11 +6,11 @@ and quarters an fp32 one, int4 (two values packed in one byte) halves it again.
 
 Quantizing a group of numbers x that share one scale:
 
-    center = (max x + min x) / 2     the middle of the group's range
-    scale = (max x - min x) / 2 / qmax     qmax = 127 (int8), 7 (int4), 448 (fp8 e4m3's largest)
+    center = (max x + min x) / 2           the middle of the group's range
+    scale  = (max x - min x) / 2 / qmax    qmax = 127 (int8), 7 (int4), 448 (fp8 e4m3's largest)
     stored = round((x - center) / scale)   int8 / int4: an integer in [-qmax, qmax]
            = fp8((x - center) / scale)     fp8: the nearest e4m3 float (3 mantissa bits)
-    x ~ stored * scale + center            the error is at most scale / 2 for the integer formats
+    x     ~= stored * scale + center       the error is at most scale / 2 for the integer formats
 
 The center costs 2 bytes per group and pays for itself: a key channel whose values sit in
 [1, 4] uses all 15 int4 levels on that range instead of half of them on [-4, 4]. Measured on
@@ -18,8 +18,9 @@ SmolLM2 (lesson 07's text): int4 perplexity +1.00 with a plain max|x| scale, +0.
 
 Which numbers share a scale (the *granularity*) matters as much as the bits. Values are
 quantized per token and head: one scale per head_dim-long vector. Keys are different: a few
-channels of the key vectors are large for every token (RoPE's slow dimensions carry them), so one
-scale per token is dominated by those channels and rounds the small ones to nothing. Quantizing
+channels of the key vectors are large for every token (in SmolLM2's layer 15 the largest |key|
+per channel runs from 1 to 15), so one scale per token is set by those channels and rounds the
+small ones to a few levels. Quantizing
 keys per *channel* — one scale per (head, dimension) over the tokens of a block — gives each
 channel a scale that fits it (KIVI, Liu et al. 2024). `kv_key_scales` picks "channel" (default)
 or "token"; lesson 07 measures both.
