@@ -246,10 +246,12 @@ def cmd_eval_ppl(args) -> None:
     if args.json:
         print(json.dumps(report))
         return
-    budget = f", {args.eviction} keeping {args.kv_budget}" if args.eviction != "none" else ""
+    kv_format = args.dtype if args.kv_dtype == "auto" else f"{args.kv_dtype}, keys per {args.kv_key_scales}, scales included"
+    budget = (f", {args.eviction} keeping {args.kv_budget} ({result.tokens_evicted:,} entries evicted)"
+              if args.eviction != "none" else "")
     console.print(f"perplexity {result.perplexity:.4f} (NLL {result.nll:.4f} nats) over {result.tokens_scored} "
                   f"tokens of {args.text.name}, each predicted by a decode step reading the cache | "
-                  f"KV {args.kv_dtype} ({result.kv_bytes_per_token:,} B/token with scales){budget} | "
+                  f"KV {kv_format} ({result.kv_bytes_per_token:,} B/token){budget} | "
                   f"{result.tokens_scored / result.seconds:.1f} tok/s")
 
 

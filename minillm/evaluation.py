@@ -61,6 +61,7 @@ class PerplexityResult:
     segment_len: int
     seconds: float
     kv_bytes_per_token: int  # scales included
+    tokens_evicted: int  # KV entries eviction dropped along the way
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -98,7 +99,7 @@ def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: 
     logprobs = [lp for scorer in scorers for lp in scorer.logprobs]
     nll = -sum(logprobs) / len(logprobs)
     return PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len,
-                            time.perf_counter() - start, engine.bytes_per_slot)
+                            time.perf_counter() - start, engine.bytes_per_slot, engine.stats.tokens_evicted)
 
 
 class _progress:

@@ -56,6 +56,9 @@ def test_a_compressed_cache_changes_the_perplexity(tiny_dir, tiny_model, switche
     compressed = perplexity(LLM(tiny_dir, model=tiny_model, **switches), text, 60, 2)
     assert compressed.nll != pytest.approx(exact.nll, abs=1e-3)
     assert compressed.kv_bytes_per_token <= exact.kv_bytes_per_token
+    assert exact.tokens_evicted == 0
+    if "eviction" in switches:  # each 60-token segment ends holding 3 entries
+        assert compressed.tokens_evicted == 2 * (60 - 1 - 3)
 
 
 def test_too_little_text_is_refused(tiny_dir, tiny_model):

@@ -85,6 +85,7 @@ class EngineStats:
     steps: int = 0
     tokens_computed: int = 0  # prefill + decode tokens through the model
     tokens_generated: int = 0
+    tokens_evicted: int = 0  # KV entries dropped by eviction (per sequence, each token once)
     memory: list[MemoryStats] = field(default_factory=list)  # after every step
     batches: list[list[tuple[str, int]]] = field(default_factory=list)  # per step: (request_id, tokens computed)
 
@@ -273,7 +274,9 @@ class LLMEngine:
         model_config = self.model.config
         kept = kept_entries(self.config.eviction, seq.num_cached, keep, model_config.num_layers,
                             model_config.num_kv_heads, seq.attention_mass).to(self.model.device)
-        evict(seq, kept, self.cache, self.block_manager)
+        dropped = seq.num_cached - keep
+        if evict(seq, kept, self.cache, self.block_manager):
+            self.stats.tokens_evicted += dropped
 
     def samples_of(self, seq: Sequence) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits: itself, and when a request with n > 1
