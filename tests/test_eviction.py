@@ -136,3 +136,38 @@ def test_a_request_too_long_for_the_pool_runs_when_eviction_bounds_its_cache(tin
     assert refused.finish_reason == "error"
     evicting = LLM(tiny_dir, model=tiny_model, eviction="sinks", kv_budget=32, **pool).generate([prompt], params)[0]
     assert evicting.error is None and len(evicting.token_ids) == 100
+
+
+class AttentionColumnSums:
+    """A no-cache attention context that also sums, per layer and KV head, the attention each
+    key receives from every later query (the H2O score), computed head by head in plain math."""
+
+    def __init__(self, length):
+        self.mask = torch.ones(length, length).tril().bool()
+        self.mass = []
+
+    def attend(self, layer_idx, q, k, v):
+        group = q.shape[1] // k.shape[1]
+        out, mass = torch.empty_like(q), torch.zeros(k.shape[1], k.shape[0])
+        for head in range(q.shape[1]):
+            kv_head = head // group
+            scores = (q[:, head] @ k[:, kv_head].T) / q.shape[-1] ** 0.5
+            probs = scores.masked_fill(~self.mask, float("-inf")).softmax(dim=-1)
+            out[:, head] = probs @ v[:, kv_head]
+            mass[kv_head] += probs.sum(dim=0)
+        self.mass.append(mass)
+        return out
+
+
+@torch.inference_mode()
+def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
+    prompt, params = [(11 * j + 5) % 97 for j in range(21)], SamplingParams(max_tokens=6, ignore_eos=True)
+    llm = LLM(tiny_dir, model=tiny_model, eviction="h2o", kv_budget=200, max_num_batched_tokens=8)  # chunked
+    request_id = llm.engine.add_request(prompt, params)
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    seq = llm.engine.requests[request_id][0]
+    computed = seq.token_ids[:seq.num_computed]  # the last sampled token was never fed back
+    ctx = AttentionColumnSums(len(computed))
+    tiny_model(torch.tensor(computed), torch.arange(len(computed)), ctx)
+    assert torch.allclose(seq.attention_mass, torch.stack(ctx.mass), atol=1e-4)
