@@ -5,8 +5,6 @@ import re
 import shutil
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 from minillm.cli import main

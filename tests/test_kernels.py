@@ -8,7 +8,6 @@ scales (1e-5); against the unquantized cache the error is the quantization's own
 import random
 import shutil
 import subprocess
-import sys
 import sysconfig
 
 import pytest

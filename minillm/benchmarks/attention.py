@@ -43,7 +43,7 @@ def make_case(batch: int, context: int, device: str, dtype: torch.dtype, seed: i
 def sdpa_over_gathered(case: dict):
     """What a framework without paged attention does: gather K/V contiguous first (not timed),
     then call its fused attention. Returns the timed function."""
-    batch, context = case["query"].shape[0], int(case["context_lens"][0])
+    context = int(case["context_lens"][0])
     positions = torch.arange(context, device=case["query"].device)
     slots = (case["block_tables"][:, positions // BLOCK_SIZE].long() * BLOCK_SIZE + positions % BLOCK_SIZE)
     k = case["key_cache"][slots].transpose(1, 2)  # (batch, kv_heads, context, head_dim)
