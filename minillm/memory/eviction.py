@@ -65,7 +65,7 @@ def kept_entries(policy: str, length: int, keep: int, num_layers: int, num_kv_he
         recent = keep // 2
         older = mass[..., :length - recent]  # (layers, kv_heads, candidates)
         heavy = older.topk(keep - recent, dim=-1).indices.sort(dim=-1).values
-        window = torch.arange(length - recent, length).expand(num_layers, num_kv_heads, recent)
+        window = torch.arange(length - recent, length, device=mass.device).expand(num_layers, num_kv_heads, recent)
         return torch.cat([heavy, window], dim=-1)
     raise ValueError(f"unknown eviction policy {policy!r}")
 
