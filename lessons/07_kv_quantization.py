@@ -10,21 +10,17 @@ harness: every token is predicted by a decode step that reads the quantized cach
     python lessons/07_kv_quantization.py [--segments 4 --segment-len 512]
 """
 
-import argparse
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from _common import console, require_model, save_plot, table  # noqa: E402
+from _common import console, perplexity_setup, save_plot, table  # noqa: E402
 from minillm.attention.reference import causal_attention  # noqa: E402
 from minillm.engine import LLM  # noqa: E402
-from minillm.evaluation import perplexity, read_text  # noqa: E402
+from minillm.evaluation import perplexity  # noqa: E402
 from minillm.memory.quantization import FORMATS, dequantize, quantize  # noqa: E402
-from minillm.tokenizer import Tokenizer  # noqa: E402
-from minillm.weights import load_model  # noqa: E402
 
 TARGETS = {"int8": 0.05, "int4": 0.5}  # perplexity increase we aim to stay under
 RUNS = [("auto", "channel"), ("int8", "channel"), ("int8", "token"), ("fp8", "channel"), ("fp8", "token"),
@@ -67,13 +63,7 @@ def look_at_keys(model, token_ids):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--segments", type=int, default=4, help="text segments scored side by side (default: 4)")
-    parser.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
-    args = parser.parse_args()
-    model_dir = require_model()
-    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
-    token_ids = tokenizer.encode(read_text())
+    args, model_dir, model, tokenizer, token_ids = perplexity_setup(__doc__)
 
     console.rule("1. Real keys: a few channels are large for every token")
     look_at_keys(model, token_ids[:64])
@@ -122,9 +112,9 @@ def main():
         f"{full.kv_bytes_per_token:,} for {int8.perplexity - full.perplexity:+.3f} perplexity. "
         f"int4 goes to {int4.kv_bytes_per_token:,} bytes for {int4.perplexity - full.perplexity:+.3f} with keys "
         f"scaled per channel, but {int4_token.perplexity - full.perplexity:+.3f} with keys scaled per token: at "
-        f"4 bits the outlier channels swamp a per-token scale. Values have no such channels and are scaled per "
-        f"token. Decode is slower here, not faster: this torch reference dequantizes a full-precision copy "
-        f"before attending; a fused kernel would instead read 3.5-6x fewer bytes.")
+        f"4 bits the outlier channels swamp a per-token scale. Values are scaled per token, as KIVI does. "
+        f"Decode is slower here, not faster: this torch reference dequantizes a full-precision copy before "
+        f"attending; a fused kernel would instead read 3.5-6x fewer bytes.")
 
 
 if __name__ == "__main__":

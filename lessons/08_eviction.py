@@ -1,7 +1,7 @@
 """Lesson 08 — KV eviction: keep only the tokens that matter, and measure what the rest were worth.
 
 Quantization makes every cached token cheaper; eviction keeps fewer of them. With a budget of
-20%, a sequence's cache holds a fifth of its tokens, whatever its length. Which fifth decides
+20%, a sequence's cache never holds more than a fifth of its full length. Which tokens decides
 everything:
   - window: the most recent tokens only;
   - sinks + window (StreamingLLM): also the first 4 tokens, where attention parks its spare mass;
@@ -13,18 +13,14 @@ evicted cache (every token predicted by a decode step that sees only what surviv
     python lessons/08_eviction.py [--segments 4 --segment-len 512]
 """
 
-import argparse
-
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from _common import console, require_model, save_plot, table  # noqa: E402
+from _common import console, perplexity_setup, save_plot, table  # noqa: E402
 from minillm.engine import LLM  # noqa: E402
-from minillm.evaluation import perplexity, read_text  # noqa: E402
-from minillm.tokenizer import Tokenizer  # noqa: E402
-from minillm.weights import load_model  # noqa: E402
+from minillm.evaluation import perplexity  # noqa: E402
 
 BUDGETS = [0.1, 0.2, 0.3, 0.5, 0.75]
 POLICIES = ["h2o", "sinks", "window"]
@@ -32,13 +28,7 @@ TARGET_BUDGET, TARGET_RATIO = 0.2, 1.10  # H2O at 20% within 10% of the full cac
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--segments", type=int, default=4, help="text segments scored side by side (default: 4)")
-    parser.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
-    args = parser.parse_args()
-    model_dir = require_model()
-    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
-    token_ids = tokenizer.encode(read_text())
+    args, model_dir, model, tokenizer, token_ids = perplexity_setup(__doc__)
 
     def score(**switches):
         llm = LLM(model_dir, model=model, tokenizer=tokenizer, **switches)

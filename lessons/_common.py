@@ -1,5 +1,6 @@
 """Small helpers the lessons share: where the model is, where plots go, how tables print."""
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -17,6 +18,22 @@ def require_model() -> Path:
         console.print(f"[red]error:[/red] no weights in {MODEL_DIR} — run: python weights_fetch.py")
         sys.exit(2)
     return MODEL_DIR
+
+
+def perplexity_setup(lesson_doc: str):
+    """For the lessons that score text through the cache: their --segments / --segment-len
+    arguments, the model, its tokenizer and the evaluation text's tokens."""
+    from minillm.evaluation import read_text
+    from minillm.tokenizer import Tokenizer
+    from minillm.weights import load_model
+
+    parser = argparse.ArgumentParser(description=lesson_doc.split("\n\n")[0])
+    parser.add_argument("--segments", type=int, default=4, help="text segments scored side by side (default: 4)")
+    parser.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
+    args = parser.parse_args()
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    return args, model_dir, model, tokenizer, tokenizer.encode(read_text())
 
 
 def table(title: str, columns: list[str], rows: list[list]) -> None:

@@ -36,7 +36,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def kv_budget(text: str) -> int | float:
-    """'256' is a number of tokens, '0.2' a fraction of the tokens seen."""
+    """'256' is a number of tokens, '0.2' a fraction of the sequence's full length."""
     try:
         return float(text) if "." in text else int(text)
     except ValueError:

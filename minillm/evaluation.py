@@ -78,6 +78,7 @@ def segments_of(token_ids: list[int], segment_len: int, num_segments: int) -> li
 def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: int = 4,
                progress: bool = False) -> PerplexityResult:
     """Score `num_segments` segments of `segment_len` tokens through `llm`'s cache (see above)."""
+    from minillm.engine.engine import progress_bar
     from minillm.sampling import SamplingParams
 
     engine = llm.engine
@@ -90,35 +91,13 @@ def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: 
         engine.requests[request_id][0].sampler = scorer
         scorers.append(scorer)
     start = time.perf_counter()
-    with _progress(progress, segment_len - 1) as advance:
-        while engine.has_unfinished_requests():
+    with progress_bar(progress, segment_len - 1, "scoring through the cache") as advance:
+        while engine.has_unfinished_requests():  # each step scores one more token of every segment
             for out in engine.step():
                 if out.error:
                     raise ConfigError(out.error)
-            advance(min(len(s.logprobs) for s in scorers))
+            advance()
     logprobs = [lp for scorer in scorers for lp in scorer.logprobs]
     nll = -sum(logprobs) / len(logprobs)
     return PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len,
                             time.perf_counter() - start, engine.bytes_per_slot, engine.stats.tokens_evicted)
-
-
-class _progress:
-    """A rich progress bar over tokens scored per segment, or nothing."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total = enabled, total
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda done: None
-        from rich.console import Console
-        from rich.progress import Progress
-        self.bar = Progress(transient=True, console=Console(stderr=True))
-        self.bar.start()
-        task = self.bar.add_task("scoring through the cache", total=self.total)
-        return lambda done: self.bar.update(task, completed=done)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.stop()
-        return False

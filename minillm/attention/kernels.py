@@ -1,8 +1,10 @@
-"""Attention backends for decode: the torch reference, a C++ CPU kernel, a CUDA kernel.
+"""Decode attention kernels: a C++ CPU kernel and a CUDA kernel.
 
-All three have one signature, `paged_decode_attention(query, key_cache, value_cache,
-block_tables, context_lens, block_size, k_scales, v_scales)` (see `reference.py`), and the
-switch `EngineConfig.attention_backend` picks one. The kernels live in `kernels_cuda/` and are
+Both implement the contract of the torch reference `paged_decode_attention(query, key_cache,
+value_cache, block_tables, context_lens, block_size, k_scales, v_scales)` (see `reference.py`)
+and are checked against it. `EngineConfig.attention_backend` "cpu" or "cuda" hands the step's
+decode tokens to one of them; with "torch" the engine attends sequence by sequence in plain
+torch instead (`attention/paged.py`). The kernels live in `kernels_cuda/` and are
 compiled on first use with `torch.utils.cpp_extension.load_inline`; the build is cached (under
 ~/.cache/torch_extensions) and reused by later runs.
 """
@@ -15,7 +17,6 @@ from typing import Callable
 
 import torch
 
-from minillm.attention.reference import paged_decode_attention
 from minillm.config import ConfigError
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels_cuda"
@@ -63,11 +64,9 @@ def with_empty_scales(kernel_fn):
 
 
 def decode_backend(name: str) -> Callable:
-    """The decode attention function for `attention_backend=name`; builds a kernel if needed."""
-    if name == "torch":
-        return paged_decode_attention
+    """The decode kernel for `attention_backend=name` ("cpu" or "cuda"); builds it if needed."""
     if name == "cpu":
         return with_empty_scales(cpu_kernel().paged_attention_decode)
     if name == "cuda":
         return with_empty_scales(cuda_kernel().paged_attention_decode)
-    raise ConfigError(f"attention_backend must be 'torch', 'cpu' or 'cuda', not {name!r}.")
+    raise ConfigError(f"There is no {name!r} decode kernel; the kernels are 'cpu' and 'cuda'.")

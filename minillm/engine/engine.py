@@ -15,6 +15,7 @@ One `LLMEngine.step()`:
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -348,7 +349,7 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         final: dict[str, RequestOutput] = {}
-        with _progress(progress, len(ids)) as advance:
+        with progress_bar(progress, len(ids), "requests") as advance:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
@@ -367,22 +368,14 @@ class LLM:
                         return
 
 
-class _progress:
-    """A rich progress bar over finished requests, or nothing."""
-
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total = enabled, total
-
-    def __enter__(self):
-        if not self.enabled:
-            return lambda: None
-        from rich.progress import Progress
-        self.bar = Progress(transient=True)
-        self.bar.start()
-        task = self.bar.add_task("requests", total=self.total)
-        return lambda: self.bar.advance(task)
-
-    def __exit__(self, *exc):
-        if self.enabled:
-            self.bar.stop()
-        return False
+@contextlib.contextmanager
+def progress_bar(enabled: bool, total: int, description: str):
+    """A transient rich progress bar on stderr; yields `advance()`, a no-op when disabled."""
+    if not enabled:
+        yield lambda: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(description, total=total)
+        yield lambda: bar.advance(task)
