@@ -171,3 +171,89 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
     ctx = AttentionColumnSums(len(computed))
     tiny_model(torch.tensor(computed), torch.arange(len(computed)), ctx)
     assert torch.allclose(seq.attention_mass, torch.stack(ctx.mass), atol=1e-4)
+
+
+# ---------------------------------------------------------------- against a reference while evicting
+# The engine's output while entries are really being dropped, compared with `references.replay_eviction`:
+# a no-cache forward whose every query is masked, per layer and KV head, to the entries the policy
+# keeps — chosen anew from token positions and attention scores computed head by head.
+
+class RecordingSampler:
+    """Wraps a sequence's sampler to keep the logits it was given."""
+
+    def __init__(self, sampler):
+        self.sampler, self.logits = sampler, []
+
+    def __call__(self, logits):
+        self.logits.append(logits.clone())
+        return self.sampler(logits)
+
+
+def run_recorded(llm, prompts, params):
+    from references import ScheduleRecorder
+    engine = llm.engine
+    recorder = ScheduleRecorder(engine)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    for request_id in ids:
+        seq = engine.requests[request_id][0]
+        seq.sampler = RecordingSampler(seq.sampler)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return recorder, [engine.requests[request_id] for request_id in ids]
+
+
+def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget):
+    from references import replay_eviction
+    from minillm.sampling import Sampler
+    total_dropped = 0
+    for seqs in requests:
+        parent = seqs[0]
+        for seq in seqs:
+            history = recorder.history(seq, parent)
+            own = recorder.chunks[seq.seq_id]
+            replayed = replay_eviction(model, seq.token_ids, history, policy, budget_for(budget, seq.max_len),
+                                       owned_from_step=own[0].step if seq is not parent else 0)
+            total_dropped += replayed.dropped
+            sampled = [chunk.end for chunk in history if chunk.samples]
+            sampler = Sampler(params, seq.sample_index)  # the same draws, from the reference's logits
+            assert [sampler(logits) for logits in replayed.logits] == [seq.token_ids[end] for end in sampled]
+            if isinstance(seq.sampler, RecordingSampler):
+                assert len(seq.sampler.logits) == len(replayed.logits)
+                for ours, theirs in zip(seq.sampler.logits, replayed.logits):
+                    assert torch.allclose(ours, theirs, atol=1e-4)
+            if policy == "h2o":  # the scores H2O kept for the entries it kept, head by head
+                expected = torch.tensor([[[replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
+                                          for head in range(len(replayed.held[layer]))]
+                                         for layer in range(len(replayed.held))])
+                assert torch.allclose(seq.attention_mass, expected, atol=1e-4)
+    return total_dropped
+
+
+@pytest.mark.parametrize("policy, backend", [("h2o", "torch"), ("sinks", "torch"), ("window", "torch"),
+                                             ("sinks", "cpu")])
+def test_engine_under_active_eviction_equals_a_masked_no_cache_reference(tiny_dir, tiny_model, policy, backend):
+    """Chunked prefill, preemption and a budget far below every sequence's length."""
+    prompts, params = mixed(10, seed=4)
+    budget = 11
+    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4,
+              max_num_batched_tokens=16, kv_cache_bytes=24 * 4 * KV_BYTES_PER_TOKEN, attention_backend=backend)
+    recorder, requests = run_recorded(llm, prompts, params)
+    assert llm.engine.num_preemptions > 0
+    assert all(seqs[0].num_evicted > 0 for seqs in requests)
+    dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget)
+    assert llm.engine.stats.tokens_evicted == dropped  # every drop counted once, a recompute's drops again
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sinks"])
+def test_parallel_samples_under_active_eviction_equal_the_reference(tiny_dir, tiny_model, policy):
+    """Samples share the prompt's evicted cache, then each evicts on its own."""
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (30, 19, 41)]
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
+    budget = 0.25
+    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4,
+              max_num_batched_tokens=12, kv_cache_bytes=30 * 4 * KV_BYTES_PER_TOKEN)
+    recorder, requests = run_recorded(llm, prompts, params)
+    assert all(len(seqs) == 3 and all(seq.num_evicted > 0 for seq in seqs) for seqs in requests)
+    dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget)
+    assert llm.engine.stats.tokens_evicted == dropped

@@ -1,0 +1,202 @@
+"""Independent references for the lossy switches: what the engine's cache should have shown each
+query, recomputed with no cache at all.
+
+The engine computes a sequence in chunks (prefill chunks, then one token per decode step; all
+over again after a preemption), and what a query sees depends on that history: with eviction,
+only the entries kept when its chunk ran; with a quantized pool, keys and values rounded as they
+were stored by then. `ScheduleRecorder` writes the history down as the engine runs; `replay`
+then recomputes the sequence chunk by chunk with the naive model over *all* its tokens, each
+chunk's queries masked to (or reading rounded copies of) exactly the keys the engine should have
+kept. Nothing here reads the engine's cache, block tables or eviction code: the kept sets, the
+H2O scores and the rounding are worked out anew from token positions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from minillm.memory.quantization import dequantize, quantize
+
+NUM_SINKS = 4  # StreamingLLM's initial tokens, as the papers (and DESIGN.md) state
+
+
+@dataclass
+class Chunk:
+    step: int
+    start: int  # the sequence's first token computed in this chunk
+    num_tokens: int
+    samples: bool  # the chunk reached the sequence's last token, so its logits chose the next one
+    cached_after: int | None = None  # cache entries after the step: did eviction run (or wait for a free block)?
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+
+class ScheduleRecorder:
+    """Records every chunk the engine computes, per sequence, by wrapping `LLMEngine.forward`, and
+    how many cache entries each sequence holds after the step, by wrapping `LLMEngine.step`."""
+
+    def __init__(self, engine):
+        self.chunks: dict[int, list[Chunk]] = defaultdict(list)
+        self.step = 0
+        self.this_step: list[tuple[object, Chunk]] = []
+        forward, step = engine.forward, engine.step
+
+        def recording_forward(scheduled):
+            for item in scheduled:
+                seq = item.seq
+                chunk = Chunk(self.step, seq.num_computed, item.num_tokens,
+                              seq.num_computed + item.num_tokens == seq.num_tokens)
+                self.chunks[seq.seq_id].append(chunk)
+                self.this_step.append((seq, chunk))
+            return forward(scheduled)
+
+        def recording_step():
+            self.this_step = []
+            outputs = step()
+            for seq, chunk in self.this_step:
+                chunk.cached_after = seq.num_cached
+            self.step += 1
+            return outputs
+
+        engine.forward, engine.step = recording_forward, recording_step
+
+    def history(self, seq, parent=None) -> list[Chunk]:
+        """The chunks that built `seq`'s cache. A parallel sample forked from `parent` at the
+        parent's first sampling inherits the parent's chunks up to that step."""
+        own = self.chunks[seq.seq_id]
+        if parent is None or parent is seq:
+            return own
+        fork_step = next(chunk.step for chunk in self.chunks[parent.seq_id] if chunk.samples)
+        return [chunk for chunk in self.chunks[parent.seq_id] if chunk.step <= fork_step] + own
+
+
+class ReplayAttention:
+    """No cache: every chunk's queries attend over keys [0, chunk end) of the full sequence,
+    masked by `mask_of` and read through `view` (the identity, or a rounded copy)."""
+
+    def __init__(self, spans, mask_of, view):
+        self.spans = spans  # [(start, end)] of the chunks since the cache was last empty
+        self.mask_of = mask_of  # (layer, start, end) -> (kv_heads, end - start, end) bool
+        self.view = view  # (layer, k, v, end) -> keys, values (end, kv_heads, head_dim)
+        self.mass: list[torch.Tensor] = []  # per layer: (kv_heads, T) attention the last chunk paid each key
+
+    def attend(self, layer, q, k, v):
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        group = num_heads // k.shape[1]
+        out = torch.empty_like(q)
+        mass = torch.zeros(k.shape[1], k.shape[0])
+        for start, end in self.spans:
+            keys, values = self.view(layer, k, v, end)
+            mask = self.mask_of(layer, start, end)
+            for head in range(num_heads):  # head by head: no grouping trick to get wrong
+                kv_head = head // group
+                scores = q[start:end, head] @ keys[:, kv_head].T * head_dim ** -0.5
+                probs = scores.masked_fill(~mask[kv_head], float("-inf")).softmax(dim=-1)
+                out[start:end, head] = probs @ values[:, kv_head]
+                if (start, end) == self.spans[-1]:
+                    mass[kv_head, :end] += probs.sum(dim=0)
+        self.mass.append(mass)
+        return out
+
+
+@dataclass
+class Replayed:
+    logits: list[torch.Tensor]  # the logits of every sampling chunk, in order
+    dropped: int  # entries evicted in this sequence's own chunks
+    held: list[list[list[int]]] | None = None  # [layer][kv_head] -> positions in the cache at the end
+    mass: list[list[dict[int, float]]] | None = None  # [layer][kv_head] -> position -> H2O score
+
+
+def keep_by_policy(policy: str, held: list[int], keep: int, mass: dict[int, float]) -> list[int]:
+    """The `keep` positions a policy keeps out of `held` (in position order), written from the
+    papers' definitions rather than from minillm's code."""
+    if policy == "window" or keep < 2:
+        return held[-keep:]
+    if policy == "sinks":
+        sinks = min(NUM_SINKS, keep - 1)
+        return held[:sinks] + held[-(keep - sinks):]
+    recent = keep // 2  # H2O: half the budget for the most recent tokens, half for heavy hitters
+    older, window = held[:-recent], held[-recent:]
+    heavy = sorted(older, key=lambda position: -mass[position])[:keep - recent]
+    return sorted(heavy) + window
+
+
+@torch.inference_mode()
+def replay_eviction(model, token_ids: list[int], history: list[Chunk], policy: str, keep: int,
+                    owned_from_step: int = 0) -> Replayed:
+    """The sequence under eviction: after each chunk, every (layer, KV head) keeps `keep` entries
+    chosen by `policy`; later queries see only those plus their own chunk (causally). The engine
+    may put an eviction off by a step when the copy-on-write it needs finds no free block: the
+    record says whether it ran, never which entries it kept."""
+    config = model.config
+    layers, kv_heads, length = config.num_layers, config.num_kv_heads, len(token_ids)
+    allowed = torch.zeros(layers, kv_heads, length, length, dtype=torch.bool)
+    logits, dropped = [], 0
+    for chunk in history:
+        if chunk.start == 0:  # a fresh start (or a recompute after preemption): an empty cache
+            spans, allowed[:] = [], False
+            held = [[[] for _ in range(kv_heads)] for _ in range(layers)]
+            mass = [[defaultdict(float) for _ in range(kv_heads)] for _ in range(layers)]
+        start, end = chunk.start, chunk.end
+        for layer in range(layers):
+            for kv_head in range(kv_heads):
+                rows = allowed[layer, kv_head, start:end]
+                rows[:, held[layer][kv_head]] = True
+                rows[:, start:end] |= torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        spans.append((start, end))
+        ctx = ReplayAttention(spans, lambda layer, s, e: allowed[layer, :, s:e, :e],
+                              lambda layer, k, v, e: (k[:e], v[:e]))
+        hidden = model(torch.tensor(token_ids[:end]), torch.arange(end), ctx)
+        if chunk.samples:
+            logits.append(model.logits(hidden[end - 1:end])[0])
+        for layer in range(layers):
+            for kv_head in range(kv_heads):
+                positions = held[layer][kv_head] + list(range(start, end))
+                for position in positions:
+                    mass[layer][kv_head][position] += float(ctx.mass[layer][kv_head, position])
+                if len(positions) > keep and chunk.cached_after != len(positions):
+                    assert chunk.cached_after == keep, f"step {chunk.step}: {chunk.cached_after} entries, budget {keep}"
+                    positions = keep_by_policy(policy, positions, keep, mass[layer][kv_head])
+                    if layer == kv_head == 0 and chunk.step >= owned_from_step:
+                        dropped += len(held[layer][kv_head]) + (end - start) - keep
+                held[layer][kv_head] = positions
+    return Replayed(logits, dropped, held, mass)
+
+
+def fake_quantized_view(fmt, key_scales: str, block_size: int):
+    """K/V as a quantized pool returns them once the first `end` tokens are written: values
+    rounded per token; keys per token, or per channel over each *full* block (a block still
+    filling is read exact)."""
+    def view(layer, k, v, end):
+        values = dequantize(*quantize(v[:end], fmt, dim=-1), fmt)
+        if key_scales == "token":
+            return dequantize(*quantize(k[:end], fmt, dim=-1), fmt), values
+        keys = k[:end].clone()
+        for first in range(0, end - end % block_size, block_size):
+            keys[first:first + block_size] = dequantize(*quantize(k[first:first + block_size], fmt, dim=0), fmt)
+        return keys, values
+    return view
+
+
+@torch.inference_mode()
+def replay_quantized(model, token_ids: list[int], history: list[Chunk], fmt, key_scales: str,
+                     block_size: int) -> Replayed:
+    """The sequence through a quantized pool: each chunk's queries read every earlier key and
+    value rounded as the pool holds them when the chunk has been written."""
+    view = fake_quantized_view(fmt, key_scales, block_size)
+    logits = []
+    for chunk in history:
+        spans = [] if chunk.start == 0 else spans
+        spans.append((chunk.start, chunk.end))
+        causal = torch.ones(chunk.end, chunk.end, dtype=torch.bool).tril()
+        ctx = ReplayAttention(spans, lambda layer, s, e: causal[s:e, :e].expand(model.config.num_kv_heads, -1, -1),
+                              view)
+        hidden = model(torch.tensor(token_ids[:chunk.end]), torch.arange(chunk.end), ctx)
+        if chunk.samples:
+            logits.append(model.logits(hidden[chunk.end - 1:chunk.end])[0])
+    return Replayed(logits, 0)
