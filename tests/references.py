@@ -75,6 +75,30 @@ class ScheduleRecorder:
         return [chunk for chunk in self.chunks[parent.seq_id] if chunk.step <= fork_step] + own
 
 
+class RecordingSampler:
+    """Wraps a sequence's sampler to keep the logits it was given."""
+
+    def __init__(self, sampler):
+        self.sampler, self.logits = sampler, []
+
+    def __call__(self, logits):
+        self.logits.append(logits.clone())
+        return self.sampler(logits)
+
+
+def run_recorded(llm, prompts, params):
+    """Run the prompts to the end, recording the schedule and every first sample's logits."""
+    engine = llm.engine
+    recorder = ScheduleRecorder(engine)
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    for request_id in ids:
+        seq = engine.requests[request_id][0]
+        seq.sampler = RecordingSampler(seq.sampler)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return recorder, [engine.requests[request_id] for request_id in ids]
+
+
 class ReplayAttention:
     """No cache: every chunk's queries attend over keys [0, chunk end) of the full sequence,
     masked by `mask_of` and read through `view` (the identity, or a rounded copy)."""
@@ -171,8 +195,10 @@ def replay_eviction(model, token_ids: list[int], history: list[Chunk], policy: s
 def fake_quantized_view(fmt, key_scales: str, block_size: int):
     """K/V as a quantized pool returns them once the first `end` tokens are written: values
     rounded per token; keys per token, or per channel over each *full* block (a block still
-    filling is read exact)."""
+    filling is read exact). `fmt=None` rounds nothing: the same replay, unquantized."""
     def view(layer, k, v, end):
+        if fmt is None:
+            return k[:end], v[:end]
         values = dequantize(*quantize(v[:end], fmt, dim=-1), fmt)
         if key_scales == "token":
             return dequantize(*quantize(k[:end], fmt, dim=-1), fmt), values

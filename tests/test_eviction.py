@@ -9,6 +9,8 @@ from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.memory.eviction import NUM_SINKS, budget_for, kept_entries
+from minillm.sampling import Sampler
+from references import RecordingSampler, replay_eviction, run_recorded
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
@@ -178,33 +180,7 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
 # a no-cache forward whose every query is masked, per layer and KV head, to the entries the policy
 # keeps — chosen anew from token positions and attention scores computed head by head.
 
-class RecordingSampler:
-    """Wraps a sequence's sampler to keep the logits it was given."""
-
-    def __init__(self, sampler):
-        self.sampler, self.logits = sampler, []
-
-    def __call__(self, logits):
-        self.logits.append(logits.clone())
-        return self.sampler(logits)
-
-
-def run_recorded(llm, prompts, params):
-    from references import ScheduleRecorder
-    engine = llm.engine
-    recorder = ScheduleRecorder(engine)
-    ids = [engine.add_request(prompt, params) for prompt in prompts]
-    for request_id in ids:
-        seq = engine.requests[request_id][0]
-        seq.sampler = RecordingSampler(seq.sampler)
-    while engine.has_unfinished_requests():
-        engine.step()
-    return recorder, [engine.requests[request_id] for request_id in ids]
-
-
 def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget):
-    from references import replay_eviction
-    from minillm.sampling import Sampler
     total_dropped = 0
     for seqs in requests:
         parent = seqs[0]

@@ -11,9 +11,11 @@ from minillm.evaluation import TeacherForcing
 from minillm.memory.quantization import (FORMATS, QuantizedKVCache, dequantize, pack_int4, quantize,
                                          unpack_int4)
 from conftest import TINY_CONFIG
+from references import replay_quantized, run_recorded
 
 FP8_RELATIVE = 2.0 ** -4  # e4m3 has 3 mantissa bits: rounding is within half a step, 1/16 of the value
 FP8_SUBNORMAL = 2.0 ** -10  # below 2^-6 the steps are 2^-9 (in units of the scale)
+QUANT_REFERENCE_ATOL = 1e-4  # float noise between two ways of summing the same numbers
 
 
 def sample_kv(seed: int) -> torch.Tensor:
@@ -155,6 +157,39 @@ def test_samples_sharing_quantized_blocks_equal_independent_requests(tiny_dir, t
     for index, sample in enumerate(together.samples):
         params = SamplingParams(**{**sampling, "seed": sampling["seed"] + index})
         assert sample == LLM(tiny_dir, model=tiny_model, **switches).generate([prompt], params)[0].token_ids
+
+
+FORMAT_CASES = [("int8", "channel"), ("int8", "token"), ("int4", "channel"), ("int4", "token"), ("fp8", "channel"),
+                ("fp8", "token")]
+
+
+@pytest.mark.parametrize("kv_dtype, key_scales", FORMAT_CASES)
+def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(tiny_dir, tiny_model, kv_dtype, key_scales):
+    """Every query reads K/V rounded exactly as the pool stores them: values per token, keys per
+    token or per channel of each full block (a filling block exact), through chunked prefill,
+    decode and preemption. The reference rounds the K/V of a naive forward; it never reads the pool."""
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (3, 14, 27, 40, 9, 33)]
+    params = SamplingParams(max_tokens=18, ignore_eos=True)
+    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.bytes_per_slot
+    llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, block_size=4,
+              max_num_batched_tokens=9, kv_cache_bytes=26 * 4 * probe)
+    recorder, requests = run_recorded(llm, prompts, params)
+    assert llm.engine.num_preemptions > 0
+    errors, rounding = [], []  # per sampled token: max |engine - reference|, max |reference - unrounded|
+    for (seq,) in requests:
+        history = recorder.history(seq)
+        quantized = replay_quantized(tiny_model, seq.token_ids, history, FORMATS[kv_dtype], key_scales, 4)
+        unrounded = replay_quantized(tiny_model, seq.token_ids, history, None, key_scales, 4)
+        assert len(seq.sampler.logits) == len(quantized.logits) == len(seq.output_ids)
+        for ours, reference, exact in zip(seq.sampler.logits, quantized.logits, unrounded.logits):
+            errors.append(float((ours - reference).abs().max()))
+            rounding.append(float((reference - exact).abs().max()))
+        assert [int(logits.argmax()) for logits in quantized.logits] == seq.output_ids
+    # Float noise (1e-6) between the two computations can tip a value across a rounding boundary
+    # now and then; a stored layout read wrongly would move most logits by as much as rounding does.
+    assert sum(error <= QUANT_REFERENCE_ATOL for error in errors) >= 0.9 * len(errors)
+    assert max(errors) <= 0.2 * max(rounding)
 
 
 def test_int4_needs_an_even_head_dim(tmp_path):

@@ -86,7 +86,8 @@ class EngineStats:
     steps: int = 0
     tokens_computed: int = 0  # prefill + decode tokens through the model
     tokens_generated: int = 0
-    tokens_evicted: int = 0  # KV entries dropped by eviction (per sequence, each token once)
+    tokens_evicted: int = 0  # KV entries eviction dropped, per sequence (not per layer or head), counted at
+    #   each drop: a sequence recomputed after a preemption drops, and counts, its entries again
     memory: list[MemoryStats] = field(default_factory=list)  # after every step
     batches: list[list[tuple[str, int]]] = field(default_factory=list)  # per step: (request_id, tokens computed)
 
