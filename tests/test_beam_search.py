@@ -2,9 +2,11 @@
 while the beams share their history's blocks and dropped beams release theirs."""
 
 import pytest
+import torch
+from hypothesis import given, settings, strategies as st
 
 from minillm.engine import LLM, SamplingParams
-from minillm.engine.beam import reference_beam_search
+from minillm.engine.beam import reference_beam_search, select
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
@@ -45,3 +47,34 @@ def test_beam_search_under_preemption(tiny_dir, tiny_model):
 def test_beam_search_needs_greedy_settings():
     with pytest.raises(ValueError, match="beam search is deterministic"):
         SamplingParams(beam_width=2, temperature=0.7)
+
+
+def brute_force_select(scores, logprobs, width):
+    """Every (beam, token) pair with its total, best first."""
+    pairs = [(beam, token, scores[beam] + float(logprobs[beam, token]))
+             for beam in range(len(scores)) for token in range(logprobs.shape[1])]
+    return sorted(pairs, key=lambda pair: -pair[2])[:width]
+
+
+@settings(max_examples=150, deadline=None)
+@given(beams=st.integers(1, 4), vocab=st.integers(2, 9), width=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_select_keeps_the_best_pairs_by_total_log_probability(beams, vocab, width, seed):
+    """Non-square shapes, so mixing up beam = flat // vocab and token = flat % vocab shows."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = (torch.rand(beams, generator=gen, dtype=torch.float64) * -5).tolist()
+    logprobs = torch.log_softmax(torch.randn(beams, vocab, generator=gen) * 3, dim=-1)
+    width = min(width, beams * vocab)
+    assert select(scores, logprobs, width) == brute_force_select(scores, logprobs, width)
+
+
+def test_select_breaks_ties_without_repeating_a_pair():
+    scores, logprobs = [0.0, 0.0], torch.full((2, 3), -1.0)  # six equally good continuations
+    chosen = select(scores, logprobs, 4)
+    assert len({(beam, token) for beam, token, _ in chosen}) == 4
+    assert all(score == -1.0 for _, _, score in chosen)
+
+
+def test_a_worse_beam_can_still_win_with_a_better_token():
+    scores = [-1.0, -3.0]
+    logprobs = torch.log(torch.tensor([[0.06, 0.04, 0.9], [0.98, 0.01, 0.01]]))
+    assert [(beam, token) for beam, token, _ in select(scores, logprobs, 3)] == [(0, 2), (1, 0), (0, 0)]

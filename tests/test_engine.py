@@ -2,12 +2,17 @@
 block size, KV budget (preemption), token budget (chunked prefill) or scheduling policy."""
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from minillm.config import ConfigError
 from minillm.decoding import generate
+import minillm.engine.sequence as sequence_module
 from minillm.engine import LLM, SamplingParams
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import Sequence
+from minillm.memory.block_manager import BlockManager
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model: layers 3, kv heads 2, head_dim 16, fp32
 
@@ -147,3 +152,57 @@ def test_real_model_engine_matches_naive(real_dir, real_model, real_tokenizer):
         assert out.token_ids == generate(real_model, ids, sp, "naive", real_tokenizer.eos_token_id).token_ids
     assert llm.engine.num_preemptions > 0
     assert outputs[0].text == real_tokenizer.decode(outputs[0].token_ids)
+
+
+def test_metrics_equal_hand_computed_values_on_a_scripted_trace(tiny_dir, tiny_model, monkeypatch):
+    """Two requests, a 4-token step budget, a clock that reads 1, 2, 4, 7 at the four steps:
+      step 1  A prefills 4 of its 6 prompt tokens (the budget is spent: B waits)
+      step 2  A prefills its last 2 and samples; B (arrived at 0.5) prefills 2 and samples
+      step 3  A and B decode; B has its 2 tokens and finishes
+      step 4  A decodes its 3rd token and finishes"""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr(sequence_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, max_num_batched_tokens=4, kv_cache_bytes=1 << 20)
+    engine = llm.engine
+    a = engine.add_request([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=0.0)
+    b = engine.add_request([11, 12], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=0.5)
+    final = {}
+    for clock.now in (1.0, 2.0, 4.0, 7.0):
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+    assert not engine.has_unfinished_requests()
+    assert (final[a].ttft, final[a].tpot) == (2.0 - 0.0, (7.0 - 2.0) / 2)
+    assert (final[b].ttft, final[b].tpot) == (2.0 - 0.5, (4.0 - 2.0) / 1)
+    stats = engine.stats
+    assert (stats.steps, stats.tokens_computed, stats.tokens_generated) == (4, 4 + 4 + 2 + 1, 5)
+    # after each step: (live slots, reserved slots) of the sequences still running
+    assert [(m.live_slots, m.reserved_slots) for m in stats.memory] == [(4, 4), (6 + 2, 8 + 4), (7, 8), (0, 0)]
+    assert stats.kv_utilization() == (4 + 8 + 7) / (4 + 12 + 8)
+
+
+def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, prefix_caching=True, kv_cache_bytes=1 << 20)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    first = list(range(20, 29))  # 9 tokens: 2 full blocks can be looked up (never the last token)
+    llm.generate([first], params)
+    llm.generate([first[:8] + [50, 51, 52]], params)  # 11 tokens: both blocks hit
+    assert llm.engine.block_manager.prefix_cache.stats() == {
+        "queried_blocks": 2 + 2, "hit_blocks": 2, "block_hit_rate": 2 / 4, "prompt_tokens": 9 + 11,
+        "prefill_tokens_saved": 8, "token_hit_rate": 8 / 20,
+        "cached_blocks": 3}  # the 2 shared, and the second request's third block (filled by its first output)
+
+
+def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
+    """FCFS survives preemption: the victim arrived before everyone still waiting."""
+    scheduler = Scheduler(BlockManager(num_blocks=4, block_size=4), "continuous", max_num_seqs=8,
+                          max_num_batched_tokens=64)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first, second, third = (Sequence(i, str(i), list(range(8)), params, max_len=16) for i in range(3))
+    scheduler.add(first)
+    scheduler.add(second)
+    assert [item.seq for item in scheduler.schedule()] == [first, second]  # 2 blocks each: the pool is full
+    scheduler.add(third)
+    for seq in (first, second):
+        seq.num_computed = 8
+        seq.append(1, None)  # the 9th token needs a third block
+    assert [item.seq for item in scheduler.schedule()] == [first]
+    assert list(scheduler.waiting) == [second, third] and second.num_computed == 0

@@ -142,7 +142,9 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+        """Queue a request; `arrival_time` (a time.perf_counter() value, default now) is when its
+        time to first token starts counting, for a caller that took the request in earlier."""
         params = params or SamplingParams()
         seq_id = next(self.seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
@@ -153,6 +155,8 @@ class LLMEngine:
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_len = min(self.context_len, len(prompt_ids) + params.max_tokens)
         seq = Sequence(seq_id, request_id, prompt_ids, params, max_len)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         self.requests[request_id] = [seq]
         if params.beam_width > 1:
             self.beam_groups[request_id] = BeamGroup(params.beam_width, live=[(seq, 0.0)])
@@ -168,6 +172,9 @@ class LLMEngine:
         """Why a request can never run, or None. It fails alone; the others go on."""
         if not seq.prompt_ids:
             return "The prompt is empty; give at least one token."
+        if seq.params.num_outputs > self.config.max_num_seqs:
+            return (f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
+                    f"max_num_seqs is {self.config.max_num_seqs}; raise max_num_seqs or lower n.")
         if len(seq.prompt_ids) >= self.context_len:
             return (f"The prompt has {len(seq.prompt_ids)} tokens but the context holds {self.context_len}; "
                     "shorten the prompt.")
@@ -250,11 +257,8 @@ class LLMEngine:
         for beam, token, score in choices:  # fork before any beam appends, so forks copy the parent as it was
             parent = live[beam][0]
             seq = parent if beam not in claimed else parent.fork(next(self.seq_ids), 0)
-            if seq is not parent and parent.seq_id in self.block_manager.block_tables:
-                self.block_manager.fork(parent.seq_id, seq.seq_id)
-                self.scheduler.running.append(seq)
-            elif seq is not parent:  # the parent was preempted: the child recomputes too
-                self.scheduler.waiting.append(seq)
+            if seq is not parent:
+                self.scheduler.fork(parent, seq)
             claimed.add(beam)
             assignments.append((seq, token, score))
         group.live = []
@@ -287,8 +291,7 @@ class LLMEngine:
             return [seq]
         forks = [seq.fork(next(self.seq_ids), index) for index in range(1, seq.params.n)]
         for child in forks:
-            self.block_manager.fork(seq.seq_id, child.seq_id)
-            self.scheduler.running.append(child)
+            self.scheduler.fork(seq, child)
         self.requests[seq.request_id] += forks
         return [seq, *forks]
 

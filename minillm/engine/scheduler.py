@@ -74,7 +74,7 @@ class Scheduler:
                 budget -= num_tokens
 
         may_admit = self.policy == "continuous" and not preempted
-        while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while may_admit and self.waiting and budget > 0 and self.has_seats_for(self.waiting[0]):
             seq = self.waiting[0]
             num_tokens = self.reserve(seq, budget)
             if not num_tokens:
@@ -116,10 +116,34 @@ class Scheduler:
     def start_static_batch(self) -> None:
         """Static batching: the next max_num_seqs requests form a batch that runs to its end.
         Their prefills may still be spread over several steps by the token budget."""
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and self.has_seats_for(self.waiting[0]):
             seq = self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
+
+    def has_seats_for(self, seq: Sequence) -> bool:
+        """At most max_num_seqs sequences run at once, counting the forks that running requests
+        will make at their first sampling (n - 1 samples, beam_width - 1 beams) as taken."""
+        taken = sum(1 + self.forks_to_come(running) for running in self.running)
+        return taken + 1 + self.forks_to_come(seq) <= self.max_num_seqs
+
+    @staticmethod
+    def forks_to_come(seq: Sequence) -> int:
+        return seq.params.num_outputs - 1 if not seq.output_ids else 0
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A parallel sample or a beam joins beside its parent, sharing all its blocks. A fork the
+        parent's admission reserved a seat for always fits; a later beam fork (a sibling's seat may
+        have gone to another request while that sibling was preempted) or the child of a preempted
+        parent waits instead, to be computed again."""
+        if parent.seq_id in self.block_manager.block_tables and \
+                (not parent.output_ids or self.has_seats_for(child)):
+            self.block_manager.fork(parent.seq_id, child.seq_id)
+            self.running.append(child)
+        else:
+            child.forget_cache()
+            child.status = Status.WAITING
+            self.waiting.append(child)
 
     def preempt(self, seq: Sequence, front: bool = True) -> None:
         if seq.seq_id in self.block_manager.block_tables:  # a static-batch member may not have started
