@@ -71,6 +71,17 @@ def sampling_from(args):
                           max_tokens=args.max_tokens, seed=args.seed)
 
 
+def print_json(report: dict) -> None:
+    """Every --json output: one line of strict JSON. A rate that cannot be measured is null, never
+    NaN or Infinity, which Python's json writes by default and JSON parsers reject."""
+    try:
+        line = json.dumps(report, allow_nan=False)
+    except ValueError as err:  # a bug in the command, not a user's error (main turns ValueError into one)
+        raise RuntimeError(f"--json output is not strict JSON ({err}); a rate with nothing to measure "
+                           f"must be None") from err
+    print(line)
+
+
 def runtime_from(args) -> Runtime:
     config = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device,
                           decoder=getattr(args, "decoder", "cached"))
@@ -85,20 +96,21 @@ def cmd_generate(args) -> None:
     prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
     if args.json:
         gen = runtime.generate(prompt_ids, params)
-        print(json.dumps({
+        print_json({
             "prompt": args.prompt, "prompt_ids": gen.prompt_ids, "generated_ids": gen.token_ids,
             "text": runtime.tokenizer.decode(gen.token_ids), "finish_reason": gen.finish_reason,
             "decoder": args.decoder,
             "kv_bytes_allocated": gen.kv_bytes,
             "timings": {"prefill_s": gen.prefill_s, "decode_s": gen.decode_s, "decode_tok_s": gen.decode_tok_s},
-        }))
+        })
         return
     gen = None
     for piece, gen in runtime.stream_text(prompt_ids, params):
         console.print(piece, end="", markup=False, highlight=False)
     console.print()
+    decode = f"{gen.decode_tok_s:.1f} tok/s" if gen.decode_tok_s is not None else "n/a"
     err_console.print(f"[dim]{len(gen.token_ids)} tokens, {gen.finish_reason}; "
-                      f"first token {gen.prefill_s * 1000:.0f} ms, {gen.decode_tok_s:.1f} tok/s decode[/dim]")
+                      f"first token {gen.prefill_s * 1000:.0f} ms, decode {decode}[/dim]")
 
 
 # ----------------------------------------------------------------------------- chat
@@ -186,7 +198,7 @@ def cmd_info(args) -> None:
         "weight_bytes": sum(p.nbytes for p in runtime.model.parameters()),
     }
     if args.json:
-        print(json.dumps(info))
+        print_json(info)
         return
     from rich.table import Table
     table = Table(title=f"minillm info — {args.model}", show_header=False)
@@ -202,7 +214,7 @@ def cmd_info(args) -> None:
 
 def show(report: dict, printer, as_json: bool) -> None:
     """One JSON object with --json (to compare across commits), else rich tables."""
-    print(json.dumps(report)) if as_json else printer(report, console)
+    print_json(report) if as_json else printer(report, console)
 
 
 def cmd_bench_decode(args) -> None:
@@ -244,7 +256,7 @@ def cmd_eval_ppl(args) -> None:
     report = {"text": str(args.text), "kv_dtype": args.kv_dtype, "kv_key_scales": args.kv_key_scales,
               "eviction": args.eviction, "kv_budget": args.kv_budget, **result.as_dict()}
     if args.json:
-        print(json.dumps(report))
+        print_json(report)
         return
     kv_format = args.dtype if args.kv_dtype == "auto" else f"{args.kv_dtype}, keys per {args.kv_key_scales}, scales included"
     budget = (f", {args.eviction} keeping {args.kv_budget} ({result.tokens_evicted:,} entries evicted)"

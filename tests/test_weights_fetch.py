@@ -1,9 +1,15 @@
 """weights_fetch.py: the GGUF conversion undoes llama.cpp's permutation (checked against
-transformers' own GGUF reader), and the Hugging Face path works against a fake hub on 127.0.0.1."""
+transformers' own GGUF reader), and the Hugging Face path works against a fake hub on 127.0.0.1.
+
+Nothing here leaves the machine: the evaluation text's source archive, which `main` would download
+with pip, is the copy `python weights_fetch.py` already fetched, and pip is never spawned."""
 
 import functools
+import hashlib
 import http.server
 import json
+import shutil
+import subprocess
 import threading
 from pathlib import Path
 
@@ -12,12 +18,26 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weights_fetch
-from conftest import GGUF_CACHE, TINY_CONFIG, random_llama_tensors
+from conftest import GGUF_CACHE, REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors
 from minillm.decoding.naive import sequence_logits
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 REPO = "tester/tiny-llama"
+TEXT_CACHE = REAL_MODEL_DIR.parent / ".downloads" / "texts"  # filled by `python weights_fetch.py`
+
+
+@pytest.fixture(autouse=True)
+def no_pip(monkeypatch):
+    """pip is how weights_fetch reaches the package index; a test that spawns it fails."""
+    run = subprocess.run
+
+    def run_without_pip(cmd, *args, **kwargs):
+        words = cmd.split() if isinstance(cmd, str) else [str(word) for word in cmd]
+        assert "pip" not in words, f"a test spawned pip: {cmd}"
+        return run(cmd, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "run", run_without_pip)
 
 
 def test_dequantized_tensors_match_transformers_gguf_reader(real_dir):
@@ -102,8 +122,18 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture
 def hub_env(fake_hub, monkeypatch):
+    """The fake hub, and the text's source archive copied from the local download cache, not pip."""
+    archives = sorted(TEXT_CACHE.glob("*.tar.gz"))
+    assert archives, f"{TEXT_CACHE} has no source archive: run `python weights_fetch.py` first"
+    requested = []
+
+    def local_sdist(requirement: str, cache_dir: Path) -> Path:
+        requested.append(requirement)
+        return Path(shutil.copy(archives[-1], cache_dir))  # a copy: a bad archive is deleted, not ours
+
     monkeypatch.setenv("HF_ENDPOINT", fake_hub["endpoint"])
-    return fake_hub
+    monkeypatch.setattr(weights_fetch, "download_sdist", local_sdist)
+    return {**fake_hub, "sdist_requests": requested}
 
 
 @pytest.mark.parametrize("repo", [REPO, "tester/tiny-sharded"])
@@ -118,6 +148,15 @@ def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
     save_file(hub_env["tensors"], reference_dir / "model.safetensors")
     ids = list(range(3, 60))
     assert torch.equal(sequence_logits(load_model(out), ids), sequence_logits(load_model(reference_dir), ids))
+
+
+def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_path):
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
+    assert hub_env["sdist_requests"] == [weights_fetch.TEXT_SDIST]
+    text = tmp_path / "texts" / "alice29.txt"
+    assert hashlib.sha256(text.read_bytes()).hexdigest() == weights_fetch.TEXT_SHA256
+    assert "ALICE'S ADVENTURES IN WONDERLAND" in text.read_text()
+    assert list((tmp_path / ".downloads" / "texts").glob("*.tar.gz"))  # the stub's copy, where pip would put it
 
 
 def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):

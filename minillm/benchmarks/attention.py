@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from minillm.attention.kernels import decode_backend
 from minillm.benchmarks import copy_bandwidth
 from minillm.attention.reference import paged_decode_attention
+from minillm.config import ConfigError
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -72,6 +73,9 @@ def time_call(fn, device: str, min_time: float = 0.2) -> float:
 
 def bench_attention(batches=(1, 4, 16, 64), contexts=(128, 512, 1024, 4096), device: str = "cpu",
                     dtype: torch.dtype = torch.float32) -> dict:
+    if min(batches) < 1 or min(contexts) < 1:  # an empty case reads no bytes: its bandwidth means nothing
+        raise ConfigError(f"bench attention needs batches and contexts >= 1 (got {list(batches)} and "
+                          f"{list(contexts)}).")
     backends = {"torch_reference": paged_decode_attention}
     if device == "cpu":
         backends["cpu_kernel"] = decode_backend("cpu")

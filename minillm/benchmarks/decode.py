@@ -61,8 +61,11 @@ def bytes_per_step(model, prompt_len: int, new_tokens: int, with_kv: bool) -> fl
 
 def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 64, naive_tokens: int = 16,
                  include_hf: bool = True, dtype: str = "float32", repeats: int = 3) -> dict:
-    from minillm.config import DTYPES
+    from minillm.config import DTYPES, ConfigError
 
+    if new_tokens < 1 or naive_tokens < 1:  # a rate needs at least one timed decode step
+        raise ConfigError(f"bench decode times at least 1 new token per decoder (--tokens {new_tokens}, "
+                          f"--naive-tokens {naive_tokens}); raise them.")
     torch_dtype = DTYPES[dtype]
     model = load_model(model_dir, torch_dtype)
     prompt_ids = bench_prompt(model_dir, prompt_len)

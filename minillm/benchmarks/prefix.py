@@ -17,6 +17,7 @@ import statistics
 from pathlib import Path
 
 from minillm.benchmarks import GPL_TEXT
+from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -58,6 +59,9 @@ def sharing_memory(model, tokenizer, prompt: list[int], params: SamplingParams, 
 
 def bench_prefix(model_dir: Path, num_requests: int = 32, system_tokens: int = 500,
                  attention_backend: str = "torch") -> dict:
+    if num_requests < 2:  # TTFT after the first is the measurement; one request has none
+        raise ConfigError(f"bench prefix needs at least 2 requests (--requests {num_requests}): the first fills "
+                          f"the cache, the others hit it; raise it.")
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     prompts = shared_prompts(tokenizer, num_requests, system_tokens)
     without = run(model, tokenizer, prompts, False, attention_backend)

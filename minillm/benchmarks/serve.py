@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from minillm.benchmarks import GPL_TEXT
+from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -44,8 +45,12 @@ def make_trace(tokenizer: Tokenizer, num_requests: int = 64, seed: int = 0) -> l
 
 
 def latency_summary(name: str, values: list[float]) -> dict:
+    """Mean and p90, the nearest-rank percentile: the smallest value that at least 90% of the
+    values are <= to, i.e. the ceil(0.9 n)-th smallest (one of the values, never interpolated;
+    with 2 values it is the larger one, with 10 the 9th)."""
     values = sorted(values)
-    return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": values[int(0.9 * (len(values) - 1))]}
+    rank = -(-9 * len(values) // 10)  # ceil(0.9 n), in integers so no float rounding moves it
+    return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": values[rank - 1]}
 
 
 def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_num_seqs: int,
@@ -123,6 +128,8 @@ def run_hf(hf_model, trace, batch_size: int) -> dict:
 def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
                 block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128), include_hf: bool = True,
                 attention_backend: str = "torch") -> dict:
+    if num_requests < 1:
+        raise ConfigError(f"bench serve needs at least 1 request (--requests {num_requests}); raise it.")
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     trace = make_trace(tokenizer, num_requests)
     servers = {

@@ -41,8 +41,10 @@ class Generation:
     kv_bytes: int = 0
 
     @property
-    def decode_tok_s(self) -> float:
-        return (len(self.token_ids) - 1) / self.decode_s if self.decode_s > 0 else float("nan")
+    def decode_tok_s(self) -> float | None:
+        """Tokens after the first per second; None (JSON null) with a single token, whose
+        decode time is zero: a rate that was not measured, not NaN."""
+        return (len(self.token_ids) - 1) / self.decode_s if self.decode_s > 0 else None
 
 
 def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached",

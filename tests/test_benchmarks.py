@@ -1,0 +1,311 @@
+"""Every `--json` command prints ONE strict JSON object (no NaN, no Infinity) whose numbers are
+finite and agree with each other: a rate is its count over its seconds, a ratio is the quotient of
+the two numbers it compares, counts add up, utilizations lie in (0, 1].
+
+The benchmarks need real text (a tokenizer), not real weights: they run on the tiny random Llama
+widened to the real tokenizer's vocabulary, at the smallest sizes the CLI takes. `generate`, `info`
+and `eval ppl` run on the real checkpoint, whose numbers (46,080 KV bytes per token) are known.
+"""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
+from minillm.benchmarks.serve import latency_summary, make_trace
+from minillm.cli import main, print_json
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+ALICE = REAL_MODEL_DIR.parent / "texts" / "alice29.txt"  # fetched by `python weights_fetch.py`
+
+
+def strict_json(text: str) -> dict:
+    """json.loads, but refusing what Python's json accepts and JSON does not: NaN, Infinity, a
+    number too large for a float (1e999 -> inf), and anything beside the one object."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    def finite(number: str) -> float:
+        if not math.isfinite(float(number)):
+            raise ValueError(f"{number} is not a finite number")
+        return float(number)
+
+    report = json.loads(text, parse_constant=refuse, parse_float=finite)
+    assert isinstance(report, dict) and text.count("\n") == 1, "one JSON object on one line"
+    return report
+
+
+def run_json(capsys, *argv) -> dict:
+    code = main([str(arg) for arg in argv])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return strict_json(out)
+
+
+def approx(value):
+    return pytest.approx(value, rel=1e-9)
+
+
+def kv_bytes_per_token(model_dir) -> int:
+    """2 (K and V) x layers x KV heads x head_dim x 4 bytes (float32), from config.json alone."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """On a CPU shared with other work, torch's threads wait for each other and a tiny model runs
+    ~50x slower with 2 threads than with 1. These runs check numbers, not speed; bench decode
+    still times every thread count itself."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(real_dir, tmp_path_factory):
+    """The tiny random Llama with the real tokenizer (and so the real vocabulary), and a context
+    long enough for the serve trace (prompts up to 320 tokens, outputs up to 160)."""
+    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
+    config = {**TINY_CONFIG, "vocab_size": vocab_size, "max_position_embeddings": 1024, "tie_word_embeddings": True}
+    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-real-vocab"), config, random_llama_tensors(config))
+    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
+        shutil.copy(real_dir / name, folder)
+    return folder
+
+
+# ----------------------------------------------------------------------------- the strict-JSON rule
+
+def test_strict_json_refuses_what_python_json_accepts():
+    for text in ('{"rate": NaN}\n', '{"rate": Infinity}\n', '{"rate": 1e999}\n', '{"a": 1}\n{"b": 2}\n'):
+        with pytest.raises(ValueError):
+            strict_json(text)
+
+
+def test_a_non_finite_number_in_json_output_is_a_bug_not_a_line_of_output(capsys, monkeypatch):
+    with pytest.raises(RuntimeError, match="not strict JSON"):
+        print_json({"tok_s": float("nan")})
+    # through the CLI: a traceback, not main's one-line user error (exit 2) and nothing on stdout
+    monkeypatch.setattr("minillm.benchmarks.attention.bench_attention", lambda *args: {"GBs": float("inf")})
+    with pytest.raises(RuntimeError):
+        main(["bench", "attention", "--json"])
+    assert capsys.readouterr().out == ""
+
+
+# ----------------------------------------------------------------------------- generate, info, eval
+
+def test_generate_json_rate_is_tokens_after_the_first_over_decode_seconds(capsys, real_dir, real_tokenizer):
+    report = run_json(capsys, "generate", "The capital of France is", "--json", "--max-tokens", 4, "--model", real_dir)
+    generated, timings = report["generated_ids"], report["timings"]
+    assert report["finish_reason"] == "length" and len(generated) == 4  # greedy: no EOS this early
+    assert report["prompt_ids"] == real_tokenizer.encode("The capital of France is")
+    assert report["text"] == real_tokenizer.decode(generated)
+    assert timings["prefill_s"] > 0 and timings["decode_s"] > 0
+    assert timings["decode_tok_s"] == approx((len(generated) - 1) / timings["decode_s"])
+    # the contiguous cache is allocated for prompt + max_tokens up front
+    assert report["kv_bytes_allocated"] == kv_bytes_per_token(real_dir) * (len(report["prompt_ids"]) + 4)
+
+
+def test_generate_json_with_one_token_reports_no_decode_rate(capsys, real_dir):
+    """One token is all prefill: decode time 0, so the rate is null (it was NaN, which is not JSON)."""
+    report = run_json(capsys, "generate", "Hi", "--json", "--max-tokens", 1, "--decoder", "naive", "--model", real_dir)
+    assert len(report["generated_ids"]) == 1 and report["decoder"] == "naive"
+    assert report["timings"]["prefill_s"] > 0 and report["timings"]["decode_s"] == 0
+    assert report["timings"]["decode_tok_s"] is None
+
+
+def test_generate_with_one_token_prints_no_decode_rate(capsys, real_dir):
+    assert main(["generate", "Hi", "--max-tokens", "1", "--model", str(real_dir)]) == 0
+    assert "decode n/a" in capsys.readouterr().err
+
+
+def test_info_json_kv_bytes_formula_equals_the_allocated_cache(capsys, real_dir):
+    info = run_json(capsys, "info", "--json", "--model", real_dir)
+    per_token = 2 * info["layers"] * info["kv_heads"] * info["head_dim"] * 4  # float32
+    assert info["kv_bytes_per_token_formula"] == info["kv_bytes_per_token_allocated"] == per_token == 46080
+    assert info["weight_bytes"] == 4 * info["parameters"]
+    assert info["query_heads"] % info["kv_heads"] == 0 and info["dtype"] == "float32"
+
+
+def test_eval_ppl_json_perplexity_is_exp_of_the_scored_nll(capsys, real_dir):
+    report = run_json(capsys, "eval", "ppl", "--json", "--segments", 2, "--segment-len", 8, "--text", ALICE,
+                      "--model", real_dir)
+    assert report["tokens_scored"] == report["segments"] * (report["segment_len"] - 1) == 2 * 7
+    assert report["perplexity"] == approx(math.exp(report["nll"])) and report["nll"] > 0
+    assert report["seconds"] > 0 and report["tokens_evicted"] == 0
+    assert report["kv_bytes_per_token"] == kv_bytes_per_token(real_dir)
+    assert report["eviction"] == "none" and report["kv_budget"] is None
+
+
+# ----------------------------------------------------------------------------- bench decode
+
+def check_decoder_rows(report: dict, weight_bytes: int, kv_per_token: int) -> None:
+    roof_GBs = report["copy_bandwidth_GBs"]
+    assert roof_GBs > 0
+    for name, row in report["decoders"].items():
+        tokens = report["naive_tokens"] if name == "naive" else report["new_tokens"]
+        kv_read = 0 if name == "naive" else kv_per_token * (report["prompt_len"] + tokens / 2)
+        assert row["bytes_per_step"] == approx(weight_bytes + kv_read), name
+        assert len(row["samples_tok_s"]) == 3 and row["tok_s"] == max(row["samples_tok_s"]) > 0, name
+        assert row["ms_per_token"] == approx(1000 / row["tok_s"]), name
+        assert row["bandwidth_GBs"] == approx(row["bytes_per_step"] * row["tok_s"] / 1e9), name
+        assert row["roof_fraction"] == approx(row["bandwidth_GBs"] / roof_GBs) and row["roof_fraction"] > 0, name
+    decoders = report["decoders"]
+    assert report["cached_vs_naive"] == approx(decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"])
+    threads = report["cached_tok_s_by_threads"]  # JSON keys are strings
+    assert list(threads) == [str(n) for n in range(1, os.cpu_count() + 1)] and min(threads.values()) > 0
+    assert report["machine"]["cpus"] == os.cpu_count() and report["machine"]["torch_threads"] == torch.get_num_threads()
+
+
+def test_bench_decode_json_with_hf_rates_ratios_and_bandwidth_agree(capsys, vocab_dir):
+    report = run_json(capsys, "bench", "decode", "--json", "--tokens", 16, "--naive-tokens", 4, "--prompt-len", 8,
+                      "--model", vocab_dir)
+    assert (report["prompt_len"], report["new_tokens"], report["naive_tokens"]) == (8, 16, 4)
+    assert set(report["decoders"]) == {"naive", "cached", "hf_transformers"}
+    weight_bytes = sum(p.nbytes for p in load_model(vocab_dir).parameters())
+    check_decoder_rows(report, weight_bytes, kv_bytes_per_token(vocab_dir))
+    decoders = report["decoders"]
+    assert report["cached_vs_hf"] == approx(decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"])
+
+
+def test_bench_decode_json_on_the_real_model_without_hf(capsys, real_dir, real_model):
+    report = run_json(capsys, "bench", "decode", "--json", "--tokens", 2, "--naive-tokens", 1, "--prompt-len", 4,
+                      "--no-hf", "--model", real_dir)
+    assert set(report["decoders"]) == {"naive", "cached"} and "cached_vs_hf" not in report
+    check_decoder_rows(report, sum(p.nbytes for p in real_model.parameters()), 46080)
+
+
+# ----------------------------------------------------------------------------- bench serve
+
+def check_server(run: dict, output_tokens: int) -> None:
+    # every server decodes each request to exactly its trace length (EOS ignored)
+    assert run["output_tok_s"] * run["elapsed_s"] == approx(output_tokens)
+    for latency in ("ttft", "tpot"):
+        assert 0 < run[f"{latency}_mean_s"] <= run["elapsed_s"] and 0 < run[f"{latency}_p90_s"] <= run["elapsed_s"]
+
+
+def check_paged_memory(run: dict) -> None:
+    assert 0 < run["kv_utilization_paged"] <= 1
+    assert run["wasted_slots_per_step"] >= 0 and run["block_table_entries_per_seq"] > 0
+
+
+def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir):
+    report = run_json(capsys, "bench", "serve", "--json", "--requests", 3, "--max-num-seqs", 2,
+                      "--block-sizes", 8, 16, "--model", vocab_dir)
+    trace = make_trace(Tokenizer(vocab_dir), 3)
+    assert report["trace"]["requests"] == 3 and report["trace"]["max_num_seqs"] == 2
+    assert report["trace"]["prompt_tokens"] == sum(len(prompt) for prompt, _ in trace)
+    assert report["trace"]["output_tokens"] == sum(n for _, n in trace)
+    servers = report["servers"]
+    assert set(servers) == {"minillm_continuous", "minillm_static", "hf_transformers_static"}
+    for run in servers.values():
+        check_server(run, report["trace"]["output_tokens"])
+    for name in ("minillm_continuous", "minillm_static"):
+        check_paged_memory(servers[name])
+        assert 0 < servers[name]["kv_utilization_contiguous"] <= 1
+        # one decode step adds at most one token per request, so the longest output sets a floor
+        assert servers[name]["steps"] >= max(n for _, n in trace) and servers[name]["preemptions"] >= 0
+    continuous, static, hf = (servers[name] for name in ("minillm_continuous", "minillm_static",
+                                                          "hf_transformers_static"))
+    assert report["continuous_vs_static"] == approx(continuous["output_tok_s"] / static["output_tok_s"])
+    assert report["continuous_vs_hf"] == approx(continuous["output_tok_s"] / hf["output_tok_s"])
+
+    sweep = report["block_size_sweep"]
+    assert list(sweep) == ["8", "16"]  # JSON keys are strings
+    assert sweep["16"] == {key: continuous[key] for key in sweep["16"]}  # the continuous run itself
+    for run in sweep.values():
+        check_paged_memory(run)
+    # same schedule, finer blocks: less of each sequence's last block is reserved but empty
+    assert sweep["8"]["wasted_slots_per_step"] < sweep["16"]["wasted_slots_per_step"]
+    assert sweep["8"]["kv_utilization_paged"] > sweep["16"]["kv_utilization_paged"]
+    assert sweep["8"]["block_table_entries_per_seq"] > sweep["16"]["block_table_entries_per_seq"]
+
+
+def test_bench_serve_json_one_request_p90_is_that_request(capsys, vocab_dir):
+    report = run_json(capsys, "bench", "serve", "--json", "--requests", 1, "--max-num-seqs", 1, "--block-sizes",
+                      "--no-hf", "--model", vocab_dir)
+    assert set(report["servers"]) == {"minillm_continuous", "minillm_static"} and "continuous_vs_hf" not in report
+    assert report["block_size_sweep"] == {}
+    for run in report["servers"].values():
+        check_server(run, report["trace"]["output_tokens"])
+        assert run["ttft_p90_s"] == run["ttft_mean_s"] and run["tpot_p90_s"] == run["tpot_mean_s"]
+
+
+def test_latency_summary_mean_and_nearest_rank_p90_by_hand():
+    ten = [0.7, 0.2, 1.0, 0.5, 0.9, 0.1, 0.4, 0.8, 0.3, 0.6]  # 0.1 .. 1.0, shuffled
+    assert latency_summary("ttft", ten) == {"ttft_mean_s": approx(0.55), "ttft_p90_s": 0.9}  # 9th of 10
+    # p90 is the ceil(0.9 n)-th smallest: the largest of 2 and of 5, the 18th of 20
+    assert latency_summary("x", [3.0, 1.0]) == {"x_mean_s": 2.0, "x_p90_s": 3.0}
+    assert latency_summary("x", [5.0, 1.0, 4.0, 2.0, 3.0]) == {"x_mean_s": 3.0, "x_p90_s": 5.0}
+    assert latency_summary("x", [float(v) for v in range(20, 0, -1)])["x_p90_s"] == 18.0
+    assert latency_summary("x", [0.25]) == {"x_mean_s": 0.25, "x_p90_s": 0.25}
+
+
+# ----------------------------------------------------------------------------- bench prefix
+
+def test_bench_prefix_json_cached_and_computed_prefill_add_up(capsys, vocab_dir):
+    report = run_json(capsys, "bench", "prefix", "--json", "--requests", 3, "--system-tokens", 40,
+                      "--model", vocab_dir)
+    without, with_cache = report["without_cache"], report["with_cache"]
+    cache = with_cache["prefix_cache"]
+    prompt_tokens = round(report["requests"] * report["prompt_tokens_mean"])
+    assert report["requests"] == 3 and "prefix_cache" not in without
+    assert without["prefill_tokens_computed"] == prompt_tokens == cache["prompt_tokens"]
+    assert with_cache["prefill_tokens_computed"] + cache["prefill_tokens_saved"] == prompt_tokens
+    assert cache["hit_blocks"] >= 2 * 2  # requests 2 and 3 each find the 40-token system prompt's blocks
+    assert cache["block_hit_rate"] == approx(cache["hit_blocks"] / cache["queried_blocks"])
+    assert report["prefill_tokens_ratio"] == approx(without["prefill_tokens_computed"]
+                                                    / with_cache["prefill_tokens_computed"])
+    assert report["prefill_tokens_ratio"] > 1
+    assert report["ttft_speedup_after_first"] == approx(without["ttft_rest_mean_s"] / with_cache["ttft_rest_mean_s"])
+    for run in (without, with_cache):
+        assert run["ttft_first_s"] > 0 and run["ttft_rest_mean_s"] > 0 and run["max_shared_bytes"] >= 0
+    for name in ("parallel_sampling_n4", "beam_search_width4"):
+        sharing = report[name]
+        shared, unshared = sharing["mean_reserved_bytes_shared"], sharing["mean_reserved_bytes_unshared"]
+        assert 0 < shared < unshared, name  # four outputs over one prompt share at least its full blocks
+        assert sharing["memory_saved"] == approx(1 - shared / unshared) and sharing["copy_on_write_copies"] >= 0
+
+
+# ----------------------------------------------------------------------------- bench attention
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+def test_bench_attention_json_bandwidth_is_bytes_read_over_time(capsys, device):
+    report = run_json(capsys, "bench", "attention", "--json", "--batches", 1, 2, "--contexts", 16, 40,
+                      "--device", device)
+    expected_backends = ["torch_reference", "cpu_kernel"] if device == "cpu" else \
+        ["torch_reference", "cuda_kernel", "sdpa_gathered"]
+    assert report["backends"] == expected_backends and report["dtype"] == "float32"
+    shape = report["shape"]
+    assert [(row["batch"], row["context"]) for row in report["rows"]] == [(1, 16), (1, 40), (2, 16), (2, 40)]
+    for row in report["rows"]:
+        assert row["kv_bytes"] == 2 * row["batch"] * row["context"] * shape["num_kv_heads"] * shape["head_dim"] * 4
+        for name in report["backends"]:
+            seconds = row[f"{name}_us"] / 1e6
+            assert seconds > 0
+            assert row[f"{name}_GBs"] == approx(row["kv_bytes"] / seconds / 1e9)
+            assert row[f"{name}_roof_fraction"] == approx(row[f"{name}_GBs"] / report["copy_bandwidth_GBs"])
+            assert row[f"{name}_roof_fraction"] > 0
+
+
+# ----------------------------------------------------------------------------- sizes with nothing to measure
+
+@pytest.mark.parametrize("argv, option", [
+    (["bench", "decode", "--tokens", "0"], "--tokens"),
+    (["bench", "decode", "--naive-tokens", "0"], "--naive-tokens"),
+    (["bench", "serve", "--requests", "0"], "--requests"),
+    (["bench", "prefix", "--requests", "1"], "--requests"),
+    (["bench", "attention", "--contexts", "0"], "contexts"),
+])
+def test_a_size_with_nothing_to_measure_is_one_clear_line(capsys, real_dir, argv, option):
+    code = main(argv + ["--json"] + (["--model", str(real_dir)] if argv[1] != "attention" else []))
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and option in err, err
