@@ -197,3 +197,18 @@ def test_a_request_wider_than_max_num_seqs_fails_alone(tiny_dir, tiny_model):
                                                     SamplingParams(max_tokens=4, ignore_eos=True)])
     assert wide.finish_reason == "error" and "raise max_num_seqs" in wide.error
     assert fine.error is None and len(fine.token_ids) == 4
+
+
+def test_a_block_reused_for_new_content_takes_its_cached_descendants_along(tiny_dir, tiny_model, monkeypatch):
+    """With keys that ignore the parent, [B] cached after [A] would pass for [B] after [X] once
+    A's block is reused for X; evicting a block must evict the entries that name it as parent."""
+    monkeypatch.setattr(prefix_cache_module, "hash", lambda key: builtins.hash(key[1]), raising=False)
+    rng = random.Random(9)
+    a, b, x = ([rng.randrange(97) for _ in range(BLOCK)] for _ in range(3))
+    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, block_size=BLOCK,
+              kv_cache_bytes=3 * BLOCK * KV_BYTES_PER_TOKEN)  # 3 blocks: [A] is the first reused
+    three = SamplingParams(max_tokens=3, ignore_eos=True)
+    prompts, params = [a + b + [1], x, x + b + [2]], [three, SamplingParams(max_tokens=1), three]
+    outputs = [llm.generate([prompt], sp)[0] for prompt, sp in zip(prompts, params)]
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, p, sp) for p, sp in zip(prompts, params)]
+    assert llm.engine.block_manager.prefix_cache.hit_blocks == 1  # [X] only, never A's [B]
