@@ -7,7 +7,7 @@ arithmetic per byte that the cores, not memory, are the limit — or until the w
 cannot share (each sequence's own attention over its own KV) takes over. We measure both roofs on
 this machine (a large copy, a large matmul) and where each batch size sits between them.
 
-    python lessons/03_bandwidth_wall.py
+    python lessons/03_bandwidth_wall.py [--quick] [--out DIR]
 """
 
 import time
@@ -18,12 +18,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from _common import console, require_model, save_plot, table  # noqa: E402
+from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 from minillm.benchmarks import copy_bandwidth  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
-PROMPT_LEN, TIMED_STEPS = 64, 12
+PROMPT_LEN = 64
 
 
 def matmul_flops(size: int = 1024, repeats: int = 5) -> float:
@@ -35,21 +35,23 @@ def matmul_flops(size: int = 1024, repeats: int = 5) -> float:
     return 2 * size**3 * repeats / (time.perf_counter() - start)
 
 
-def decode_step_time(model, batch: int) -> float:
+def decode_step_time(model, batch: int, timed_steps: int) -> float:
     """Seconds per decode step with `batch` sequences, prefill excluded."""
     llm = LLM(model=model, max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_LEN)
     engine = llm.engine
     for i in range(batch):
         engine.add_request([(7 * i + j) % 1000 + 100 for j in range(PROMPT_LEN)],
-                           SamplingParams(max_tokens=TIMED_STEPS + 2, ignore_eos=True))
+                           SamplingParams(max_tokens=timed_steps + 2, ignore_eos=True))
     engine.step()  # every prompt in one prefill step
     start = time.perf_counter()
-    for _ in range(TIMED_STEPS):
+    for _ in range(timed_steps):
         engine.step()
-    return (time.perf_counter() - start) / TIMED_STEPS
+    return (time.perf_counter() - start) / timed_steps
 
 
 def main():
+    args = lesson_args(__doc__)
+    batches, timed_steps = ([1, 4, 16], 4) if args.quick else ([1, 2, 4, 8, 16, 32], 12)
     model = load_model(require_model())
     weight_bytes = sum(p.nbytes for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())
@@ -58,10 +60,10 @@ def main():
     console.print(f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s; "
                   f"weights {weight_bytes / 1e6:.0f} MB")
 
-    rows, batches, throughput, bw_fraction, flop_fraction = [], [1, 2, 4, 8, 16, 32], [], [], []
+    rows, throughput, bw_fraction, flop_fraction = [], [], [], []
     for batch in batches:
-        step = decode_step_time(model, batch)
-        context = PROMPT_LEN + TIMED_STEPS / 2
+        step = decode_step_time(model, batch, timed_steps)
+        context = PROMPT_LEN + timed_steps / 2
         step_bytes = weight_bytes + batch * context * kv_per_token
         step_flops = 2 * params * batch
         throughput.append(batch / step)
@@ -81,7 +83,12 @@ def main():
     right.plot(batches, [f * 100 for f in flop_fraction], marker="s", label="compute used (%)")
     right.set(xscale="log", xlabel="batch size", ylabel="% of measured roof", title="Which roof binds")
     right.legend()
-    save_plot(fig, "03_bandwidth_wall.png")
+    save_plot(fig, args.out, "03_bandwidth_wall.png")
+    save_numbers(args.out, "03_bandwidth_wall.json", {
+        "largest_batch": batches[-1], "tokens_per_s_batch_1": throughput[0],
+        "tokens_per_s_largest_batch": throughput[-1], "speedup_largest_batch": throughput[-1] / throughput[0],
+        "copy_roof_fraction_batch_1": bw_fraction[0], "matmul_roof_fraction_batch_1": flop_fraction[0],
+        "copy_roof_fraction_largest_batch": bw_fraction[-1], "matmul_roof_fraction_largest_batch": flop_fraction[-1]})
     console.print(f"\n[bold]What it means:[/bold] batch 1 is a weight read with little math "
                   f"({bw_fraction[0]:.0%} of the copy roof, {flop_fraction[0]:.0%} of the matmul roof); batching "
                   f"shares that read, {throughput[-1] / throughput[0]:.1f}x the tokens/s at batch {batches[-1]}. "

@@ -9,7 +9,7 @@ output is still short (internal fragmentation).
 Paging cuts the same memory into blocks; any free block serves any request, so the new request
 fits, and each sequence wastes at most the tail of its last block.
 
-    python lessons/04_fragmentation.py
+    python lessons/04_fragmentation.py [--quick] [--out DIR]
 """
 
 import random
@@ -19,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from _common import console, save_plot, table  # noqa: E402
+from _common import console, lesson_args, save_numbers, save_plot, table  # noqa: E402
 from minillm.memory.accounting import arena_stats, paged_stats  # noqa: E402
 from minillm.memory.block_manager import BlockManager  # noqa: E402
 from minillm.memory.contiguous import ContiguousArena  # noqa: E402
@@ -37,7 +37,7 @@ def draw_arena(arena: ContiguousArena, width: int = 48) -> str:
     return "".join(cells)
 
 
-def part1_refusal():
+def part1_refusal() -> dict:
     console.rule("1. The refusal")
     arena = ContiguousArena(SLOTS)
     paged = BlockManager(SLOTS // BLOCK, BLOCK)
@@ -58,9 +58,11 @@ def part1_refusal():
     console.print(f"  paged ({BLOCK}-slot blocks, {paged.num_free_blocks} free): "
                   f"{'[green]fits[/green]' if fits else 'refused'} in {paged.blocks_for(new_request)} blocks, "
                   "wherever they are")
+    return {"new_request_slots": new_request, "free_slots": arena.num_free_slots,
+            "largest_hole": arena.largest_hole, "arena_fits": arena.can_allocate(new_request), "paged_fits": fits}
 
 
-def part2_trace(seed: int = 0, steps: int = 400):
+def part2_trace(out_dir, seed: int = 0, steps: int = 400) -> dict:
     console.rule("2. A trace: the same requests, both allocators")
     rng = random.Random(seed)
     arena, paged = ContiguousArena(SLOTS), BlockManager(SLOTS // BLOCK, BLOCK)
@@ -99,15 +101,22 @@ def part2_trace(seed: int = 0, steps: int = 400):
     ax.plot(paged_util, label=f"paged, block {BLOCK}")
     ax.set(xlabel="step", ylabel="live / reserved", ylim=(0, 1.05), title="KV memory utilization on one trace")
     ax.legend()
-    save_plot(fig, "04_fragmentation.png")
+    save_plot(fig, out_dir, "04_fragmentation.png")
+    return {"arena_utilization": sum(arena_util) / steps, "paged_utilization": sum(paged_util) / steps,
+            "arena_refused": refused["arena"], "paged_refused": refused["paged"]}
 
 
 def main():
-    part1_refusal()
-    part2_trace()
-    console.print("\n[bold]What it means:[/bold] reserving for the worst case wastes most of the memory and "
-                  "scatters the rest into unusable holes; blocks remove both, so the same KV budget holds "
-                  "more live tokens and turns away fewer requests.")
+    args = lesson_args(__doc__)  # no model here: the whole lesson takes a second, --quick changes nothing
+    refusal = part1_refusal()
+    trace = part2_trace(args.out)
+    save_numbers(args.out, "04_fragmentation.json", refusal | trace)
+    console.print(f"\n[bold]What it means:[/bold] reserving for the worst case wastes much of the memory "
+                  f"(the arena's slots held {trace['arena_utilization']:.0%} live tokens on average, the blocks "
+                  f"{trace['paged_utilization']:.0%}) and scatters the rest into unusable holes (a request for "
+                  f"{refusal['new_request_slots']} slots refused with {refusal['free_slots']} free); blocks remove "
+                  f"both, so the same KV budget holds more live tokens and turns away fewer requests "
+                  f"({trace['paged_refused']} arrivals refused against the arena's {trace['arena_refused']}).")
 
 
 if __name__ == "__main__":

@@ -7,12 +7,12 @@ tables of concurrent requests, count the prefill saved, and show the classic pit
 prompt with the current time in it is different for every request, so nothing is shared — until
 the volatile part is moved out of the shared prefix.
 
-    python lessons/06_prefix_sharing.py
+    python lessons/06_prefix_sharing.py [--quick] [--out DIR]
 """
 
 import datetime
 
-from _common import console, require_model, table  # noqa: E402
+from _common import console, lesson_args, require_model, save_numbers, table  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
@@ -32,10 +32,10 @@ def draw_tables(engine, names):
     console.print(f"\\[n] = physical block, * = held by several requests now; {len(cache.entries)} blocks cached")
 
 
-def serve(model, tokenizer, prompts, title, draw=False):
+def serve(model, tokenizer, prompts, title, new_tokens, draw=False):
     llm = LLM(model=model, tokenizer=tokenizer, prefix_caching=True, block_size=16)
     engine = llm.engine
-    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     engine.add_request(prompts[0], params)  # the first request fills the cache ...
     while engine.has_unfinished_requests():
         engine.step()
@@ -57,22 +57,29 @@ def chat(tokenizer, system, question):
 
 
 def main():
+    args = lesson_args(__doc__)
+    new_tokens = 4 if args.quick else 12  # the prefill is the point; a few decode steps keep the tables alive
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     console.rule("1. Four requests, one system prompt: their block tables")
     same = [chat(tokenizer, SYSTEM, q) for q in QUESTIONS + QUESTIONS[:1]]
-    shared_row = serve(model, tokenizer, same, "same system prompt", draw=True)
+    shared_row = serve(model, tokenizer, same, "same system prompt", new_tokens, draw=True)
 
     console.rule("2. The pitfall: a timestamp at the start of the system prompt")
     start = datetime.datetime(2026, 11, 29, 9, 0, 0)
     stamped = [chat(tokenizer, f"Current time: {start + datetime.timedelta(seconds=7 * i)}. {SYSTEM}", q)
                for i, q in enumerate(QUESTIONS + QUESTIONS[:1])]
-    stamped_row = serve(model, tokenizer, stamped, "timestamp first")
+    stamped_row = serve(model, tokenizer, stamped, "timestamp first", new_tokens)
     fixed = [chat(tokenizer, SYSTEM, f"(current time: {start + datetime.timedelta(seconds=7 * i)}) {q}")
              for i, q in enumerate(QUESTIONS + QUESTIONS[:1])]
-    fixed_row = serve(model, tokenizer, fixed, "timestamp in the turn")
+    fixed_row = serve(model, tokenizer, fixed, "timestamp in the turn", new_tokens)
     table("5 requests, the first alone, then 4 together", ["system prompt", "prompt tokens", "prefill computed",
           "prefill saved", "block hit rate", "KV shared (peak)"], [shared_row, stamped_row, fixed_row])
+    save_numbers(args.out, "06_prefix_sharing.json", {
+        "prompt_tokens": shared_row[1], "same_prompt_prefill_computed": shared_row[2],
+        "same_prompt_prefill_saved": shared_row[3], "timestamp_first_prefill_computed": stamped_row[2],
+        "timestamp_first_prefill_saved": stamped_row[3], "timestamp_in_turn_prefill_computed": fixed_row[2],
+        "timestamp_in_turn_prefill_saved": fixed_row[3]})
     console.print(f"\n[bold]What it means:[/bold] a shared prefix is computed once and stored once "
                   f"({shared_row[3]} of {shared_row[1]} prompt tokens not recomputed here); one changing byte "
                   f"near the start breaks the hash chain for everything after it (saved: {stamped_row[3]}), so "

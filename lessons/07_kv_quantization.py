@@ -7,7 +7,7 @@ every attention score. We look at real keys first — why keys want one scale pe
 score Alice's Adventures in Wonderland through the cache in each format (`minillm eval ppl`'s
 harness: every token is predicted by a decode step that reads the quantized cache).
 
-    python lessons/07_kv_quantization.py [--segments 4 --segment-len 512]
+    python lessons/07_kv_quantization.py [--segments 4 --segment-len 160] [--quick] [--out DIR]
 """
 
 import matplotlib
@@ -16,13 +16,16 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from _common import console, perplexity_setup, save_plot, table  # noqa: E402
+from _common import console, perplexity_setup, save_numbers, save_plot, table  # noqa: E402
 from minillm.attention.reference import causal_attention  # noqa: E402
 from minillm.engine import LLM  # noqa: E402
 from minillm.evaluation import perplexity  # noqa: E402
 from minillm.memory.quantization import FORMATS, dequantize, quantize  # noqa: E402
 
 TARGETS = {"int8": 0.05, "int4": 0.5}  # perplexity increase we aim to stay under
+# The text scored by default: every scored token is one decode step (~65 ms on the 2-core development VM), so
+# 4 x 160 tokens keep a run near 10-14 s (`minillm eval ppl` scores 4 x 512: the README's numbers).
+SEGMENTS, SEGMENT_LEN = 4, 160
 RUNS = [("auto", "channel"), ("int8", "channel"), ("int8", "token"), ("fp8", "channel"), ("fp8", "token"),
         ("int4", "channel"), ("int4", "token")]
 
@@ -63,7 +66,8 @@ def look_at_keys(model, token_ids):
 
 
 def main():
-    args, model_dir, model, tokenizer, token_ids = perplexity_setup(__doc__)
+    args, model_dir, model, tokenizer, token_ids = perplexity_setup(
+        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 8, "segment_len": 64})
 
     console.rule("1. Real keys: a few channels are large for every token")
     look_at_keys(model, token_ids[:64])
@@ -103,18 +107,31 @@ def main():
     ax.set_title(f"KV quantization on SmolLM2-135M (fp32 cache: {full.kv_bytes_per_token:,} B/token); "
                  "dotted: targets", fontsize=9)
     ax.legend()
-    save_plot(fig, "07_kv_quantization.png")
+    save_plot(fig, args.out, "07_kv_quantization.png")
 
     int8, int4 = results[("int8", "channel")], results[("int4", "channel")]
     int4_token = results[("int4", "token")]
+    save_numbers(args.out, "07_kv_quantization.json", {
+        "tokens_scored": full.tokens_scored, "fp32_perplexity": full.perplexity,
+        **{f"{'fp32' if kv_dtype == 'auto' else kv_dtype}_{key_scales}_{measure}": value
+           for (kv_dtype, key_scales), r in results.items() if kv_dtype != "auto" or key_scales == "channel"
+           for measure, value in (("perplexity_delta", r.perplexity - full.perplexity),
+                                  ("bytes_per_token", r.kv_bytes_per_token),
+                                  ("tokens_per_s", r.tokens_scored / r.seconds))}})
+    per_token_worse = int4_token.perplexity > int4.perplexity
     console.print(
         f"\n[bold]What it means:[/bold] int8 stores a token in {int8.kv_bytes_per_token:,} bytes instead of "
         f"{full.kv_bytes_per_token:,} for {int8.perplexity - full.perplexity:+.3f} perplexity. "
         f"int4 goes to {int4.kv_bytes_per_token:,} bytes for {int4.perplexity - full.perplexity:+.3f} with keys "
-        f"scaled per channel, but {int4_token.perplexity - full.perplexity:+.3f} with keys scaled per token: at "
-        f"4 bits the outlier channels swamp a per-token scale. Values are scaled per token, as KIVI does. "
-        f"Decode is slower here, not faster: this torch reference dequantizes a full-precision copy before "
-        f"attending; a fused kernel would instead read 3.5-6x fewer bytes.")
+        f"scaled per channel, {'but' if per_token_worse else 'and'} {int4_token.perplexity - full.perplexity:+.3f} "
+        f"with keys scaled per token"
+        + (": at 4 bits the outlier channels swamp a per-token scale. " if per_token_worse else
+           " (on this short text the outlier channels did not hurt a per-token scale). ")
+        + f"Values are scaled per token, as KIVI does. Decode ran at {int8.tokens_scored / int8.seconds:.0f} "
+        f"tok/s with int8 against {full.tokens_scored / full.seconds:.0f} with fp32: this torch reference "
+        f"dequantizes a full-precision copy before attending, so it saves memory, not time; a fused kernel would "
+        f"instead read {full.kv_bytes_per_token / int8.kv_bytes_per_token:.1f}-"
+        f"{full.kv_bytes_per_token / int4.kv_bytes_per_token:.1f}x fewer bytes.")
 
 
 if __name__ == "__main__":

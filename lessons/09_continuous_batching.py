@@ -4,7 +4,7 @@ Static batching runs a batch until its longest member is done; the others sit fi
 slots, and the queue waits. Continuous (iteration-level) batching refills a slot the moment it
 frees. Same engine, same requests, same batch size — only the scheduling policy differs.
 
-    python lessons/09_continuous_batching.py
+    python lessons/09_continuous_batching.py [--quick] [--out DIR]
 """
 
 import random
@@ -15,7 +15,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from _common import console, require_model, save_plot, table  # noqa: E402
+from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
@@ -31,6 +31,15 @@ def run(model, tokenizer, policy, prompts, params):
     return llm.engine.stats, outputs, elapsed
 
 
+def start_steps(stats) -> dict[str, int]:
+    """The engine step at which each request was first scheduled (its prefill)."""
+    first = {}
+    for step, batch in enumerate(stats.batches):
+        for request_id, _ in batch:
+            first.setdefault(request_id, step)
+    return first
+
+
 def timeline(ax, stats, title, num_requests):
     for step, batch in enumerate(stats.batches):
         for request_id, num_tokens in batch:
@@ -40,25 +49,32 @@ def timeline(ax, stats, title, num_requests):
 
 
 def main():
+    args = lesson_args(__doc__)
+    num_requests, lengths = (8, [2, 4, 16]) if args.quick else (12, [4, 8, 48])
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     rng = random.Random(0)
     text = tokenizer.encode(open("/usr/share/common-licenses/GPL-3").read())
     prompts, params = [], []
-    for _ in range(12):
+    for _ in range(num_requests):
         length = rng.randint(16, 64)
         start = rng.randrange(len(text) - length)
         prompts.append(text[start:start + length])
-        params.append(SamplingParams(max_tokens=rng.choice([4, 8, 48]), ignore_eos=True))  # some short, some long
-    console.print(f"12 requests, batch size {BATCH}, outputs of 4, 8 or 48 tokens")
+        params.append(SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True))  # some short, some long
+    console.print(f"{num_requests} requests, batch size {BATCH}, outputs of {lengths[0]}, {lengths[1]} or "
+                  f"{lengths[2]} tokens")
 
     results = {policy: run(model, tokenizer, policy, prompts, params) for policy in ("static", "continuous")}
-    rows = []
+    rows, numbers = [], {}
     for policy, (stats, outputs, elapsed) in results.items():
         ttft = sum(o.ttft for o in outputs) / len(outputs)
+        start_step = sum(start_steps(stats).values()) / len(outputs)
         rows.append([policy, stats.steps, f"{stats.tokens_generated / elapsed:.1f}", f"{ttft:.2f} s",
-                     f"{sum(len(b) for b in stats.batches) / stats.steps:.1f}"])
-    table("same requests, same engine", ["scheduling", "steps", "output tok/s", "mean TTFT", "sequences per step"], rows)
+                     f"{start_step:.1f}", f"{sum(len(b) for b in stats.batches) / stats.steps:.1f}"])
+        numbers |= {f"{policy}_steps": stats.steps, f"{policy}_mean_start_step": start_step,
+                    f"{policy}_mean_ttft_s": ttft, f"{policy}_tokens_per_s": stats.tokens_generated / elapsed}
+    table("same requests, same engine", ["scheduling", "steps", "output tok/s", "mean TTFT", "mean start step",
+          "sequences per step"], rows)
     same = [o.token_ids for o in results["static"][1]] == [o.token_ids for o in results["continuous"][1]]
     console.print(f"identical outputs under both policies: [bold]{same}[/bold]")
 
@@ -67,10 +83,15 @@ def main():
         timeline(ax, results[policy][0], f"{policy} batching (orange: prefill, blue: decode)", len(prompts))
     axes[-1].set_xlabel("engine step")
     fig.tight_layout()
-    save_plot(fig, "09_continuous_batching.png")
-    console.print("\n[bold]What it means:[/bold] under static batching short requests finish and leave "
-                  "empty slots until the longest one ends; continuous batching fills them at once, so the "
-                  "same work takes fewer steps and waiting requests start sooner.")
+    save_plot(fig, args.out, "09_continuous_batching.png")
+    save_numbers(args.out, "09_continuous_batching.json",
+                 {"requests": num_requests, "identical_outputs": same, **numbers})
+    console.print(f"\n[bold]What it means:[/bold] under static batching short requests finish and leave "
+                  f"empty slots until the longest one ends; continuous batching fills them at once, so the "
+                  f"same work takes fewer steps ({numbers['continuous_steps']} against {numbers['static_steps']}) "
+                  f"and waiting requests start sooner (at step {numbers['continuous_mean_start_step']:.1f} on "
+                  f"average against {numbers['static_mean_start_step']:.1f}), "
+                  f"{'with the very same outputs' if same else '[red]but the outputs differ: a bug[/red]'}.")
 
 
 if __name__ == "__main__":

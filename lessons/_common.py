@@ -1,6 +1,8 @@
-"""Small helpers the lessons share: where the model is, where plots go, how tables print."""
+"""Small helpers the lessons share: their command line, where the model is, how tables print,
+where plots and numbers go."""
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -13,6 +15,23 @@ OUT_DIR = Path(__file__).resolve().parent / "out"
 console = Console()
 
 
+def lesson_args(lesson_doc: str, options=None, quick: dict | None = None) -> argparse.Namespace:
+    """The command line every lesson shares: --out DIR (plot and numbers) and --quick (a small
+    setting that finishes in seconds; the tests run it). `options(parser)` adds a lesson's own
+    options; `quick` holds their small values, which --quick uses unless the option is given."""
+    parser = argparse.ArgumentParser(description=lesson_doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=OUT_DIR, metavar="DIR",
+                        help="folder for the plot and the JSON of headline numbers (default: lessons/out)")
+    parser.add_argument("--quick", action="store_true", help="a small setting that finishes in seconds")
+    if options:
+        options(parser)
+    args = parser.parse_args()
+    if args.quick and quick:  # parse again with the small values as defaults: explicit options still win
+        parser.set_defaults(**quick)
+        args = parser.parse_args()
+    return args
+
+
 def require_model() -> Path:
     if not (MODEL_DIR / "config.json").is_file():
         console.print(f"[red]error:[/red] no weights in {MODEL_DIR} — run: python weights_fetch.py")
@@ -20,17 +39,21 @@ def require_model() -> Path:
     return MODEL_DIR
 
 
-def perplexity_setup(lesson_doc: str):
+def perplexity_setup(lesson_doc: str, segments: int, segment_len: int, quick: dict):
     """For the lessons that score text through the cache: their --segments / --segment-len
-    arguments, the model, its tokenizer and the evaluation text's tokens."""
+    arguments (defaults given here, small values under --quick), the model, its tokenizer and the
+    evaluation text's tokens."""
     from minillm.evaluation import read_text
     from minillm.tokenizer import Tokenizer
     from minillm.weights import load_model
 
-    parser = argparse.ArgumentParser(description=lesson_doc.split("\n\n")[0])
-    parser.add_argument("--segments", type=int, default=4, help="text segments scored side by side (default: 4)")
-    parser.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
-    args = parser.parse_args()
+    def options(parser):
+        parser.add_argument("--segments", type=int, default=segments,
+                            help=f"text segments scored side by side (default: {segments})")
+        parser.add_argument("--segment-len", type=int, default=segment_len,
+                            help=f"tokens per segment (default: {segment_len})")
+
+    args = lesson_args(lesson_doc, options, quick)
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     return args, model_dir, model, tokenizer, tokenizer.encode(read_text())
@@ -45,9 +68,23 @@ def table(title: str, columns: list[str], rows: list[list]) -> None:
     console.print(t)
 
 
-def save_plot(fig, name: str) -> Path:
-    OUT_DIR.mkdir(exist_ok=True)
-    path = OUT_DIR / name
+def _shown(path: Path) -> str:
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def save_plot(fig, out_dir: Path, name: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir.resolve() / name
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    console.print(f"plot saved to {path.relative_to(ROOT)}")
+    console.print(f"plot saved to {_shown(path)}")
+    return path
+
+
+def save_numbers(out_dir: Path, name: str, numbers: dict) -> Path:
+    """The few numbers a lesson's closing sentence rests on, measured in this run, as flat JSON
+    (the tests read the direction of each claim from it)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir.resolve() / name
+    path.write_text(json.dumps(numbers, indent=2) + "\n")
+    console.print(f"numbers saved to {_shown(path)}")
     return path
