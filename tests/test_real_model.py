@@ -43,9 +43,15 @@ def test_naive_logits_match_hf_transformers(real_model, hf_eager, real_text_ids)
     assert (sequence_logits(real_model, ids) - hf_logits(hf_eager, ids)).abs().max() <= 1e-4
 
 
+# One token at a time multiplies by the weights as matrix-vector products, HF's single pass as one
+# matrix product: the BLAS sums in another order. Measured on logits up to ~40: 0 on a Xeon,
+# 1.5e-4 on an AMD EPYC (the same gap on the code before any change here): fp32 noise, not a bug.
+CACHED_VS_HF_ATOL = 5e-4
+
+
 def test_cached_logits_match_hf_transformers(real_model, hf_eager, real_text_ids):
     ids = real_text_ids[200:200 + POSITIONS]
-    assert (cached_logits(real_model, ids) - hf_logits(hf_eager, ids)[7:]).abs().max() <= 1e-4
+    assert (cached_logits(real_model, ids) - hf_logits(hf_eager, ids)[7:]).abs().max() <= CACHED_VS_HF_ATOL
 
 
 def test_logits_match_hf_default_sdpa_within_its_own_spread(real_model, hf_model, hf_eager, real_text_ids):
