@@ -4,11 +4,13 @@ query, recomputed with no cache at all.
 The engine computes a sequence in chunks (prefill chunks, then one token per decode step; all
 over again after a preemption), and what a query sees depends on that history: with eviction,
 only the entries kept when its chunk ran; with a quantized pool, keys and values rounded as they
-were stored by then. `ScheduleRecorder` writes the history down as the engine runs; `replay`
-then recomputes the sequence chunk by chunk with the naive model over *all* its tokens, each
-chunk's queries masked to (or reading rounded copies of) exactly the keys the engine should have
-kept. Nothing here reads the engine's cache, block tables or eviction code: the kept sets, the
-H2O scores and the rounding are worked out anew from token positions.
+were stored by then. `ScheduleRecorder` writes the history down as the engine runs;
+`replay_eviction` and `replay_quantized` then recompute the sequence chunk by chunk with the
+naive model over *all* its tokens, each chunk's queries masked to (or reading rounded copies of)
+exactly the keys the engine should have kept. Nothing here reads the engine's cache, block tables
+or eviction code: from the engine comes only the schedule (which tokens each step computed, and
+whether a step's eviction ran); the kept sets, the H2O scores and the rounding are worked out
+anew from token positions.
 """
 
 from __future__ import annotations
