@@ -7,7 +7,8 @@ wait for the longest, and their slots in the batch sit idle.
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
 first: a decode costs 1 token, an unfinished prefill takes what is left of the budget (chunked
-prefill). Waiting sequences are admitted FIFO while budget, sequence slots and KV blocks last.
+prefill). Waiting sequences are admitted FIFO while budget, sequence slots and KV blocks last;
+a request that will fork (n samples, beam_width beams) takes its forks' slots when admitted.
 
 A sequence's first blocks may come from the prefix cache: its prompt's leading full blocks,
 computed before for another request, are shared and skipped (num_computed starts past them).
