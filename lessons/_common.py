@@ -29,6 +29,11 @@ def lesson_args(lesson_doc: str, options=None, quick: dict | None = None) -> arg
     if args.quick and quick:  # parse again with the small values as defaults: explicit options still win
         parser.set_defaults(**quick)
         args = parser.parse_args()
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file; give a folder for the plot and its numbers")
+    for name, value in vars(args).items():
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {value}")
     return args
 
 
