@@ -206,3 +206,12 @@ def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
         seq.append(1, None)  # the 9th token needs a third block
     assert [item.seq for item in scheduler.schedule()] == [first]
     assert list(scheduler.waiting) == [second, third] and second.num_computed == 0
+
+
+@pytest.mark.parametrize("arrival_time", ["soon", float("nan"), True])
+def test_a_bad_arrival_time_is_refused_and_the_engine_keeps_serving(tiny_dir, tiny_model, arrival_time):
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="arrival_time"):
+        llm.engine.add_request([1, 2], SamplingParams(max_tokens=2), arrival_time=arrival_time)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    assert llm.generate([[1, 2]], params)[0].token_ids == generate(tiny_model, [1, 2], params).token_ids

@@ -146,6 +146,9 @@ class LLMEngine:
         """Queue a request; `arrival_time` (a time.perf_counter() value, default now) is when its
         time to first token starts counting, for a caller that took the request in earlier."""
         params = params or SamplingParams()
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
+                                         or not math.isfinite(arrival_time)):
+            raise ValueError(f"arrival_time must be a time.perf_counter() value, not {arrival_time!r}")
         seq_id = next(self.seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
