@@ -23,6 +23,17 @@ class ConfigError(ValueError):
     """A checkpoint or a setting that minillm cannot use; the message says what to do."""
 
 
+def prompt_problem(num_prompt_tokens: int, context_len: int) -> str | None:
+    """Why a prompt cannot run in a context of `context_len` tokens, or None. The one prompt check,
+    shared by the single-sequence decoders and the engine's admission."""
+    if num_prompt_tokens == 0:
+        return "The prompt is empty; give at least one token."
+    if num_prompt_tokens >= context_len:
+        return (f"The prompt has {num_prompt_tokens} tokens but the context holds {context_len} "
+                "(and needs room for one new token); shorten the prompt.")
+    return None
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int

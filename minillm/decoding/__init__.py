@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from minillm.config import prompt_problem
 from minillm.decoding.cached import CachedDecoder
 from minillm.decoding.naive import NaiveDecoder
 from minillm.model import Transformer
@@ -24,11 +25,9 @@ class PromptTooLongError(ValueError):
 
 
 def check_prompt(prompt_ids: list[int], context_len: int) -> None:
-    if not prompt_ids:
-        raise ValueError("The prompt is empty; give at least one token.")
-    if len(prompt_ids) >= context_len:
-        raise PromptTooLongError(f"The prompt has {len(prompt_ids)} tokens but the context holds {context_len} "
-                                 f"(and needs room for one new token); shorten the prompt.")
+    problem = prompt_problem(len(prompt_ids), context_len)
+    if problem:
+        raise (PromptTooLongError if prompt_ids else ValueError)(problem)
 
 
 @dataclass

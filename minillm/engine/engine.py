@@ -26,7 +26,7 @@ import torch
 
 from minillm.attention.kernels import decode_backend
 from minillm.attention.paged import DecodeBatch, PagedAttention, PagedKVCache, SequenceSlice, context_slots
-from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig
+from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig, prompt_problem
 from minillm.engine.beam import BeamGroup, select
 from minillm.engine.scheduler import ScheduledSequence, Scheduler
 from minillm.engine.sequence import Sequence, Status
@@ -173,14 +173,12 @@ class LLMEngine:
 
     def admission_problem(self, seq: Sequence) -> str | None:
         """Why a request can never run, or None. It fails alone; the others go on."""
-        if not seq.prompt_ids:
-            return "The prompt is empty; give at least one token."
+        problem = prompt_problem(len(seq.prompt_ids), self.context_len)
+        if problem:
+            return problem
         if seq.params.num_outputs > self.config.max_num_seqs:
             return (f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
                     f"max_num_seqs is {self.config.max_num_seqs}; raise max_num_seqs or lower n.")
-        if len(seq.prompt_ids) >= self.context_len:
-            return (f"The prompt has {len(seq.prompt_ids)} tokens but the context holds {self.context_len}; "
-                    "shorten the prompt.")
         most_held = seq.max_len
         if self.config.eviction != "none":  # the budget plus one step's tokens, before they are evicted
             most_held = min(most_held, budget_for(self.config.kv_budget, seq.max_len)
