@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from minillm.config import ConfigError, FETCH_HINT
+from minillm.progress import progress_bar
 
 DEFAULT_TEXT = Path("weights") / "texts" / "alice29.txt"
 
@@ -78,7 +79,6 @@ def segments_of(token_ids: list[int], segment_len: int, num_segments: int) -> li
 def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: int = 4,
                progress: bool = False) -> PerplexityResult:
     """Score `num_segments` segments of `segment_len` tokens through `llm`'s cache (see above)."""
-    from minillm.engine.engine import progress_bar
     from minillm.sampling import SamplingParams
 
     engine = llm.engine
@@ -91,7 +91,7 @@ def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: 
         engine.requests[request_id][0].sampler = scorer
         scorers.append(scorer)
     start = time.perf_counter()
-    with progress_bar(progress, segment_len - 1, "scoring through the cache") as advance:
+    with progress_bar("scoring through the cache", segment_len - 1, enabled=progress) as advance:
         while engine.has_unfinished_requests():  # each step scores one more token of every segment
             for out in engine.step():
                 if out.error:

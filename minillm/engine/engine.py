@@ -15,7 +15,6 @@ One `LLMEngine.step()`:
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from minillm.memory.block_manager import BlockManager
 from minillm.memory.eviction import budget_for, evict, grow_attention_mass, kept_entries
 from minillm.memory.quantization import FORMATS, QuantizedKVCache, bytes_per_token
 from minillm.model import Transformer
+from minillm.progress import progress_bar
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -354,7 +354,7 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         final: dict[str, RequestOutput] = {}
-        with progress_bar(progress, len(ids), "requests") as advance:
+        with progress_bar("requests", len(ids), enabled=progress) as advance:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.finished:
@@ -371,16 +371,3 @@ class LLM:
                     yield out
                     if out.finished:
                         return
-
-
-@contextlib.contextmanager
-def progress_bar(enabled: bool, total: int, description: str):
-    """A transient rich progress bar on stderr; yields `advance()`, a no-op when disabled."""
-    if not enabled:
-        yield lambda: None
-        return
-    from rich.console import Console
-    from rich.progress import Progress
-    with Progress(transient=True, console=Console(stderr=True)) as bar:
-        task = bar.add_task(description, total=total)
-        yield lambda: bar.advance(task)
