@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _common import console, lesson_args, save_numbers, save_plot, table  # noqa: E402
 from minillm.memory.accounting import arena_stats, paged_stats  # noqa: E402
 from minillm.memory.block_manager import BlockManager  # noqa: E402
-from minillm.memory.contiguous import ContiguousArena  # noqa: E402
+from minillm.memory.arena import ContiguousArena  # noqa: E402
 
 SLOTS = 1024  # token slots of KV memory, the same for both allocators
 BLOCK = 16

@@ -100,4 +100,4 @@ def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: 
     logprobs = [lp for scorer in scorers for lp in scorer.logprobs]
     nll = -sum(logprobs) / len(logprobs)
     return PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len,
-                            time.perf_counter() - start, engine.bytes_per_slot, engine.stats.tokens_evicted)
+                            time.perf_counter() - start, engine.pool.bytes_per_slot, engine.stats.tokens_evicted)

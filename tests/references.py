@@ -39,14 +39,14 @@ class Chunk:
 
 
 class ScheduleRecorder:
-    """Records every chunk the engine computes, per sequence, by wrapping `LLMEngine.forward`, and
-    how many cache entries each sequence holds after the step, by wrapping `LLMEngine.step`."""
+    """Records every chunk the engine computes, per sequence, by wrapping `ModelRunner.forward`,
+    and how many cache entries each sequence holds after the step, by wrapping `LLMEngine.step`."""
 
     def __init__(self, engine):
         self.chunks: dict[int, list[Chunk]] = defaultdict(list)
         self.step = 0
         self.this_step: list[tuple[object, Chunk]] = []
-        forward, step = engine.forward, engine.step
+        forward, step = engine.runner.forward, engine.step
 
         def recording_forward(scheduled):
             for item in scheduled:
@@ -65,7 +65,7 @@ class ScheduleRecorder:
             self.step += 1
             return outputs
 
-        engine.forward, engine.step = recording_forward, recording_step
+        engine.runner.forward, engine.step = recording_forward, recording_step
 
     def history(self, seq, parent=None) -> list[Chunk]:
         """The chunks that built `seq`'s cache. A parallel sample forked from `parent` at the

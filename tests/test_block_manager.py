@@ -5,7 +5,7 @@ from hypothesis import given, settings, strategies as st
 
 from minillm.memory.accounting import arena_stats, paged_stats
 from minillm.memory.block_manager import BlockManager, BlockManagerError
-from minillm.memory.contiguous import ContiguousArena
+from minillm.memory.arena import ContiguousArena
 
 operations = st.lists(st.tuples(st.sampled_from(["grow", "append", "fork", "free"]),
                                 st.integers(0, 9), st.integers(1, 40)), max_size=80)

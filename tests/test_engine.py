@@ -130,7 +130,7 @@ def test_metrics_are_recorded(tiny_dir, tiny_model):
 
 @pytest.mark.parametrize("switches, word", [
     ({"scheduling": "fifo"}, "scheduling"), ({"block_size": 0}, "block_size"),
-    ({"kv_cache_bytes": 100}, "cannot hold one block"), ({"decoder": "naive"}, "decoder='naive'"),
+    ({"kv_cache_bytes": 100}, "cannot hold one block"), ({"decoder": "naive"}, "no switch 'decoder'"),
 ])
 def test_bad_switches_are_refused_with_the_reason(tiny_dir, tiny_model, switches, word):
     with pytest.raises(ConfigError, match=word):
@@ -194,17 +194,17 @@ def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
 def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
     """FCFS survives preemption: the victim arrived before everyone still waiting."""
     scheduler = Scheduler(BlockManager(num_blocks=4, block_size=4), "continuous", max_num_seqs=8,
-                          max_num_batched_tokens=64)
+                          max_num_batched_tokens=64, context_len=16)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     first, second, third = (Sequence(i, str(i), list(range(8)), params, max_len=16) for i in range(3))
     scheduler.add(first)
     scheduler.add(second)
-    assert [item.seq for item in scheduler.schedule()] == [first, second]  # 2 blocks each: the pool is full
+    assert [item.seq for item in scheduler.schedule().sequences] == [first, second]  # 2 blocks each: the pool is full
     scheduler.add(third)
     for seq in (first, second):
         seq.num_computed = 8
         seq.append(1, None)  # the 9th token needs a third block
-    assert [item.seq for item in scheduler.schedule()] == [first]
+    assert [item.seq for item in scheduler.schedule().sequences] == [first]
     assert list(scheduler.waiting) == [second, third] and second.num_computed == 0
 
 

@@ -8,7 +8,10 @@ scales (1e-5); against the unquantized cache the error is the quantization's own
 import random
 import shutil
 import subprocess
+import sys
 import sysconfig
+import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,6 +103,19 @@ def test_engine_with_cpu_kernel_on_the_real_model(real_dir, real_model, real_tok
     for out, prompt in zip(llm.generate(prompts, params), prompts):
         ids = real_tokenizer.encode(prompt)
         assert out.token_ids == generate(real_model, ids, params, "naive", real_tokenizer.eos_token_id).token_ids
+
+
+def test_the_wheel_carries_the_kernel_sources(tmp_path):
+    """A plain `pip install .` (not editable) must find the kernels: they ship as package data."""
+    source = tmp_path / "source"  # a copy, so the build leaves nothing in the working tree
+    shutil.copytree(Path(__file__).resolve().parent.parent, source,
+                    ignore=shutil.ignore_patterns(".git", "weights", "build", "*.egg-info", "__pycache__", "out"))
+    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
+               str(source)]
+    subprocess.run(command, check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("minillm-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {"kernels_cuda/paged_attention.cu", "kernels_cuda/paged_attention_cpu.cpp"} <= names
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

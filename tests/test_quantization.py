@@ -8,8 +8,8 @@ from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import TeacherForcing
-from minillm.memory.quantization import (FORMATS, QuantizedKVCache, dequantize, pack_int4, quantize,
-                                         unpack_int4)
+from minillm.memory.pool import QuantizedKVPool
+from minillm.memory.quantization import FORMATS, dequantize, pack_int4, quantize, unpack_int4
 from conftest import TINY_CONFIG
 from references import replay_quantized, run_recorded
 
@@ -69,8 +69,8 @@ def test_per_channel_scales_beat_per_token_on_outlier_channels():
     assert errors[0] < errors[-1] / 4
 
 
-def tiny_pool(key_scales: str, num_blocks: int = 4, block_size: int = 4) -> QuantizedKVCache:
-    return QuantizedKVCache(ModelConfig.from_dict(TINY_CONFIG), num_blocks, block_size, FORMATS["int8"],
+def tiny_pool(key_scales: str, num_blocks: int = 4, block_size: int = 4) -> QuantizedKVPool:
+    return QuantizedKVPool(ModelConfig.from_dict(TINY_CONFIG), num_blocks, block_size, FORMATS["int8"],
                             key_scales, torch.float32, "cpu")
 
 
@@ -105,7 +105,7 @@ def test_copy_on_write_copies_numbers_scales_and_staging():
 def test_staging_of_freed_blocks_is_dropped():
     pool = tiny_pool("channel")
     pool.write(0, torch.tensor([4, 5]), torch.randn(2, 2, 16), torch.randn(2, 2, 16))
-    pool.forget_free_blocks([1, 0, 1, 1])  # block 1 is free now
+    pool.forget_free_blocks(lambda block: block == 1)  # block 1 is free now
     assert not pool.staging
 
 
@@ -117,9 +117,9 @@ def test_accounting_counts_the_scales(tiny_dir, tiny_model, kv_dtype, key_scales
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, kv_cache_bytes=1 << 20)
     engine = llm.engine
     slots = engine.block_manager.num_blocks * engine.config.block_size
-    assert engine.cache.nbytes == engine.bytes_per_slot * slots  # every byte of the pool, scales included
+    assert engine.pool.nbytes == engine.pool.bytes_per_slot * slots  # every byte of the pool, scales included
     full = tiny_model.config.kv_bytes_per_token(torch.float32)
-    assert engine.bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
+    assert engine.pool.bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
 
 
 @pytest.mark.parametrize("switches", [{}, {"kv_dtype": "auto", "kv_key_scales": "token"}, {"eviction": "none"}])
@@ -135,15 +135,15 @@ def test_switches_off_are_exact(tiny_dir, tiny_model, switches):
 def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, kv_dtype):
     prompts = [[(3 * i + j) % 97 for j in range(5 + 9 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.bytes_per_slot
+    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.pool.bytes_per_slot
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=9,
               kv_cache_bytes=30 * 4 * probe)  # 30 blocks: preemption
     outputs = llm.generate(prompts, params)
     assert all(out.finished and len(out.token_ids) == 30 for out in outputs)
     assert llm.engine.num_preemptions > 0
     llm.engine.block_manager.check_invariants()
-    llm.engine.cache.forget_free_blocks(llm.engine.block_manager.refcounts)
-    assert not llm.engine.cache.staging  # nothing left behind
+    llm.engine.pool.forget_free_blocks(llm.engine.block_manager.is_free)
+    assert not llm.engine.pool.staging  # nothing left behind
 
 
 @pytest.mark.parametrize("key_scales", ["channel", "token"])
@@ -171,7 +171,7 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(tiny_dir, t
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (3, 14, 27, 40, 9, 33)]
     params = SamplingParams(max_tokens=18, ignore_eos=True)
-    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.bytes_per_slot
+    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.pool.bytes_per_slot
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, block_size=4,
               max_num_batched_tokens=9, kv_cache_bytes=26 * 4 * probe)
     recorder, requests = run_recorded(llm, prompts, params)

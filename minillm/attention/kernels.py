@@ -4,24 +4,24 @@ Both implement the contract of the torch reference `paged_decode_attention(query
 value_cache, block_tables, context_lens, block_size, k_scales, v_scales)` (see `reference.py`)
 and are checked against it. `EngineConfig.attention_backend` "cpu" or "cuda" hands the step's
 decode tokens to one of them; with "torch" the engine attends sequence by sequence in plain
-torch instead (`attention/paged.py`). The kernels live in `kernels_cuda/` and are
-compiled on first use with `torch.utils.cpp_extension.load_inline`; the build is cached (under
-~/.cache/torch_extensions) and reused by later runs.
+torch instead (`attention/paged.py`). The kernels' sources live in `kernels_cuda/`, installed
+with minillm as package data, and are compiled on first use with
+`torch.utils.cpp_extension.load_inline`; the build is cached (under ~/.cache/torch_extensions)
+and reused by later runs.
 """
 
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+from importlib.resources import files
 from typing import Callable
 
 import torch
 
 from minillm.config import ConfigError
 
-KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels_cuda"
-CPU_SOURCE = KERNEL_DIR / "paged_attention_cpu.cpp"
-CUDA_SOURCE = KERNEL_DIR / "paged_attention.cu"
+CPU_SOURCE = files("kernels_cuda") / "paged_attention_cpu.cpp"  # package data, wherever minillm is installed
+CUDA_SOURCE = files("kernels_cuda") / "paged_attention.cu"
 # -march=native: this machine's vector width (the build is cached per machine). The three math
 # flags let the compiler reorder the float sums of the dot products, so it can vectorize them.
 CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]

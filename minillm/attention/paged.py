@@ -12,10 +12,11 @@ belong to which sequence is the block manager's business; this module only needs
 A step may mix prefill chunks and decode tokens of many sequences of different lengths (ragged);
 each sequence attends only over its own history.
 
-The pool itself is a `PagedKVCache` (numbers in the model's dtype) or a `QuantizedKVCache`
-(`memory/quantization.py`); both offer `write(layer, slots, k, v)` and `read(layer, slots)`, so
-attention does not care how the numbers are stored. A cache index equals the token's position
-until eviction (`memory/eviction.py`) drops entries; then positions run ahead of indices.
+The pool itself (`memory/pool.py`) is a `PagedKVPool` (numbers in the model's dtype) or a
+`QuantizedKVPool` (int8 / int4 / fp8 with scales); both offer `write(layer, slots, k, v)` and
+`read(layer, slots)`, so attention does not care how the numbers are stored. A cache index
+equals the token's position until eviction (`memory/eviction.py`) drops entries; then positions
+run ahead of indices.
 """
 
 from __future__ import annotations
@@ -26,41 +27,6 @@ from typing import Callable
 import torch
 
 from minillm.attention.reference import causal_attention
-from minillm.config import ModelConfig
-
-
-class PagedKVCache:
-    """The KV pool in the model's dtype: k_cache[layer], v_cache[layer] are (num_slots, kv_heads, head_dim)."""
-
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k_cache.nbytes + self.v_cache.nbytes
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (n, kv_heads, head_dim) go into `slots` (n,)."""
-        self.k_cache[layer].index_copy_(0, slots, k)
-        self.v_cache[layer].index_copy_(0, slots, v)
-
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values in `slots` (n,): (n, kv_heads, head_dim) each."""
-        return self.k_cache[layer][slots], self.v_cache[layer][slots]
-
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block dst gets block src's keys and values, in every layer."""
-        size = self.block_size
-        for src, dst in pairs:
-            self.k_cache[:, dst * size:(dst + 1) * size] = self.k_cache[:, src * size:(src + 1) * size]
-            self.v_cache[:, dst * size:(dst + 1) * size] = self.v_cache[:, src * size:(src + 1) * size]
-
-    def forget_free_blocks(self, refcounts: list[int]) -> None:
-        """Nothing to do: every number lives in its block (the quantized pool keeps staging too)."""
 
 
 @dataclass
@@ -100,25 +66,25 @@ class DecodeBatch:
 class PagedAttention:
     """The attention context of one engine step (see `model.AttentionContext`)."""
 
-    def __init__(self, cache, write_slots: torch.Tensor, sequences: list[SequenceSlice],
+    def __init__(self, pool, write_slots: torch.Tensor, sequences: list[SequenceSlice],
                  decode: DecodeBatch | None = None, decode_kernel: Callable | None = None):
-        self.cache = cache
+        self.pool = pool
         self.write_slots = write_slots  # (N,)
         self.sequences = sequences
         self.decode = decode
         self.decode_kernel = decode_kernel
 
     def attend(self, layer_idx, q, k, v):
-        self.cache.write(layer_idx, self.write_slots, k, v)  # store this step's keys and values first:
+        self.pool.write(layer_idx, self.write_slots, k, v)  # store this step's keys and values first:
         out = torch.empty_like(q)  # (N, num_heads, head_dim)      every query attends to its own token too
         if self.decode is not None:
             d = self.decode
-            out[d.rows] = self.decode_kernel(q[d.rows].contiguous(), self.cache.k_cache[layer_idx],
-                                             self.cache.v_cache[layer_idx], d.block_tables, d.context_lens,
-                                             self.cache.block_size)
+            out[d.rows] = self.decode_kernel(q[d.rows].contiguous(), self.pool.k_cache[layer_idx],
+                                             self.pool.v_cache[layer_idx], d.block_tables, d.context_lens,
+                                             self.pool.block_size)
         for seq in self.sequences:
             rows = slice(seq.query_start, seq.query_end)
-            keys, values = self.cache.read(layer_idx, seq.context_slots)
+            keys, values = self.pool.read(layer_idx, seq.context_slots)
             if seq.attention_mass is None:
                 out[rows] = causal_attention(q[rows], keys, values, seq.q_indices)
             else:

@@ -13,10 +13,12 @@ from scratch with the naive decoder: the two must agree beam for beam.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from minillm.decoding.naive import sequence_logits
+from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
 
 
@@ -38,8 +40,40 @@ class BeamGroup:
     finished: list[tuple[Sequence, float]] = field(default_factory=list)
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> next-token log-probs
 
-    def ready(self) -> bool:
-        return all(seq.seq_id in self.pending for seq, _ in self.live)
+    def offer(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """A live beam's next-token logits (vocab,); True once every live beam has offered its own."""
+        self.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1)
+        return all(beam.seq_id in self.pending for beam, _ in self.live)
+
+    def advance(self, scheduler: Scheduler, new_seq_id: Callable[[], int], eos: int | None) -> list[Sequence]:
+        """One step: keep the best `width` (beam, token) pairs; fork beams chosen more than once,
+        finish beams chosen by nobody (their blocks go back). Returns the request's sequences:
+        the live beams, or once none is left, the best finished ones."""
+        live = self.live
+        choices = select([score for _, score in live], torch.stack([self.pending[s.seq_id] for s, _ in live]),
+                         self.width)
+        self.pending.clear()
+        chosen = {beam for beam, _, _ in choices}
+        for index, (seq, _) in enumerate(live):
+            if index not in chosen:
+                scheduler.finish(seq, "pruned")
+        claimed, assignments = set(), []
+        for beam, token, score in choices:  # fork before any beam appends, so forks copy the parent as it was
+            parent = live[beam][0]
+            seq = parent if beam not in claimed else parent.fork(new_seq_id(), 0)
+            if seq is not parent:
+                scheduler.fork(parent, seq)
+            claimed.add(beam)
+            assignments.append((seq, token, score))
+        self.live = []
+        for seq, token, score in assignments:
+            reason = seq.append(token, eos)
+            if reason:
+                scheduler.finish(seq, reason)
+                self.finished.append((seq, score))
+            else:
+                self.live.append((seq, score))
+        return [seq for seq, _ in self.live] or self.ranked()
 
     def ranked(self) -> list[Sequence]:
         return [seq for seq, _ in sorted(self.finished, key=lambda beam: -beam[1])[:self.width]]

@@ -19,15 +19,21 @@ When a running sequence needs a block and none is free, the newest running seque
 preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
 with num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
 allows. Running out of blocks is a scheduling event, never a crash.
+
+The scheduler is the one owner of who holds which blocks: it admits requests (or says why one
+can never run), grows and frees block tables, forks samples and beams, finishes sequences, and
+after each forward pass offers newly full blocks to the prefix cache and keeps every sequence
+within its eviction budget.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from minillm.config import prompt_problem
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory.block_manager import BlockManager
+from minillm.memory import BlockManager, Evictor
 
 
 @dataclass
@@ -36,24 +42,66 @@ class ScheduledSequence:
     num_tokens: int  # tokens to compute this step, starting at seq.num_computed
 
 
+@dataclass
+class Schedule:
+    """One step's work: the sequences and their token counts, and the blocks to copy first."""
+
+    sequences: list[ScheduledSequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination) blocks
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, policy: str, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, policy: str, max_num_seqs: int, max_num_batched_tokens: int,
+                 context_len: int, evictor: Evictor | None = None):
         self.block_manager = block_manager
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.context_len = context_len
+        self.evictor = evictor
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
-        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (source, destination) blocks for this step
+        self.copies: list[tuple[int, int]] = []  # copy-on-write pairs of the step being scheduled
 
-    def add(self, seq: Sequence) -> None:
+    # ----------------------------------------------------------------- admission
+    def add(self, seq: Sequence) -> bool:
+        """Queue a new request's sequence, or finish it with the reason it can never run (it
+        fails alone; the others go on). Returns whether it was queued."""
+        problem = self.admission_problem(seq)
+        if problem:
+            seq.finish("error", problem)
+            return False
         self.waiting.append(seq)
+        return True
+
+    def admission_problem(self, seq: Sequence) -> str | None:
+        problem = prompt_problem(len(seq.prompt_ids), self.context_len)
+        if problem:
+            return problem
+        if seq.params.num_outputs > self.max_num_seqs:
+            return (f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
+                    f"max_num_seqs is {self.max_num_seqs}; raise max_num_seqs or lower n.")
+        most_held = seq.max_len
+        if self.evictor:  # the budget plus one step's tokens, before they are evicted
+            most_held = min(most_held, self.evictor.budget(seq.max_len) + self.max_num_batched_tokens)
+        needed = self.block_manager.blocks_for(most_held)
+        if needed > self.block_manager.num_blocks:
+            return (f"This request may need {needed} KV blocks ({seq.max_len} tokens) but the pool has only "
+                    f"{self.block_manager.num_blocks}; raise kv_cache_bytes or lower max_tokens.")
+        return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSequence]:
+    # ----------------------------------------------------------------- one step
+    def schedule(self) -> Schedule:
+        scheduled = self.schedule_sequences()
+        schedule = Schedule(scheduled, self.copies)
+        self.copies = []
+        return schedule
+
+    def schedule_sequences(self) -> list[ScheduledSequence]:
         if self.policy == "static" and not self.running:
             self.start_static_batch()
         budget = self.max_num_batched_tokens
@@ -89,7 +137,7 @@ class Scheduler:
             # Nobody running has work (beams waiting for a sibling that waits for memory): make room
             # for the head of the queue; the victim queues behind it, or it would take the room back.
             self.preempt(self.running[-1], front=False)
-            return self.schedule()
+            return self.schedule_sequences()
         return scheduled
 
     def reserve(self, seq: Sequence, budget: int) -> int:
@@ -97,7 +145,7 @@ class Scheduler:
         chunk's length, or 0 if memory is short. A sequence without blocks first looks for its
         prompt's leading blocks in the prefix cache: those tokens need no computing at all."""
         manager, cache = self.block_manager, self.block_manager.prefix_cache
-        starting = seq.seq_id not in manager.block_tables
+        starting = not manager.has_table(seq.seq_id)
         hits = cache.lookup(seq.token_ids) if cache and starting else []
         skipped = len(hits) * manager.block_size  # prompt tokens whose K/V the cache already holds
         num_tokens = min(seq.num_uncomputed - skipped, budget)
@@ -111,7 +159,7 @@ class Scheduler:
             manager.adopt(seq.seq_id, hits)
             seq.num_computed = skipped
         manager.grow(seq.seq_id, end)
-        self.pending_copies += manager.copy_on_write(seq.seq_id, start, end)
+        self.copies += manager.copy_on_write(seq.seq_id, start, end)
         return num_tokens
 
     def start_static_batch(self) -> None:
@@ -137,7 +185,7 @@ class Scheduler:
         parent's admission reserved a seat for always fits; a later beam fork (a sibling's seat may
         have gone to another request while that sibling was preempted) or the child of a preempted
         parent waits instead, to be computed again."""
-        if parent.seq_id in self.block_manager.block_tables and \
+        if self.block_manager.has_table(parent.seq_id) and \
                 (not parent.output_ids or self.has_seats_for(child)):
             self.block_manager.fork(parent.seq_id, child.seq_id)
             self.running.append(child)
@@ -147,7 +195,7 @@ class Scheduler:
             self.waiting.append(child)
 
     def preempt(self, seq: Sequence, front: bool = True) -> None:
-        if seq.seq_id in self.block_manager.block_tables:  # a static-batch member may not have started
+        if self.block_manager.has_table(seq.seq_id):  # a static-batch member may not have started
             self.block_manager.free(seq.seq_id)
         self.running.remove(seq)
         seq.status = Status.WAITING
@@ -156,11 +204,33 @@ class Scheduler:
         self.waiting.appendleft(seq) if front else self.waiting.append(seq)
         self.num_preemptions += 1
 
-    def finish(self, seq: Sequence) -> None:
-        """Release a finished (or aborted) sequence's blocks; waiting sequences hold none."""
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End a sequence (finished, pruned, aborted): it leaves the queues and its blocks go back."""
         if seq in self.running:
             self.running.remove(seq)
-            if seq.seq_id in self.block_manager.block_tables:
+            if self.block_manager.has_table(seq.seq_id):
                 self.block_manager.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        seq.finish(reason, error)
+
+    # ----------------------------------------------------------------- after the forward pass
+    def computed(self, schedule: Schedule) -> int:
+        """The step's tokens now have their K/V in the pool: newly full blocks become findable in
+        the prefix cache, and sequences over their budget evict. Returns the entries evicted."""
+        cache, evicted = self.block_manager.prefix_cache, 0
+        for item in schedule.sequences:
+            seq = item.seq
+            seq.num_computed += item.num_tokens
+            if cache:
+                cache.register(seq.seq_id, self.block_manager.table(seq.seq_id), seq.token_ids, seq.num_computed)
+            if self.evictor:
+                dropped, seq.attention_mass = self.evictor.shrink(seq.seq_id, seq.num_cached, seq.max_len,
+                                                                  seq.attention_mass)
+                seq.num_evicted += dropped
+                evicted += dropped
+        return evicted
+
+    def cached_entries(self) -> dict[int, int]:
+        """seq_id -> KV entries it holds now, for every running sequence (memory accounting)."""
+        return {seq.seq_id: seq.num_cached for seq in self.running}

@@ -73,15 +73,16 @@ class Sequence:
         self.num_computed = self.num_evicted = 0
         self.attention_mass = None
 
-    def append(self, token_id: int, eos_token_id: int | None) -> None:
+    def append(self, token_id: int, eos_token_id: int | None) -> str | None:
+        """Add a sampled token; return why the sequence must stop now ("eos", "length"), or None.
+        Finishing is the scheduler's call: it also gives the blocks back."""
         now = time.perf_counter()
         self.output_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
         if token_id == eos_token_id and not self.params.ignore_eos:
-            self.finish("eos")
-        elif self.num_tokens >= self.max_len:
-            self.finish("length")
+            return "eos"
+        return "length" if self.num_tokens >= self.max_len else None
 
     def fork(self, seq_id: int, sample_index: int) -> "Sequence":
         """A parallel sample: the same tokens so far (its KV blocks are shared, not copied), its
@@ -92,5 +93,6 @@ class Sequence:
                         attention_mass=None if self.attention_mass is None else self.attention_mass.clone())
 
     def finish(self, reason: str, error: str | None = None) -> None:
+        """Mark the sequence done (its blocks are the scheduler's to release: `Scheduler.finish`)."""
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
         self.finish_time = time.perf_counter()

@@ -1,6 +1,25 @@
-"""The memory system: where every token's keys and values live, and what that costs.
+"""The memory system: where every token's keys and values live, who holds them, and what it costs.
 
-block_manager.py  paged blocks, block tables, reference counts (PagedAttention)
-contiguous.py     the "traditional" baseline: one max-length reservation per request
-accounting.py     one place that answers: reserved, live, utilization, fragmentation
+block_manager.py  blocks, block tables, reference counts, copy-on-write (PagedAttention)
+prefix_cache.py   full blocks found again by their content (hash chains, LRU reuse)
+pool.py           the KV tensors: PagedKVPool (model dtype), QuantizedKVPool; make_pool sizes one
+quantization.py   int8 / int4 / fp8 formats with scales: quantize, dequantize, bytes per token
+eviction.py       keep a budget of entries per sequence: window, attention sinks, H2O (Evictor)
+arena.py          the "traditional" baseline: one max-length reservation per request
+accounting.py     one place that answers: reserved, live, shared, utilization, fragmentation
+
+It imports neither the engine nor attention: they call into it.
 """
+
+from minillm.memory.accounting import MemoryStats, arena_stats, paged_stats
+from minillm.memory.arena import ContiguousArena
+from minillm.memory.block_manager import BlockManager, BlockManagerError
+from minillm.memory.eviction import NUM_SINKS, Evictor, budget_for, grow_attention_mass, kept_entries
+from minillm.memory.pool import PagedKVPool, QuantizedKVPool, bytes_per_slot, make_pool
+from minillm.memory.prefix_cache import PrefixCache
+from minillm.memory.quantization import FORMATS, KVFormat, bytes_per_token, dequantize, quantize
+
+__all__ = ["BlockManager", "BlockManagerError", "ContiguousArena", "Evictor", "FORMATS", "KVFormat", "MemoryStats",
+           "NUM_SINKS", "PagedKVPool", "PrefixCache", "QuantizedKVPool", "arena_stats", "budget_for",
+           "bytes_per_slot", "bytes_per_token", "dequantize", "grow_attention_mass", "kept_entries", "make_pool",
+           "paged_stats", "quantize"]

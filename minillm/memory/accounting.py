@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from minillm.memory.block_manager import BlockManager
-from minillm.memory.contiguous import ContiguousArena
+from minillm.memory.arena import ContiguousArena
 
 
 @dataclass

@@ -49,6 +49,9 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    def is_free(self, block: int) -> bool:
+        return self.refcounts[block] == 0
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)  # ceil
 
@@ -141,6 +144,9 @@ class BlockManager:
             self.prefix_cache.forget_sequence(seq_id)
 
     # ---------------------------------------------------------------- reading
+    def has_table(self, seq_id: int) -> bool:
+        return seq_id in self.block_tables
+
     def table(self, seq_id: int) -> list[int]:
         if seq_id not in self.block_tables:
             raise BlockManagerError(f"sequence {seq_id} has no block table (never allocated, or freed twice)")

@@ -27,7 +27,9 @@ minillm stays within the context, where true positions are the faithful choice.
 
 Eviction rewrites the sequence's kept entries into its first blocks, in order, and gives the rest
 back. A block that another sequence shares (parallel samples, beams) is copied first, never
-written in place.
+written in place. `Evictor` does this for the scheduler after every step, on plain values (a
+sequence id, its number of entries, its length limit, its H2O scores): memory never needs to
+know what a request is.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import math
 
 import torch
 
-from minillm.engine.sequence import Sequence
 from minillm.memory.block_manager import BlockManager
 
 NUM_SINKS = 4  # StreamingLLM keeps 4 initial tokens
@@ -70,35 +71,59 @@ def kept_entries(policy: str, length: int, keep: int, num_layers: int, num_kv_he
     raise ValueError(f"unknown eviction policy {policy!r}")
 
 
-def grow_attention_mass(seq: Sequence, length: int, num_layers: int, num_kv_heads: int, device) -> torch.Tensor:
-    """The sequence's H2O accumulator, extended with zeros to cover `length` entries."""
-    mass = seq.attention_mass
+def grow_attention_mass(mass: torch.Tensor | None, length: int, num_layers: int, num_kv_heads: int,
+                        device) -> torch.Tensor:
+    """An H2O accumulator (layers, kv_heads, entries so far), extended with zeros to `length` entries."""
     if mass is None:
         mass = torch.zeros(num_layers, num_kv_heads, 0, device=device)
     if mass.shape[-1] < length:
         mass = torch.cat([mass, mass.new_zeros(num_layers, num_kv_heads, length - mass.shape[-1])], dim=-1)
-    seq.attention_mass = mass
     return mass
 
 
-def evict(seq: Sequence, kept: torch.Tensor, cache, manager: BlockManager) -> bool:
-    """Rewrite the sequence's cache to hold only the `kept` entries (layers, kv_heads, keep) and
-    free the blocks left over. Returns False (try again next step) if a shared block must be
-    copied and no block is free."""
-    keep, length = kept.shape[-1], seq.num_cached
-    if len(manager.shared_blocks(seq.seq_id, 0, keep)) > manager.num_free_blocks:
-        return False
-    device = kept.device
-    old_slots = torch.tensor(manager.slots(seq.seq_id, 0, length), device=device)
-    manager.copy_on_write(seq.seq_id, 0, keep)  # private blocks to write into; the data is rewritten below
-    new_slots = torch.tensor(manager.slots(seq.seq_id, 0, keep), device=device)
-    heads = torch.arange(kept.shape[1], device=device)
-    for layer in range(kept.shape[0]):
-        keys, values = cache.read(layer, old_slots)  # (length, kv_heads, head_dim), read before any write
-        rows = kept[layer].T  # (keep, kv_heads): entry kept by each head, row by row
-        cache.write(layer, new_slots, keys[rows, heads], values[rows, heads])
-    if seq.attention_mass is not None:
-        seq.attention_mass = seq.attention_mass.gather(-1, kept)
-    manager.truncate(seq.seq_id, keep)
-    seq.num_evicted += length - keep
-    return True
+class Evictor:
+    """Keeps every sequence within its KV budget, in the pool and in the block manager.
+
+    It works on plain values (a sequence id, its number of cache entries, its length limit, its
+    H2O scores); the engine tells it about a sequence after each step."""
+
+    def __init__(self, policy: str, kv_budget: int | float, pool, manager: BlockManager, num_layers: int,
+                 num_kv_heads: int):
+        self.policy, self.kv_budget = policy, kv_budget
+        self.pool, self.manager = pool, manager
+        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+
+    def budget(self, max_len: int) -> int:
+        return budget_for(self.kv_budget, max_len)
+
+    def shrink(self, seq_id: int, num_cached: int, max_len: int,
+               mass: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+        """Drop the sequence's least needed entries down to its budget. Returns (entries dropped,
+        the H2O scores of those kept): nothing is dropped within budget, or when a shared block
+        must be copied and no block is free (the engine tries again next step)."""
+        keep = self.budget(max_len)
+        if num_cached <= keep:
+            return 0, mass
+        kept = kept_entries(self.policy, num_cached, keep, self.num_layers, self.num_kv_heads, mass)
+        kept = kept.to(self.pool.device)
+        if not self.rewrite(seq_id, num_cached, kept):
+            return 0, mass
+        return num_cached - keep, None if mass is None else mass.gather(-1, kept)
+
+    def rewrite(self, seq_id: int, length: int, kept: torch.Tensor) -> bool:
+        """Rewrite the sequence's cache to hold only the `kept` entries (layers, kv_heads, keep)
+        and free the blocks left over; False if a shared block must be copied and none is free."""
+        manager, keep = self.manager, kept.shape[-1]
+        if len(manager.shared_blocks(seq_id, 0, keep)) > manager.num_free_blocks:
+            return False
+        device = kept.device
+        old_slots = torch.tensor(manager.slots(seq_id, 0, length), device=device)
+        manager.copy_on_write(seq_id, 0, keep)  # private blocks to write into; the data is rewritten below
+        new_slots = torch.tensor(manager.slots(seq_id, 0, keep), device=device)
+        heads = torch.arange(kept.shape[1], device=device)
+        for layer in range(kept.shape[0]):
+            keys, values = self.pool.read(layer, old_slots)  # (length, kv_heads, head_dim), read before any write
+            rows = kept[layer].T  # (keep, kv_heads): entry kept by each head, row by row
+            self.pool.write(layer, new_slots, keys[rows, heads], values[rows, heads])
+        manager.truncate(seq_id, keep)
+        return True

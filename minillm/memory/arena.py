@@ -8,7 +8,8 @@ be. Two kinds of waste follow:
     while the total free memory would fit it.
 
 `ContiguousArena` is a first-fit allocator over one arena of token slots. It stores no tensors:
-it exists to measure that waste against paging on the same trace.
+it exists to measure that waste against paging on the same trace. (The cache that really stores
+one contiguous stretch per sequence is the single-sequence decoder's, `decoding/cached.py`.)
 """
 
 from __future__ import annotations

@@ -1,0 +1,59 @@
+"""`LLM`: the engine behind a vLLM-shaped API, for a whole batch of prompts at once.
+
+    llm = LLM("weights/SmolLM2-135M-Instruct", block_size=16, prefix_caching=True)
+    outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
+
+It adds every prompt to an `LLMEngine` and steps it until all have finished; `stream` yields one
+request's output token by token. The keyword switches are `EngineConfig` fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Iterator, Sequence as Seq
+
+from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig
+from minillm.engine.engine import LLMEngine
+from minillm.engine.outputs import RequestOutput
+from minillm.model import Transformer
+from minillm.progress import progress_bar
+from minillm.sampling import SamplingParams
+from minillm.tokenizer import Tokenizer
+
+SWITCHES = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model_dir")
+
+
+class LLM:
+    """`LLM(model_dir, **switches)`; switches are `EngineConfig` fields (block_size, scheduling, ...)."""
+
+    def __init__(self, model_dir: str | Path = DEFAULT_MODEL_DIR, *, model: Transformer | None = None,
+                 tokenizer: Tokenizer | None = None, **switches):
+        unknown = [name for name in switches if name not in SWITCHES]
+        if unknown:
+            raise ConfigError(f"LLM has no switch {unknown[0]!r}; the switches are {', '.join(SWITCHES)}.")
+        self.engine = LLMEngine(EngineConfig(model_dir=Path(model_dir), **switches), model, tokenizer)
+
+    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`."""
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        final: dict[str, RequestOutput] = {}
+        with progress_bar("requests", len(ids), enabled=progress) as advance:
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        advance()
+        return [final[i] for i in ids]
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output each time it gains a token (the last one is finished)."""
+        request_id = self.engine.add_request(prompt, params)
+        while True:
+            for out in self.engine.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return

@@ -1,0 +1,82 @@
+"""What the engine reports: one `RequestOutput` per request that changed, `EngineStats` per run.
+
+A request's output carries its tokens so far (every sample's, every beam's), whether it has
+finished and why, its error if it failed alone, and its latencies: time to first token (from
+arrival) and time per output token after that. The engine's stats count steps, tokens computed,
+generated and evicted, and after every step a snapshot of KV memory (`memory/accounting.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from minillm.config import ConfigError
+from minillm.engine.scheduler import Schedule
+from minillm.engine.sequence import Sequence, Status
+from minillm.memory import MemoryStats
+from minillm.tokenizer import Tokenizer
+
+
+@dataclass
+class RequestOutput:
+    """A request's state. With n parallel samples, `token_ids` is sample 0 and `samples` holds all;
+    with beam search, `samples` are the beams, best first."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool  # every sample has finished
+    finish_reason: str | None
+    error: str | None
+    ttft: float | None  # seconds from arrival to first token
+    tpot: float | None  # seconds per output token after the first
+    num_preemptions: int
+    samples: list[list[int]] = field(default_factory=list)
+    tokenizer: Tokenizer | None = field(default=None, repr=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        if self.tokenizer is None:
+            raise ConfigError("This engine has no tokenizer; read token_ids instead of text.")
+        return self.tokenizer.decode([t for t in token_ids if t != self.tokenizer.eos_token_id])
+
+    @property
+    def text(self) -> str:
+        return self.decode(self.token_ids)
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], tokenizer: Tokenizer | None) -> "RequestOutput":
+        first = seqs[0]
+        ttft = tpot = None
+        if first.first_token_time is not None:
+            ttft = first.first_token_time - first.arrival_time
+            if first.finish_time is not None and len(first.output_ids) > 1:
+                tpot = (first.finish_time - first.first_token_time) / (len(first.output_ids) - 1)
+        finished = all(seq.status is Status.FINISHED for seq in seqs) and len(seqs) == first.params.num_outputs \
+            or first.finish_reason in ("error", "abort")
+        return cls(first.request_id, list(first.prompt_ids), list(first.output_ids), finished, first.finish_reason,
+                   first.error, ttft, tpot, sum(seq.num_preemptions for seq in seqs),
+                   [list(seq.output_ids) for seq in seqs], tokenizer)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0  # prefill + decode tokens through the model
+    tokens_generated: int = 0
+    tokens_evicted: int = 0  # KV entries eviction dropped, per sequence (not per layer or head), counted at
+    #   each drop: a sequence recomputed after a preemption drops, and counts, its entries again
+    memory: list[MemoryStats] = field(default_factory=list)  # after every step
+    batches: list[list[tuple[str, int]]] = field(default_factory=list)  # per step: (request_id, tokens computed)
+
+    def record(self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats) -> None:
+        self.steps += 1
+        self.tokens_computed += sum(item.num_tokens for item in schedule.sequences)
+        self.tokens_generated += sampled
+        self.tokens_evicted += evicted
+        self.batches.append([(item.seq.request_id, item.num_tokens) for item in schedule.sequences])
+        self.memory.append(memory)
+
+    def kv_utilization(self) -> float:
+        """Live slots / reserved slots, summed over all steps."""
+        reserved = sum(m.reserved_slots for m in self.memory)
+        return sum(m.live_slots for m in self.memory) / reserved if reserved else 1.0

@@ -1,0 +1,176 @@
+"""The KV pool: the tensors every token's keys and values live in, and what a byte budget buys.
+
+The pool is cut into `num_blocks` blocks of `block_size` token *slots*; slot
+`block_id * block_size + offset` holds one token's key and value for every layer and KV head.
+Which slots belong to which sequence is the block manager's business (`block_manager.py`); the
+pool only stores numbers, behind two calls that attention uses:
+
+    pool.write(layer, slots, k, v)    k, v (n, kv_heads, head_dim) go into `slots` (n,)
+    pool.read(layer, slots)           -> keys, values (n, kv_heads, head_dim), in slot order
+
+and two that the engine uses: `copy_blocks` (copy-on-write) and `forget_free_blocks`.
+
+Two pools keep that contract: `PagedKVPool` stores the numbers in the model's dtype;
+`QuantizedKVPool` stores int8 / int4 / fp8 numbers with their scales beside them
+(`quantization.py`), so attention never knows how the numbers are stored.
+
+`make_pool` sizes a pool from a byte budget: bytes per slot (K and V, every layer, scales
+included) × block_size is one block's cost, and the budget buys that many whole blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from minillm.config import ConfigError, ModelConfig
+from minillm.memory.quantization import FORMATS, KVFormat, SCALE_DTYPE, bytes_per_token, dequantize, quantize
+
+
+def bytes_per_slot(config: ModelConfig, kv_dtype: str, key_scales: str, block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes one token slot costs: the model's dtype ("auto"), or a quantized format with its scales."""
+    if kv_dtype == "auto":
+        return config.kv_bytes_per_token(dtype)
+    fmt = FORMATS[kv_dtype]
+    if config.head_dim % fmt.values_per_byte:
+        raise ConfigError(f"kv_dtype={kv_dtype!r} packs two numbers per byte and needs an even head_dim "
+                          f"(this model has {config.head_dim}); use int8 or fp8.")
+    return math.ceil(bytes_per_token(config, fmt, key_scales, block_size))
+
+
+def make_pool(config: ModelConfig, kv_cache_bytes: int, block_size: int, kv_dtype: str, key_scales: str,
+              dtype: torch.dtype, device) -> PagedKVPool | QuantizedKVPool:
+    """As many whole blocks as `kv_cache_bytes` pays for, in the storage `kv_dtype` asks for."""
+    per_slot = bytes_per_slot(config, kv_dtype, key_scales, block_size, dtype)
+    num_blocks = kv_cache_bytes // (per_slot * block_size)
+    if num_blocks < 1:
+        raise ConfigError(f"kv_cache_bytes={kv_cache_bytes:,} cannot hold one block of {block_size} "
+                          f"tokens ({per_slot * block_size:,} bytes); raise it.")
+    if kv_dtype == "auto":
+        return PagedKVPool(config, num_blocks, block_size, dtype, device)
+    return QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device)
+
+
+class PagedKVPool:
+    """Numbers in the model's dtype: k_cache[layer], v_cache[layer] are (num_slots, kv_heads, head_dim)."""
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
+        self.bytes_per_slot = config.kv_bytes_per_token(dtype)
+        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (n, kv_heads, head_dim) go into `slots` (n,)."""
+        self.k_cache[layer].index_copy_(0, slots, k)
+        self.v_cache[layer].index_copy_(0, slots, v)
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values in `slots` (n,): (n, kv_heads, head_dim) each."""
+        return self.k_cache[layer][slots], self.v_cache[layer][slots]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block dst gets block src's keys and values, in every layer."""
+        size = self.block_size
+        for src, dst in pairs:
+            self.k_cache[:, dst * size:(dst + 1) * size] = self.k_cache[:, src * size:(src + 1) * size]
+            self.v_cache[:, dst * size:(dst + 1) * size] = self.v_cache[:, src * size:(src + 1) * size]
+
+    def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
+        """Nothing to do: every number lives in its block (the quantized pool keeps staging too)."""
+
+
+class QuantizedKVPool:
+    """The paged KV pool with quantized numbers; the same `write` / `read` as `PagedKVPool`.
+
+    Per layer: key and value numbers (num_slots, kv_heads, head_dim / values_per_byte), value
+    scales per slot and head, key scales per slot and head ("token") or per block, head and
+    channel ("channel"), and the staging keys of blocks still filling (channel scales only).
+    """
+
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat, key_scales: str,
+                 dtype: torch.dtype, device):
+        self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
+        self.fmt, self.key_scales, self.dtype = fmt, key_scales, dtype
+        self.bytes_per_slot = math.ceil(bytes_per_token(config, fmt, key_scales, block_size))
+        layers, slots, heads = config.num_layers, num_blocks * block_size, config.num_kv_heads
+        stored = (layers, slots, heads, config.head_dim // fmt.values_per_byte)
+        storage_dtype = torch.int8 if fmt.name == "int8" else torch.uint8
+        self.k_data = torch.zeros(stored, dtype=storage_dtype, device=device)
+        self.v_data = torch.zeros(stored, dtype=storage_dtype, device=device)
+        self.v_scale = torch.zeros(layers, slots, heads, 1, 2, dtype=SCALE_DTYPE, device=device)
+        key_scale_shape = (layers, num_blocks, heads, config.head_dim, 2) if key_scales == "channel" else (layers, slots, heads, 1, 2)
+        self.k_scale = torch.zeros(key_scale_shape, dtype=SCALE_DTYPE, device=device)
+        # (layer, block) -> (block_size, kv_heads, head_dim): keys of a block that is still filling
+        self.staging: dict[tuple[int, int], torch.Tensor] = {}
+
+    @property
+    def nbytes(self) -> int:
+        staged = sum(t.nbytes for t in self.staging.values())
+        return self.k_data.nbytes + self.v_data.nbytes + self.v_scale.nbytes + self.k_scale.nbytes + staged
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        data, scale = quantize(v, self.fmt, dim=-1)
+        self.v_data[layer].index_copy_(0, slots, data)
+        self.v_scale[layer].index_copy_(0, slots, scale)
+        if self.key_scales == "token":
+            data, scale = quantize(k, self.fmt, dim=-1)
+            self.k_data[layer].index_copy_(0, slots, data)
+            self.k_scale[layer].index_copy_(0, slots, scale)
+        else:
+            self.stage_keys(layer, slots, k)
+
+    def stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Keys wait in their block's staging tensor; the write that fills a block quantizes it."""
+        size = self.block_size
+        blocks, offsets = slots // size, slots % size
+        for block in blocks.unique().tolist():  # a step writes a few blocks per sequence
+            rows = blocks == block
+            staged = self.staging.setdefault((layer, block), k.new_zeros(size, *k.shape[1:]))
+            staged[offsets[rows]] = k[rows]
+            if int(offsets[rows].max()) == size - 1:  # the last slot: the block is full
+                data, scale = quantize(staged, self.fmt, dim=0)  # one scale per (head, channel)
+                self.k_data[layer, block * size:(block + 1) * size] = data
+                self.k_scale[layer, block] = scale[0]
+                del self.staging[(layer, block)]
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of a sequence's `slots` (in order): (n, kv_heads, head_dim)."""
+        values = dequantize(self.v_data[layer][slots], self.v_scale[layer][slots], self.fmt)
+        if self.key_scales == "token":
+            keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][slots], self.fmt)
+            return keys.to(self.dtype), values.to(self.dtype)
+        keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][slots // self.block_size], self.fmt)
+        last = int(slots[-1])
+        staged = self.staging.get((layer, last // self.block_size))
+        if staged is not None:  # the sequence's last block is still filling: its keys are exact
+            filled = last % self.block_size + 1
+            keys[-filled:] = staged[:filled]
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: numbers, scales and staging keys of block src go to block dst."""
+        size = self.block_size
+        for src, dst in pairs:
+            source, target = slice(src * size, (src + 1) * size), slice(dst * size, (dst + 1) * size)
+            for tensor in (self.k_data, self.v_data, self.v_scale):
+                tensor[:, target] = tensor[:, source]
+            if self.key_scales == "channel":
+                self.k_scale[:, dst] = self.k_scale[:, src]
+            else:
+                self.k_scale[:, target] = self.k_scale[:, source]
+            for (layer, block), staged in list(self.staging.items()):
+                if block == src:
+                    self.staging[(layer, dst)] = staged.clone()
+
+    def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
+        """Drop the staging keys of blocks no sequence holds any more (finished or preempted)."""
+        for key in [key for key in self.staging if is_free(key[1])]:
+            del self.staging[key]
