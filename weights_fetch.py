@@ -13,9 +13,10 @@ with the `gguf` package, and write `weights/<name>/`:
     tokenizer_config.json  pre-tokenizer regex, special tokens, chat template
     manifest.json          sha256 of each file above, checked on every later run
 
-It also fetches the text `minillm eval ppl` scores: "Alice's Adventures in Wonderland" (public
-domain), the Canterbury corpus's `alice29.txt`, which the `brotli` source package on PyPI ships
-as test data. It lands in `weights/texts/alice29.txt`, checked against its sha256.
+It also fetches two public-domain texts from the Canterbury corpus, which the `brotli` source
+package on PyPI ships as test data: "Alice's Adventures in Wonderland" (`alice29.txt`, what
+`minillm eval ppl` scores) and a Library of Congress workshop report (`lcet10.txt`, for the
+tests). They land in `weights/texts/`, checked against their sha256.
 
 Running it twice does nothing the second time (the manifest verifies what is there).
 The parts live in `minillm/fetch/`, one module per job (its docstring is the map).

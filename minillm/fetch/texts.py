@@ -1,8 +1,14 @@
-"""The public-domain text `minillm eval ppl` scores, from the Canterbury corpus on PyPI.
+"""Public-domain texts to score and to test with, from the Canterbury corpus on PyPI.
 
-The `brotli` source package ships the Canterbury corpus as test data. We take one of its files,
-Lewis Carroll's "Alice's Adventures in Wonderland" (`alice29.txt`), and write it to `weights/texts/`.
-It is pinned by the sha256 of its bytes with Unix line ends (it ships with CRLF) and checked
+The `brotli` source package ships the Canterbury corpus as test data. We take two of its files
+and write them to `weights/texts/`:
+
+    alice29.txt   Lewis Carroll, "Alice's Adventures in Wonderland": what `minillm eval ppl`, the
+                  lessons and the benchmarks read
+    lcet10.txt    the proceedings of a 1992 Library of Congress workshop on electronic texts:
+                  numbered lists, dates and figures; the tests' second text
+
+Each is pinned by the sha256 of its bytes with Unix line ends (they ship with CRLF) and checked
 before it is written; an archive that does not hold the right bytes is deleted, so the next run
 downloads it again.
 """
@@ -20,6 +26,7 @@ TEXT_SDIST = "brotli==1.2.1"
 CORPUS_FOLDER = "tests/testdata"  # inside the source archive
 TEXTS = {  # file name -> sha256 with Unix line ends
     "alice29.txt": "4cbce86540bcef439f901c89de486d295aa3848e8c4cbc911561054479e73960",
+    "lcet10.txt": "938e69e61b3411d8a9e2e630f4265000d810f3dbf66bac58cac19493753526ec",
 }
 
 
@@ -35,7 +42,7 @@ def fetch_texts(out_root: Path) -> list[Path]:
             text = corpus_file(archive, target.name)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(text)
-            console.print(f"Wrote {target} (public-domain text for minillm eval ppl)")
+            console.print(f"Wrote {target} (public-domain text)")
     return targets
 
 
