@@ -100,5 +100,6 @@ def hf_model(real_dir):
 
 @pytest.fixture(scope="session")
 def real_text_ids(real_tokenizer) -> list[int]:
-    """Tokens of real prose from outside the project (the GPL-3 text Debian ships)."""
-    return real_tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text())
+    """Tokens of real prose from outside the project: "Alice's Adventures in Wonderland"."""
+    from minillm.evaluation import read_text
+    return real_tokenizer.encode(read_text(TEXTS_DIR / "alice29.txt"))
