@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         fetch_checkpoint(args.out, args.hf, args.force)
         fetch_texts(args.out)
     except FetchError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {err}", soft_wrap=True)  # one line, never wrapped
         return 1
     return 0
 

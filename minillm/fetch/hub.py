@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -19,6 +20,18 @@ from minillm.config import ConfigError, ModelConfig
 from minillm.fetch import FetchError
 from minillm.fetch.bpe import DIGITS_PATTERN, GPT2_PATTERN, tiktoken_ranks, write_tokenizer
 from minillm.fetch.download import http_get
+
+# A repository's owner, its name, and the files it names: one path component each, never "." or
+# "..", so that what the repository says cannot lead a write out of its folder.
+PLAIN_NAME = re.compile(r"\w[\w.-]*")
+
+
+def repo_folder(repo: str) -> str:
+    """The folder `OWNER/REPO` is written to: REPO."""
+    parts = repo.split("/")
+    if len(parts) != 2 or not all(PLAIN_NAME.fullmatch(part) for part in parts):
+        raise FetchError(f"--hf takes OWNER/REPO (letters, digits, '-', '_', '.'), not {repo!r}.")
+    return parts[1]
 
 
 def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
@@ -42,6 +55,8 @@ def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
 def hub_file(repo: str, filename: str, cache_dir: Path, required: bool = True) -> Path | None:
     """`filename` of `repo` in `cache_dir`, downloaded when not there yet; None when an optional
     file cannot be had."""
+    if not PLAIN_NAME.fullmatch(filename):
+        raise FetchError(f"{repo} names the file {filename!r}, which is not a plain file name; refusing it.")
     target = cache_dir / filename
     if not target.is_file():
         try:
