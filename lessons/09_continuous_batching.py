@@ -17,6 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
+from minillm.evaluation import read_text  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
@@ -54,11 +55,11 @@ def main():
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     rng = random.Random(0)
-    text = tokenizer.encode(open("/usr/share/common-licenses/GPL-3").read())
+    text = tokenizer.encode(read_text())
     prompts, params = [], []
     for _ in range(num_requests):
         length = rng.randint(16, 64)
-        start = rng.randrange(len(text) - length)
+        start = int(rng.random() * (len(text) - length))  # one draw at any text length: the mix stays put
         prompts.append(text[start:start + length])
         params.append(SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True))  # some short, some long
     console.print(f"{num_requests} requests, batch size {BATCH}, outputs of {lengths[0]}, {lengths[1]} or "

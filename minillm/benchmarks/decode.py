@@ -18,8 +18,9 @@ from pathlib import Path
 
 import torch
 
-from minillm.benchmarks import GPL_TEXT, copy_bandwidth
+from minillm.benchmarks import copy_bandwidth
 from minillm.decoding import generate
+from minillm.evaluation import read_text
 from minillm.sampling import SamplingParams
 from minillm.weights import load_model
 
@@ -28,7 +29,7 @@ from minillm.weights import load_model
 
 def bench_prompt(model_dir: Path, prompt_len: int) -> list[int]:
     from minillm.tokenizer import Tokenizer
-    return Tokenizer(model_dir).encode(GPL_TEXT.read_text())[:prompt_len]
+    return Tokenizer(model_dir).encode(read_text())[:prompt_len]
 
 
 def time_minillm(model, prompt_ids: list[int], new_tokens: int, decoder: str) -> float:

@@ -1,7 +1,7 @@
 """`minillm bench prefix`: 32 requests that share a ~500-token system prompt, with and without
 the prefix cache.
 
-The system prompt is real prose (the start of the GPL-3 text) in the chat template; each request
+The system prompt is real prose (the start of "Alice's Adventures in Wonderland") in the chat template; each request
 adds its own short user question. Requests run one after another (each arrives when the previous
 one has finished), so time to first token (TTFT) is pure prefill: without the cache every request
 prefills ~530 tokens, with it every request after the first finds the system prompt's full blocks
@@ -16,15 +16,15 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from minillm.benchmarks import GPL_TEXT
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
+from minillm.evaluation import read_text
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 
 def shared_prompts(tokenizer: Tokenizer, num_requests: int, system_tokens: int) -> list[list[int]]:
-    system = tokenizer.decode(tokenizer.encode(GPL_TEXT.read_text())[:system_tokens])
+    system = tokenizer.decode(tokenizer.encode(read_text())[:system_tokens])
     return [tokenizer.encode_chat([{"role": "system", "content": system},
                                    {"role": "user", "content": f"In one sentence, what does section {i} say?"}])
             for i in range(num_requests)]

@@ -2,7 +2,7 @@
 
 The trace (seeded, so every run and commit sees the same one): N requests (default 64), all
 arriving at t=0 (an offline batch). Prompt lengths are uniform in [16, 320] tokens, cut at random
-offsets from real prose (the GPL-3 text Debian ships); output lengths are uniform in [8, 160]
+offsets from real prose ("Alice's Adventures in Wonderland", fetched by weights_fetch.py); output lengths are uniform in [8, 160]
 tokens, decoded greedily to exactly that length (EOS ignored), so every server does the same work.
 
 Servers, all with the same batch size (`max_num_seqs`):
@@ -25,16 +25,16 @@ from pathlib import Path
 
 import torch
 
-from minillm.benchmarks import GPL_TEXT
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
+from minillm.evaluation import read_text
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 
 def make_trace(tokenizer: Tokenizer, num_requests: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
     """[(prompt_ids, output_len)]: prompts U[16, 320] tokens of real text, outputs U[8, 160]."""
-    text_ids = tokenizer.encode(GPL_TEXT.read_text())
+    text_ids = tokenizer.encode(read_text())
     rng = random.Random(seed)
     trace = []
     for _ in range(num_requests):

