@@ -14,7 +14,6 @@ prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,9 +21,9 @@ from rich.console import Console
 
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, EVICTION_POLICIES, KV_DTYPES, ConfigError, EngineConfig
 from minillm.evaluation import DEFAULT_TEXT
+from minillm.report import console, print_json, show
 from minillm.runtime import Runtime
 
-console = Console()
 err_console = Console(stderr=True)
 
 
@@ -69,17 +68,6 @@ def sampling_from(args):
     from minillm.sampling import SamplingParams
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           max_tokens=args.max_tokens, seed=args.seed)
-
-
-def print_json(report: dict) -> None:
-    """Every --json output: one line of strict JSON. A rate that cannot be measured is null, never
-    NaN or Infinity, which Python's json writes by default and JSON parsers reject."""
-    try:
-        line = json.dumps(report, allow_nan=False)
-    except ValueError as err:  # a bug in the command, not a user's error (main turns ValueError into one)
-        raise RuntimeError(f"--json output is not strict JSON ({err}); a rate with nothing to measure "
-                           f"must be None") from err
-    print(line)
 
 
 def runtime_from(args) -> Runtime:
@@ -211,11 +199,6 @@ def cmd_info(args) -> None:
 
 
 # ----------------------------------------------------------------------------- bench
-
-def show(report: dict, printer, as_json: bool) -> None:
-    """One JSON object with --json (to compare across commits), else rich tables."""
-    print_json(report) if as_json else printer(report, console)
-
 
 def cmd_bench_decode(args) -> None:
     from minillm.benchmarks.decode import bench_decode, print_decode_report
