@@ -31,9 +31,7 @@ err_console = Console(stderr=True)
 
 
 def runtime_from(args) -> Runtime:
-    config = EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device,
-                          decoder=getattr(args, "decoder", "cached"))
-    return Runtime(config)
+    return Runtime(EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device))
 
 
 # ----------------------------------------------------------------------------- generate
@@ -56,7 +54,7 @@ def cmd_generate(args) -> None:
     params = sampling_from(args)
     prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
     if args.json:
-        gen = runtime.generate(prompt_ids, params)
+        gen = runtime.generate(prompt_ids, params, args.decoder)
         print_json({
             "prompt": args.prompt, "prompt_ids": gen.prompt_ids, "generated_ids": gen.token_ids,
             "text": runtime.tokenizer.decode(gen.token_ids), "finish_reason": gen.finish_reason,
@@ -66,7 +64,7 @@ def cmd_generate(args) -> None:
         })
         return
     gen = None
-    for piece, gen in runtime.stream_text(prompt_ids, params):
+    for piece, gen in runtime.stream_text(prompt_ids, params, args.decoder):
         console.print(piece, end="", markup=False, highlight=False)
     console.print()
     decode = f"{gen.decode_tok_s:.1f} tok/s" if gen.decode_tok_s is not None else "n/a"

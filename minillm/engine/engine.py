@@ -99,9 +99,6 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, model: Transformer | None = None, tokenizer: Tokenizer | None = None):
-        if config.decoder != "cached":
-            raise ConfigError("The engine always keeps a (paged) KV cache; decoder='naive' is for single-sequence "
-                              "decoding (minillm generate --decoder naive).")
         self.config = config
         self.model = model if model is not None else load_model(config.model_dir, config.torch_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
