@@ -6,13 +6,11 @@ import json
 import sys
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
+from minillm.report import console, print_table
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "weights" / "SmolLM2-135M-Instruct"
 OUT_DIR = Path(__file__).resolve().parent / "out"
-console = Console()
 
 
 def lesson_args(lesson_doc: str, options=None, quick: dict | None = None) -> argparse.Namespace:
@@ -65,12 +63,8 @@ def perplexity_setup(lesson_doc: str, segments: int, segment_len: int, quick: di
 
 
 def table(title: str, columns: list[str], rows: list[list]) -> None:
-    t = Table(title=title)
-    for column in columns:
-        t.add_column(column, justify="right")
-    for row in rows:
-        t.add_row(*[str(cell) for cell in row])
-    console.print(t)
+    """A table as the benchmarks print theirs (minillm.report)."""
+    print_table(console, title, columns, rows)
 
 
 def _shown(path: Path) -> str:

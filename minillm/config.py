@@ -139,7 +139,6 @@ class EngineConfig:
     model_dir: Path = DEFAULT_MODEL_DIR
     dtype: str = "float32"
     device: str = "cpu"
-    decoder: str = "cached"  # single-sequence decoding: "naive" (the oracle) or "cached"
     max_seq_len: int | None = None  # defaults to the model's context length
     # --- the serving engine (minillm.engine): paged KV memory and scheduling
     block_size: int = 16  # token slots per KV block
@@ -164,8 +163,6 @@ class EngineConfig:
             raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
-        if self.decoder not in ("naive", "cached"):
-            raise ConfigError(f"decoder must be 'naive' or 'cached', not {self.decoder!r}.")
         if self.attention_backend not in ("torch", "cpu", "cuda"):
             raise ConfigError(f"attention_backend must be 'torch', 'cpu' or 'cuda', not {self.attention_backend!r}.")
         if self.attention_backend != "torch" and self.attention_backend != self.device.split(":")[0]:

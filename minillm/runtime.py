@@ -1,8 +1,8 @@
 """One loaded model with its tokenizer, for single-sequence decoding (`minillm generate`, `info`).
 
 `Runtime(EngineConfig)` loads the checkpoint once; `generate` / `stream_text` run one request
-through the decoder the config names. The serving engine (many requests, paged memory) grows
-beside it in `minillm.engine`.
+through the decoder each call names: "naive" (the oracle) or "cached". The serving engine (many
+requests, paged memory) grows beside it in `minillm.engine`.
 """
 
 from __future__ import annotations
@@ -30,15 +30,16 @@ class Runtime:
     def prompt_ids(self, prompt: str, chat: bool = False) -> list[int]:
         return self.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenizer.encode(prompt)
 
-    def generate(self, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        return generate(self.model, prompt_ids, params, self.config.decoder,
+    def generate(self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached") -> Generation:
+        return generate(self.model, prompt_ids, params, decoder,
                         self.tokenizer.eos_token_id, self.context_len)
 
-    def stream_text(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[tuple[str, Generation]]:
+    def stream_text(self, prompt_ids: list[int], params: SamplingParams,
+                    decoder: str = "cached") -> Iterator[tuple[str, Generation]]:
         """Yield (new text, generation so far) per token; the EOS token itself prints nothing."""
         text = self.tokenizer.stream_decoder()
         gen = None
-        for token, gen in stream(self.model, prompt_ids, params, self.config.decoder,
+        for token, gen in stream(self.model, prompt_ids, params, decoder,
                                  self.tokenizer.eos_token_id, self.context_len):
             if token != self.tokenizer.eos_token_id:
                 yield text.feed(token), gen

@@ -21,6 +21,7 @@ from minillm.attention.kernels import decode_backend
 from minillm.benchmarks import copy_bandwidth
 from minillm.attention.reference import paged_decode_attention
 from minillm.config import ConfigError
+from minillm.report import print_table
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 
@@ -102,18 +103,12 @@ def bench_attention(batches=(1, 4, 16, 64), contexts=(128, 512, 1024, 4096), dev
 
 
 def print_attention_report(report: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"decode attention, one layer, {report['device']} {report['dtype']} "
-                        f"(copy roof {report['copy_bandwidth_GBs']:.0f} GB/s)")
-    table.add_column("batch", justify="right")
-    table.add_column("context", justify="right")
-    for name in report["backends"]:
-        table.add_column(f"{name} µs (GB/s)", justify="right")
-    for row in report["rows"]:
-        table.add_row(str(row["batch"]), str(row["context"]),
-                      *[f"{row[f'{n}_us']:.0f} ({row[f'{n}_GBs']:.1f})" for n in report["backends"]])
-    console.print(table)
+    names = report["backends"]
+    print_table(console, f"decode attention, one layer, {report['device']} {report['dtype']} "
+                         f"(copy roof {report['copy_bandwidth_GBs']:.0f} GB/s)",
+                ["batch", "context", *[f"{name} µs (GB/s)" for name in names]],
+                [[row["batch"], row["context"], *[f"{row[f'{n}_us']:.0f} ({row[f'{n}_GBs']:.1f})" for n in names]]
+                 for row in report["rows"]])
     first, last = report["backends"][0], report["backends"][1]
     speedups = [row[f"{first}_us"] / row[f"{last}_us"] for row in report["rows"]]
     console.print(f"{last} is {min(speedups):.1f}x to {max(speedups):.1f}x faster than {first}; at the largest "

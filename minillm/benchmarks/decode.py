@@ -21,6 +21,7 @@ import torch
 from minillm.benchmarks import copy_bandwidth
 from minillm.decoding import generate
 from minillm.evaluation import read_text
+from minillm.report import print_table
 from minillm.sampling import SamplingParams
 from minillm.weights import load_model
 
@@ -114,16 +115,11 @@ def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 64, na
 
 
 def print_decode_report(report: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"batch-1 decode, {report['dtype']}, prompt {report['prompt_len']} tokens, "
-                        f"{report['machine']['torch_threads']} threads")
-    for column in ("decoder", "tok/s", "ms/token", "MB read/step", "GB/s achieved", "of copy roof"):
-        table.add_column(column, justify="right")
-    for name, d in report["decoders"].items():
-        table.add_row(name, f"{d['tok_s']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['bytes_per_step'] / 1e6:.0f}",
-                      f"{d['bandwidth_GBs']:.1f}", f"{d['roof_fraction']:.0%}")
-    console.print(table)
+    print_table(console, f"batch-1 decode, {report['dtype']}, prompt {report['prompt_len']} tokens, "
+                         f"{report['machine']['torch_threads']} threads",
+                ["decoder", "tok/s", "ms/token", "MB read/step", "GB/s achieved", "of copy roof"],
+                [[name, f"{d['tok_s']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['bytes_per_step'] / 1e6:.0f}",
+                  f"{d['bandwidth_GBs']:.1f}", f"{d['roof_fraction']:.0%}"] for name, d in report["decoders"].items()])
     console.print(f"copy bandwidth measured now: {report['copy_bandwidth_GBs']:.1f} GB/s (read + write)")
     console.print("cached decode by torch threads: " +
                   ", ".join(f"{n}: {v:.1f} tok/s" for n, v in report["cached_tok_s_by_threads"].items()))

@@ -19,6 +19,7 @@ from pathlib import Path
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import read_text
+from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -77,16 +78,12 @@ def bench_prefix(model_dir: Path, num_requests: int = 32, system_tokens: int = 5
 
 
 def print_prefix_report(report: dict, console) -> None:
-    from rich.table import Table
-
-    table = Table(title=f"{report['requests']} requests sharing a system prompt "
-                        f"(prompts ~{report['prompt_tokens_mean']:.0f} tokens), one after another")
-    for column in ("prefix cache", "TTFT first", "TTFT after (mean)", "prefill tokens computed"):
-        table.add_column(column, justify="right")
-    for name, run_report in (("off", report["without_cache"]), ("on", report["with_cache"])):
-        table.add_row(name, f"{run_report['ttft_first_s'] * 1e3:.0f} ms", f"{run_report['ttft_rest_mean_s'] * 1e3:.0f} ms",
-                      f"{run_report['prefill_tokens_computed']:,}")
-    console.print(table)
+    print_table(console, f"{report['requests']} requests sharing a system prompt "
+                         f"(prompts ~{report['prompt_tokens_mean']:.0f} tokens), one after another",
+                ["prefix cache", "TTFT first", "TTFT after (mean)", "prefill tokens computed"],
+                [[name, f"{run_report['ttft_first_s'] * 1e3:.0f} ms", f"{run_report['ttft_rest_mean_s'] * 1e3:.0f} ms",
+                  f"{run_report['prefill_tokens_computed']:,}"]
+                 for name, run_report in (("off", report["without_cache"]), ("on", report["with_cache"]))])
     for name, title in (("parallel_sampling_n4", "parallel sampling, n=4"), ("beam_search_width4", "beam search, width 4")):
         m = report[name]
         console.print(f"{title}, 64 new tokens: KV reserved {m['mean_reserved_bytes_shared'] / 2**20:.1f} MiB shared "

@@ -28,6 +28,7 @@ import torch
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import read_text
+from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -160,27 +161,21 @@ def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
 
 
 def print_serve_report(report: dict, console) -> None:
-    from rich.table import Table
-
     trace = report["trace"]
-    table = Table(title=f"{trace['requests']} requests (prompts {trace['prompt_len']}, outputs {trace['output_len']}), "
-                        f"batch {trace['max_num_seqs']}")
-    for column in ("server", "output tok/s", "TTFT mean", "TTFT p90", "TPOT mean", "TPOT p90"):
-        table.add_column(column, justify="right")
-    for name, run in report["servers"].items():
-        table.add_row(name, f"{run['output_tok_s']:.1f}", f"{run['ttft_mean_s']:.1f} s", f"{run['ttft_p90_s']:.1f} s",
-                      f"{run['tpot_mean_s'] * 1e3:.0f} ms", f"{run['tpot_p90_s'] * 1e3:.0f} ms")
-    console.print(table)
+    print_table(console, f"{trace['requests']} requests (prompts {trace['prompt_len']}, outputs {trace['output_len']}), "
+                         f"batch {trace['max_num_seqs']}",
+                ["server", "output tok/s", "TTFT mean", "TTFT p90", "TPOT mean", "TPOT p90"],
+                [[name, f"{run['output_tok_s']:.1f}", f"{run['ttft_mean_s']:.1f} s", f"{run['ttft_p90_s']:.1f} s",
+                  f"{run['tpot_mean_s'] * 1e3:.0f} ms", f"{run['tpot_p90_s'] * 1e3:.0f} ms"]
+                 for name, run in report["servers"].items()])
     cont = report["servers"]["minillm_continuous"]
     console.print(f"continuous is {report['continuous_vs_static']:.2f}x static" +
                   (f" and {report['continuous_vs_hf']:.2f}x HF transformers" if "continuous_vs_hf" in report else ""))
     console.print(f"KV utilization on this trace: paged {cont['kv_utilization_paged']:.1%}, "
                   f"contiguous max-length reservation {cont['kv_utilization_contiguous']:.1%}; "
                   f"{cont['preemptions']} preemptions")
-    sweep = Table(title="block-size sweep (continuous)")
-    for column in ("block size", "output tok/s", "KV utilization", "wasted slots/step", "table entries/seq"):
-        sweep.add_column(column, justify="right")
-    for size, run in report["block_size_sweep"].items():
-        sweep.add_row(str(size), f"{run['output_tok_s']:.1f}", f"{run['kv_utilization_paged']:.1%}",
-                      f"{run['wasted_slots_per_step']:.0f}", f"{run['block_table_entries_per_seq']:.1f}")
-    console.print(sweep)
+    print_table(console, "block-size sweep (continuous)",
+                ["block size", "output tok/s", "KV utilization", "wasted slots/step", "table entries/seq"],
+                [[size, f"{run['output_tok_s']:.1f}", f"{run['kv_utilization_paged']:.1%}",
+                  f"{run['wasted_slots_per_step']:.0f}", f"{run['block_table_entries_per_seq']:.1f}"]
+                 for size, run in report["block_size_sweep"].items()])

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from minillm.config import prompt_problem
+from minillm.config import ConfigError, prompt_problem
 from minillm.decoding.cached import CachedDecoder
 from minillm.decoding.naive import NaiveDecoder
 from minillm.model import Transformer
@@ -49,6 +49,8 @@ class Generation:
 def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached",
            eos_token_id: int | None = None, context_len: int | None = None) -> Iterator[tuple[int, Generation]]:
     """Yield (token_id, generation so far) for every new token; the generation carries timings."""
+    if decoder not in DECODERS:
+        raise ConfigError(f"decoder must be 'naive' or 'cached', not {decoder!r}.")
     context_len = context_len or model.config.max_position_embeddings
     check_prompt(prompt_ids, context_len)
     max_new = min(params.max_tokens, context_len - len(prompt_ids))

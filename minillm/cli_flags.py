@@ -1,0 +1,53 @@
+"""The switches several `minillm` commands share, each group defined once: which model, how to
+sample, how the KV cache is compressed. A command adds the groups it takes beside its own flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from minillm.config import DEFAULT_MODEL_DIR, DTYPES, EVICTION_POLICIES, KV_DTYPES
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                        help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR})")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="weights and KV dtype (default: float32)")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off (default: 1)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def sampling_from(args):
+    from minillm.sampling import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def add_kv_quantization_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                        help="store the KV cache as int8, int4 or fp8 with scales (default: auto, the model dtype)")
+    parser.add_argument("--kv-key-scales", choices=["channel", "token"], default="channel",
+                        help="quantized keys share a scale per channel of a block, or per token (default: channel)")
+
+
+def kv_budget(text: str) -> int | float:
+    """'256' is a number of tokens, '0.2' a fraction of the sequence's full length."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a token count (256) nor a fraction (0.2)") from None
+
+
+def add_eviction_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--eviction", choices=EVICTION_POLICIES, default="none",
+                        help="drop KV entries beyond --kv-budget: h2o, sinks or window (default: none)")
+    parser.add_argument("--kv-budget", type=kv_budget, default=None,
+                        help="with --eviction: entries kept per sequence, as tokens (256) or a fraction (0.2)")

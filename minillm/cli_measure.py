@@ -1,0 +1,158 @@
+"""The commands that measure: `minillm bench decode|serve|prefix|attention` (speed) and
+`minillm eval ppl` (quality).
+
+Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
+JSON object, to compare across commits; without, its module's `print_*_report` prints the tables.
+Each `add_X` here declares a command's flags beside the `cmd_X` that runs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from minillm.cli_flags import add_eviction_args, add_kv_quantization_args, add_model_args
+from minillm.config import DTYPES
+from minillm.evaluation import DEFAULT_TEXT
+from minillm.report import console, print_json, show
+
+
+def add_bench(subparsers) -> None:
+    bench = subparsers.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_attention):
+        add_command(benches)
+
+
+# ----------------------------------------------------------------------------- bench decode
+
+def add_bench_decode(benches) -> None:
+    decode = benches.add_parser("decode", help="batch-1 decode tok/s: naive vs cached vs HF transformers",
+                                description="Batch-1 decode speed of the naive and cached decoders and of HF "
+                                            "transformers' generate on the same weights, with bandwidth achieved "
+                                            "against this machine's measured copy bandwidth.")
+    decode.add_argument("--tokens", type=int, default=64, help="new tokens per run for cached and HF (default: 64)")
+    decode.add_argument("--naive-tokens", type=int, default=16, help="new tokens for the slow naive decoder (default: 16)")
+    decode.add_argument("--prompt-len", type=int, default=64, help="prompt length in tokens (default: 64)")
+    decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    decode.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(decode)
+    decode.set_defaults(func=cmd_bench_decode)
+
+
+def cmd_bench_decode(args) -> None:
+    from minillm.benchmarks.decode import bench_decode, print_decode_report
+    show(bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens, naive_tokens=args.naive_tokens,
+                      include_hf=not args.no_hf, dtype=args.dtype), print_decode_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench serve
+
+def add_bench_serve(benches) -> None:
+    serve = benches.add_parser("serve", help="a 64-request trace: continuous vs static vs HF transformers",
+                               description="Serve one seeded trace (prompts U[16, 320], outputs U[8, 160] tokens) "
+                                           "with minillm continuous and static batching and HF transformers' "
+                                           "batched generate: output tok/s, TTFT, TPOT, KV utilization of paged "
+                                           "vs contiguous memory, and a block-size sweep.")
+    serve.add_argument("--requests", type=int, default=64, help="requests in the trace (default: 64)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="batch size for every server (default: 16)")
+    serve.add_argument("--block-sizes", type=int, nargs="*", default=[8, 16, 32, 64, 128],
+                       help="block sizes to sweep (default: 8 16 32 64 128; none to skip)")
+    serve.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch",
+                       help="minillm's decode attention: torch reference or the C++ kernel (default: torch)")
+    serve.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    serve.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(serve)
+    serve.set_defaults(func=cmd_bench_serve)
+
+
+def cmd_bench_serve(args) -> None:
+    from minillm.benchmarks.serve import bench_serve, print_serve_report
+    show(bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
+                     block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf,
+                     attention_backend=args.attention_backend), print_serve_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench prefix
+
+def add_bench_prefix(benches) -> None:
+    prefix = benches.add_parser("prefix", help="requests sharing a system prompt: prefix cache off vs on",
+                                description="Requests that share a ~500-token system prompt, one after another, "
+                                            "with and without the prefix cache: TTFT and prefill tokens computed.")
+    prefix.add_argument("--requests", type=int, default=32, help="(default: 32)")
+    prefix.add_argument("--system-tokens", type=int, default=500, help="system prompt length (default: 500)")
+    prefix.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch", help="(default: torch)")
+    prefix.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(prefix)
+    prefix.set_defaults(func=cmd_bench_prefix)
+
+
+def cmd_bench_prefix(args) -> None:
+    from minillm.benchmarks.prefix import bench_prefix, print_prefix_report
+    show(bench_prefix(args.model, args.requests, args.system_tokens, args.attention_backend),
+         print_prefix_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench attention
+
+def add_bench_attention(benches) -> None:
+    attention = benches.add_parser("attention", help="decode attention: torch reference vs C++ / CUDA kernels",
+                                   description="Time one layer of SmolLM2-shaped paged decode attention for each "
+                                               "backend over batch x context, with bandwidth achieved against "
+                                               "the device's measured copy bandwidth.")
+    attention.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="(default: 1 4 16 64)")
+    attention.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 4096],
+                           help="(default: 128 512 1024 4096)")
+    attention.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    attention.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: float32)")
+    attention.add_argument("--json", action="store_true", help="print one JSON object")
+    attention.set_defaults(func=cmd_bench_attention)
+
+
+def cmd_bench_attention(args) -> None:
+    from minillm.benchmarks.attention import bench_attention, print_attention_report
+    show(bench_attention(tuple(args.batches), tuple(args.contexts), args.device, DTYPES[args.dtype]),
+         print_attention_report, args.json)
+
+
+# ----------------------------------------------------------------------------- eval ppl
+
+def add_eval(subparsers) -> None:
+    evaluate = subparsers.add_parser("eval", help="measure quality", description="Quality measured through the engine.")
+    evals = evaluate.add_subparsers(dest="eval", required=True, metavar="EVAL")
+    ppl = evals.add_parser("ppl", help="perplexity on a public-domain text, read through the KV cache",
+                           description="Perplexity of the model on a public-domain text (Alice's Adventures in "
+                                       "Wonderland by default), with every token predicted by a decode step whose "
+                                       "attention reads the cache — quantized or evicted as the switches say. "
+                                       "Compare a switch's perplexity with the default's to see what it costs.")
+    ppl.add_argument("--text", type=Path, default=DEFAULT_TEXT,
+                     help=f"UTF-8 text to score (default: {DEFAULT_TEXT}, fetched by weights_fetch.py)")
+    ppl.add_argument("--segments", type=int, default=4, help="segments scored side by side (default: 4)")
+    ppl.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
+    ppl.add_argument("--json", action="store_true", help="print one JSON object")
+    add_kv_quantization_args(ppl)
+    add_eviction_args(ppl)
+    add_model_args(ppl)
+    ppl.set_defaults(func=cmd_eval_ppl)
+
+
+def cmd_eval_ppl(args) -> None:
+    from minillm.engine import LLM
+    from minillm.evaluation import perplexity, read_text
+
+    text = read_text(args.text)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
+              kv_key_scales=args.kv_key_scales, eviction=args.eviction, kv_budget=args.kv_budget)
+    result = perplexity(llm, llm.engine.tokenizer.encode(text), args.segment_len, args.segments,
+                        progress=not args.json)
+    report = {"text": str(args.text), "kv_dtype": args.kv_dtype, "kv_key_scales": args.kv_key_scales,
+              "eviction": args.eviction, "kv_budget": args.kv_budget, **result.as_dict()}
+    if args.json:
+        print_json(report)
+        return
+    kv_format = args.dtype if args.kv_dtype == "auto" else f"{args.kv_dtype}, keys per {args.kv_key_scales}, scales included"
+    budget = (f", {args.eviction} keeping {args.kv_budget} ({result.tokens_evicted:,} entries evicted)"
+              if args.eviction != "none" else "")
+    console.print(f"perplexity {result.perplexity:.4f} (NLL {result.nll:.4f} nats) over {result.tokens_scored} "
+                  f"tokens of {args.text.name}, each predicted by a decode step reading the cache | "
+                  f"KV {kv_format} ({result.kv_bytes_per_token:,} B/token){budget} | "
+                  f"{result.tokens_scored / result.seconds:.1f} tok/s")
