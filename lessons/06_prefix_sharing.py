@@ -26,7 +26,7 @@ QUESTIONS = ["When do you open on Saturday?", "How many books can I borrow?", "H
 def draw_tables(engine, names):
     cache = engine.block_manager.prefix_cache
     for seq in engine.scheduler.running:
-        cells = [f"[{b:>3}]{'*' if engine.block_manager.refcounts[b] > 1 else ' '}"
+        cells = [f"[{b:>3}]{'*' if engine.block_manager.refcount(b) > 1 else ' '}"
                  for b in engine.block_manager.table(seq.seq_id)]
         console.print(f"{names[seq.request_id]:<34} " + "".join(cells))
     console.print(f"\\[n] = physical block, * = held by several requests now; {len(cache.entries)} blocks cached")

@@ -52,7 +52,7 @@ class Chat:
             return "[dim]no reply yet[/dim]"
         out, reused_tokens = self.last
         engine = self.llm.engine
-        per_token = engine.bytes_per_slot
+        per_token = engine.pool.bytes_per_slot
         held = len(out.prompt_token_ids) + len(out.token_ids)
         decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
         return (f"prompt {len(out.prompt_token_ids)} tokens ({reused_tokens} reused from the prefix cache), "

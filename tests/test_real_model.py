@@ -46,8 +46,9 @@ def test_naive_logits_match_hf_transformers(real_model, hf_eager, real_text_ids)
 # One token at a time multiplies by the weights as matrix-vector products, HF's single pass as one
 # matrix product: the BLAS sums in another order. Measured on logits up to ~40: 0 on a Xeon,
 # 1.5e-4 on an AMD EPYC (the same gap on the code before any change here), both on the GPL-3 text;
-# 6.0e-5 on the AMD EPYC on Alice, this test's text: fp32 noise, not a bug. The bound is 3.3x that.
-CACHED_VS_HF_ATOL = 2e-4
+# 6.0e-5 on the AMD EPYC on Alice, this test's text: fp32 noise, not a bug. The bound stays at the
+# 5e-4 set for the largest gap seen on any machine, since other CPUs were not measured on Alice.
+CACHED_VS_HF_ATOL = 5e-4
 
 
 def test_cached_logits_match_hf_transformers(real_model, hf_eager, real_text_ids):

@@ -67,7 +67,8 @@ def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_n
     while engine.has_unfinished_requests():
         finished += [out for out in engine.step() if out.finished]
         running = engine.scheduler.running  # static batching holds members whose prefill has not begun
-        tables = [engine.block_manager.block_tables.get(seq.seq_id, []) for seq in running]
+        manager = engine.block_manager
+        tables = [manager.table(seq.seq_id) if manager.has_table(seq.seq_id) else [] for seq in running]
         live += sum(seq.num_computed for seq in running)
         paged += sum(map(len, tables)) * block_size
         arena += sum(seq.max_len for seq in running)  # a contiguous allocator reserves the maximum

@@ -49,6 +49,9 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
 
+    def refcount(self, block: int) -> int:
+        return self.refcounts[block]
+
     def is_free(self, block: int) -> bool:
         return self.refcounts[block] == 0
 
