@@ -5,8 +5,14 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+import itertools
+import random
+
 from minillm.engine import LLM, SamplingParams
-from minillm.engine.beam import reference_beam_search, select
+from minillm.engine.beam import BeamGroup, reference_beam_search, select
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import Sequence
+from minillm.memory import BlockManager
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
@@ -78,3 +84,43 @@ def test_a_worse_beam_can_still_win_with_a_better_token():
     scores = [-1.0, -3.0]
     logprobs = torch.log(torch.tensor([[0.06, 0.04, 0.9], [0.98, 0.01, 0.01]]))
     assert [(beam, token) for beam, token, _ in select(scores, logprobs, 3)] == [(0, 2), (1, 0), (0, 0)]
+
+
+def test_a_beam_group_takes_only_logits_that_fit_its_beams():
+    """Several beams can finish computing in one step. The first to complete the group advances
+    it at once, so a later one may be pruned by then, or already extended by a token: its logits
+    predict the token it now has, and must not count as scores for the next one."""
+    params = SamplingParams(beam_width=2, max_tokens=8, ignore_eos=True)
+    beams = [Sequence(i, "r", [1, 2, 3], params, max_len=11, num_computed=3) for i in range(2)]
+    group = BeamGroup(2, live=[(beams[0], 0.0), (beams[1], -10.0)])  # beam 0 far ahead: it is forked
+    scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), "continuous", max_num_seqs=8,
+                          max_num_batched_tokens=64, context_len=64)
+    logits = torch.zeros(97)
+    logits[5], logits[6] = 2.0, 1.0  # every beam's best two: tokens 5 and 6
+    assert not group.offer(beams[0], logits) and group.offer(beams[1], logits)
+    survivors = group.advance(scheduler, itertools.count(2).__next__, None)
+    pruned = [beam for beam in beams if beam not in survivors]
+    assert len(survivors) == 2 and pruned == [beams[1]]
+    for beam in survivors:  # extended by one token, not computed yet: these logits are stale
+        assert not group.offer(beam, logits)
+    assert not group.offer(pruned[0], logits)  # pruned: never again part of the search
+    assert not group.pending
+
+
+@pytest.mark.parametrize("max_tokens", [3, 5, 7, 9])
+def test_beams_with_prefix_caching_and_preemption_under_static_batching(tiny_dir, tiny_model, max_tokens):
+    """Found by a hostile run: prefix hits make a preempted beam's recompute finish in the same
+    step as its siblings', so one beam's logits arrived after the group had already moved on."""
+    rng = random.Random(0)
+    prompt = [rng.randrange(97) for _ in range(225)]
+    others = [[rng.randrange(97) for _ in range(rng.randint(3, 20))] for _ in range(2)]
+    params = [SamplingParams(beam_width=4, max_tokens=max_tokens, ignore_eos=True)] + \
+        [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=62 * 4 * KV_BYTES_PER_TOKEN,
+              scheduling="static", prefix_caching=True)
+    out = llm.generate([prompt] + others, params)[0]
+    assert llm.engine.num_preemptions > 0
+    assert out.error is None and out.samples == reference_beam_search(tiny_model, prompt, 4, max_tokens, None)
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks

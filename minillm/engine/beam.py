@@ -19,7 +19,7 @@ import torch
 
 from minillm.decoding.naive import sequence_logits
 from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import Sequence
+from minillm.engine.sequence import Sequence, Status
 
 
 def select(scores: list[float], logprobs: torch.Tensor, width: int) -> list[tuple[int, int, float]]:
@@ -41,7 +41,15 @@ class BeamGroup:
     pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> next-token log-probs
 
     def offer(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        """A live beam's next-token logits (vocab,); True once every live beam has offered its own."""
+        """A beam's next-token logits (vocab,); True once every live beam has offered its own.
+
+        Logits that no longer fit their beam are ignored. In one engine step several beams can
+        finish computing; when the first of them completes the group, the group advances at once,
+        so a later one in the same step may be pruned by then, or already extended by a token
+        (its logits predict the token it now has: it must compute that token and offer again).
+        A beam preempted after offering keeps its scores: its tokens have not changed."""
+        if seq.status is Status.FINISHED or seq.num_computed != seq.num_tokens:
+            return False
         self.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1)
         return all(beam.seq_id in self.pending for beam, _ in self.live)
 
