@@ -9,6 +9,7 @@ its switch here, so one object describes a run.
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,13 +24,17 @@ class ConfigError(ValueError):
     """A checkpoint or a setting that minillm cannot use; the message says what to do."""
 
 
-def prompt_problem(num_prompt_tokens: int, context_len: int) -> str | None:
+def prompt_problem(prompt_ids: list, context_len: int, vocab_size: int) -> str | None:
     """Why a prompt cannot run in a context of `context_len` tokens, or None. The one prompt check,
     shared by the single-sequence decoders and the engine's admission."""
-    if num_prompt_tokens == 0:
+    if not prompt_ids:
         return "The prompt is empty; give at least one token."
-    if num_prompt_tokens >= context_len:
-        return (f"The prompt has {num_prompt_tokens} tokens but the context holds {context_len} "
+    for index, token in enumerate(prompt_ids):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < vocab_size:
+            return (f"Token {index} of the prompt is {token!r}; token ids are integers in [0, {vocab_size}) "
+                    "for this model's vocabulary.")
+    if len(prompt_ids) >= context_len:
+        return (f"The prompt has {len(prompt_ids)} tokens but the context holds {context_len} "
                 "(and needs room for one new token); shorten the prompt.")
     return None
 

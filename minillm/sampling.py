@@ -8,9 +8,15 @@ set whose probability reaches p ("nucleus"), and one token is drawn. Each reques
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+
+def is_real(value) -> bool:
+    """A finite int or float (not a bool, a string or NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -25,23 +31,37 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
 
     def __post_init__(self):
-        problems = []
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            problems.append(f"top_k must be an integer >= 0 (0 turns it off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (isinstance(self.n, int) and self.n >= 1):
-            problems.append(f"n must be an integer >= 1, got {self.n}")
-        if not (isinstance(self.beam_width, int) and self.beam_width >= 1):
-            problems.append(f"beam_width must be an integer >= 1, got {self.beam_width}")
-        elif self.beam_width > 1 and (self.temperature != 0 or self.n != 1):
+        problems = [problem for problem in (self.number_problem(), self.count_problem(), self.seed_problem())
+                    if problem]
+        if not problems and self.beam_width > 1 and (self.temperature != 0 or self.n != 1):
             problems.append("beam search is deterministic: use it with temperature=0 and n=1")
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            problems.append(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
         if problems:
             raise ValueError("; ".join(problems) + ".")
+
+    def number_problem(self) -> str | None:
+        if not (is_real(self.temperature) and self.temperature >= 0):
+            return f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}"
+        if not (is_real(self.top_p) and 0 < self.top_p <= 1):
+            return f"top_p must be a number in (0, 1], got {self.top_p!r}"
+        return None
+
+    def count_problem(self) -> str | None:
+        for name, minimum, meaning in (("top_k", 0, " (0 turns it off)"), ("n", 1, ""), ("beam_width", 1, ""),
+                                       ("max_tokens", 1, "")):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+                return f"{name} must be an integer >= {minimum}{meaning}, got {value!r}"
+        return None
+
+    def seed_problem(self) -> str | None:
+        """Sample i of n is seeded with seed + i, and a torch seed has 64 bits."""
+        if self.seed is None:
+            return None
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
+            return f"seed must be an integer in [0, 2**64), got {self.seed!r}"
+        if isinstance(self.n, int) and self.seed + self.n > 2**64:
+            return f"seed + n must stay below 2**64 (sample i uses seed + i), got seed {self.seed} with n={self.n}"
+        return None
 
     @property
     def num_outputs(self) -> int:

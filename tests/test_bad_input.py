@@ -9,7 +9,7 @@ import pytest
 from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 from minillm.cli import main
 from minillm.config import ConfigError
-from minillm.decoding import PromptTooLongError, generate
+from minillm.decoding import PromptError, generate
 from minillm.sampling import SamplingParams
 from minillm.weights import load_model
 
@@ -75,7 +75,7 @@ def test_nan_weights_are_refused(tmp_path):
 
 def test_prompt_longer_than_the_context_is_refused(tiny_model):
     context = tiny_model.config.max_position_embeddings
-    with pytest.raises(PromptTooLongError, match=f"{context + 5} tokens but the context holds {context}"):
+    with pytest.raises(PromptError, match=f"{context + 5} tokens but the context holds {context}"):
         generate(tiny_model, [1] * (context + 5), SamplingParams())
 
 

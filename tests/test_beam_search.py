@@ -94,7 +94,7 @@ def test_a_beam_group_takes_only_logits_that_fit_its_beams():
     beams = [Sequence(i, "r", [1, 2, 3], params, max_len=11, num_computed=3) for i in range(2)]
     group = BeamGroup(2, live=[(beams[0], 0.0), (beams[1], -10.0)])  # beam 0 far ahead: it is forked
     scheduler = Scheduler(BlockManager(num_blocks=8, block_size=4), "continuous", max_num_seqs=8,
-                          max_num_batched_tokens=64, context_len=64)
+                          max_num_batched_tokens=64, context_len=64, vocab_size=97)
     logits = torch.zeros(97)
     logits[5], logits[6] = 2.0, 1.0  # every beam's best two: tokens 5 and 6
     assert not group.offer(beams[0], logits) and group.offer(beams[1], logits)

@@ -194,7 +194,7 @@ def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
 def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
     """FCFS survives preemption: the victim arrived before everyone still waiting."""
     scheduler = Scheduler(BlockManager(num_blocks=4, block_size=4), "continuous", max_num_seqs=8,
-                          max_num_batched_tokens=64, context_len=16)
+                          max_num_batched_tokens=64, context_len=16, vocab_size=97)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     first, second, third = (Sequence(i, str(i), list(range(8)), params, max_len=16) for i in range(3))
     scheduler.add(first)

@@ -51,7 +51,10 @@ def test_temperature_sharpens_the_distribution():
 
 @pytest.mark.parametrize("kwargs, word", [
     ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"top_p": "all"}, "top_p"), ({"n": True}, "n must"), ({"top_k": 2.0}, "top_k"), ({"seed": -1}, "seed"),
+    ({"seed": 2**64}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": 2**64 - 1, "n": 2, "temperature": 1.0}, "seed \\+ n"),
 ])
 def test_invalid_sampling_parameters_are_refused_with_the_reason(kwargs, word):
     with pytest.raises(ValueError, match=word):

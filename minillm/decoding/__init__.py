@@ -20,14 +20,14 @@ from minillm.sampling import Sampler, SamplingParams
 DECODERS = {"naive": NaiveDecoder, "cached": CachedDecoder}
 
 
-class PromptTooLongError(ValueError):
-    pass
+class PromptError(ValueError):
+    """A prompt these decoders cannot run: empty, not token ids of this vocabulary, or too long."""
 
 
-def check_prompt(prompt_ids: list[int], context_len: int) -> None:
-    problem = prompt_problem(len(prompt_ids), context_len)
+def check_prompt(prompt_ids: list[int], context_len: int, vocab_size: int) -> None:
+    problem = prompt_problem(prompt_ids, context_len, vocab_size)
     if problem:
-        raise (PromptTooLongError if prompt_ids else ValueError)(problem)
+        raise PromptError(problem)
 
 
 @dataclass
@@ -52,7 +52,7 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, de
     if decoder not in DECODERS:
         raise ConfigError(f"decoder must be 'naive' or 'cached', not {decoder!r}.")
     context_len = context_len or model.config.max_position_embeddings
-    check_prompt(prompt_ids, context_len)
+    check_prompt(prompt_ids, context_len, model.config.vocab_size)
     max_new = min(params.max_tokens, context_len - len(prompt_ids))
     decoder_impl = DECODERS[decoder](model, len(prompt_ids) + max_new)
     sampler = Sampler(params)

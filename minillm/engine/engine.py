@@ -28,7 +28,7 @@ from minillm.config import ConfigError, EngineConfig
 from minillm.engine.beam import BeamGroup
 from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
-from minillm.engine.scheduler import Scheduler
+from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory import BlockManager, Evictor, MemoryStats, make_pool, paged_stats
 from minillm.model import Transformer
@@ -52,7 +52,7 @@ class LLMEngine:
             config.eviction, config.kv_budget, self.pool, self.block_manager, model_config.num_layers,
             model_config.num_kv_heads)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.context_len, evictor)
+                                   config.max_num_batched_tokens, self.context_len, model_config.vocab_size, evictor)
         decode_kernel = None if config.attention_backend == "torch" else decode_backend(config.attention_backend)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, decode_kernel,
                                   keeps_attention_mass=config.eviction == "h2o")
@@ -77,7 +77,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ConfigError("This engine has no tokenizer; pass prompts as token ids.")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_list(prompt)
         seq = Sequence(seq_id, request_id, prompt_ids, params, min(self.context_len, len(prompt_ids) + params.max_tokens))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
@@ -89,6 +89,8 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> None:
+        if request_id not in self.requests:
+            raise ValueError(f"There is no request {request_id!r} to abort (unknown, or already returned).")
         for seq in self.requests[request_id]:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
@@ -103,19 +105,35 @@ class LLMEngine:
         outputs = [RequestOutput.of([seq], self.tokenizer) for seq in self.rejected]
         self.rejected.clear()
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
-        if not schedule.sequences:
-            return outputs
+        if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
+            stuck = {seq.request_id for seq in self.scheduler.unfinished()}
+            return outputs + self.fail(stuck, "The scheduler found nothing it could run (a bug in minillm).")
+        try:
+            return outputs + self.run(schedule)
+        except Exception as err:  # the batch fails, the engine goes on serving the others
+            failed = {item.seq.request_id for item in schedule.sequences}
+            return outputs + self.fail(failed, f"This step failed ({type(err).__name__}: {err}).")
+
+    def run(self, schedule: Schedule) -> list[RequestOutput]:
         self.pool.forget_free_blocks(self.block_manager.is_free)
         self.pool.copy_blocks(schedule.copies)  # 2. copy-on-write, before anyone writes
         hidden, last_rows = self.runner.forward(schedule.sequences)  # 3. one forward pass
         evicted = self.scheduler.computed(schedule)  # 4. prefix blocks registered, budgets kept
         ready = [(item.seq, row) for item, row in zip(schedule.sequences, last_rows) if item.seq.num_uncomputed == 0]
+        changed = []
         if ready:
             logits = self.runner.logits(hidden, [row for _, row in ready])  # (sequences ready, vocab)
             changed = self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
-            outputs += [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in changed]
         self.stats.record(schedule, len(ready), evicted, self.memory_stats())
-        return outputs  # 6.
+        return [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in changed]  # 6.
+
+    def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
+        """End these requests with `error`; their blocks go back and the engine stays usable."""
+        for request_id in request_ids:
+            for seq in self.requests[request_id]:
+                if seq.status is not Status.FINISHED:
+                    self.scheduler.finish(seq, "error", error)
+        return [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in sorted(request_ids)]
 
     def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
         """Give each ready sequence its next token; return the requests that changed, in order."""
@@ -152,3 +170,11 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+def token_list(prompt) -> list:
+    """A prompt given as token ids, as a list (each id is checked at admission)."""
+    try:
+        return list(prompt)
+    except TypeError:
+        raise ValueError(f"A prompt is text or a list of token ids, not {type(prompt).__name__}.") from None

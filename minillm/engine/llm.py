@@ -38,6 +38,9 @@ class LLM:
                  progress: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; give one for each "
+                             "prompt, or a single one for all.")
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         final: dict[str, RequestOutput] = {}
         with progress_bar("requests", len(ids), enabled=progress) as advance:

@@ -52,12 +52,12 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 context_len: int, evictor: Evictor | None = None):
+                 context_len: int, vocab_size: int, evictor: Evictor | None = None):
         self.block_manager = block_manager
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.context_len = context_len
+        self.context_len, self.vocab_size = context_len, vocab_size
         self.evictor = evictor
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
@@ -76,9 +76,12 @@ class Scheduler:
         return True
 
     def admission_problem(self, seq: Sequence) -> str | None:
-        problem = prompt_problem(len(seq.prompt_ids), self.context_len)
+        problem = prompt_problem(seq.prompt_ids, self.context_len, self.vocab_size)
         if problem:
             return problem
+        if seq.params.beam_width > self.vocab_size:
+            return (f"beam_width={seq.params.beam_width} is more than the {self.vocab_size} tokens of the vocabulary; "
+                    "lower it.")
         if seq.params.num_outputs > self.max_num_seqs:
             return (f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
                     f"max_num_seqs is {self.max_num_seqs}; raise max_num_seqs or lower n.")
@@ -93,6 +96,9 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def unfinished(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> Schedule:

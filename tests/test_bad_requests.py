@@ -1,0 +1,81 @@
+"""One bad request fails alone, with finish_reason "error" and a message, and the engine keeps
+serving: bad token ids, a beam wider than the vocabulary, a step that raises, a scheduler that
+finds nothing to run. Afterwards every block is free and the next requests equal naive decoding."""
+
+import re
+
+import pytest
+
+from minillm.decoding import generate
+from minillm.engine import LLM, SamplingParams
+from minillm.engine.scheduler import Schedule
+
+GOOD = [[5, 6, 7], [8, 9, 10, 11]]
+PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def assert_serves_good_requests(model, llm):
+    for out, prompt in zip(llm.generate(GOOD, PARAMS), GOOD):
+        assert out.error is None and out.token_ids == generate(model, prompt, PARAMS, "naive").token_ids
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+@pytest.mark.parametrize("prompt, params, words", [
+    ([5, -1, 7], PARAMS, "Token 1 of the prompt is -1"),
+    ([5, 97], PARAMS, r"Token 1 of the prompt is 97; token ids are integers in \[0, 97\)"),
+    ([5, 2.0], PARAMS, "Token 1 of the prompt is 2.0"),
+    ([True, 5], PARAMS, "Token 0 of the prompt is True"),
+    ([5, 6], SamplingParams(beam_width=98, max_tokens=2), "beam_width=98 is more than the 97 tokens"),
+])
+def test_a_bad_request_fails_alone_beside_good_ones(tiny_dir, tiny_model, prompt, params, words):
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20, max_num_seqs=128)
+    outputs = llm.generate([GOOD[0], prompt, GOOD[1]], [PARAMS, params, PARAMS])
+    bad = outputs[1]
+    assert bad.finished and bad.finish_reason == "error" and bad.token_ids == []
+    assert re.search(words, bad.error)
+    for out, good in zip((outputs[0], outputs[2]), GOOD):
+        assert out.token_ids == generate(tiny_model, good, PARAMS, "naive").token_ids
+    assert_serves_good_requests(tiny_model, llm)
+
+
+def test_a_prompt_that_is_not_token_ids_is_refused_in_one_line(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="A prompt is text or a list of token ids, not int"):
+        llm.engine.add_request(5, PARAMS)
+    assert_serves_good_requests(tiny_model, llm)
+
+
+def test_a_step_that_raises_fails_its_batch_and_the_engine_goes_on(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20)
+    forward, calls = llm.engine.runner.forward, []
+
+    def failing_once(scheduled):
+        calls.append(len(calls))
+        if len(calls) == 3:  # mid-decode: blocks are held, tokens were generated
+            raise RuntimeError("injected fault")
+        return forward(scheduled)
+
+    llm.engine.runner.forward = failing_once
+    outputs = llm.generate(GOOD, PARAMS)
+    assert all(out.finish_reason == "error" and "RuntimeError: injected fault" in out.error for out in outputs)
+    assert_serves_good_requests(tiny_model, llm)
+
+
+def test_a_scheduler_with_nothing_to_run_ends_the_requests_instead_of_spinning(tiny_dir, tiny_model, monkeypatch):
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=1 << 20)
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", lambda: Schedule())
+    outputs = llm.generate(GOOD, PARAMS)
+    assert all(out.finish_reason == "error" and "found nothing it could run" in out.error for out in outputs)
+    monkeypatch.undo()
+    assert_serves_good_requests(tiny_model, llm)
+
+
+def test_misuse_of_the_engine_api_is_one_line(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match="There is no request 'nope' to abort"):
+        llm.engine.abort("nope")
+    with pytest.raises(ValueError, match="3 prompts but 2 SamplingParams"):
+        llm.generate([[1], [2], [3]], [PARAMS, PARAMS])
+    assert_serves_good_requests(tiny_model, llm)
