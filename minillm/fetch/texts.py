@@ -9,8 +9,8 @@ and write them to `weights/texts/`:
                   numbered lists, dates and figures; the tests' second text
 
 Each is pinned by the sha256 of its bytes with Unix line ends (they ship with CRLF) and checked
-before it is written; an archive that does not hold the right bytes is deleted, so the next run
-downloads it again.
+before it is written; the archive itself is pinned by the sha256 PyPI publishes for it, and one
+that does not hold the right bytes is deleted, so the next run downloads it again.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from minillm.fetch import FetchError, console
 from minillm.fetch.download import file_sha256, pip_download
 
 TEXT_SDIST = "brotli==1.2.1"
+TEXT_SDIST_SHA256 = "02b2f7b5a83485efe448a44ddf7983def05c3bb1dcf917d4f7154070260e13de"  # as PyPI publishes it
 CORPUS_FOLDER = "tests/testdata"  # inside the source archive
 TEXTS = {  # file name -> sha256 with Unix line ends
     "alice29.txt": "4cbce86540bcef439f901c89de486d295aa3848e8c4cbc911561054479e73960",
@@ -37,7 +38,7 @@ def fetch_texts(out_root: Path) -> list[Path]:
     if missing:
         cache_dir = out_root / ".downloads" / "texts"
         cache_dir.mkdir(parents=True, exist_ok=True)
-        archive = pip_download(TEXT_SDIST, cache_dir, "sdist")
+        archive = pip_download(TEXT_SDIST, TEXT_SDIST_SHA256, cache_dir, "sdist")
         for target in missing:
             text = corpus_file(archive, target.name)
             target.parent.mkdir(parents=True, exist_ok=True)
