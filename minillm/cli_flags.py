@@ -10,6 +10,17 @@ from pathlib import Path
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, EVICTION_POLICIES, KV_DTYPES
 
 
+def positive_int(text: str) -> int:
+    """The type of every count flag (tokens, requests, segments...): 0 or less is argparse's error."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 1 or more") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
+    return value
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
                         help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR})")
@@ -18,7 +29,7 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})")
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off (default: 1)")

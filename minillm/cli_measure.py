@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.cli_flags import add_eviction_args, add_kv_quantization_args, add_model_args
+from minillm.cli_flags import (add_eviction_args, add_kv_quantization_args, add_model_args,
+                               positive_int)
 from minillm.config import DTYPES
 from minillm.evaluation import DEFAULT_TEXT
 from minillm.report import console, print_json, show
@@ -30,9 +31,9 @@ def add_bench_decode(benches) -> None:
                                 description="Batch-1 decode speed of the naive and cached decoders and of HF "
                                             "transformers' generate on the same weights, with bandwidth achieved "
                                             "against this machine's measured copy bandwidth.")
-    decode.add_argument("--tokens", type=int, default=64, help="new tokens per run for cached and HF (default: 64)")
-    decode.add_argument("--naive-tokens", type=int, default=16, help="new tokens for the slow naive decoder (default: 16)")
-    decode.add_argument("--prompt-len", type=int, default=64, help="prompt length in tokens (default: 64)")
+    decode.add_argument("--tokens", type=positive_int, default=64, help="new tokens per run for cached and HF (default: 64)")
+    decode.add_argument("--naive-tokens", type=positive_int, default=16, help="new tokens for the slow naive decoder (default: 16)")
+    decode.add_argument("--prompt-len", type=positive_int, default=64, help="prompt length in tokens (default: 64)")
     decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     decode.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(decode)
@@ -53,9 +54,9 @@ def add_bench_serve(benches) -> None:
                                            "with minillm continuous and static batching and HF transformers' "
                                            "batched generate: output tok/s, TTFT, TPOT, KV utilization of paged "
                                            "vs contiguous memory, and a block-size sweep.")
-    serve.add_argument("--requests", type=int, default=64, help="requests in the trace (default: 64)")
-    serve.add_argument("--max-num-seqs", type=int, default=16, help="batch size for every server (default: 16)")
-    serve.add_argument("--block-sizes", type=int, nargs="*", default=[8, 16, 32, 64, 128],
+    serve.add_argument("--requests", type=positive_int, default=64, help="requests in the trace (default: 64)")
+    serve.add_argument("--max-num-seqs", type=positive_int, default=16, help="batch size for every server (default: 16)")
+    serve.add_argument("--block-sizes", type=positive_int, nargs="*", default=[8, 16, 32, 64, 128],
                        help="block sizes to sweep (default: 8 16 32 64 128; none to skip)")
     serve.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch",
                        help="minillm's decode attention: torch reference or the C++ kernel (default: torch)")
@@ -78,8 +79,8 @@ def add_bench_prefix(benches) -> None:
     prefix = benches.add_parser("prefix", help="requests sharing a system prompt: prefix cache off vs on",
                                 description="Requests that share a ~500-token system prompt, one after another, "
                                             "with and without the prefix cache: TTFT and prefill tokens computed.")
-    prefix.add_argument("--requests", type=int, default=32, help="(default: 32)")
-    prefix.add_argument("--system-tokens", type=int, default=500, help="system prompt length (default: 500)")
+    prefix.add_argument("--requests", type=positive_int, default=32, help="(default: 32)")
+    prefix.add_argument("--system-tokens", type=positive_int, default=500, help="system prompt length (default: 500)")
     prefix.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch", help="(default: torch)")
     prefix.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(prefix)
@@ -99,8 +100,8 @@ def add_bench_attention(benches) -> None:
                                    description="Time one layer of SmolLM2-shaped paged decode attention for each "
                                                "backend over batch x context, with bandwidth achieved against "
                                                "the device's measured copy bandwidth.")
-    attention.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64], help="(default: 1 4 16 64)")
-    attention.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024, 4096],
+    attention.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16, 64], help="(default: 1 4 16 64)")
+    attention.add_argument("--contexts", type=positive_int, nargs="+", default=[128, 512, 1024, 4096],
                            help="(default: 128 512 1024 4096)")
     attention.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     attention.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: float32)")
@@ -126,8 +127,8 @@ def add_eval(subparsers) -> None:
                                        "Compare a switch's perplexity with the default's to see what it costs.")
     ppl.add_argument("--text", type=Path, default=DEFAULT_TEXT,
                      help=f"UTF-8 text to score (default: {DEFAULT_TEXT}, fetched by weights_fetch.py)")
-    ppl.add_argument("--segments", type=int, default=4, help="segments scored side by side (default: 4)")
-    ppl.add_argument("--segment-len", type=int, default=512, help="tokens per segment (default: 512)")
+    ppl.add_argument("--segments", type=positive_int, default=4, help="segments scored side by side (default: 4)")
+    ppl.add_argument("--segment-len", type=positive_int, default=512, help="tokens per segment (default: 512)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     add_kv_quantization_args(ppl)
     add_eviction_args(ppl)

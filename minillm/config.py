@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,9 @@ import torch
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 DEFAULT_MODEL_DIR = Path("weights") / "SmolLM2-135M-Instruct"
 FETCH_HINT = "run: python weights_fetch.py"
+# config.json fields that size a tensor: each must be a positive integer where present
+SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 class ConfigError(ValueError):
@@ -63,6 +67,10 @@ class ModelConfig:
                 f"Unsupported architecture {architectures[0]!r} in config.json; "
                 f"minillm runs {', '.join(SUPPORTED_ARCHITECTURES)} checkpoints."
             )
+        for name in SIZE_FIELDS:  # a 0 or a quoted "49152" would otherwise fail far from config.json
+            if name in raw and not (type(raw[name]) is int and raw[name] >= 1):  # bool is not a size
+                raise ConfigError(f"{name}={raw[name]!r} in config.json must be a positive integer; fix config.json or "
+                                  f"{FETCH_HINT}")
         if raw.get("rope_scaling"):
             raise ConfigError("config.json asks for rope_scaling, which minillm does not implement; "
                               "use a Llama checkpoint with plain RoPE.")
@@ -94,9 +102,11 @@ class ModelConfig:
         if not path.is_file():
             raise ConfigError(f"Weights not found in {model_dir} (no config.json) — {FETCH_HINT}")
         try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
+            raw = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ConfigError(f"{path} is not valid JSON ({err}) — delete it and {FETCH_HINT}") from err
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object — delete it and {FETCH_HINT}")
         try:
             return cls.from_dict(raw)
         except KeyError as err:
@@ -125,6 +135,17 @@ class ModelConfig:
             "mlp_bias": False,
             "torch_dtype": "float32",
         }
+
+    def context_len(self, max_seq_len: int | None) -> int:
+        """Tokens one sequence may hold: the user's max_seq_len, or the model's own context when unset.
+        The RoPE tables end at max_position_embeddings, so a longer max_seq_len is refused here,
+        not by an IndexError once a sequence gets that far."""
+        if max_seq_len is None:
+            return self.max_position_embeddings
+        if max_seq_len > self.max_position_embeddings:
+            raise ConfigError(f"max_seq_len={max_seq_len} is longer than the model's context "
+                              f"({self.max_position_embeddings} tokens, max_position_embeddings); lower it.")
+        return max_seq_len
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """The KV cache formula: K and V, for every layer and KV head, head_dim numbers each."""
@@ -168,6 +189,8 @@ class EngineConfig:
             raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {self.device!r}.")
         if self.attention_backend not in ("torch", "cpu", "cuda"):
             raise ConfigError(f"attention_backend must be 'torch', 'cpu' or 'cuda', not {self.attention_backend!r}.")
         if self.attention_backend != "torch" and self.attention_backend != self.device.split(":")[0]:

@@ -37,7 +37,11 @@ DEFAULT_TEXT = Path("weights") / "texts" / "alice29.txt"
 def read_text(path: Path = DEFAULT_TEXT) -> str:
     if not path.is_file():
         raise ConfigError(f"The evaluation text {path} is missing — {FETCH_HINT}")
-    return path.read_text(encoding="utf-8")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); "
+                          "give a UTF-8 text file.") from None
 
 
 class TeacherForcing:

@@ -20,8 +20,8 @@ class Runtime:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config.model_dir, config.torch_dtype, config.device)
+        self.context_len = self.model.config.context_len(config.max_seq_len)
         self.tokenizer = Tokenizer(config.model_dir)
-        self.context_len = config.max_seq_len or self.model.config.max_position_embeddings
 
     @property
     def kv_bytes_per_token(self) -> int:

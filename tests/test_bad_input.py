@@ -8,8 +8,9 @@ import pytest
 
 from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 from minillm.cli import main
-from minillm.config import ConfigError
+from minillm.config import ConfigError, EngineConfig, ModelConfig
 from minillm.decoding import PromptError, generate
+from minillm.runtime import Runtime
 from minillm.sampling import SamplingParams
 from minillm.weights import load_model
 
@@ -51,6 +52,27 @@ def test_invalid_config_json_is_reported(tiny_copy):
         load_model(tiny_copy)
 
 
+def test_binary_config_json_names_the_file(tiny_copy):
+    path = tiny_copy / "config.json"
+    path.write_bytes(b"\xff\xfe\x00\x01 not text")
+    with pytest.raises(ConfigError, match="not valid JSON") as err:
+        load_model(tiny_copy)
+    assert str(path) in str(err.value)
+
+
+def test_config_json_that_is_a_list_is_refused(tiny_copy):
+    (tiny_copy / "config.json").write_text(json.dumps([TINY_CONFIG]))
+    with pytest.raises(ConfigError, match="holds a JSON list, not an object"):
+        load_model(tiny_copy)
+
+
+@pytest.mark.parametrize("field, value", [("num_key_value_heads", 0), ("vocab_size", "49152"),
+                                          ("num_hidden_layers", True), ("head_dim", -16)])
+def test_size_field_that_is_not_a_positive_integer_is_named(field, value):
+    with pytest.raises(ConfigError, match=f"{field}={value!r} in config.json must be a positive integer"):
+        ModelConfig.from_dict({**TINY_CONFIG, field: value})
+
+
 def test_missing_tensor_is_named(tmp_path):
     tensors = random_llama_tensors(TINY_CONFIG)
     del tensors["model.layers.1.mlp.up_proj.weight"]
@@ -84,6 +106,16 @@ def test_empty_prompt_is_refused(tiny_model):
         generate(tiny_model, [], SamplingParams())
 
 
+def test_context_beyond_the_model_is_refused_before_decoding(tiny_model):
+    with pytest.raises(ConfigError, match="max_seq_len=257 is longer than the model's context \\(256 tokens"):
+        generate(tiny_model, [1, 2, 3], SamplingParams(max_tokens=1), context_len=257)
+
+
+def test_max_seq_len_beyond_the_model_is_refused_at_load(real_dir):
+    with pytest.raises(ConfigError, match="max_seq_len=8193 is longer than the model's context \\(8192 tokens"):
+        Runtime(EngineConfig(model_dir=real_dir, max_seq_len=8193))
+
+
 # ----------------------------------------------------------------------------- through the CLI
 
 def run_cli(capsys, *argv):
@@ -109,6 +141,30 @@ def test_cli_bench_without_its_text_is_one_line(capsys, monkeypatch, tmp_path, r
 def test_cli_bad_sampling_is_one_line(capsys, real_dir):
     code, _, err = run_cli(capsys, "generate", "hello", "--top-p", "2", "--model", str(real_dir))
     assert code == 2 and len(err.strip().splitlines()) == 1 and "top_p" in err
+
+
+def test_cli_unknown_device_is_one_line(capsys, real_dir):
+    code, out, err = run_cli(capsys, "generate", "hello", "--device", "tpu", "--model", str(real_dir))
+    assert code == 2 and out == ""
+    assert err == "error: device must be 'cpu', 'cuda' or 'cuda:N', not 'tpu'.\n"
+
+
+def test_cli_binary_text_to_score_names_the_file(capsys, tmp_path, real_dir):
+    text = tmp_path / "model.safetensors.txt"
+    text.write_bytes(b"plain start \xff\xfe binary after")
+    code, out, err = run_cli(capsys, "eval", "ppl", "--text", str(text), "--model", str(real_dir))
+    assert code == 2 and out == ""
+    assert err == f"error: {text} is not UTF-8 text (invalid start byte at byte 12); give a UTF-8 text file.\n"
+
+
+@pytest.mark.parametrize("argv", [["eval", "ppl", "--segments"], ["eval", "ppl", "--segment-len"],
+                                  ["bench", "decode", "--tokens"], ["bench", "serve", "--requests"]])
+def test_cli_zero_count_is_refused_by_argparse(capsys, tmp_path, argv):
+    with pytest.raises(SystemExit) as exit:  # refused before any weights load
+        main([*argv, "0", "--model", str(tmp_path / "nowhere")])
+    last_line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert exit.value.code == 2
+    assert last_line.endswith(f"error: argument {argv[2]}: 0 is not a positive count; give 1 or more")
 
 
 def test_cli_prompt_too_long_is_one_line(capsys, real_dir):

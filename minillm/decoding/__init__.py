@@ -51,7 +51,7 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, de
     """Yield (token_id, generation so far) for every new token; the generation carries timings."""
     if decoder not in DECODERS:
         raise ConfigError(f"decoder must be 'naive' or 'cached', not {decoder!r}.")
-    context_len = context_len or model.config.max_position_embeddings
+    context_len = model.config.context_len(context_len)
     check_prompt(prompt_ids, context_len, model.config.vocab_size)
     max_new = min(params.max_tokens, context_len - len(prompt_ids))
     decoder_impl = DECODERS[decoder](model, len(prompt_ids) + max_new)

@@ -43,7 +43,7 @@ class LLMEngine:
         self.model = model if model is not None else load_model(config.model_dir, config.torch_dtype, config.device)
         self.tokenizer = tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
-        self.context_len = config.max_seq_len or self.model.config.max_position_embeddings
+        self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
         self.pool = make_pool(model_config, config.kv_cache_bytes, config.block_size, config.kv_dtype,
                               config.kv_key_scales, self.model.dtype, self.model.device)
