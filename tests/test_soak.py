@@ -1,0 +1,77 @@
+"""A seeded soak: a few hundred random requests through random engine set-ups, checked one by one.
+
+Each set-up draws a block size, a pool from just big enough to many times that, prefix caching
+on or off, static or continuous scheduling and a token budget; its requests mix greedy ones,
+seeded parallel samples and beams, some sharing a prefix, and some are aborted mid-flight.
+Every greedy output must equal naive decoding, every sample the same seeded naive draw, every beam
+set the reference search; no exception; every block free after each drain. A failure names its
+set-up's seed, so it reproduces alone: `pytest tests/test_soak.py -k "setup_7"`.
+"""
+
+import random
+
+import pytest
+
+from minillm.decoding import generate
+from minillm.engine import LLM, SamplingParams
+from minillm.engine.beam import reference_beam_search
+
+KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
+NUM_SETUPS = 60
+
+
+def random_request(rng: random.Random, shared: list[int]) -> tuple[list[int], SamplingParams]:
+    prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(97) for _ in range(rng.randint(1, 30))]
+    kind, max_tokens = rng.choice(["greedy", "greedy", "samples", "beams"]), rng.randint(1, 12)
+    if kind == "samples":
+        return prompt, SamplingParams(n=rng.randint(2, 3), temperature=1.0, seed=rng.randrange(1000),
+                                      max_tokens=max_tokens, ignore_eos=True)
+    if kind == "beams":
+        return prompt, SamplingParams(beam_width=rng.randint(2, 3), max_tokens=min(max_tokens, 6), ignore_eos=True)
+    return prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """What an independent reference gives: naive decoding, seeded naive draws, the reference search."""
+    if params.beam_width > 1:
+        return reference_beam_search(model, prompt, params.beam_width, params.max_tokens, None)
+    return [generate(model, prompt, SamplingParams(temperature=params.temperature, seed=(params.seed or 0) + i,
+                                                   max_tokens=params.max_tokens, ignore_eos=True),
+                     "naive").token_ids for i in range(params.n)]
+
+
+def run_with_aborts(llm, rng: random.Random, requests) -> tuple[dict, set]:
+    engine, final, aborted = llm.engine, {}, set()
+    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        waiting = [request_id for request_id in ids if request_id not in final and request_id not in aborted]
+        if waiting and rng.random() < 0.05:
+            victim = rng.choice(waiting)
+            engine.abort(victim)
+            aborted.add(victim)
+    return {request_id: final.get(request_id) for request_id in ids}, aborted
+
+
+@pytest.mark.parametrize("seed", range(NUM_SETUPS), ids=lambda seed: f"setup_{seed}")
+def test_soak(tiny_dir, tiny_model, seed):
+    rng = random.Random(seed)
+    shared = [rng.randrange(97) for _ in range(rng.randint(4, 40))]
+    requests = [random_request(rng, shared) for _ in range(rng.randint(8, 16))]
+    block_size = rng.choice([1, 2, 4, 8, 16])
+    longest = max(len(prompt) + params.max_tokens for prompt, params in requests)
+    blocks = -(-longest // block_size) * rng.choice([1, 2, 4, 20])  # from just fits to plenty
+    llm = LLM(tiny_dir, model=tiny_model, block_size=block_size, kv_cache_bytes=blocks * block_size * KV_BYTES_PER_TOKEN,
+              prefix_caching=rng.random() < 0.5, scheduling=rng.choice(["static", "continuous"]),
+              max_num_batched_tokens=rng.choice([8, 32, 512]), max_num_seqs=rng.choice([4, 16]))
+    outputs, aborted = run_with_aborts(llm, rng, requests)
+    for (request_id, out), (prompt, params) in zip(outputs.items(), requests):
+        if request_id in aborted and (out is None or out.finish_reason == "abort"):
+            continue
+        assert out is not None and out.error is None, (seed, request_id, out and out.error)
+        assert out.samples == expected_outputs(tiny_model, prompt, params), (seed, request_id, params)
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks, seed
