@@ -137,8 +137,15 @@ def cmd_info(args) -> None:
 
 # ----------------------------------------------------------------------------- main
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, except that a usage mistake is one line, `error: ...`, like every other error."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minillm", description="A readable reference engine for LLM inference.",
+    parser = OneLineParser(prog="minillm", description="A readable reference engine for LLM inference.",
                                      epilog="First fetch the default weights: python weights_fetch.py")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in (add_generate, add_chat, add_info, add_bench, add_eval):
@@ -147,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as done:  # --help (0), or a usage mistake already printed in one line (2)
+        return done.code
     try:
         args.func(args)
     except (ConfigError, ValueError) as err:

@@ -160,11 +160,10 @@ def test_cli_binary_text_to_score_names_the_file(capsys, tmp_path, real_dir):
 @pytest.mark.parametrize("argv", [["eval", "ppl", "--segments"], ["eval", "ppl", "--segment-len"],
                                   ["bench", "decode", "--tokens"], ["bench", "serve", "--requests"]])
 def test_cli_zero_count_is_refused_by_argparse(capsys, tmp_path, argv):
-    with pytest.raises(SystemExit) as exit:  # refused before any weights load
-        main([*argv, "0", "--model", str(tmp_path / "nowhere")])
-    last_line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert exit.value.code == 2
-    assert last_line.endswith(f"error: argument {argv[2]}: 0 is not a positive count; give 1 or more")
+    code, out, err = run_cli(capsys, *argv, "0", "--model", str(tmp_path / "nowhere"))  # before any weights load
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: minillm ") and err.strip().endswith(
+        f"argument {argv[2]}: 0 is not a positive count; give 1 or more")
 
 
 def test_cli_prompt_too_long_is_one_line(capsys, real_dir):
