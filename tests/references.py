@@ -93,12 +93,12 @@ def run_recorded(llm, prompts, params):
     engine = llm.engine
     recorder = ScheduleRecorder(engine)
     ids = [engine.add_request(prompt, params) for prompt in prompts]
-    for request_id in ids:
-        seq = engine.requests[request_id][0]
-        seq.sampler = RecordingSampler(seq.sampler)
+    requests = [engine.requests[request_id] for request_id in ids]  # the engine forgets them once answered
+    for seqs in requests:
+        seqs[0].sampler = RecordingSampler(seqs[0].sampler)
     while engine.has_unfinished_requests():
         engine.step()
-    return recorder, [engine.requests[request_id] for request_id in ids]
+    return recorder, requests
 
 
 class ReplayAttention:

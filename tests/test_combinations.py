@@ -139,6 +139,7 @@ def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, 
     beams = SamplingParams(beam_width=3, max_tokens=24, ignore_eos=True)
     requests[engine.add_request(prompt(), sampled)] = sampled
     requests[engine.add_request(prompt(), beams)] = beams
+    sequences = {request_id: engine.requests[request_id] for request_id in requests}  # kept after they end
     states = {
         "waiting": lambda seqs: seqs[0].status is Status.WAITING and seqs[0].num_preemptions == 0,
         "prefilling": lambda seqs: seqs[0].status is Status.RUNNING and 0 < seqs[0].num_computed < len(seqs[0].prompt_ids),
@@ -153,7 +154,7 @@ def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, 
             if state in aborted:
                 continue
             for request_id in requests:
-                seqs = engine.requests[request_id]
+                seqs = sequences[request_id]
                 if request_id not in aborted.values() and seqs[0].status is not Status.FINISHED and holds(seqs):
                     engine.abort(request_id)
                     aborted[state] = request_id
@@ -161,7 +162,7 @@ def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, 
                     break
     assert set(aborted) == set(states)
     for request_id, params in requests.items():
-        seqs = engine.requests[request_id]
+        seqs = sequences[request_id]
         if request_id in aborted.values():
             assert all(seq.finish_reason in ("abort", "pruned") for seq in seqs)
         elif params is greedy:

@@ -10,6 +10,7 @@ from minillm.config import ConfigError
 from minillm.decoding import generate
 import minillm.engine.sequence as sequence_module
 from minillm.engine import LLM, SamplingParams
+from minillm.engine.outputs import EngineStats
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
 from minillm.memory.block_manager import BlockManager
@@ -102,11 +103,12 @@ def test_abort_frees_the_blocks(tiny_dir, tiny_model):
     engine = llm.engine
     keep = engine.add_request([1, 2, 3], SamplingParams(max_tokens=30, ignore_eos=True))
     drop = engine.add_request([4, 5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
+    kept, dropped = engine.requests[keep][0], engine.requests[drop][0]
     engine.step()
     engine.abort(drop)
     while engine.has_unfinished_requests():
         engine.step()
-    assert engine.requests[drop][0].finish_reason == "abort" and engine.requests[keep][0].finish_reason == "length"
+    assert dropped.finish_reason == "abort" and kept.finish_reason == "length"
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
@@ -215,3 +217,29 @@ def test_a_bad_arrival_time_is_refused_and_the_engine_keeps_serving(tiny_dir, ti
         llm.engine.add_request([1, 2], SamplingParams(max_tokens=2), arrival_time=arrival_time)
     params = SamplingParams(max_tokens=3, ignore_eos=True)
     assert llm.generate([[1, 2]], params)[0].token_ids == generate(tiny_model, [1, 2], params).token_ids
+
+
+def test_a_long_lived_engine_keeps_nothing_of_answered_requests(tiny_dir, tiny_model):
+    """Answered, aborted and rejected requests are forgotten; per-step detail stays within its window."""
+    prompts, params = mixed_requests(20, tiny_model.config.vocab_size, seed=3)
+    prompts.append([5, 6, 7])
+    params.append(SamplingParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    runs = {}
+    for window in (5, 10_000):
+        llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20, prefix_caching=True)
+        engine = llm.engine
+        engine.stats = EngineStats(window=window)
+        outputs = llm.generate(prompts, params)
+        aborted = engine.add_request([1, 2, 3], SamplingParams(max_tokens=9))
+        engine.step()
+        engine.abort(aborted)
+        rejected = engine.add_request([], SamplingParams())
+        engine.abort(engine.add_request([], SamplingParams()))  # rejected, then aborted before any step
+        assert [out.request_id for out in engine.step()] == [rejected]
+        assert not engine.has_unfinished_requests() and engine.requests == {} and engine.beam_groups == {}
+        runs[window] = engine.stats, [out.samples for out in outputs]
+    (short, short_samples), (full, full_samples) = runs[5], runs[10_000]
+    assert short_samples == full_samples and short.steps == full.steps > 5
+    assert len(short.memory) == len(short.batches) == 5 and list(short.memory) == list(full.memory)[-5:]
+    assert short.kv_utilization() == full.kv_utilization() == pytest.approx(
+        sum(m.live_slots for m in full.memory) / sum(m.reserved_slots for m in full.memory))

@@ -165,10 +165,9 @@ class AttentionColumnSums:
 def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
     prompt, params = [(11 * j + 5) % 97 for j in range(21)], SamplingParams(max_tokens=6, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, eviction="h2o", kv_budget=200, max_num_batched_tokens=8)  # chunked
-    request_id = llm.engine.add_request(prompt, params)
+    seq = llm.engine.requests[llm.engine.add_request(prompt, params)][0]
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-    seq = llm.engine.requests[request_id][0]
     computed = seq.token_ids[:seq.num_computed]  # the last sampled token was never fed back
     ctx = AttentionColumnSums(len(computed))
     tiny_model(torch.tensor(computed), torch.arange(len(computed)), ctx)

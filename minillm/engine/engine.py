@@ -89,11 +89,14 @@ class LLMEngine:
         return request_id
 
     def abort(self, request_id: str) -> None:
+        """Stop a request now: its blocks go back, and the engine forgets it (no output follows)."""
         if request_id not in self.requests:
             raise ValueError(f"There is no request {request_id!r} to abort (unknown, or already returned).")
         for seq in self.requests[request_id]:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
+        self.rejected = [seq for seq in self.rejected if seq.request_id != request_id]
+        self.forget(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.rejected)
@@ -102,7 +105,7 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that got a token or ended."""
-        outputs = [RequestOutput.of([seq], self.tokenizer) for seq in self.rejected]
+        outputs = self.outputs_of([seq.request_id for seq in self.rejected])
         self.rejected.clear()
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
         if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
@@ -125,7 +128,7 @@ class LLMEngine:
             logits = self.runner.logits(hidden, [row for _, row in ready])  # (sequences ready, vocab)
             changed = self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
         self.stats.record(schedule, len(ready), evicted, self.memory_stats())
-        return [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in changed]  # 6.
+        return self.outputs_of(changed)  # 6.
 
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
         """End these requests with `error`; their blocks go back and the engine stays usable."""
@@ -133,7 +136,20 @@ class LLMEngine:
             for seq in self.requests[request_id]:
                 if seq.status is not Status.FINISHED:
                     self.scheduler.finish(seq, "error", error)
-        return [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in sorted(request_ids)]
+        return self.outputs_of(sorted(request_ids))
+
+    def outputs_of(self, request_ids: list[str]) -> list[RequestOutput]:
+        """The requests' outputs. A request whose output is final is forgotten: a long-lived engine
+        keeps nothing of the requests it has answered."""
+        outputs = [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in request_ids]
+        for out in outputs:
+            if out.finished:
+                self.forget(out.request_id)
+        return outputs
+
+    def forget(self, request_id: str) -> None:
+        del self.requests[request_id]
+        self.beam_groups.pop(request_id, None)
 
     def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
         """Give each ready sequence its next token; return the requests that changed, in order."""
@@ -146,7 +162,7 @@ class LLMEngine:
                     if reason:
                         self.scheduler.finish(sample, reason)
             elif group.offer(seq, seq_logits):  # every live beam has its next-token scores: choose
-                self.requests[seq.request_id] = group.advance(self.scheduler, lambda: next(self.seq_ids),
+                self.requests[seq.request_id][:] = group.advance(self.scheduler, lambda: next(self.seq_ids),
                                                               self.eos_token_id)
             else:
                 continue

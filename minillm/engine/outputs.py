@@ -8,6 +8,7 @@ generated and evicted, and after every step a snapshot of KV memory (`memory/acc
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from minillm.config import ConfigError
@@ -60,23 +61,33 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
+    """Counters over the whole run, and per-step detail for the last `window` steps only: an engine
+    that serves for days must not grow with every step."""
+
+    window: int = 10_000  # steps whose memory snapshot and batch are kept
     steps: int = 0
     tokens_computed: int = 0  # prefill + decode tokens through the model
     tokens_generated: int = 0
     tokens_evicted: int = 0  # KV entries eviction dropped, per sequence (not per layer or head), counted at
     #   each drop: a sequence recomputed after a preemption drops, and counts, its entries again
-    memory: list[MemoryStats] = field(default_factory=list)  # after every step
-    batches: list[list[tuple[str, int]]] = field(default_factory=list)  # per step: (request_id, tokens computed)
+    live_slot_steps: int = 0  # live slots summed over every step (utilization over the whole run)
+    reserved_slot_steps: int = 0
+    memory: deque[MemoryStats] = field(init=False)  # after each of the last `window` steps
+    batches: deque[list[tuple[str, int]]] = field(init=False)  # the same steps: (request_id, tokens computed)
+
+    def __post_init__(self):
+        self.memory, self.batches = deque(maxlen=self.window), deque(maxlen=self.window)
 
     def record(self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats) -> None:
         self.steps += 1
         self.tokens_computed += sum(item.num_tokens for item in schedule.sequences)
         self.tokens_generated += sampled
         self.tokens_evicted += evicted
+        self.live_slot_steps += memory.live_slots
+        self.reserved_slot_steps += memory.reserved_slots
         self.batches.append([(item.seq.request_id, item.num_tokens) for item in schedule.sequences])
         self.memory.append(memory)
 
     def kv_utilization(self) -> float:
         """Live slots / reserved slots, summed over all steps."""
-        reserved = sum(m.reserved_slots for m in self.memory)
-        return sum(m.live_slots for m in self.memory) / reserved if reserved else 1.0
+        return self.live_slot_steps / self.reserved_slot_steps if self.reserved_slot_steps else 1.0
