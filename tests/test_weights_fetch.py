@@ -299,6 +299,17 @@ def test_a_repo_that_is_not_owner_slash_name_is_refused(tmp_path, capsys, repo):
     assert list(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
 
 
+def test_a_folder_this_tool_did_not_write_is_never_replaced(hub_env, tmp_path, capsys):
+    """A forced fetch replaces its own earlier output (it holds a manifest), nothing else."""
+    mine = tmp_path / REPO.split("/")[-1]
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a checkpoint")
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path), "--force"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "was not written by weights_fetch.py" in err and len(err.splitlines()) == 1
+    assert (mine / "notes.txt").read_text() == "not a checkpoint"
+
+
 def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
     assert weights_fetch.main(["--hf", "tester/tiny-escape", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()

@@ -31,6 +31,9 @@ def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = F
     if not force and is_complete(out_dir):
         console.print(f"{out_dir} is already complete (manifest verified); nothing to do.")
         return out_dir
+    if out_dir.exists() and not (out_dir / "manifest.json").is_file():  # replace only what this tool wrote
+        raise FetchError(f"{out_dir} exists but was not written by weights_fetch.py (no manifest.json); "
+                         "move it away or choose another --out.")
     cache_dir = out_root / ".downloads" / name
     cache_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_root))
