@@ -185,6 +185,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
+        if self.max_seq_len is not None and not (type(self.max_seq_len) is int and self.max_seq_len >= 2):
+            raise ConfigError(f"max_seq_len must be a whole number of tokens >= 2 (a prompt token and a new one), "
+                              f"or None for the model's context, not {self.max_seq_len!r}.")
         if self.scheduling not in ("continuous", "static"):
             raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}.")
         if self.dtype not in DTYPES:

@@ -133,6 +133,8 @@ def test_metrics_are_recorded(tiny_dir, tiny_model):
 @pytest.mark.parametrize("switches, word", [
     ({"scheduling": "fifo"}, "scheduling"), ({"block_size": 0}, "block_size"),
     ({"kv_cache_bytes": 100}, "cannot hold one block"), ({"decoder": "naive"}, "no switch 'decoder'"),
+    ({"kv_cache_bytes": 2**50}, "could not be allocated on cpu"), ({"max_seq_len": "100"}, "max_seq_len must be"),
+    ({"max_seq_len": 0}, "max_seq_len must be"),
 ])
 def test_bad_switches_are_refused_with_the_reason(tiny_dir, tiny_model, switches, word):
     with pytest.raises(ConfigError, match=word):

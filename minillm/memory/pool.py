@@ -48,9 +48,13 @@ def make_pool(config: ModelConfig, kv_cache_bytes: int, block_size: int, kv_dtyp
     if num_blocks < 1:
         raise ConfigError(f"kv_cache_bytes={kv_cache_bytes:,} cannot hold one block of {block_size} "
                           f"tokens ({per_slot * block_size:,} bytes); raise it.")
-    if kv_dtype == "auto":
-        return PagedKVPool(config, num_blocks, block_size, dtype, device)
-    return QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device)
+    try:
+        if kv_dtype == "auto":
+            return PagedKVPool(config, num_blocks, block_size, dtype, device)
+        return QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device)
+    except (RuntimeError, MemoryError) as err:  # the allocator said no (torch's OutOfMemoryError is a RuntimeError)
+        raise ConfigError(f"The KV pool of kv_cache_bytes={kv_cache_bytes:,} could not be allocated on {device} "
+                          f"({str(err).splitlines()[0][:80]}); lower kv_cache_bytes.") from None
 
 
 class PagedKVPool:
