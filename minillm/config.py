@@ -179,6 +179,10 @@ class EngineConfig:
     kv_key_scales: str = "channel"  # quantized keys share a scale per "channel" of a block, or per "token"
     eviction: str = "none"  # "none", "h2o" (heavy hitters + recent), "sinks" (first tokens + recent), "window"
     kv_budget: int | float | None = None  # with eviction: entries kept per sequence (int) or fraction (float)
+    # --- tiers (minillm.memory.tiers): where KV goes when it leaves the device pool
+    host_cache_bytes: int = 0  # a host pool for swapped-out blocks and spilled prefix blocks; 0 = none
+    disk_cache_dir: str | None = None  # a folder for block files once the host pool is full; None = none
+    preemption: str = "auto"  # "recompute", "swap" (needs a tier) or "auto" (measured cost; recompute without a tier)
 
     def __post_init__(self):
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
@@ -200,6 +204,7 @@ class EngineConfig:
             raise ConfigError(f"attention_backend={self.attention_backend!r} cannot read a KV cache on "
                               f"device={self.device!r}; use the matching device or attention_backend='torch'.")
         self.check_kv_compression()
+        self.check_tiers()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
 
@@ -226,6 +231,21 @@ class EngineConfig:
         if self.attention_backend != "torch" and (self.kv_dtype != "auto" or self.eviction == "h2o"):
             raise ConfigError(f"attention_backend={self.attention_backend!r} reads the unquantized pool and returns no "
                               "attention scores; use attention_backend='torch' with kv_dtype or eviction='h2o'.")
+
+    def check_tiers(self) -> None:
+        if not (type(self.host_cache_bytes) is int and self.host_cache_bytes >= 0):
+            raise ConfigError(f"host_cache_bytes must be a whole number of bytes >= 0 (0: no host tier), "
+                              f"not {self.host_cache_bytes!r}.")
+        if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, (str, Path)):
+            raise ConfigError(f"disk_cache_dir must be a folder path or None, not {self.disk_cache_dir!r}.")
+        if self.preemption not in ("recompute", "swap", "auto"):
+            raise ConfigError(f"preemption must be 'recompute', 'swap' or 'auto', not {self.preemption!r}.")
+        if self.preemption == "swap" and not self.has_tiers:
+            raise ConfigError("preemption='swap' needs somewhere to swap to: set host_cache_bytes or disk_cache_dir.")
+
+    @property
+    def has_tiers(self) -> bool:
+        return self.host_cache_bytes > 0 or self.disk_cache_dir is not None
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -8,6 +8,7 @@ from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import TeacherForcing
+from minillm.memory import TieredKV
 from minillm.memory.pool import QuantizedKVPool
 from minillm.memory.quantization import FORMATS, dequantize, pack_int4, quantize, unpack_int4
 from conftest import TINY_CONFIG
@@ -92,12 +93,12 @@ def test_a_filling_block_keeps_exact_keys_and_is_quantized_once_full():
     assert torch.equal(keys, dequantize(key_stored, key_scale, FORMATS["int8"]))
 
 
-def test_copy_on_write_copies_numbers_scales_and_staging():
+def test_a_block_copy_carries_numbers_scales_and_staging():
     for key_scales in ("channel", "token"):
         pool = tiny_pool(key_scales)
         k, v = torch.randn(6, 2, 16), torch.randn(6, 2, 16)
         pool.write(1, torch.arange(6), k, v)  # block 0 full, block 1 half filled
-        pool.copy_blocks([(0, 2), (1, 3)])
+        TieredKV(pool).copy([(0, 2), (1, 3)])
         src, dst = pool.read(1, torch.arange(6)), pool.read(1, torch.tensor([8, 9, 10, 11, 12, 13]))
         assert torch.equal(src[0], dst[0]) and torch.equal(src[1], dst[1])
 

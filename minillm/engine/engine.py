@@ -3,7 +3,9 @@
 `LLMEngine.step()` is the algorithm, one call per stage into the object that owns it:
   1. the scheduler picks sequences and token counts (decode tokens, prefill chunks), growing
      their block tables — or preempting when blocks run out (`scheduler.py`);
-  2. the pool copies the blocks that copy-on-write gave to a writer (`memory/pool.py`);
+  2. the tiers perform the block copies the scheduler decided — swaps between the device pool
+     and the host or disk tier, prefix spills, copy-on-write — in order (`memory/tiers.py`),
+     and start copying back, in the background, the swapped sequence that runs next (prefetch);
   3. the runner lays every scheduled token end to end and runs the model once; each attention
      layer writes k, v into the tokens' slots and reads each sequence's history through its
      block table (`runner.py`, `attention/paged.py`);
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 
 import torch
 
@@ -30,7 +33,8 @@ from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import BlockManager, Evictor, MemoryStats, make_pool, paged_stats
+from minillm.memory import (BlockManager, DiskTier, Evictor, MemoryStats, SwapCost, TieredKV, make_pool,
+                            paged_stats)
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
@@ -45,14 +49,14 @@ class LLMEngine:
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
         self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
-        self.pool = make_pool(model_config, config.kv_cache_bytes, config.block_size, config.kv_dtype,
-                              config.kv_key_scales, self.model.dtype, self.model.device)
-        self.block_manager = BlockManager(self.pool.num_blocks, config.block_size, config.prefix_caching)
+        self.pool, self.block_manager, self.tiers = self.build_memory()
+        self.swap_cost = SwapCost(self.tiers)
         evictor = None if config.eviction == "none" else Evictor(
             config.eviction, config.kv_budget, self.pool, self.block_manager, model_config.num_layers,
             model_config.num_kv_heads)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.context_len, model_config.vocab_size, evictor)
+                                   config.max_num_batched_tokens, self.context_len, model_config.vocab_size, evictor,
+                                   config.preemption if config.has_tiers else "recompute", self.tiers, self.swap_cost)
         decode_kernel = None if config.attention_backend == "torch" else decode_backend(config.attention_backend)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, decode_kernel,
                                   keeps_attention_mass=config.eviction == "h2o")
@@ -61,6 +65,26 @@ class LLMEngine:
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
+
+    def build_memory(self) -> tuple:
+        """The device pool attention reads, the block manager, and the tiers behind the pool:
+        a host pool of the same layout (pinned when the device is a GPU) and a disk folder."""
+        config, model_config, dtype = self.config, self.model.config, self.model.dtype
+        pool = make_pool(model_config, config.kv_cache_bytes, config.block_size, config.kv_dtype,
+                         config.kv_key_scales, dtype, self.model.device)
+        host_pool = disk = None
+        if config.host_cache_bytes:
+            host_pool = make_pool(model_config, config.host_cache_bytes, config.block_size, config.kv_dtype,
+                                  config.kv_key_scales, dtype, "cpu", pin=pool.device.type == "cuda",
+                                  budget_name="host_cache_bytes")
+        if config.disk_cache_dir is not None:
+            try:
+                disk = DiskTier(config.disk_cache_dir)
+            except OSError as err:
+                raise ConfigError(str(err)) from None
+        manager = BlockManager(pool.num_blocks, config.block_size, config.prefix_caching,
+                               host_pool.num_blocks if host_pool else 0, disk is not None)
+        return pool, manager, TieredKV(pool, host_pool, disk)
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -118,9 +142,14 @@ class LLMEngine:
             return outputs + self.fail(failed, f"This step failed ({type(err).__name__}: {err}).")
 
     def run(self, schedule: Schedule) -> list[RequestOutput]:
+        self.tiers.finish_prefetch()  # last step's background copies are done
+        self.tiers.copy(schedule.copies)  # 2. swaps, spills, copy-on-write, before anyone writes
         self.pool.forget_free_blocks(self.block_manager.is_free)
-        self.pool.copy_blocks(schedule.copies)  # 2. copy-on-write, before anyone writes
+        self.tiers.start_prefetch(schedule.prefetch)  # the next step's swap-in, behind this forward pass
+        start = time.perf_counter()
         hidden, last_rows = self.runner.forward(schedule.sequences)  # 3. one forward pass
+        self.swap_cost.record_forward(sum(item.num_tokens for item in schedule.sequences), len(schedule.sequences),
+                                      time.perf_counter() - start)
         evicted = self.scheduler.computed(schedule)  # 4. prefix blocks registered, budgets kept
         ready = [(item.seq, row) for item, row in zip(schedule.sequences, last_rows) if item.seq.num_uncomputed == 0]
         changed = []
@@ -181,7 +210,8 @@ class LLMEngine:
         return [seq, *forks]
 
     def memory_stats(self) -> MemoryStats:
-        return paged_stats(self.block_manager, self.scheduler.cached_entries(), self.pool.bytes_per_slot)
+        return paged_stats(self.block_manager, self.scheduler.cached_entries(), self.pool.bytes_per_slot,
+                           self.tiers.moved())
 
     @property
     def num_preemptions(self) -> int:

@@ -16,9 +16,14 @@ A block that a sequence is about to write while others hold it (parallel samples
 prompt's last, partly filled block) is copied first: copy-on-write.
 
 When a running sequence needs a block and none is free, the newest running sequence is
-preempted by recompute: its blocks are freed and it goes back to the front of the waiting queue
-with num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
-allows. Running out of blocks is a scheduling event, never a crash.
+preempted, and goes back to the front of the waiting queue. By *recompute*: its blocks are freed
+and num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
+allows. Or, with a host or disk tier, by *swap*: the blocks of its request's running sequences
+(parallel samples or beams share theirs) move out of the device pool, and move back before it
+runs again, with nothing recomputed. `preemption="auto"` asks the measured cost model
+(`memory/tiers.py`) which is cheaper for this victim. A swapped sequence at the head of the queue
+is brought back one step early when memory allows (prefetch), its copies overlapping the
+current step's forward pass. Running out of blocks is a scheduling event, never a crash.
 
 The scheduler is the one owner of who holds which blocks: it admits requests (or says why one
 can never run), grows and frees block tables, forks samples and beams, finishes sequences, and
@@ -33,7 +38,7 @@ from dataclasses import dataclass, field
 
 from minillm.config import prompt_problem
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import BlockManager, Evictor
+from minillm.memory import BlockManager, Evictor, SwapCost, TieredKV
 
 
 @dataclass
@@ -47,22 +52,27 @@ class Schedule:
     """One step's work: the sequences and their token counts, and the blocks to copy first."""
 
     sequences: list[ScheduledSequence] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination) blocks
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks: swaps, spills,
+    #   copy-on-write, in the order decided; all done before the forward pass
+    prefetch: list[tuple[int, int]] = field(default_factory=list)  # swap-ins for the next step, done during it
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 context_len: int, vocab_size: int, evictor: Evictor | None = None):
+                 context_len: int, vocab_size: int, evictor: Evictor | None = None, preemption: str = "recompute",
+                 tiers: TieredKV | None = None, swap_cost: SwapCost | None = None):
         self.block_manager = block_manager
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.context_len, self.vocab_size = context_len, vocab_size
         self.evictor = evictor
+        self.preemption, self.tiers, self.swap_cost = preemption, tiers, swap_cost
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
-        self.copies: list[tuple[int, int]] = []  # copy-on-write pairs of the step being scheduled
+        self.num_swapped_out = self.num_swapped_in = self.num_prefetched = 0  # sequences
+        self.num_recomputed_tokens = 0  # tokens whose KV a preemption by recompute threw away
 
     # ----------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
@@ -103,9 +113,10 @@ class Scheduler:
     # ----------------------------------------------------------------- one step
     def schedule(self) -> Schedule:
         scheduled = self.schedule_sequences()
-        schedule = Schedule(scheduled, self.copies)
-        self.copies = []
-        return schedule
+        copies = self.block_manager.take_copies()
+        if scheduled:
+            self.prefetch_next()
+        return Schedule(scheduled, copies, self.block_manager.take_copies())
 
     def schedule_sequences(self) -> list[ScheduledSequence]:
         if self.policy == "static" and not self.running:
@@ -120,9 +131,8 @@ class Scheduler:
                 continue  # beam whose scores are in, waiting for its siblings
             while not (num_tokens := self.reserve(seq, budget)):
                 preempted = True
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is seq:
+                self.preempt(self.running[-1])
+                if seq.status is not Status.RUNNING:  # the victim, or swapped out with it
                     break
             else:
                 scheduled.append(ScheduledSequence(seq, num_tokens))
@@ -151,6 +161,8 @@ class Scheduler:
         chunk's length, or 0 if memory is short. A sequence without blocks first looks for its
         prompt's leading blocks in the prefix cache: those tokens need no computing at all."""
         manager, cache = self.block_manager, self.block_manager.prefix_cache
+        if manager.is_swapped(seq.seq_id) and not self.readable(seq):
+            self.forget_swapped(seq)
         starting = not manager.has_table(seq.seq_id)
         hits = cache.lookup(seq.token_ids) if cache and starting else []
         skipped = len(hits) * manager.block_size  # prompt tokens whose K/V the cache already holds
@@ -158,6 +170,12 @@ class Scheduler:
         start = seq.num_cached + skipped  # cache index of the chunk's first token
         end = start + num_tokens
         copies = len(manager.shared_blocks(seq.seq_id, start, end))
+        if manager.is_swapped(seq.seq_id):  # its blocks come back first, then it grows
+            group = self.swapped_group(seq)
+            if not manager.can_swap_in(group, extra=manager.blocks_missing(seq.seq_id, end) + copies):
+                return 0
+            manager.swap_in(group)
+            self.num_swapped_in += len(group)
         if not manager.can_grow(seq.seq_id, end, adopting=hits, copies=copies):
             return 0
         if cache and starting:
@@ -165,8 +183,39 @@ class Scheduler:
             manager.adopt(seq.seq_id, hits)
             seq.num_computed = skipped
         manager.grow(seq.seq_id, end)
-        self.copies += manager.copy_on_write(seq.seq_id, start, end)
+        manager.copy_on_write(seq.seq_id, start, end)
         return num_tokens
+
+    def swapped_group(self, seq: Sequence) -> list[int]:
+        """The sequences of seq's request whose blocks are out of the device pool: they went out
+        together and come back together, so a block they share moves once."""
+        return [s.seq_id for s in self.unfinished()
+                if s.request_id == seq.request_id and self.block_manager.is_swapped(s.seq_id)]
+
+    def readable(self, seq: Sequence) -> bool:
+        """Can the swapped group's blocks be read back? (A disk file may be lost or corrupt.)"""
+        return self.tiers.readable(self.block_manager.held_off_device(self.swapped_group(seq)))
+
+    def forget_swapped(self, seq: Sequence) -> None:
+        """The group's swapped KV is lost: its sequences will be recomputed instead."""
+        group = self.swapped_group(seq)
+        for other in self.unfinished():
+            if other.seq_id in group:
+                self.block_manager.free(other.seq_id)
+                self.num_recomputed_tokens += other.num_computed
+                other.forget_cache()
+
+    def prefetch_next(self) -> None:
+        """Bring the head of the queue back now if it is swapped out and memory allows, keeping
+        a block free for each running sequence to grow into: its copies then overlap this step's
+        forward pass instead of delaying the next."""
+        if not self.waiting or not self.block_manager.is_swapped(self.waiting[0].seq_id):
+            return
+        group = self.swapped_group(self.waiting[0])
+        if self.block_manager.can_swap_in(group, extra=len(self.running)) and self.readable(self.waiting[0]):
+            self.block_manager.swap_in(group)
+            self.num_swapped_in += len(group)
+            self.num_prefetched += len(group)
 
     def start_static_batch(self) -> None:
         """Static batching: the next max_num_seqs requests form a batch that runs to its end.
@@ -188,36 +237,70 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A parallel sample or a beam joins beside its parent, sharing all its blocks. A fork the
-        parent's admission reserved a seat for always fits; a later beam fork (a sibling's seat may
-        have gone to another request while that sibling was preempted) or the child of a preempted
-        parent waits instead, to be computed again."""
-        if self.block_manager.has_table(parent.seq_id) and \
-                (not parent.output_ids or self.has_seats_for(child)):
-            self.block_manager.fork(parent.seq_id, child.seq_id)
-            self.running.append(child)
-        else:
+        parent's admission reserved a seat for always fits; a parent swapped out (or brought back
+        but not yet running) keeps its child next to it in the queue. A later beam fork (a
+        sibling's seat may have gone to another request while that sibling was preempted) or the
+        child of a parent preempted by recompute waits instead, to be computed again."""
+        running = parent.status is Status.RUNNING
+        if not self.block_manager.has_table(parent.seq_id) or \
+                (running and parent.output_ids and not self.has_seats_for(child)):
             child.forget_cache()
             child.status = Status.WAITING
             self.waiting.append(child)
+            return
+        self.block_manager.fork(parent.seq_id, child.seq_id)
+        if running:
+            self.running.append(child)
+        else:
+            self.waiting.insert(self.waiting.index(parent) + 1, child)
 
     def preempt(self, seq: Sequence, front: bool = True) -> None:
-        if self.block_manager.has_table(seq.seq_id):  # a static-batch member may not have started
-            self.block_manager.free(seq.seq_id)
-        self.running.remove(seq)
-        seq.status = Status.WAITING
-        seq.forget_cache()
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq) if front else self.waiting.append(seq)
-        self.num_preemptions += 1
+        """Take `seq` off the device: by swap (with its request's other running sequences) when
+        the policy says so and a tier has room, else by recompute."""
+        victims = self.swap_victims(seq)
+        if victims:
+            self.block_manager.swap_out([victim.seq_id for victim in victims])
+            self.num_swapped_out += len(victims)
+        else:
+            victims = [seq]
+            if self.block_manager.has_table(seq.seq_id):  # a static-batch member may not have started
+                self.block_manager.free(seq.seq_id)
+            self.num_recomputed_tokens += seq.num_computed
+            seq.forget_cache()
+        for victim in victims:
+            self.running.remove(victim)
+            victim.status = Status.WAITING
+            victim.num_preemptions += 1
+            self.num_preemptions += 1
+        if front:
+            self.waiting.extendleft(reversed(victims))
+        else:
+            self.waiting.extend(victims)
+
+    def swap_victims(self, seq: Sequence) -> list[Sequence]:
+        """The sequences to swap out with `seq` (its request's running ones), or [] to recompute."""
+        manager = self.block_manager
+        if self.preemption == "recompute" or not manager.has_table(seq.seq_id):
+            return []
+        group = [s for s in self.running if s.request_id == seq.request_id and manager.has_table(s.seq_id)]
+        ids = [s.seq_id for s in group]
+        if not manager.can_swap_out(ids):
+            return []
+        if self.preemption == "auto":
+            blocks = {b for seq_id in ids for b in manager.table(seq_id) if manager.tier(b) == "device"}
+            tier = manager.swap_out_tier(len(blocks))
+            if not self.swap_cost.prefers_swap(sum(s.num_computed for s in group), len(blocks), tier):
+                return []
+        return group
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence (finished, pruned, aborted): it leaves the queues and its blocks go back."""
         if seq in self.running:
             self.running.remove(seq)
-            if self.block_manager.has_table(seq.seq_id):
-                self.block_manager.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.block_manager.has_table(seq.seq_id):  # running, or swapped out while waiting
+            self.block_manager.free(seq.seq_id)
         seq.finish(reason, error)
 
     # ----------------------------------------------------------------- after the forward pass

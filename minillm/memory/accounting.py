@@ -7,13 +7,16 @@
 - internal fragmentation = reserved - live (slots reserved but empty);
 - external fragmentation = free slots that the largest possible request could not use
   (always 0 for paging: any free block serves anyone);
-- shared: slots that sharing saved (prefix hits, forks), counted once per extra holder.
+- shared: slots that sharing saved (prefix hits, forks), counted once per extra holder;
+- per tier: slots held in the host pool and on disk (swapped-out sequences), the host pool's
+  size, and the bytes moved so far in each direction ("device->host", "host->device", ...).
 Bytes are slots x bytes per token slot (K and V, all layers, scales included once quantized).
+The device numbers above count the device pool only.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from minillm.memory.block_manager import BlockManager
 from minillm.memory.arena import ContiguousArena
@@ -27,6 +30,10 @@ class MemoryStats:
     external_fragmentation_slots: int
     bytes_per_slot: int
     shared_slots: int = 0  # slots that sharing saved: a block held by k tables counts (k - 1) times
+    host_total_slots: int = 0
+    host_reserved_slots: int = 0  # held by swapped-out sequences
+    disk_reserved_slots: int = 0
+    bytes_moved: dict[str, int] = field(default_factory=dict)  # direction -> bytes, since the engine started
 
     @property
     def utilization(self) -> float:
@@ -41,17 +48,22 @@ class MemoryStats:
                 "internal_fragmentation_slots": self.internal_fragmentation_slots,
                 "reserved_bytes": self.reserved_slots * self.bytes_per_slot,
                 "live_bytes": self.live_slots * self.bytes_per_slot,
-                "shared_bytes": self.shared_slots * self.bytes_per_slot}
+                "shared_bytes": self.shared_slots * self.bytes_per_slot,
+                "host_reserved_bytes": self.host_reserved_slots * self.bytes_per_slot,
+                "disk_reserved_bytes": self.disk_reserved_slots * self.bytes_per_slot}
 
 
-def paged_stats(manager: BlockManager, live_tokens: dict[int, int], bytes_per_slot: int) -> MemoryStats:
-    """live_tokens: seq_id -> tokens whose KV is stored now."""
+def paged_stats(manager: BlockManager, live_tokens: dict[int, int], bytes_per_slot: int,
+                bytes_moved: dict[str, int] | None = None) -> MemoryStats:
+    """live_tokens: seq_id -> tokens whose KV is stored in the device pool now."""
+    size = manager.block_size
     reserved_blocks = manager.num_blocks - manager.num_free_blocks
-    shared_blocks = sum(count - 1 for count in manager.refcounts if count > 1)
-    return MemoryStats(total_slots=manager.num_blocks * manager.block_size,
-                       reserved_slots=reserved_blocks * manager.block_size,
+    return MemoryStats(total_slots=manager.num_blocks * size, reserved_slots=reserved_blocks * size,
                        live_slots=sum(live_tokens.values()), external_fragmentation_slots=0,
-                       bytes_per_slot=bytes_per_slot, shared_slots=shared_blocks * manager.block_size)
+                       bytes_per_slot=bytes_per_slot, shared_slots=manager.shared_device_blocks() * size,
+                       host_total_slots=manager.num_host_blocks * size,
+                       host_reserved_slots=manager.blocks_in_use("host") * size,
+                       disk_reserved_slots=manager.blocks_in_use("disk") * size, bytes_moved=dict(bytes_moved or {}))
 
 
 def arena_stats(arena: ContiguousArena, live_tokens: dict[int, int], bytes_per_slot: int) -> MemoryStats:

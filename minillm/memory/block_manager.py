@@ -13,7 +13,16 @@ gathering the slots of positions 0..t.
 Reference counts make sharing possible: `fork` lets two tables point at the same blocks (parallel
 sampling, beams), `adopt` starts a table with blocks found in the prefix cache; a block returns to
 the free pool when its count drops to 0, and is never written while another table holds it.
-Invariants, checked by `check_invariants` and the property tests:
+Tiers. With a host tier (and a disk tier) block ids go on past the device pool: ids
+0..num_blocks-1 are device blocks (the pool attention reads), the next `host_blocks` ids are host
+blocks, and ids after those are block files on disk. A table may hold blocks of any tier, so a
+swapped-out sequence keeps its table: `swap_out` re-points it at host (or disk) blocks and
+`swap_in` at device blocks again. A block several tables hold moves once, for all of them, and
+refcounts move with it. Moves (and copy-on-write copies) are only *decided* here; each becomes a
+(source, destination) pair in `copies`, in the order decided, and whoever owns the tensors
+(`tiers.py`) performs them in that order before the next forward pass reads a block.
+
+Invariants, checked by `check_invariants` and the property tests, in every tier:
   - a block is free iff its refcount is 0;
   - a block's refcount equals the number of tables that hold it;
   - when every sequence is freed, every block is free.
@@ -22,6 +31,7 @@ Invariants, checked by `check_invariants` and the property tests:
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from itertools import count
 
 from minillm.memory.prefix_cache import PrefixCache
 
@@ -31,23 +41,38 @@ class BlockManagerError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"num_blocks and block_size must be >= 1 (got {num_blocks}, {block_size}).")
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, host_blocks: int = 0,
+                 disk: bool = False):
+        if num_blocks < 1 or block_size < 1 or host_blocks < 0:
+            raise ValueError(f"num_blocks and block_size must be >= 1 and host_blocks >= 0 "
+                             f"(got {num_blocks}, {block_size}, {host_blocks}).")
+        self.num_blocks = num_blocks  # device blocks
+        self.num_host_blocks = host_blocks
         self.block_size = block_size
-        # the free pool, least recently freed first; an OrderedDict so a prefix hit can take a
-        # block out of the middle
+        self.disk = disk
+        # each tier's free blocks, least recently freed first; OrderedDicts so a prefix hit can take
+        # a block out of the middle. Disk blocks are files, numbered as needed.
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.refcounts = [0] * num_blocks
-        self.block_tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
+        self.free_host: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks, num_blocks + host_blocks))
+        self.free_disk: list[int] = []
+        self.new_disk_ids = count(num_blocks + host_blocks)
+        self.refcounts: Counter[int] = Counter()
+        self.block_tables: dict[int, list[int]] = {}  # seq_id -> block ids
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
+        self.copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy, in decision order
         self.num_copies = 0  # copy-on-write copies made
+        self.num_spilled = 0  # cached prefix blocks moved to the host tier instead of dropped
+        self.num_spill_hits = 0  # ...and found there again by a later prompt
 
     # ---------------------------------------------------------------- counting
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
+
+    def tier(self, block: int) -> str:
+        if block < self.num_blocks:
+            return "device"
+        return "host" if block < self.num_blocks + self.num_host_blocks else "disk"
 
     def refcount(self, block: int) -> int:
         return self.refcounts[block]
@@ -71,12 +96,68 @@ class BlockManager:
 
     def can_grow(self, seq_id: int, num_tokens: int, adopting: list[int] = (), copies: int = 0) -> bool:
         """Room for `num_tokens` tokens and `copies` copy-on-write blocks, after taking over the
-        cached blocks `adopting` (those waiting in the free pool stop being free)."""
+        cached blocks `adopting` (those waiting in the free pool stop being free; those spilled to
+        the host tier need a device block to come back to)."""
         missing = self.blocks_missing(seq_id, num_tokens) - len(adopting) + copies
-        reclaimed = sum(1 for block in adopting if self.refcounts[block] == 0)
-        return missing <= self.num_free_blocks - reclaimed
+        reclaimed = sum(1 for block in adopting if self.refcounts[block] == 0 and self.tier(block) == "device")
+        returning = sum(1 for block in adopting if self.tier(block) != "device")
+        return missing + returning <= self.num_free_blocks - reclaimed
 
-    # ---------------------------------------------------------------- changing
+    def shared_device_blocks(self) -> int:
+        """Device blocks saved by sharing: a block held by k tables counts k - 1 times."""
+        return sum(held - 1 for block, held in self.refcounts.items() if held > 1 and self.tier(block) == "device")
+
+    def blocks_in_use(self, tier: str) -> int:
+        return sum(1 for block, held in self.refcounts.items() if held and self.tier(block) == tier)
+
+    # ---------------------------------------------------------------- taking and releasing blocks
+    def take_free_block(self) -> int:
+        """A device block for new content: the least recently freed one. If it still holds a cached
+        prefix block, that block moves to the host tier (spill) when there is one, else is dropped."""
+        block, _ = self.free_blocks.popitem(last=False)
+        if self.prefix_cache and block in self.prefix_cache.entries:
+            self.spill(block)
+            self.prefix_cache.evict(block)  # no-op once spilled: its content is about to be overwritten
+        self.refcounts[block] = 1
+        return block
+
+    def spill(self, block: int) -> None:
+        """Keep a cached block that leaves the device in the host tier (LRU there too), as
+        SGLang's HiCache does: a later prompt that needs it copies it back instead of recomputing."""
+        if not self.free_host:
+            return
+        host = self.take_block("host")  # may drop the least recently used spilled block (and its children)
+        if block in self.prefix_cache.entries:
+            self.copies.append((block, host))
+            self.prefix_cache.move(block, host)
+            self.num_spilled += 1
+        self.drop(host)  # a spilled block is held by no table: free, but findable
+
+    def take_block(self, tier: str) -> int:
+        if tier == "device":
+            return self.take_free_block()
+        if tier == "host":
+            block, _ = self.free_host.popitem(last=False)
+            if self.prefix_cache:
+                self.prefix_cache.evict(block)
+        else:
+            block = self.free_disk.pop() if self.free_disk else next(self.new_disk_ids)
+        self.refcounts[block] = 1
+        return block
+
+    def drop(self, block: int, holders: int = 1) -> None:
+        """`holders` tables let go of the block; at refcount 0 it returns to its tier's free blocks
+        (most recently freed last; a cached block keeps its prefix-cache entry)."""
+        self.refcounts[block] -= holders
+        if self.refcounts[block] == 0:
+            del self.refcounts[block]
+            tier = self.tier(block)
+            if tier == "disk":
+                self.free_disk.append(block)
+            else:
+                (self.free_blocks if tier == "device" else self.free_host)[block] = None
+
+    # ---------------------------------------------------------------- changing tables
     def grow(self, seq_id: int, num_tokens: int) -> None:
         """Make the sequence's table (created if new) long enough for `num_tokens` tokens."""
         missing = self.blocks_missing(seq_id, num_tokens)
@@ -87,36 +168,52 @@ class BlockManager:
         for _ in range(missing):
             table.append(self.take_free_block())
 
-    def take_free_block(self) -> int:
-        block, _ = self.free_blocks.popitem(last=False)  # least recently freed
-        if self.prefix_cache:
-            self.prefix_cache.evict(block)  # its old content is about to be overwritten
-        self.refcounts[block] = 1
-        return block
-
-    def copy_on_write(self, seq_id: int, start: int, end: int) -> list[tuple[int, int]]:
+    def copy_on_write(self, seq_id: int, start: int, end: int) -> None:
         """Give the sequence private copies of the shared blocks positions start..end-1 will
-        write. Returns (source, destination) block pairs whose KV the caller must copy."""
-        table, copies = self.table(seq_id), []
+        write; the copies join `copies`."""
+        pairs = self.unshare(seq_id, start, end)
+        self.copies += pairs
+        self.num_copies += len(pairs)
+
+    def unshare(self, seq_id: int, start: int, end: int) -> list[tuple[int, int]]:
+        """Give the sequence private blocks in place of the shared ones positions start..end-1
+        would write. Returns (shared, private) pairs; their data is the caller's to fill."""
+        table, pairs = self.table(seq_id), []
         for index in self.shared_blocks(seq_id, start, end):
             shared = table[index]
             if len(self.free_blocks) == 0:
                 raise BlockManagerError(f"no free block to copy block {shared} into; check can_grow first")
-            self.refcounts[shared] -= 1
+            self.drop(shared)
             table[index] = self.take_free_block()
-            copies.append((shared, table[index]))
-        self.num_copies += len(copies)
-        return copies
+            pairs.append((shared, table[index]))
+        return pairs
 
     def adopt(self, seq_id: int, blocks: list[int]) -> None:
-        """Start a new sequence's table with cached blocks (a prefix hit): share, don't recompute."""
+        """Start a new sequence's table with cached blocks (a prefix hit): share, don't recompute.
+        A block spilled to the host tier comes back to a device block first."""
         if seq_id in self.block_tables:
             raise BlockManagerError(f"sequence {seq_id} already has a block table")
+        table = []
         for block in blocks:
-            if self.refcounts[block] == 0:
+            if self.tier(block) != "device":
+                block = self.bring_back(block)
+            elif self.refcounts[block] == 0:
                 del self.free_blocks[block]
-            self.refcounts[block] += 1
-        self.block_tables[seq_id] = list(blocks)
+                self.refcounts[block] = 1
+            else:
+                self.refcounts[block] += 1
+            table.append(block)
+        self.block_tables[seq_id] = table
+
+    def bring_back(self, host: int) -> int:
+        """A spilled prefix block returns to the device (held by one table, the caller's)."""
+        del self.free_host[host]  # in use while it is read: no spill may take it meanwhile
+        block = self.take_free_block()
+        self.copies.append((host, block))
+        self.prefix_cache.move(host, block)
+        self.free_host[host] = None
+        self.num_spill_hits += 1
+        return block
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent; writes must copy first (copy-on-write)."""
@@ -131,20 +228,62 @@ class BlockManager:
         """Keep only the blocks holding the first `num_tokens` entries (eviction shrank the sequence)."""
         table = self.table(seq_id)
         for block in table[self.blocks_for(num_tokens):]:
-            self.refcounts[block] -= 1
-            if self.refcounts[block] == 0:
-                self.free_blocks[block] = None
+            self.drop(block)
         del table[self.blocks_for(num_tokens):]
 
     def free(self, seq_id: int) -> None:
-        """Drop the sequence's table; blocks nobody else holds go back to the free pool."""
+        """Drop the sequence's table, in whatever tiers it lies; blocks nobody else holds are free."""
         for block in self.table(seq_id):
-            self.refcounts[block] -= 1
-            if self.refcounts[block] == 0:
-                self.free_blocks[block] = None  # most recently freed; a cached block keeps its entry
+            self.drop(block)
         del self.block_tables[seq_id]
         if self.prefix_cache:
             self.prefix_cache.forget_sequence(seq_id)
+
+    # ---------------------------------------------------------------- moving between tiers
+    def held_off_device(self, seq_ids: list[int]) -> Counter[int]:
+        """Blocks of these tables outside the device pool -> how many of the tables hold each."""
+        return Counter(block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) != "device")
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return seq_id in self.block_tables and any(self.tier(b) != "device" for b in self.block_tables[seq_id])
+
+    def swap_out_tier(self, num_blocks: int) -> str:
+        """Where `num_blocks` swapped-out blocks would go: host while it has room, else disk."""
+        return "host" if num_blocks <= len(self.free_host) else "disk"
+
+    def can_swap_out(self, seq_ids: list[int]) -> bool:
+        on_device = {block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) == "device"}
+        return self.disk or len(on_device) <= len(self.free_host)
+
+    def swap_out(self, seq_ids: list[int]) -> None:
+        """Move the device blocks of these tables to the host tier (to disk once it is full). A
+        block held only by these tables moves, and its device block is freed; a block that other
+        tables hold too (a shared prefix) is copied, and stays on the device for them."""
+        self.move(seq_ids, lambda: self.take_block("host" if self.free_host else "disk"), on_device=True)
+
+    def can_swap_in(self, seq_ids: list[int], extra: int = 0) -> bool:
+        return len(self.held_off_device(seq_ids)) + extra <= self.num_free_blocks
+
+    def swap_in(self, seq_ids: list[int]) -> None:
+        """Bring every host or disk block of these tables back to device blocks."""
+        self.move(seq_ids, self.take_free_block, on_device=False)
+
+    def move(self, seq_ids: list[int], take, on_device: bool) -> None:
+        held = Counter(block for seq_id in seq_ids for block in self.table(seq_id)
+                       if (self.tier(block) == "device") == on_device)
+        moved = {}
+        for block, holders in held.items():
+            moved[block] = target = take()
+            self.refcounts[target] = holders
+            self.copies.append((block, target))
+            self.drop(block, holders)
+        for seq_id in seq_ids:
+            self.block_tables[seq_id] = [moved.get(block, block) for block in self.block_tables[seq_id]]
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies decided since the last call, in order; they are the caller's to perform."""
+        copies, self.copies = self.copies, []
+        return copies
 
     # ---------------------------------------------------------------- reading
     def has_table(self, seq_id: int) -> bool:
@@ -167,10 +306,14 @@ class BlockManager:
             if self.refcounts[table[index]] > 1:
                 raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, "
                                         f"shared by {self.refcounts[table[index]]} tables; copy it first")
+            if self.tier(table[index]) != "device":
+                raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, which is in "
+                                        f"the {self.tier(table[index])} tier; swap it in first")
 
     def check_invariants(self) -> None:
         holders = Counter(block for table in self.block_tables.values() for block in table)
-        free = set(self.free_blocks)
-        for block in range(self.num_blocks):
+        free = set(self.free_blocks) | set(self.free_host) | set(self.free_disk)
+        assert len(free) == len(self.free_blocks) + len(self.free_host) + len(self.free_disk), "a block freed twice"
+        for block in set(range(self.num_blocks + self.num_host_blocks)) | set(holders) | set(self.refcounts) | free:
             assert self.refcounts[block] == holders[block], f"block {block}: refcount != tables holding it"
             assert (self.refcounts[block] == 0) == (block in free), f"block {block}: free iff refcount 0 broken"

@@ -118,7 +118,7 @@ class Evictor:
             return False
         device = kept.device
         old_slots = torch.tensor(manager.slots(seq_id, 0, length), device=device)
-        manager.copy_on_write(seq_id, 0, keep)  # private blocks to write into; the data is rewritten below
+        manager.unshare(seq_id, 0, keep)  # private blocks to write into; the data is rewritten below
         new_slots = torch.tensor(manager.slots(seq_id, 0, keep), device=device)
         heads = torch.arange(kept.shape[1], device=device)
         for layer in range(kept.shape[0]):

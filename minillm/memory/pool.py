@@ -8,7 +8,13 @@ pool only stores numbers, behind two calls that attention uses:
     pool.write(layer, slots, k, v)    k, v (n, kv_heads, head_dim) go into `slots` (n,)
     pool.read(layer, slots)           -> keys, values (n, kv_heads, head_dim), in slot order
 
-and two that the engine uses: `copy_blocks` (copy-on-write) and `forget_free_blocks`.
+and two that move whole blocks, for copy-on-write and for the tiers (`tiers.py`):
+
+    pool.read_block(block)            -> {name: tensor}: every number of the block, every layer
+    pool.write_block(block, payload)  the block now holds exactly `payload`
+
+A block's payload is its stored form (quantized numbers with their scales and centres), so a block
+copied to another pool, or saved to a file, comes back bit for bit.
 
 Two pools keep that contract: `PagedKVPool` stores the numbers in the model's dtype;
 `QuantizedKVPool` stores int8 / int4 / fp8 numbers with their scales beside them
@@ -41,31 +47,35 @@ def bytes_per_slot(config: ModelConfig, kv_dtype: str, key_scales: str, block_si
 
 
 def make_pool(config: ModelConfig, kv_cache_bytes: int, block_size: int, kv_dtype: str, key_scales: str,
-              dtype: torch.dtype, device) -> PagedKVPool | QuantizedKVPool:
-    """As many whole blocks as `kv_cache_bytes` pays for, in the storage `kv_dtype` asks for."""
+              dtype: torch.dtype, device, pin: bool = False,
+              budget_name: str = "kv_cache_bytes") -> PagedKVPool | QuantizedKVPool:
+    """As many whole blocks as `kv_cache_bytes` pays for, in the storage `kv_dtype` asks for.
+    `pin`: page-locked host memory, which a CUDA device copies from without a staging copy (the
+    host tier); `budget_name` is the switch an error message names."""
     per_slot = bytes_per_slot(config, kv_dtype, key_scales, block_size, dtype)
     num_blocks = kv_cache_bytes // (per_slot * block_size)
     if num_blocks < 1:
-        raise ConfigError(f"kv_cache_bytes={kv_cache_bytes:,} cannot hold one block of {block_size} "
+        raise ConfigError(f"{budget_name}={kv_cache_bytes:,} cannot hold one block of {block_size} "
                           f"tokens ({per_slot * block_size:,} bytes); raise it.")
     try:
         if kv_dtype == "auto":
-            return PagedKVPool(config, num_blocks, block_size, dtype, device)
-        return QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device)
+            return PagedKVPool(config, num_blocks, block_size, dtype, device, pin)
+        return QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device, pin)
     except (RuntimeError, MemoryError) as err:  # the allocator said no (torch's OutOfMemoryError is a RuntimeError)
-        raise ConfigError(f"The KV pool of kv_cache_bytes={kv_cache_bytes:,} could not be allocated on {device} "
-                          f"({str(err).splitlines()[0][:80]}); lower kv_cache_bytes.") from None
+        raise ConfigError(f"The KV pool of {budget_name}={kv_cache_bytes:,} could not be allocated on {device} "
+                          f"({str(err).splitlines()[0][:80]}); lower {budget_name}.") from None
 
 
 class PagedKVPool:
     """Numbers in the model's dtype: k_cache[layer], v_cache[layer] are (num_slots, kv_heads, head_dim)."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
+                 pin: bool = False):
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
         self.bytes_per_slot = config.kv_bytes_per_token(dtype)
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
 
     @property
     def nbytes(self) -> int:
@@ -80,12 +90,14 @@ class PagedKVPool:
         """The keys and values in `slots` (n,): (n, kv_heads, head_dim) each."""
         return self.k_cache[layer][slots], self.v_cache[layer][slots]
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: block dst gets block src's keys and values, in every layer."""
-        size = self.block_size
-        for src, dst in pairs:
-            self.k_cache[:, dst * size:(dst + 1) * size] = self.k_cache[:, src * size:(src + 1) * size]
-            self.v_cache[:, dst * size:(dst + 1) * size] = self.v_cache[:, src * size:(src + 1) * size]
+    def read_block(self, block: int) -> dict[str, torch.Tensor]:
+        """The block's keys and values, (layers, block_size, kv_heads, head_dim) each (views)."""
+        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        return {"k": self.k_cache[:, rows], "v": self.v_cache[:, rows]}
+
+    def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
+        for name, stored in self.read_block(block).items():
+            stored.copy_(payload[name])
 
     def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
         """Nothing to do: every number lives in its block (the quantized pool keeps staging too)."""
@@ -100,18 +112,18 @@ class QuantizedKVPool:
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat, key_scales: str,
-                 dtype: torch.dtype, device):
+                 dtype: torch.dtype, device, pin: bool = False):
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
         self.fmt, self.key_scales, self.dtype = fmt, key_scales, dtype
         self.bytes_per_slot = math.ceil(bytes_per_token(config, fmt, key_scales, block_size))
         layers, slots, heads = config.num_layers, num_blocks * block_size, config.num_kv_heads
         stored = (layers, slots, heads, config.head_dim // fmt.values_per_byte)
         storage_dtype = torch.int8 if fmt.name == "int8" else torch.uint8
-        self.k_data = torch.zeros(stored, dtype=storage_dtype, device=device)
-        self.v_data = torch.zeros(stored, dtype=storage_dtype, device=device)
-        self.v_scale = torch.zeros(layers, slots, heads, 1, 2, dtype=SCALE_DTYPE, device=device)
+        self.k_data = torch.zeros(stored, dtype=storage_dtype, device=device, pin_memory=pin)
+        self.v_data = torch.zeros(stored, dtype=storage_dtype, device=device, pin_memory=pin)
+        self.v_scale = torch.zeros(layers, slots, heads, 1, 2, dtype=SCALE_DTYPE, device=device, pin_memory=pin)
         key_scale_shape = (layers, num_blocks, heads, config.head_dim, 2) if key_scales == "channel" else (layers, slots, heads, 1, 2)
-        self.k_scale = torch.zeros(key_scale_shape, dtype=SCALE_DTYPE, device=device)
+        self.k_scale = torch.zeros(key_scale_shape, dtype=SCALE_DTYPE, device=device, pin_memory=pin)
         # (layer, block) -> (block_size, kv_heads, head_dim): keys of a block that is still filling
         self.staging: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -159,20 +171,27 @@ class QuantizedKVPool:
             keys[-filled:] = staged[:filled]
         return keys.to(self.dtype), values.to(self.dtype)
 
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy-on-write: numbers, scales and staging keys of block src go to block dst."""
-        size = self.block_size
-        for src, dst in pairs:
-            source, target = slice(src * size, (src + 1) * size), slice(dst * size, (dst + 1) * size)
-            for tensor in (self.k_data, self.v_data, self.v_scale):
-                tensor[:, target] = tensor[:, source]
-            if self.key_scales == "channel":
-                self.k_scale[:, dst] = self.k_scale[:, src]
+    def read_block(self, block: int) -> dict[str, torch.Tensor]:
+        """The block as stored: numbers and scales of every layer (views), and the staged keys
+        (block_size, kv_heads, head_dim) of each layer where it is still filling."""
+        rows = slice(block * self.block_size, (block + 1) * self.block_size)
+        payload = {"k_data": self.k_data[:, rows], "v_data": self.v_data[:, rows], "v_scale": self.v_scale[:, rows],
+                   "k_scale": self.k_scale[:, block] if self.key_scales == "channel" else self.k_scale[:, rows]}
+        for layer in range(len(self.k_data)):
+            if (layer, block) in self.staging:
+                payload[f"k_staging.{layer}"] = self.staging[(layer, block)]
+        return payload
+
+    def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
+        stored = self.read_block(block)
+        for name in ("k_data", "v_data", "v_scale", "k_scale"):
+            stored[name].copy_(payload[name])
+        for layer in range(len(self.k_data)):
+            staged = payload.get(f"k_staging.{layer}")
+            if staged is not None:
+                self.staging[(layer, block)] = staged.to(self.device, copy=True)
             else:
-                self.k_scale[:, target] = self.k_scale[:, source]
-            for (layer, block), staged in list(self.staging.items()):
-                if block == src:
-                    self.staging[(layer, dst)] = staged.clone()
+                self.staging.pop((layer, block), None)
 
     def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
         """Drop the staging keys of blocks no sequence holds any more (finished or preempted)."""

@@ -12,7 +12,9 @@ prompt's. When a block is reused for other content (evicted), the entries of its
 too, so a stale parent can never vouch for a child.
 
 Freed blocks keep their entry while they wait in the free pool; the pool hands out the least
-recently freed block first (LRU), and only then is its entry dropped. A prompt that is entirely
+recently freed block first (LRU), and only then is its entry dropped — or, with a host tier, the
+block spills there and its entry follows it (`move`), so a later hit copies it back instead of
+recomputing it. A prompt that is entirely
 cached still recomputes its last token, to get the logits the next token is sampled from.
 """
 
@@ -94,6 +96,22 @@ class PrefixCache:
             self.children.get(entry.parent, set()).discard(block)
         for child in self.children.pop(block, set()):
             self.evict(child)
+
+    def move(self, block: int, new_block: int) -> None:
+        """The cached content of `block` now lives in `new_block` (spilled to the host tier, or
+        brought back): the entry, its key and its place in the chain follow it."""
+        entry = self.entries.pop(block)
+        self.entries[new_block] = entry
+        self.block_of[entry.key] = new_block
+        if entry.parent is not None:
+            siblings = self.children[entry.parent]
+            siblings.discard(block)
+            siblings.add(new_block)
+        children = self.children.pop(block, set())
+        for child in children:
+            self.entries[child].parent = new_block
+        if children:
+            self.children[new_block] = children
 
     @property
     def hit_rate(self) -> float:

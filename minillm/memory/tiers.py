@@ -1,0 +1,194 @@
+"""Tiers: hot KV in the device pool, warm KV in a host pool, cold KV in files — and what moving costs.
+
+The device pool is the one attention reads. When it runs short, a preempted sequence's blocks can
+leave it instead of being thrown away (preemption by *swap*, not recompute): to a host pool of the
+same layout, or to one file per block once the host pool is full. When the sequence runs again,
+its blocks are copied back first. Blocks move whole and in their stored form — quantized numbers
+with their scales and centres — so a block that comes back is bit for bit the block that left.
+
+The block manager decides every move (`block_manager.py`: which blocks, which tier, in which
+order); `TieredKV` owns the tensors and files and performs the moves, in that order:
+
+    tiers.copy(pairs)     for each (source, destination) block id, in any tiers
+
+On a CUDA device the host pool is pinned (page-locked) memory that the GPU copies from directly.
+On a CPU-only machine both pools live in the same RAM: the device pool is the budgeted pool that
+attention reads, the host pool a second one, and a copy between them is still real memory
+traffic — two passes over every byte — which is exactly what the cost model below measures.
+
+A disk block is a safetensors file whose sha256 is kept beside it; a file that is missing, cut
+short or altered no longer matches, and the sequence that needed it is recomputed instead (with a
+warning): a wrong byte of KV must never reach attention. A write that fails (a full disk) loses
+the block the same way.
+
+Swap or recompute? Recomputing a victim costs a prefill of its tokens; swapping it costs two
+copies of its blocks (out now, in later). `SwapCost` measures both rates on this machine as the
+engine runs — prefill tokens per second from the forward passes, copy bytes per second from the
+swaps — and picks the cheaper per victim (swap, until a copy has been timed).
+
+Prefetch: the sequence the scheduler will resume next can have its blocks copied in one step
+early, while the current step's forward pass runs: on a background thread (torch copies release
+the GIL), timed, so the stats can say how much of the copying was hidden behind compute.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_tensors, save as save_tensors
+
+log = logging.getLogger("minillm")
+
+
+class DiskTier:
+    """One safetensors file per block in `folder`, checked against the sha256 taken when written."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder) / "blocks"
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OSError(f"disk_cache_dir={str(folder)!r} cannot hold KV blocks ({err.strerror}); "
+                          "choose a writable folder.") from None
+        for stale in self.folder.glob("block-*.safetensors"):  # blocks of an earlier run mean nothing now
+            stale.unlink()
+        self.checksums: dict[int, str] = {}  # block -> sha256 of its file
+        self.checked: dict[int, dict[str, torch.Tensor]] = {}  # read and verified, not yet copied in
+
+    def path(self, block: int) -> Path:
+        return self.folder / f"block-{block}.safetensors"
+
+    def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
+        data = save_tensors({name: tensor.contiguous().cpu() for name, tensor in payload.items()})
+        self.checksums.pop(block, None)
+        try:
+            self.path(block).write_bytes(data)
+        except OSError as err:
+            log.warning("KV block %d could not be written to %s (%s); its sequence will be recomputed.",
+                        block, self.folder, err.strerror or err)
+            return
+        self.checksums[block] = hashlib.sha256(data).hexdigest()
+
+    def readable(self, block: int) -> bool:
+        """Is the block's file there and unaltered? (It is then kept, read, for the copy back.)"""
+        if block in self.checked:
+            return True
+        try:
+            data = self.path(block).read_bytes()
+        except OSError:
+            data = None
+        if data is None or hashlib.sha256(data).hexdigest() != self.checksums.get(block):
+            log.warning("KV block file %s is missing or corrupt; its sequence will be recomputed.", self.path(block))
+            return False
+        self.checked[block] = load_tensors(data)
+        return True
+
+    def read_block(self, block: int) -> dict[str, torch.Tensor]:
+        if not self.readable(block):
+            raise OSError(f"KV block file {self.path(block)} is missing or corrupt")
+        return self.checked.pop(block)
+
+
+class TieredKV:
+    """The device pool, the host pool (or None) and the disk tier (or None), addressed by the
+    block manager's ids: device 0..D-1, host D..D+H-1, disk D+H onward. Counts bytes moved."""
+
+    def __init__(self, device_pool, host_pool=None, disk: DiskTier | None = None):
+        self.device, self.host, self.disk = device_pool, host_pool, disk
+        self.first_host = device_pool.num_blocks
+        self.first_disk = self.first_host + (host_pool.num_blocks if host_pool else 0)
+        self.block_bytes = device_pool.bytes_per_slot * device_pool.block_size
+        self.bytes_moved: dict[str, int] = {}  # "device->host" etc. -> bytes copied that way
+        self.copy_seconds: dict[str, float] = {}
+        self.prefetch_thread: threading.Thread | None = None
+        self.prefetch_seconds = 0.0  # copying done by prefetches
+        self.prefetch_waited = 0.0  # ...of which the engine still had to wait for
+
+    def tier(self, block: int) -> str:
+        return "device" if block < self.first_host else "host" if block < self.first_disk else "disk"
+
+    def store(self, block: int):
+        """The pool (or disk tier) holding the block, and the block's index in it."""
+        tier = self.tier(block)
+        if tier == "device":
+            return self.device, block
+        return (self.host, block - self.first_host) if tier == "host" else (self.disk, block)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Perform the copies in order: each destination block gets its source's stored form."""
+        for src, dst in pairs:
+            start = time.perf_counter()
+            (source, i), (target, j) = self.store(src), self.store(dst)
+            target.write_block(j, source.read_block(i))
+            if self.device.device.type == "cuda":
+                torch.cuda.synchronize()
+            way = f"{self.tier(src)}->{self.tier(dst)}"
+            self.bytes_moved[way] = self.bytes_moved.get(way, 0) + self.block_bytes
+            self.copy_seconds[way] = self.copy_seconds.get(way, 0.0) + time.perf_counter() - start
+
+    def start_prefetch(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy these blocks in the background; `finish_prefetch` must run before anything else
+        reads or writes them (the engine calls it at the start of the next step)."""
+        if pairs:
+            def run():
+                start = time.perf_counter()
+                self.copy(pairs)
+                self.prefetch_seconds += time.perf_counter() - start
+            self.prefetch_thread = threading.Thread(target=run, name="minillm-prefetch", daemon=True)
+            self.prefetch_thread.start()
+
+    def finish_prefetch(self) -> None:
+        if self.prefetch_thread is not None:
+            start = time.perf_counter()
+            self.prefetch_thread.join()
+            self.prefetch_waited += time.perf_counter() - start
+            self.prefetch_thread = None
+
+    def readable(self, blocks) -> bool:
+        """Can every one of these blocks be copied back? (Disk files are verified now.)"""
+        return all(self.tier(block) != "disk" or self.disk.readable(block) for block in blocks)
+
+    def moved(self) -> dict[str, int]:
+        """Bytes moved between tiers by direction (copy-on-write, device->device, is not a move)."""
+        return {way: n for way, n in self.bytes_moved.items() if way != "device->device"}
+
+    def copy_rate(self, tier: str) -> float | None:
+        """Bytes per second of a round trip device -> tier -> device, as measured so far."""
+        out, back = f"device->{tier}", f"{tier}->device"
+        seconds = self.copy_seconds.get(out, 0.0) + self.copy_seconds.get(back, 0.0)
+        moved = self.bytes_moved.get(out, 0) + self.bytes_moved.get(back, 0)
+        return moved / seconds if seconds > 0 and moved else None
+
+
+class SwapCost:
+    """Per victim: recompute (prefill its tokens again) or swap (copy its blocks out and back)?
+    Both rates are measured as the engine runs; nothing here is a typed-in constant."""
+
+    def __init__(self, tiers: TieredKV):
+        self.tiers = tiers
+        self.prefill_tokens = 0
+        self.prefill_seconds = 0.0
+
+    def record_forward(self, tokens: int, sequences: int, seconds: float) -> None:
+        """A forward pass that prefilled (more tokens than sequences) tells the prefill rate."""
+        if tokens > sequences:
+            self.prefill_tokens += tokens
+            self.prefill_seconds += seconds
+
+    def seconds(self, tokens: int, num_blocks: int, tier: str) -> tuple[float, float] | None:
+        """(recompute seconds, swap seconds) for a victim, or None before both rates are known."""
+        copy_rate = self.tiers.copy_rate(tier)
+        if not self.prefill_tokens or copy_rate is None:
+            return None
+        recompute = tokens * self.prefill_seconds / self.prefill_tokens
+        swap = 2 * num_blocks * self.tiers.block_bytes / copy_rate  # out now, in later
+        return recompute, swap
+
+    def prefers_swap(self, tokens: int, num_blocks: int, tier: str) -> bool:
+        costs = self.seconds(tokens, num_blocks, tier)
+        return costs is None or costs[1] < costs[0]  # unmeasured: swap, which never loses work
