@@ -19,8 +19,8 @@ When a running sequence needs a block and none is free, the newest running seque
 preempted, and goes back to the front of the waiting queue. By *recompute*: its blocks are freed
 and num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
 allows. Or, with a host or disk tier, by *swap*: the blocks of its request's running sequences
-(parallel samples or beams share theirs) move out of the device pool, and move back before it
-runs again, with nothing recomputed. `preemption="auto"` asks the measured cost model
+(parallel samples or beams share theirs, and a shared block moves once) leave the device pool,
+and come back before it runs again, with nothing recomputed. `preemption="auto"` asks the measured cost model
 (`memory/tiers.py`) which is cheaper for this victim. A swapped sequence at the head of the queue
 is brought back one step early when memory allows (prefetch), its copies overlapping the
 current step's forward pass. Running out of blocks is a scheduling event, never a crash.
@@ -73,6 +73,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out = self.num_swapped_in = self.num_prefetched = 0  # sequences
         self.num_recomputed_tokens = 0  # tokens whose KV a preemption by recompute threw away
+        self.scheduled_ids: set[int] = set()
 
     # ----------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
@@ -123,6 +124,7 @@ class Scheduler:
             self.start_static_batch()
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
+        self.scheduled_ids: set[int] = set()  # a sequence scheduled this step stays on the device
         preempted = False
         for seq in list(self.running):
             if budget == 0:
@@ -131,17 +133,20 @@ class Scheduler:
                 continue  # beam whose scores are in, waiting for its siblings
             while not (num_tokens := self.reserve(seq, budget)):
                 preempted = True
-                self.preempt(self.running[-1])
+                if not self.release_waiting(seq):
+                    self.preempt(self.running[-1])
                 if seq.status is not Status.RUNNING:  # the victim, or swapped out with it
                     break
             else:
                 scheduled.append(ScheduledSequence(seq, num_tokens))
+                self.scheduled_ids.add(seq.seq_id)
                 budget -= num_tokens
 
         may_admit = self.policy == "continuous" and not preempted
         while may_admit and self.waiting and budget > 0 and self.has_seats_for(self.waiting[0]):
             seq = self.waiting[0]
-            num_tokens = self.reserve(seq, budget)
+            while not (num_tokens := self.reserve(seq, budget)) and self.release_waiting(seq):
+                pass
             if not num_tokens:
                 break  # wait for memory; FIFO, so nobody overtakes
             self.waiting.popleft()
@@ -171,11 +176,10 @@ class Scheduler:
         end = start + num_tokens
         copies = len(manager.shared_blocks(seq.seq_id, start, end))
         if manager.is_swapped(seq.seq_id):  # its blocks come back first, then it grows
-            group = self.swapped_group(seq)
-            if not manager.can_swap_in(group, extra=manager.blocks_missing(seq.seq_id, end) + copies):
+            if not manager.can_swap_in([seq.seq_id], extra=manager.blocks_missing(seq.seq_id, end) + copies):
                 return 0
-            manager.swap_in(group)
-            self.num_swapped_in += len(group)
+            manager.swap_in([seq.seq_id])
+            self.num_swapped_in += 1
         if not manager.can_grow(seq.seq_id, end, adopting=hits, copies=copies):
             return 0
         if cache and starting:
@@ -186,36 +190,45 @@ class Scheduler:
         manager.copy_on_write(seq.seq_id, start, end)
         return num_tokens
 
-    def swapped_group(self, seq: Sequence) -> list[int]:
-        """The sequences of seq's request whose blocks are out of the device pool: they went out
-        together and come back together, so a block they share moves once."""
-        return [s.seq_id for s in self.unfinished()
-                if s.request_id == seq.request_id and self.block_manager.is_swapped(s.seq_id)]
-
     def readable(self, seq: Sequence) -> bool:
-        """Can the swapped group's blocks be read back? (A disk file may be lost or corrupt.)"""
-        return self.tiers.readable(self.block_manager.held_off_device(self.swapped_group(seq)))
+        """Can the swapped sequence's blocks be read back? (A disk file may be lost or corrupt.)"""
+        return self.tiers.readable(self.block_manager.held_off_device([seq.seq_id]))
 
     def forget_swapped(self, seq: Sequence) -> None:
-        """The group's swapped KV is lost: its sequences will be recomputed instead."""
-        group = self.swapped_group(seq)
-        for other in self.unfinished():
-            if other.seq_id in group:
-                self.block_manager.free(other.seq_id)
-                self.num_recomputed_tokens += other.num_computed
-                other.forget_cache()
+        """The sequence's swapped KV is lost: it will be recomputed instead."""
+        self.block_manager.free(seq.seq_id)
+        self.num_recomputed_tokens += seq.num_computed
+        seq.forget_cache()
+
+    def release_waiting(self, keep: Sequence) -> bool:
+        """Free the device blocks a waiting sequence holds (brought back early, or sharing blocks
+        with a sibling that came back), the last in the queue first: swap them out again, or
+        forget them. False if no waiting sequence but `keep` holds any."""
+        manager = self.block_manager
+        for seq in reversed(self.waiting):
+            if seq is not keep and manager.has_table(seq.seq_id) and \
+                    any(manager.tier(block) == "device" for block in manager.table(seq.seq_id)):
+                if self.preemption != "recompute" and manager.can_swap_out([seq.seq_id]):
+                    manager.swap_out([seq.seq_id])
+                    self.num_swapped_out += 1
+                else:
+                    manager.free(seq.seq_id)
+                    self.num_recomputed_tokens += seq.num_computed
+                    seq.forget_cache()
+                return True
+        return False
 
     def prefetch_next(self) -> None:
         """Bring the head of the queue back now if it is swapped out and memory allows, keeping
         a block free for each running sequence to grow into: its copies then overlap this step's
         forward pass instead of delaying the next."""
-        if not self.waiting or not self.block_manager.is_swapped(self.waiting[0].seq_id):
+        head = self.waiting[0] if self.waiting else None
+        if head is None or not self.block_manager.is_swapped(head.seq_id):
             return
-        group = self.swapped_group(self.waiting[0])
-        if self.block_manager.can_swap_in(group, extra=len(self.running)) and self.readable(self.waiting[0]):
-            self.block_manager.swap_in(group)
-            self.num_swapped_in += len(group)
-            self.num_prefetched += len(group)
+        if self.block_manager.can_swap_in([head.seq_id], extra=len(self.running)) and self.readable(head):
+            self.block_manager.swap_in([head.seq_id])
+            self.num_swapped_in += 1
+            self.num_prefetched += 1
 
     def start_static_batch(self) -> None:
         """Static batching: the next max_num_seqs requests form a batch that runs to its end.
@@ -282,7 +295,8 @@ class Scheduler:
         manager = self.block_manager
         if self.preemption == "recompute" or not manager.has_table(seq.seq_id):
             return []
-        group = [s for s in self.running if s.request_id == seq.request_id and manager.has_table(s.seq_id)]
+        group = [s for s in self.running if s.request_id == seq.request_id and manager.has_table(s.seq_id)
+                 and s.seq_id not in self.scheduled_ids]
         ids = [s.seq_id for s in group]
         if not manager.can_swap_out(ids):
             return []

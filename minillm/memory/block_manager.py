@@ -259,26 +259,34 @@ class BlockManager:
         """Move the device blocks of these tables to the host tier (to disk once it is full). A
         block held only by these tables moves, and its device block is freed; a block that other
         tables hold too (a shared prefix) is copied, and stays on the device for them."""
-        self.move(seq_ids, lambda: self.take_block("host" if self.free_host else "disk"), on_device=True)
+        held = Counter(block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) == "device")
+        moved = {}
+        for block, holders in held.items():
+            moved[block] = self.take_block("host" if self.free_host else "disk")
+            self.copies.append((block, moved[block]))
+            self.refcounts[moved[block]] = holders
+            self.drop(block, holders)
+        for seq_id in seq_ids:
+            self.repoint(self.block_tables[seq_id], moved)
 
     def can_swap_in(self, seq_ids: list[int], extra: int = 0) -> bool:
         return len(self.held_off_device(seq_ids)) + extra <= self.num_free_blocks
 
     def swap_in(self, seq_ids: list[int]) -> None:
-        """Bring every host or disk block of these tables back to device blocks."""
-        self.move(seq_ids, self.take_free_block, on_device=False)
-
-    def move(self, seq_ids: list[int], take, on_device: bool) -> None:
-        held = Counter(block for seq_id in seq_ids for block in self.table(seq_id)
-                       if (self.tier(block) == "device") == on_device)
+        """Bring every host or disk block of these tables back to a device block. Every table that
+        holds such a block (a sibling still swapped out) follows it, so it stays shared."""
         moved = {}
-        for block, holders in held.items():
-            moved[block] = target = take()
-            self.refcounts[target] = holders
-            self.copies.append((block, target))
-            self.drop(block, holders)
-        for seq_id in seq_ids:
-            self.block_tables[seq_id] = [moved.get(block, block) for block in self.block_tables[seq_id]]
+        for block in self.held_off_device(seq_ids):
+            moved[block] = self.take_free_block()
+            self.copies.append((block, moved[block]))
+            self.refcounts[moved[block]] = self.refcounts[block]
+            self.drop(block, self.refcounts[block])
+        for table in self.block_tables.values():
+            self.repoint(table, moved)
+
+    @staticmethod
+    def repoint(table: list[int], moved: dict[int, int]) -> None:
+        table[:] = [moved.get(block, block) for block in table]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies decided since the last call, in order; they are the caller's to perform."""

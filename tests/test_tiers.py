@@ -1,0 +1,318 @@
+"""Tiers: swapped-out KV comes back bit for bit. With a device pool so small that sequences are
+swapped out at almost every step, every switch still reproduces naive decoding (lossless ones)
+or the same engine without swapping (quantized ones); random operation sequences keep every
+tier's books true; lost block files are recomputed, never read wrong; `auto` follows the costs."""
+
+import errno
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from minillm.config import ConfigError
+from minillm.decoding import generate
+from minillm.engine import LLM, SamplingParams
+from minillm.engine.beam import reference_beam_search
+from minillm.memory import BlockManager, SwapCost
+
+KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
+BLOCK = 4
+
+
+def mixed_prompts(count, seed, vocab=97):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(2, 22))] for _ in range(count)]
+
+
+def naive(model, prompt, params):
+    return generate(model, prompt, params, "naive").token_ids
+
+
+def tight(tiny_dir, tiny_model, blocks=14, **switches):
+    """An engine whose device pool holds `blocks` blocks: running sequences crowd each other out."""
+    probe = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **{k: v for k, v in switches.items()
+                                                                  if k in ("kv_dtype", "kv_key_scales")})
+    per_block = probe.engine.pool.bytes_per_slot * BLOCK
+    switches = {"host_cache_bytes": 400 * per_block, "preemption": "swap", **switches}
+    return LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=blocks * per_block, **switches)
+
+
+def assert_swapped_and_drained(llm):
+    scheduler, manager = llm.engine.scheduler, llm.engine.block_manager
+    assert scheduler.num_swapped_out > 0 and scheduler.num_swapped_in > 0
+    assert scheduler.num_recomputed_tokens == 0  # swap preemption throws no work away
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+    assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0
+
+
+@pytest.mark.parametrize("switches", [{}, {"max_num_batched_tokens": 7}, {"prefix_caching": True},
+                                      {"attention_backend": "cpu"}])
+def test_greedy_with_swaps_equals_naive(tiny_dir, tiny_model, switches):
+    prompts = mixed_prompts(16, seed=3)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, **switches)
+    outputs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert_swapped_and_drained(llm)
+
+
+def test_disk_as_the_only_tier_equals_naive(tiny_dir, tiny_model, tmp_path):
+    prompts = mixed_prompts(10, seed=4)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
+    outputs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert llm.engine.tiers.bytes_moved["device->disk"] > 0
+    assert_swapped_and_drained(llm)
+
+
+def test_a_full_host_pool_overflows_to_disk(tiny_dir, tiny_model, tmp_path):
+    prompts = mixed_prompts(12, seed=5)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    per_block = KV_BYTES_PER_TOKEN * BLOCK
+    llm = tight(tiny_dir, tiny_model, host_cache_bytes=3 * per_block, disk_cache_dir=str(tmp_path))
+    outputs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    moved = llm.engine.tiers.bytes_moved
+    assert moved["device->host"] > 0 and moved["device->disk"] > 0
+    assert_swapped_and_drained(llm)
+
+
+@pytest.mark.parametrize("kv_dtype, key_scales", [("int8", "channel"), ("int4", "channel"), ("fp8", "token")])
+def test_quantized_blocks_swap_bit_exactly(tiny_dir, tiny_model, kv_dtype, key_scales):
+    """A quantized block moves with its scales, centres and staged keys: the tokens equal the
+    same engine's when nothing is swapped."""
+    prompts = mixed_prompts(12, seed=6)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_dtype=kv_dtype, kv_key_scales=key_scales)
+    llm = tight(tiny_dir, tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == \
+        [o.token_ids for o in roomy.generate(prompts, params)]
+    assert roomy.engine.num_preemptions == 0
+    assert_swapped_and_drained(llm)
+
+
+def test_parallel_samples_swap_as_one_and_equal_the_unswapped_engine(tiny_dir, tiny_model):
+    prompts = mixed_prompts(6, seed=7)
+    params = SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
+    roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK)
+    llm = tight(tiny_dir, tiny_model, blocks=16)
+    assert [o.samples for o in llm.generate(prompts, params)] == [o.samples for o in roomy.generate(prompts, params)]
+    assert_swapped_and_drained(llm)
+
+
+def test_beams_with_swaps_equal_the_reference_search(tiny_dir, tiny_model):
+    prompts = mixed_prompts(4, seed=8)
+    params = SamplingParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, blocks=12)
+    for out, prompt in zip(llm.generate(prompts, params), prompts):
+        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 8, None)
+    assert_swapped_and_drained(llm)
+
+
+def test_a_shared_block_moves_once_and_stays_shared():
+    manager = BlockManager(8, 4, host_blocks=8)
+    manager.grow(1, 10)  # 3 blocks
+    manager.fork(1, 2)  # the two tables share all 3
+    manager.swap_out([1, 2])
+    assert len(manager.take_copies()) == 3  # 3 moves, not 6
+    assert manager.table(1) == manager.table(2) and all(manager.refcount(b) == 2 for b in manager.table(1))
+    assert manager.num_free_blocks == 8
+    manager.swap_in([1, 2])
+    assert len(manager.take_copies()) == 3 and manager.table(1) == manager.table(2)
+    manager.check_invariants()
+
+
+def test_a_block_others_still_use_is_copied_for_the_victim_and_stays_put():
+    manager = BlockManager(8, 4, host_blocks=8)
+    manager.grow(1, 8)
+    manager.fork(1, 2)  # sequence 2 keeps running on the device
+    manager.swap_out([1])
+    assert all(manager.tier(b) == "host" for b in manager.table(1))
+    assert all(manager.tier(b) == "device" and manager.refcount(b) == 1 for b in manager.table(2))
+    manager.check_invariants()
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["grow", "append", "fork", "free", "swap_out", "swap_in", "cache"]),
+                         st.integers(0, 7), st.integers(1, 30)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None)
+@given(num_blocks=st.integers(2, 16), host_blocks=st.integers(0, 8), disk=st.booleans(),
+       block_size=st.integers(1, 4), ops=OPS)
+def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blocks, disk, block_size, ops):
+    """allocate / grow / fork / free / swap out / swap in / cache-and-spill, in any order: no block
+    leaked or freed twice in any tier, refcounts equal the tables holding a block, copies never
+    read a block that was reused before the copy, and every tier drains to all-free."""
+    manager = BlockManager(num_blocks, block_size, prefix_caching=True, host_blocks=host_blocks, disk=disk)
+    content: dict[int, tuple] = {}  # block -> what it holds, replayed from the manager's copies
+    lengths: dict[int, int] = {}
+    tokens = {}
+
+    def replay():
+        for src, dst in manager.take_copies():
+            assert src in content, f"copy from block {src}, which holds nothing"
+            content[dst] = content[src]
+
+    def write(seq_id):
+        for index, block in enumerate(manager.table(seq_id)):
+            assert manager.tier(block) == "device"
+            content.setdefault(block, ("seq", seq_id, index))
+
+    for op, seq_id, amount in ops:
+        swapped = manager.is_swapped(seq_id)
+        if op == "grow" and seq_id not in lengths and manager.can_grow(seq_id, amount):
+            manager.grow(seq_id, amount)
+            lengths[seq_id], tokens[seq_id] = amount, [seq_id % 3] * amount
+            write(seq_id)
+        elif op == "append" and seq_id in lengths and not swapped:
+            if manager.can_grow(seq_id, lengths[seq_id] + 1, copies=len(manager.shared_blocks(
+                    seq_id, lengths[seq_id], lengths[seq_id] + 1))):
+                manager.grow(seq_id, lengths[seq_id] + 1)
+                manager.copy_on_write(seq_id, lengths[seq_id], lengths[seq_id] + 1)
+                lengths[seq_id] += 1
+                tokens[seq_id].append(seq_id % 3)
+        elif op == "fork" and seq_id in lengths and 100 + seq_id not in lengths:
+            manager.fork(seq_id, 100 + seq_id)
+            lengths[100 + seq_id], tokens[100 + seq_id] = lengths[seq_id], list(tokens[seq_id])
+        elif op == "free" and seq_id in lengths:
+            manager.free(seq_id)
+            del lengths[seq_id]
+        elif op == "swap_out" and seq_id in lengths and not swapped and manager.can_swap_out([seq_id]):
+            manager.swap_out([seq_id])
+        elif op == "swap_in" and swapped:
+            group = [s for s in lengths if manager.is_swapped(s)]
+            if manager.can_swap_in(group):
+                manager.swap_in(group)
+        elif op == "cache" and seq_id in lengths and not swapped:
+            manager.prefix_cache.register(seq_id, manager.table(seq_id), tokens[seq_id], lengths[seq_id])
+        replay()
+        manager.check_invariants()
+    for seq_id in list(lengths):
+        manager.free(seq_id)
+    replay()
+    manager.check_invariants()
+    assert manager.num_free_blocks == num_blocks
+    assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0
+
+
+def corrupt_every_block_file(llm, damage):
+    """Wrap the disk tier's writes so each file is damaged right after it is written."""
+    disk = llm.engine.tiers.disk
+    original = disk.write_block
+
+    def write_then_damage(block, payload):
+        original(block, payload)
+        damage(disk.path(block))
+    disk.write_block = write_then_damage
+
+
+@pytest.mark.parametrize("damage", [lambda path: path.write_bytes(path.read_bytes()[:-7]),  # truncated
+                                    lambda path: path.write_bytes(path.read_bytes()[:-1] + b"\x01"),  # a flipped byte
+                                    lambda path: path.unlink()])  # gone
+def test_a_lost_block_file_is_recomputed_with_a_warning(tiny_dir, tiny_model, tmp_path, caplog, damage):
+    prompts = mixed_prompts(8, seed=9)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
+    corrupt_every_block_file(llm, damage)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        outputs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert "missing or corrupt" in caplog.text and llm.engine.scheduler.num_recomputed_tokens > 0
+    llm.engine.block_manager.check_invariants()
+
+
+def test_a_full_disk_means_recompute_not_wrong_kv(tiny_dir, tiny_model, tmp_path, caplog, monkeypatch):
+    prompts = mixed_prompts(8, seed=10)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
+
+    def disk_full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        outputs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert "could not be written" in caplog.text
+
+
+class FakeTiers:
+    block_bytes = 1000
+
+    def __init__(self, rate):
+        self.rate = rate
+
+    def copy_rate(self, tier):
+        return self.rate
+
+
+@pytest.mark.parametrize("copy_rate, expected", [(1e9, True), (1e3, False)])
+def test_auto_swaps_when_copying_is_cheaper_and_recomputes_when_not(copy_rate, expected):
+    cost = SwapCost(FakeTiers(copy_rate))
+    cost.record_forward(tokens=1000, sequences=2, seconds=1.0)  # 1,000 prefill tokens/s
+    # 100 tokens to recompute: 0.1 s; 10 blocks of 1,000 B out and back: 2e-5 s at 1 GB/s, 20 s at 1 kB/s
+    assert cost.prefers_swap(tokens=100, num_blocks=10, tier="host") is expected
+
+
+def test_auto_in_the_engine_follows_the_measured_costs(tiny_dir, tiny_model, monkeypatch):
+    prompts = mixed_prompts(12, seed=12)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    expected = [naive(tiny_model, prompt, params) for prompt in prompts]
+    for copy_is_cheap in (True, False):
+        monkeypatch.setattr(SwapCost, "seconds", lambda self, tokens, blocks, tier, cheap=copy_is_cheap:
+                            (1.0, 0.001) if cheap else (0.001, 1.0))
+        llm = tight(tiny_dir, tiny_model, preemption="auto")
+        assert [out.token_ids for out in llm.generate(prompts, params)] == expected
+        scheduler = llm.engine.scheduler
+        assert scheduler.num_preemptions > 0
+        assert (scheduler.num_swapped_out > 0) is copy_is_cheap
+        assert (scheduler.num_recomputed_tokens > 0) is not copy_is_cheap
+
+
+def test_prefix_blocks_spill_to_host_and_come_back(tiny_dir, tiny_model):
+    """More distinct system prompts than the device pool holds: with a host tier the cached
+    blocks pushed out of the device LRU are found again there, and the answers stay exact."""
+    rng = random.Random(13)
+    systems = [[rng.randrange(97) for _ in range(5 * BLOCK)] for _ in range(6)]
+    prompts = [systems[i % 6] + [rng.randrange(97) for _ in range(3)] for i in range(18)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    expected = [naive(tiny_model, prompt, params) for prompt in prompts]
+    saved = {}
+    for host in (0, 64):
+        llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True,
+                  kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN, host_cache_bytes=host * BLOCK * KV_BYTES_PER_TOKEN)
+        assert [llm.generate([p], params)[0].token_ids for p in prompts] == expected
+        saved[host] = llm.engine.block_manager.prefix_cache.hit_blocks
+        llm.engine.block_manager.check_invariants()
+    assert saved[64] >= 2 * max(saved[0], 1)
+    assert llm.engine.block_manager.num_spill_hits > 0
+
+
+def test_tier_switches_are_checked(tiny_dir, tiny_model, tmp_path):
+    with pytest.raises(ConfigError, match="needs somewhere to swap to"):
+        LLM(tiny_dir, model=tiny_model, preemption="swap")
+    with pytest.raises(ConfigError, match="preemption must be"):
+        LLM(tiny_dir, model=tiny_model, preemption="sometimes")
+    with pytest.raises(ConfigError, match="host_cache_bytes must be"):
+        LLM(tiny_dir, model=tiny_model, host_cache_bytes=-1)
+    with pytest.raises(ConfigError, match="host_cache_bytes=10 cannot hold one block"):
+        LLM(tiny_dir, model=tiny_model, host_cache_bytes=10)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match="cannot hold KV blocks"):
+        LLM(tiny_dir, model=tiny_model, disk_cache_dir=str(blocker))
+
+
+def test_memory_stats_count_every_tier(tiny_dir, tiny_model):
+    llm = tight(tiny_dir, tiny_model)
+    llm.generate(mixed_prompts(12, seed=14), SamplingParams(max_tokens=12, ignore_eos=True))
+    snapshots = list(llm.engine.stats.memory)
+    assert max(m.host_reserved_slots for m in snapshots) > 0
+    final = snapshots[-1].as_dict()
+    assert final["bytes_moved"]["device->host"] == final["bytes_moved"]["host->device"] > 0
+    assert final["host_total_slots"] == llm.engine.block_manager.num_host_blocks * BLOCK
