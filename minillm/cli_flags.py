@@ -57,6 +57,22 @@ def kv_budget(text: str) -> int | float:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a token count (256) nor a fraction (0.2)") from None
 
 
+def add_tier_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host-cache-mb", type=int, default=0,
+                        help="a host pool (MiB) for swapped-out and spilled KV blocks; 0 is none (default: 0)")
+    parser.add_argument("--disk-cache-dir", default=None,
+                        help="a folder for KV block files once the host pool is full (default: none)")
+    parser.add_argument("--preemption", choices=["recompute", "swap", "auto"], default="auto",
+                        help="when KV blocks run out: recompute the victim, swap its blocks out, or pick by "
+                             "measured cost (default: auto; recompute without a tier)")
+
+
+def tier_switches(args) -> dict:
+    """The EngineConfig switches of add_tier_args' flags."""
+    return {"host_cache_bytes": args.host_cache_mb * 2**20, "disk_cache_dir": args.disk_cache_dir,
+            "preemption": args.preemption}
+
+
 def add_eviction_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eviction", choices=EVICTION_POLICIES, default="none",
                         help="drop KV entries beyond --kv-budget: h2o, sinks or window (default: none)")

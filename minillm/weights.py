@@ -8,6 +8,8 @@ projections of `model.py`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -74,3 +76,14 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
                           assign=True, strict=True)
     model.init_rope()
     return model.eval()
+
+
+def model_fingerprint(model: Transformer) -> str:
+    """A short id of the model's config and weights (a strided sample of every tensor): KV written
+    by one model is meaningless to another, and a session file records whose it is."""
+    digest = hashlib.sha256(json.dumps(model.config.to_hf_dict(), sort_keys=True).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().flatten()
+        sample = flat[::max(1, flat.numel() // 256)][:256].float().cpu()
+        digest.update(f"{name}{tuple(tensor.shape)}".encode() + sample.numpy().tobytes())
+    return digest.hexdigest()[:16]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -33,12 +34,12 @@ from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import (BlockManager, DiskTier, Evictor, MemoryStats, SwapCost, TieredKV, make_pool,
-                            paged_stats)
+from minillm.memory import (BlockManager, DiskTier, Evictor, MemoryStats, SwapCost, TieredKV, load_session,
+                            make_pool, paged_stats, save_session)
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
-from minillm.weights import load_model
+from minillm.weights import load_model, model_fingerprint
 
 
 class LLMEngine:
@@ -208,6 +209,30 @@ class LLMEngine:
             self.scheduler.fork(seq, child)
         self.requests[seq.request_id] += forks
         return [seq, *forks]
+
+    # ----------------------------------------------------------------- sessions (memory/sessions.py)
+    def session_identity(self) -> dict[str, str]:
+        """What a session's KV depends on: the model (its fingerprint), block size, storage format."""
+        c = self.config
+        return {"model": model_fingerprint(self.model), "block_size": str(c.block_size), "dtype": c.dtype,
+                "kv_dtype": c.kv_dtype, "kv_key_scales": c.kv_key_scales}
+
+    def save_session(self, path: Path, token_ids: list[int], extra: dict | None = None) -> int:
+        """Park the cached KV of `token_ids` (a finished conversation) in a file; returns the tokens kept."""
+        self.require_prefix_cache()
+        self.tiers.finish_prefetch()
+        return save_session(Path(path), self.block_manager, self.tiers, token_ids, self.session_identity(), extra)
+
+    def load_session(self, path: Path) -> tuple[list[int], dict]:
+        """Load a parked session's KV as cached prefix blocks; returns (its token ids, its extra)."""
+        self.require_prefix_cache()
+        self.tiers.finish_prefetch()
+        return load_session(Path(path), self.block_manager, self.tiers, self.session_identity())
+
+    def require_prefix_cache(self) -> None:
+        if self.block_manager.prefix_cache is None:
+            raise ConfigError("Sessions are found again through the prefix cache; build the engine with "
+                              "prefix_caching=True.")
 
     def memory_stats(self) -> MemoryStats:
         return paged_stats(self.block_manager, self.scheduler.cached_entries(), self.pool.bytes_per_slot,

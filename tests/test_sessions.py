@@ -1,0 +1,76 @@
+"""Sessions: a conversation's KV parked in a file and resumed by another engine (another run)
+gives the tokens naive decoding gives, computing only the new turn; a file from another model,
+block size or KV format, or a damaged one, is refused in one line."""
+
+import random
+
+import pytest
+
+from minillm.decoding import generate
+from minillm.engine import LLM, SamplingParams
+from minillm.memory import SessionError
+from minillm.weights import load_model
+from tests.conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+
+BLOCK = 4
+
+
+def conversation(seed, length=30, vocab=97):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(length)]
+
+
+def park(tiny_dir, tiny_model, path, **switches):
+    """Run the first turn and park it; return the tokens of the whole turn (prompt and reply)."""
+    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True, **switches)
+    prompt = conversation(1)
+    out = llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True))[0]
+    turn = prompt + out.token_ids
+    kept = llm.engine.save_session(path, turn, extra={"note": "hi"})
+    assert kept == (len(turn) - 1) // BLOCK * BLOCK  # every computed full block (the last token has no KV yet)
+    return turn
+
+
+@pytest.mark.parametrize("switches", [{}, {"kv_dtype": "int8"}, {"kv_dtype": "int4"}])
+def test_a_resumed_session_computes_only_the_new_turn(tiny_dir, tiny_model, tmp_path, switches):
+    path = tmp_path / "chat.safetensors"
+    turn = park(tiny_dir, tiny_model, path, **switches)
+    resumed = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True, **switches)
+    token_ids, extra = resumed.engine.load_session(path)
+    assert token_ids == turn[:len(token_ids)] and extra == {"note": "hi"}
+    next_prompt = turn + conversation(2, length=6)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    out = resumed.generate([next_prompt], params)[0]
+    fresh = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **switches).generate([next_prompt], params)[0]
+    assert out.token_ids == fresh.token_ids  # bit for bit what computing the history again gives
+    if not switches:
+        assert out.token_ids == generate(tiny_model, next_prompt, params, "naive").token_ids
+    cache = resumed.engine.block_manager.prefix_cache
+    assert cache.hit_blocks * BLOCK == len(token_ids)  # the whole parked history was reused
+    assert resumed.engine.stats.tokens_computed == len(next_prompt) - len(token_ids) + 7
+
+
+def test_a_session_is_refused_by_another_block_size_format_or_model(tiny_dir, tiny_model, tmp_path):
+    path = tmp_path / "chat.safetensors"
+    park(tiny_dir, tiny_model, path)
+    for switches, field in [({"block_size": 8}, "block_size"), ({"kv_dtype": "int8"}, "kv_dtype")]:
+        other = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **{"block_size": BLOCK, **switches})
+        with pytest.raises(SessionError, match=f"written with {field}="):
+            other.engine.load_session(path)
+    other_dir = write_checkpoint(tmp_path / "other", TINY_CONFIG, random_llama_tensors(TINY_CONFIG, seed=1))
+    other = LLM(other_dir, model=load_model(other_dir), block_size=BLOCK, prefix_caching=True)
+    with pytest.raises(SessionError, match="written with model="):
+        other.engine.load_session(path)
+
+
+@pytest.mark.parametrize("damage", [lambda data: data[:-5], lambda data: data[:-1] + bytes([data[-1] ^ 1]),
+                                    lambda data: b"not a session at all"])
+def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp_path, damage):
+    path = tmp_path / "chat.safetensors"
+    park(tiny_dir, tiny_model, path)
+    path.write_bytes(damage(path.read_bytes()))
+    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True)
+    with pytest.raises(SessionError) as refused:
+        llm.engine.load_session(path)
+    assert "\n" not in str(refused.value) and "delete it" in str(refused.value)
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
