@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from rich.console import Console
 
-from minillm.chat import CHAT_HELP, Chat
-from minillm.cli_flags import add_kv_quantization_args, add_model_args, add_sampling_args, sampling_from
+from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
+from minillm.cli_flags import (add_kv_quantization_args, add_model_args, add_sampling_args, add_tier_args,
+                               positive_int, sampling_from, tier_switches)
 from minillm.cli_measure import add_bench, add_eval
 from minillm.config import DTYPES, ConfigError, EngineConfig
 from minillm.report import console, print_json
@@ -42,9 +44,13 @@ def add_generate(subparsers) -> None:
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (as a user turn)")
     gen.add_argument("--json", action="store_true", help="print one JSON object: ids, text, timings")
-    gen.add_argument("--decoder", choices=["naive", "cached"], default="cached",
-                     help="naive recomputes everything per token (the oracle); cached keeps a KV cache")
+    gen.add_argument("--decoder", choices=["naive", "cached", "paged"], default="cached",
+                     help="naive recomputes everything per token (the oracle); cached keeps a KV cache; paged "
+                          "runs the serving engine (paged KV, tiers) and --json reports its memory per tier")
+    gen.add_argument("--kv-cache-mb", type=positive_int, default=512,
+                     help="with --decoder paged: the device KV pool in MiB (default: 512)")
     add_sampling_args(gen, max_tokens=128)
+    add_tier_args(gen)
     add_model_args(gen)
     gen.set_defaults(func=cmd_generate)
 
@@ -53,6 +59,8 @@ def cmd_generate(args) -> None:
     runtime = runtime_from(args)
     params = sampling_from(args)
     prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
+    if args.decoder == "paged":
+        return generate_paged(runtime, prompt_ids, params, args)
     if args.json:
         gen = runtime.generate(prompt_ids, params, args.decoder)
         print_json({
@@ -72,12 +80,48 @@ def cmd_generate(args) -> None:
                       f"first token {gen.prefill_s * 1000:.0f} ms, decode {decode}[/dim]")
 
 
+def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
+    """The same request on the serving engine; --json adds its memory per tier and its preemptions."""
+    from minillm.engine import LLM
+
+    llm = LLM(args.model, model=runtime.model, tokenizer=runtime.tokenizer, dtype=args.dtype, device=args.device,
+              kv_cache_bytes=args.kv_cache_mb * 2**20, **tier_switches(args))
+    out, text = None, runtime.tokenizer.stream_decoder()
+    for out in llm.stream(prompt_ids, params):
+        if not args.json and out.token_ids and out.token_ids[-1] != runtime.tokenizer.eos_token_id:
+            console.print(text.feed(out.token_ids[-1]), end="", markup=False, highlight=False)
+    if out.error:
+        raise ValueError(out.error)
+    engine = llm.engine
+    if not args.json:
+        console.print(text.flush())
+        return
+    snapshots = engine.stats.memory
+    scheduler = engine.scheduler
+    print_json({"prompt": args.prompt, "prompt_ids": out.prompt_token_ids, "generated_ids": out.token_ids,
+                "text": out.text, "finish_reason": out.finish_reason, "decoder": "paged",
+                "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot},
+                "memory": snapshots[-1].as_dict(),
+                "memory_peak": {"device_reserved_bytes": max(m.as_dict()["reserved_bytes"] for m in snapshots),
+                                "host_reserved_bytes": max(m.as_dict()["host_reserved_bytes"] for m in snapshots),
+                                "disk_reserved_bytes": max(m.as_dict()["disk_reserved_bytes"] for m in snapshots)},
+                "preemption": {"mode": scheduler.preemption, "preemptions": scheduler.num_preemptions,
+                               "swapped_out": scheduler.num_swapped_out, "swapped_in": scheduler.num_swapped_in,
+                               "prefetched": scheduler.num_prefetched,
+                               "tokens_recomputed": scheduler.num_recomputed_tokens}})
+
+
 # ----------------------------------------------------------------------------- chat
 
 def add_chat(subparsers) -> None:
     chat = subparsers.add_parser("chat", help="talk to the model in the terminal",
                                  description=f"Multi-turn chat with streamed replies. {CHAT_HELP}")
     chat.add_argument("--system", default=None, help="system prompt (default: the checkpoint's own)")
+    chat.add_argument("--session", default=None, metavar="NAME",
+                      help="park the conversation's KV on disk when the chat ends, and resume it next time "
+                           "(only the new turn is computed)")
+    chat.add_argument("--sessions-dir", type=Path, default=DEFAULT_SESSIONS_DIR,
+                      help=f"where sessions are parked (default: {DEFAULT_SESSIONS_DIR})")
     add_sampling_args(chat, max_tokens=256)
     add_kv_quantization_args(chat)
     add_model_args(chat)
@@ -88,9 +132,10 @@ def cmd_chat(args) -> None:
     """The conversation runs on the serving engine with the prefix cache on (see minillm.chat)."""
     from minillm.engine import LLM
 
+    session = session_path(args.sessions_dir, args.session) if args.session is not None else None
     llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True, kv_dtype=args.kv_dtype,
               kv_key_scales=args.kv_key_scales)
-    Chat(llm, sampling_from(args), args.system).run(args.model.name)
+    Chat(llm, sampling_from(args), args.system, session).run(args.model.name)
 
 
 # ----------------------------------------------------------------------------- info

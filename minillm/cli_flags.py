@@ -21,6 +21,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """A size that may be 0 (off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
                         help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR})")
@@ -58,7 +69,7 @@ def kv_budget(text: str) -> int | float:
 
 
 def add_tier_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host-cache-mb", type=int, default=0,
+    parser.add_argument("--host-cache-mb", type=non_negative_int, default=0,
                         help="a host pool (MiB) for swapped-out and spilled KV blocks; 0 is none (default: 0)")
     parser.add_argument("--disk-cache-dir", default=None,
                         help="a folder for KV block files once the host pool is full (default: none)")

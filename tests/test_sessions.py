@@ -3,9 +3,11 @@ gives the tokens naive decoding gives, computing only the new turn; a file from 
 block size or KV format, or a damaged one, is refused in one line."""
 
 import random
+import re
 
 import pytest
 
+from minillm.cli import main
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.memory import SessionError
@@ -74,3 +76,25 @@ def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp
         llm.engine.load_session(path)
     assert "\n" not in str(refused.value) and "delete it" in str(refused.value)
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
+def chat(monkeypatch, capsys, real_dir, folder, lines, *flags):
+    feed = iter(lines)
+    monkeypatch.setattr("minillm.cli.console.input", lambda prompt="": next(feed))
+    code = main(["chat", "--max-tokens", "6", "--model", str(real_dir), "--session", "notes",
+                 "--sessions-dir", str(folder), *flags])
+    out, err = capsys.readouterr()
+    return code, " ".join(out.split()), err
+
+
+def test_cli_chat_session_survives_a_restart(monkeypatch, capsys, real_dir, tmp_path):
+    code, out, _ = chat(monkeypatch, capsys, real_dir, tmp_path, ["Name a color.", "/exit"])
+    assert code == 0 and "parked session notes" in out
+    code, out, _ = chat(monkeypatch, capsys, real_dir, tmp_path, ["/sessions", "And a fruit?", "/exit"])
+    assert code == 0 and "resumed session notes: 2 messages" in out and "│ notes │" in out
+    reused = int(re.search(r"(\d+) of \d+ prompt tokens came from the session", out).group(1))
+    assert reused >= 32  # the first turn's full blocks, read from disk instead of recomputed
+    code, _, err = chat(monkeypatch, capsys, real_dir, tmp_path, ["/exit"], "--kv-dtype", "int8")
+    assert code == 2 and err.count("\n") == 1 and "written with kv_dtype='auto'" in err
+    code, _, err = chat(monkeypatch, capsys, real_dir, tmp_path / "x", ["/exit"], "--session", "../up")
+    assert code == 2 and "Session name '../up'" in err

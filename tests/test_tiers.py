@@ -4,6 +4,7 @@ or the same engine without swapping (quantized ones); random operation sequences
 tier's books true; lost block files are recomputed, never read wrong; `auto` follows the costs."""
 
 import errno
+import json
 import logging
 import random
 from collections import Counter
@@ -13,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from minillm.cli import main
 from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
@@ -316,3 +318,14 @@ def test_memory_stats_count_every_tier(tiny_dir, tiny_model):
     final = snapshots[-1].as_dict()
     assert final["bytes_moved"]["device->host"] == final["bytes_moved"]["host->device"] > 0
     assert final["host_total_slots"] == llm.engine.block_manager.num_host_blocks * BLOCK
+
+
+def test_cli_generate_on_the_engine_reports_memory_per_tier(capsys, real_dir):
+    argv = ["generate", "The sky is", "--max-tokens", "6", "--json", "--model", str(real_dir)]
+    assert main(argv) == 0
+    cached = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--decoder", "paged", "--host-cache-mb", "8"]) == 0
+    paged = json.loads(capsys.readouterr().out)
+    assert paged["generated_ids"] == cached["generated_ids"]
+    assert paged["memory"]["host_total_slots"] > 0 and paged["memory_peak"]["device_reserved_bytes"] > 0
+    assert paged["preemption"]["mode"] == "auto" and paged["preemption"]["tokens_recomputed"] == 0

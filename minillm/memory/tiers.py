@@ -180,12 +180,16 @@ class SwapCost:
             self.prefill_tokens += tokens
             self.prefill_seconds += seconds
 
+    def prefill_rate(self) -> float | None:
+        """Prefill tokens per second measured so far."""
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else None
+
     def seconds(self, tokens: int, num_blocks: int, tier: str) -> tuple[float, float] | None:
         """(recompute seconds, swap seconds) for a victim, or None before both rates are known."""
         copy_rate = self.tiers.copy_rate(tier)
         if not self.prefill_tokens or copy_rate is None:
             return None
-        recompute = tokens * self.prefill_seconds / self.prefill_tokens
+        recompute = tokens / self.prefill_rate()
         swap = 2 * num_blocks * self.tiers.block_bytes / copy_rate  # out now, in later
         return recompute, swap
 
