@@ -22,8 +22,8 @@ allows. Or, with a host or disk tier, by *swap*: the blocks of its request's run
 (parallel samples or beams share theirs, and a shared block moves once) leave the device pool,
 and come back before it runs again, with nothing recomputed. `preemption="auto"` asks the measured cost model
 (`memory/tiers.py`) which is cheaper for this victim. A swapped sequence at the head of the queue
-is brought back one step early when memory allows (prefetch), its copies overlapping the
-current step's forward pass. Running out of blocks is a scheduling event, never a crash.
+is brought back one step before it runs when others run now (prefetch): its copies overlap
+their forward pass. Running out of blocks is a scheduling event, never a crash.
 
 The scheduler is the one owner of who holds which blocks: it admits requests (or says why one
 can never run), grows and frees block tables, forks samples and beams, finishes sequences, and
@@ -145,6 +145,8 @@ class Scheduler:
         may_admit = self.policy == "continuous" and not preempted
         while may_admit and self.waiting and budget > 0 and self.has_seats_for(self.waiting[0]):
             seq = self.waiting[0]
+            if scheduled and self.block_manager.is_swapped(seq.seq_id):
+                break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
             while not (num_tokens := self.reserve(seq, budget)) and self.release_waiting(seq):
                 pass
             if not num_tokens:
@@ -220,8 +222,8 @@ class Scheduler:
 
     def prefetch_next(self) -> None:
         """Bring the head of the queue back now if it is swapped out and memory allows, keeping
-        a block free for each running sequence to grow into: its copies then overlap this step's
-        forward pass instead of delaying the next."""
+        a block free for each running sequence to grow into. It runs from the next step on; its
+        copies overlap this step's forward pass instead of delaying one."""
         head = self.waiting[0] if self.waiting else None
         if head is None or not self.block_manager.is_swapped(head.seq_id):
             return
