@@ -5,6 +5,7 @@ sample, how the KV cache is compressed. A command adds the groups it takes besid
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, EVICTION_POLICIES, KV_DTYPES
@@ -29,6 +30,17 @@ def non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """The type of every rate or fraction flag that must be a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one above 0") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0; give one above 0")
     return value
 
 

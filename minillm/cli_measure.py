@@ -1,4 +1,4 @@
-"""The commands that measure: `minillm bench decode|serve|prefix|attention` (speed) and
+"""The commands that measure: `minillm bench decode|serve|prefix|tiers|attention` (speed) and
 `minillm eval ppl` (quality).
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minillm.cli_flags import (add_eviction_args, add_kv_quantization_args, add_model_args,
-                               positive_int)
+                               positive_float, positive_int)
 from minillm.config import DTYPES
 from minillm.evaluation import DEFAULT_TEXT
 from minillm.report import console, print_json, show
@@ -20,7 +20,7 @@ from minillm.report import console, print_json, show
 def add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_attention):
+    for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_tiers, add_bench_attention):
         add_command(benches)
 
 
@@ -91,6 +91,56 @@ def cmd_bench_prefix(args) -> None:
     from minillm.benchmarks.prefix import bench_prefix, print_prefix_report
     show(bench_prefix(args.model, args.requests, args.system_tokens, args.attention_backend),
          print_prefix_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench tiers
+
+def add_bench_tiers(benches) -> None:
+    tiers = benches.add_parser("tiers", help="KV tiers: preemption by recompute vs swap vs auto, session resume, "
+                                             "prefix spill",
+                               description="What the KV tiers buy, measured side by side on one run: (1) a seeded "
+                                           "trace arriving over time at a device pool too small for it, with "
+                                           "preemption by recompute, swap (to a host pool, with prefetch) and "
+                                           "auto (measured cost model): tok/s, TTFT, tokens recomputed, bytes "
+                                           "moved, prefetch hidden behind compute, and a check that greedy outputs "
+                                           "are identical; (2) a long conversation resumed from a session file vs "
+                                           "recomputed; (3) more system prompts than the device pool holds, "
+                                           "with and without a host tier to spill them to. Targets are printed "
+                                           "beside the numbers, never asserted.")
+    part = tiers.add_argument_group("1. preemption")
+    part.add_argument("--requests", type=positive_int, default=64,
+                      help="requests in the trace; prompts U[16, 96], outputs U[8, 40] tokens (default: 64)")
+    part.add_argument("--rate", type=positive_float, default=8.0,
+                      help="mean arrivals per second (exponential gaps); higher crowds the pool more (default: 8)")
+    part.add_argument("--device-tokens", type=positive_int, default=512,
+                      help="device KV pool in tokens, small enough to force preemption; the host pool is sized "
+                           "to hold the whole trace (default: 512)")
+    part = tiers.add_argument_group("2. resume")
+    part.add_argument("--history-tokens", type=positive_int, default=2000,
+                      help="length of the parked conversation, in tokens (default: 2000)")
+    part = tiers.add_argument_group("3. prefix spill")
+    part.add_argument("--system-prompts", type=positive_int, default=8, help="distinct system prompts (default: 8)")
+    part.add_argument("--system-tokens", type=positive_int, default=256, help="tokens per system prompt (default: 256)")
+    part.add_argument("--spill-requests", type=positive_int, default=24,
+                      help="requests, one after another, each with a random system prompt (default: 24)")
+    part.add_argument("--spill-pool-prompts", type=positive_float, default=2.5,
+                      help="device KV pool, in requests it holds; the host pool holds every system prompt "
+                           "(default: 2.5)")
+    tiers.add_argument("--threads", type=positive_int, default=1,
+                       help="torch threads; 1 leaves a core to the background prefetch copy, and on a CPU "
+                            "shared with other work more threads wait for each other (default: 1)")
+    tiers.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(tiers)
+    tiers.set_defaults(func=cmd_bench_tiers)
+
+
+def cmd_bench_tiers(args) -> None:
+    from minillm.benchmarks.tiers import bench_tiers, print_tiers_report
+    show(bench_tiers(args.model, num_requests=args.requests, rate=args.rate, device_tokens=args.device_tokens,
+                     history_tokens=args.history_tokens, system_prompts=args.system_prompts,
+                     system_tokens=args.system_tokens, spill_requests=args.spill_requests,
+                     spill_pool_prompts=args.spill_pool_prompts, threads=args.threads, dtype=args.dtype,
+                     device=args.device, progress=not args.json), print_tiers_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench attention

@@ -17,6 +17,7 @@ import torch
 
 from conftest import REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
 from minillm.benchmarks.serve import latency_summary, make_trace
+from minillm.benchmarks.tiers import percentile
 from minillm.cli import main, print_json
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -274,6 +275,64 @@ def test_bench_prefix_json_cached_and_computed_prefill_add_up(capsys, vocab_dir)
         assert sharing["memory_saved"] == approx(1 - shared / unshared) and sharing["copy_on_write_copies"] >= 0
 
 
+# ----------------------------------------------------------------------------- bench tiers
+
+def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, vocab_dir):
+    """Exact facts only: a rate of 1e9/s puts the whole trace in the queue before the first step,
+    so every row sees the same schedule pressure; a 160-token device pool forces preemption."""
+    report = run_json(capsys, "bench", "tiers", "--json", "--requests", 8, "--rate", "1e9", "--device-tokens", 160,
+                      "--history-tokens", 200, "--system-prompts", 4, "--system-tokens", 48, "--spill-requests", 12,
+                      "--model", vocab_dir)
+    assert report["machine"]["cpu_model"] and report["machine"]["torch_threads"] == 1
+
+    preemption = report["preemption"]
+    rows = preemption["rows"]
+    assert list(rows) == ["recompute", "swap", "auto"]
+    assert preemption["outputs_identical"] and preemption["requests_differing"] == 0  # all three are lossless
+    for name, row in rows.items():
+        assert row["errors"] == 0 and row["preemptions"] > 0, name
+        assert row["output_tok_s"] * row["elapsed_s"] == approx(preemption["trace"]["output_tokens"]), name
+        assert row["cpu_s"] > 0, name
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"], name
+        assert (row["prefetch_hidden"] is None) == (row["prefetch_copy_s"] == 0), name
+    assert rows["recompute"]["recomputed_tokens"] > 0 and rows["recompute"]["bytes_moved"] == {}
+    swap = rows["swap"]
+    assert swap["recomputed_tokens"] == 0 and swap["swapped_out"] > 0
+    # every swapped block comes back before its sequence finishes, and nothing overflows to disk
+    assert swap["bytes_moved"]["device->host"] == swap["bytes_moved"]["host->device"] > 0
+    assert set(swap["bytes_moved"]) == {"device->host", "host->device"}
+
+    resume = report["resume"]
+    assert resume["answers_identical"]
+    assert resume["session_tokens"] == resume["history_tokens"] // 16 * 16  # every full block of the history
+    assert resume["recompute"]["prefill_tokens_computed"] == resume["prompt_tokens"]
+    assert resume["resume"]["prefill_tokens_computed"] == resume["prompt_tokens"] - resume["session_tokens"]
+    assert resume["session_file_bytes"] > resume["session_tokens"] * kv_bytes_per_token(vocab_dir)
+    assert resume["ttft_ratio"] == approx(resume["recompute"]["ttft_s"] / resume["resume"]["ttft_s"])
+
+    spill = report["prefix_spill"]
+    without, with_host = spill["without_host"], spill["with_host"]
+    assert spill["answers_identical"]
+    assert without["spilled"] == without["spill_hits"] == 0 and without["bytes_moved"] == {}
+    assert with_host["spilled"] > 0 and with_host["spill_hits"] > 0
+    prompt_tokens = round(spill["requests"] * spill["prompt_tokens_mean"])
+    for row in (without, with_host):
+        assert row["prefill_tokens_computed"] + row["prefix_cache"]["prefill_tokens_saved"] == prompt_tokens
+    assert with_host["prefix_cache"]["prefill_tokens_saved"] > without["prefix_cache"]["prefill_tokens_saved"]
+
+    targets = report["targets"]
+    assert set(targets) == {"auto_vs_best_tok_s", "swap_recomputed_tokens", "swap_prefetch_hidden",
+                            "resume_ttft_ratio", "spill_prefill_saved_ratio"}
+    assert targets["swap_recomputed_tokens"] == {"want": "0", "got": 0, "met": True}
+
+
+def test_tiers_percentile_is_the_nearest_rank_by_hand():
+    ten = [0.7, 0.2, 1.0, 0.5, 0.9, 0.1, 0.4, 0.8, 0.3, 0.6]  # 0.1 .. 1.0, shuffled
+    assert percentile(ten, 50) == 0.5 and percentile(ten, 99) == 1.0  # the 5th and the 10th of 10
+    assert percentile([float(v) for v in range(100, 0, -1)], 99) == 99.0
+    assert percentile([2.0, 1.0], 50) == 1.0 and percentile([0.25], 99) == 0.25
+
+
 # ----------------------------------------------------------------------------- bench attention
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -303,6 +362,8 @@ def test_bench_attention_json_bandwidth_is_bytes_read_over_time(capsys, device):
     (["bench", "decode", "--naive-tokens", "0"], "--naive-tokens"),
     (["bench", "serve", "--requests", "0"], "--requests"),
     (["bench", "prefix", "--requests", "1"], "--requests"),
+    (["bench", "tiers", "--rate", "0"], "--rate"),
+    (["bench", "tiers", "--device-tokens", "16"], "--device-tokens"),
     (["bench", "attention", "--contexts", "0"], "contexts"),
 ])
 def test_a_size_with_nothing_to_measure_is_one_clear_line(capsys, real_dir, argv, option):

@@ -2,6 +2,20 @@
 dict (printed as JSON with --json) so numbers can be compared across commits."""
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo (Linux), else what `platform` knows."""
+    import platform
+    from pathlib import Path
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Bytes moved per second by a large tensor copy (read + write, STREAM's convention), best of
     `repeats`: the memory roof that decode speeds are compared with."""
