@@ -374,3 +374,16 @@ def test_prefetched_swap_ins_copy_behind_the_forward_pass_and_stay_exact(tiny_di
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
     assert llm.engine.scheduler.num_prefetched > 0 and llm.engine.tiers.prefetch_seconds > 0
     assert_swapped_and_drained(llm)
+
+
+def test_real_model_with_swaps_at_every_turn_equals_naive(real_dir, real_model, real_tokenizer):
+    questions = ["What is the capital of France?", "Name three colors.", "Why is the sea salty?", "Say hi."]
+    prompts = [real_tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    params = SamplingParams(max_tokens=12)
+    per_block = real_model.config.kv_bytes_per_token(torch.float32) * 16
+    llm = LLM(real_dir, model=real_model, tokenizer=real_tokenizer, kv_cache_bytes=7 * per_block,
+              host_cache_bytes=64 * per_block, preemption="swap", max_num_batched_tokens=48)
+    outputs = llm.generate(prompts, params)
+    for out, prompt in zip(outputs, prompts):
+        assert out.token_ids == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
+    assert_swapped_and_drained(llm)

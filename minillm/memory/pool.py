@@ -97,7 +97,7 @@ class PagedKVPool:
 
     def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
         for name, stored in self.read_block(block).items():
-            stored.copy_(payload[name])
+            stored.copy_(payload[name], non_blocking=True)  # asynchronous from pinned host memory
 
     def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
         """Nothing to do: every number lives in its block (the quantized pool keeps staging too)."""
@@ -185,11 +185,11 @@ class QuantizedKVPool:
     def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
         stored = self.read_block(block)
         for name in ("k_data", "v_data", "v_scale", "k_scale"):
-            stored[name].copy_(payload[name])
+            stored[name].copy_(payload[name], non_blocking=True)  # asynchronous from pinned host memory
         for layer in range(len(self.k_data)):
             staged = payload.get(f"k_staging.{layer}")
             if staged is not None:
-                self.staging[(layer, block)] = staged.to(self.device, copy=True)
+                self.staging[(layer, block)] = staged.to(self.device, copy=True, non_blocking=True)
             else:
                 self.staging.pop((layer, block), None)
 
