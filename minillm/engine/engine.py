@@ -132,6 +132,7 @@ class LLMEngine:
         """Run one iteration; return an output for every request that got a token or ended."""
         outputs = self.outputs_of([seq.request_id for seq in self.rejected])
         self.rejected.clear()
+        self.tiers.finish_prefetch()  # last step's background copies are done before anything is decided
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
         if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
             stuck = {seq.request_id for seq in self.scheduler.unfinished()}
@@ -143,7 +144,6 @@ class LLMEngine:
             return outputs + self.fail(failed, f"This step failed ({type(err).__name__}: {err}).")
 
     def run(self, schedule: Schedule) -> list[RequestOutput]:
-        self.tiers.finish_prefetch()  # last step's background copies are done
         self.tiers.copy(schedule.copies)  # 2. swaps, spills, copy-on-write, before anyone writes
         self.pool.forget_free_blocks(self.block_manager.is_free)
         self.tiers.start_prefetch(schedule.prefetch)  # the next step's swap-in, behind this forward pass
