@@ -1,7 +1,8 @@
 """A seeded soak: a few hundred random requests through random engine set-ups, checked one by one.
 
 Each set-up draws a block size, a pool from just big enough to many times that, prefix caching
-on or off, static or continuous scheduling and a token budget; its requests mix greedy ones,
+on or off, static or continuous scheduling, a token budget, and tiers (none, a host pool that
+may overflow to disk, disk alone) with a preemption policy; its requests mix greedy ones,
 seeded parallel samples and beams, some sharing a prefix, and some are aborted mid-flight.
 Every greedy output must equal naive decoding, every sample the same seeded naive draw, every beam
 set the reference search; no exception; every block free after each drain. A failure names its
@@ -17,7 +18,7 @@ from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
-NUM_SETUPS = 60
+NUM_SETUPS = int(__import__("os").environ.get("SOAK_SETUPS", 60))
 
 
 def random_request(rng: random.Random, shared: list[int]) -> tuple[list[int], SamplingParams]:
@@ -29,6 +30,13 @@ def random_request(rng: random.Random, shared: list[int]) -> tuple[list[int], Sa
     if kind == "beams":
         return prompt, SamplingParams(beam_width=rng.randint(2, 3), max_tokens=min(max_tokens, 6), ignore_eos=True)
     return prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def random_tiers(rng: random.Random, block_size: int, folder) -> dict:
+    host_blocks, disk = rng.choice([(0, False), (0, False), (2, True), (200, False), (0, True)])
+    tiers = {"host_cache_bytes": host_blocks * block_size * KV_BYTES_PER_TOKEN,
+             "disk_cache_dir": str(folder) if disk else None}
+    return {**tiers, "preemption": rng.choice(["auto", "swap"] if host_blocks or disk else ["auto", "recompute"])}
 
 
 def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[list[int]]:
@@ -56,7 +64,7 @@ def run_with_aborts(llm, rng: random.Random, requests) -> tuple[dict, set]:
 
 
 @pytest.mark.parametrize("seed", range(NUM_SETUPS), ids=lambda seed: f"setup_{seed}")
-def test_soak(tiny_dir, tiny_model, seed):
+def test_soak(tiny_dir, tiny_model, tmp_path, seed):
     rng = random.Random(seed)
     shared = [rng.randrange(97) for _ in range(rng.randint(4, 40))]
     requests = [random_request(rng, shared) for _ in range(rng.randint(8, 16))]
@@ -65,7 +73,8 @@ def test_soak(tiny_dir, tiny_model, seed):
     blocks = -(-longest // block_size) * rng.choice([1, 2, 4, 20])  # from just fits to plenty
     llm = LLM(tiny_dir, model=tiny_model, block_size=block_size, kv_cache_bytes=blocks * block_size * KV_BYTES_PER_TOKEN,
               prefix_caching=rng.random() < 0.5, scheduling=rng.choice(["static", "continuous"]),
-              max_num_batched_tokens=rng.choice([8, 32, 512]), max_num_seqs=rng.choice([4, 16]))
+              max_num_batched_tokens=rng.choice([8, 32, 512]), max_num_seqs=rng.choice([4, 16]),
+              **random_tiers(rng, block_size, tmp_path))
     outputs, aborted = run_with_aborts(llm, rng, requests)
     for (request_id, out), (prompt, params) in zip(outputs.items(), requests):
         if request_id in aborted and (out is None or out.finish_reason == "abort"):
@@ -75,3 +84,4 @@ def test_soak(tiny_dir, tiny_model, seed):
     manager = llm.engine.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks, seed
+    assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0, seed

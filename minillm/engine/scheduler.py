@@ -134,7 +134,7 @@ class Scheduler:
             while not (num_tokens := self.reserve(seq, budget)):
                 preempted = True
                 if not self.release_waiting(seq):
-                    self.preempt(self.running[-1])
+                    self.preempt(self.running[-1], protect=seq)
                 if seq.status is not Status.RUNNING:  # the victim, or swapped out with it
                     break
             else:
@@ -143,24 +143,28 @@ class Scheduler:
                 budget -= num_tokens
 
         may_admit = self.policy == "continuous" and not preempted
-        while may_admit and self.waiting and budget > 0 and self.has_seats_for(self.waiting[0]):
-            seq = self.waiting[0]
+        for seq in list(self.waiting) if may_admit else []:
+            if budget == 0 or not self.has_seats_for(seq):
+                break
+            if seq.num_uncomputed == 0:  # a beam swapped out while it waited for its siblings' scores:
+                continue  # nothing to run until they are in; it keeps its place
             if scheduled and self.block_manager.is_swapped(seq.seq_id):
                 break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
             while not (num_tokens := self.reserve(seq, budget)) and self.release_waiting(seq):
                 pass
             if not num_tokens:
                 break  # wait for memory; FIFO, so nobody overtakes
-            self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self.start_running(seq)
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
-        if not scheduled and self.waiting and self.running:
-            # Nobody running has work (beams waiting for a sibling that waits for memory): make room
-            # for the head of the queue; the victim queues behind it, or it would take the room back.
-            self.preempt(self.running[-1], front=False)
-            return self.schedule_sequences()
+        if not scheduled and any(seq.num_uncomputed for seq in self.waiting):
+            if self.running:
+                # Nobody running has work (beams waiting for a sibling that waits for memory): make room
+                # for the head of the queue; the victim queues behind it, or it would take the room back.
+                self.preempt(self.running[-1], front=False)
+                return self.schedule_sequences()
+            if preempted:  # every running sequence left to make room: the room is there now
+                return self.schedule_sequences()
         return scheduled
 
     def reserve(self, seq: Sequence, budget: int) -> int:
@@ -168,7 +172,7 @@ class Scheduler:
         chunk's length, or 0 if memory is short. A sequence without blocks first looks for its
         prompt's leading blocks in the prefix cache: those tokens need no computing at all."""
         manager, cache = self.block_manager, self.block_manager.prefix_cache
-        if manager.is_swapped(seq.seq_id) and not self.readable(seq):
+        if manager.is_swapped(seq.seq_id) and not self.can_come_back(seq, budget):
             self.forget_swapped(seq)
         starting = not manager.has_table(seq.seq_id)
         hits = cache.lookup(seq.token_ids) if cache and starting else []
@@ -192,12 +196,22 @@ class Scheduler:
         manager.copy_on_write(seq.seq_id, start, end)
         return num_tokens
 
+    def can_come_back(self, seq: Sequence, budget: int) -> bool:
+        """Can the swapped sequence's blocks return and take its next chunk? Not if a disk file is
+        lost, nor if even the whole pool is too small: its samples shared a half-filled block that
+        each must now copy, say, where recomputing it alone would fit."""
+        manager = self.block_manager
+        start, end = seq.num_cached, seq.num_cached + min(seq.num_uncomputed, budget)
+        needed = len(manager.held_off_device([seq.seq_id])) + manager.blocks_missing(seq.seq_id, end) + \
+            len(manager.shared_blocks(seq.seq_id, start, end))
+        return needed <= manager.num_blocks and self.readable(seq)
+
     def readable(self, seq: Sequence) -> bool:
         """Can the swapped sequence's blocks be read back? (A disk file may be lost or corrupt.)"""
         return self.tiers.readable(self.block_manager.held_off_device([seq.seq_id]))
 
     def forget_swapped(self, seq: Sequence) -> None:
-        """The sequence's swapped KV is lost: it will be recomputed instead."""
+        """The sequence's swapped KV cannot come back: it will be recomputed instead."""
         self.block_manager.free(seq.seq_id)
         self.num_recomputed_tokens += seq.num_computed
         seq.forget_cache()
@@ -224,7 +238,7 @@ class Scheduler:
         """Bring the head of the queue back now if it is swapped out and memory allows, keeping
         a block free for each running sequence to grow into. It runs from the next step on; its
         copies overlap this step's forward pass instead of delaying one."""
-        head = self.waiting[0] if self.waiting else None
+        head = next((seq for seq in self.waiting if seq.num_uncomputed), None)  # the next to run
         if head is None or not self.block_manager.is_swapped(head.seq_id):
             return
         if self.block_manager.can_swap_in([head.seq_id], extra=len(self.running)) and self.readable(head):
@@ -236,9 +250,13 @@ class Scheduler:
         """Static batching: the next max_num_seqs requests form a batch that runs to its end.
         Their prefills may still be spread over several steps by the token budget."""
         while self.waiting and self.has_seats_for(self.waiting[0]):
-            seq = self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            self.start_running(self.waiting[0])
+
+    def start_running(self, seq: Sequence) -> None:
+        """A waiting sequence joins the running ones."""
+        self.waiting.remove(seq)
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     def has_seats_for(self, seq: Sequence) -> bool:
         """At most max_num_seqs sequences run at once, counting the forks that running requests
@@ -269,10 +287,11 @@ class Scheduler:
         else:
             self.waiting.insert(self.waiting.index(parent) + 1, child)
 
-    def preempt(self, seq: Sequence, front: bool = True) -> None:
-        """Take `seq` off the device: by swap (with its request's other running sequences) when
-        the policy says so and a tier has room, else by recompute."""
-        victims = self.swap_victims(seq)
+    def preempt(self, seq: Sequence, front: bool = True, protect: Sequence | None = None) -> None:
+        """Take `seq` off the device: by swap (with its request's other running sequences, except
+        `protect`, the one the room is made for) when the policy says so and a tier has room, else
+        by recompute."""
+        victims = self.swap_victims(seq, protect)
         if victims:
             self.block_manager.swap_out([victim.seq_id for victim in victims])
             self.num_swapped_out += len(victims)
@@ -292,13 +311,14 @@ class Scheduler:
         else:
             self.waiting.extend(victims)
 
-    def swap_victims(self, seq: Sequence) -> list[Sequence]:
-        """The sequences to swap out with `seq` (its request's running ones), or [] to recompute."""
+    def swap_victims(self, seq: Sequence, protect: Sequence | None) -> list[Sequence]:
+        """The sequences to swap out with `seq` (its request's running ones that this step has not
+        scheduled, `protect` excepted), or [] to recompute."""
         manager = self.block_manager
         if self.preemption == "recompute" or not manager.has_table(seq.seq_id):
             return []
         group = [s for s in self.running if s.request_id == seq.request_id and manager.has_table(s.seq_id)
-                 and s.seq_id not in self.scheduled_ids]
+                 and s.seq_id not in self.scheduled_ids and (s is seq or s is not protect)]
         ids = [s.seq_id for s in group]
         if not manager.can_swap_out(ids):
             return []

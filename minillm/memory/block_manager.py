@@ -190,24 +190,23 @@ class BlockManager:
 
     def adopt(self, seq_id: int, blocks: list[int]) -> None:
         """Start a new sequence's table with cached blocks (a prefix hit): share, don't recompute.
-        A block spilled to the host tier comes back to a device block first."""
+        A block spilled to the host tier comes back to a device block first. Every hit is held
+        before any block is taken for that: a take may spill or reuse the free block it lands on."""
         if seq_id in self.block_tables:
             raise BlockManagerError(f"sequence {seq_id} already has a block table")
-        table = []
         for block in blocks:
             if self.tier(block) != "device":
-                block = self.bring_back(block)
-            elif self.refcounts[block] == 0:
+                del self.free_host[block]  # in use while it is read
+                continue
+            if self.refcounts[block] == 0:
                 del self.free_blocks[block]
-                self.refcounts[block] = 1
-            else:
-                self.refcounts[block] += 1
-            table.append(block)
-        self.block_tables[seq_id] = table
+            self.refcounts[block] += 1
+        self.block_tables[seq_id] = [block if self.tier(block) == "device" else self.bring_back(block)
+                                     for block in blocks]
 
     def bring_back(self, host: int) -> int:
-        """A spilled prefix block returns to the device (held by one table, the caller's)."""
-        del self.free_host[host]  # in use while it is read: no spill may take it meanwhile
+        """A spilled prefix block (taken out of the host free list) returns to a device block,
+        held by one table: the caller's."""
         block = self.take_free_block()
         self.copies.append((host, block))
         self.prefix_cache.move(host, block)

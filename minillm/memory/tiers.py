@@ -59,6 +59,7 @@ class DiskTier:
         for stale in self.folder.glob("block-*.safetensors"):  # blocks of an earlier run mean nothing now
             stale.unlink()
         self.checksums: dict[int, str] = {}  # block -> sha256 of its file
+        self.lost: set[int] = set()  # blocks whose write failed
         self.checked: dict[int, dict[str, torch.Tensor]] = {}  # read and verified, not yet copied in
 
     def path(self, block: int) -> Path:
@@ -67,17 +68,21 @@ class DiskTier:
     def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
         data = save_tensors({name: tensor.contiguous().cpu() for name, tensor in payload.items()})
         self.checksums.pop(block, None)
+        self.checked.pop(block, None)  # a block id reused: what was read for its old content is stale
+        self.lost.discard(block)
         try:
             self.path(block).write_bytes(data)
         except OSError as err:
             log.warning("KV block %d could not be written to %s (%s); its sequence will be recomputed.",
                         block, self.folder, err.strerror or err)
+            self.lost.add(block)
             return
         self.checksums[block] = hashlib.sha256(data).hexdigest()
 
     def readable(self, block: int) -> bool:
-        """Is the block's file there and unaltered? (It is then kept, read, for the copy back.)"""
-        if block in self.checked:
+        """Is the block's file there and unaltered? (It is then kept, read, for the copy back.) A
+        block not written yet is: its write was decided and is performed before any read of it."""
+        if block in self.checked or (block not in self.checksums and block not in self.lost):
             return True
         try:
             data = self.path(block).read_bytes()
