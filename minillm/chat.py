@@ -19,6 +19,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from minillm.memory import SessionError
 from minillm.report import console, print_table
 
 CHAT_HELP = ("/reset clears the conversation, /stats shows speed, KV memory and prefix reuse, /sessions lists "
@@ -59,7 +60,11 @@ class Chat:
     def resume(self) -> None:
         """Load the parked session: its messages become the history, its KV the prefix cache's."""
         token_ids, extra = self.llm.engine.load_session(self.session)
-        self.history = extra.get("messages", self.history)
+        messages = extra.get("messages")
+        if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                   and isinstance(m.get("content"), str) for m in messages)):
+            raise SessionError(f"Session {self.session.stem} holds no chat messages; start a new session.")
+        self.history = messages
         self.resumed_tokens = len(token_ids)
         console.print(f"[dim]resumed session {self.session.stem}: {len(self.history)} messages, "
                       f"{len(token_ids):,} tokens of KV loaded from disk[/dim]")

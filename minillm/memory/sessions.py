@@ -80,20 +80,32 @@ def read_session(path: Path, identity: dict[str, str]) -> tuple[dict[str, torch.
                                f"{value!r}; resume it with the same switches, or start a new session.")
     if tensors_sha256(tensors) != metadata.get("sha256"):
         raise SessionError(f"Session file {path} is damaged (checksum mismatch); delete it to start over.")
-    return tensors, json.loads(metadata.get("extra", "{}"))
+    try:
+        extra = json.loads(metadata.get("extra", "{}"))
+    except json.JSONDecodeError:
+        extra = None
+    if not isinstance(extra, dict):
+        raise SessionError(f"Session file {path} has unreadable metadata; delete it to start over.")
+    return tensors, extra
 
 
 def load_session(path: Path, manager: BlockManager, tiers, identity: dict[str, str]) -> tuple[list[int], dict]:
     """Put a parked session's blocks into the device pool as cached prefix blocks (as many as
     there is room for). Returns (the token ids they hold, the extra dict saved with them)."""
     tensors, extra = read_session(path, identity)
-    token_ids = tensors["token_ids"].tolist()
+    token_ids = tensors["token_ids"].tolist() if "token_ids" in tensors else []
     fits = min(len(token_ids) // manager.block_size, manager.num_free_blocks)
     manager.grow(PLACEHOLDER_SEQ, fits * manager.block_size)
     tiers.copy(manager.take_copies())  # blocks spilled to make room leave before they are overwritten
-    for index, block in enumerate(manager.table(PLACEHOLDER_SEQ)):
-        prefix = f"block.{index}."
-        tiers.device.write_block(block, {name[len(prefix):]: t for name, t in tensors.items() if name.startswith(prefix)})
+    try:
+        for index, block in enumerate(manager.table(PLACEHOLDER_SEQ)):
+            prefix = f"block.{index}."
+            tiers.device.write_block(block, {name[len(prefix):]: t for name, t in tensors.items()
+                                             if name.startswith(prefix)})
+    except (KeyError, RuntimeError) as err:  # a well-formed file whose tensors do not fit this pool
+        manager.free(PLACEHOLDER_SEQ)
+        raise SessionError(f"Session file {path} does not hold this pool's blocks ({str(err)[:60]}); "
+                           "delete it to start over.") from None
     manager.prefix_cache.register(PLACEHOLDER_SEQ, manager.table(PLACEHOLDER_SEQ), token_ids, fits * manager.block_size)
     manager.free(PLACEHOLDER_SEQ)  # the blocks stay cached, findable by the next prompt
     return token_ids, extra

@@ -36,8 +36,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -47,17 +50,17 @@ log = logging.getLogger("minillm")
 
 
 class DiskTier:
-    """One safetensors file per block in `folder`, checked against the sha256 taken when written."""
+    """One safetensors file per block, checked against the sha256 taken when written, in a folder
+    of its own inside `folder` (removed when the engine goes: the blocks mean nothing to another run)."""
 
     def __init__(self, folder: str | Path):
-        self.folder = Path(folder) / "blocks"
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            Path(folder).mkdir(parents=True, exist_ok=True)
+            self.folder = Path(tempfile.mkdtemp(prefix="minillm-kv-", dir=folder))
         except OSError as err:
-            raise OSError(f"disk_cache_dir={str(folder)!r} cannot hold KV blocks ({err.strerror}); "
+            raise OSError(f"disk_cache_dir={str(folder)!r} cannot hold KV blocks ({err.strerror or err}); "
                           "choose a writable folder.") from None
-        for stale in self.folder.glob("block-*.safetensors"):  # blocks of an earlier run mean nothing now
-            stale.unlink()
+        weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
         self.checksums: dict[int, str] = {}  # block -> sha256 of its file
         self.lost: set[int] = set()  # blocks whose write failed
         self.checked: dict[int, dict[str, torch.Tensor]] = {}  # read and verified, not yet copied in
