@@ -82,6 +82,16 @@ def check_preemption(numbers):
     assert numbers["cost_recompute_seconds"][-1] > 2 * numbers["cost_swap_seconds_block_64"][-1]
 
 
+def check_tiers(numbers):
+    assert numbers["none_spilled"] == 0 and numbers["host_spill_hits"] > 0
+    assert numbers["host_resumed_turns"] > numbers["none_resumed_turns"]
+    assert numbers["host_prefill_saved"] > numbers["none_prefill_saved"]
+    assert 0 < numbers["swap_prefetched"] <= numbers["swap_swapped_in"]
+    assert 0 <= numbers["swap_hidden_share"] <= 1
+    assert numbers["session_resumed_computed"] < numbers["session_recomputed_computed"]
+    assert numbers["session_resumed_ttft"] < numbers["session_recomputed_ttft"]  # ~10x less prefill at --quick
+
+
 def check_kernel(numbers):
     assert numbers["kernel_max_error"] <= 1e-5
     assert numbers["online_softmax_max_error"] <= 1e-6
@@ -98,6 +108,7 @@ def check_kernel(numbers):
     ("08_eviction", True, check_eviction),
     ("09_continuous_batching", True, check_continuous_batching),
     ("10_preemption", True, check_preemption),
+    ("11_tiers", True, check_tiers),
     ("12_kernel", False, check_kernel),  # tables only
 ])
 def test_lesson_runs_saves_and_its_claim_holds(name, makes_plot, check, real_dir, tmp_path):
