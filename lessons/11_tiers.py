@@ -38,8 +38,8 @@ BLOCK = 16
 SETTINGS = {
     "default": {  # (a) chats, and the device and host pools in blocks; (b) a swap-heavy trace; (c) the parked chat
         "conversations": 10, "turns": 3, "message_tokens": 40, "reply_tokens": 4, "device_blocks": 24,
-        "host_blocks": 160, "swap_requests": 8, "swap_prompt_lens": (32, 64), "swap_max_tokens": 64,
-        "swap_device_tokens": 256, "history_tokens": 512},
+        "host_blocks": 160, "swap_requests": 8, "swap_prompt_lens": (24, 48), "swap_max_tokens": 48,
+        "swap_device_tokens": 192, "history_tokens": 512},
     "quick": {
         "conversations": 4, "turns": 2, "message_tokens": 32, "reply_tokens": 2, "device_blocks": 6,
         "host_blocks": 32, "swap_requests": 5, "swap_prompt_lens": (16, 40), "swap_max_tokens": 20,
@@ -121,7 +121,8 @@ def show_chats(runs: dict, settings: dict) -> None:
         ("prefix-cache hit rate (tokens)", lambda r: f"{r['token_hit_rate']:.0%}"),
         ("cached blocks spilled to host", lambda r: r["spilled"]),
         ("...copied back for a later prompt", lambda r: r["spill_hits"]),
-        ("mean TTFT of returning turns, ms", lambda r: f"{sum(x['ttft'] for x in r['returns']) / len(r['returns']) * 1e3:.0f}"),
+        ("mean TTFT of returning turns, ms",
+         lambda r: f"{sum(x['ttft'] for x in r['returns']) / len(r['returns']) * 1e3:.0f}"),
         ("seconds", lambda r: f"{r['seconds']:.1f}"))]
     table(f"(a) {settings['conversations']} chats x {settings['turns']} turns, interleaved; device pool "
           f"{settings['device_blocks'] * BLOCK} tokens, host tier {settings['host_blocks'] * BLOCK}",
@@ -217,15 +218,16 @@ def plot(chats: dict, swapping: dict, session: dict, settings: dict, out) -> Non
     left.set(xlabel="idle gap: prompt tokens of other chats since its last turn", ylabel="% of history found",
              title="(a) Does a returning chat find its KV?")
     left.legend(fontsize=8)
-    waited, hidden = swapping["prefetch_waited"] * 1e3, (swapping["prefetch_seconds"] - swapping["prefetch_waited"]) * 1e3
+    waited = swapping["prefetch_waited"] * 1e3
+    hidden = swapping["prefetch_seconds"] * 1e3 - waited
     middle.bar(["prefetch copies"], [hidden], label="hidden behind compute", color="tab:green")
     middle.bar(["prefetch copies"], [waited], bottom=[hidden], label="waited for", color="tab:red")
     middle.set(ylabel="ms", title=f"(b) Prefetch: {swapping['hidden_share']:.0%} hidden")
     middle.legend(fontsize=8)
     if not swapping["prefetched"]:
         middle.text(0, 0, "no prefetch in this run", ha="center")
-    right.bar(["resume\nfrom file", "recompute\nhistory"], [session["resumed_ttft"] * 1e3, session["recomputed_ttft"] * 1e3],
-              color=["tab:blue", "tab:gray"])
+    right.bar(["resume\nfrom file", "recompute\nhistory"],
+              [session["resumed_ttft"] * 1e3, session["recomputed_ttft"] * 1e3], color=["tab:blue", "tab:gray"])
     right.set(ylabel="time to first token, ms", title=f"(c) A {session['history_tokens']}-token chat, cold")
     fig.tight_layout()
     save_plot(fig, out, "11_tiers.png")
