@@ -73,6 +73,25 @@ def check_continuous_batching(numbers):
     assert numbers["continuous_mean_start_step"] < numbers["static_mean_start_step"]
 
 
+def check_preemption(numbers):
+    assert numbers["identical_outputs"]  # how a victim gives its blocks back never changes a token
+    assert numbers["recompute_recomputed_tokens"] > 0 and numbers["recompute_bytes_moved"] == 0
+    assert numbers["swap_recomputed_tokens"] == 0 and numbers["swap_bytes_moved"] > 0
+    assert numbers["auto_decisions"] == numbers["auto_chose_swap"] + numbers["auto_chose_recompute"] > 0
+    # on a CPU a prefill costs far more than a memory copy of its KV (~100x and up; 2x would do)
+    assert numbers["cost_recompute_seconds"][-1] > 2 * numbers["cost_swap_seconds_block_64"][-1]
+
+
+def check_tiers(numbers):
+    assert numbers["none_spilled"] == 0 and numbers["host_spill_hits"] > 0
+    assert numbers["host_resumed_turns"] > numbers["none_resumed_turns"]
+    assert numbers["host_prefill_saved"] > numbers["none_prefill_saved"]
+    assert 0 < numbers["swap_prefetched"] <= numbers["swap_swapped_in"]
+    assert 0 <= numbers["swap_hidden_share"] <= 1
+    assert numbers["session_resumed_computed"] < numbers["session_recomputed_computed"]
+    assert numbers["session_resumed_ttft"] < numbers["session_recomputed_ttft"]  # ~10x less prefill at --quick
+
+
 def check_kernel(numbers):
     assert numbers["kernel_max_error"] <= 1e-5
     assert numbers["online_softmax_max_error"] <= 1e-6
@@ -88,7 +107,9 @@ def check_kernel(numbers):
     ("07_kv_quantization", True, check_kv_quantization),
     ("08_eviction", True, check_eviction),
     ("09_continuous_batching", True, check_continuous_batching),
-    ("10_kernel", False, check_kernel),  # tables only
+    ("10_preemption", True, check_preemption),
+    ("11_tiers", True, check_tiers),
+    ("12_kernel", False, check_kernel),  # tables only
 ])
 def test_lesson_runs_saves_and_its_claim_holds(name, makes_plot, check, real_dir, tmp_path):
     numbers = run_lesson(name, tmp_path)

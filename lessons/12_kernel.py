@@ -1,4 +1,4 @@
-"""Lesson 10 — a paged-attention kernel, step by step, then checked and timed on this machine.
+"""Lesson 12 — a paged-attention kernel, step by step, then checked and timed on this machine.
 
 Decode attention for one sequence and one head is three steps: scores = q . k_t for every past
 position t, softmax over the scores, output = sum_t p_t v_t. The torch reference does them as
@@ -11,7 +11,7 @@ The C++ kernel (kernels_cuda/paged_attention_cpu.cpp) runs one task per (sequenc
 GQA group reads its K/V once; the CUDA kernel (kernels_cuda/paged_attention.cu) runs one thread
 block per (sequence, query head), a warp per position stripe, lanes across head_dim.
 
-    python lessons/10_kernel.py [--quick] [--out DIR]
+    python lessons/12_kernel.py [--quick] [--out DIR]
 """
 
 import torch
@@ -78,7 +78,7 @@ def main():
     report = time_kernels(args.quick)
     kernel, reference = report["backends"][1], report["backends"][0]
     best = max(report["rows"], key=lambda r: r[f"{kernel}_roof_fraction"])
-    save_numbers(args.out, "10_kernel.json", {
+    save_numbers(args.out, "12_kernel.json", {
         "online_softmax_max_error": softmax_error, "kernel_max_error": kernel_error,
         "kernel_best_roof_fraction": best[f"{kernel}_roof_fraction"],
         "reference_roof_fraction_same_case": best[f"{reference}_roof_fraction"],

@@ -1,0 +1,318 @@
+"""Lesson 10 — preemption: when KV blocks run out, recompute the victim or swap it out?
+
+When a running sequence needs a block and none is free, the scheduler preempts the newest one
+and gives its blocks back. Two ways, two costs:
+  - recompute: free the blocks; when the victim runs again, prefill its tokens anew (prompt and
+    output so far). The cost is compute, and grows with the victim's length.
+  - swap: copy the blocks to the host pool now and back before it runs again. The cost is two
+    copies of its KV bytes, plus a fixed cost per block (a `read_block` / `write_block` call
+    each way, Python included), so the same tokens in smaller blocks swap dearer.
+We measure both with the real model and the engine's own paths — a prefill through the engine;
+the block manager's `swap_out` / `swap_in`, performed by `TieredKV.copy` — against sequence
+length and block size. Then `preemption="auto"` serves a trace on a tight KV budget, beside
+"recompute" and "swap", and we read what it chose and the measured cost model behind each
+choice (`memory/tiers.py`, `SwapCost`).
+
+On a CPU-only machine the device pool and the host pool are the same RAM: a swap is still real
+memory traffic (every byte read and written, out and back), but it crosses no bus, while a
+prefill is slow CPU math. On a GPU the copy crosses PCIe (tens of GB/s, against the HBM's TB/s)
+and prefill is fast: the same comparison can come out the other way, which is why `auto`
+measures both rates on the machine it runs on instead of assuming either.
+
+    python lessons/10_preemption.py [--quick] [--out DIR]
+"""
+
+import math
+import random
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+from minillm.benchmarks import copy_bandwidth  # noqa: E402
+from minillm.engine import LLM, SamplingParams  # noqa: E402
+from minillm.evaluation import read_text  # noqa: E402
+from minillm.tokenizer import Tokenizer  # noqa: E402
+from minillm.weights import load_model  # noqa: E402
+
+BLOCK_SIZES = [4, 16, 64]
+TRACE_BLOCK = 16
+RECOMPUTE_BLOCK = 16  # prefill's math does not depend on the block size, only where K/V is written
+VICTIM = 10**9  # a sequence id no request uses: the swapped "victim" of part 1
+POLICIES = ["recompute", "swap", "auto"]
+SETTINGS = {  # part 1: victim lengths, timing repeats; part 2: the trace and the device pool it shares
+    "default": {"lengths": [64, 128, 256, 512, 1024], "prefill_repeats": 2, "swap_repeats": 5,
+                "requests": 8, "prompt_lens": (24, 48), "max_tokens": 48, "device_tokens": 192},
+    "quick": {"lengths": [32, 64, 128], "prefill_repeats": 1, "swap_repeats": 3,
+              "requests": 4, "prompt_lens": (24, 48), "max_tokens": 16, "device_tokens": 96},
+}
+
+
+def tokens_to_bytes(model, tokens: int, block_size: int) -> int:
+    """KV bytes of `tokens` tokens rounded up to whole blocks (a pool budget)."""
+    return model.config.kv_bytes_per_token(model.dtype) * block_size * -(-tokens // block_size)
+
+
+# ---------------------------------------------------------------- part 1: the two costs, measured
+def recompute_seconds(engine, prompt: list[int], repeats: int) -> float:
+    """A victim's recompute: its tokens prefilled again, timed by the engine's own forward clock
+    (the one `SwapCost` learns its prefill rate from). Best of `repeats`: the machine is shared,
+    and the best run is the least disturbed one."""
+    best = float("inf")
+    for _ in range(repeats):
+        before = engine.swap_cost.prefill_seconds
+        engine.add_request(prompt, SamplingParams(max_tokens=1))
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                assert out.error is None, out.error
+        best = min(best, engine.swap_cost.prefill_seconds - before)
+    return best
+
+
+def swap_seconds(engine, num_tokens: int, repeats: int) -> float:
+    """A victim's swap, out and back: the block manager decides which blocks go where, and
+    `TieredKV.copy` copies them one block at a time, as the engine's step does. Best of `repeats`."""
+    manager, tiers = engine.block_manager, engine.tiers
+    best = float("inf")
+    for _ in range(repeats):
+        manager.grow(VICTIM, num_tokens)
+        start = time.perf_counter()
+        manager.swap_out([VICTIM])
+        tiers.copy(manager.take_copies())  # device -> host
+        manager.swap_in([VICTIM])
+        tiers.copy(manager.take_copies())  # host -> device
+        best = min(best, time.perf_counter() - start)
+        manager.free(VICTIM)
+    return best
+
+
+def crossover(lengths: list[int], recompute: list[float], swap: list[float]) -> float | None:
+    """The length where the two curves cross (interpolated on log-log axes), or None."""
+    for i in range(len(lengths) - 1):
+        before, after = swap[i] - recompute[i], swap[i + 1] - recompute[i + 1]
+        if before == 0 or before * after < 0:
+            a, b = math.log(swap[i] / recompute[i]), math.log(swap[i + 1] / recompute[i + 1])
+            x0, x1 = math.log(lengths[i]), math.log(lengths[i + 1])
+            return math.exp(x0 + (x1 - x0) * a / (a - b))
+    return None
+
+
+def measure_costs(model, tokenizer, text: list[int], settings: dict) -> dict:
+    lengths = settings["lengths"]
+    longest = max(lengths) + 1  # the prompt and the one token a prefill samples
+    engines = {size: LLM(model=model, tokenizer=tokenizer, block_size=size, preemption="swap",
+                         kv_cache_bytes=tokens_to_bytes(model, longest, size),
+                         host_cache_bytes=tokens_to_bytes(model, longest, size)).engine for size in BLOCK_SIZES}
+    recompute_engine = engines[RECOMPUTE_BLOCK]
+    recompute_seconds(recompute_engine, text[:32], 1)  # warm-up: the first forward pays one-off costs
+    recompute = [recompute_seconds(recompute_engine, text[:n], settings["prefill_repeats"]) for n in lengths]
+    swap = {size: [swap_seconds(engines[size], n, settings["swap_repeats"]) for n in lengths] for size in BLOCK_SIZES}
+    return {"lengths": lengths, "recompute": recompute, "swap": swap,
+            "crossover": {size: crossover(lengths, recompute, swap[size]) for size in BLOCK_SIZES},
+            "kv_bytes_per_token": model.config.kv_bytes_per_token(model.dtype)}
+
+
+def show_costs(costs: dict, roof: float) -> None:
+    lengths, recompute, swap = costs["lengths"], costs["recompute"], costs["swap"]
+    rows = [[n, f"{recompute[i] * 1e3:.0f}", *[f"{swap[size][i] * 1e3:.2f}" for size in BLOCK_SIZES],
+             f"{recompute[i] / max(swap[size][i] for size in BLOCK_SIZES):.0f}x"] for i, n in enumerate(lengths)]
+    table("one victim, ms: recompute (prefill its tokens) vs swap (its blocks out and back) by block size",
+          ["tokens", "recompute", *[f"swap {size}" for size in BLOCK_SIZES], "recompute / dearest"], rows)
+    longest, per_token = lengths[-1], costs["kv_bytes_per_token"]
+    moved = 2 * longest * per_token  # out and back
+    rows = []
+    for size in BLOCK_SIZES:
+        seconds, blocks = swap[size][-1], -(-longest // size)
+        cross = costs["crossover"][size]
+        rows.append([size, 2 * blocks, f"{seconds / (2 * blocks) * 1e6:.1f}", f"{moved / seconds / 1e9:.2f}",
+                     f"{2 * moved / seconds / roof:.0%}", "none" if cross is None else f"{cross:.0f} tokens"])
+    table(f"swapping {longest} tokens ({moved / 2**20:.0f} MiB out and back); the roof, the same bytes in one "
+          f"tensor copy: {roof / 1e9:.1f} GB/s read + write",
+          ["block size", "copies", "µs each", "GB/s", "of roof", "crossover"], rows)
+
+
+# ---------------------------------------------------------------- part 2: what auto chooses on a trace
+def make_trace(text: list[int], settings: dict) -> tuple[list[list[int]], SamplingParams]:
+    rng = random.Random(0)
+    low, high = settings["prompt_lens"]
+    prompts = []
+    for _ in range(settings["requests"]):
+        length = rng.randint(low, high)
+        start = rng.randrange(len(text) - length)
+        prompts.append(text[start:start + length])
+    return prompts, SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
+
+
+def record_decisions(cost) -> list[dict]:
+    """Wrap the engine's cost model so every swap-or-recompute decision is kept with its numbers
+    (a recorder, as the lessons use: the engine runs unchanged)."""
+    decisions, decide = [], cost.prefers_swap
+
+    def recorded(tokens: int, num_blocks: int, tier: str) -> bool:
+        swap = decide(tokens, num_blocks, tier)
+        decisions.append({"tokens": tokens, "blocks": num_blocks, "costs": cost.seconds(tokens, num_blocks, tier),
+                          "swap": swap})
+        return swap
+
+    cost.prefers_swap = recorded
+    return decisions
+
+
+def run_trace(model, tokenizer, policy: str, prompts, params, settings: dict) -> dict:
+    """Serve the trace on a device pool of `device_tokens` tokens (the host pool holds them all)."""
+    roomy = tokens_to_bytes(model, sum(len(p) for p in prompts) + len(prompts) * params.max_tokens, TRACE_BLOCK)
+    llm = LLM(model=model, tokenizer=tokenizer, block_size=TRACE_BLOCK, preemption=policy,
+              kv_cache_bytes=tokens_to_bytes(model, settings["device_tokens"], TRACE_BLOCK), host_cache_bytes=roomy)
+    engine = llm.engine
+    decisions = record_decisions(engine.swap_cost) if policy == "auto" else []
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    scheduler, cost = engine.scheduler, engine.swap_cost
+    return {"policy": policy, "seconds": seconds, "token_ids": [out.token_ids for out in outputs],
+            "preemptions": scheduler.num_preemptions, "swapped_out": scheduler.num_swapped_out,
+            "swapped_in": scheduler.num_swapped_in, "prefetched": scheduler.num_prefetched,
+            "recomputed_tokens": scheduler.num_recomputed_tokens, "steps": engine.stats.steps,
+            "bytes_moved": sum(engine.tiers.moved().values()),
+            "decisions": decisions, "prefill_tokens_per_s": cost.prefill_tokens / cost.prefill_seconds,
+            "copy_bytes_per_s": engine.tiers.copy_rate("host")}
+
+
+def show_trace(runs: dict, settings: dict) -> None:
+    rows = [[label, *[fmt(runs[p][key]) for p in POLICIES]] for label, key, fmt in (
+        ("engine steps", "steps", str), ("preemptions", "preemptions", str),
+        ("sequences swapped out", "swapped_out", str),
+        ("sequences swapped in", "swapped_in", str), ("...of them prefetched", "prefetched", str),
+        ("tokens recomputed", "recomputed_tokens", str), ("MiB moved between pools", "bytes_moved",
+                                                          lambda b: f"{b / 2**20:.1f}"),
+        ("seconds", "seconds", lambda s: f"{s:.1f}"))]
+    table(f"the same {settings['requests']} requests on a {settings['device_tokens']}-token device pool",
+          ["preemption =", *POLICIES], rows)
+    auto, shown = runs["auto"], 8
+    rows = []
+    for i, d in enumerate(auto["decisions"][:shown]):
+        estimate = ["(none timed yet)", ""] if d["costs"] is None else \
+            [f"{d['costs'][0] * 1e3:.0f}", f"{d['costs'][1] * 1e3:.2f}"]
+        rows.append([i + 1, d["tokens"], d["blocks"], *estimate, "swap" if d["swap"] else "recompute"])
+    if len(auto["decisions"]) > shown:
+        rest = auto["decisions"][shown:]
+        rows.append(["...", f"{len(rest)} more", "", "", "", f"{sum(d['swap'] for d in rest)} swap"])
+    table(f"auto's decisions: prefill measured at {auto['prefill_tokens_per_s']:.0f} tokens/s, copies at "
+          f"{(auto['copy_bytes_per_s'] or 0) / 1e9:.2f} GB/s (out and back)",
+          ["#", "victim tokens", "blocks", "recompute est. ms", "swap est. ms", "chosen"], rows)
+
+
+# ---------------------------------------------------------------- the story
+def plot(costs: dict, runs: dict, out) -> None:
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    lengths = costs["lengths"]
+    left.plot(lengths, [s * 1e3 for s in costs["recompute"]], marker="o", color="black", label="recompute (prefill)")
+    for size in BLOCK_SIZES:
+        left.plot(lengths, [s * 1e3 for s in costs["swap"][size]], marker="s", label=f"swap, block {size}")
+        cross = costs["crossover"][size]
+        if cross is not None:
+            left.axvline(cross, linestyle=":", color=left.lines[-1].get_color())
+    if all(cross is None for cross in costs["crossover"].values()):
+        left.text(0.03, 0.55, "no crossover in range:\nswap is cheaper at every length", transform=left.transAxes)
+    left.set(xscale="log", yscale="log", xlabel="victim length (tokens)", ylabel="ms (log)",
+             title="Cost of one preemption on this machine")
+    left.set_xticks(lengths, [str(n) for n in lengths])
+    left.minorticks_off()
+    left.legend(fontsize=8)
+    names = list(runs)
+    right.bar(names, [runs[p]["seconds"] for p in names], color=["tab:gray", "tab:blue", "tab:green"])
+    for i, p in enumerate(names):
+        right.text(i, runs[p]["seconds"], f"{runs[p]['recomputed_tokens']} recomputed\n"
+                   f"{runs[p]['bytes_moved'] / 2**20:.0f} MiB moved", ha="center", va="bottom", fontsize=8)
+    right.set(ylabel="seconds", title="The same trace on a tight KV budget")
+    right.margins(y=0.25)
+    fig.tight_layout()
+    save_plot(fig, out, "10_preemption.png")
+
+
+def main():
+    args = lesson_args(__doc__)
+    settings = SETTINGS["quick" if args.quick else "default"]
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    text = tokenizer.encode(read_text())
+
+    console.rule("1. One victim: recompute vs swap, by length and block size")
+    costs = measure_costs(model, tokenizer, text, settings)
+    roof = copy_bandwidth(nbytes=max(costs["lengths"]) * costs["kv_bytes_per_token"])  # the same bytes, one copy
+    show_costs(costs, roof)
+
+    console.rule("2. A trace on a tight KV budget: what preemption='auto' chose")
+    prompts, params = make_trace(text, settings)
+    runs = {policy: run_trace(model, tokenizer, policy, prompts, params, settings) for policy in POLICIES}
+    show_trace(runs, settings)
+    identical = all(runs[p]["token_ids"] == runs["recompute"]["token_ids"] for p in POLICIES)
+    console.print(f"identical outputs under all three policies: [bold]{identical}[/bold]")
+    plot(costs, runs, args.out)
+
+    lengths, auto = costs["lengths"], runs["auto"]
+    ratios = {size: [r / s for r, s in zip(costs["recompute"], costs["swap"][size])] for size in BLOCK_SIZES}
+    auto_swaps = sum(d["swap"] for d in auto["decisions"])
+    numbers = {
+        "lengths": lengths, "identical_outputs": identical, "copy_roof_bytes_per_s": roof,
+        "cost_recompute_seconds": costs["recompute"],
+        **{f"cost_swap_seconds_block_{size}": costs["swap"][size] for size in BLOCK_SIZES},
+        **{f"crossover_tokens_block_{size}": costs["crossover"][size] for size in BLOCK_SIZES},
+        **{f"{p}_{key}": runs[p][key] for p in POLICIES
+           for key in ("steps", "preemptions", "swapped_out", "swapped_in", "prefetched", "recomputed_tokens",
+                       "bytes_moved", "seconds")},
+        "auto_decisions": len(auto["decisions"]), "auto_chose_swap": auto_swaps,
+        "auto_chose_recompute": len(auto["decisions"]) - auto_swaps,
+        "auto_prefill_tokens_per_s": auto["prefill_tokens_per_s"], "auto_copy_bytes_per_s": auto["copy_bytes_per_s"]}
+    save_numbers(args.out, "10_preemption.json", numbers)
+
+    console.print(f"\n[bold]What it means:[/bold] {meaning(costs, runs, identical)}")
+
+
+def meaning(costs: dict, runs: dict, identical: bool) -> str:
+    """The closing paragraph, every claim in it read off this run's numbers."""
+    lengths, auto, recompute = costs["lengths"], runs["auto"], runs["recompute"]
+    ratios = [r / s for size in BLOCK_SIZES for r, s in zip(costs["recompute"], costs["swap"][size])]
+    crossings = {size: c for size, c in costs["crossover"].items() if c is not None}
+    if not crossings:
+        where = (f"swap was the cheaper way at every length and block size measured: recompute cost "
+                 f"{min(ratios):.0f}x to {max(ratios):.0f}x as much")
+    else:
+        where = "the curves cross at " + ", ".join(f"{c:.0f} tokens (block {size})" for size, c in crossings.items())
+    small, large = BLOCK_SIZES[0], BLOCK_SIZES[-1]
+    penalty = costs["swap"][small][-1] / costs["swap"][large][-1]
+    blocks = (f"swapping {lengths[-1]} tokens in blocks of {small} took {penalty:.1f}x as long as in blocks of "
+              f"{large} ({-(-lengths[-1] // small)} block copies each way against {-(-lengths[-1] // large)})"
+              if penalty > 1 else
+              f"blocks of {small} were not dearer to swap than blocks of {large} on this run ({penalty:.2f}x the "
+              "time): the per-block cost stayed below the timing noise")
+    swaps = sum(d["swap"] for d in auto["decisions"])
+    # what the recomputed tokens should have cost at the measured prefill rate: a wall-time gap between
+    # the runs much larger than this is the shared machine, not the policy
+    expected = recompute["recomputed_tokens"] / auto["prefill_tokens_per_s"]
+    gap = recompute["seconds"] - runs["swap"]["seconds"]
+    return (
+        f"on this CPU {where}. Prefill ran at {auto['prefill_tokens_per_s']:.0f} tokens/s, while swapping moves "
+        f"{costs['kv_bytes_per_token'] / 1e3:.0f} kB of KV per token, out and back, at "
+        f"{(auto['copy_bytes_per_s'] or 0) / 1e9:.1f} GB/s: device and host pools share one RAM, so a swap is a "
+        f"memory copy and a recompute is the whole model's math again. The block size changes the copy's cost: "
+        f"{blocks}. On the trace, auto chose swap {swaps} of {len(auto['decisions'])} times "
+        f"({auto['recomputed_tokens']} tokens recomputed, against {recompute['recomputed_tokens']} under "
+        f"'recompute'; {auto['bytes_moved'] / 2**20:.1f} MiB moved instead), "
+        f"{'with identical outputs' if identical else '[red]but the outputs differ: a bug[/red]'}. Those "
+        f"{recompute['recomputed_tokens']} tokens are worth about {expected:.1f} s of prefill at the measured rate; "
+        f"the runs took {recompute['seconds']:.1f} s (recompute) and {runs['swap']['seconds']:.1f} s (swap), "
+        + ("a gap within a second of that." if abs(gap - expected) < 1 else
+           f"a gap of {gap:+.1f} s that the recomputed tokens do not explain (the runs took {recompute['steps']} "
+           f"and {runs['swap']['steps']} steps): read it as the noise of other work on this shared machine, not "
+           "as the policy's effect.")
+        + " On a GPU the "
+        "copy crosses PCIe while prefill runs at GPU speed, so the two rates, and the choice, can come out the other "
+        "way: that is why auto measures them where it runs.")
+
+
+if __name__ == "__main__":
+    main()
