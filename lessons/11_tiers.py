@@ -148,7 +148,6 @@ def serve_swapping(model, tokenizer, text_ids: list[int], settings: dict) -> dic
     return {"seconds": time.perf_counter() - start, "swapped_out": scheduler.num_swapped_out,
             "swapped_in": scheduler.num_swapped_in, "prefetched": scheduler.num_prefetched,
             "prefetch_seconds": tiers.prefetch_seconds, "prefetch_waited": tiers.prefetch_waited,
-            "copy_in_seconds": tiers.copy_seconds.get("host->device", 0.0),
             "hidden_share": 1 - tiers.prefetch_waited / tiers.prefetch_seconds if tiers.prefetch_seconds else 0.0}
 
 

@@ -113,7 +113,9 @@ class TieredKV:
         self.first_disk = self.first_host + (host_pool.num_blocks if host_pool else 0)
         self.block_bytes = device_pool.bytes_per_slot * device_pool.block_size
         self.bytes_moved: dict[str, int] = {}  # "device->host" etc. -> bytes copied that way
-        self.copy_seconds: dict[str, float] = {}
+        self.timed: dict[str, tuple[int, float]] = {}  # way -> (bytes, seconds) of copies done in the
+        #   foreground: what a swap costs the step that waits for it (a prefetch shares the cores with a
+        #   forward pass, so its copies run slower and would understate the rate)
         self.side_stream = torch.cuda.Stream(device_pool.device) if device_pool.device.type == "cuda" else None
         self.prefetch_thread: threading.Thread | None = None
         self.prefetch_seconds = 0.0  # copying done by prefetches
@@ -129,7 +131,7 @@ class TieredKV:
             return self.device, block
         return (self.host, block - self.first_host) if tier == "host" else (self.disk, block)
 
-    def copy(self, pairs: list[tuple[int, int]]) -> None:
+    def copy(self, pairs: list[tuple[int, int]], timed: bool = True) -> None:
         """Perform the copies in order: each destination block gets its source's stored form.
         On a GPU they run on a side stream (from pinned host memory, asynchronously), so a
         prefetch overlaps the compute on the main stream; each is waited for, to be timed."""
@@ -142,7 +144,9 @@ class TieredKV:
                 self.side_stream.synchronize()
             way = f"{self.tier(src)}->{self.tier(dst)}"
             self.bytes_moved[way] = self.bytes_moved.get(way, 0) + self.block_bytes
-            self.copy_seconds[way] = self.copy_seconds.get(way, 0.0) + time.perf_counter() - start
+            if timed:
+                moved, seconds = self.timed.get(way, (0, 0.0))
+                self.timed[way] = (moved + self.block_bytes, seconds + time.perf_counter() - start)
 
     def start_prefetch(self, pairs: list[tuple[int, int]]) -> None:
         """Copy these blocks in the background; `finish_prefetch` must run before anything else
@@ -150,7 +154,7 @@ class TieredKV:
         if pairs:
             def run():
                 start = time.perf_counter()
-                self.copy(pairs)
+                self.copy(pairs, timed=False)
                 self.prefetch_seconds += time.perf_counter() - start
             self.prefetch_thread = threading.Thread(target=run, name="minillm-prefetch", daemon=True)
             self.prefetch_thread.start()
@@ -172,9 +176,8 @@ class TieredKV:
 
     def copy_rate(self, tier: str) -> float | None:
         """Bytes per second of a round trip device -> tier -> device, as measured so far."""
-        out, back = f"device->{tier}", f"{tier}->device"
-        seconds = self.copy_seconds.get(out, 0.0) + self.copy_seconds.get(back, 0.0)
-        moved = self.bytes_moved.get(out, 0) + self.bytes_moved.get(back, 0)
+        out, back = self.timed.get(f"device->{tier}", (0, 0.0)), self.timed.get(f"{tier}->device", (0, 0.0))
+        moved, seconds = out[0] + back[0], out[1] + back[1]
         return moved / seconds if seconds > 0 and moved else None
 
 
