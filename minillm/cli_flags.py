@@ -11,26 +11,22 @@ from pathlib import Path
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, EVICTION_POLICIES, KV_DTYPES
 
 
-def positive_int(text: str) -> int:
-    """The type of every count flag (tokens, requests, segments...): 0 or less is argparse's error."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 1 or more") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive count; give 1 or more")
-    return value
+def whole_number(minimum: int, name: str):
+    """An argparse type: a whole number >= `minimum`; anything else is argparse's one-line error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give {minimum} or more") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not {name}; give {minimum} or more")
+        return value
+    parse.__name__ = name.replace(" ", "_")
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """A size that may be 0 (off)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give 0 or more") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative; give 0 or more")
-    return value
+positive_int = whole_number(1, "a positive count")  # every count flag: tokens, requests, segments...
+non_negative_int = whole_number(0, "a size >= 0")  # a size that may be 0 (off)
 
 
 def positive_float(text: str) -> float:
