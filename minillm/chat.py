@@ -74,8 +74,13 @@ class Chat:
         if self.session is None or self.last is None:
             return
         out = self.last[0]
-        kept = self.llm.engine.save_session(self.session, out.prompt_token_ids + out.token_ids,
-                                            extra={"messages": self.history})
+        try:
+            kept = self.llm.engine.save_session(self.session, out.prompt_token_ids + out.token_ids,
+                                                extra={"messages": self.history})
+        except OSError as err:
+            console.print(f"[red]error:[/red] session {self.session.stem} could not be parked in "
+                          f"{self.session.parent} ({err.strerror or err}); choose another --sessions-dir.")
+            return
         console.print(f"[dim]parked session {self.session.stem}: {kept:,} tokens of KV, "
                       f"{self.session.stat().st_size / 2**20:.1f} MiB on disk[/dim]")
 

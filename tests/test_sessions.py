@@ -98,3 +98,7 @@ def test_cli_chat_session_survives_a_restart(monkeypatch, capsys, real_dir, tmp_
     assert code == 2 and err.count("\n") == 1 and "written with kv_dtype='auto'" in err
     code, _, err = chat(monkeypatch, capsys, real_dir, tmp_path / "x", ["/exit"], "--session", "../up")
     assert code == 2 and "Session name '../up'" in err
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    code, out, _ = chat(monkeypatch, capsys, real_dir, a_file, ["Hi.", "/exit"])
+    assert code == 0 and "could not be parked" in out  # the reply stands; one line says why nothing was kept
