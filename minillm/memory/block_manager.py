@@ -244,6 +244,10 @@ class BlockManager:
         return Counter(block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) != "device")
 
     def is_swapped(self, seq_id: int) -> bool:
+        """Does the sequence hold a block outside the device pool? (Asked for every sequence every step:
+        without tiers the answer needs no look at its table.)"""
+        if not self.num_host_blocks and not self.disk:
+            return False
         return seq_id in self.block_tables and any(self.tier(b) != "device" for b in self.block_tables[seq_id])
 
     def swap_out_tier(self, num_blocks: int) -> str:
