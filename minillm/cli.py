@@ -105,7 +105,8 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
                 "memory_peak": {"device_reserved_bytes": max(m.as_dict()["reserved_bytes"] for m in snapshots),
                                 "host_reserved_bytes": max(m.as_dict()["host_reserved_bytes"] for m in snapshots),
                                 "disk_reserved_bytes": max(m.as_dict()["disk_reserved_bytes"] for m in snapshots)},
-                "preemption": {"mode": scheduler.preemption, "preemptions": scheduler.num_preemptions,
+                "ladder": dict(engine.stats.rungs),
+                "preemption": {"mode": engine.pressure.preemption, "preemptions": scheduler.num_preemptions,
                                "swapped_out": scheduler.num_swapped_out, "swapped_in": scheduler.num_swapped_in,
                                "prefetched": scheduler.num_prefetched,
                                "tokens_recomputed": scheduler.num_recomputed_tokens}})

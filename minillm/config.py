@@ -170,6 +170,7 @@ class EngineConfig:
     block_size: int = 16  # token slots per KV block
     kv_cache_bytes: int = 512 * 2**20  # the KV pool's budget; it is cut into blocks
     scheduling: str = "continuous"  # "continuous" (iteration-level) or "static" (batch at a time)
+    admission: str = "fcfs"  # who joins first: "fcfs" (arrival order) or "memory" (benefit / KV cost, aged)
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
     prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
@@ -179,6 +180,8 @@ class EngineConfig:
     kv_key_scales: str = "channel"  # quantized keys share a scale per "channel" of a block, or per "token"
     eviction: str = "none"  # "none", "h2o" (heavy hitters + recent), "sinks" (first tokens + recent), "window"
     kv_budget: int | float | None = None  # with eviction: entries kept per sequence (int) or fraction (float)
+    eviction_trigger: str = "always"  # with eviction: keep the budget "always", or only under "pressure"
+    #   (the pressure ladder's last rung, after a step that ran short of blocks)
     # --- tiers (minillm.memory.tiers): where KV goes when it leaves the device pool
     host_cache_bytes: int = 0  # a host pool for swapped-out blocks and spilled prefix blocks; 0 = none
     disk_cache_dir: str | None = None  # a folder for block files once the host pool is full; None = none
@@ -194,6 +197,11 @@ class EngineConfig:
                               f"or None for the model's context, not {self.max_seq_len!r}.")
         if self.scheduling not in ("continuous", "static"):
             raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}.")
+        if self.admission not in ("fcfs", "memory"):
+            raise ConfigError(f"admission must be 'fcfs' or 'memory', not {self.admission!r}.")
+        if self.admission == "memory" and self.scheduling == "static":
+            raise ConfigError("admission='memory' chooses who joins a running batch; static batching admits a "
+                              "whole batch at a time, in order. Use scheduling='continuous'.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
@@ -218,6 +226,10 @@ class EngineConfig:
         budget = self.kv_budget
         if self.eviction == "none" and budget is not None:
             raise ConfigError("kv_budget only applies with eviction; choose --eviction h2o, sinks or window.")
+        if self.eviction_trigger not in ("always", "pressure"):
+            raise ConfigError(f"eviction_trigger must be 'always' or 'pressure', not {self.eviction_trigger!r}.")
+        if self.eviction == "none" and self.eviction_trigger != "always":
+            raise ConfigError("eviction_trigger only applies with eviction; choose --eviction h2o, sinks or window.")
         if self.eviction != "none":
             if budget is None:
                 raise ConfigError(f"eviction={self.eviction!r} needs kv_budget: tokens kept (e.g. 256) or a fraction (e.g. 0.2).")

@@ -34,8 +34,8 @@ from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import (BlockManager, DiskTier, Evictor, MemoryStats, SwapCost, TieredKV, load_session,
-                            make_pool, paged_stats, save_session)
+from minillm.memory import (BlockManager, DiskTier, Evictor, MemoryPressure, MemoryStats, SwapCost, TieredKV,
+                            load_session, make_pool, paged_stats, save_session)
 from minillm.model import Transformer
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
@@ -55,9 +55,11 @@ class LLMEngine:
         evictor = None if config.eviction == "none" else Evictor(
             config.eviction, config.kv_budget, self.pool, self.block_manager, model_config.num_layers,
             model_config.num_kv_heads)
+        self.pressure = MemoryPressure(self.block_manager, config.preemption if config.has_tiers else "recompute",
+                                       self.swap_cost, config.eviction_trigger if evictor else None)
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.context_len, model_config.vocab_size, evictor,
-                                   config.preemption if config.has_tiers else "recompute", self.tiers, self.swap_cost)
+                                   self.pressure, self.tiers, config.admission)
         decode_kernel = None if config.attention_backend == "torch" else decode_backend(config.attention_backend)
         self.runner = ModelRunner(self.model, self.pool, self.block_manager, decode_kernel,
                                   keeps_attention_mass=config.eviction == "h2o")
@@ -89,10 +91,13 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
         """Queue a request; `arrival_time` (a time.perf_counter() value, default now) is when its
-        time to first token starts counting, for a caller that took the request in earlier."""
+        time to first token starts counting, for a caller that took the request in earlier.
+        `priority` (an int, lower first, as in vLLM) weighs in with admission="memory"."""
         params = params or SamplingParams()
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 64:
+            raise ValueError(f"priority must be a whole number in [-64, 64] (lower is served first), not {priority!r}")
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
                                          or not math.isfinite(arrival_time)):
             raise ValueError(f"arrival_time must be a time.perf_counter() value, not {arrival_time!r}")
@@ -106,6 +111,7 @@ class LLMEngine:
         seq = Sequence(seq_id, request_id, prompt_ids, params, min(self.context_len, len(prompt_ids) + params.max_tokens))
         if arrival_time is not None:
             seq.arrival_time = arrival_time
+        seq.priority = priority
         self.requests[request_id] = [seq]
         if params.beam_width > 1:
             self.beam_groups[request_id] = BeamGroup(params.beam_width, live=[(seq, 0.0)])
@@ -157,7 +163,7 @@ class LLMEngine:
         if ready:
             logits = self.runner.logits(hidden, [row for _, row in ready])  # (sequences ready, vocab)
             changed = self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
-        self.stats.record(schedule, len(ready), evicted, self.memory_stats())
+        self.stats.record(schedule, len(ready), evicted, self.memory_stats(), self.pressure.end_step())
         return self.outputs_of(changed)  # 6.
 
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:

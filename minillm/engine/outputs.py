@@ -3,12 +3,13 @@
 A request's output carries its tokens so far (every sample's, every beam's), whether it has
 finished and why, its error if it failed alone, and its latencies: time to first token (from
 arrival) and time per output token after that. The engine's stats count steps, tokens computed,
-generated and evicted, and after every step a snapshot of KV memory (`memory/accounting.py`).
+generated and evicted, and after every step a snapshot of KV memory (`memory/accounting.py`) and
+the pressure ladder's rungs taken in that step (`memory/pressure.py`).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from minillm.config import ConfigError
@@ -72,13 +73,18 @@ class EngineStats:
     #   each drop: a sequence recomputed after a preemption drops, and counts, its entries again
     live_slot_steps: int = 0  # live slots summed over every step (utilization over the whole run)
     reserved_slot_steps: int = 0
+    rungs: Counter[str] = field(default_factory=Counter)  # the pressure ladder's rungs taken, over the run
     memory: deque[MemoryStats] = field(init=False)  # after each of the last `window` steps
     batches: deque[list[tuple[str, int]]] = field(init=False)  # the same steps: (request_id, tokens computed)
+    ladder: deque[dict[str, int]] = field(init=False)  # the same steps: rung -> blocks reclaimed,
+    #   sequences preempted, entries evicted (only the rungs taken)
 
     def __post_init__(self):
         self.memory, self.batches = deque(maxlen=self.window), deque(maxlen=self.window)
+        self.ladder = deque(maxlen=self.window)
 
-    def record(self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats) -> None:
+    def record(self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats,
+               rungs: dict[str, int]) -> None:
         self.steps += 1
         self.tokens_computed += sum(item.num_tokens for item in schedule.sequences)
         self.tokens_generated += sampled
@@ -87,6 +93,8 @@ class EngineStats:
         self.reserved_slot_steps += memory.reserved_slots
         self.batches.append([(item.seq.request_id, item.num_tokens) for item in schedule.sequences])
         self.memory.append(memory)
+        self.ladder.append(rungs)
+        self.rungs.update(rungs)
 
     def kv_utilization(self) -> float:
         """Live slots / reserved slots, summed over all steps."""

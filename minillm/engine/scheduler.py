@@ -7,7 +7,8 @@ wait for the longest, and their slots in the batch sit idle.
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
 first: a decode costs 1 token, an unfinished prefill takes what is left of the budget (chunked
-prefill). Waiting sequences are admitted FIFO while budget, sequence slots and KV blocks last;
+prefill). Waiting sequences are admitted while budget, sequence slots and KV blocks last, in the
+order the admission policy gives (`admission.py`: first come first served, or by memory cost);
 a request that will fork (n samples, beam_width beams) takes its forks' slots when admitted.
 
 A sequence's first blocks may come from the prefix cache: its prompt's leading full blocks,
@@ -15,20 +16,21 @@ computed before for another request, are shared and skipped (num_computed starts
 A block that a sequence is about to write while others hold it (parallel samples share their
 prompt's last, partly filled block) is copied first: copy-on-write.
 
-When a running sequence needs a block and none is free, the newest running sequence is
-preempted, and goes back to the front of the waiting queue. By *recompute*: its blocks are freed
+When a running sequence needs a block and none is free, the pressure ladder
+(`memory/pressure.py`) has already reclaimed every cached block nobody holds; the next rung is
+preemption: the newest running sequence is preempted, and goes back to the front of the waiting queue. By *recompute*: its blocks are freed
 and num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
 allows. Or, with a host or disk tier, by *swap*: the blocks of its request's running sequences
 (parallel samples or beams share theirs, and a shared block moves once) leave the device pool,
 and come back before it runs again, with nothing recomputed. `preemption="auto"` asks the measured cost model
-(`memory/tiers.py`) which is cheaper for this victim. A swapped sequence at the head of the queue
+(`memory/tiers.py`), through the ladder, which is cheaper for this victim. A swapped sequence at the head of the queue
 is brought back one step before it runs when others run now (prefetch): its copies overlap
 their forward pass. Running out of blocks is a scheduling event, never a crash.
 
 The scheduler is the one owner of who holds which blocks: it admits requests (or says why one
 can never run), grows and frees block tables, forks samples and beams, finishes sequences, and
 after each forward pass offers newly full blocks to the prefix cache and keeps every sequence
-within its eviction budget.
+within its eviction budget (every step, or after a step that ran short: the ladder's last rung).
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from minillm.config import prompt_problem
+from minillm.engine.admission import make_admission
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import BlockManager, Evictor, SwapCost, TieredKV
+from minillm.memory import BlockManager, Evictor, MemoryPressure, TieredKV
 
 
 @dataclass
@@ -59,15 +62,18 @@ class Schedule:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, policy: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 context_len: int, vocab_size: int, evictor: Evictor | None = None, preemption: str = "recompute",
-                 tiers: TieredKV | None = None, swap_cost: SwapCost | None = None):
+                 context_len: int, vocab_size: int, evictor: Evictor | None = None,
+                 pressure: MemoryPressure | None = None, tiers: TieredKV | None = None, admission: str = "fcfs"):
         self.block_manager = block_manager
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.context_len, self.vocab_size = context_len, vocab_size
         self.evictor = evictor
-        self.preemption, self.tiers, self.swap_cost = preemption, tiers, swap_cost
+        self.pressure = pressure or MemoryPressure(block_manager, "recompute", None, None)
+        self.tiers = tiers
+        self.admission = make_admission(admission, block_manager)
+        self.steps = 0  # schedules made: the clock a waiting request ages by
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
@@ -83,6 +89,7 @@ class Scheduler:
         if problem:
             seq.finish("error", problem)
             return False
+        seq.arrival_step = self.steps
         self.waiting.append(seq)
         return True
 
@@ -113,6 +120,7 @@ class Scheduler:
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> Schedule:
+        self.steps += 1
         scheduled = self.schedule_sequences()
         copies = self.block_manager.take_copies()
         if scheduled:
@@ -143,18 +151,18 @@ class Scheduler:
                 budget -= num_tokens
 
         may_admit = self.policy == "continuous" and not preempted
-        for seq in list(self.waiting) if may_admit else []:
-            if budget == 0 or not self.has_seats_for(seq):
+        for seq in self.admission.order(self.waiting, self.steps) if may_admit else []:
+            if budget == 0:
                 break
             if seq.num_uncomputed == 0:  # a beam swapped out while it waited for its siblings' scores:
                 continue  # nothing to run until they are in; it keeps its place
             if scheduled and self.block_manager.is_swapped(seq.seq_id):
                 break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
-            while not (num_tokens := self.reserve(seq, budget)) and self.release_waiting(seq):
-                pass
+            num_tokens = self.admit(seq, budget)
             if not num_tokens:
-                break  # wait for memory; FIFO, so nobody overtakes
-            self.start_running(seq)
+                if self.admission.holds_queue(seq, self.steps):
+                    break  # it waits for memory or seats, and nobody overtakes it
+                continue
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
         if not scheduled and any(seq.num_uncomputed for seq in self.waiting):
@@ -166,6 +174,17 @@ class Scheduler:
             if preempted:  # every running sequence left to make room: the room is there now
                 return self.schedule_sequences()
         return scheduled
+
+    def admit(self, seq: Sequence, budget: int) -> int:
+        """Start a waiting sequence if seats, the admission policy's headroom and blocks allow;
+        return the tokens of its first chunk, or 0 if it must wait."""
+        if not self.has_seats_for(seq) or not self.admission.has_room(seq, self.running, budget):
+            return 0
+        while not (num_tokens := self.reserve(seq, budget)) and self.release_waiting(seq):
+            pass
+        if num_tokens:
+            self.start_running(seq)
+        return num_tokens
 
     def reserve(self, seq: Sequence, budget: int) -> int:
         """Give the sequence blocks for its next chunk (at most `budget` tokens); return the
@@ -224,13 +243,14 @@ class Scheduler:
         for seq in reversed(self.waiting):
             if seq is not keep and manager.has_table(seq.seq_id) and \
                     any(manager.tier(block) == "device" for block in manager.table(seq.seq_id)):
-                if self.preemption != "recompute" and manager.can_swap_out([seq.seq_id]):
+                if self.pressure.preempt_by([seq.seq_id], seq.num_computed) == "swap":
                     manager.swap_out([seq.seq_id])
                     self.num_swapped_out += 1
                 else:
                     manager.free(seq.seq_id)
                     self.num_recomputed_tokens += seq.num_computed
                     seq.forget_cache()
+                self.pressure.took("preempt")
                 return True
         return False
 
@@ -306,6 +326,7 @@ class Scheduler:
             victim.status = Status.WAITING
             victim.num_preemptions += 1
             self.num_preemptions += 1
+        self.pressure.took("preempt", len(victims))
         if front:
             self.waiting.extendleft(reversed(victims))
         else:
@@ -315,19 +336,12 @@ class Scheduler:
         """The sequences to swap out with `seq` (its request's running ones that this step has not
         scheduled, `protect` excepted), or [] to recompute."""
         manager = self.block_manager
-        if self.preemption == "recompute" or not manager.has_table(seq.seq_id):
+        if not manager.has_table(seq.seq_id):
             return []
         group = [s for s in self.running if s.request_id == seq.request_id and manager.has_table(s.seq_id)
                  and s.seq_id not in self.scheduled_ids and (s is seq or s is not protect)]
-        ids = [s.seq_id for s in group]
-        if not manager.can_swap_out(ids):
-            return []
-        if self.preemption == "auto":
-            blocks = {b for seq_id in ids for b in manager.table(seq_id) if manager.tier(b) == "device"}
-            tier = manager.swap_out_tier(len(blocks))
-            if not self.swap_cost.prefers_swap(sum(s.num_computed for s in group), len(blocks), tier):
-                return []
-        return group
+        swap = self.pressure.preempt_by([s.seq_id for s in group], sum(s.num_computed for s in group)) == "swap"
+        return group if swap else []
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence (finished, pruned, aborted): it leaves the queues and its blocks go back."""
@@ -338,22 +352,26 @@ class Scheduler:
         if self.block_manager.has_table(seq.seq_id):  # running, or swapped out while waiting
             self.block_manager.free(seq.seq_id)
         seq.finish(reason, error)
+        if reason in ("eos", "length"):
+            self.admission.finished(seq)
 
     # ----------------------------------------------------------------- after the forward pass
     def computed(self, schedule: Schedule) -> int:
         """The step's tokens now have their K/V in the pool: newly full blocks become findable in
         the prefix cache, and sequences over their budget evict. Returns the entries evicted."""
         cache, evicted = self.block_manager.prefix_cache, 0
+        evicts = self.evictor is not None and self.pressure.evicts_now()
         for item in schedule.sequences:
             seq = item.seq
             seq.num_computed += item.num_tokens
             if cache:
                 cache.register(seq.seq_id, self.block_manager.table(seq.seq_id), seq.token_ids, seq.num_computed)
-            if self.evictor:
+            if evicts:
                 dropped, seq.attention_mass = self.evictor.shrink(seq.seq_id, seq.num_cached, seq.max_len,
                                                                   seq.attention_mass)
                 seq.num_evicted += dropped
                 evicted += dropped
+        self.pressure.took("evict", evicted)
         return evicted
 
     def cached_entries(self) -> dict[int, int]:

@@ -47,6 +47,8 @@ class Sequence:
     finish_reason: str | None = None  # "eos", "length", "abort", "error"
     error: str | None = None
     num_preemptions: int = 0
+    priority: int = 0  # admission by memory serves lower values first (vLLM's convention)
+    arrival_step: int = 0  # the scheduler's step count when it was queued: its age in steps
 
     def __post_init__(self):
         self.sampler = Sampler(self.params, self.sample_index)
@@ -90,6 +92,7 @@ class Sequence:
         return Sequence(seq_id, self.request_id, self.prompt_ids, self.params, self.max_len, sample_index,
                         output_ids=list(self.output_ids), num_computed=self.num_computed,
                         num_evicted=self.num_evicted, status=self.status, arrival_time=self.arrival_time,
+                        priority=self.priority, arrival_step=self.arrival_step,
                         attention_mass=None if self.attention_mass is None else self.attention_mass.clone())
 
     def finish(self, reason: str, error: str | None = None) -> None:

@@ -6,6 +6,7 @@ pool.py           the KV tensors: PagedKVPool (model dtype), QuantizedKVPool; ma
 quantization.py   int8 / int4 / fp8 formats with scales: quantize, dequantize, bytes per token
 tiers.py          host and disk tiers: TieredKV moves blocks, SwapCost weighs swap vs recompute
 sessions.py       a conversation's KV parked in one file, resumed by a later run
+pressure.py       the pressure ladder: reclaim, preempt, evict, cheapest first (MemoryPressure)
 eviction.py       keep a budget of entries per sequence: window, attention sinks, H2O (Evictor)
 arena.py          the "traditional" baseline: one max-length reservation per request
 accounting.py     one place that answers: reserved, live, shared, utilization, fragmentation
@@ -19,11 +20,12 @@ from minillm.memory.block_manager import BlockManager, BlockManagerError
 from minillm.memory.eviction import NUM_SINKS, Evictor, budget_for, grow_attention_mass, kept_entries
 from minillm.memory.pool import PagedKVPool, QuantizedKVPool, bytes_per_slot, make_pool
 from minillm.memory.prefix_cache import PrefixCache
+from minillm.memory.pressure import RUNGS, MemoryPressure
 from minillm.memory.quantization import FORMATS, KVFormat, bytes_per_token, dequantize, quantize
 from minillm.memory.sessions import SessionError, load_session, save_session
 from minillm.memory.tiers import DiskTier, SwapCost, TieredKV
 
-__all__ = ["BlockManager", "BlockManagerError", "ContiguousArena", "DiskTier", "Evictor", "FORMATS", "KVFormat", "MemoryStats",
-           "NUM_SINKS", "PagedKVPool", "PrefixCache", "QuantizedKVPool", "arena_stats", "budget_for",
+__all__ = ["BlockManager", "BlockManagerError", "ContiguousArena", "DiskTier", "Evictor", "FORMATS", "KVFormat", "MemoryPressure", "MemoryStats",
+           "NUM_SINKS", "PagedKVPool", "PrefixCache", "QuantizedKVPool", "RUNGS", "arena_stats", "budget_for",
            "bytes_per_slot", "bytes_per_token", "dequantize", "grow_attention_mass", "kept_entries", "make_pool",
            "paged_stats", "quantize", "SessionError", "SwapCost", "TieredKV", "load_session", "save_session"]

@@ -63,6 +63,7 @@ class BlockManager:
         self.num_copies = 0  # copy-on-write copies made
         self.num_spilled = 0  # cached prefix blocks moved to the host tier instead of dropped
         self.num_spill_hits = 0  # ...and found there again by a later prompt
+        self.num_reclaimed = 0  # cached device blocks nobody held, taken for new content (spilled or dropped)
 
     # ---------------------------------------------------------------- counting
     @property
@@ -116,6 +117,7 @@ class BlockManager:
         prefix block, that block moves to the host tier (spill) when there is one, else is dropped."""
         block, _ = self.free_blocks.popitem(last=False)
         if self.prefix_cache and block in self.prefix_cache.entries:
+            self.num_reclaimed += 1
             self.spill(block)
             self.prefix_cache.evict(block)  # no-op once spilled: its content is about to be overwritten
         self.refcounts[block] = 1

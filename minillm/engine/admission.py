@@ -1,0 +1,132 @@
+"""Which waiting request joins the batch next: first come first served, or by memory.
+
+First come first served (`admission="fcfs"`, vLLM's default) admits the head of the queue while
+blocks, seats and the step's token budget last, and nobody overtakes it. Fair, and blind to
+memory: one long document at the head holds every short question behind it until its blocks are
+free, and requests are admitted as long as one block is free, so the batch outgrows the pool
+and preempts as it decodes.
+
+Memory-aware admission (`admission="memory"`) prices every waiting request:
+
+    cost    = the KV blocks it will newly hold at its peak (prompt plus expected output, for each
+              of its n samples or beams, less the prompt blocks the prefix cache already holds)
+            + the KV blocks each of its decode steps reads at that peak (its bandwidth: a shared
+              prefix is read though it is not held)
+    benefit = 2 ** -priority  x  (1 + steps waited / MAX_WAIT_STEPS)
+
+and admits by benefit / cost, best first, while memory lasts; one that does not fit now lets a
+smaller one behind it in. The expected output is learned: the mean output length of finished
+requests, capped by each request's max_tokens (max_tokens itself until a request has finished).
+Priority is vLLM's: lower values go first.
+
+Headroom: it admits only while the blocks left free cover what the running sequences are
+expected to grow into (their expected output less what they have generated), so the batch it
+builds can decode without a preemption storm.
+
+No starvation: a request that has waited MAX_WAIT_STEPS engine steps, or was preempted, is *due*.
+Due requests go first, oldest first, and while one waits for memory nobody else is admitted. So
+every request starts within MAX_WAIT_STEPS steps of its arrival plus the steps the sequences
+running then take to finish (each bounded by its max_tokens) — the bound `test_admission.py`
+checks on an adversarial stream of small requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from minillm.engine.sequence import Sequence
+from minillm.memory import BlockManager
+
+MAX_WAIT_STEPS = 64  # steps after which a waiting request is due: served first, overtaken by none
+
+
+class FirstComeFirstServed:
+    """The queue's order; whoever cannot be admitted holds everyone behind it."""
+
+    def order(self, waiting: Iterable[Sequence], step: int) -> list[Sequence]:
+        return list(waiting)
+
+    def holds_queue(self, seq: Sequence, step: int) -> bool:
+        return True
+
+    def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
+        return True
+
+    def finished(self, seq: Sequence) -> None:
+        pass
+
+
+class MemoryAware:
+    """Benefit over memory cost, with a headroom for growth and aging against starvation."""
+
+    def __init__(self, manager: BlockManager):
+        self.manager = manager
+        self.outputs_finished = self.output_tokens = 0  # what finished requests generated, to learn from
+
+    # ---------------------------------------------------------------- the order
+    def order(self, waiting: Iterable[Sequence], step: int) -> list[Sequence]:
+        """Due requests first, oldest first; then the others by benefit / cost, best first."""
+        waiting = list(waiting)
+        due = [seq for seq in waiting if self.is_due(seq, step)]
+        others = [seq for seq in waiting if not self.is_due(seq, step)]
+        return due + sorted(others, key=lambda seq: self.benefit(seq, step) / self.cost(seq), reverse=True)
+
+    def holds_queue(self, seq: Sequence, step: int) -> bool:
+        """Only a due request keeps those behind it waiting while it waits for memory."""
+        return self.is_due(seq, step)
+
+    @staticmethod
+    def is_due(seq: Sequence, step: int) -> bool:
+        return seq.num_preemptions > 0 or step - seq.arrival_step >= MAX_WAIT_STEPS
+
+    @staticmethod
+    def benefit(seq: Sequence, step: int) -> float:
+        return 2.0 ** -seq.priority * (1 + (step - seq.arrival_step) / MAX_WAIT_STEPS)
+
+    def cost(self, seq: Sequence) -> int:
+        """Blocks newly held at the peak + blocks read per decode step at the peak."""
+        manager, outputs = self.manager, seq.params.num_outputs
+        prompt_blocks = manager.blocks_for(seq.num_tokens)
+        peak_blocks = manager.blocks_for(self.peak_tokens(seq))
+        cache = manager.prefix_cache
+        cached = len(cache.lookup(seq.token_ids)) if cache and not manager.has_table(seq.seq_id) else 0
+        held = prompt_blocks - cached + outputs * (peak_blocks - prompt_blocks)
+        read = outputs * peak_blocks
+        return max(1, held) + read
+
+    # ---------------------------------------------------------------- growth and headroom
+    def expected_output(self, seq: Sequence) -> int:
+        """Output tokens this request is expected to generate in all: the mean of finished requests',
+        capped by its max_tokens (and at least what it has generated)."""
+        if not self.outputs_finished:
+            return seq.params.max_tokens
+        mean = round(self.output_tokens / self.outputs_finished)
+        return max(len(seq.output_ids) + 1, min(seq.params.max_tokens, mean))
+
+    def peak_tokens(self, seq: Sequence) -> int:
+        return min(seq.max_len, len(seq.prompt_ids) + self.expected_output(seq))
+
+    def headroom(self, running: list[Sequence]) -> int:
+        """Blocks the running sequences are expected to grow into."""
+        manager = self.manager
+        return sum(max(0, manager.blocks_for(self.peak_tokens(seq)) - len(manager.table(seq.seq_id)))
+                   for seq in running if manager.has_table(seq.seq_id))
+
+    def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
+        """Do the free blocks cover this request's first chunk and still leave the running ones'
+        headroom? (A chunk's blocks, less the prompt blocks the prefix cache would give it.)"""
+        manager = self.manager
+        chunk_end = seq.num_cached + min(seq.num_uncomputed, budget)
+        needed = manager.blocks_missing(seq.seq_id, chunk_end)
+        if manager.prefix_cache and not manager.has_table(seq.seq_id):
+            needed -= len(manager.prefix_cache.lookup(seq.token_ids))
+        return needed + self.headroom(running) <= manager.num_free_blocks
+
+    def finished(self, seq: Sequence) -> None:
+        """Learn from a sequence that ran to its end (eos or length)."""
+        self.outputs_finished += 1
+        self.output_tokens += len(seq.output_ids)
+
+
+def make_admission(policy: str, manager: BlockManager) -> FirstComeFirstServed | MemoryAware:
+    return MemoryAware(manager) if policy == "memory" else FirstComeFirstServed()

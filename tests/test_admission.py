@@ -1,0 +1,212 @@
+"""Memory-aware admission and the pressure ladder: only the order of work changes (greedy ids equal
+naive decoding under preemption, prefix hits, samples and beams); FCFS's head-of-line blocking
+and its cure; the starvation bound; the ladder's rungs in order, lossy ones only when allowed."""
+
+import random
+
+import pytest
+
+from minillm.config import ConfigError
+from minillm.decoding import generate
+from minillm.engine import LLM, SamplingParams
+from minillm.engine.admission import MAX_WAIT_STEPS
+from minillm.engine.beam import reference_beam_search
+from minillm.engine.scheduler import Scheduler
+from minillm.engine.sequence import Sequence
+from minillm.memory import RUNGS, BlockManager
+
+KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
+BLOCK = 4
+
+
+def naive(model, prompt, params):
+    return generate(model, prompt, params, "naive").token_ids
+
+
+def mixed_prompts(count, seed, vocab=97):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(2, 30))] for _ in range(count)]
+
+
+def tight(tiny_dir, tiny_model, blocks=14, **switches):
+    return LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=blocks * BLOCK * KV_BYTES_PER_TOKEN,
+               admission="memory", **switches)
+
+
+def assert_drained(llm):
+    manager = llm.engine.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+# ---------------------------------------------------------------- the scheduler alone
+
+def scheduler(admission, num_blocks=10):
+    return Scheduler(BlockManager(num_blocks=num_blocks, block_size=BLOCK), "continuous", max_num_seqs=16,
+                     max_num_batched_tokens=64, context_len=128, vocab_size=97, admission=admission)
+
+
+def request(seq_id, prompt_len, max_tokens, priority=0):
+    seq = Sequence(seq_id, str(seq_id), [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                   max_len=prompt_len + max_tokens)
+    seq.priority = priority
+    return seq
+
+
+def step(sched):
+    """One engine step without a model: the scheduled tokens are computed, and every sequence
+    whose tokens are all computed samples token 1. Returns the sequences scheduled."""
+    schedule = sched.schedule()
+    sched.computed(schedule)
+    for item in schedule.sequences:
+        if item.seq.num_uncomputed == 0:
+            reason = item.seq.append(1, None)
+            if reason:
+                sched.finish(item.seq, reason)
+    return [item.seq for item in schedule.sequences]
+
+
+@pytest.mark.parametrize("admission, small_ones_admitted", [("fcfs", 0), ("memory", 2)])
+def test_fcfs_lets_one_huge_request_hold_the_small_ones_behind_it(admission, small_ones_admitted):
+    sched = scheduler(admission)
+    first = request(0, 20, 8)
+    sched.add(first)
+    step(sched)  # first's prompt: 5 of the 10 blocks, then its first token needs a sixth
+    huge = request(1, 28, 4)  # 7 blocks: it cannot start until first is done
+    small = [request(2 + i, 3, 4) for i in range(3)]  # a block now, two at their peak
+    for seq in (huge, *small):
+        sched.add(seq)
+    started = step(sched)
+    assert first in started and huge not in started
+    assert sum(seq in started for seq in small) == small_ones_admitted
+    # memory-aware stops at 2: a third would eat the blocks the running ones are expected to grow into
+
+
+def test_lower_priority_values_are_admitted_first():
+    sched = scheduler("memory", num_blocks=3)
+    late, urgent = request(0, 6, 4), request(1, 6, 4, priority=-1)  # 3 blocks at their peak each
+    sched.add(late)
+    sched.add(urgent)
+    assert step(sched) == [urgent]
+
+
+def test_a_large_request_is_admitted_within_the_stated_bound_under_a_stream_of_small_ones(monkeypatch):
+    """Two small requests arrive every step, each cheaper than the large one: by benefit / cost
+    alone the large one would wait forever. Once it has waited MAX_WAIT_STEPS it is due, nobody
+    overtakes it, and it starts as soon as the small ones running then have finished."""
+    def first_step_of_the_large_one(max_wait):
+        monkeypatch.setattr("minillm.engine.admission.MAX_WAIT_STEPS", max_wait)
+        sched = scheduler("memory", num_blocks=16)
+        large = request(0, 44, 4)  # 12 of the 16 blocks
+        sched.add(large)
+        ids = iter(range(1, 10_000))
+        for step_index in range(1, 400):
+            for _ in range(2):
+                sched.add(request(next(ids), 4, 6))  # 3 blocks at their peak
+            if large in step(sched):
+                return step_index
+        return None
+
+    small_lifetime = 1 + 6  # a small request's prefill step and its 6 tokens
+    started = first_step_of_the_large_one(MAX_WAIT_STEPS)
+    assert started is not None and started <= MAX_WAIT_STEPS + small_lifetime + 1
+    assert first_step_of_the_large_one(10**9) is None  # without aging it starves: the bound is aging's doing
+
+
+def test_the_expected_output_is_learned_from_finished_requests():
+    sched = scheduler("memory", num_blocks=64)
+    for seq_id in range(4):
+        sched.add(request(seq_id, 4, 10))
+    while sched.has_unfinished():
+        step(sched)
+    fresh = request(9, 4, 200)
+    assert sched.admission.expected_output(fresh) == 10  # learned, not max_tokens
+    assert sched.admission.expected_output(request(10, 4, 3)) == 3  # capped by max_tokens
+
+
+# ---------------------------------------------------------------- only the order changes
+
+@pytest.mark.parametrize("switches", [{}, {"prefix_caching": True}, {"max_num_batched_tokens": 7},
+                                      {"host_cache_bytes": 400 * BLOCK * KV_BYTES_PER_TOKEN, "preemption": "swap"}])
+def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, switches):
+    rng = random.Random(5)
+    system = [rng.randrange(97) for _ in range(2 * BLOCK + 1)]
+    prompts = [system + p if i % 2 else p for i, p in enumerate(mixed_prompts(16, seed=4))]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, **switches)
+    outputs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert llm.engine.num_preemptions > 0
+    if switches.get("prefix_caching"):
+        assert llm.engine.block_manager.prefix_cache.hit_blocks > 0
+    assert_drained(llm)
+
+
+def test_memory_admission_with_samples_and_beams_equals_the_references(tiny_dir, tiny_model):
+    prompts = mixed_prompts(6, seed=6)
+    sampled = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
+    beams = SamplingParams(beam_width=2, max_tokens=8, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, blocks=24, prefix_caching=True)
+    outputs = llm.generate(prompts, [sampled if i % 2 else beams for i in range(len(prompts))])
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        if i % 2:
+            assert out.samples == [naive(tiny_model, prompt, SamplingParams(temperature=1.0, seed=3 + k, max_tokens=10,
+                                                                            ignore_eos=True)) for k in range(3)]
+        else:
+            assert out.samples == reference_beam_search(tiny_model, prompt, 2, 8, None)
+    assert_drained(llm)
+
+
+# ---------------------------------------------------------------- the pressure ladder
+
+def test_the_ladder_reclaims_cached_blocks_before_it_preempts_and_never_evicts_unasked(tiny_dir, tiny_model):
+    """Warm requests leave their prompts' blocks cached and unheld; a burst then needs the whole
+    pool. The cached blocks go first (reclaim), a preemption only after, no eviction at all."""
+    llm = tight(tiny_dir, tiny_model, blocks=16, prefix_caching=True)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm.generate(mixed_prompts(3, seed=7), params)  # leaves cached blocks behind
+    burst = mixed_prompts(10, seed=8)
+    outputs = llm.generate(burst, params)
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in burst]
+    ladder = list(llm.engine.stats.ladder)
+    assert all(set(rungs) <= set(RUNGS) - {"evict"} for rungs in ladder)
+    first = {rung: next(i for i, rungs in enumerate(ladder) if rung in rungs) for rung in ("reclaim", "preempt")}
+    assert first["reclaim"] <= first["preempt"]
+    assert llm.engine.stats.rungs["reclaim"] > 0 and llm.engine.stats.rungs["preempt"] > 0
+    assert_drained(llm)
+
+
+def test_eviction_under_pressure_waits_for_a_shortage(tiny_dir, tiny_model):
+    """With room, the pressure trigger evicts nothing and the output is naive's; short of room,
+    it evicts only after steps that had to preempt."""
+    prompts, params = mixed_prompts(10, seed=9), SamplingParams(max_tokens=20, ignore_eos=True)
+    switches = dict(eviction="h2o", kv_budget=12, eviction_trigger="pressure")
+    roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **switches)
+    assert [out.token_ids for out in roomy.generate(prompts, params)] == \
+        [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert roomy.engine.stats.tokens_evicted == 0
+    short = tight(tiny_dir, tiny_model, blocks=14, **switches)
+    short.generate(prompts, params)
+    ladder = list(short.engine.stats.ladder)
+    assert short.engine.stats.tokens_evicted > 0
+    assert all("preempt" in rungs for rungs in ladder if "evict" in rungs)
+    assert_drained(short)
+
+
+@pytest.mark.parametrize("switches, message", [
+    ({"admission": "sjf"}, "admission must be"),
+    ({"admission": "memory", "scheduling": "static"}, "scheduling='continuous'"),
+    ({"eviction_trigger": "pressure"}, "only applies with eviction"),
+    ({"eviction": "h2o", "kv_budget": 8, "eviction_trigger": "later"}, "eviction_trigger must be"),
+])
+def test_admission_and_ladder_switches_are_checked(tiny_dir, tiny_model, switches, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(tiny_dir, model=tiny_model, **switches)
+
+
+@pytest.mark.parametrize("priority", ["high", 1.5, True, 1000])
+def test_a_bad_priority_is_refused_in_one_line(tiny_dir, tiny_model, priority):
+    llm = LLM(tiny_dir, model=tiny_model)
+    with pytest.raises(ValueError, match="priority must be"):
+        llm.engine.add_request([1, 2, 3], priority=priority)
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
