@@ -170,7 +170,8 @@ class EngineConfig:
     block_size: int = 16  # token slots per KV block
     kv_cache_bytes: int = 512 * 2**20  # the KV pool's budget; it is cut into blocks
     scheduling: str = "continuous"  # "continuous" (iteration-level) or "static" (batch at a time)
-    admission: str = "fcfs"  # who joins first: "fcfs" (arrival order) or "memory" (benefit / KV cost, aged)
+    admission: str = "fcfs"  # who joins first: "fcfs" (arrival order), "memory" (benefit / KV cost, aged),
+    #   or "reserve" (fcfs, each request holding its maximum length: the pre-paging baseline)
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
     prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
@@ -197,11 +198,11 @@ class EngineConfig:
                               f"or None for the model's context, not {self.max_seq_len!r}.")
         if self.scheduling not in ("continuous", "static"):
             raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}.")
-        if self.admission not in ("fcfs", "memory"):
-            raise ConfigError(f"admission must be 'fcfs' or 'memory', not {self.admission!r}.")
-        if self.admission == "memory" and self.scheduling == "static":
-            raise ConfigError("admission='memory' chooses who joins a running batch; static batching admits a "
-                              "whole batch at a time, in order. Use scheduling='continuous'.")
+        if self.admission not in ("fcfs", "memory", "reserve"):
+            raise ConfigError(f"admission must be 'fcfs', 'memory' or 'reserve', not {self.admission!r}.")
+        if self.admission != "fcfs" and self.scheduling == "static":
+            raise ConfigError(f"admission={self.admission!r} chooses who joins a running batch; static batching "
+                              "admits a whole batch at a time, in order. Use scheduling='continuous'.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):

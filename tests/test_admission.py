@@ -29,8 +29,9 @@ def mixed_prompts(count, seed, vocab=97):
 
 
 def tight(tiny_dir, tiny_model, blocks=14, **switches):
+    switches = {"admission": "memory", **switches}
     return LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=blocks * BLOCK * KV_BYTES_PER_TOKEN,
-               admission="memory", **switches)
+               **switches)
 
 
 def assert_drained(llm):
@@ -157,6 +158,27 @@ def test_memory_admission_with_samples_and_beams_equals_the_references(tiny_dir,
     assert_drained(llm)
 
 
+def test_max_length_reservation_never_preempts_and_holds_fewer(tiny_dir, tiny_model):
+    """The pre-paging baseline: every running request keeps its prompt + max_tokens reserved, so
+    nothing ever runs short, and fewer requests run at once than paged FCFS lets in."""
+    prompts, params = mixed_prompts(12, seed=10), SamplingParams(max_tokens=24, ignore_eos=True)
+    most = {}
+    for admission in ("reserve", "fcfs"):
+        llm = tight(tiny_dir, tiny_model, blocks=24, admission=admission)
+        engine, outputs = llm.engine, []
+        ids = [engine.add_request(prompt, params) for prompt in prompts]
+        most[admission] = 0
+        while engine.has_unfinished_requests():
+            outputs += [out for out in engine.step() if out.finished]
+            most[admission] = max(most[admission], len(engine.scheduler.running))
+        by_id = {out.request_id: out.token_ids for out in outputs}
+        assert [by_id[i] for i in ids] == [naive(tiny_model, prompt, params) for prompt in prompts]
+        if admission == "reserve":
+            assert engine.num_preemptions == 0
+        assert_drained(llm)
+    assert most["reserve"] < most["fcfs"]
+
+
 # ---------------------------------------------------------------- the pressure ladder
 
 def test_the_ladder_reclaims_cached_blocks_before_it_preempts_and_never_evicts_unasked(tiny_dir, tiny_model):
@@ -196,6 +218,7 @@ def test_eviction_under_pressure_waits_for_a_shortage(tiny_dir, tiny_model):
 @pytest.mark.parametrize("switches, message", [
     ({"admission": "sjf"}, "admission must be"),
     ({"admission": "memory", "scheduling": "static"}, "scheduling='continuous'"),
+    ({"admission": "reserve", "scheduling": "static"}, "scheduling='continuous'"),
     ({"eviction_trigger": "pressure"}, "only applies with eviction"),
     ({"eviction": "h2o", "kv_budget": 8, "eviction_trigger": "later"}, "eviction_trigger must be"),
 ])

@@ -1,5 +1,11 @@
 """Which waiting request joins the batch next: first come first served, or by memory.
 
+Max-length reservation (`admission="reserve"`) is the baseline before paging (Orca, FasterTransformer):
+a request is admitted only when its whole possible length, prompt plus max_tokens, is free for
+it; a contiguous allocator must reserve that much up front. Here it is played on the paged pool
+(held blocks plus reserved ones), which spares it the external fragmentation a real contiguous
+arena adds (`arena.py`): a baseline no worse than the real one.
+
 First come first served (`admission="fcfs"`, vLLM's default) admits the head of the queue while
 blocks, seats and the step's token budget last, and nobody overtakes it. Fair, and blind to
 memory: one long document at the head holds every short question behind it until its blocks are
@@ -54,6 +60,23 @@ class FirstComeFirstServed:
 
     def finished(self, seq: Sequence) -> None:
         pass
+
+
+class MaxLengthReservation(FirstComeFirstServed):
+    """FCFS, admitting only while every running request's maximum length stays reserved."""
+
+    def __init__(self, manager: BlockManager):
+        self.manager = manager
+
+    def blocks_at_most(self, seq: Sequence) -> int:
+        manager = self.manager
+        prompt_blocks = manager.blocks_for(len(seq.prompt_ids))
+        return prompt_blocks + seq.params.num_outputs * (manager.blocks_for(seq.max_len) - prompt_blocks)
+
+    def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
+        manager = self.manager
+        reserved = sum(self.blocks_at_most(other) for other in running if other.request_id != seq.request_id)
+        return reserved + self.blocks_at_most(seq) <= manager.num_blocks
 
 
 class MemoryAware:
@@ -128,5 +151,7 @@ class MemoryAware:
         self.output_tokens += len(seq.output_ids)
 
 
-def make_admission(policy: str, manager: BlockManager) -> FirstComeFirstServed | MemoryAware:
+def make_admission(policy: str, manager: BlockManager) -> FirstComeFirstServed | MaxLengthReservation | MemoryAware:
+    if policy == "reserve":
+        return MaxLengthReservation(manager)
     return MemoryAware(manager) if policy == "memory" else FirstComeFirstServed()
