@@ -1,7 +1,8 @@
 """A seeded soak: a few hundred random requests through random engine set-ups, checked one by one.
 
 Each set-up draws a block size, a pool from just big enough to many times that, prefix caching
-on or off, static or continuous scheduling, a token budget, and tiers (none, a host pool that
+on or off, static or continuous scheduling (admitting first come first served, by memory cost, or
+by max-length reservation), a token budget, and tiers (none, a host pool that
 may overflow to disk, disk alone) with a preemption policy (`auto` flips a seeded coin per victim
 instead of timing the machine, so every set-up replays exactly); its requests mix greedy ones,
 seeded parallel samples and beams, some sharing a prefix, and some are aborted mid-flight.
@@ -76,8 +77,10 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
     block_size = rng.choice([1, 2, 4, 8, 16])
     longest = max(len(prompt) + params.max_tokens for prompt, params in requests)
     blocks = -(-longest // block_size) * rng.choice([1, 2, 4, 20])  # from just fits to plenty
+    scheduling = rng.choice(["static", "continuous"])
+    admission = rng.choice(["fcfs", "memory", "reserve"]) if scheduling == "continuous" else "fcfs"
     llm = LLM(tiny_dir, model=tiny_model, block_size=block_size, kv_cache_bytes=blocks * block_size * KV_BYTES_PER_TOKEN,
-              prefix_caching=rng.random() < 0.5, scheduling=rng.choice(["static", "continuous"]),
+              prefix_caching=rng.random() < 0.5, scheduling=scheduling, admission=admission,
               max_num_batched_tokens=rng.choice([8, 32, 512]), max_num_seqs=rng.choice([4, 16]),
               **random_tiers(rng, block_size, tmp_path))
     outputs, aborted = run_with_aborts(llm, rng, requests)

@@ -74,9 +74,9 @@ class MaxLengthReservation(FirstComeFirstServed):
         return prompt_blocks + seq.params.num_outputs * (manager.blocks_for(seq.max_len) - prompt_blocks)
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
-        manager = self.manager
+        """Room for its maximum beside the others' (alone, it may take the pool and preempt its own forks)."""
         reserved = sum(self.blocks_at_most(other) for other in running if other.request_id != seq.request_id)
-        return reserved + self.blocks_at_most(seq) <= manager.num_blocks
+        return not reserved or reserved + self.blocks_at_most(seq) <= self.manager.num_blocks
 
 
 class MemoryAware:
@@ -137,8 +137,11 @@ class MemoryAware:
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
         """Do the free blocks cover this request's first chunk and still leave the running ones'
-        headroom? (A chunk's blocks, less the prompt blocks the prefix cache would give it.)"""
+        headroom? (A chunk's blocks, less the prompt blocks the prefix cache would give it.) With
+        nothing running there is no headroom to keep: whatever fits may start."""
         manager = self.manager
+        if not running:
+            return True
         chunk_end = seq.num_cached + min(seq.num_uncomputed, budget)
         needed = manager.blocks_missing(seq.seq_id, chunk_end)
         if manager.prefix_cache and not manager.has_table(seq.seq_id):
