@@ -75,6 +75,20 @@ def test_forked_blocks_are_freed_only_by_the_last_holder():
     assert manager.num_free_blocks == 4
 
 
+def test_block_states_name_what_each_block_holds():
+    manager = BlockManager(6, 2, prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5]
+    manager.grow(1, 5)  # blocks 0, 1, 2; the first two full
+    manager.prefix_cache.register(1, manager.table(1), tokens, 5)
+    manager.fork(1, 2)
+    manager.grow(3, 2)
+    assert [manager.block_state(b) for b in manager.table(1)] == ["shared"] * 3
+    assert manager.block_state(manager.table(3)[0]) == "private"
+    manager.free(1)
+    manager.free(2)  # the registered blocks stay findable; the third was never full
+    assert sorted(manager.block_state(b) for b in range(6)) == ["cached", "cached", "free", "free", "free", "private"]
+
+
 def test_contiguous_arena_refuses_a_request_that_total_free_memory_would_fit():
     arena = ContiguousArena(100)
     for seq_id in range(4):

@@ -323,6 +323,15 @@ class BlockManager:
                 raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, which is in "
                                         f"the {self.tier(table[index])} tier; swap it in first")
 
+    def block_state(self, block: int) -> str:
+        """What a block holds, for pictures of the pool: "free"; "cached" (free, but its content is
+        findable in the prefix cache: the first to go under pressure); "shared" (held by several
+        tables, or by one and findable by requests to come); "private" (one table's alone)."""
+        cached = self.prefix_cache is not None and block in self.prefix_cache.entries
+        if self.refcounts[block] == 0:
+            return "cached" if cached else "free"
+        return "shared" if self.refcounts[block] > 1 or cached else "private"
+
     def check_invariants(self) -> None:
         holders = Counter(block for table in self.block_tables.values() for block in table)
         free = set(self.free_blocks) | set(self.free_host) | set(self.free_disk)
