@@ -81,6 +81,11 @@ class PagedKVPool:
     def nbytes(self) -> int:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes held in full precision beside the blocks: none, every number lives in its block."""
+        return 0
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (n, kv_heads, head_dim) go into `slots` (n,)."""
         self.k_cache[layer].index_copy_(0, slots, k)
@@ -129,8 +134,12 @@ class QuantizedKVPool:
 
     @property
     def nbytes(self) -> int:
-        staged = sum(t.nbytes for t in self.staging.values())
-        return self.k_data.nbytes + self.v_data.nbytes + self.v_scale.nbytes + self.k_scale.nbytes + staged
+        return self.k_data.nbytes + self.v_data.nbytes + self.v_scale.nbytes + self.k_scale.nbytes + self.staged_bytes
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of the filling blocks' keys, waiting in full precision until their block is full."""
+        return sum(t.nbytes for t in self.staging.values())
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         data, scale = quantize(v, self.fmt, dim=-1)

@@ -1,0 +1,249 @@
+"""Lesson 13 — the memory system as a whole: capacity, bandwidth, scheduling, and one byte's life.
+
+Every earlier lesson turned one switch. Serving turns them all at once, and the KV cache stops
+being a buffer and becomes a memory system: someone must decide which memory goes to whom, in
+what form, for how long. This lesson looks at the whole, with the real model:
+  (a) the three problems, each one row of `minillm bench memory` on the same trace and budget:
+      capacity (max-length reservation -> paged blocks: how many requests fit at once),
+      bandwidth (fp32 -> int8 KV: bytes each decode step reads), scheduling (first come first
+      served -> memory-aware admission: time to first token);
+  (b) one busy step, every byte of KV placed: device or host, shared or private, cached for
+      later, quantized or still in full precision (a filling block's keys), kept or evicted;
+  (c) a request whose KV is quantized, partly evicted and paged needs an old token again (a
+      password given at the start, asked for at the end): what each switch costs then — in
+      quality (what the model now believes) and in time (what getting the token back takes).
+
+    python lessons/13_memory_system.py [--quick] [--out DIR]
+"""
+
+import random
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+
+from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+from minillm.engine import LLM, SamplingParams  # noqa: E402
+from minillm.evaluation import read_text  # noqa: E402
+from minillm.tokenizer import Tokenizer  # noqa: E402
+from minillm.weights import load_model  # noqa: E402
+
+BLOCK = 16
+SETTINGS = {
+    "default": {"busy_requests": 12, "busy_system_tokens": 96, "busy_device_blocks": 40, "busy_host_blocks": 40,
+                "filler_tokens": 400},
+    "quick": {"busy_requests": 6, "busy_system_tokens": 48, "busy_device_blocks": 16, "busy_host_blocks": 16,
+              "filler_tokens": 120},
+}
+STATES = ["free", "cached", "shared", "private", "host: swapped", "host: spilled"]
+COLORS = ["#eeeeee", "#9ecae1", "#31a354", "#fd8d3c", "#756bb1", "#bcbddc"]
+
+
+# ---------------------------------------------------------------- (b) one busy step, every byte placed
+def busy_engine(model, tokenizer, text_ids: list[int], settings: dict) -> LLM:
+    """Chats sharing two system prompts, arriving at once at a small int8 device pool with a
+    host tier behind it, the prefix cache on, and H2O allowed to evict under pressure."""
+    bytes_per_token = model.config.kv_bytes_per_token(model.dtype)
+    return LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, prefix_caching=True, kv_dtype="int8",
+               kv_cache_bytes=settings["busy_device_blocks"] * BLOCK * bytes_per_token // 3,  # int8 is ~3.5x smaller
+               host_cache_bytes=settings["busy_host_blocks"] * BLOCK * bytes_per_token // 3,
+               preemption="swap", eviction="h2o", kv_budget=0.5, eviction_trigger="pressure",
+               admission="memory")
+
+
+def snapshot(engine) -> dict:
+    """Where the KV bytes are now: each device and host block's state, and bytes per category."""
+    manager, pool = engine.block_manager, engine.pool
+    per_block = pool.bytes_per_slot * BLOCK
+    device = [manager.block_state(b) for b in range(manager.num_blocks)]
+    host_ids = range(manager.num_blocks, manager.num_blocks + manager.num_host_blocks)
+    host = ["host: swapped" if manager.block_state(b) in ("shared", "private") else
+            "host: spilled" if manager.block_state(b) == "cached" else "free" for b in host_ids]
+    running = engine.scheduler.running
+    return {"device": device, "host": host,
+            "bytes": {**{f"device {state}": device.count(state) * per_block for state in STATES[1:4]},
+                      "host swapped": host.count("host: swapped") * per_block,
+                      "host spilled": host.count("host: spilled") * per_block,
+                      "full precision (filling blocks' keys)": pool.staged_bytes,
+                      "evicted (no longer stored)": sum(seq.num_evicted for seq in running) * pool.bytes_per_slot},
+            "running": len(running), "waiting": len(engine.scheduler.waiting)}
+
+
+def busiest_step(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
+    """Serve the chats and keep the snapshot of the step with the most KV held."""
+    llm = busy_engine(model, tokenizer, text_ids, settings)
+    engine, rng = llm.engine, random.Random(3)
+    systems = [text_ids[i * 2000:i * 2000 + settings["busy_system_tokens"]] for i in range(2)]
+    for _ in range(settings["busy_requests"]):
+        start = rng.randrange(len(text_ids) - 64)
+        engine.add_request(rng.choice(systems) + text_ids[start:start + rng.randint(16, 64)],
+                           SamplingParams(max_tokens=rng.randint(24, 64), ignore_eos=True))
+    best, held = None, -1
+    while engine.has_unfinished_requests():
+        engine.step()
+        now = snapshot(engine)
+        if sum(now["bytes"].values()) - now["bytes"]["device cached"] > held:
+            best, held = now, sum(now["bytes"].values()) - now["bytes"]["device cached"]
+    best["rungs"] = dict(engine.stats.rungs)
+    best["bytes_per_token"] = engine.pool.bytes_per_slot
+    return best
+
+
+def show_busy(busy: dict) -> None:
+    rows = [[name, f"{value / 2**20:.2f}"] for name, value in busy["bytes"].items()]
+    table(f"(b) the busiest step: {busy['running']} running, {busy['waiting']} waiting "
+          f"(int8 KV, {busy['bytes_per_token']:,} B per token; ladder so far: {busy['rungs']})",
+          ["where", "MiB"], rows)
+
+
+# ---------------------------------------------------------------- (c) an old token needed again
+class LastLogits:
+    """A sampler that keeps the log-probabilities it was shown and answers greedily."""
+
+    def __init__(self):
+        self.logprobs = None
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        self.logprobs = torch.log_softmax(logits.float(), dim=-1)
+        return int(logits.argmax())
+
+
+def password_prompt(tokenizer, text_ids: list[int], settings: dict) -> tuple[list[int], int]:
+    """A password early in the prompt, a stretch of Alice, then the question; the answer's first token."""
+    prompt = (tokenizer.encode("Alice wrote a note. The password is Pumpkin. Remember it.\n")
+              + text_ids[5000:5000 + settings["filler_tokens"]] + tokenizer.encode("\nThe password is"))
+    return prompt, tokenizer.encode(" Pumpkin")[0]
+
+
+def answer_with(model, tokenizer, prompt: list[int], **switches) -> tuple[torch.Tensor, float]:
+    """The next-token log-probabilities after `prompt`, prefilled in chunks of 64 so that what
+    eviction drops is really gone when the question is read; and the seconds it took."""
+    llm = LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, max_num_batched_tokens=64, **switches)
+    engine = llm.engine
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=1))
+    recorder = LastLogits()
+    engine.requests[request_id][0].sampler = recorder
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    return recorder.logprobs, time.perf_counter() - start
+
+
+def copy_seconds(num_bytes: int) -> float:
+    """Time to copy `num_bytes` from one buffer to another (what a swap-in moves), best of 3."""
+    source, destination = torch.empty(num_bytes, dtype=torch.uint8), torch.empty(num_bytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        destination.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def old_token(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
+    prompt, answer = password_prompt(tokenizer, text_ids, settings)
+    exact, prefill_seconds = answer_with(model, tokenizer, prompt)
+    fp32_bytes = model.config.kv_bytes_per_token(model.dtype) * len(prompt)
+    cases = {"paged, fp32 (exact)": ({}, "found through the block table: no copy, no loss"),
+             "int8 KV": ({"kv_dtype": "int8"}, "stored with error: nothing to get back"),
+             "int4 KV": ({"kv_dtype": "int4"}, "stored with error: nothing to get back"),
+             "H2O keeps 20%": ({"eviction": "h2o", "kv_budget": 0.2}, "gone: recompute the prompt"),
+             "sinks + window 20%": ({"eviction": "sinks", "kv_budget": 0.2}, "gone: recompute the prompt"),
+             "window 20%": ({"eviction": "window", "kv_budget": 0.2}, "gone: recompute the prompt")}
+    rows = {}
+    for name, (switches, remedy) in cases.items():
+        logprobs = exact if not switches else answer_with(model, tokenizer, prompt, **switches)[0]
+        rows[name] = {"p_answer": logprobs[answer].exp().item(), "top1_is_answer": int(logprobs.argmax()) == answer,
+                      "kl": float((exact.exp() * (exact - logprobs)).sum()), "remedy": remedy,
+                      "remedy_seconds": prefill_seconds if "recompute" in remedy else 0.0}
+    rows["swapped to host, fp32"] = {**rows["paged, fp32 (exact)"], "remedy": "on the host: copy its blocks back",
+                                     "remedy_seconds": copy_seconds(fp32_bytes)}
+    return {"rows": rows, "prompt_tokens": len(prompt), "prefill_seconds": prefill_seconds,
+            "answer": tokenizer.decode([answer])}
+
+
+def show_old_token(old: dict) -> None:
+    rows = [[name, f"{r['p_answer']:.3f}", "yes" if r["top1_is_answer"] else "no", f"{r['kl']:.3f}", r["remedy"],
+             f"{r['remedy_seconds'] * 1e3:.1f}"] for name, r in old["rows"].items()]
+    table(f"(c) a {old['prompt_tokens']}-token prompt asks for the password given in its first line "
+          f"(answer starts {old['answer']!r})",
+          ["KV", "p(answer)", "top-1 right", "KL vs exact", "to get the old token back", "ms"], rows)
+
+
+# ---------------------------------------------------------------- plot, numbers, meaning
+def plot(busy: dict, old: dict, out_dir) -> None:
+    fig, (ax_map, ax_bytes, ax_old) = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    cells = busy["device"] + busy["host"]
+    width = 16
+    grid = [STATES.index(state) for state in cells] + [0] * (-len(cells) % width)
+    ax_map.imshow(torch.tensor(grid).reshape(-1, width), cmap=ListedColormap(COLORS), vmin=0, vmax=len(STATES) - 1)
+    ax_map.axhline(len(busy["device"]) / width - 0.5, color="black", linewidth=2)
+    ax_map.set_title(f"(b) every block at the busiest step\n(above the line: device, {len(busy['device'])} blocks; "
+                     f"below: host, {len(busy['host'])})")
+    ax_map.set_xticks([])
+    ax_map.set_yticks([])
+    for state, color in zip(STATES, COLORS):
+        ax_map.bar(0, 0, color=color, label=state)
+    ax_map.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    names, values = zip(*busy["bytes"].items())
+    ax_bytes.barh(names, [v / 2**20 for v in values], color="#4c72b0")
+    ax_bytes.set_xlabel("MiB")
+    ax_bytes.set_title("(b) bytes by where they live and in what form")
+    names = list(old["rows"])
+    ax_old.barh(names, [old["rows"][n]["p_answer"] for n in names], color="#dd8452")
+    ax_old.set_xlabel("p(the password's first token)")
+    ax_old.set_title("(c) the old token, read again")
+    ax_old.invert_yaxis()
+    fig.tight_layout()
+    save_plot(fig, out_dir, "13_memory_system.png")
+
+
+def meaning(busy: dict, old: dict) -> str:
+    rows = old["rows"]
+    exact, int8, h2o = rows["paged, fp32 (exact)"], rows["int8 KV"], rows["H2O keeps 20%"]
+    window = rows["window 20%"]
+    placed = (f"(b) At the busiest step the {busy['running']} running requests' KV was spread over "
+              f"{sum(1 for v in busy['bytes'].values() if v)} kinds of place: shared prefix blocks held once for "
+              f"many, private blocks, cached blocks kept for later, blocks swapped or spilled to the host, "
+              f"filling blocks' keys still in full precision, and entries eviction had dropped.")
+    reread = (f"(c) Reading an old token again is free when it is only paged ({exact['p_answer']:.3f} for the right "
+              f"answer), nearly free in int8 (p {int8['p_answer']:.3f}, KL {int8['kl']:.4f}), and decided by "
+              f"what the policy kept once it is evicted: H2O p {h2o['p_answer']:.3f}, a recent window "
+              f"p {window['p_answer']:.3f}. An evicted token comes back only by recomputing the prompt "
+              f"({old['prefill_seconds'] * 1e3:.0f} ms here), a swapped one by copying it "
+              f"({rows['swapped to host, fp32']['remedy_seconds'] * 1e3:.1f} ms): that is why the pressure ladder "
+              "swaps before it evicts, and evicts only when allowed.")
+    return f"{placed} {reread}"
+
+
+def main() -> None:
+    args = lesson_args(__doc__)
+    settings = SETTINGS["quick" if args.quick else "default"]
+    torch.manual_seed(0)
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    text_ids = tokenizer.encode(read_text())
+
+    console.rule("(b) One busy step: where every byte of KV lives")
+    busy = busiest_step(model, tokenizer, text_ids, settings)
+    show_busy(busy)
+
+    console.rule("(c) An old token needed again")
+    old = old_token(model, tokenizer, text_ids, settings)
+    show_old_token(old)
+    plot(busy, old, args.out)
+
+    numbers = {**{f"busy_{k.split(' (')[0].replace(' ', '_')}_bytes": v for k, v in busy["bytes"].items()},
+               "busy_running": busy["running"],
+               **{f"old_{name.split(',')[0].replace(' ', '_').replace('%', '').replace('+', 'and')}_{key}": value
+                  for name, row in old["rows"].items() for key, value in row.items() if key != "remedy"}}
+    save_numbers(args.out, "13_memory_system.json", numbers)
+    console.print(f"\n[bold]What it means:[/bold] {meaning(busy, old)}")
+
+
+if __name__ == "__main__":
+    main()
