@@ -1,4 +1,4 @@
-"""The commands that measure: `minillm bench decode|serve|prefix|tiers|attention` (speed) and
+"""The commands that measure: `minillm bench decode|serve|prefix|tiers|memory|attention` (speed) and
 `minillm eval ppl` (quality).
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
@@ -20,7 +20,8 @@ from minillm.report import console, print_json, show
 def add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_tiers, add_bench_attention):
+    for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_tiers, add_bench_memory,
+                        add_bench_attention):
         add_command(benches)
 
 
@@ -141,6 +142,52 @@ def cmd_bench_tiers(args) -> None:
                      system_tokens=args.system_tokens, spill_requests=args.spill_requests,
                      spill_pool_prompts=args.spill_pool_prompts, threads=args.threads, dtype=args.dtype,
                      device=args.device, progress=not args.json), print_tiers_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench memory
+
+def add_bench_memory(benches) -> None:
+    memory = benches.add_parser("memory", help="the memory system one layer at a time, on one trace and one KV budget",
+                                description="One seeded trace (short questions, chats sharing system prompts, long "
+                                            "documents, a few long answers) arriving over time at one device KV "
+                                            "budget, served by rows that add one layer at a time: max-length "
+                                            "reservation, paging, prefix cache, int8 KV, a host tier, memory-aware "
+                                            "admission, H2O eviction under pressure; and the lossless system. "
+                                            "Output tok/s, goodput against TTFT and TPOT targets calibrated now, "
+                                            "TTFT, peak sequences, preemptions, bytes moved, KV utilization, ladder "
+                                            "rungs, perplexity cost of the lossy rows on two texts; then closed-loop "
+                                            "load tests. Targets are printed beside the numbers, never asserted.")
+    from minillm.benchmarks.memory import SIZES
+    full, quick = SIZES["full"], SIZES["quick"]
+    memory.add_argument("--quick", action="store_true",
+                        help="quarter-length requests, fewer of them, a smaller budget and a tiny load test "
+                             "(well under a minute)")
+    memory.add_argument("--requests", type=positive_int, default=None,
+                        help=f"requests in the trace (default: {full['requests']}; {quick['requests']} with --quick)")
+    memory.add_argument("--rate", type=positive_float, default=None,
+                        help=f"mean arrivals per second, exponential gaps (default: {full['rate']:g}; "
+                             f"{quick['rate']:g} with --quick)")
+    memory.add_argument("--kv-tokens", type=positive_int, default=None,
+                        help="the device KV pool of every row, in tokens of float32 KV (an int8 pool gets more "
+                             f"blocks from the same bytes) (default: {full['kv_tokens']}; {quick['kv_tokens']} with "
+                             "--quick)")
+    memory.add_argument("--clients", type=positive_int, default=None,
+                        help=f"closed-loop clients for the fixed-concurrency load test (default: {full['clients']}; "
+                             f"{quick['clients']} with --quick)")
+    memory.add_argument("--no-load", action="store_true", help="skip the closed-loop load tests")
+    memory.add_argument("--threads", type=positive_int, default=1,
+                        help="torch threads; on a CPU shared with other work more threads wait for each other "
+                             "(default: 1)")
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(memory)
+    memory.set_defaults(func=cmd_bench_memory)
+
+
+def cmd_bench_memory(args) -> None:
+    from minillm.benchmarks.memory import bench_memory, print_memory_report
+    show(bench_memory(args.model, quick=args.quick, num_requests=args.requests, rate=args.rate,
+                      kv_tokens=args.kv_tokens, clients=args.clients, load=not args.no_load, threads=args.threads,
+                      dtype=args.dtype, device=args.device, progress=not args.json), print_memory_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench attention

@@ -83,17 +83,25 @@ def segments_of(token_ids: list[int], segment_len: int, num_segments: int) -> li
 def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: int = 4,
                progress: bool = False) -> PerplexityResult:
     """Score `num_segments` segments of `segment_len` tokens through `llm`'s cache (see above)."""
+    return perplexities(llm, {"text": token_ids}, segment_len, num_segments, progress)["text"]
+
+
+def perplexities(llm, texts: dict[str, list[int]], segment_len: int = 512, num_segments: int = 4,
+                 progress: bool = False) -> dict[str, PerplexityResult]:
+    """Each text's perplexity, all texts' segments scored side by side in one run (a decode step
+    costs about the same for a few sequences as for one). `seconds` is the whole run's."""
     from minillm.sampling import SamplingParams
 
     engine = llm.engine
     if segment_len > engine.context_len:
         raise ConfigError(f"segment_len={segment_len} is longer than the context ({engine.context_len}); lower it.")
-    scorers = []
-    for segment in segments_of(token_ids, segment_len, num_segments):
-        request_id = engine.add_request(segment[:1], SamplingParams(max_tokens=segment_len - 1, ignore_eos=True))
-        scorer = TeacherForcing(segment[1:])
-        engine.requests[request_id][0].sampler = scorer
-        scorers.append(scorer)
+    scorers: dict[str, list[TeacherForcing]] = {name: [] for name in texts}
+    for name, token_ids in texts.items():
+        for segment in segments_of(token_ids, segment_len, num_segments):
+            request_id = engine.add_request(segment[:1], SamplingParams(max_tokens=segment_len - 1, ignore_eos=True))
+            scorer = TeacherForcing(segment[1:])
+            engine.requests[request_id][0].sampler = scorer
+            scorers[name].append(scorer)
     start = time.perf_counter()
     with progress_bar("scoring through the cache", segment_len - 1, enabled=progress) as advance:
         while engine.has_unfinished_requests():  # each step scores one more token of every segment
@@ -101,7 +109,11 @@ def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: 
                 if out.error:
                     raise ConfigError(out.error)
             advance()
-    logprobs = [lp for scorer in scorers for lp in scorer.logprobs]
-    nll = -sum(logprobs) / len(logprobs)
-    return PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len,
-                            time.perf_counter() - start, engine.pool.bytes_per_slot, engine.stats.tokens_evicted)
+    seconds = time.perf_counter() - start
+    results = {}
+    for name, text_scorers in scorers.items():
+        logprobs = [lp for scorer in text_scorers for lp in scorer.logprobs]
+        nll = -sum(logprobs) / len(logprobs)
+        results[name] = PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len, seconds,
+                                         engine.pool.bytes_per_slot, engine.stats.tokens_evicted)
+    return results

@@ -333,6 +333,56 @@ def test_tiers_percentile_is_the_nearest_rank_by_hand():
     assert percentile([2.0, 1.0], 50) == 1.0 and percentile([0.25], 99) == 0.25
 
 
+# ----------------------------------------------------------------------------- bench memory
+
+def test_bench_memory_json_rows_keep_their_promises(capsys, vocab_dir):
+    """Facts that hold whatever the timings: lossless rows give the paged row's greedy tokens, a
+    max-length reservation never preempts and runs no more sequences at once than paging, the ladder
+    takes only the rungs it has, and every lossy row says what it costs."""
+    report = run_json(capsys, "bench", "memory", "--json", "--quick", "--requests", 16, "--rate", "1e9",
+                      "--kv-tokens", 96, "--model", vocab_dir)
+    assert report["machine"]["cpu_model"] and report["machine"]["torch_threads"] == 1 and report["quick"]
+    trace, budget, rows = report["trace"], report["budget"], report["rows"]
+    assert list(rows) == ["reserve", "paged", "prefix", "int8", "host", "memory", "ladder", "lossless"]
+    assert sum(kind["requests"] for kind in trace["kinds"].values()) == trace["requests"] == 16
+    assert all(kind["requests"] > 0 for kind in trace["kinds"].values())
+    assert budget["kv_bytes"] == 96 * kv_bytes_per_token(vocab_dir)  # 6 blocks of float32 KV, for every row
+
+    assert report["lossless_outputs_equal"]
+    for name, row in rows.items():
+        assert row["errors"] == 0, name
+        assert row["output_tok_s"] * row["elapsed_s"] == approx(trace["output_tokens"]), name
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["cpu_s"] > 0, name
+        assert 0 <= row["goodput"] <= 1 and row["goodput"] * trace["requests"] == approx(row["goodput_requests"]), name
+        assert set(row["rungs"]) <= {"reclaim", "preempt", "evict"}, name
+        assert row["bytes_moved_total"] == sum(row["bytes_moved"].values()), name
+        assert row["kv_utilization"] > 0 and row["peak_seqs"] >= 1, name
+        lossless = name in ("reserve", "paged", "prefix", "lossless")
+        assert (row["outputs_equal"] is True) if lossless else (row["outputs_equal"] is None), name
+        assert (row["quality"] is None) == lossless, name
+        if not lossless:
+            ratios = row["quality"]["perplexity_ratio"]
+            assert len(ratios) == 2 and all(ratio > 0 for ratio in ratios.values()), name
+    assert rows["reserve"]["preemptions"] == 0 and rows["reserve"]["peak_seqs"] <= rows["paged"]["peak_seqs"]
+    assert rows["ladder"]["quality"]["setting"] == "int8+h2o" and rows["int8"]["quality"]["setting"] == "int8"
+    fp32_blocks = {rows[name]["device_blocks"] for name in ("reserve", "paged", "prefix", "lossless")}
+    assert fp32_blocks == {6} and rows["int8"]["device_blocks"] > 6  # the same bytes buy more int8 blocks
+    assert rows["paged"]["bytes_moved"] == {} and rows["lossless"]["rungs"].get("evict", 0) == 0
+
+    quality = report["quality"]
+    assert set(quality["perplexity"]) == {"exact", "int8", "int8+h2o"} and len(quality["texts"]) == 2
+    load = report["load"]
+    assert list(load["rows"]) == ["reserve", "paged", "lossless", "memory"]
+    for name, row in load["rows"].items():
+        swept = [run["clients"] for run in row["sweep"]]
+        assert swept == load["grid"][:len(swept)] and row["fixed"]["clients"] == load["clients"], name
+        assert row["max_clients"] is None or row["max_clients"] in swept, name
+        for run in row["sweep"]:
+            assert run["errors"] == 0 and run["latency_p50_s"] <= run["latency_p99_s"], name
+    assert set(report["targets"]) == {"memory_vs_fcfs_goodput", "lossless_vs_reserve_peak_seqs",
+                                      "lossless_vs_reserve_tok_s", "int8_perplexity_ratio"}
+
+
 # ----------------------------------------------------------------------------- bench attention
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
@@ -364,6 +414,10 @@ def test_bench_attention_json_bandwidth_is_bytes_read_over_time(capsys, device):
     (["bench", "prefix", "--requests", "1"], "--requests"),
     (["bench", "tiers", "--rate", "0"], "--rate"),
     (["bench", "tiers", "--device-tokens", "16"], "--device-tokens"),
+    (["bench", "memory", "--rate", "0"], "--rate"),
+    (["bench", "memory", "--requests", "0"], "--requests"),
+    (["bench", "memory", "--clients", "0"], "--clients"),
+    (["bench", "memory", "--kv-tokens", "16"], "--kv-tokens"),
     (["bench", "attention", "--contexts", "0"], "contexts"),
 ])
 def test_a_size_with_nothing_to_measure_is_one_clear_line(capsys, real_dir, argv, option):

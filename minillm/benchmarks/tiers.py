@@ -75,10 +75,11 @@ def make_trace(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[Req
     return trace
 
 
-def run_trace(engine, trace: list[Request], label: str, progress: bool) -> tuple[list, float, float]:
+def run_trace(engine, trace: list[Request], label: str, progress: bool, watch=None) -> tuple[list, float, float]:
     """Step the engine, adding each request once its arrival time has passed (with that time, so
     its TTFT counts the wait). Returns the finished outputs in trace order, the busy seconds, and
-    the CPU seconds this process spent (which other work on a shared machine does not inflate)."""
+    the CPU seconds this process spent (which other work on a shared machine does not inflate).
+    `watch(engine)`, if given, is called after every step (a caller's own accounting)."""
     pending = deque(enumerate(trace))
     finished = {}
     cpu_start = time.process_time()
@@ -96,6 +97,8 @@ def run_trace(engine, trace: list[Request], label: str, progress: bool) -> tuple
                 if out.finished:
                     finished[int(out.request_id)] = out
                     advance()
+            if watch:
+                watch(engine)
     return [finished[index] for index in range(len(trace))], time.perf_counter() - start, time.process_time() - cpu_start
 
 
