@@ -7,13 +7,16 @@ than reserving each request's maximum length; and the lossy layers say what they
 The trace (seeded, so every run and commit sees the same one): N requests (default 24) arriving
 over time (exponential gaps, --rate per second), of four kinds in fixed shares (40% questions, 35%
 chats, 15% documents, 10% long answers) in a seeded order, cut from real prose:
-  question     a short question, U[16, 48] tokens, 16 tokens out;
+  question     a short question, U[16, 48] tokens, 16 tokens out (max_tokens 128);
   chat         one of 3 system prompts (96 tokens of a second text) and a user turn of U[8, 24]
-               tokens, in the chat template, 24 out: the prefix cache can share the system prompt;
-  document     a long document, U[192, 384] tokens, 16 out;
-  long answer  a short prompt, U[16, 32] tokens, and a long answer, 128 out.
-Outputs are decoded greedily to exactly that length (EOS ignored), so every row does the same
-work. --quick quarters every length and runs fewer requests.
+               tokens, in the chat template, 24 out (max_tokens 128): the prefix cache can share
+               the system prompt;
+  document     a long document, U[192, 384] tokens, 16 out (max_tokens 64);
+  long answer  a short prompt, U[16, 32] tokens, and a long answer, 128 out (max_tokens 256).
+Like a client, each request declares a max_tokens larger than what it turns out to need, and
+nobody but the trace knows its length: it is decoded greedily and ends with EOS at exactly its
+output length (`ScriptedStop`; no EOS before), so every row does the same work and the engine
+learns lengths only as requests finish. --quick quarters every length and runs fewer requests.
 
 The budget: one device pool of --kv-tokens tokens of float32 KV (default 640: 40 blocks, under two
 documents), given to every row in bytes, so an int8 pool cuts the same bytes into ~3.5x more
@@ -75,11 +78,12 @@ class Kind:
     name: str
     share: float  # of the trace's requests
     prompt_len: tuple[int, int]  # tokens, uniform (a chat's user turn; its system prompt comes on top)
-    output_len: int
+    output_len: int  # tokens it turns out to need (the last is EOS)
+    max_tokens: int  # what the request declares: more than it needs, as clients do
 
 
-KINDS = (Kind("question", 0.40, (16, 48), 16), Kind("chat", 0.35, (8, 24), 24),
-         Kind("document", 0.15, (192, 384), 16), Kind("long answer", 0.10, (16, 32), 128))
+KINDS = (Kind("question", 0.40, (16, 48), 16, 128), Kind("chat", 0.35, (8, 24), 24, 128),
+         Kind("document", 0.15, (192, 384), 16, 64), Kind("long answer", 0.10, (16, 32), 128, 256))
 SYSTEM_PROMPTS, SYSTEM_TOKENS = 3, 96
 EVICTION, EVICTION_BUDGET = "h2o", 0.5  # row (7): H2O keeping half of each sequence's full length
 TTFT_TIMES, TPOT_TIMES = 5, 5  # the goodput targets, in multiples of the calibration
@@ -100,7 +104,30 @@ class Request:
     kind: str
     prompt_ids: list[int]
     output_len: int
+    max_tokens: int
     arrival_s: float  # seconds after the trace starts
+
+
+class ScriptedStop:
+    """A request's sampler: greedy, never EOS before its `output_len`-th token, which is EOS. The
+    engine sees an ordinary request that stops on its own before its max_tokens."""
+
+    def __init__(self, output_len: int, eos_token_id: int):
+        self.output_len, self.eos_token_id, self.emitted = output_len, eos_token_id, 0
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        self.emitted += 1
+        if self.emitted == self.output_len:
+            return self.eos_token_id
+        logits = logits.clone()
+        logits[self.eos_token_id] = float("-inf")
+        return int(logits.argmax())
+
+
+def submit(engine, index: int, request: Request, arrival_time: float) -> None:
+    request_id = engine.add_request(request.prompt_ids, SamplingParams(max_tokens=request.max_tokens),
+                                    request_id=str(index), arrival_time=arrival_time)
+    engine.requests[request_id][0].sampler = ScriptedStop(request.output_len, engine.eos_token_id)
 
 
 def scaled(length: int, scale: float) -> int:
@@ -145,7 +172,8 @@ def make_trace(tokenizer: Tokenizer, num_requests: int, rate: float, scale: floa
         prompt = text_ids[start:start + prompt_len]
         if kind.name == "chat":
             prompt = chat_prompt(tokenizer, systems[rng.randrange(SYSTEM_PROMPTS)], prompt)
-        trace.append(Request(kind.name, prompt, scaled(kind.output_len, scale), arrival))
+        trace.append(Request(kind.name, prompt, scaled(kind.output_len, scale), scaled(kind.max_tokens, scale),
+                             arrival))
         arrival += rng.expovariate(rate)
     return trace
 
@@ -155,11 +183,11 @@ def describe_trace(trace: list[Request], rate: float, scale: float) -> dict:
     for kind in KINDS:
         requests = [r for r in trace if r.kind == kind.name]
         kinds[kind.name] = {"requests": len(requests), "prompt_len": [scaled(n, scale) for n in kind.prompt_len],
-                            "output_len": scaled(kind.output_len, scale)}
+                            "output_len": scaled(kind.output_len, scale), "max_tokens": scaled(kind.max_tokens, scale)}
     return {"requests": len(trace), "rate_per_s": rate, "seed": SEED, "kinds": kinds,
             "system_prompts": SYSTEM_PROMPTS, "system_tokens": scaled(SYSTEM_TOKENS, scale),
             "prompt_tokens": sum(len(r.prompt_ids) for r in trace), "output_tokens": sum(r.output_len for r in trace),
-            "longest_request": max(len(r.prompt_ids) + r.output_len for r in trace),
+            "longest_request": max(len(r.prompt_ids) + r.max_tokens for r in trace),
             "last_arrival_s": trace[-1].arrival_s}
 
 
@@ -235,7 +263,7 @@ def run_row(model, tokenizer, trace: list[Request], switches: dict, kv_bytes: in
     def count_reservations(engine) -> None:
         reserved[0] += sum(blocks_for(seq.max_len) * BLOCK_SIZE for seq in engine.scheduler.running)
 
-    outputs, elapsed, cpu_s = run_trace(llm.engine, trace, label, progress, watch=count_reservations)
+    outputs, elapsed, cpu_s = run_trace(llm.engine, trace, label, progress, watch=count_reservations, add=submit)
     return trace_row(llm.engine, outputs, elapsed, cpu_s, reserved[0], targets), [o.token_ids for o in outputs]
 
 
@@ -409,7 +437,7 @@ def bench_memory(model_dir, quick: bool = False, num_requests: int | None = None
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         common = {"dtype": dtype, "device": device}
         trace = make_trace(tokenizer, sizes["requests"], sizes["rate"], sizes["scale"])
-        longest = max(len(r.prompt_ids) + r.output_len for r in trace)
+        longest = max(len(r.prompt_ids) + r.max_tokens for r in trace)
         if blocks_for(sizes["kv_tokens"]) < blocks_for(longest):
             raise ConfigError(f"--kv-tokens {sizes['kv_tokens']} cannot hold the trace's longest request ({longest} "
                               "tokens); raise it.")

@@ -75,11 +75,18 @@ def make_trace(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[Req
     return trace
 
 
-def run_trace(engine, trace: list[Request], label: str, progress: bool, watch=None) -> tuple[list, float, float]:
+def submit(engine, index: int, request: Request, arrival_time: float) -> None:
+    """A trace request into the engine: decoded to exactly its output length, EOS ignored."""
+    engine.add_request(request.prompt_ids, SamplingParams(max_tokens=request.output_len, ignore_eos=True),
+                       request_id=str(index), arrival_time=arrival_time)
+
+
+def run_trace(engine, trace: list, label: str, progress: bool, watch=None, add=submit) -> tuple[list, float, float]:
     """Step the engine, adding each request once its arrival time has passed (with that time, so
     its TTFT counts the wait). Returns the finished outputs in trace order, the busy seconds, and
     the CPU seconds this process spent (which other work on a shared machine does not inflate).
-    `watch(engine)`, if given, is called after every step (a caller's own accounting)."""
+    `watch(engine)`, if given, is called after every step (a caller's own accounting); `add` puts
+    a request in (`submit` by default)."""
     pending = deque(enumerate(trace))
     finished = {}
     cpu_start = time.process_time()
@@ -91,8 +98,7 @@ def run_trace(engine, trace: list[Request], label: str, progress: bool, watch=No
                 origin = now - pending[0][1].arrival_s  # idle: the clock jumps to the next arrival
             while pending and origin + pending[0][1].arrival_s <= now:
                 index, request = pending.popleft()
-                engine.add_request(request.prompt_ids, SamplingParams(max_tokens=request.output_len, ignore_eos=True),
-                                   request_id=str(index), arrival_time=origin + request.arrival_s)
+                add(engine, index, request, origin + request.arrival_s)
             for out in engine.step():
                 if out.finished:
                     finished[int(out.request_id)] = out

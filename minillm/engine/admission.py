@@ -30,10 +30,13 @@ expected to grow into (their expected output less what they have generated), so 
 builds can decode without a preemption storm.
 
 No starvation: a request that has waited MAX_WAIT_STEPS engine steps, or was preempted, is *due*.
-Due requests go first, oldest first, and while one waits for memory nobody else is admitted. So
-every request starts within MAX_WAIT_STEPS steps of its arrival plus the steps the sequences
-running then take to finish (each bounded by its max_tokens) — the bound `test_admission.py`
-checks on an adversarial stream of small requests.
+Due requests go first, oldest first, and need no headroom, only their blocks. One that cannot
+start yet has the blocks it needs kept for it: a request behind it is admitted only into blocks
+beyond those (backfilling, as batch schedulers do), so it cannot be overtaken into starving, and
+the queue behind it does not stall either. Every request therefore starts within MAX_WAIT_STEPS
+steps of its arrival plus the steps the sequences running then take to give back its blocks (each
+is bounded by its max_tokens) — the bound `test_admission.py` checks on an adversarial stream of
+small requests.
 """
 
 from __future__ import annotations
@@ -55,7 +58,10 @@ class FirstComeFirstServed:
     def holds_queue(self, seq: Sequence, step: int) -> bool:
         return True
 
-    def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
+    def room_to_keep(self, seq: Sequence, budget: int, step: int) -> int:
+        return 0
+
+    def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
         return True
 
     def finished(self, seq: Sequence) -> None:
@@ -73,7 +79,7 @@ class MaxLengthReservation(FirstComeFirstServed):
         prompt_blocks = manager.blocks_for(len(seq.prompt_ids))
         return prompt_blocks + seq.params.num_outputs * (manager.blocks_for(seq.max_len) - prompt_blocks)
 
-    def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
+    def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
         """Room for its maximum beside the others' (alone, it may take the pool and preempt its own forks)."""
         reserved = sum(self.blocks_at_most(other) for other in running if other.request_id != seq.request_id)
         return not reserved or reserved + self.blocks_at_most(seq) <= self.manager.num_blocks
@@ -95,8 +101,12 @@ class MemoryAware:
         return due + sorted(others, key=lambda seq: self.benefit(seq, step) / self.cost(seq), reverse=True)
 
     def holds_queue(self, seq: Sequence, step: int) -> bool:
-        """Only a due request keeps those behind it waiting while it waits for memory."""
-        return self.is_due(seq, step)
+        """Nobody stalls the queue: a due request that must wait has its blocks kept instead."""
+        return False
+
+    def room_to_keep(self, seq: Sequence, budget: int, step: int) -> int:
+        """Blocks to keep free for a request that could not start: those of its first chunk if it is due."""
+        return self.blocks_to_start(seq, budget) if self.is_due(seq, step) else 0
 
     @staticmethod
     def is_due(seq: Sequence, step: int) -> bool:
@@ -135,18 +145,23 @@ class MemoryAware:
         return sum(max(0, manager.blocks_for(self.peak_tokens(seq)) - len(manager.table(seq.seq_id)))
                    for seq in running if manager.has_table(seq.seq_id))
 
-    def has_room(self, seq: Sequence, running: list[Sequence], budget: int) -> bool:
-        """Do the free blocks cover this request's first chunk and still leave the running ones'
-        headroom? (A chunk's blocks, less the prompt blocks the prefix cache would give it.) With
-        nothing running there is no headroom to keep: whatever fits may start."""
+    def blocks_to_start(self, seq: Sequence, budget: int) -> int:
+        """New blocks its first chunk takes: the chunk's, less the prompt blocks the prefix cache gives."""
         manager = self.manager
-        if not running:
-            return True
         chunk_end = seq.num_cached + min(seq.num_uncomputed, budget)
         needed = manager.blocks_missing(seq.seq_id, chunk_end)
         if manager.prefix_cache and not manager.has_table(seq.seq_id):
             needed -= len(manager.prefix_cache.lookup(seq.token_ids))
-        return needed + self.headroom(running) <= manager.num_free_blocks
+        return max(0, needed)
+
+    def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
+        """Do the free blocks, less the `kept` ones due requests wait for, cover this request's first
+        chunk and the running ones' headroom? A due request needs no headroom; with nothing
+        running there is none to keep, and whatever fits may start."""
+        if not running:
+            return True
+        headroom = 0 if self.is_due(seq, step) else self.headroom(running)
+        return self.blocks_to_start(seq, budget) + headroom + kept <= self.manager.num_free_blocks
 
     def finished(self, seq: Sequence) -> None:
         """Learn from a sequence that ran to its end (eos or length)."""

@@ -151,6 +151,7 @@ class Scheduler:
                 budget -= num_tokens
 
         may_admit = self.policy == "continuous" and not preempted
+        kept = 0  # blocks kept free for due requests that could not start (memory-aware admission)
         for seq in self.admission.order(self.waiting, self.steps) if may_admit else []:
             if budget == 0:
                 break
@@ -158,10 +159,11 @@ class Scheduler:
                 continue  # nothing to run until they are in; it keeps its place
             if scheduled and self.block_manager.is_swapped(seq.seq_id):
                 break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
-            num_tokens = self.admit(seq, budget)
+            num_tokens = self.admit(seq, budget, kept)
             if not num_tokens:
                 if self.admission.holds_queue(seq, self.steps):
                     break  # it waits for memory or seats, and nobody overtakes it
+                kept += self.admission.room_to_keep(seq, budget, self.steps)
                 continue
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
@@ -175,10 +177,10 @@ class Scheduler:
                 return self.schedule_sequences()
         return scheduled
 
-    def admit(self, seq: Sequence, budget: int) -> int:
-        """Start a waiting sequence if seats, the admission policy's headroom and blocks allow;
-        return the tokens of its first chunk, or 0 if it must wait."""
-        if not self.has_seats_for(seq) or not self.admission.has_room(seq, self.running, budget):
+    def admit(self, seq: Sequence, budget: int, kept: int) -> int:
+        """Start a waiting sequence if seats, the admission policy (headroom, blocks `kept` for
+        others) and blocks allow; return the tokens of its first chunk, or 0 if it must wait."""
+        if not self.has_seats_for(seq) or not self.admission.has_room(seq, self.running, budget, kept, self.steps):
             return 0
         while not (num_tokens := self.reserve(seq, budget)) and self.release_waiting(seq):
             pass
