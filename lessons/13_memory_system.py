@@ -27,20 +27,47 @@ import torch  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+from minillm.benchmarks.memory import bench_memory  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 BLOCK = 16
-SETTINGS = {
-    "default": {"busy_requests": 12, "busy_system_tokens": 96, "busy_device_blocks": 40, "busy_host_blocks": 40,
-                "filler_tokens": 400},
-    "quick": {"busy_requests": 6, "busy_system_tokens": 48, "busy_device_blocks": 16, "busy_host_blocks": 16,
-              "filler_tokens": 120},
+SETTINGS = {  # (a) the bench trace: its --quick size, and how many requests; (b) the busy step; (c) the prompt
+    "default": {"bench_quick": False, "bench_requests": 16, "busy_requests": 12, "busy_system_tokens": 96,
+                "busy_device_blocks": 40, "busy_host_blocks": 40, "filler_tokens": 400},
+    "quick": {"bench_quick": True, "bench_requests": 8, "busy_requests": 6, "busy_system_tokens": 48,
+              "busy_device_blocks": 16, "busy_host_blocks": 16, "filler_tokens": 120},
 }
 STATES = ["free", "cached", "shared", "private", "host: swapped", "host: spilled"]
 COLORS = ["#eeeeee", "#9ecae1", "#31a354", "#fd8d3c", "#756bb1", "#bcbddc"]
+
+
+# ---------------------------------------------------------------- (a) three problems, three rows of the bench
+def three_problems(model_dir, settings: dict) -> dict:
+    """`minillm bench memory` on a shortened trace (no load tests); the rows each problem compares."""
+    report = bench_memory(model_dir, quick=settings["bench_quick"], num_requests=settings["bench_requests"],
+                          load=False)
+    rows = report["rows"]
+    return {"rows": rows, "budget_blocks": rows["paged"]["device_blocks"], "trace": report["trace"],
+            "capacity": (rows["reserve"], rows["paged"]), "bandwidth": (rows["prefix"], rows["int8"]),
+            "scheduling": (rows["host"], rows["memory"])}
+
+
+def show_problems(problems: dict) -> None:
+    (reserve, paged), (fp32, int8), (fcfs, memory) = (problems[k] for k in ("capacity", "bandwidth", "scheduling"))
+    rows = [["capacity: requests at once", f"{reserve['label']}: {reserve['peak_seqs']}",
+             f"{paged['label']}: {paged['peak_seqs']}", f"{paged['output_tok_s']:.1f} vs {reserve['output_tok_s']:.1f} tok/s"],
+            ["bandwidth: KV bytes per token read", f"{fp32['label']}: {fp32['kv_bytes_per_token']:,}",
+             f"{int8['label']}: {int8['kv_bytes_per_token']:,}",
+             f"{int8['device_blocks']} vs {fp32['device_blocks']} blocks; TPOT {int8['tpot_p50_s'] * 1e3:.0f} vs "
+             f"{fp32['tpot_p50_s'] * 1e3:.0f} ms"],
+            ["scheduling: TTFT p50 / p99", f"{fcfs['label']}: {fcfs['ttft_p50_s']:.2f} / {fcfs['ttft_p99_s']:.2f} s",
+             f"{memory['label']}: {memory['ttft_p50_s']:.2f} / {memory['ttft_p99_s']:.2f} s",
+             f"goodput {memory['goodput']:.0%} vs {fcfs['goodput']:.0%}"]]
+    table(f"(a) {problems['trace']['requests']} requests on one KV budget ({problems['budget_blocks']} fp32 blocks): "
+          "each problem, the row before and after its fix", ["problem", "before", "after", "beside it"], rows)
 
 
 # ---------------------------------------------------------------- (b) one busy step, every byte placed
@@ -202,7 +229,17 @@ def plot(busy: dict, old: dict, out_dir) -> None:
     save_plot(fig, out_dir, "13_memory_system.png")
 
 
-def meaning(busy: dict, old: dict) -> str:
+def meaning(problems: dict, busy: dict, old: dict) -> str:
+    (reserve, paged), (fp32, int8), (fcfs, memory) = (problems[k] for k in ("capacity", "bandwidth", "scheduling"))
+    three = (f"(a) Capacity: reserving each request's declared maximum ran {reserve['peak_seqs']} requests at once "
+             f"where paging ran {paged['peak_seqs']} on the same bytes. Bandwidth: int8 stores a token in "
+             f"{int8['kv_bytes_per_token']:,} B instead of {fp32['kv_bytes_per_token']:,}, "
+             f"{fp32['kv_bytes_per_token'] / int8['kv_bytes_per_token']:.1f}x fewer bytes to hold and read — yet its "
+             f"decode steps here took {int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms: on "
+             f"this CPU the torch path dequantizes into a full-precision copy, and the room it buys fills with more "
+             f"sequences, so the saving is not yet speed. Scheduling: admitting by memory cost instead of arrival "
+             f"moved the median time to first token from {fcfs['ttft_p50_s']:.2f} s to {memory['ttft_p50_s']:.2f} s "
+             f"(goodput {fcfs['goodput']:.0%} -> {memory['goodput']:.0%}).")
     rows = old["rows"]
     exact, int8, h2o = rows["paged, fp32 (exact)"], rows["int8 KV"], rows["H2O keeps 20%"]
     window = rows["window 20%"]
@@ -217,7 +254,7 @@ def meaning(busy: dict, old: dict) -> str:
               f"({old['prefill_seconds'] * 1e3:.0f} ms here), a swapped one by copying it "
               f"({rows['swapped to host, fp32']['remedy_seconds'] * 1e3:.1f} ms): that is why the pressure ladder "
               "swaps before it evicts, and evicts only when allowed.")
-    return f"{placed} {reread}"
+    return f"{three} {placed} {reread}"
 
 
 def main() -> None:
@@ -228,6 +265,10 @@ def main() -> None:
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     text_ids = tokenizer.encode(read_text())
 
+    console.rule("(a) Capacity, bandwidth, scheduling: one row of the bench each")
+    problems = three_problems(model_dir, settings)
+    show_problems(problems)
+
     console.rule("(b) One busy step: where every byte of KV lives")
     busy = busiest_step(model, tokenizer, text_ids, settings)
     show_busy(busy)
@@ -237,12 +278,17 @@ def main() -> None:
     show_old_token(old)
     plot(busy, old, args.out)
 
-    numbers = {**{f"busy_{k.split(' (')[0].replace(' ', '_')}_bytes": v for k, v in busy["bytes"].items()},
+    (reserve, paged), (fp32, int8), (fcfs, memory) = (problems[k] for k in ("capacity", "bandwidth", "scheduling"))
+    numbers = {"reserve_peak_seqs": reserve["peak_seqs"], "paged_peak_seqs": paged["peak_seqs"],
+               "fp32_bytes_per_token": fp32["kv_bytes_per_token"], "int8_bytes_per_token": int8["kv_bytes_per_token"],
+               "fcfs_ttft_p50_s": fcfs["ttft_p50_s"], "memory_ttft_p50_s": memory["ttft_p50_s"],
+               "fcfs_goodput": fcfs["goodput"], "memory_goodput": memory["goodput"],
+               **{f"busy_{k.split(' (')[0].replace(' ', '_')}_bytes": v for k, v in busy["bytes"].items()},
                "busy_running": busy["running"],
                **{f"old_{name.split(',')[0].replace(' ', '_').replace('%', '').replace('+', 'and')}_{key}": value
                   for name, row in old["rows"].items() for key, value in row.items() if key != "remedy"}}
     save_numbers(args.out, "13_memory_system.json", numbers)
-    console.print(f"\n[bold]What it means:[/bold] {meaning(busy, old)}")
+    console.print(f"\n[bold]What it means:[/bold] {meaning(problems, busy, old)}")
 
 
 if __name__ == "__main__":

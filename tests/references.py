@@ -154,21 +154,30 @@ def keep_by_policy(policy: str, held: list[int], keep: int, mass: dict[int, floa
 
 @torch.inference_mode()
 def replay_eviction(model, token_ids: list[int], history: list[Chunk], policy: str, keep: int,
-                    owned_from_step: int = 0) -> Replayed:
-    """The sequence under eviction: after each chunk, every (layer, KV head) keeps `keep` entries
-    chosen by `policy`; later queries see only those plus their own chunk (causally). The engine
-    may put an eviction off by a step when the copy-on-write it needs finds no free block: the
-    record says whether it ran, never which entries it kept."""
+                    owned_from_step: int = 0, protected: int = 0) -> Replayed:
+    """The sequence under eviction: after each chunk, every (layer, KV head) keeps its first
+    `protected` positions (with the prefix cache: the prompt's full blocks) and `keep` of the
+    others, chosen by `policy`; later queries see only those plus their own chunk (causally). The
+    engine may put an eviction off by a step when the copy-on-write it needs finds no free block:
+    the record says whether it ran, never which entries it kept.
+
+    A chunk that starts where no chunk ended (the first, or a recompute after preemption) starts
+    from an empty cache but for positions [0, start): prefix-cache hits, whose K/V a full causal
+    prefill computed (nothing before `protected` is ever dropped) and which have no score yet.
+    (A recompute whose hits end exactly where it had stopped would read as going on; the tests
+    that mix hits and eviction do not preempt.)"""
     config = model.config
     layers, kv_heads, length = config.num_layers, config.num_kv_heads, len(token_ids)
     allowed = torch.zeros(layers, kv_heads, length, length, dtype=torch.bool)
-    logits, dropped = [], 0
+    logits, dropped, end = [], 0, 0
     for chunk in history:
-        if chunk.start == 0:  # a fresh start (or a recompute after preemption): an empty cache
-            spans, allowed[:] = [], False
-            held = [[[] for _ in range(kv_heads)] for _ in range(layers)]
+        start = chunk.start
+        if chunk is history[0] or start < end:
+            spans, allowed[:] = ([(0, start)] if start else []), False
+            allowed[..., :start, :start] = torch.ones(start, start, dtype=torch.bool).tril()
+            held = [[list(range(start)) for _ in range(kv_heads)] for _ in range(layers)]
             mass = [[defaultdict(float) for _ in range(kv_heads)] for _ in range(layers)]
-        start, end = chunk.start, chunk.end
+        end = chunk.end
         for layer in range(layers):
             for kv_head in range(kv_heads):
                 rows = allowed[layer, kv_head, start:end]
@@ -185,11 +194,14 @@ def replay_eviction(model, token_ids: list[int], history: list[Chunk], policy: s
                 positions = held[layer][kv_head] + list(range(start, end))
                 for position in positions:
                     mass[layer][kv_head][position] += float(ctx.mass[layer][kv_head, position])
-                if len(positions) > keep and chunk.cached_after != len(positions):
-                    assert chunk.cached_after == keep, f"step {chunk.step}: {chunk.cached_after} entries, budget {keep}"
-                    positions = keep_by_policy(policy, positions, keep, mass[layer][kv_head])
+                shared = [position for position in positions if position < protected]
+                private = positions[len(shared):]
+                if len(private) > keep and chunk.cached_after != len(positions):
+                    assert chunk.cached_after == len(shared) + keep, \
+                        f"step {chunk.step}: {chunk.cached_after} entries, {len(shared)} protected, budget {keep}"
+                    positions = shared + keep_by_policy(policy, private, keep, mass[layer][kv_head])
                     if layer == kv_head == 0 and chunk.step >= owned_from_step:
-                        dropped += len(held[layer][kv_head]) + (end - start) - keep
+                        dropped += len(private) - keep
                 held[layer][kv_head] = positions
     return Replayed(logits, dropped, held, mass)
 

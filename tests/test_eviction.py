@@ -1,6 +1,6 @@
 """KV eviction: which entries each policy keeps, exactly the budget per head, exact output when
-the budget covers the sequence, and composition with paging, chunked prefill, preemption and
-shared blocks."""
+the budget covers the sequence, and composition with paging, chunked prefill, preemption,
+shared blocks and the prefix cache (a cached prompt prefix stays whole and shared)."""
 
 import pytest
 import torch
@@ -120,7 +120,6 @@ def test_eviction_never_writes_a_shared_block(tiny_dir, tiny_model, policy):
     ({"eviction": "lru", "kv_budget": 10}, "eviction must be one of"),
     ({"eviction": "h2o", "kv_budget": 1.5}, "fraction in"),
     ({"eviction": "h2o", "kv_budget": 0}, "token count"),
-    ({"eviction": "sinks", "kv_budget": 10, "prefix_caching": True}, "do not combine"),
     ({"kv_dtype": "int8", "attention_backend": "cpu"}, "attention_backend='torch'"),
     ({"eviction": "h2o", "kv_budget": 10, "attention_backend": "cpu"}, "attention_backend='torch'"),
     ({"kv_dtype": "int3"}, "kv_dtype must be"),
@@ -179,15 +178,18 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
 # a no-cache forward whose every query is masked, per layer and KV head, to the entries the policy
 # keeps — chosen anew from token positions and attention scores computed head by head.
 
-def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget):
+def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget, prefix_block_size=0):
+    """`prefix_block_size`: with the prefix cache on, its block size (each prompt's full blocks
+    are protected from eviction); 0 without it."""
     total_dropped = 0
     for seqs in requests:
         parent = seqs[0]
+        protected = len(parent.prompt_ids) // prefix_block_size * prefix_block_size if prefix_block_size else 0
         for seq in seqs:
             history = recorder.history(seq, parent)
             own = recorder.chunks[seq.seq_id]
             replayed = replay_eviction(model, seq.token_ids, history, policy, budget_for(budget, seq.max_len),
-                                       owned_from_step=own[0].step if seq is not parent else 0)
+                                       owned_from_step=own[0].step if seq is not parent else 0, protected=protected)
             total_dropped += replayed.dropped
             sampled = [chunk.end for chunk in history if chunk.samples]
             sampler = Sampler(params, seq.sample_index)  # the same draws, from the reference's logits
@@ -232,3 +234,141 @@ def test_parallel_samples_under_active_eviction_equal_the_reference(tiny_dir, ti
     assert all(len(seqs) == 3 and all(seq.num_evicted > 0 for seq in seqs) for seqs in requests)
     dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget)
     assert llm.engine.stats.tokens_evicted == dropped
+
+
+# ---------------------------------------------------------------- with the prefix cache
+# A prompt's full blocks are the protected prefix: never rewritten, moved or dropped, and not
+# counted against the budget; each sequence evicts only from what follows them.
+
+BLOCK = 4
+SYSTEM = [(5 * j + 2) % 97 for j in range(26)]  # a system prompt: 6 full blocks and 2 tokens
+TAILS = [[60, 3, 9], [41, 8, 8, 17, 2], [33], [70, 1, 4, 4, 12, 90, 5]]  # each request's own question
+
+
+def snapshot(pool, block):
+    return {name: stored.clone() for name, stored in pool.read_block(block).items()}
+
+
+@pytest.mark.parametrize("policy", ["h2o", "window"])
+def test_a_shared_prefix_is_never_written_or_dropped_while_its_sequences_evict(tiny_dir, tiny_model, policy):
+    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction=policy, kv_budget=6, block_size=BLOCK,
+              max_num_batched_tokens=16)
+    engine, manager = llm.engine, llm.engine.block_manager
+    cache, params = manager.prefix_cache, SamplingParams(max_tokens=24, ignore_eos=True)
+    seqs = [engine.requests[engine.add_request(SYSTEM + TAILS[0], params)][0]]
+    while len(cache.lookup(SYSTEM + [0])) < len(SYSTEM) // BLOCK:
+        engine.step()
+    shared = cache.lookup(SYSTEM + [0])  # the first request computed and registered them
+    stored = {block: snapshot(engine.pool, block) for block in shared}
+    seqs += [engine.requests[engine.add_request(SYSTEM + tail, params)][0] for tail in TAILS[1:]]
+    while engine.has_unfinished_requests():
+        engine.step()
+        for block in shared:
+            assert cache.holds(block)
+            assert manager.refcount(block) == len(engine.scheduler.running)  # every running request holds it
+            for name, tensor in engine.pool.read_block(block).items():
+                assert torch.equal(tensor, stored[block][name])
+        manager.check_invariants()
+    assert all(seq.num_evicted > 0 for seq in seqs)
+    assert cache.hit_blocks == len(shared) * len(TAILS[1:])
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_a_budget_covering_the_sequence_is_exact_with_prefix_hits(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction="sinks", kv_budget=60, block_size=BLOCK,
+              max_num_batched_tokens=16)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = [SYSTEM + tail for tail in TAILS]
+    outputs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)  # the later ones hit
+    for out, prompt in zip(outputs, prompts):
+        assert out.token_ids == generate(tiny_model, prompt, params, "naive").token_ids
+    assert llm.engine.block_manager.prefix_cache.hit_blocks >= len(SYSTEM) // BLOCK * len(TAILS[1:])
+
+
+@pytest.mark.parametrize("policy, params", [
+    ("h2o", SamplingParams(max_tokens=20, ignore_eos=True)),
+    ("sinks", SamplingParams(max_tokens=20, ignore_eos=True)),
+    ("h2o", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)),
+])
+def test_prefix_hits_under_active_eviction_equal_the_reference(tiny_dir, tiny_model, policy, params):
+    """Chunked prefill admits each request while the one before is still prefilling, so it hits
+    the blocks registered so far; every sequence evicts far below its length. The reference
+    keeps each prompt's full blocks and the budget of the rest."""
+    budget = 5
+    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction=policy, kv_budget=budget, block_size=BLOCK,
+              max_num_batched_tokens=16)
+    recorder, requests = run_recorded(llm, [SYSTEM + tail for tail in TAILS], params)
+    assert llm.engine.block_manager.prefix_cache.hit_blocks > 0 and llm.engine.num_preemptions == 0
+    assert all(seq.num_evicted > 0 for seqs in requests for seq in seqs)
+    dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget,
+                                               prefix_block_size=BLOCK)
+    assert llm.engine.stats.tokens_evicted == dropped
+
+
+def test_blocks_adopted_after_eviction_equal_a_fresh_prefill_bit_for_bit(tiny_dir, tiny_model):
+    switches = dict(prefix_caching=True, block_size=BLOCK)
+    evicting = LLM(tiny_dir, model=tiny_model, eviction="window", kv_budget=4, **switches)
+    first = evicting.generate([SYSTEM + TAILS[0]], SamplingParams(max_tokens=30, ignore_eos=True))[0]
+    assert first.error is None  # it evicted at every step after its prompt
+    plain = LLM(tiny_dir, model=tiny_model, **switches)
+    plain.generate([SYSTEM + TAILS[0]], SamplingParams(max_tokens=1))
+    later = SYSTEM + TAILS[1]
+    adopted = evicting.engine.block_manager.prefix_cache.lookup(later)
+    fresh = plain.engine.block_manager.prefix_cache.lookup(later)
+    assert len(adopted) == len(fresh) == len(SYSTEM) // BLOCK
+    for ours, theirs in zip(adopted, fresh):
+        stored = plain.engine.pool.read_block(theirs)
+        for name, tensor in evicting.engine.pool.read_block(ours).items():
+            assert torch.equal(tensor, stored[name])
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sinks"])
+def test_a_prefix_hit_gives_the_tokens_a_miss_gives_under_eviction(tiny_dir, tiny_model, policy):
+    """The protected prefix is the prompt's full blocks whether they were found or computed, so a
+    request keeps the same entries either way."""
+    switches = dict(prefix_caching=True, eviction=policy, kv_budget=6, block_size=BLOCK)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    warm = LLM(tiny_dir, model=tiny_model, **switches)
+    warm.generate([SYSTEM + TAILS[0]], params)
+    hit = warm.generate([SYSTEM + TAILS[1]], params)[0]
+    assert warm.engine.block_manager.prefix_cache.hit_blocks == len(SYSTEM) // BLOCK
+    miss = LLM(tiny_dir, model=tiny_model, **switches).generate([SYSTEM + TAILS[1]], params)[0]
+    assert hit.token_ids == miss.token_ids
+
+
+@pytest.mark.parametrize("budget", [2, 8])
+def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_model, budget):
+    """After its first eviction a table no longer maps positions to blocks: were it registered
+    then, the next turn of a chat would find blocks that do not hold its tokens' K/V. Budget 2
+    evicts before the block after the prompt fills; budget 8 once two output blocks were
+    registered, which the cache must forget before they are rewritten."""
+    switches = dict(prefix_caching=True, eviction="sinks", kv_budget=budget, block_size=BLOCK)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompt = SYSTEM[:10]  # 2 full blocks: the protected prefix
+    llm = LLM(tiny_dir, model=tiny_model, **switches)
+    first = llm.generate([prompt], params)[0]
+    assert first.error is None
+    next_turn = prompt + first.token_ids[:14]
+    assert len(llm.engine.block_manager.prefix_cache.lookup(next_turn)) == 2  # the prompt's blocks only
+    fresh = LLM(tiny_dir, model=tiny_model, **switches)
+    assert llm.generate([next_turn], params)[0].token_ids == fresh.generate([next_turn], params)[0].token_ids
+
+
+@pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=20, ignore_eos=True),
+                                    SamplingParams(beam_width=2, max_tokens=14)])
+def test_samples_and_beams_evict_beside_a_cached_prefix_without_leaking(tiny_dir, tiny_model, params):
+    """Forks share the protected prefix and copy before they rewrite what follows; a tight pool
+    preempts them too."""
+    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction="h2o", kv_budget=5, block_size=BLOCK,
+              max_num_batched_tokens=16, kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN)
+    engine, manager = llm.engine, llm.engine.block_manager
+    for tail in TAILS:
+        engine.add_request(SYSTEM + tail, params)
+    finished = []
+    while engine.has_unfinished_requests():
+        finished += [out for out in engine.step() if out.finished]
+        manager.check_invariants()
+    assert len(finished) == len(TAILS) and all(out.error is None for out in finished)
+    assert all(len(out.samples) == params.num_outputs for out in finished)
+    assert manager.prefix_cache.hit_blocks > 0 and engine.stats.tokens_evicted > 0 and engine.num_preemptions > 0
+    assert manager.num_free_blocks == manager.num_blocks

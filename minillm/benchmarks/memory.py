@@ -28,8 +28,8 @@ included: memory is short in every row. The rows add one layer at a time:
   (3) + prefix cache;  (4) + int8 KV;  (5) + a host tier holding the whole trace, preemption
       "auto" (swap or recompute by measured cost);  (6) + memory-aware admission;
   (7) + the pressure ladder's lossy rung: H2O eviction to half of each sequence's length, only
-      after a step that had to preempt. Eviction and the prefix cache do not combine (config.py
-      refuses it), so (7) runs without the prefix cache;
+      after a step that had to preempt (a shared prompt prefix stays whole: each sequence evicts
+      only from its private part);
   (L) the lossless system: (6) with float32 KV, to compare with (1).
 Lossless rows must give row (2)'s greedy tokens: checked and reported, not asserted.
 
@@ -200,7 +200,7 @@ def row_switches(host_bytes: int) -> dict[str, tuple[str, dict]]:
     int8 = {**prefix, "kv_dtype": "int8"}
     host = {**int8, "host_cache_bytes": host_bytes, "preemption": "auto"}
     memory = {**host, "admission": "memory"}
-    ladder = {**memory, "prefix_caching": False, "eviction": EVICTION, "kv_budget": EVICTION_BUDGET,
+    ladder = {**memory, "eviction": EVICTION, "kv_budget": EVICTION_BUDGET,
               "eviction_trigger": "pressure"}
     lossless = {**memory, "kv_dtype": "auto"}
     return {"reserve": ("(1) reserve max", {"admission": "reserve"}),
@@ -216,7 +216,7 @@ def row_switches(host_bytes: int) -> dict[str, tuple[str, dict]]:
 ROWS_LEGEND = ("(1) each request holds prompt + max_tokens from admission; (2) paged blocks, first come first "
                "served, recompute; (3) + prefix cache; (4) + int8 KV; (5) + host tier, preemption auto; (6) + "
                f"memory-aware admission; (7) + {EVICTION} to {EVICTION_BUDGET:g} of each sequence after a step that "
-               "preempted, without the prefix cache (they do not combine); (L) = (6) with fp32 KV")
+               "preempted (a shared prompt prefix stays whole); (L) = (6) with fp32 KV")
 
 
 LOSSLESS = ("reserve", "paged", "prefix", "lossless")

@@ -104,11 +104,12 @@ class Scheduler:
             return (f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
                     f"max_num_seqs is {self.max_num_seqs}; raise max_num_seqs or lower n.")
         most_held = seq.max_len
-        if self.evictor:  # the budget plus one step's tokens, before they are evicted
-            most_held = min(most_held, self.evictor.budget(seq.max_len) + self.max_num_batched_tokens)
+        if self.evictor:  # what it keeps (protected prefix and budget), plus one step's tokens before eviction
+            kept = self.evictor.kept(len(seq.prompt_ids), seq.max_len)
+            most_held = min(most_held, kept + self.max_num_batched_tokens)
         needed = self.block_manager.blocks_for(most_held)
         if needed > self.block_manager.num_blocks:
-            return (f"This request may need {needed} KV blocks ({seq.max_len} tokens) but the pool has only "
+            return (f"This request may need {needed} KV blocks ({most_held} tokens) but the pool has only "
                     f"{self.block_manager.num_blocks}; raise kv_cache_bytes or lower max_tokens.")
         return None
 
@@ -366,11 +367,11 @@ class Scheduler:
         for item in schedule.sequences:
             seq = item.seq
             seq.num_computed += item.num_tokens
-            if cache:
+            if cache and seq.num_evicted == 0:  # once it evicts, its table no longer maps positions to blocks
                 cache.register(seq.seq_id, self.block_manager.table(seq.seq_id), seq.token_ids, seq.num_computed)
             if evicts:
-                dropped, seq.attention_mass = self.evictor.shrink(seq.seq_id, seq.num_cached, seq.max_len,
-                                                                  seq.attention_mass)
+                dropped, seq.attention_mass = self.evictor.shrink(seq.seq_id, seq.num_cached, len(seq.prompt_ids),
+                                                                  seq.max_len, seq.attention_mass)
                 seq.num_evicted += dropped
                 evicted += dropped
         self.pressure.took("evict", evicted)

@@ -190,6 +190,16 @@ class BlockManager:
             pairs.append((shared, table[index]))
         return pairs
 
+    def forget_cached(self, seq_id: int, start: int, end: int) -> None:
+        """Positions start..end-1 are about to be rewritten with other entries (eviction), in
+        blocks this table alone holds (`unshare` first): the prefix cache forgets those blocks, and
+        their descendants, so it never hands their new content out as the old."""
+        if self.prefix_cache is None:
+            return
+        table = self.table(seq_id)
+        for index in range(start // self.block_size, min(len(table), self.blocks_for(end))):
+            self.prefix_cache.evict(table[index])
+
     def adopt(self, seq_id: int, blocks: list[int]) -> None:
         """Start a new sequence's table with cached blocks (a prefix hit): share, don't recompute.
         A block spilled to the host tier comes back to a device block first. Every hit is held
@@ -313,12 +323,16 @@ class BlockManager:
         return [table[pos // size] * size + pos % size for pos in range(start, end)]
 
     def check_writable(self, seq_id: int, start: int, end: int) -> None:
-        """Positions start..end-1 are about to be written: their blocks must not be shared."""
+        """Positions start..end-1 are about to be written: their blocks must be shared neither with
+        another table nor, through the prefix cache, with requests to come."""
         table = self.table(seq_id)
         for index in range(start // self.block_size, self.blocks_for(end)):
             if self.refcounts[table[index]] > 1:
                 raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, "
                                         f"shared by {self.refcounts[table[index]]} tables; copy it first")
+            if self.prefix_cache and self.prefix_cache.holds(table[index]):
+                raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, which the "
+                                        "prefix cache holds for later requests; forget it first")
             if self.tier(table[index]) != "device":
                 raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, which is in "
                                         f"the {self.tier(table[index])} tier; swap it in first")

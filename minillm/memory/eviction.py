@@ -25,11 +25,25 @@ next one is written) vs `num_computed` (tokens processed, the next position). St
 instead re-numbers positions inside the cache, which lets a stream run past the trained context;
 minillm stays within the context, where true positions are the faithful choice.
 
-Eviction rewrites the sequence's kept entries into its first blocks, in order, and gives the rest
-back. A block that another sequence shares (parallel samples, beams) is copied first, never
-written in place. `Evictor` does this for the scheduler after every step, on plain values (a
-sequence id, its number of entries, its length limit, its H2O scores): memory never needs to
-know what a request is.
+With the prefix cache on, a prompt's full blocks are what other requests share, so they stay
+whole: they are the sequence's *protected prefix*, never rewritten, moved or dropped, whether the
+sequence found them in the cache or computed them itself (then registered them, and a later
+request may adopt them at any time). Eviction chooses only among the entries after them, the
+sequence's private part, and the budget counts only those: a sequence keeps its protected prefix
+plus `budget` private entries. The shared prefix costs its memory once, for every request that
+holds it, so it is not charged to any one of them. Being a property of the prompt alone (not of
+what happened to be cached), the protected prefix is the same on a hit and on a miss, so a
+request keeps the same entries, and gives the same tokens, either way. Without a prefix cache
+nothing is protected.
+
+Eviction rewrites the kept private entries into the blocks after the protected prefix, in order,
+and gives the rest back. A block that another sequence shares (parallel samples, beams) is
+copied first, never written in place; a block the prefix cache still vouches for (one of the
+sequence's own output blocks, registered before it first evicted) is forgotten by the cache
+before it is written, so no later request can adopt the new content as the old. `Evictor` does
+this for the scheduler after every step, on plain values (a sequence id, its number of entries,
+its prompt length, its length limit, its H2O scores): memory never needs to know what a request
+is.
 """
 
 from __future__ import annotations
@@ -94,36 +108,54 @@ class Evictor:
         self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
 
     def budget(self, max_len: int) -> int:
+        """Private entries a sequence of at most `max_len` tokens may keep."""
         return budget_for(self.kv_budget, max_len)
 
-    def shrink(self, seq_id: int, num_cached: int, max_len: int,
-               mass: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
-        """Drop the sequence's least needed entries down to its budget. Returns (entries dropped,
-        the H2O scores of those kept): nothing is dropped within budget, or when a shared block
-        must be copied and no block is free (the engine tries again next step)."""
-        keep = self.budget(max_len)
-        if num_cached <= keep:
-            return 0, mass
-        kept = kept_entries(self.policy, num_cached, keep, self.num_layers, self.num_kv_heads, mass)
-        kept = kept.to(self.pool.device)
-        if not self.rewrite(seq_id, num_cached, kept):
-            return 0, mass
-        return num_cached - keep, None if mass is None else mass.gather(-1, kept)
+    def protected(self, prompt_len: int) -> int:
+        """Leading entries eviction never touches: with a prefix cache, the prompt's full blocks."""
+        if self.manager.prefix_cache is None:
+            return 0
+        return prompt_len // self.manager.block_size * self.manager.block_size
 
-    def rewrite(self, seq_id: int, length: int, kept: torch.Tensor) -> bool:
-        """Rewrite the sequence's cache to hold only the `kept` entries (layers, kv_heads, keep)
-        and free the blocks left over; False if a shared block must be copied and none is free."""
-        manager, keep = self.manager, kept.shape[-1]
-        if len(manager.shared_blocks(seq_id, 0, keep)) > manager.num_free_blocks:
+    def kept(self, prompt_len: int, max_len: int) -> int:
+        """Entries a sequence holds at most after a step: its protected prefix and its budget."""
+        return self.protected(prompt_len) + self.budget(max_len)
+
+    def shrink(self, seq_id: int, num_cached: int, prompt_len: int, max_len: int,
+               mass: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
+        """Drop the sequence's least needed private entries down to its budget. Returns (entries
+        dropped, the H2O scores of those kept): nothing is dropped within budget, or when a shared
+        block must be copied and no block is free (the engine tries again next step)."""
+        protected, keep = self.protected(prompt_len), self.budget(max_len)
+        private = num_cached - protected  # entries eviction may choose among
+        if private <= keep:
+            return 0, mass
+        private_mass = None if mass is None else mass[..., protected:]  # (layers, kv_heads, private)
+        kept = kept_entries(self.policy, private, keep, self.num_layers, self.num_kv_heads, private_mass)
+        kept = kept.to(self.pool.device)  # (layers, kv_heads, keep), counted from the first private entry
+        if not self.rewrite(seq_id, protected, num_cached, kept):
+            return 0, mass
+        if mass is None:
+            return private - keep, None
+        return private - keep, torch.cat([mass[..., :protected], private_mass.gather(-1, kept)], dim=-1)
+
+    def rewrite(self, seq_id: int, start: int, length: int, kept: torch.Tensor) -> bool:
+        """Rewrite entries start..length-1 of the sequence's cache (`start` on a block boundary) to
+        hold only the `kept` ones (layers, kv_heads, keep; indices counted from `start`), and free
+        the blocks left over; False if a shared block must be copied and none is free."""
+        manager, end = self.manager, start + kept.shape[-1]
+        if len(manager.shared_blocks(seq_id, start, end)) > manager.num_free_blocks:
             return False
         device = kept.device
-        old_slots = torch.tensor(manager.slots(seq_id, 0, length), device=device)
-        manager.unshare(seq_id, 0, keep)  # private blocks to write into; the data is rewritten below
-        new_slots = torch.tensor(manager.slots(seq_id, 0, keep), device=device)
+        old_slots = torch.tensor(manager.slots(seq_id, start, length), device=device)
+        manager.unshare(seq_id, start, end)  # private blocks to write into; the data is rewritten below
+        manager.forget_cached(seq_id, start, end)
+        manager.check_writable(seq_id, start, end)
+        new_slots = torch.tensor(manager.slots(seq_id, start, end), device=device)
         heads = torch.arange(kept.shape[1], device=device)
         for layer in range(kept.shape[0]):
-            keys, values = self.pool.read(layer, old_slots)  # (length, kv_heads, head_dim), read before any write
+            keys, values = self.pool.read(layer, old_slots)  # (length - start, kv_heads, head_dim), before any write
             rows = kept[layer].T  # (keep, kv_heads): entry kept by each head, row by row
             self.pool.write(layer, new_slots, keys[rows, heads], values[rows, heads])
-        manager.truncate(seq_id, keep)
+        manager.truncate(seq_id, end)
         return True

@@ -59,6 +59,10 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
+    def holds(self, block: int) -> bool:
+        """Does the cache vouch for this block's content? (Then nobody may write it.)"""
+        return block in self.entries
+
     def record_lookup(self, token_ids: list[int], hits: int) -> None:
         self.queried_tokens += len(token_ids)
         self.queried_blocks += (len(token_ids) - 1) // self.block_size
