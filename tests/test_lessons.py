@@ -97,6 +97,17 @@ def check_kernel(numbers):
     assert numbers["online_softmax_max_error"] <= 1e-6
 
 
+def check_memory_system(numbers):
+    assert numbers["reserve_peak_seqs"] < numbers["paged_peak_seqs"]  # the same bytes, more requests at once
+    assert numbers["int8_bytes_per_token"] * 3 < numbers["fp32_bytes_per_token"]
+    assert numbers["busy_device_shared_bytes"] > 0 and numbers["busy_full_precision_bytes"] > 0
+    assert numbers["old_paged_top1_is_answer"] and numbers["old_paged_kl"] == 0
+    assert numbers["old_swapped_p_answer"] == numbers["old_paged_p_answer"]  # a swap loses nothing
+    assert numbers["old_int8_kl"] < numbers["old_window_kl"]  # int8 keeps the password, a recent window drops it
+    assert numbers["old_window_p_answer"] < numbers["old_paged_p_answer"]
+    assert numbers["old_h2o_remedy_seconds"] > numbers["old_swapped_remedy_seconds"]  # recompute > copy
+
+
 @pytest.mark.parametrize("name, makes_plot, check", [
     ("01_kv_cache_math", True, check_kv_cache_math),
     ("02_naive_vs_cached", True, check_naive_vs_cached),
@@ -110,6 +121,7 @@ def check_kernel(numbers):
     ("10_preemption", True, check_preemption),
     ("11_tiers", True, check_tiers),
     ("12_kernel", False, check_kernel),  # tables only
+    ("13_memory_system", True, check_memory_system),
 ])
 def test_lesson_runs_saves_and_its_claim_holds(name, makes_plot, check, real_dir, tmp_path):
     numbers = run_lesson(name, tmp_path)
