@@ -256,9 +256,10 @@ def test_a_shared_prefix_is_never_written_or_dropped_while_its_sequences_evict(t
     engine, manager = llm.engine, llm.engine.block_manager
     cache, params = manager.prefix_cache, SamplingParams(max_tokens=24, ignore_eos=True)
     seqs = [engine.requests[engine.add_request(SYSTEM + TAILS[0], params)][0]]
-    while len(cache.lookup(SYSTEM + [0])) < len(SYSTEM) // BLOCK:
+    while engine.has_unfinished_requests() and len(cache.lookup(SYSTEM + [0])) < len(SYSTEM) // BLOCK:
         engine.step()
     shared = cache.lookup(SYSTEM + [0])  # the first request computed and registered them
+    assert len(shared) == len(SYSTEM) // BLOCK
     stored = {block: snapshot(engine.pool, block) for block in shared}
     seqs += [engine.requests[engine.add_request(SYSTEM + tail, params)][0] for tail in TAILS[1:]]
     while engine.has_unfinished_requests():
@@ -352,6 +353,21 @@ def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_mod
     assert len(llm.engine.block_manager.prefix_cache.lookup(next_turn)) == 2  # the prompt's blocks only
     fresh = LLM(tiny_dir, model=tiny_model, **switches)
     assert llm.generate([next_turn], params)[0].token_ids == fresh.generate([next_turn], params)[0].token_ids
+
+
+def test_admission_counts_the_protected_prefix(tiny_dir, tiny_model):
+    """A request keeps its prompt's full blocks, its budget, and one step's tokens before eviction:
+    one that fits exactly runs to its end; one whose prompt alone is too long fails alone, though
+    without the prefix cache it would run."""
+    pool = dict(block_size=BLOCK, kv_cache_bytes=11 * BLOCK * KV_BYTES_PER_TOKEN, max_num_batched_tokens=8)
+    switches = dict(eviction="sinks", kv_budget=8, **pool)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    fits = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **switches).generate([list(range(28))], params)[0]
+    assert fits.error is None and len(fits.token_ids) == 60  # 28 + 8 + 8 tokens: 11 blocks
+    long_prompt = list(range(40))
+    refused = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **switches).generate([long_prompt], params)[0]
+    assert refused.finish_reason == "error" and "may need 14 KV blocks (56 tokens)" in refused.error
+    assert LLM(tiny_dir, model=tiny_model, **switches).generate([long_prompt], params)[0].error is None
 
 
 @pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=20, ignore_eos=True),

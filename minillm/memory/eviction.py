@@ -38,9 +38,9 @@ nothing is protected.
 
 Eviction rewrites the kept private entries into the blocks after the protected prefix, in order,
 and gives the rest back. A block that another sequence shares (parallel samples, beams) is
-copied first, never written in place; a block the prefix cache still vouches for (one of the
-sequence's own output blocks, registered before it first evicted) is forgotten by the cache
-before it is written, so no later request can adopt the new content as the old. `Evictor` does
+copied first, never written in place; a block the prefix cache vouches for that no other table
+holds (an output block registered before the sequence first evicted, say) is forgotten by the
+cache before it is written, so no later request can adopt the new content as the old. `Evictor` does
 this for the scheduler after every step, on plain values (a sequence id, its number of entries,
 its prompt length, its length limit, its H2O scores): memory never needs to know what a request
 is.
