@@ -46,7 +46,7 @@ from collections.abc import Iterable
 from minillm.engine.sequence import Sequence
 from minillm.memory import BlockManager
 
-MAX_WAIT_STEPS = 32  # steps after which a waiting request is due: served first, overtaken by none
+MAX_WAIT_STEPS = 32  # steps after which a waiting request is due: served first, its blocks kept for it
 
 
 class FirstComeFirstServed:
