@@ -1,4 +1,4 @@
-"""Which waiting request joins the batch next: first come first served, or by memory.
+"""Which waiting request joins the batch next: by arrival, by memory cost, or by reservation.
 
 Max-length reservation (`admission="reserve"`) is the baseline before paging (Orca, FasterTransformer):
 a request is admitted only when its whole possible length, prompt plus max_tokens, is free for
