@@ -20,8 +20,9 @@ learns lengths only as requests finish. --quick quarters every length and runs f
 
 The budget: one device pool of --kv-tokens tokens of float32 KV (default 640: 40 blocks, under two
 documents), given to every row in bytes, so an int8 pool cuts the same bytes into ~3.5x more
-blocks. It is chosen so that every first-come-first-served row preempts, the int8 one (5)
-included: memory is short in every row. The rows add one layer at a time:
+blocks. It is short for the float32 rows (first come first served preempts and recomputes); the
+int8 rows get enough blocks that memory is barely short, and what limits them is the decode
+step (measured 2026-11-30: 0-1 preemptions in rows 4-7). The rows add one layer at a time:
   (1) max-length reservation: each request holds prompt + max_tokens from admission on (the
       contiguous baseline, played on the paged pool, `admission="reserve"`);
   (2) paged: blocks as tokens come, first come first served, preemption by recompute;

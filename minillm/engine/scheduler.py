@@ -8,7 +8,8 @@ wait for the longest, and their slots in the batch sit idle.
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
 first: a decode costs 1 token, an unfinished prefill takes what is left of the budget (chunked
 prefill). Waiting sequences are admitted while budget, sequence slots and KV blocks last, in the
-order the admission policy gives (`admission.py`: first come first served, or by memory cost);
+order the admission policy gives (`admission.py`: first come first served, by memory cost, or by
+max-length reservation);
 a request that will fork (n samples, beam_width beams) takes its forks' slots when admitted.
 
 A sequence's first blocks may come from the prefix cache: its prompt's leading full blocks,
@@ -16,16 +17,17 @@ computed before for another request, are shared and skipped (num_computed starts
 A block that a sequence is about to write while others hold it (parallel samples share their
 prompt's last, partly filled block) is copied first: copy-on-write.
 
-When a running sequence needs a block and none is free, the pressure ladder
-(`memory/pressure.py`) has already reclaimed every cached block nobody holds; the next rung is
-preemption: the newest running sequence is preempted, and goes back to the front of the waiting queue. By *recompute*: its blocks are freed
-and num_computed = 0, to be prefilled again (prompt + what it generated so far) when memory
-allows. Or, with a host or disk tier, by *swap*: the blocks of its request's running sequences
-(parallel samples or beams share theirs, and a shared block moves once) leave the device pool,
-and come back before it runs again, with nothing recomputed. `preemption="auto"` asks the measured cost model
-(`memory/tiers.py`), through the ladder, which is cheaper for this victim. A swapped sequence at the head of the queue
-is brought back one step before it runs when others run now (prefetch): its copies overlap
-their forward pass. Running out of blocks is a scheduling event, never a crash.
+When a running sequence needs a block and none is free, the pressure ladder (`memory/pressure.py`)
+has already reclaimed every cached block nobody holds; the next rung is preemption: the newest
+running sequence is preempted, and goes back to the front of the waiting queue. By *recompute*:
+its blocks are freed and num_computed = 0, to be prefilled again (prompt + what it generated so
+far) when memory allows. Or, with a host or disk tier, by *swap*: the blocks of its request's
+running sequences (parallel samples or beams share theirs, and a shared block moves once) leave
+the device pool, and come back before it runs again, with nothing recomputed. `preemption="auto"`
+asks the measured cost model (`memory/tiers.py`), through the ladder, which is cheaper for this
+victim. A swapped sequence at the head of the queue is brought back one step before it runs when
+others run now (prefetch): its copies overlap their forward pass. Running out of blocks is a
+scheduling event, never a crash.
 
 The scheduler is the one owner of who holds which blocks: it admits requests (or says why one
 can never run), grows and frees block tables, forks samples and beams, finishes sequences, and
