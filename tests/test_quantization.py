@@ -87,7 +87,7 @@ def test_a_filling_block_keeps_exact_keys_and_is_quantized_once_full():
     value_stored, value_scale = quantize(v[:3], FORMATS["int8"], dim=-1)
     assert torch.equal(values, dequantize(value_stored, value_scale, FORMATS["int8"]))  # values: per token, at once
     pool.write(0, slots[3:], k[3:], v[3:])  # the block fills
-    assert (0, 2) not in pool.staging
+    assert pool.staged_row[0, 2] == -1 and pool.staged_bytes == 0  # its row is given back
     keys, _ = pool.read(0, slots)
     key_stored, key_scale = quantize(k, FORMATS["int8"], dim=0)
     assert torch.equal(keys, dequantize(key_stored, key_scale, FORMATS["int8"]))
@@ -107,7 +107,7 @@ def test_staging_of_freed_blocks_is_dropped():
     pool = tiny_pool("channel")
     pool.write(0, torch.tensor([4, 5]), torch.randn(2, 2, 16), torch.randn(2, 2, 16))
     pool.forget_free_blocks(lambda block: block == 1)  # block 1 is free now
-    assert not pool.staging
+    assert pool.staged_blocks(0) == [] and pool.staged_bytes == 0
 
 
 @pytest.mark.parametrize("kv_dtype, key_scales, ratio", [("int8", "channel", 0.3125), ("int8", "token", 0.3125),
@@ -144,7 +144,7 @@ def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, 
     assert llm.engine.num_preemptions > 0
     llm.engine.block_manager.check_invariants()
     llm.engine.pool.forget_free_blocks(llm.engine.block_manager.is_free)
-    assert not llm.engine.pool.staging  # nothing left behind
+    assert llm.engine.pool.staged_bytes == 0  # nothing left behind
 
 
 @pytest.mark.parametrize("key_scales", ["channel", "token"])

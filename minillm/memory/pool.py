@@ -16,6 +16,9 @@ and two that move whole blocks, for copy-on-write and for the tiers (`tiers.py`)
 A block's payload is its stored form (quantized numbers with their scales and centres), so a block
 copied to another pool, or saved to a file, comes back bit for bit.
 
+A decode kernel skips `read` and reads a layer where it lies: `pool.layer(layer)` is a `KVLayer`
+of the stored tensors (numbers, scales, staged keys), dequantized in the kernel's registers.
+
 Two pools keep that contract: `PagedKVPool` stores the numbers in the model's dtype;
 `QuantizedKVPool` stores int8 / int4 / fp8 numbers with their scales beside them
 (`quantization.py`), so attention never knows how the numbers are stored.
@@ -27,6 +30,8 @@ included) × block_size is one block's cost, and the budget buys that many whole
 from __future__ import annotations
 
 import math
+import threading
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -66,6 +71,22 @@ def make_pool(config: ModelConfig, kv_cache_bytes: int, block_size: int, kv_dtyp
                           f"({str(err).splitlines()[0][:80]}); lower {budget_name}.") from None
 
 
+@dataclass
+class KVLayer:
+    """One layer of a pool as it is stored: what a decode kernel reads in place.
+
+    A pool in the model's dtype fills only k and v; the other tensors are then empty."""
+
+    k: torch.Tensor  # (num_slots, kv_heads, head_dim / values_per_byte): the numbers as stored
+    v: torch.Tensor
+    k_scale: torch.Tensor  # (scale, center) in fp16: (num_blocks, kv_heads, head_dim, 2) per channel,
+    v_scale: torch.Tensor  # or (num_slots, kv_heads, 1, 2) per token, as values always are
+    k_staged: torch.Tensor  # (rows, block_size, kv_heads, head_dim), model dtype: keys of blocks still filling
+    staged_row: torch.Tensor  # (num_blocks,) int32: a block's row in k_staged, -1 once its keys are quantized
+    kv_format: str  # "auto" (the model's dtype), "int8", "int4" or "fp8"
+    keys_per_channel: bool
+
+
 class PagedKVPool:
     """Numbers in the model's dtype: k_cache[layer], v_cache[layer] are (num_slots, kv_heads, head_dim)."""
 
@@ -86,13 +107,18 @@ class PagedKVPool:
         """Bytes held in full precision beside the blocks: none, every number lives in its block."""
         return 0
 
+    def layer(self, layer: int) -> KVLayer:
+        empty = self.k_cache.new_empty(0)
+        no_rows = torch.empty(0, dtype=torch.int32, device=self.device)
+        return KVLayer(self.k_cache[layer], self.v_cache[layer], empty, empty, empty, no_rows, "auto", False)
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (n, kv_heads, head_dim) go into `slots` (n,)."""
         self.k_cache[layer].index_copy_(0, slots, k)
         self.v_cache[layer].index_copy_(0, slots, v)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The keys and values in `slots` (n,): (n, kv_heads, head_dim) each."""
+        """The keys and values in `slots` (any shape): (*slots.shape, kv_heads, head_dim) each."""
         return self.k_cache[layer][slots], self.v_cache[layer][slots]
 
     def read_block(self, block: int) -> dict[str, torch.Tensor]:
@@ -113,13 +139,20 @@ class QuantizedKVPool:
 
     Per layer: key and value numbers (num_slots, kv_heads, head_dim / values_per_byte), value
     scales per slot and head, key scales per slot and head ("token") or per block, head and
-    channel ("channel"), and the staging keys of blocks still filling (channel scales only).
+    channel ("channel"), and the staged keys of blocks still filling (channel scales only).
+
+    Staging lives in tensors too, so a kernel can read it where it lies: `k_staged[layer]`
+    (rows, block_size, kv_heads, head_dim) in the model's dtype, and `staged_row[layer, block]`,
+    the row holding that block's keys, or -1 once the block is full and its keys quantized.
+    Rows are taken and given back as blocks start and fill; the tensor grows (doubling) when
+    more blocks fill at once than it has rows. A lock keeps a tier's prefetch thread (which
+    restores staged keys) and the step's writes from growing or taking rows under each other.
     """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat, key_scales: str,
                  dtype: torch.dtype, device, pin: bool = False):
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
-        self.fmt, self.key_scales, self.dtype = fmt, key_scales, dtype
+        self.fmt, self.key_scales, self.dtype, self.pin = fmt, key_scales, dtype, pin
         self.bytes_per_slot = math.ceil(bytes_per_token(config, fmt, key_scales, block_size))
         layers, slots, heads = config.num_layers, num_blocks * block_size, config.num_kv_heads
         stored = (layers, slots, heads, config.head_dim // fmt.values_per_byte)
@@ -129,8 +162,10 @@ class QuantizedKVPool:
         self.v_scale = torch.zeros(layers, slots, heads, 1, 2, dtype=SCALE_DTYPE, device=device, pin_memory=pin)
         key_scale_shape = (layers, num_blocks, heads, config.head_dim, 2) if key_scales == "channel" else (layers, slots, heads, 1, 2)
         self.k_scale = torch.zeros(key_scale_shape, dtype=SCALE_DTYPE, device=device, pin_memory=pin)
-        # (layer, block) -> (block_size, kv_heads, head_dim): keys of a block that is still filling
-        self.staging: dict[tuple[int, int], torch.Tensor] = {}
+        self.k_staged = torch.zeros(layers, 0, block_size, heads, config.head_dim, dtype=dtype, device=device)
+        self.staged_row = torch.full((layers, num_blocks), -1, dtype=torch.int32, device=device)
+        self.free_rows: list[list[int]] = [[] for _ in range(layers)]  # per layer: rows of k_staged nobody uses
+        self.staging_lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -139,7 +174,12 @@ class QuantizedKVPool:
     @property
     def staged_bytes(self) -> int:
         """Bytes of the filling blocks' keys, waiting in full precision until their block is full."""
-        return sum(t.nbytes for t in self.staging.values())
+        rows_in_use = int((self.staged_row >= 0).sum())
+        return rows_in_use * self.k_staged[0, 0].nbytes if rows_in_use else 0
+
+    def layer(self, layer: int) -> KVLayer:
+        return KVLayer(self.k_data[layer], self.v_data[layer], self.k_scale[layer], self.v_scale[layer],
+                       self.k_staged[layer], self.staged_row[layer], self.fmt.name, self.key_scales == "channel")
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         data, scale = quantize(v, self.fmt, dim=-1)
@@ -150,35 +190,61 @@ class QuantizedKVPool:
             self.k_data[layer].index_copy_(0, slots, data)
             self.k_scale[layer].index_copy_(0, slots, scale)
         else:
-            self.stage_keys(layer, slots, k)
+            with self.staging_lock:
+                self.stage_keys(layer, slots, k)
 
     def stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        """Keys wait in their block's staging tensor; the write that fills a block quantizes it."""
-        size = self.block_size
-        blocks, offsets = slots // size, slots % size
-        for block in blocks.unique().tolist():  # a step writes a few blocks per sequence
-            rows = blocks == block
-            staged = self.staging.setdefault((layer, block), k.new_zeros(size, *k.shape[1:]))
-            staged[offsets[rows]] = k[rows]
-            if int(offsets[rows].max()) == size - 1:  # the last slot: the block is full
-                data, scale = quantize(staged, self.fmt, dim=0)  # one scale per (head, channel)
-                self.k_data[layer, block * size:(block + 1) * size] = data
-                self.k_scale[layer, block] = scale[0]
-                del self.staging[(layer, block)]
+        """Keys wait in their block's staging row; the write that fills a block quantizes it."""
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        rows = self.staged_row[layer, blocks]
+        if bool((rows < 0).any()):  # a block's first keys: give it a row
+            for block in blocks[rows < 0].unique().tolist():
+                self.staged_row[layer, block] = self.take_row(layer)
+            rows = self.staged_row[layer, blocks]
+        self.k_staged[layer, rows.long(), offsets] = k.to(self.dtype)
+        filled = offsets == self.block_size - 1  # the last slot: the block is full
+        if bool(filled.any()):
+            self.quantize_staged(layer, blocks[filled])
+
+    def quantize_staged(self, layer: int, blocks: torch.Tensor) -> None:
+        """Quantize the staged keys of full `blocks` (n,), one scale per (head, channel), and free their rows."""
+        rows = self.staged_row[layer, blocks].long()
+        data, scale = quantize(self.k_staged[layer, rows], self.fmt, dim=1)  # (n, block_size, ...), (n, 1, heads, hd, 2)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
+        self.k_data[layer].index_copy_(0, slots, data.flatten(0, 1))
+        self.k_scale[layer].index_copy_(0, blocks, scale[:, 0])
+        self.release_rows(layer, blocks)
+
+    def take_row(self, layer: int) -> int:
+        if not self.free_rows[layer]:  # every row is in use: double them, for every layer
+            capacity = self.k_staged.shape[1]
+            grown = max(1, capacity)
+            with torch.inference_mode(False):  # a plain tensor: the prefetch thread writes it outside inference mode
+                extra = self.k_staged.new_zeros(self.k_staged.shape[0], grown, *self.k_staged.shape[2:])
+                self.k_staged = torch.cat([self.k_staged, extra], dim=1)
+            for free in self.free_rows:
+                free.extend(range(capacity, capacity + grown))
+        return self.free_rows[layer].pop()
+
+    def release_rows(self, layer: int, blocks: torch.Tensor) -> None:
+        self.free_rows[layer].extend(self.staged_row[layer, blocks].tolist())
+        self.staged_row[layer, blocks] = -1
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized keys and values of a sequence's `slots` (in order): (n, kv_heads, head_dim)."""
+        """Dequantized keys and values in `slots` (any shape): (*slots.shape, kv_heads, head_dim)."""
         values = dequantize(self.v_data[layer][slots], self.v_scale[layer][slots], self.fmt)
         if self.key_scales == "token":
             keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][slots], self.fmt)
             return keys.to(self.dtype), values.to(self.dtype)
-        keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][slots // self.block_size], self.fmt)
-        last = int(slots[-1])
-        staged = self.staging.get((layer, last // self.block_size))
-        if staged is not None:  # the sequence's last block is still filling: its keys are exact
-            filled = last % self.block_size + 1
-            keys[-filled:] = staged[:filled]
+        blocks = slots // self.block_size
+        keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][blocks], self.fmt)
+        rows = self.staged_row[layer][blocks]
+        filling = rows >= 0  # a block still filling: its keys are the exact staged ones
+        keys[filling] = self.k_staged[layer][rows[filling].long(), (slots % self.block_size)[filling]].float()
         return keys.to(self.dtype), values.to(self.dtype)
+
+    def staged_blocks(self, layer: int) -> list[int]:
+        return (self.staged_row[layer] >= 0).nonzero().flatten().tolist()
 
     def read_block(self, block: int) -> dict[str, torch.Tensor]:
         """The block as stored: numbers and scales of every layer (views), and the staged keys
@@ -186,23 +252,35 @@ class QuantizedKVPool:
         rows = slice(block * self.block_size, (block + 1) * self.block_size)
         payload = {"k_data": self.k_data[:, rows], "v_data": self.v_data[:, rows], "v_scale": self.v_scale[:, rows],
                    "k_scale": self.k_scale[:, block] if self.key_scales == "channel" else self.k_scale[:, rows]}
-        for layer in range(len(self.k_data)):
-            if (layer, block) in self.staging:
-                payload[f"k_staging.{layer}"] = self.staging[(layer, block)]
+        for layer, row in enumerate(self.staged_row[:, block].tolist()):
+            if row >= 0:
+                payload[f"k_staging.{layer}"] = self.k_staged[layer, row]
         return payload
 
     def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
         stored = self.read_block(block)
         for name in ("k_data", "v_data", "v_scale", "k_scale"):
             stored[name].copy_(payload[name], non_blocking=True)  # asynchronous from pinned host memory
+        with self.staging_lock:
+            self.write_staged(block, payload)
+
+    def write_staged(self, block: int, payload: dict[str, torch.Tensor]) -> None:
+        """The block's staged keys are the payload's: rows taken where it has some, given back where not."""
         for layer in range(len(self.k_data)):
             staged = payload.get(f"k_staging.{layer}")
+            row = int(self.staged_row[layer, block])
             if staged is not None:
-                self.staging[(layer, block)] = staged.to(self.device, copy=True, non_blocking=True)
-            else:
-                self.staging.pop((layer, block), None)
+                if row < 0:
+                    row = self.take_row(layer)
+                    self.staged_row[layer, block] = row
+                self.k_staged[layer, row].copy_(staged, non_blocking=True)
+            elif row >= 0:
+                self.release_rows(layer, torch.tensor([block], device=self.device))
 
     def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
-        """Drop the staging keys of blocks no sequence holds any more (finished or preempted)."""
-        for key in [key for key in self.staging if is_free(key[1])]:
-            del self.staging[key]
+        """Give back the staging rows of blocks no sequence holds any more (finished or preempted)."""
+        with self.staging_lock:
+            for layer in range(len(self.k_data)):
+                freed = [block for block in self.staged_blocks(layer) if is_free(block)]
+                if freed:
+                    self.release_rows(layer, torch.tensor(freed, device=self.device))
