@@ -1,124 +1,297 @@
 // Paged attention for decode, on the CPU: the C++ twin of paged_attention.cu.
 //
-// Contract (shared with the CUDA kernel and checked against minillm/attention/reference.py):
-//   query        (num_seqs, num_heads, head_dim)        float32 / float16 / bfloat16
-//   key_cache    (num_slots, num_kv_heads, head_dim)    same dtype as query, or int8
-//   value_cache  (num_slots, num_kv_heads, head_dim)    like key_cache
-//   block_tables (num_seqs, max_blocks) int32           physical block of each logical block
-//   context_lens (num_seqs,) int32                      tokens in each sequence's history
-//   k_scales, v_scales (num_slots, num_kv_heads) float32, only for int8 caches (else empty)
-//   returns      (num_seqs, num_heads, head_dim)        query's dtype; scores scaled by 1/sqrt(head_dim)
-// Slot of position t: block_tables[s][t / block_size] * block_size + t % block_size.
+// It reads the KV pool where it lies, in whatever format the pool stores (the contract below is
+// the one minillm/attention/reference.py states in torch and both kernels are tested against):
+//   query        (num_seqs, num_heads, head_dim)           float32 / float16 / bfloat16
+//   k, v         (num_slots, num_kv_heads, head_dim / P)   the pool's numbers as stored: the query's
+//                dtype (kv_format 0), int8 (1), int4 two per byte (2, P = 2) or fp8 e4m3 bytes (3)
+//   k_scale      fp16 (scale, center) pairs: (num_blocks, kv_heads, head_dim, 2) when keys are
+//                quantized per channel of a block, else (num_slots, kv_heads, 1, 2); empty for 0
+//   v_scale      (num_slots, kv_heads, 1, 2) fp16: values are quantized per token
+//   k_staged     (rows, block_size, kv_heads, head_dim) query's dtype: exact keys of blocks still filling
+//   staged_row   (num_blocks,) int32: a block's row in k_staged, -1 once its keys are quantized
+//   block_tables (num_seqs, max_blocks) int32;  context_lens (num_seqs,) int32
+//   returns      {out (num_seqs, num_heads, head_dim) in the query's dtype, scores scaled by
+//                1/sqrt(head_dim); mass (num_seqs, kv_heads, longest context) fp32 when with_mass:
+//                the attention each entry got, summed over its KV head's query heads (what H2O
+//                accumulates), else empty}
+// A stored number x means x * scale + center. Slot of position t: block_tables[s][t / bs] * bs + t % bs.
 //
 // One task per (sequence, KV head), spread over threads with at::parallel_for: the task serves
 // the whole GQA group of query heads that share this KV head, so each K and V row is read from
-// memory once, not once per query head. It walks the sequence's history block by block through
-// the block table and keeps an *online softmax* per query head: the running maximum m, the
-// running sum l of exp(score - m) and the running weighted sum of values acc. Per block it
-// computes the block's scores, and if the block raises the maximum it rescales l and acc by
-// exp(m_old - m_new) once — one pass, no score array longer than a block.
+// memory once, not once per query head. It walks the history block by block through the block
+// table. Per block it dequantizes the block's keys into a small float tile (16 x head_dim: it
+// stays in L1, nothing full-precision goes back to memory), scores them, and keeps an *online
+// softmax* per query head: the running maximum m, the running sum l of exp(score - m) and the
+// running weighted sum of values acc, rescaled by exp(m_old - m_new) when a block raises the
+// maximum. Then it dequantizes the block's values into the tile and adds them. One pass.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-template <typename scalar_t, typename cache_t>
-void decode(const torch::Tensor& query, const torch::Tensor& key_cache, const torch::Tensor& value_cache,
-            const torch::Tensor& block_tables, const torch::Tensor& context_lens, int64_t block_size,
-            const float* k_scales, const float* v_scales, torch::Tensor& out) {
-  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_kv_heads = key_cache.size(1), group = num_heads / num_kv_heads;
+enum Format : int64_t { kModelDtype = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3 };
+
+const float* fp8_table() {  // every e4m3 byte's value, computed once
+  static const std::vector<float> table = [] {
+    std::vector<float> values(256);
+    for (int bits = 0; bits < 256; ++bits)
+      values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+    return values;
+  }();
+  return table.data();
+}
+
+// head_dim stored numbers of one row -> floats, before their scale and center
+template <typename scalar_t, int64_t FORMAT>
+inline void load_row(const void* row, int64_t head_dim, float* __restrict out) {
+  if constexpr (FORMAT == kModelDtype) {
+    const scalar_t* x = static_cast<const scalar_t*>(row);
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(x[d]);
+  } else if constexpr (FORMAT == kInt8) {
+    const int8_t* x = static_cast<const int8_t*>(row);
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(x[d]);
+  } else if constexpr (FORMAT == kInt4) {  // dimension 2i in the low nibble, 2i + 1 in the high one, + 8
+    const uint8_t* x = static_cast<const uint8_t*>(row);
+    for (int64_t i = 0; i < head_dim / 2; ++i) {
+      out[2 * i] = static_cast<float>(x[i] & 0x0F) - 8.f;
+      out[2 * i + 1] = static_cast<float>(x[i] >> 4) - 8.f;
+    }
+  } else {
+    const uint8_t* x = static_cast<const uint8_t*>(row);
+    const float* table = fp8_table();
+    for (int64_t d = 0; d < head_dim; ++d) out[d] = table[x[d]];
+  }
+}
+
+// exp(x) for x <= 0 (a score minus the running maximum), written so the compiler vectorizes a loop
+// of them: exp(x) = 2^k * 2^f with k = round(x * log2 e) and |f| <= 1/2, 2^f by a degree-6
+// polynomial (relative error < 2e-7), 2^k by writing k into the float's exponent bits.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f) * 1.44269504f;  // x * log2(e); below -87 the result is ~0
+  const float k = std::nearbyint(t), f = t - k;
+  float p = 1.5403530e-4f;
+  p = p * f + 1.3333558e-3f;
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 2.4022651e-1f;
+  p = p * f + 6.9314718e-1f;
+  p = p * f + 1.f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float two_k;
+  std::memcpy(&two_k, &bits, sizeof two_k);
+  return p * two_k;
+}
+
+// scores[j] = q . rows[j] for the n rows of a tile (restrict: nothing aliases, so q stays in registers)
+template <int64_t HEAD_DIM>
+inline void dot_rows(const float* __restrict q, const float* __restrict rows, float* __restrict scores, int64_t n,
+                     int64_t head_dim) {
+  const int64_t dim = HEAD_DIM ? HEAD_DIM : head_dim;
+  for (int64_t j = 0; j < n; ++j) {
+    float dot = 0.f;
+    for (int64_t d = 0; d < dim; ++d) dot += q[d] * rows[j * dim + d];
+    scores[j] = dot;
+  }
+}
+
+// acc[d] = acc[d] * correction + sum_j p[j] * rows[j][d]; with HEAD_DIM known, acc lives in registers
+template <int64_t HEAD_DIM>
+inline void add_weighted_rows(float* __restrict acc, float correction, const float* __restrict p,
+                              const float* __restrict rows, int64_t n, int64_t head_dim) {
+  if constexpr (HEAD_DIM > 0) {
+    float sum[HEAD_DIM];
+    for (int64_t d = 0; d < HEAD_DIM; ++d) sum[d] = acc[d] * correction;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < HEAD_DIM; ++d) sum[d] += p[j] * rows[j * HEAD_DIM + d];
+    for (int64_t d = 0; d < HEAD_DIM; ++d) acc[d] = sum[d];
+  } else {
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] *= correction;
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[j] * rows[j * head_dim + d];
+  }
+}
+
+struct Pool {  // one layer of the KV pool, as the kernel reads it
+  const void* k;
+  const void* v;
+  const at::Half* k_scale;  // nullptr for the model's dtype
+  const at::Half* v_scale;
+  const void* k_staged;
+  const int32_t* staged_row;  // nullptr: no block is staged
+  bool keys_per_channel;
+  int64_t row_bytes;  // bytes of one stored row (head_dim numbers)
+  int64_t num_kv_heads, head_dim, block_size;
+};
+
+template <typename scalar_t, int64_t FORMAT, int64_t HEAD_DIM>
+void decode(const torch::Tensor& query, const Pool& pool, const torch::Tensor& block_tables,
+            const torch::Tensor& context_lens, torch::Tensor& out, float* mass, int64_t mass_width) {
+  // HEAD_DIM known at compile time (64, 128) lets the compiler unroll the row loops into a few vector
+  // registers; 0 reads it from the pool (any other head_dim)
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = HEAD_DIM ? HEAD_DIM : pool.head_dim;
+  const int64_t num_kv_heads = pool.num_kv_heads, group = num_heads / num_kv_heads, bs = pool.block_size;
   const int64_t max_blocks = block_tables.size(1);
   const float scale = 1.f / std::sqrt(static_cast<float>(head_dim));
   const scalar_t* q_all = query.data_ptr<scalar_t>();
-  const cache_t* k_all = key_cache.data_ptr<cache_t>();
-  const cache_t* v_all = value_cache.data_ptr<cache_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   scalar_t* out_all = out.data_ptr<scalar_t>();
+  const char* k_bytes = static_cast<const char*>(pool.k);
+  const char* v_bytes = static_cast<const char*>(pool.v);
+  const scalar_t* staged = static_cast<const scalar_t*>(pool.k_staged);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    // per query head g of the group: q[g], scores of the current block, m[g], l[g], acc[g]
-    std::vector<float> q(group * head_dim), scores(group * block_size), acc(group * head_dim), k_row(head_dim);
-    std::vector<float> m(group), l(group);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
-      const scalar_t* q_rows = q_all + (seq * num_heads + kv_head * group) * head_dim;  // the group's heads
-      for (int64_t i = 0; i < group * head_dim; ++i) q[i] = static_cast<float>(q_rows[i]) * scale;
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    // per query head h: q[h], the block's scores, m[h], l[h], acc[h]; tile: one KV head's keys or values of a block
+    std::vector<float> q(num_heads * head_dim), scores(num_heads * bs), acc(num_heads * head_dim), tile(bs * head_dim);
+    std::vector<float> m(num_heads), l(num_heads), channel_scale(head_dim), channel_center(head_dim), raw_scores;
+    for (int64_t seq = begin; seq < end; ++seq) {
+      const scalar_t* q_rows = q_all + seq * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = static_cast<float>(q_rows[i]) * scale;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-
       const int64_t context_len = lens[seq];
-      for (int64_t first = 0; first < context_len; first += block_size) {
-        const int64_t block = tables[seq * max_blocks + first / block_size];
-        const int64_t n = std::min(block_size, context_len - first);  // tokens in this block
-        // 1. scores of this block's tokens for every query head of the group
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t row = (block * block_size + j) * num_kv_heads + kv_head;
-          const cache_t* k = k_all + row * head_dim;
-          const float k_scale = k_scales ? k_scales[row] : 1.f;
-          for (int64_t d = 0; d < head_dim; ++d) k_row[d] = static_cast<float>(k[d]) * k_scale;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = &q[g * head_dim];
-            float dot = 0.f;
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k_row[d];
-            scores[g * block_size + j] = dot;
+      if (mass) raw_scores.resize(num_heads * context_len);
+
+      for (int64_t first = 0; first < context_len; first += bs) {
+        const int64_t block = tables[seq * max_blocks + first / bs];
+        const int64_t n = std::min(bs, context_len - first);  // tokens in this block
+        const int32_t staged_row = pool.staged_row ? pool.staged_row[block] : -1;
+        if (first + bs < context_len) {  // the next block lies elsewhere in the pool: ask for it now
+          const int64_t next = tables[seq * max_blocks + first / bs + 1] * bs * num_kv_heads * pool.row_bytes;
+          for (int64_t offset = 0; offset < bs * num_kv_heads * pool.row_bytes; offset += 64) {
+            __builtin_prefetch(k_bytes + next + offset);
+            __builtin_prefetch(v_bytes + next + offset);
           }
         }
-        // 2. online softmax: rescale what we have if the maximum grew, then add the block's values
-        for (int64_t g = 0; g < group; ++g) {
-          float* s = &scores[g * block_size];
-          float* a = &acc[g * head_dim];
-          const float m_new = std::max(m[g], *std::max_element(s, s + n));
-          const float correction = std::exp(m[g] - m_new);  // 0 on the first block (m = -inf)
-          l[g] *= correction;
-          for (int64_t d = 0; d < head_dim; ++d) a[d] *= correction;
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t row = (block * block_size + j) * num_kv_heads + kv_head;
-            const cache_t* v = v_all + row * head_dim;
-            const float p = std::exp(s[j] - m_new) * (v_scales ? v_scales[row] : 1.f);
-            l[g] += std::exp(s[j] - m_new);
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+        for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+          const int64_t row0 = block * bs * num_kv_heads + kv_head;  // (slot, kv_head) row of the block's first token
+          // 1. the block's keys, dequantized into the tile
+          if (staged_row >= 0) {  // still filling: exact keys in the model's dtype
+            for (int64_t j = 0; j < n; ++j)
+              load_row<scalar_t, kModelDtype>(staged + ((staged_row * bs + j) * num_kv_heads + kv_head) * head_dim,
+                                              head_dim, &tile[j * head_dim]);
+          } else {
+            if (FORMAT != kModelDtype && pool.keys_per_channel) {  // one (scale, center) per channel of the block
+              const at::Half* pairs = pool.k_scale + (block * num_kv_heads + kv_head) * head_dim * 2;
+              for (int64_t d = 0; d < head_dim; ++d) {
+                channel_scale[d] = static_cast<float>(pairs[2 * d]);
+                channel_center[d] = static_cast<float>(pairs[2 * d + 1]);
+              }
+            }
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t row = row0 + j * num_kv_heads;
+              float* k = &tile[j * head_dim];
+              load_row<scalar_t, FORMAT>(k_bytes + row * pool.row_bytes, head_dim, k);
+              if (FORMAT == kModelDtype) continue;
+              if (pool.keys_per_channel) {
+                for (int64_t d = 0; d < head_dim; ++d) k[d] = k[d] * channel_scale[d] + channel_center[d];
+              } else {
+                const float s = static_cast<float>(pool.k_scale[2 * row]), c = static_cast<float>(pool.k_scale[2 * row + 1]);
+                for (int64_t d = 0; d < head_dim; ++d) k[d] = k[d] * s + c;
+              }
+            }
           }
-          m[g] = m_new;
+          // 2. scores of this block's tokens for every query head of the group
+          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            dot_rows<HEAD_DIM>(&q[h * head_dim], tile.data(), &scores[h * bs], n, head_dim);
+            if (mass) std::copy(&scores[h * bs], &scores[h * bs] + n, &raw_scores[h * context_len + first]);
+          }
+          // 3. the block's values, dequantized into the tile (the keys are done with)
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t row = row0 + j * num_kv_heads;
+            float* v = &tile[j * head_dim];
+            load_row<scalar_t, FORMAT>(v_bytes + row * pool.row_bytes, head_dim, v);
+            if (FORMAT == kModelDtype) continue;
+            const float s = static_cast<float>(pool.v_scale[2 * row]), c = static_cast<float>(pool.v_scale[2 * row + 1]);
+            for (int64_t d = 0; d < head_dim; ++d) v[d] = v[d] * s + c;
+          }
+          // 4. online softmax: rescale what we have if the maximum grew, then add the block's values
+          for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
+            float* s = &scores[h * bs];
+            float* a = &acc[h * head_dim];
+            const float m_new = std::max(m[h], *std::max_element(s, s + n));
+            const float correction = std::exp(m[h] - m_new);  // 0 on the first block (m = -inf)
+            float block_sum = 0.f;
+            for (int64_t j = 0; j < n; ++j) {
+              s[j] = exp_nonpositive(s[j] - m_new);  // the score becomes its unnormalized probability
+              block_sum += s[j];
+            }
+            l[h] = l[h] * correction + block_sum;
+            add_weighted_rows<HEAD_DIM>(a, correction, s, tile.data(), n, head_dim);
+            m[h] = m_new;
+          }
         }
       }
-      scalar_t* out_rows = out_all + (seq * num_heads + kv_head * group) * head_dim;
-      for (int64_t g = 0; g < group; ++g)
+      scalar_t* out_rows = out_all + seq * num_heads * head_dim;
+      for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
-          out_rows[g * head_dim + d] = static_cast<scalar_t>(l[g] > 0.f ? acc[g * head_dim + d] / l[g] : 0.f);
+          out_rows[h * head_dim + d] = static_cast<scalar_t>(l[h] > 0.f ? acc[h * head_dim + d] / l[h] : 0.f);
+      if (mass) {  // each entry's probability under every query head of a KV head's group, summed
+        for (int64_t h = 0; h < num_heads; ++h) {
+          float* row = mass + (seq * num_kv_heads + h / group) * mass_width;
+          for (int64_t t = 0; t < context_len; ++t) row[t] += exp_nonpositive(raw_scores[h * context_len + t] - m[h]) / l[h];
+        }
+      }
     }
   });
 }
 
 }  // namespace
 
-torch::Tensor paged_attention_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     torch::Tensor k_scales, torch::Tensor v_scales) {
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "query and caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
-              "block_tables and context_lens must be int32");
-  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, torch::Tensor v,
+                                                  torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged,
+                                                  torch::Tensor staged_row, torch::Tensor block_tables,
+                                                  torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
+                                                  bool keys_per_channel, bool with_mass) {
+  for (const auto& t : {query, k, v, k_scale, v_scale, k_staged, staged_row, block_tables, context_lens})
+    TORCH_CHECK(t.is_contiguous(), "the query and the pool's tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
+                  staged_row.scalar_type() == torch::kInt32, "block_tables, context_lens and staged_row must be int32");
+  TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8, "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
+  TORCH_CHECK(query.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  const int64_t head_dim = query.size(2), per_byte = kv_format == kInt4 ? 2 : 1;
+  TORCH_CHECK(k.size(2) * per_byte == head_dim, "the cache rows must hold head_dim numbers");
+  if (kv_format == kModelDtype) {
+    TORCH_CHECK(k.scalar_type() == query.scalar_type(), "a cache in the model's dtype must have the query's dtype");
+  } else {
+    TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf && k_scale.numel() > 0 &&
+                    v_scale.numel() > 0, "a quantized cache needs fp16 k_scale and v_scale");
+    TORCH_CHECK(!keys_per_channel || (staged_row.numel() > 0 && k_staged.scalar_type() == query.scalar_type()),
+                "keys quantized per channel need staged_row and k_staged in the query's dtype");
+  }
+  const Pool pool{k.data_ptr(), v.data_ptr(),
+                  kv_format == kModelDtype ? nullptr : k_scale.data_ptr<at::Half>(),
+                  kv_format == kModelDtype ? nullptr : v_scale.data_ptr<at::Half>(),
+                  k_staged.numel() > 0 ? k_staged.data_ptr() : nullptr,
+                  kv_format != kModelDtype && keys_per_channel ? staged_row.data_ptr<int32_t>() : nullptr,
+                  keys_per_channel, k.size(2) * k.element_size(), k.size(1), head_dim, block_size};
   auto out = torch::empty_like(query);
-  const bool int8 = key_cache.scalar_type() == torch::kChar;
-  TORCH_CHECK(int8 || key_cache.scalar_type() == query.scalar_type(), "cache dtype must be query's dtype or int8");
-  TORCH_CHECK(!int8 || (k_scales.numel() > 0 && v_scales.numel() > 0), "int8 caches need k_scales and v_scales");
-  const float* ks = int8 ? k_scales.data_ptr<float>() : nullptr;
-  const float* vs = int8 ? v_scales.data_ptr<float>() : nullptr;
+  const int64_t width = context_lens.numel() > 0 ? context_lens.max().item<int32_t>() : 0;
+  auto mass = with_mass ? torch::zeros({query.size(0), k.size(1), width}, query.options().dtype(torch::kFloat))
+                        : torch::empty({0}, query.options().dtype(torch::kFloat));
+  float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode", [&] {
-    if (int8) {
-      decode<scalar_t, int8_t>(query, key_cache, value_cache, block_tables, context_lens, block_size, ks, vs, out);
-    } else {
-      decode<scalar_t, scalar_t>(query, key_cache, value_cache, block_tables, context_lens, block_size, ks, vs, out);
+    auto run = [&](auto format) {
+      constexpr int64_t FORMAT = decltype(format)::value;
+      if (head_dim == 64) decode<scalar_t, FORMAT, 64>(query, pool, block_tables, context_lens, out, mass_ptr, width);
+      else if (head_dim == 128) decode<scalar_t, FORMAT, 128>(query, pool, block_tables, context_lens, out, mass_ptr, width);
+      else decode<scalar_t, FORMAT, 0>(query, pool, block_tables, context_lens, out, mass_ptr, width);
+    };
+    switch (kv_format) {
+      case kInt8: run(std::integral_constant<int64_t, kInt8>{}); break;
+      case kInt4: run(std::integral_constant<int64_t, kInt4>{}); break;
+      case kFp8: run(std::integral_constant<int64_t, kFp8>{}); break;
+      default: run(std::integral_constant<int64_t, kModelDtype>{});
     }
   });
-  return out;
+  return {out, mass};
 }

@@ -1,8 +1,9 @@
 """Causal attention over a sequence's history, in plain torch math.
 
 Every KV layout in minillm (no cache, one contiguous cache, paged blocks later) ends by handing
-this function the keys and values of one sequence in position order. It is the readable truth
-the faster paths are checked against.
+`causal_attention` the keys and values of one sequence in position order. It is the readable
+truth the faster paths are checked against. `paged_decode_attention` is its batched form for
+decode tokens, reading a paged pool through block tables: the kernels' contract.
 
 Grouped-query attention (GQA): `num_heads` query heads share `num_kv_heads` key/value heads, in
 groups of `group = num_heads // num_kv_heads` (SmolLM2: 9 query heads, 3 KV heads, groups of 3).
@@ -40,23 +41,30 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return (out, probs.sum(dim=1)) if with_key_mass else out
 
 
-def paged_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """Decode attention through block tables: the contract the C++ and CUDA kernels implement.
+def paged_decode_attention(query: torch.Tensor, pool, layer: int, block_tables: torch.Tensor,
+                           context_lens: torch.Tensor, with_mass: bool = False):
+    """Decode attention for S sequences at once, through their block tables: the contract the C++
+    and CUDA kernels implement, and the torch backend's decode path.
 
-    query (S, num_heads, head_dim): the newest token of S sequences;
-    key_cache, value_cache (num_slots, num_kv_heads, head_dim), or int8 with
-    k_scales, v_scales (num_slots, num_kv_heads): value = int8 x scale;
-    block_tables (S, max_blocks) int32; context_lens (S,) int32. Returns (S, num_heads, head_dim).
+    query (S, num_heads, head_dim): the newest token of S sequences; `pool` any KV pool (its
+    `read` dequantizes whatever it stores), `layer` which of its layers; block_tables
+    (S, max_blocks) int32; context_lens (S,) int32. Returns out (S, num_heads, head_dim) and, with
+    `with_mass`, the attention each entry received, summed over the query heads of its KV head:
+    (S, num_kv_heads, longest context) fp32, zero past a sequence's context (else None).
+
+    Every sequence's history is gathered into one padded batch (S, longest context) and attended
+    with two batched matmuls; a mask hides the padding. No loop over sequences.
     """
-    out = torch.empty_like(query)
-    for seq in range(query.shape[0]):
-        positions = torch.arange(int(context_lens[seq]), device=query.device)
-        slots = block_tables[seq, positions // block_size].long() * block_size + positions % block_size
-        k, v = key_cache[slots], value_cache[slots]  # (context_len, num_kv_heads, head_dim)
-        if k_scales is not None:
-            k = (k.float() * k_scales[slots][..., None]).to(query.dtype)
-            v = (v.float() * v_scales[slots][..., None]).to(query.dtype)
-        out[seq] = causal_attention(query[seq:seq + 1], k, v, positions[-1:])[0]
-    return out
+    num_seqs, num_heads, head_dim = query.shape
+    width, block_size = int(context_lens.max()), pool.block_size
+    positions = torch.arange(width, device=query.device)
+    slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size  # (S, width)
+    keys, values = pool.read(layer, slots)  # (S, width, kv_heads, head_dim) each
+    num_kv_heads = keys.shape[2]
+    q_rows = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, kv_heads, group, hd)
+    scores = q_rows @ keys.permute(0, 2, 3, 1) * head_dim ** -0.5  # (S, kv_heads, group, width)
+    padding = positions[None, :] >= context_lens[:, None]  # (S, width)
+    scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1)  # fp32 softmax, as in causal_attention
+    out = (probs.to(values.dtype) @ values.transpose(1, 2)).view(num_seqs, num_heads, head_dim)
+    return out, (probs.sum(dim=2) if with_mass else None)
