@@ -1,51 +1,93 @@
 // Paged attention for decode, on a CUDA GPU.
 //
-// Contract (shared with paged_attention_cpu.cpp and minillm/attention/reference.py):
-//   query        (num_seqs, num_heads, head_dim)        float32 / float16 / bfloat16
-//   key_cache    (num_slots, num_kv_heads, head_dim)    same dtype as query, or int8
-//   value_cache  (num_slots, num_kv_heads, head_dim)    like key_cache
-//   block_tables (num_seqs, max_blocks) int32           physical block of each logical block
-//   context_lens (num_seqs,) int32                      tokens in each sequence's history
-//   k_scales, v_scales (num_slots, num_kv_heads) float32, only for int8 caches (else empty)
-//   returns      (num_seqs, num_heads, head_dim)        query's dtype; scores scaled by 1/sqrt(head_dim)
+// Contract (shared with paged_attention_cpu.cpp, which states it in full, and with the torch
+// reference minillm/attention/reference.py): the query (num_seqs, num_heads, head_dim); one layer
+// of the KV pool as stored — k, v in the query's dtype (kv_format 0), int8 (1), int4 two per
+// byte (2) or fp8 e4m3 bytes (3), with fp16 (scale, center) pairs k_scale (per channel of a
+// block, or per token) and v_scale (per token), and the staged exact keys of blocks still
+// filling (k_staged, staged_row); block_tables, context_lens. Returns {out, mass}: mass is
+// (num_seqs, num_kv_heads, longest context) fp32, the attention each entry got summed over its
+// KV head's query heads, when with_mass; else empty. head_dim 64 or 128.
 //
 // Work split: one thread block per (sequence, query head), 4 warps of 32 threads.
 //   - Warp w walks positions w, w + 4, w + 8, ... of the sequence, each through the block table.
 //   - Within a warp, lane i owns dimensions i, i + 32, ... of the head (2 for head_dim 64, 4 for
-//     128): the 32 lanes read one K row as consecutive addresses (one coalesced 128-byte load per
-//     32 numbers), multiply by their q values, and sum the partial dot products with shuffles.
+//     128): the 32 lanes read one K row as consecutive addresses, dequantize their numbers in
+//     registers (x * scale + center), multiply by their q values, and sum the partial dot
+//     products with shuffles.
 //   - Each warp keeps an online softmax (running max m, running sum l, running weighted sum of
-//     values acc), so K and V are read exactly once and no score array is stored.
+//     values acc), so K and V are read exactly once and no score array is needed.
 //   - At the end the 4 warps merge their (m, l, acc) in shared memory, rescaling each by
 //     exp(m_warp - m_max), and warp 0 writes the output.
-// Memory traffic: the K and V rows of the sequence's history for one KV head, read once per
-// query head (the GQA group re-reads them, mostly from L2); everything else is registers.
+//   - With mass, each position's raw score also goes to a scratch array; once m and l are final,
+//     the block turns them into probabilities and adds them (atomically: the group's query heads
+//     share a KV head) into mass.
 //
 // It launches on the default CUDA stream and includes only torch/extension.h, so the file also
 // compiles against a CPU-only torch (the test suite runs nvcc on it on machines without a GPU).
 #include <torch/extension.h>
 
+#include <vector>
+
 namespace {
 
 constexpr int kWarpSize = 32;
 constexpr int kNumWarps = 4;
+enum Format : int64_t { kModelDtype = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3 };
 
 __device__ inline float warp_sum(float value) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(0xffffffff, value, offset);
   return value;
 }
 
-template <typename scalar_t, typename cache_t, int HEAD_DIM>
-__global__ void paged_attention_decode_kernel(
-    scalar_t* __restrict__ out, const scalar_t* __restrict__ query, const cache_t* __restrict__ key_cache,
-    const cache_t* __restrict__ value_cache, const float* __restrict__ k_scales, const float* __restrict__ v_scales,
-    const int32_t* __restrict__ block_tables, const int32_t* __restrict__ context_lens, int max_blocks,
-    int block_size, int num_heads, int num_kv_heads, float scale) {
+__device__ inline float fp8_e4m3_to_float(uint8_t bits) {  // 1 sign, 4 exponent (bias 7), 3 mantissa bits
+  const int exponent = (bits >> 3) & 0xF, mantissa = bits & 0x7;
+  float magnitude = exponent == 0 ? ldexpf(mantissa / 8.f, -6) : ldexpf(1.f + mantissa / 8.f, exponent - 7);
+  if (exponent == 15 && mantissa == 7) magnitude = NAN;
+  return bits >> 7 ? -magnitude : magnitude;
+}
+
+// number d of a stored row, before its scale and center
+template <typename scalar_t, int64_t FORMAT>
+__device__ inline float load_number(const char* row, int d) {
+  if constexpr (FORMAT == kModelDtype) {
+    return static_cast<float>(reinterpret_cast<const scalar_t*>(row)[d]);
+  } else if constexpr (FORMAT == kInt8) {
+    return static_cast<float>(reinterpret_cast<const int8_t*>(row)[d]);
+  } else if constexpr (FORMAT == kInt4) {  // dimension 2i in the low nibble, 2i + 1 in the high one, + 8
+    const uint8_t byte = reinterpret_cast<const uint8_t*>(row)[d / 2];
+    return static_cast<float>(d % 2 ? byte >> 4 : byte & 0x0F) - 8.f;
+  } else {
+    return fp8_e4m3_to_float(reinterpret_cast<const uint8_t*>(row)[d]);
+  }
+}
+
+struct Pool {  // one layer of the KV pool, as the kernel reads it
+  const char* k;
+  const char* v;
+  const at::Half* k_scale;  // nullptr for the model's dtype
+  const at::Half* v_scale;
+  const void* k_staged;
+  const int32_t* staged_row;  // nullptr: no block is staged
+  bool keys_per_channel;
+  int64_t row_bytes;  // bytes of one stored row (head_dim numbers)
+  int num_kv_heads, block_size;
+};
+
+template <typename scalar_t, int64_t FORMAT, int HEAD_DIM>
+__global__ void paged_attention_decode_kernel(scalar_t* __restrict__ out, float* __restrict__ mass,
+                                              float* __restrict__ raw_scores, int mass_width,
+                                              const scalar_t* __restrict__ query, const Pool pool,
+                                              const int32_t* __restrict__ block_tables,
+                                              const int32_t* __restrict__ context_lens, int max_blocks, int num_heads,
+                                              float scale) {
   constexpr int kDimsPerLane = HEAD_DIM / kWarpSize;
-  const int seq = blockIdx.x, head = blockIdx.y;
+  const int seq = blockIdx.x, head = blockIdx.y, num_kv_heads = pool.num_kv_heads, bs = pool.block_size;
   const int kv_head = head / (num_heads / num_kv_heads);
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
   const int context_len = context_lens[seq];
+  const scalar_t* staged = static_cast<const scalar_t*>(pool.k_staged);
+  float* scores_row = raw_scores ? raw_scores + (static_cast<int64_t>(seq) * num_heads + head) * mass_width : nullptr;
 
   float q[kDimsPerLane], acc[kDimsPerLane];
   const scalar_t* q_row = query + (static_cast<int64_t>(seq) * num_heads + head) * HEAD_DIM;
@@ -56,25 +98,45 @@ __global__ void paged_attention_decode_kernel(
   float m = -INFINITY, l = 0.f;
 
   for (int t = warp; t < context_len; t += kNumWarps) {
-    const int64_t block = block_tables[static_cast<int64_t>(seq) * max_blocks + t / block_size];
-    const int64_t row = (block * block_size + t % block_size) * num_kv_heads + kv_head;
-    const float k_scale = k_scales ? k_scales[row] : 1.f, v_scale = v_scales ? v_scales[row] : 1.f;
-    const cache_t* k = key_cache + row * HEAD_DIM;
-    const cache_t* v = value_cache + row * HEAD_DIM;
+    const int64_t block = block_tables[static_cast<int64_t>(seq) * max_blocks + t / bs];
+    const int64_t row = (block * bs + t % bs) * num_kv_heads + kv_head;
+    const int staged_row = pool.staged_row ? pool.staged_row[block] : -1;
 
     float partial = 0.f;
-    for (int i = 0; i < kDimsPerLane; ++i) partial += q[i] * static_cast<float>(k[lane + i * kWarpSize]);
-    const float score = warp_sum(partial) * k_scale;  // every lane now holds the full dot product
+    for (int i = 0; i < kDimsPerLane; ++i) {
+      const int d = lane + i * kWarpSize;
+      float k;
+      if (staged_row >= 0) {  // a block still filling: its exact keys
+        k = static_cast<float>(staged[((static_cast<int64_t>(staged_row) * bs + t % bs) * num_kv_heads + kv_head) * HEAD_DIM + d]);
+      } else {
+        k = load_number<scalar_t, FORMAT>(pool.k + row * pool.row_bytes, d);
+        if (FORMAT != kModelDtype) {
+          const at::Half* pair = pool.keys_per_channel ? pool.k_scale + ((block * num_kv_heads + kv_head) * HEAD_DIM + d) * 2
+                                                       : pool.k_scale + row * 2;
+          k = k * static_cast<float>(pair[0]) + static_cast<float>(pair[1]);
+        }
+      }
+      partial += q[i] * k;
+    }
+    const float score = warp_sum(partial);  // every lane now holds the full dot product
+    if (scores_row && lane == 0) scores_row[t] = score;
     const float m_new = fmaxf(m, score);
     const float correction = __expf(m - m_new);  // 0 on the warp's first position (m = -inf)
     const float p = __expf(score - m_new);
+    float v_scale = 1.f, v_center = 0.f;
+    if (FORMAT != kModelDtype) {
+      v_scale = static_cast<float>(pool.v_scale[row * 2]);
+      v_center = static_cast<float>(pool.v_scale[row * 2 + 1]);
+    }
     l = l * correction + p;
-    for (int i = 0; i < kDimsPerLane; ++i)
-      acc[i] = acc[i] * correction + p * static_cast<float>(v[lane + i * kWarpSize]) * v_scale;
+    for (int i = 0; i < kDimsPerLane; ++i) {
+      const float v = load_number<scalar_t, FORMAT>(pool.v + row * pool.row_bytes, lane + i * kWarpSize);
+      acc[i] = acc[i] * correction + p * (v * v_scale + v_center);
+    }
     m = m_new;
   }
 
-  __shared__ float warp_m[kNumWarps], warp_l[kNumWarps];
+  __shared__ float warp_m[kNumWarps], warp_l[kNumWarps], final_m, final_l;
   __shared__ float warp_acc[kNumWarps][HEAD_DIM];
   if (lane == 0) {
     warp_m[warp] = m;
@@ -99,22 +161,29 @@ __global__ void paged_attention_decode_kernel(
       for (int w = 0; w < kNumWarps; ++w) value += warp_acc[w][d] * weight[w];
       out_row[d] = static_cast<scalar_t>(l_total > 0.f ? value / l_total : 0.f);
     }
+    if (lane == 0) {
+      final_m = m_max;
+      final_l = l_total;
+    }
+  }
+  if (mass) {  // this head's probabilities, added into its KV head's row
+    __syncthreads();
+    float* mass_row = mass + (static_cast<int64_t>(seq) * num_kv_heads + kv_head) * mass_width;
+    for (int t = threadIdx.x; t < context_len; t += kNumWarps * kWarpSize)
+      atomicAdd(&mass_row[t], __expf(scores_row[t] - final_m) / final_l);
   }
 }
 
-template <typename scalar_t, typename cache_t>
-void launch(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& key_cache,
-            const torch::Tensor& value_cache, const float* k_scales, const float* v_scales,
-            const torch::Tensor& block_tables, const torch::Tensor& context_lens, int block_size) {
+template <typename scalar_t, int64_t FORMAT>
+void launch(torch::Tensor& out, float* mass, float* raw_scores, int mass_width, const torch::Tensor& query,
+            const Pool& pool, const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
   const int num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const dim3 grid(num_seqs, num_heads), threads(kNumWarps * kWarpSize);
   const float scale = 1.f / sqrtf(static_cast<float>(head_dim));
-#define MINILLM_LAUNCH(HEAD_DIM)                                                                          \
-  paged_attention_decode_kernel<scalar_t, cache_t, HEAD_DIM><<<grid, threads>>>(                       \
-      out.data_ptr<scalar_t>(), query.data_ptr<scalar_t>(), key_cache.data_ptr<cache_t>(),              \
-      value_cache.data_ptr<cache_t>(), k_scales, v_scales, block_tables.data_ptr<int32_t>(),            \
-      context_lens.data_ptr<int32_t>(), block_tables.size(1), block_size, num_heads, key_cache.size(1), \
-      scale)
+#define MINILLM_LAUNCH(HEAD_DIM)                                                                               \
+  paged_attention_decode_kernel<scalar_t, FORMAT, HEAD_DIM><<<grid, threads>>>(                               \
+      out.data_ptr<scalar_t>(), mass, raw_scores, mass_width, query.data_ptr<scalar_t>(), pool,              \
+      block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), block_tables.size(1), num_heads, scale)
   if (head_dim == 64) {
     MINILLM_LAUNCH(64);
   } else {
@@ -127,28 +196,49 @@ void launch(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor&
 
 }  // namespace
 
-torch::Tensor paged_attention_decode(torch::Tensor query, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens, int64_t block_size,
-                                     torch::Tensor k_scales, torch::Tensor v_scales) {
-  TORCH_CHECK(query.is_cuda() && key_cache.is_cuda() && block_tables.is_cuda(), "all tensors must be on the GPU");
-  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous(),
-              "query and caches must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32,
-              "block_tables and context_lens must be int32");
+std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, torch::Tensor v,
+                                                  torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged,
+                                                  torch::Tensor staged_row, torch::Tensor block_tables,
+                                                  torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
+                                                  bool keys_per_channel, bool with_mass) {
+  TORCH_CHECK(query.is_cuda() && k.is_cuda() && block_tables.is_cuda(), "all tensors must be on the GPU");
+  for (const auto& t : {query, k, v, k_scale, v_scale, k_staged, staged_row, block_tables, context_lens})
+    TORCH_CHECK(t.is_contiguous(), "the query and the pool's tensors must be contiguous");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
+                  staged_row.scalar_type() == torch::kInt32, "block_tables, context_lens and staged_row must be int32");
+  TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8, "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
   TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "the CUDA kernel supports head_dim 64 and 128");
-  TORCH_CHECK(query.size(1) % key_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
-  const bool int8 = key_cache.scalar_type() == torch::kChar;
-  TORCH_CHECK(int8 || key_cache.scalar_type() == query.scalar_type(), "cache dtype must be query's dtype or int8");
-  TORCH_CHECK(!int8 || (k_scales.numel() > 0 && v_scales.numel() > 0), "int8 caches need k_scales and v_scales");
-  const float* ks = int8 ? k_scales.data_ptr<float>() : nullptr;
-  const float* vs = int8 ? v_scales.data_ptr<float>() : nullptr;
+  TORCH_CHECK(query.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(k.size(2) * (kv_format == kInt4 ? 2 : 1) == query.size(2), "the cache rows must hold head_dim numbers");
+  if (kv_format == kModelDtype) {
+    TORCH_CHECK(k.scalar_type() == query.scalar_type(), "a cache in the model's dtype must have the query's dtype");
+  } else {
+    TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf && k_scale.numel() > 0 &&
+                    v_scale.numel() > 0, "a quantized cache needs fp16 k_scale and v_scale");
+    TORCH_CHECK(!keys_per_channel || (staged_row.numel() > 0 && k_staged.scalar_type() == query.scalar_type()),
+                "keys quantized per channel need staged_row and k_staged in the query's dtype");
+  }
+  const Pool pool{static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr()),
+                  kv_format == kModelDtype ? nullptr : k_scale.data_ptr<at::Half>(),
+                  kv_format == kModelDtype ? nullptr : v_scale.data_ptr<at::Half>(),
+                  k_staged.numel() > 0 ? k_staged.data_ptr() : nullptr,
+                  kv_format != kModelDtype && keys_per_channel ? staged_row.data_ptr<int32_t>() : nullptr,
+                  keys_per_channel, k.size(2) * k.element_size(), static_cast<int>(k.size(1)),
+                  static_cast<int>(block_size)};
   auto out = torch::empty_like(query);
+  const int64_t width = context_lens.numel() > 0 ? context_lens.max().item<int32_t>() : 0;
+  const auto fp32 = query.options().dtype(torch::kFloat);
+  auto mass = with_mass ? torch::zeros({query.size(0), k.size(1), width}, fp32) : torch::empty({0}, fp32);
+  auto raw_scores = with_mass ? torch::empty({query.size(0), query.size(1), width}, fp32) : torch::empty({0}, fp32);
+  float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;
+  float* scores_ptr = with_mass ? raw_scores.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode", [&] {
-    if (int8) {
-      launch<scalar_t, int8_t>(out, query, key_cache, value_cache, ks, vs, block_tables, context_lens, block_size);
-    } else {
-      launch<scalar_t, scalar_t>(out, query, key_cache, value_cache, ks, vs, block_tables, context_lens, block_size);
+    switch (kv_format) {
+      case kInt8: launch<scalar_t, kInt8>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens); break;
+      case kInt4: launch<scalar_t, kInt4>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens); break;
+      case kFp8: launch<scalar_t, kFp8>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens); break;
+      default: launch<scalar_t, kModelDtype>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens);
     }
   });
-  return out;
+  return {out, mass};
 }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from minillm.cli_flags import (add_eviction_args, add_kv_quantization_args, add_model_args,
                                positive_float, positive_int)
-from minillm.config import DTYPES
+from minillm.config import DTYPES, KV_DTYPES
 from minillm.evaluation import DEFAULT_TEXT
 from minillm.report import console, print_json, show
 
@@ -195,21 +195,25 @@ def cmd_bench_memory(args) -> None:
 def add_bench_attention(benches) -> None:
     attention = benches.add_parser("attention", help="decode attention: torch reference vs C++ / CUDA kernels",
                                    description="Time one layer of SmolLM2-shaped paged decode attention for each "
-                                               "backend over batch x context, with bandwidth achieved against "
-                                               "the device's measured copy bandwidth.")
+                                               "backend and KV format over batch x context, with bandwidth "
+                                               "achieved (the format's real bytes, scales included) against the "
+                                               "device's measured copy bandwidth.")
     attention.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16, 64], help="(default: 1 4 16 64)")
     attention.add_argument("--contexts", type=positive_int, nargs="+", default=[128, 512, 1024, 4096],
                            help="(default: 128 512 1024 4096)")
     attention.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     attention.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: float32)")
+    attention.add_argument("--kv-dtype", choices=KV_DTYPES, nargs="+", default=list(KV_DTYPES),
+                           help="how the pool stores K and V: auto (the model's dtype), int8, int4, fp8 "
+                                "(default: all four)")
     attention.add_argument("--json", action="store_true", help="print one JSON object")
     attention.set_defaults(func=cmd_bench_attention)
 
 
 def cmd_bench_attention(args) -> None:
     from minillm.benchmarks.attention import bench_attention, print_attention_report
-    show(bench_attention(tuple(args.batches), tuple(args.contexts), args.device, DTYPES[args.dtype]),
-         print_attention_report, args.json)
+    show(bench_attention(tuple(args.batches), tuple(args.contexts), args.device, DTYPES[args.dtype],
+                         tuple(dict.fromkeys(args.kv_dtype))), print_attention_report, args.json)
 
 
 # ----------------------------------------------------------------------------- eval ppl

@@ -238,9 +238,6 @@ class EngineConfig:
             tokens_ok = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
             if not (fraction_ok or tokens_ok):
                 raise ConfigError(f"kv_budget must be a token count >= 1 or a fraction in (0, 1], not {budget!r}.")
-        if self.attention_backend != "torch" and (self.kv_dtype != "auto" or self.eviction == "h2o"):
-            raise ConfigError(f"attention_backend={self.attention_backend!r} reads the unquantized pool and returns no "
-                              "attention scores; use attention_backend='torch' with kv_dtype or eviction='h2o'.")
 
     def check_tiers(self) -> None:
         if not (type(self.host_cache_bytes) is int and self.host_cache_bytes >= 0):

@@ -389,20 +389,36 @@ def test_bench_memory_json_rows_keep_their_promises(capsys, vocab_dir):
     not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
 def test_bench_attention_json_bandwidth_is_bytes_read_over_time(capsys, device):
     report = run_json(capsys, "bench", "attention", "--json", "--batches", 1, 2, "--contexts", 16, 40,
-                      "--device", device)
+                      "--device", device, "--kv-dtype", "auto", "int8", "int4")
     expected_backends = ["torch_reference", "cpu_kernel"] if device == "cpu" else \
         ["torch_reference", "cuda_kernel", "sdpa_gathered"]
     assert report["backends"] == expected_backends and report["dtype"] == "float32"
     shape = report["shape"]
-    assert [(row["batch"], row["context"]) for row in report["rows"]] == [(1, 16), (1, 40), (2, 16), (2, 40)]
+    cases = [(1, 16), (1, 40), (2, 16), (2, 40)]
+    assert [(row["kv_dtype"], row["batch"], row["context"]) for row in report["rows"]] == \
+        [(kv, *case) for kv in ("auto", "int8", "int4") for case in cases]
+    heads = shape["num_kv_heads"]
+    per_token = {"auto": 2 * heads * shape["head_dim"] * 4,  # K and V in fp32
+                 # int8: numbers, a (scale, center) fp16 pair per value row, one per key channel per 16-token block
+                 "int8": 2 * heads * shape["head_dim"] + heads * 4 + heads * shape["head_dim"] * 4 / 16,
+                 "int4": heads * shape["head_dim"] + heads * 4 + heads * shape["head_dim"] * 4 / 16}
     for row in report["rows"]:
-        assert row["kv_bytes"] == 2 * row["batch"] * row["context"] * shape["num_kv_heads"] * shape["head_dim"] * 4
+        assert row["kv_bytes"] == row["batch"] * row["context"] * math.ceil(per_token[row["kv_dtype"]])
         for name in report["backends"]:
+            if row["kv_dtype"] != "auto" and name == "sdpa_gathered":
+                continue
             seconds = row[f"{name}_us"] / 1e6
             assert seconds > 0
             assert row[f"{name}_GBs"] == approx(row["kv_bytes"] / seconds / 1e9)
             assert row[f"{name}_roof_fraction"] == approx(row[f"{name}_GBs"] / report["copy_bandwidth_GBs"])
             assert row[f"{name}_roof_fraction"] > 0
+    kernel = report["kernel"]
+    by_case = {(row["kv_dtype"], row["batch"], row["context"]): row for row in report["rows"]}
+    for speedup in report["speedups"]:
+        full, small = by_case[("auto", speedup["batch"], speedup["context"])], by_case[
+            (speedup["kv_dtype"], speedup["batch"], speedup["context"])]
+        assert speedup["speedup"] == approx(full[f"{kernel}_us"] / small[f"{kernel}_us"])
+        assert speedup["bytes_ratio"] == approx(full["kv_bytes"] / small["kv_bytes"])
 
 
 # ----------------------------------------------------------------------------- sizes with nothing to measure

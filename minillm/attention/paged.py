@@ -3,11 +3,12 @@
 The KV pool holds *slots*: one per token, numbered block_id * block_size + offset. Which slots
 belong to which sequence is the block manager's business; this module only needs, for one step,
   - `write_slots` (N,): where each of the step's N tokens stores its k and v;
-  - for each sequence attended in torch: its rows in the flat batch, the cache indices of its
-    queries, and `context_slots` — the slots of its cache entries 0..last, in order, read
-    through its block table;
-  - or, with a kernel backend (`attention_backend` "cpu" / "cuda"), the decode tokens (one query
-    each) with their block tables and context lengths, handed to the kernel together.
+  - the decode tokens (one query each) with their block tables and context lengths, attended
+    together in one call: the batched torch reference (`reference.paged_decode_attention`), or a
+    kernel (`attention_backend` "cpu" / "cuda") that reads the pool's blocks where they lie;
+  - for each prefill chunk, attended in torch: its rows in the flat batch, the cache indices of
+    its queries, and `context_slots` — the slots of its cache entries 0..last, in order, read
+    through its block table.
 
 A step may mix prefill chunks and decode tokens of many sequences of different lengths (ragged);
 each sequence attends only over its own history.
@@ -49,39 +50,45 @@ def context_slots(block_table: list[int], block_size: int, context_len: int, dev
 
 @dataclass
 class DecodeBatch:
-    """The step's decode tokens for a kernel backend: one query per sequence, attended together."""
+    """The step's decode tokens: one query per sequence, attended together."""
 
     rows: torch.Tensor  # (S,) their rows in the flat batch
     block_tables: torch.Tensor  # (S, max_blocks) int32, padded with block 0
     context_lens: torch.Tensor  # (S,) int32
+    mass: torch.Tensor | None  # (layers, S, kv_heads, longest context): attention each entry got, for H2O
 
     @classmethod
-    def of(cls, rows: list[int], tables: list[list[int]], context_lens: list[int], device) -> "DecodeBatch":
+    def of(cls, rows: list[int], tables: list[list[int]], context_lens: list[int], device,
+           mass_layers: int = 0, num_kv_heads: int = 0) -> "DecodeBatch":
+        """`mass_layers` > 0: keep the attention mass of every layer (H2O)."""
         width = max(len(table) for table in tables)
         padded = [table + [0] * (width - len(table)) for table in tables]
+        mass = torch.zeros(mass_layers, len(rows), num_kv_heads, max(context_lens), device=device) \
+            if mass_layers else None
         return cls(torch.tensor(rows, device=device), torch.tensor(padded, dtype=torch.int32, device=device),
-                   torch.tensor(context_lens, dtype=torch.int32, device=device))
+                   torch.tensor(context_lens, dtype=torch.int32, device=device), mass)
 
 
 class PagedAttention:
     """The attention context of one engine step (see `model.AttentionContext`)."""
 
     def __init__(self, pool, write_slots: torch.Tensor, sequences: list[SequenceSlice],
-                 decode: DecodeBatch | None = None, decode_kernel: Callable | None = None):
+                 decode: DecodeBatch | None, decode_attention: Callable):
         self.pool = pool
         self.write_slots = write_slots  # (N,)
         self.sequences = sequences
         self.decode = decode
-        self.decode_kernel = decode_kernel
+        self.decode_attention = decode_attention  # reference.paged_decode_attention, or a kernel with its signature
 
     def attend(self, layer_idx, q, k, v):
         self.pool.write(layer_idx, self.write_slots, k, v)  # store this step's keys and values first:
         out = torch.empty_like(q)  # (N, num_heads, head_dim)      every query attends to its own token too
         if self.decode is not None:
             d = self.decode
-            out[d.rows] = self.decode_kernel(q[d.rows].contiguous(), self.pool.k_cache[layer_idx],
-                                             self.pool.v_cache[layer_idx], d.block_tables, d.context_lens,
-                                             self.pool.block_size)
+            out[d.rows], mass = self.decode_attention(q[d.rows].contiguous(), self.pool, layer_idx, d.block_tables,
+                                                      d.context_lens, with_mass=d.mass is not None)
+            if d.mass is not None:
+                d.mass[layer_idx] = mass
         for seq in self.sequences:
             rows = slice(seq.query_start, seq.query_end)
             keys, values = self.pool.read(layer_idx, seq.context_slots)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from minillm.attention.kernels import decode_backend
+from minillm.attention.reference import paged_decode_attention
 from minillm.config import ConfigError, EngineConfig
 from minillm.engine.beam import BeamGroup
 from minillm.engine.outputs import EngineStats, RequestOutput
@@ -60,8 +61,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.context_len, model_config.vocab_size, evictor,
                                    self.pressure, self.tiers, config.admission)
-        decode_kernel = None if config.attention_backend == "torch" else decode_backend(config.attention_backend)
-        self.runner = ModelRunner(self.model, self.pool, self.block_manager, decode_kernel,
+        decode_attention = paged_decode_attention if config.attention_backend == "torch" else \
+            decode_backend(config.attention_backend)
+        self.runner = ModelRunner(self.model, self.pool, self.block_manager, decode_attention,
                                   keeps_attention_mass=config.eviction == "h2o")
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
         self.beam_groups: dict[str, BeamGroup] = {}

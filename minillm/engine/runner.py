@@ -6,9 +6,9 @@ position (for RoPE) and its *slot* (where its k and v go, through its sequence's
 for each sequence, which slots hold its history. That is everything attention needs
 (`attention/paged.py`); the model itself never sees a block.
 
-Decode tokens (one query each) go to the decode kernel together when a kernel backend is chosen;
-everything else is attended sequence by sequence in torch, which also accumulates the attention
-each key receives when H2O eviction needs it.
+Decode tokens (one query each) are attended together, by the batched torch reference or a
+kernel; prefill chunks sequence by sequence in torch. Both can report the attention each key
+received, which the runner adds to the sequence's H2O accumulator.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from minillm.model import Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, pool, block_manager: BlockManager, decode_kernel: Callable | None,
+    def __init__(self, model: Transformer, pool, block_manager: BlockManager, decode_attention: Callable,
                  keeps_attention_mass: bool):
         self.model, self.pool, self.block_manager = model, pool, block_manager
-        self.decode_kernel = decode_kernel  # None: every query is attended in torch
+        self.decode_attention = decode_attention  # the torch reference or a kernel: all decode tokens at once
         self.keeps_attention_mass = keeps_attention_mass  # H2O eviction scores keys by the attention they get
 
     def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
@@ -35,7 +35,7 @@ class ModelRunner:
         Returns the hidden states (N, hidden) and each sequence's last row."""
         device, manager = self.model.device, self.block_manager
         token_ids, positions, write_slots, sequences = [], [], [], []
-        decode_rows, decode_tables, decode_lens, last_rows = [], [], [], []
+        decode_rows, decode_tables, decode_lens, decoding, last_rows = [], [], [], [], []
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             first, end = seq.num_cached, seq.num_cached + n  # cache indices of the new tokens
@@ -45,19 +45,26 @@ class ModelRunner:
             manager.check_writable(seq.seq_id, first, end)
             write_slots += manager.slots(seq.seq_id, first, end)
             table = manager.table(seq.seq_id)
-            if self.decode_kernel is not None and n == 1:  # one query: the kernel's job
+            if n == 1:  # one query: a decode token
                 decode_rows.append(row)
                 decode_tables.append(table)
                 decode_lens.append(end)
+                decoding.append(seq)
             else:
                 sequences.append(SequenceSlice(row, row + n, torch.arange(first, end, device=device),
                                                context_slots(table, manager.block_size, end, device),
                                                self.attention_mass(seq, end)))
             last_rows.append(row + n - 1)
-        decode = DecodeBatch.of(decode_rows, decode_tables, decode_lens, device) if decode_rows else None
+        config = self.model.config
+        decode = DecodeBatch.of(decode_rows, decode_tables, decode_lens, device,
+                                config.num_layers if self.keeps_attention_mass else 0,
+                                config.num_kv_heads) if decode_rows else None
         ctx = PagedAttention(self.pool, torch.tensor(write_slots, device=device), sequences, decode,
-                             self.decode_kernel)
+                             self.decode_attention)
         hidden = self.model(torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), ctx)
+        if decode is not None and decode.mass is not None:
+            for i, (seq, end) in enumerate(zip(decoding, decode_lens)):
+                self.attention_mass(seq, end)[..., :end] += decode.mass[:, i, :, :end]
         return hidden, last_rows
 
     def attention_mass(self, seq, num_entries: int) -> torch.Tensor | None:
