@@ -20,11 +20,13 @@
 // One task per (sequence, KV head), spread over threads with at::parallel_for: the task serves
 // the whole GQA group of query heads that share this KV head, so each K and V row is read from
 // memory once, not once per query head. It walks the history block by block through the block
-// table. Per block it dequantizes the block's keys into a small float tile (16 x head_dim: it
-// stays in L1, nothing full-precision goes back to memory), scores them, and keeps an *online
-// softmax* per query head: the running maximum m, the running sum l of exp(score - m) and the
-// running weighted sum of values acc, rescaled by exp(m_old - m_new) when a block raises the
-// maximum. Then it dequantizes the block's values into the tile and adds them. One pass.
+// table. Per block it converts the block's stored keys to floats in a small tile (16 x head_dim:
+// it stays in L1, nothing full-precision goes back to memory) and scores them, folding the
+// scales and centres into the query and the scores instead of applying them number by number;
+// it keeps an *online softmax* per query head: the running maximum m, the running sum l of
+// exp(score - m) and the running weighted sum of values acc, rescaled by exp(m_old - m_new) when
+// a block raises the maximum. Then it converts the block's values into the tile and adds them,
+// their per-token scales folded into the softmax weights. One pass over the history.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -32,6 +34,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -149,13 +152,18 @@ void decode(const torch::Tensor& query, const Pool& pool, const torch::Tensor& b
   const scalar_t* staged = static_cast<const scalar_t*>(pool.k_staged);
 
   at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    // per query head h: q[h], the block's scores, m[h], l[h], acc[h]; tile: one KV head's keys or values of a block
-    std::vector<float> q(num_heads * head_dim), scores(num_heads * bs), acc(num_heads * head_dim), tile(bs * head_dim);
-    std::vector<float> m(num_heads), l(num_heads), channel_scale(head_dim), channel_center(head_dim), raw_scores;
+    // per query head h: q[h] and sum(q[h]), the block's scores, m[h], l[h], acc[h] and center_acc[h];
+    // tile: one KV head's keys or values of a block; row_scale, row_center, weight: per token of the block
+    std::vector<float> q(num_heads * head_dim), q_sum(num_heads), scores(num_heads * bs), acc(num_heads * head_dim);
+    std::vector<float> m(num_heads), l(num_heads), center_acc(num_heads), tile(bs * head_dim), raw_scores;
+    std::vector<float> channel_scale(head_dim), channel_center(head_dim), q_folded(head_dim);
+    std::vector<float> row_scale(bs), row_center(bs), weight(bs);
     for (int64_t seq = begin; seq < end; ++seq) {
       const scalar_t* q_rows = q_all + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = static_cast<float>(q_rows[i]) * scale;
+      for (int64_t h = 0; h < num_heads; ++h) q_sum[h] = std::accumulate(&q[h * head_dim], &q[(h + 1) * head_dim], 0.f);
       std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(center_acc.begin(), center_acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
       const int64_t context_len = lens[seq];
@@ -174,59 +182,75 @@ void decode(const torch::Tensor& query, const Pool& pool, const torch::Tensor& b
         }
         for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
           const int64_t row0 = block * bs * num_kv_heads + kv_head;  // (slot, kv_head) row of the block's first token
-          // 1. the block's keys, dequantized into the tile
-          if (staged_row >= 0) {  // still filling: exact keys in the model's dtype
+          // 1. the block's keys into the tile: exact ones if the block is still filling, else as stored
+          //    (their scales and centres are folded into the scores below, not applied number by number)
+          const bool exact = FORMAT == kModelDtype || staged_row >= 0;
+          if (staged_row >= 0) {
             for (int64_t j = 0; j < n; ++j)
               load_row<scalar_t, kModelDtype>(staged + ((staged_row * bs + j) * num_kv_heads + kv_head) * head_dim,
                                               head_dim, &tile[j * head_dim]);
           } else {
-            if (FORMAT != kModelDtype && pool.keys_per_channel) {  // one (scale, center) per channel of the block
-              const at::Half* pairs = pool.k_scale + (block * num_kv_heads + kv_head) * head_dim * 2;
-              for (int64_t d = 0; d < head_dim; ++d) {
-                channel_scale[d] = static_cast<float>(pairs[2 * d]);
-                channel_center[d] = static_cast<float>(pairs[2 * d + 1]);
-              }
+            for (int64_t j = 0; j < n; ++j)
+              load_row<scalar_t, FORMAT>(k_bytes + (row0 + j * num_kv_heads) * pool.row_bytes, head_dim, &tile[j * head_dim]);
+          }
+          if (!exact && pool.keys_per_channel) {  // one (scale, center) per channel of the block
+            const at::Half* pairs = pool.k_scale + (block * num_kv_heads + kv_head) * head_dim * 2;
+            for (int64_t d = 0; d < head_dim; ++d) {
+              channel_scale[d] = static_cast<float>(pairs[2 * d]);
+              channel_center[d] = static_cast<float>(pairs[2 * d + 1]);
             }
+          } else if (!exact) {  // one (scale, center) per token
             for (int64_t j = 0; j < n; ++j) {
               const int64_t row = row0 + j * num_kv_heads;
-              float* k = &tile[j * head_dim];
-              load_row<scalar_t, FORMAT>(k_bytes + row * pool.row_bytes, head_dim, k);
-              if (FORMAT == kModelDtype) continue;
-              if (pool.keys_per_channel) {
-                for (int64_t d = 0; d < head_dim; ++d) k[d] = k[d] * channel_scale[d] + channel_center[d];
-              } else {
-                const float s = static_cast<float>(pool.k_scale[2 * row]), c = static_cast<float>(pool.k_scale[2 * row + 1]);
-                for (int64_t d = 0; d < head_dim; ++d) k[d] = k[d] * s + c;
-              }
+              row_scale[j] = static_cast<float>(pool.k_scale[2 * row]);
+              row_center[j] = static_cast<float>(pool.k_scale[2 * row + 1]);
             }
           }
-          // 2. scores of this block's tokens for every query head of the group
+          // 2. scores of this block's tokens for every query head of the group. With key = x * s + c:
+          //    per channel, q . key = (q * s) . x + q . c; per token, q . key = s (q . x) + c sum(q)
           for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-            dot_rows<HEAD_DIM>(&q[h * head_dim], tile.data(), &scores[h * bs], n, head_dim);
-            if (mass) std::copy(&scores[h * bs], &scores[h * bs] + n, &raw_scores[h * context_len + first]);
+            const float* qh = &q[h * head_dim];
+            float* sh = &scores[h * bs];
+            if (exact) {
+              dot_rows<HEAD_DIM>(qh, tile.data(), sh, n, head_dim);
+            } else if (pool.keys_per_channel) {
+              float bias = 0.f;
+              for (int64_t d = 0; d < head_dim; ++d) {
+                q_folded[d] = qh[d] * channel_scale[d];
+                bias += qh[d] * channel_center[d];
+              }
+              dot_rows<HEAD_DIM>(q_folded.data(), tile.data(), sh, n, head_dim);
+              for (int64_t j = 0; j < n; ++j) sh[j] += bias;
+            } else {
+              dot_rows<HEAD_DIM>(qh, tile.data(), sh, n, head_dim);
+              for (int64_t j = 0; j < n; ++j) sh[j] = sh[j] * row_scale[j] + row_center[j] * q_sum[h];
+            }
+            if (mass) std::copy(sh, sh + n, &raw_scores[h * context_len + first]);
           }
-          // 3. the block's values, dequantized into the tile (the keys are done with)
+          // 3. the block's values into the tile, as stored; value = x * s + c per token, so
+          //    sum_j p_j value_j = sum_j (p_j s_j) x_j + sum_j p_j c_j: the scale goes into the weight,
+          //    the centre into one number per head (center_acc)
           for (int64_t j = 0; j < n; ++j) {
             const int64_t row = row0 + j * num_kv_heads;
-            float* v = &tile[j * head_dim];
-            load_row<scalar_t, FORMAT>(v_bytes + row * pool.row_bytes, head_dim, v);
-            if (FORMAT == kModelDtype) continue;
-            const float s = static_cast<float>(pool.v_scale[2 * row]), c = static_cast<float>(pool.v_scale[2 * row + 1]);
-            for (int64_t d = 0; d < head_dim; ++d) v[d] = v[d] * s + c;
+            load_row<scalar_t, FORMAT>(v_bytes + row * pool.row_bytes, head_dim, &tile[j * head_dim]);
+            row_scale[j] = FORMAT == kModelDtype ? 1.f : static_cast<float>(pool.v_scale[2 * row]);
+            row_center[j] = FORMAT == kModelDtype ? 0.f : static_cast<float>(pool.v_scale[2 * row + 1]);
           }
           // 4. online softmax: rescale what we have if the maximum grew, then add the block's values
           for (int64_t h = kv_head * group; h < (kv_head + 1) * group; ++h) {
-            float* s = &scores[h * bs];
-            float* a = &acc[h * head_dim];
-            const float m_new = std::max(m[h], *std::max_element(s, s + n));
+            float* sh = &scores[h * bs];
+            const float m_new = std::max(m[h], *std::max_element(sh, sh + n));
             const float correction = std::exp(m[h] - m_new);  // 0 on the first block (m = -inf)
-            float block_sum = 0.f;
+            float block_sum = 0.f, center_sum = 0.f;
             for (int64_t j = 0; j < n; ++j) {
-              s[j] = exp_nonpositive(s[j] - m_new);  // the score becomes its unnormalized probability
-              block_sum += s[j];
+              const float p = exp_nonpositive(sh[j] - m_new);  // the unnormalized probability
+              block_sum += p;
+              center_sum += p * row_center[j];
+              weight[j] = p * row_scale[j];
             }
             l[h] = l[h] * correction + block_sum;
-            add_weighted_rows<HEAD_DIM>(a, correction, s, tile.data(), n, head_dim);
+            center_acc[h] = center_acc[h] * correction + center_sum;
+            add_weighted_rows<HEAD_DIM>(&acc[h * head_dim], correction, weight.data(), tile.data(), n, head_dim);
             m[h] = m_new;
           }
         }
@@ -234,7 +258,7 @@ void decode(const torch::Tensor& query, const Pool& pool, const torch::Tensor& b
       scalar_t* out_rows = out_all + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
-          out_rows[h * head_dim + d] = static_cast<scalar_t>(l[h] > 0.f ? acc[h * head_dim + d] / l[h] : 0.f);
+          out_rows[h * head_dim + d] = static_cast<scalar_t>(l[h] > 0.f ? (acc[h * head_dim + d] + center_acc[h]) / l[h] : 0.f);
       if (mass) {  // each entry's probability under every query head of a KV head's group, summed
         for (int64_t h = 0; h < num_heads; ++h) {
           float* row = mass + (seq * num_kv_heads + h / group) * mass_width;
