@@ -17,10 +17,14 @@
 //                accumulates), else empty}
 // A stored number x means x * scale + center. Slot of position t: block_tables[s][t / bs] * bs + t % bs.
 //
-// One task per (sequence, KV head), spread over threads with at::parallel_for: the task serves
-// the whole GQA group of query heads that share this KV head, so each K and V row is read from
-// memory once, not once per query head. It walks the history block by block through the block
-// table. Per block it converts the block's stored keys to floats in a small tile (16 x head_dim:
+// One task per sequence, spread over threads with at::parallel_for. It walks the history block by
+// block through the block table, asking for the next block before it works on this one (blocks
+// lie scattered, so the hardware prefetcher cannot guess them). A block's slots hold every KV
+// head's row side by side, so the task serves all heads from a block while it is in cache, and
+// each KV head serves its whole GQA group of query heads: every K and V byte is read from memory
+// once. (A task per (sequence, KV head) read each cache line once per head: int8 rows are 64
+// bytes, and the neighbouring heads' rows in the same lines were fetched and thrown away.)
+// Per block it converts the block's stored keys to floats in a small tile (16 x head_dim:
 // it stays in L1, nothing full-precision goes back to memory) and scores them, folding the
 // scales and centres into the query and the scores instead of applying them number by number;
 // it keeps an *online softmax* per query head: the running maximum m, the running sum l of
