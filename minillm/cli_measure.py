@@ -230,6 +230,9 @@ def add_eval(subparsers) -> None:
                      help=f"UTF-8 text to score (default: {DEFAULT_TEXT}, fetched by weights_fetch.py)")
     ppl.add_argument("--segments", type=positive_int, default=4, help="segments scored side by side (default: 4)")
     ppl.add_argument("--segment-len", type=positive_int, default=512, help="tokens per segment (default: 512)")
+    ppl.add_argument("--attention-backend", choices=["torch", "cpu", "cuda"], default="torch",
+                     help="decode attention: the batched torch reference or a kernel reading the cache in place "
+                          "(default: torch)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     add_kv_quantization_args(ppl)
     add_eviction_args(ppl)
@@ -243,11 +246,13 @@ def cmd_eval_ppl(args) -> None:
 
     text = read_text(args.text)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
-              kv_key_scales=args.kv_key_scales, eviction=args.eviction, kv_budget=args.kv_budget)
+              kv_key_scales=args.kv_key_scales, eviction=args.eviction, kv_budget=args.kv_budget,
+              attention_backend=args.attention_backend)
     result = perplexity(llm, llm.engine.tokenizer.encode(text), args.segment_len, args.segments,
                         progress=not args.json)
     report = {"text": str(args.text), "kv_dtype": args.kv_dtype, "kv_key_scales": args.kv_key_scales,
-              "eviction": args.eviction, "kv_budget": args.kv_budget, **result.as_dict()}
+              "eviction": args.eviction, "kv_budget": args.kv_budget, "attention_backend": args.attention_backend,
+              **result.as_dict()}
     if args.json:
         print_json(report)
         return
