@@ -178,6 +178,18 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
 # a no-cache forward whose every query is masked, per layer and KV head, to the entries the policy
 # keeps — chosen anew from token positions and attention scores computed head by head.
 
+def tiny_config(model):
+    return model.config.num_layers, model.config.num_kv_heads
+
+
+def held_positions(seq, shape) -> torch.Tensor:
+    """(layers, kv_heads, num_cached): the token position each cache entry of `seq` holds."""
+    if seq.kv_positions is None:  # nothing moved yet: entry i holds position i
+        return torch.arange(seq.num_cached).expand(*shape, seq.num_cached)
+    assert seq.kv_positions.shape == (*shape, seq.num_cached)
+    return seq.kv_positions
+
+
 def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget, prefix_block_size=0):
     """`prefix_block_size`: with the prefix cache on, its block size (each prompt's full blocks
     are protected from eviction); 0 without it."""
@@ -198,11 +210,16 @@ def assert_equals_eviction_reference(model, recorder, requests, params, policy, 
                 assert len(seq.sampler.logits) == len(replayed.logits)
                 for ours, theirs in zip(seq.sampler.logits, replayed.logits):
                     assert torch.allclose(ours, theirs, atol=1e-4)
+            # entries lie in no order (a newcomer takes a dropped entry's slot): sorted by position,
+            # each head holds exactly the positions the reference holds
+            positions = held_positions(seq, tiny_config(model))
+            assert positions.sort(dim=-1).values.tolist() == replayed.held
             if policy == "h2o":  # the scores H2O kept for the entries it kept, head by head
                 expected = torch.tensor([[[replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
                                           for head in range(len(replayed.held[layer]))]
                                          for layer in range(len(replayed.held))])
-                assert torch.allclose(seq.attention_mass, expected, atol=1e-4)
+                in_position_order = seq.attention_mass.gather(-1, positions.argsort(dim=-1))
+                assert torch.allclose(in_position_order, expected, atol=1e-4)
     return total_dropped
 
 
@@ -342,7 +359,10 @@ def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_mod
     """After its first eviction a table no longer maps positions to blocks: were it registered
     then, the next turn of a chat would find blocks that do not hold its tokens' K/V. Budget 2
     evicts before the block after the prompt fills; budget 8 once two output blocks were
-    registered, which the cache must forget before they are rewritten."""
+    registered: the second, where newcomers take dropped entries' places, the cache must forget
+    before it is written; the first holds the sinks (positions 8..11), is never written, and
+    stays findable, its K/V those of its tokens (the next turn, which finds it, gives the tokens a
+    fresh engine gives)."""
     switches = dict(prefix_caching=True, eviction="sinks", kv_budget=budget, block_size=BLOCK)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     prompt = SYSTEM[:10]  # 2 full blocks: the protected prefix
@@ -350,7 +370,8 @@ def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_mod
     first = llm.generate([prompt], params)[0]
     assert first.error is None
     next_turn = prompt + first.token_ids[:14]
-    assert len(llm.engine.block_manager.prefix_cache.lookup(next_turn)) == 2  # the prompt's blocks only
+    found = llm.engine.block_manager.prefix_cache.lookup(next_turn)
+    assert len(found) == {2: 2, 8: 3}[budget]  # the prompt's blocks, and with budget 8 the sinks' block
     fresh = LLM(tiny_dir, model=tiny_model, **switches)
     assert llm.generate([next_turn], params)[0].token_ids == fresh.generate([next_turn], params)[0].token_ids
 
