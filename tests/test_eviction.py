@@ -253,6 +253,100 @@ def test_parallel_samples_under_active_eviction_equal_the_reference(tiny_dir, ti
     assert llm.engine.stats.tokens_evicted == dropped
 
 
+# ---------------------------------------------------------------- newcomers fill dropped entries' slots
+# Eviction moves no entry that stays: per layer and KV head, a kept newcomer takes a dropped
+# entry's slot, so slots hold tokens in no order and the sequence says which position each holds.
+
+def record_written_keys(pool, num_layers: int) -> list[list[torch.Tensor]]:
+    """Every key the step's attention writes, per layer, in the order written: for one sequence
+    that is never preempted, entry p of a layer's list is position p's key."""
+    written, write = [[] for _ in range(num_layers)], pool.write
+
+    def recording_write(layer, slots, k, v):
+        written[layer] += list(k.clone())
+        return write(layer, slots, k, v)
+
+    pool.write = recording_write
+    return written
+
+
+def cache_keys(engine, seq) -> torch.Tensor:
+    """(layers, num_cached, kv_heads, head_dim): the keys the pool holds for the sequence's entries."""
+    slots = torch.tensor(engine.block_manager.slots(seq.seq_id, 0, seq.num_cached))
+    return torch.stack([engine.pool.read(layer, slots)[0] for layer in range(engine.model.config.num_layers)])
+
+
+@pytest.mark.parametrize("policy", ["window", "sinks"])
+def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir, tiny_model, policy):
+    """After every step at the budget, each (layer, KV head) holds exactly the positions the policy
+    keeps out of all tokens so far (window: the last `budget`; sinks: the first NUM_SINKS and the
+    most recent), whatever slots they lie in, and the pool holds there the very keys attention
+    wrote for those positions."""
+    budget = 9
+    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4)
+    engine, shape = llm.engine, tiny_config(tiny_model)
+    seq = engine.requests[engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))][0]
+    held, written = [], record_written_keys(engine.pool, shape[0])  # (positions, keys) after each step at the budget
+    while engine.has_unfinished_requests():
+        engine.step()
+        if seq.num_evicted and seq.status.value == "running":
+            sinks = NUM_SINKS if policy == "sinks" else 0
+            expected = list(range(sinks)) + list(range(seq.num_computed - (budget - sinks), seq.num_computed))
+            positions = held_positions(seq, shape)
+            assert all(sorted(head) == expected for layer in positions.tolist() for head in layer)
+            held.append((positions.clone(), cache_keys(engine, seq)))
+    assert len(held) >= 20
+    assert any(not torch.equal(positions.sort(-1).values, positions) for positions, _ in held)  # really out of order
+    assert engine.num_preemptions == 0  # so each layer's keys were written in position order
+    for positions, keys in held:
+        for layer, head in [(layer, head) for layer in range(shape[0]) for head in range(shape[1])]:
+            expected_keys = torch.stack([written[layer][position][head] for position in positions[layer, head]])
+            assert torch.equal(keys[layer, :, head], expected_keys)
+
+
+class MoveCounter:
+    """Counts, per step, the entries eviction moves per (layer, KV head) and the slots written."""
+
+    def __init__(self, pool):
+        self.moved, self.written = {}, 0
+        move, write = pool.move_entries, pool.write
+
+        def counting_move(layers, heads, src, dst):
+            for layer, head in zip(layers.tolist(), heads.tolist()):
+                self.moved[layer, head] = self.moved.get((layer, head), 0) + 1
+            return move(layers, heads, src, dst)
+
+        def counting_write(layer, slots, k, v):
+            self.written += len(slots)
+            return write(layer, slots, k, v)
+
+        pool.move_entries, pool.write = counting_move, counting_write
+
+    def reset(self):
+        self.moved, self.written = {}, 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sinks", "window"])
+def test_a_step_at_the_budget_moves_at_most_its_new_entries_per_head(tiny_dir, tiny_model, policy):
+    """Eviction writes nothing but the moves, and a step that computed n tokens of a sequence
+    moves at most n of its entries per (layer, KV head), however long its cache: not a rewrite.
+    Chunked prefill evicts with chunks of 6 before decoding evicts one entry a step."""
+    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=10, block_size=4, max_num_batched_tokens=6)
+    engine = llm.engine
+    layers = engine.model.config.num_layers
+    seq = engine.requests[engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=25, ignore_eos=True))][0]
+    counter, moved_any = MoveCounter(engine.pool), 0
+    while engine.has_unfinished_requests():
+        before = seq.num_computed
+        counter.reset()
+        engine.step()
+        computed = seq.num_computed - before
+        assert counter.written == computed * layers  # the step's own keys and values, nothing rewritten
+        assert all(count <= computed for count in counter.moved.values())
+        moved_any += bool(counter.moved)
+    assert seq.num_evicted > 0 and moved_any >= 20
+
+
 # ---------------------------------------------------------------- with the prefix cache
 # A prompt's full blocks are the protected prefix: never rewritten, moved or dropped, and not
 # counted against the budget; each sequence evicts only from what follows them.

@@ -266,10 +266,14 @@ class QuantizedKVPool:
         the same head holds in src_slots[i] (eviction: a newcomer fills a dropped entry's place).
 
         Values, and keys scaled per token, have a scale per (slot, head): numbers and scales copy
-        exactly. Keys scaled per channel share their block's scales: into a block still filling
-        goes the exact key (staged, or dequantized where the source block is already quantized);
-        into a quantized block, the key rounded onto that block's scales, clamped to their range.
-        Each moved key is rounded at most once more; nothing else is touched."""
+        exactly. Keys scaled per channel share the scales of their (block, head): into a block still
+        filling goes the exact key (staged; dequantized where its source block is quantized). Into
+        a quantized block, a key within the range of that (block, head)'s scales in every channel is
+        rounded onto them (`quantize_onto`) and nothing else changes; one outside it has that (block, head)
+        quantized anew, its keys and the newcomers together, with fresh scales (clamping instead
+        would flatten it onto a range set by a few other tokens). So a key is rounded once more
+        only when its block takes a newcomer out of its range, never more often than a rewrite of
+        the whole cache each step would round it."""
         self.v_data[layers, dst_slots, heads] = self.v_data[layers, src_slots, heads]  # (m, head_dim / per byte)
         self.v_scale[layers, dst_slots, heads] = self.v_scale[layers, src_slots, heads]  # (m, 1, 2)
         if self.key_scales == "token":
@@ -283,10 +287,32 @@ class QuantizedKVPool:
             filling = rows >= 0
             self.k_staged[layers[filling], rows[filling].long(), offsets[filling], heads[filling]] = \
                 keys[filling].to(self.dtype)
-            sealed = ~filling
-            scales = self.k_scale[layers[sealed], blocks[sealed], heads[sealed]]  # (sealed, head_dim, 2)
-            self.k_data[layers[sealed], dst_slots[sealed], heads[sealed]] = quantize_onto(keys[sealed], scales,
-                                                                                          self.fmt)
+            scales = self.k_scale[layers, blocks, heads].float()  # (m, head_dim, 2): scale, center
+            # within half a step of the range it rounds into it, as any key of the block did
+            fits = ((keys - scales[..., 1]).abs() <= scales[..., 0] * (self.fmt.qmax + 0.5)).all(dim=-1)
+            group = (layers * self.num_blocks + blocks) * self.k_data.shape[2] + heads  # (m,) its (layer, block, head)
+            anew = ~filling & torch.isin(group, group[~filling & ~fits])  # in a group some key does not fit
+            onto = ~filling & ~anew
+            self.k_data[layers[onto], dst_slots[onto], heads[onto]] = quantize_onto(keys[onto], scales[onto], self.fmt)
+            if bool(anew.any()):
+                self.quantize_anew(layers[anew], blocks[anew], heads[anew], offsets[anew], keys[anew])
+
+    def quantize_anew(self, layers: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, offsets: torch.Tensor,
+                      keys: torch.Tensor) -> None:
+        """Put `keys` (m, head_dim) at `offsets` of head heads[i] of quantized block blocks[i] in
+        layer layers[i], and quantize each such (layer, block, head) anew, with fresh per-channel
+        scales over its keys as they are now."""
+        group = (layers * self.num_blocks + blocks) * self.k_data.shape[2] + heads
+        groups, member = group.unique(return_inverse=True)  # (g,), and each key's group
+        first = torch.zeros_like(groups).scatter_(0, member, torch.arange(len(group), device=group.device))
+        g_layers, g_blocks, g_heads = layers[first], blocks[first], heads[first]  # (g,) each
+        slots = g_blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)  # (g, block_size)
+        current = dequantize(self.k_data[g_layers[:, None], slots, g_heads[:, None]],
+                             self.k_scale[g_layers, g_blocks, g_heads][:, None], self.fmt)  # (g, block_size, head_dim)
+        current[member, offsets] = keys
+        data, scales = quantize(current, self.fmt, dim=1)  # (g, block_size, ...), (g, 1, head_dim, 2)
+        self.k_data[g_layers[:, None], slots, g_heads[:, None]] = data
+        self.k_scale[g_layers, g_blocks, g_heads] = scales[:, 0]
 
     def keys_at(self, layers: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Keys scaled per channel, one per (layer, head, slot) triple: (m, head_dim) fp32, exact
