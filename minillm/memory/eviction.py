@@ -191,8 +191,9 @@ class Evictor:
         table = torch.tensor(manager.table(seq_id), device=self.pool.device)
         if end % size:
             self.pool.restage_block(int(table[end // size]))
-        slot = lambda index: table[index // size] * size + index % size  # noqa: E731
-        self.pool.move_entries(layers, heads, slot(sources), slot(destinations))
+        source_slots = table[sources // size] * size + sources % size  # (moves,)
+        destination_slots = table[destinations // size] * size + destinations % size
+        self.pool.move_entries(layers, heads, source_slots, destination_slots)
         manager.truncate(seq_id, end)
         return True
 
