@@ -176,6 +176,18 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
 # a no-cache forward whose every query is masked, per layer and KV head, to the entries the policy
 # keeps — chosen anew from token positions and attention scores computed head by head.
 
+def tiny_config(model):
+    return model.config.num_layers, model.config.num_kv_heads
+
+
+def held_positions(seq, shape) -> torch.Tensor:
+    """(layers, kv_heads, num_cached): the token position each cache entry of `seq` holds."""
+    if seq.kv_positions is None:  # nothing moved yet: entry i holds position i
+        return torch.arange(seq.num_cached).expand(*shape, seq.num_cached)
+    assert seq.kv_positions.shape == (*shape, seq.num_cached)
+    return seq.kv_positions
+
+
 def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget, prefix_block_size=0):
     """`prefix_block_size`: with the prefix cache on, its block size (each prompt's full blocks
     are protected from eviction); 0 without it."""
@@ -196,11 +208,16 @@ def assert_equals_eviction_reference(model, recorder, requests, params, policy, 
                 assert len(seq.sampler.logits) == len(replayed.logits)
                 for ours, theirs in zip(seq.sampler.logits, replayed.logits):
                     assert torch.allclose(ours, theirs, atol=1e-4)
+            # entries lie in no order (a newcomer takes a dropped entry's slot): sorted by position,
+            # each head holds exactly the positions the reference holds
+            positions = held_positions(seq, tiny_config(model))
+            assert positions.sort(dim=-1).values.tolist() == replayed.held
             if policy == "h2o":  # the scores H2O kept for the entries it kept, head by head
                 expected = torch.tensor([[[replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
                                           for head in range(len(replayed.held[layer]))]
                                          for layer in range(len(replayed.held))])
-                assert torch.allclose(seq.attention_mass, expected, atol=1e-4)
+                in_position_order = seq.attention_mass.gather(-1, positions.argsort(dim=-1))
+                assert torch.allclose(in_position_order, expected, atol=1e-4)
     return total_dropped
 
 
@@ -232,6 +249,100 @@ def test_parallel_samples_under_active_eviction_equal_the_reference(tiny_dir, ti
     assert all(len(seqs) == 3 and all(seq.num_evicted > 0 for seq in seqs) for seqs in requests)
     dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget)
     assert llm.engine.stats.tokens_evicted == dropped
+
+
+# ---------------------------------------------------------------- newcomers fill dropped entries' slots
+# Eviction moves no entry that stays: per layer and KV head, a kept newcomer takes a dropped
+# entry's slot, so slots hold tokens in no order and the sequence says which position each holds.
+
+def record_written_keys(pool, num_layers: int) -> list[list[torch.Tensor]]:
+    """Every key the step's attention writes, per layer, in the order written: for one sequence
+    that is never preempted, entry p of a layer's list is position p's key."""
+    written, write = [[] for _ in range(num_layers)], pool.write
+
+    def recording_write(layer, slots, k, v):
+        written[layer] += list(k.clone())
+        return write(layer, slots, k, v)
+
+    pool.write = recording_write
+    return written
+
+
+def cache_keys(engine, seq) -> torch.Tensor:
+    """(layers, num_cached, kv_heads, head_dim): the keys the pool holds for the sequence's entries."""
+    slots = torch.tensor(engine.block_manager.slots(seq.seq_id, 0, seq.num_cached))
+    return torch.stack([engine.pool.read(layer, slots)[0] for layer in range(engine.model.config.num_layers)])
+
+
+@pytest.mark.parametrize("policy", ["window", "sinks"])
+def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir, tiny_model, policy):
+    """After every step at the budget, each (layer, KV head) holds exactly the positions the policy
+    keeps out of all tokens so far (window: the last `budget`; sinks: the first NUM_SINKS and the
+    most recent), whatever slots they lie in, and the pool holds there the very keys attention
+    wrote for those positions."""
+    budget = 9
+    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4)
+    engine, shape = llm.engine, tiny_config(tiny_model)
+    seq = engine.requests[engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))][0]
+    held, written = [], record_written_keys(engine.pool, shape[0])  # (positions, keys) after each step at the budget
+    while engine.has_unfinished_requests():
+        engine.step()
+        if seq.num_evicted and seq.status.value == "running":
+            sinks = NUM_SINKS if policy == "sinks" else 0
+            expected = list(range(sinks)) + list(range(seq.num_computed - (budget - sinks), seq.num_computed))
+            positions = held_positions(seq, shape)
+            assert all(sorted(head) == expected for layer in positions.tolist() for head in layer)
+            held.append((positions.clone(), cache_keys(engine, seq)))
+    assert len(held) >= 20
+    assert any(not torch.equal(positions.sort(-1).values, positions) for positions, _ in held)  # really out of order
+    assert engine.num_preemptions == 0  # so each layer's keys were written in position order
+    for positions, keys in held:
+        for layer, head in [(layer, head) for layer in range(shape[0]) for head in range(shape[1])]:
+            expected_keys = torch.stack([written[layer][position][head] for position in positions[layer, head]])
+            assert torch.equal(keys[layer, :, head], expected_keys)
+
+
+class MoveCounter:
+    """Counts, per step, the entries eviction moves per (layer, KV head) and the slots written."""
+
+    def __init__(self, pool):
+        self.moved, self.written = {}, 0
+        move, write = pool.move_entries, pool.write
+
+        def counting_move(layers, heads, src, dst):
+            for layer, head in zip(layers.tolist(), heads.tolist()):
+                self.moved[layer, head] = self.moved.get((layer, head), 0) + 1
+            return move(layers, heads, src, dst)
+
+        def counting_write(layer, slots, k, v):
+            self.written += len(slots)
+            return write(layer, slots, k, v)
+
+        pool.move_entries, pool.write = counting_move, counting_write
+
+    def reset(self):
+        self.moved, self.written = {}, 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sinks", "window"])
+def test_a_step_at_the_budget_moves_at_most_its_new_entries_per_head(tiny_dir, tiny_model, policy):
+    """Eviction writes nothing but the moves, and a step that computed n tokens of a sequence
+    moves at most n of its entries per (layer, KV head), however long its cache: not a rewrite.
+    Chunked prefill evicts with chunks of 6 before decoding evicts one entry a step."""
+    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=10, block_size=4, max_num_batched_tokens=6)
+    engine = llm.engine
+    layers = engine.model.config.num_layers
+    seq = engine.requests[engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=25, ignore_eos=True))][0]
+    counter, moved_any = MoveCounter(engine.pool), 0
+    while engine.has_unfinished_requests():
+        before = seq.num_computed
+        counter.reset()
+        engine.step()
+        computed = seq.num_computed - before
+        assert counter.written == computed * layers  # the step's own keys and values, nothing rewritten
+        assert all(count <= computed for count in counter.moved.values())
+        moved_any += bool(counter.moved)
+    assert seq.num_evicted > 0 and moved_any >= 20
 
 
 # ---------------------------------------------------------------- with the prefix cache
@@ -340,7 +451,10 @@ def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_mod
     """After its first eviction a table no longer maps positions to blocks: were it registered
     then, the next turn of a chat would find blocks that do not hold its tokens' K/V. Budget 2
     evicts before the block after the prompt fills; budget 8 once two output blocks were
-    registered, which the cache must forget before they are rewritten."""
+    registered: the second, where newcomers take dropped entries' places, the cache must forget
+    before it is written; the first holds the sinks (positions 8..11), is never written, and
+    stays findable, its K/V those of its tokens (the next turn, which finds it, gives the tokens a
+    fresh engine gives)."""
     switches = dict(prefix_caching=True, eviction="sinks", kv_budget=budget, block_size=BLOCK)
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     prompt = SYSTEM[:10]  # 2 full blocks: the protected prefix
@@ -348,7 +462,8 @@ def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_mod
     first = llm.generate([prompt], params)[0]
     assert first.error is None
     next_turn = prompt + first.token_ids[:14]
-    assert len(llm.engine.block_manager.prefix_cache.lookup(next_turn)) == 2  # the prompt's blocks only
+    found = llm.engine.block_manager.prefix_cache.lookup(next_turn)
+    assert len(found) == {2: 2, 8: 3}[budget]  # the prompt's blocks, and with budget 8 the sinks' block
     fresh = LLM(tiny_dir, model=tiny_model, **switches)
     assert llm.generate([next_turn], params)[0].token_ids == fresh.generate([next_turn], params)[0].token_ids
 

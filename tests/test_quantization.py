@@ -220,6 +220,25 @@ def teacher_forced_logits(llm, segment: list[int]) -> torch.Tensor:
     return torch.stack(scorer.logits)  # (len - 1, vocab)
 
 
+@pytest.mark.parametrize("kv_dtype, key_scales, budget", [("int8", "channel", 7), ("int4", "channel", 7),
+                                                         ("int8", "channel", 9), ("int4", "token", 7)])
+def test_eviction_through_a_quantized_pool_costs_what_quantizing_costs(tiny_dir, tiny_model, kv_dtype, key_scales,
+                                                                       budget):
+    """Window eviction keeps the same entries whatever the format, so a quantized pool's logit
+    error under eviction is its rounding's, about what it costs without eviction: moved keys are
+    rounded once more only when they leave their block's range. (Clamping them into a block's
+    range instead measured 100x the error here.) Budget 7 with blocks of 4 cuts the cache back, at
+    every step, into the block the step's token just filled (`restage_block`)."""
+    gen = torch.Generator().manual_seed(1)
+    segment = torch.randint(0, 97, (60,), generator=gen).tolist()
+    evicting, quantized = dict(eviction="window", kv_budget=budget), dict(kv_dtype=kv_dtype, kv_key_scales=key_scales)
+    logits = {name: teacher_forced_logits(LLM(tiny_dir, model=tiny_model, block_size=4, **switches), segment)
+              for name, switches in [("full", {}), ("quantized", quantized), ("evicting", evicting),
+                                     ("both", {**evicting, **quantized})]}
+    error = (logits["both"] - logits["evicting"]).abs().max()
+    assert error <= 1.5 * (logits["quantized"] - logits["full"]).abs().max()
+
+
 # Bounds per format over 159 teacher-forced positions of real text (the start of Alice), next to
 # what was measured there (AMD EPYC, fp32 weights): max |logit error| (logits span about 30), mean
 # KL(full || quantized) and max KL(full || quantized) in nats per position, share of positions
@@ -253,3 +272,82 @@ def test_quantized_logits_stay_within_their_bound_on_the_real_model(real_dir, re
     kl = (full_logp.exp() * (full_logp - quantized_logp)).sum(-1)  # (positions,)
     assert kl.mean() <= max_mean_kl and kl.max() <= max_kl
     assert (quantized.argmax(-1) == full.argmax(-1)).float().mean() >= min_argmax
+
+
+# ---------------------------------------------------------------- eviction's moves
+# Eviction fills a dropped entry's slot with a newcomer, head by head (`move_entries`), and may cut
+# a sequence back into a block that had filled (`restage_block`).
+
+def filled_pool(key_scales: str) -> tuple[QuantizedKVPool, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Blocks 0-2 full (keys per channel quantized), block 3 holding 2 staged keys, every layer;
+    and what `read` returns for all 16 slots of each layer."""
+    pool = tiny_pool(key_scales)
+    gen = torch.Generator().manual_seed(4)
+    for layer in range(3):
+        for start in range(0, 14, 2):  # two tokens a step
+            k, v = torch.randn(2, 2, 16, generator=gen) * 2, torch.randn(2, 2, 16, generator=gen)
+            pool.write(layer, torch.arange(start, start + 2), k, v)
+    return pool, [pool.read(layer, torch.arange(16)) for layer in range(3)]
+
+
+@pytest.mark.parametrize("key_scales", ["channel", "token"])
+def test_a_moved_entry_copies_values_and_token_keys_exactly_and_rounds_channel_keys_once(key_scales):
+    pool, before = filled_pool(key_scales)
+    fmt, size = FORMATS["int8"], pool.block_size
+    # (layer, head, source, destination): staged keys into quantized blocks and into the filling
+    # one, quantized keys into a quantized block and into the filling one, and a key of block 2
+    # into block 2 (it fits the block's range: only it is rounded)
+    moves = [(0, 0, 12, 1), (0, 1, 13, 14), (1, 1, 12, 6), (2, 0, 5, 13), (2, 1, 9, 2), (0, 1, 10, 9)]
+    layers, heads, src, dst = (torch.tensor(column) for column in zip(*moves))
+    k_scale_before = pool.k_scale.clone()
+    pool.move_entries(layers, heads, src, dst)
+    after = [pool.read(layer, torch.arange(16)) for layer in range(3)]
+    moved = {(layer, slot, head) for layer, head, _, slot in moves}
+    anew = {(layer, slot // size, head) for layer, head, _, slot in moves  # quantized anew: its scales changed
+            if key_scales == "channel" and not torch.equal(pool.k_scale[layer, slot // size, head],
+                                                           k_scale_before[layer, slot // size, head])}
+    for layer in range(3):
+        for slot in range(16):
+            for head in range(2):
+                if (layer, slot, head) in moved:
+                    continue
+                assert torch.equal(after[layer][1][slot, head], before[layer][1][slot, head])  # values untouched
+                if (layer, slot // size, head) in anew:  # a key beside a newcomer: rounded once more
+                    new_scale = pool.k_scale[layer, slot // size, head, :, 0].float()
+                    assert ((after[layer][0][slot, head] - before[layer][0][slot, head]).abs()
+                            <= new_scale / 2 * 1.001).all()
+                else:  # not even the other head of a moved slot
+                    assert torch.equal(after[layer][0][slot, head], before[layer][0][slot, head])
+    rounded_onto = 0
+    for layer, head, source, destination in moves:
+        key, value = after[layer][0][destination, head], after[layer][1][destination, head]
+        source_key = before[layer][0][source, head]
+        assert torch.equal(value, before[layer][1][source, head])  # values: per (slot, head), exact
+        if key_scales == "token" or destination >= 12:  # its own scale, or a block still filling: exact
+            assert torch.equal(key, source_key)
+            continue
+        block = destination // size
+        new_scale = pool.k_scale[layer, block, head, :, 0].float()
+        assert ((key - source_key).abs() <= new_scale / 2 * 1.001).all()  # rounded once, onto the scales it has now
+        if (layer, block, head) not in anew:
+            old_scale, old_center = k_scale_before[layer, block, head].float().unbind(-1)
+            assert ((source_key - old_center).abs() <= old_scale * (fmt.qmax + 0.5)).all()  # it fit the old range
+            rounded_onto += 1
+    if key_scales == "channel":
+        assert rounded_onto == 1 and len(anew) == 3  # both ways were taken
+
+
+def test_a_block_cut_back_into_goes_back_to_staging_with_the_keys_it_held():
+    pool, before = filled_pool("channel")
+    assert pool.staged_row[:, 1].tolist() == [-1, -1, -1]
+    pool.restage_block(1)  # eviction kept slots 4, 5 of block 1: the next tokens write slots 6, 7
+    assert (pool.staged_row[:, 1] >= 0).all()
+    for layer in range(3):
+        keys, values = pool.read(layer, torch.arange(16))
+        assert torch.equal(keys, before[layer][0]) and torch.equal(values, before[layer][1])
+    k = torch.randn(2, 2, 16)
+    pool.write(0, torch.tensor([6, 7]), k, torch.randn(2, 2, 16))  # the block fills again: quantized anew
+    assert pool.staged_row[0, 1] == -1
+    keys, _ = pool.read(0, torch.arange(4, 8))
+    stored, scales = quantize(torch.cat([before[0][0][4:6], k]), FORMATS["int8"], dim=0)
+    assert torch.equal(keys, dequantize(stored, scales, FORMATS["int8"]))

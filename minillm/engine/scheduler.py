@@ -372,8 +372,9 @@ class Scheduler:
             if cache and seq.num_evicted == 0:  # once it evicts, its table no longer maps positions to blocks
                 cache.register(seq.seq_id, self.block_manager.table(seq.seq_id), seq.token_ids, seq.num_computed)
             if evicts:
-                dropped, seq.attention_mass = self.evictor.shrink(seq.seq_id, seq.num_cached, len(seq.prompt_ids),
-                                                                  seq.max_len, seq.attention_mass)
+                dropped, seq.attention_mass, seq.kv_positions = self.evictor.shrink(
+                    seq.seq_id, seq.num_cached, seq.num_computed, len(seq.prompt_ids), seq.max_len,
+                    seq.attention_mass, seq.kv_positions)
                 seq.num_evicted += dropped
                 evicted += dropped
         self.pressure.took("evict", evicted)

@@ -7,7 +7,8 @@ some now, the rest later", and preemption by recompute is "forget them all" (num
 
 With KV eviction the cache holds fewer entries than tokens computed: `num_evicted` of them were
 dropped, and the next token's K/V go to cache index `num_cached = num_computed - num_evicted`
-while its position (for RoPE) stays `num_computed`.
+while its position (for RoPE) stays `num_computed`. Eviction fills a dropped entry's place with a
+newer one, per layer and KV head, so `kv_positions` says which token each entry holds.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ class Sequence:
     num_computed: int = 0
     num_evicted: int = 0  # tokens computed whose K/V eviction dropped
     attention_mass: torch.Tensor | None = None  # H2O: (layers, kv_heads, num_cached) attention received
+    kv_positions: torch.Tensor | None = None  # (layers, kv_heads, num_cached) the token each entry holds, once
+    #                                           eviction has moved entries; None while entry i holds position i
     status: Status = Status.WAITING
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -73,7 +76,7 @@ class Sequence:
     def forget_cache(self) -> None:
         """Preemption by recompute: nothing of this sequence is in the cache any more."""
         self.num_computed = self.num_evicted = 0
-        self.attention_mass = None
+        self.attention_mass = self.kv_positions = None
 
     def append(self, token_id: int, eos_token_id: int | None) -> str | None:
         """Add a sampled token; return why the sequence must stop now ("eos", "length"), or None.
@@ -93,7 +96,8 @@ class Sequence:
                         output_ids=list(self.output_ids), num_computed=self.num_computed,
                         num_evicted=self.num_evicted, status=self.status, arrival_time=self.arrival_time,
                         priority=self.priority, arrival_step=self.arrival_step,
-                        attention_mass=None if self.attention_mass is None else self.attention_mass.clone())
+                        attention_mass=None if self.attention_mass is None else self.attention_mass.clone(),
+                        kv_positions=None if self.kv_positions is None else self.kv_positions.clone())
 
     def finish(self, reason: str, error: str | None = None) -> None:
         """Mark the sequence done (its blocks are the scheduler's to release: `Scheduler.finish`)."""

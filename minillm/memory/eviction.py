@@ -36,14 +36,29 @@ what happened to be cached), the protected prefix is the same on a hit and on a 
 request keeps the same entries, and gives the same tokens, either way. Without a prefix cache
 nothing is protected.
 
-Eviction rewrites the kept private entries into the blocks after the protected prefix, in order,
-and gives the rest back. A block that another sequence shares (parallel samples, beams) is
+Eviction moves no entry that stays: a newcomer takes a dropped entry's place. Attention of a
+query is the same whatever order its keys lie in, so entries need no order among themselves, and
+each KV head may hold a different token in the same slot. After a step a sequence over budget
+holds `keep` private entries and the step's n newcomers after them; per (layer, KV head), the
+policy drops n of them, the holes it leaves among the first `keep` are filled with the kept
+newcomers of that head (`pool.move_entries`), and the blocks after the first `keep` go back. A
+step at the budget moves at most n entries per head, not the whole cache.
+
+Slots then no longer hold tokens in position order, so the sequence carries each entry's position
+per layer and KV head beside its H2O scores (`Sequence.kv_positions`), moved with them. The policy
+sees every head's entries sorted by position (`kept_entries`, as if the cache had been rewritten
+in order), so it keeps what it kept when it was: window and sinks by position, H2O by score
+outside a recent window by position.
+
+A block that gets written (one holding a hole, and the block the cache is cut back into, whose
+later slots the next tokens write) that another sequence shares (parallel samples, beams) is
 copied first, never written in place; a block the prefix cache vouches for that no other table
 holds (an output block registered before the sequence first evicted, say) is forgotten by the
-cache before it is written, so no later request can adopt the new content as the old. `Evictor` does
-this for the scheduler after every step, on plain values (a sequence id, its number of entries,
-its prompt length, its length limit, its H2O scores): memory never needs to know what a request
-is.
+cache before it is written, so no later request can adopt the new content as the old. Blocks not
+written keep their content and stay shared or cached. `Evictor` does this for the scheduler after
+every step, on plain values (a sequence id, its number of entries and of tokens computed, its
+prompt length, its length limit, its H2O scores and entry positions): memory never needs to know
+what a request is.
 """
 
 from __future__ import annotations
@@ -121,41 +136,87 @@ class Evictor:
         """Entries a sequence holds at most after a step: its protected prefix and its budget."""
         return self.protected(prompt_len) + self.budget(max_len)
 
-    def shrink(self, seq_id: int, num_cached: int, prompt_len: int, max_len: int,
-               mass: torch.Tensor | None) -> tuple[int, torch.Tensor | None]:
-        """Drop the sequence's least needed private entries down to its budget. Returns (entries
-        dropped, the H2O scores of those kept): nothing is dropped within budget, or when a shared
-        block must be copied and no block is free (the engine tries again next step)."""
+    def shrink(self, seq_id: int, num_cached: int, num_computed: int, prompt_len: int, max_len: int,
+               mass: torch.Tensor | None, positions: torch.Tensor | None
+               ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
+        """Drop the sequence's least needed private entries down to its budget. `mass` and
+        `positions` (layers, kv_heads, entries) are each entry's H2O score and token position
+        (positions None: entry i holds position i, as before any eviction). Returns (entries
+        dropped, the scores and positions of the entries held after): nothing is dropped within
+        budget, or when a shared block must be copied and no block is free (the engine tries
+        again next step)."""
         protected, keep = self.protected(prompt_len), self.budget(max_len)
         private = num_cached - protected  # entries eviction may choose among
         if private <= keep:
-            return 0, mass
-        private_mass = None if mass is None else mass[..., protected:]  # (layers, kv_heads, private)
-        kept = kept_entries(self.policy, private, keep, self.num_layers, self.num_kv_heads, private_mass)
-        kept = kept.to(self.pool.device)  # (layers, kv_heads, keep), counted from the first private entry
-        if not self.rewrite(seq_id, protected, num_cached, kept):
-            return 0, mass
-        if mass is None:
-            return private - keep, None
-        return private - keep, torch.cat([mass[..., :protected], private_mass.gather(-1, kept)], dim=-1)
+            return 0, mass, positions
+        positions = entry_positions(positions, num_cached, num_computed, self.num_layers, self.num_kv_heads,
+                                    self.pool.device)
+        oldest_first = positions[..., protected:].argsort(dim=-1)  # (layers, kv_heads, private) private indices
+        private_mass = None if mass is None else mass[..., protected:].gather(-1, oldest_first.to(mass.device))
+        chosen = kept_entries(self.policy, private, keep, self.num_layers, self.num_kv_heads, private_mass)
+        kept = oldest_first.gather(-1, chosen.to(oldest_first.device))  # (layers, kv_heads, keep) private indices
+        layers, heads, holes, newcomers = fill_plan(kept, keep, private)
+        holes, newcomers = holes + protected, newcomers + protected  # cache indices
+        if not self.move(seq_id, protected + keep, layers, heads, newcomers, holes):
+            return 0, mass, positions
+        end = protected + keep
+        positions[layers, heads, holes] = positions[layers, heads, newcomers]
+        positions = positions[..., :end].contiguous()
+        if mass is not None:
+            on_mass = [index.to(mass.device) for index in (layers, heads, holes, newcomers)]
+            mass[on_mass[0], on_mass[1], on_mass[2]] = mass[on_mass[0], on_mass[1], on_mass[3]]
+            mass = mass[..., :end].contiguous()
+        return private - keep, mass, positions
 
-    def rewrite(self, seq_id: int, start: int, length: int, kept: torch.Tensor) -> bool:
-        """Rewrite entries start..length-1 of the sequence's cache (`start` on a block boundary) to
-        hold only the `kept` ones (layers, kv_heads, keep; indices counted from `start`), and free
-        the blocks left over; False if a shared block must be copied and none is free."""
-        manager, end = self.manager, start + kept.shape[-1]
-        if len(manager.shared_blocks(seq_id, start, end)) > manager.num_free_blocks:
+    def move(self, seq_id: int, end: int, layers: torch.Tensor, heads: torch.Tensor, sources: torch.Tensor,
+             destinations: torch.Tensor) -> bool:
+        """Cut the sequence's cache back to `end` entries, entry `sources[i]` of head `heads[i]`
+        of layer `layers[i]` first taking the place of `destinations[i]` (cache indices, all below
+        `end`). The blocks written are copied first if shared and forgotten by the prefix cache;
+        False, and nothing changed, if a copy is needed and no block is free."""
+        manager, size = self.manager, self.manager.block_size
+        written = set((destinations // size).tolist())
+        if end % size:
+            written.add(end // size)  # the block cut back into: the next tokens write its later slots
+        written = sorted(written)
+        if sum(len(manager.shared_blocks(seq_id, block * size, (block + 1) * size)) for block in written) \
+                > manager.num_free_blocks:
             return False
-        device = kept.device
-        old_slots = torch.tensor(manager.slots(seq_id, start, length), device=device)
-        manager.unshare(seq_id, start, end)  # private blocks to write into; the data is rewritten below
-        manager.forget_cached(seq_id, start, end)
-        manager.check_writable(seq_id, start, end)
-        new_slots = torch.tensor(manager.slots(seq_id, start, end), device=device)
-        heads = torch.arange(kept.shape[1], device=device)
-        for layer in range(kept.shape[0]):
-            keys, values = self.pool.read(layer, old_slots)  # (length - start, kv_heads, head_dim), before any write
-            rows = kept[layer].T  # (keep, kv_heads): entry kept by each head, row by row
-            self.pool.write(layer, new_slots, keys[rows, heads], values[rows, heads])
+        for block in written:
+            start, stop = block * size, (block + 1) * size
+            for shared, private in manager.unshare(seq_id, start, stop):
+                self.pool.write_block(private, self.pool.read_block(shared))  # a copy: only some entries change
+            manager.forget_cached(seq_id, start, stop)
+            manager.check_writable(seq_id, start, stop)
+        table = torch.tensor(manager.table(seq_id), device=self.pool.device)
+        if end % size:
+            self.pool.restage_block(int(table[end // size]))
+        source_slots = table[sources // size] * size + sources % size  # (moves,)
+        destination_slots = table[destinations // size] * size + destinations % size
+        self.pool.move_entries(layers, heads, source_slots, destination_slots)
         manager.truncate(seq_id, end)
         return True
+
+
+def entry_positions(positions: torch.Tensor | None, num_cached: int, num_computed: int, num_layers: int,
+                    num_kv_heads: int, device) -> torch.Tensor:
+    """Each of the `num_cached` entries' token position, per layer and KV head: (layers, kv_heads,
+    num_cached). Entries added since `positions` was made were appended in order, and the last
+    holds position num_computed - 1."""
+    known = 0 if positions is None else positions.shape[-1]
+    appended = torch.arange(num_computed - (num_cached - known), num_computed, device=device)
+    appended = appended.expand(num_layers, num_kv_heads, num_cached - known)
+    return appended.clone() if positions is None else torch.cat([positions, appended], dim=-1)
+
+
+def fill_plan(kept: torch.Tensor, keep: int, length: int) -> tuple[torch.Tensor, ...]:
+    """Which newcomer fills which hole. `kept` (layers, kv_heads, keep): the entries each head keeps
+    out of `length`, where indices keep.. are the newcomers. Returns (layers, heads, holes,
+    newcomers), each (moves,): per head, every index below `keep` not kept (a hole) paired with a
+    kept index from `keep` on. Each head has as many of one as of the other, and `nonzero` lists
+    them head by head, so the two lists pair up row by row."""
+    is_kept = torch.zeros(*kept.shape[:2], length, dtype=torch.bool, device=kept.device)
+    is_kept.scatter_(-1, kept, True)  # (layers, kv_heads, length)
+    holes = (~is_kept[..., :keep]).nonzero()  # (moves, 3): layer, head, index
+    newcomers = is_kept[..., keep:].nonzero()  # (moves, 3): layer, head, index - keep
+    return holes[:, 0], holes[:, 1], holes[:, 2], newcomers[:, 2] + keep

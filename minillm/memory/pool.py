@@ -8,6 +8,11 @@ pool only stores numbers, behind two calls that attention uses:
     pool.write(layer, slots, k, v)    k, v (n, kv_heads, head_dim) go into `slots` (n,)
     pool.read(layer, slots)           -> keys, values (n, kv_heads, head_dim), in slot order
 
+one that moves single entries, head by head, for eviction (`eviction.py`):
+
+    pool.move_entries(layers, heads, src, dst)   head heads[i] of slot dst[i] in layer layers[i]
+                                                 takes what that head holds in slot src[i]
+
 and two that move whole blocks, for copy-on-write and for the tiers (`tiers.py`):
 
     pool.read_block(block)            -> {name: tensor}: every number of the block, every layer
@@ -37,7 +42,8 @@ from typing import Callable
 import torch
 
 from minillm.config import ConfigError, ModelConfig
-from minillm.memory.quantization import FORMATS, KVFormat, SCALE_DTYPE, bytes_per_token, dequantize, quantize
+from minillm.memory.quantization import (FORMATS, KVFormat, SCALE_DTYPE, bytes_per_token, dequantize, quantize,
+                                        quantize_onto)
 
 
 def bytes_per_slot(config: ModelConfig, kv_dtype: str, key_scales: str, block_size: int, dtype: torch.dtype) -> int:
@@ -120,6 +126,17 @@ class PagedKVPool:
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values in `slots` (any shape): (*slots.shape, kv_heads, head_dim) each."""
         return self.k_cache[layer][slots], self.v_cache[layer][slots]
+
+    def move_entries(self, layers: torch.Tensor, heads: torch.Tensor, src_slots: torch.Tensor,
+                     dst_slots: torch.Tensor) -> None:
+        """For each i (all (m,)): head heads[i] of slot dst_slots[i] in layer layers[i] takes what
+        the same head holds in src_slots[i]. Eviction fills a dropped entry's place with a newcomer;
+        each head may hold a different token in the same slot."""
+        self.k_cache[layers, dst_slots, heads] = self.k_cache[layers, src_slots, heads]  # (m, head_dim)
+        self.v_cache[layers, dst_slots, heads] = self.v_cache[layers, src_slots, heads]
+
+    def restage_block(self, block: int) -> None:
+        """Nothing to do: a block's numbers are written one slot at a time, never sealed."""
 
     def read_block(self, block: int) -> dict[str, torch.Tensor]:
         """The block's keys and values, (layers, block_size, kv_heads, head_dim) each (views)."""
@@ -242,6 +259,85 @@ class QuantizedKVPool:
         filling = rows >= 0  # a block still filling: its keys are the exact staged ones
         keys[filling] = self.k_staged[layer][rows[filling].long(), (slots % self.block_size)[filling]].float()
         return keys.to(self.dtype), values.to(self.dtype)
+
+    def move_entries(self, layers: torch.Tensor, heads: torch.Tensor, src_slots: torch.Tensor,
+                     dst_slots: torch.Tensor) -> None:
+        """For each i (all (m,)): head heads[i] of slot dst_slots[i] in layer layers[i] takes what
+        the same head holds in src_slots[i] (eviction: a newcomer fills a dropped entry's place).
+
+        Values, and keys scaled per token, have a scale per (slot, head): numbers and scales copy
+        exactly. Keys scaled per channel share the scales of their (block, head): into a block still
+        filling goes the exact key (staged; dequantized where its source block is quantized). Into
+        a quantized block, a key within the range of that (block, head)'s scales in every channel is
+        rounded onto them (`quantize_onto`) and nothing else changes; one outside it has that (block, head)
+        quantized anew, its keys and the newcomers together, with fresh scales (clamping instead
+        would flatten it onto a range set by a few other tokens). So a key is rounded once more
+        only when its block takes a newcomer out of its range, never more often than a rewrite of
+        the whole cache each step would round it."""
+        self.v_data[layers, dst_slots, heads] = self.v_data[layers, src_slots, heads]  # (m, head_dim / per byte)
+        self.v_scale[layers, dst_slots, heads] = self.v_scale[layers, src_slots, heads]  # (m, 1, 2)
+        if self.key_scales == "token":
+            self.k_data[layers, dst_slots, heads] = self.k_data[layers, src_slots, heads]
+            self.k_scale[layers, dst_slots, heads] = self.k_scale[layers, src_slots, heads]
+            return
+        with self.staging_lock:
+            keys = self.keys_at(layers, heads, src_slots)  # (m, head_dim) fp32, read before any write
+            blocks, offsets = dst_slots // self.block_size, dst_slots % self.block_size
+            rows = self.staged_row[layers, blocks]
+            filling = rows >= 0
+            self.k_staged[layers[filling], rows[filling].long(), offsets[filling], heads[filling]] = \
+                keys[filling].to(self.dtype)
+            scales = self.k_scale[layers, blocks, heads].float()  # (m, head_dim, 2): scale, center
+            # within half a step of the range it rounds into it, as any key of the block did
+            fits = ((keys - scales[..., 1]).abs() <= scales[..., 0] * (self.fmt.qmax + 0.5)).all(dim=-1)
+            group = (layers * self.num_blocks + blocks) * self.k_data.shape[2] + heads  # (m,) its (layer, block, head)
+            anew = ~filling & torch.isin(group, group[~filling & ~fits])  # in a group some key does not fit
+            onto = ~filling & ~anew
+            self.k_data[layers[onto], dst_slots[onto], heads[onto]] = quantize_onto(keys[onto], scales[onto], self.fmt)
+            if bool(anew.any()):
+                self.quantize_anew(layers[anew], blocks[anew], heads[anew], offsets[anew], keys[anew])
+
+    def quantize_anew(self, layers: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, offsets: torch.Tensor,
+                      keys: torch.Tensor) -> None:
+        """Put `keys` (m, head_dim) at `offsets` of head heads[i] of quantized block blocks[i] in
+        layer layers[i], and quantize each such (layer, block, head) anew, with fresh per-channel
+        scales over its keys as they are now."""
+        group = (layers * self.num_blocks + blocks) * self.k_data.shape[2] + heads
+        groups, member = group.unique(return_inverse=True)  # (g,), and each key's group
+        first = torch.zeros_like(groups).scatter_(0, member, torch.arange(len(group), device=group.device))
+        g_layers, g_blocks, g_heads = layers[first], blocks[first], heads[first]  # (g,) each
+        slots = g_blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)  # (g, block_size)
+        current = dequantize(self.k_data[g_layers[:, None], slots, g_heads[:, None]],
+                             self.k_scale[g_layers, g_blocks, g_heads][:, None], self.fmt)  # (g, block_size, head_dim)
+        current[member, offsets] = keys
+        data, scales = quantize(current, self.fmt, dim=1)  # (g, block_size, ...), (g, 1, head_dim, 2)
+        self.k_data[g_layers[:, None], slots, g_heads[:, None]] = data
+        self.k_scale[g_layers, g_blocks, g_heads] = scales[:, 0]
+
+    def keys_at(self, layers: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Keys scaled per channel, one per (layer, head, slot) triple: (m, head_dim) fp32, exact
+        where the block is still filling."""
+        blocks = slots // self.block_size
+        keys = dequantize(self.k_data[layers, slots, heads], self.k_scale[layers, blocks, heads], self.fmt)
+        rows = self.staged_row[layers, blocks]
+        filling = rows >= 0
+        keys[filling] = self.k_staged[layers[filling], rows[filling].long(), (slots % self.block_size)[filling],
+                                      heads[filling]].float()
+        return keys
+
+    def restage_block(self, block: int) -> None:
+        """Eviction cut a sequence back into `block`, whose later slots the next tokens write
+        again: where its keys were quantized (it had filled), they go back to staging,
+        dequantized, to be quantized anew with the block's new keys when it fills again."""
+        if self.key_scales == "token":
+            return
+        with self.staging_lock:
+            slots = torch.arange(block * self.block_size, (block + 1) * self.block_size, device=self.device)
+            for layer in (self.staged_row[:, block] < 0).nonzero().flatten().tolist():
+                keys = dequantize(self.k_data[layer, slots], self.k_scale[layer, block], self.fmt)  # (block_size, heads, hd)
+                row = self.take_row(layer)
+                self.k_staged[layer, row] = keys.to(self.dtype)
+                self.staged_row[layer, block] = row
 
     def staged_blocks(self, layer: int) -> list[int]:
         return (self.staged_row[layer] >= 0).nonzero().flatten().tolist()

@@ -78,6 +78,19 @@ def quantize(x: torch.Tensor, fmt: KVFormat, dim: int) -> tuple[torch.Tensor, to
     return pack_int4(ints), scales
 
 
+def quantize_onto(x: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+    """x (..., head_dim) rounded onto scales a group already has (..., head_dim, 2) or (..., 1, 2),
+    without changing them: what lies outside the group's range is clamped to its ends. Eviction
+    moves a key into a block whose keys were quantized together (`QuantizedKVPool.move_entries`)."""
+    scaled = ((x.float() - scales[..., 1].float()) / scales[..., 0].float()).clamp(-fmt.qmax, fmt.qmax)
+    if fmt.name == "fp8":
+        return scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+    ints = scaled.round()
+    if fmt.name == "int8":
+        return ints.to(torch.int8)
+    return pack_int4(ints)
+
+
 def dequantize(stored: torch.Tensor, scales: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
     """The inverse of `quantize`, in fp32; `scales` (..., 2) broadcasts against (..., head_dim)."""
     if fmt.name == "fp8":
