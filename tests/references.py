@@ -23,7 +23,6 @@ import torch
 from minillm.memory.quantization import dequantize, quantize
 
 NUM_SINKS = 4  # StreamingLLM's initial tokens, as the papers (and DESIGN.md) state
-H2O_RECENT_SHARE = 0.75  # of an H2O budget, the recent window (measured: minillm.memory.eviction)
 
 
 @dataclass
@@ -147,10 +146,10 @@ def keep_by_policy(policy: str, held: list[int], keep: int, mass: dict[int, floa
     if policy == "sinks":
         sinks = min(NUM_SINKS, keep - 1)
         return held[:sinks] + held[-(keep - sinks):]
-    recent = round(keep * H2O_RECENT_SHARE)  # H2O: the most recent tokens, and heavy hitters among the rest,
-    older, window = held[:len(held) - recent], held[len(held) - recent:]  # by the mean attention paid to
-    seen = {position: len(held) - i for i, position in enumerate(held)}  # them by the held tokens after them
-    heavy = sorted(older, key=lambda position: -mass[position] / seen[position])[:keep - recent]
+    recent = keep // 2  # H2O: half the budget for the most recent tokens, half for heavy hitters
+    older, window = held[:-recent], held[-recent:]
+    seen = {position: len(held) - i for i, position in enumerate(held)}  # held tokens at or after it saw it
+    heavy = sorted(older, key=lambda position: -mass[position] / seen[position])[:keep - recent]  # per query
     return sorted(heavy) + window
 
 

@@ -8,23 +8,23 @@ whose cache holds more entries than its budget drops the ones it is least likely
   softmax must put its mass somewhere, and models learn to park it on the first tokens, so
   evicting them hurts far more than their content suggests;
 - `h2o`: the "heavy hitters" — tokens that drew the most attention — plus a recent window of
-  three quarters of the budget (after H2O, Zhang et al. 2023). Each KV head chooses for itself,
-  from the attention its group of query heads paid, in every layer; every head keeps the same
-  number of entries, so each layer's cache stays a rectangle (entries, kv_heads, head_dim) even
-  though different heads keep different tokens. A token is scored by its attention *per query
-  that saw it* (the accumulated sum divided by the number of such queries, `queries_seen`), not
-  by the sum: the sum grows with age, so old tokens that every query glanced at crowd out younger
-  ones that the text keeps returning to. `Evictor` compacts the kept entries and so loses their
-  positions: it counts, as a lower bound, the entries after a token in the cache (tokens that saw
-  it and were kept); a cache that remembers each entry's position can pass it for the exact count.
+  half the budget (H2O, Zhang et al. 2023). Each KV head chooses for itself, from the attention
+  its group of query heads paid, in every layer; every head keeps the same number of entries, so
+  each layer's cache stays a rectangle (entries, kv_heads, head_dim) even though different heads
+  keep different tokens. Unlike the paper, a token is scored by its attention *per query that
+  saw it* (the accumulated sum over the number of such queries, `queries_seen`), not by the sum:
+  the sum grows with age, so old tokens every query glanced at crowd out younger ones the text
+  keeps returning to. The count is exact from the entries' positions; `Evictor` compacts the
+  kept entries and loses those, so it passes none and the count falls back to a lower bound.
 
-  Measured with `minillm eval ppl` (4 x 512 tokens, budget 0.2 = 103 entries) as the ratio to
-  the full cache's perplexity on Alice (prose) / lcet10 (technical proceedings): H2O's own
-  choice, the sum with half the budget recent, 1.06x / 1.13x; a recent window of 3/4 instead
-  1.06x / 1.10x (1/4: 1.10x / 1.19x); the mean per query instead of the sum, half recent,
-  1.04x / 1.09x with exact counts (from positions) or 1.05x / 1.12x with the cache-order bound;
-  both, as here, 1.05x / 1.07x exact or 1.06x / 1.09x with the bound (`sinks` 1.14x / 1.12x).
-  Forcing the 4 sinks in changed nothing: their attention keeps them anyway.
+  Measured with `minillm eval ppl`'s segments (4 x 512 tokens, 20% = 103 entries), as the ratio
+  to the full cache's perplexity on Alice (prose) / lcet10 (technical proceedings): the paper's
+  sum 1.06x / 1.13x; the mean per query 1.04x / 1.09x with the exact count, 1.05x / 1.12x with
+  the bound; sinks + window 1.14x / 1.12x. A larger recent share helps at 512 tokens (the sum
+  with 3/4 recent: 1.06x / 1.10x) but hurts at 160 (32 entries: lcet10 1.30x -> 1.36x), where
+  the mean with half recent is best (1.09x / 1.27x exact, 1.13x / 1.29x bound; the sum 1.19x /
+  1.30x); so the split stays half. Forcing the 4 sinks in changed nothing: their attention
+  keeps them anyway.
 
 The budget is a number of tokens (an int) or a fraction (a float) of the sequence's full length,
 prompt plus max_tokens (capped by the context): 0.2 caps the cache at a fifth of what it would
@@ -68,7 +68,6 @@ import torch
 from minillm.memory.block_manager import BlockManager
 
 NUM_SINKS = 4  # StreamingLLM keeps 4 initial tokens
-H2O_RECENT_SHARE = 0.75  # of an H2O budget, kept as the recent window; the rest are heavy hitters
 
 
 def budget_for(kv_budget: int | float, max_len: int) -> int:
@@ -93,7 +92,7 @@ def kept_entries(policy: str, length: int, keep: int, num_layers: int, num_kv_he
         kept = torch.cat([torch.arange(sinks), torch.arange(length - (keep - sinks), length)])
         return kept.expand(shape)
     if policy == "h2o":
-        recent = round(keep * H2O_RECENT_SHARE)
+        recent = keep // 2  # H2O's split: half the budget recent, half heavy hitters
         older = length - recent  # the candidates for heavy hitters: entries 0..older-1
         seen = queries_seen(length, positions, mass.device)[..., :older]  # (layers or 1, kv_heads or 1, older)
         mean_mass = mass[..., :older] / seen  # attention per query that saw the entry, not its age
