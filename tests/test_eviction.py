@@ -23,13 +23,24 @@ def test_budget_is_tokens_or_a_fraction_of_the_full_length():
     assert budget_for(1.0, 37) == 37
 
 
-def test_h2o_evicts_the_smallest_accumulated_score_outside_the_recent_window():
-    mass = torch.tensor([[[5.0, 0.1, 3.0, 2.0, 0.0, 0.0]],  # layer 0: entry 1 is the lightest old one
-                         [[0.2, 4.0, 3.0, 2.0, 9.0, 9.0]]])  # layer 1: entry 0 is
-    kept = kept_entries("h2o", length=6, keep=5, num_layers=2, num_kv_heads=1, mass=mass)
-    # recent window = 2 (entries 4, 5, kept whatever their score); 3 heavy hitters among 0..3
-    assert kept[0, 0].tolist() == [0, 2, 3, 4, 5]
-    assert kept[1, 0].tolist() == [1, 2, 3, 4, 5]
+def test_h2o_keeps_the_recent_window_and_the_most_attended_per_query_not_in_total():
+    mass = torch.tensor([[[4.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]],  # layer 0: entry 0 has more in total,
+                         [[7.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]]])  # entry 4 more per query that saw it
+    kept = kept_entries("h2o", length=8, keep=4, num_layers=2, num_kv_heads=1, mass=mass)
+    # recent window = 2 (entries 6, 7, kept whatever their score); 2 heavy hitters among 0..5, which 8, 7, 6,
+    # 5, 4, 3 queries saw: entry 5 (1.0 a query), then entry 4 (0.6) over entry 0 (4.0 / 8 = 0.5) ...
+    assert kept[0, 0].tolist() == [4, 5, 6, 7]
+    assert kept[1, 0].tolist() == [0, 5, 6, 7]  # ... but not over 7.0 / 8 = 0.875
+
+
+def test_h2o_divides_by_the_queries_that_saw_an_entry_known_from_its_position():
+    mass = torch.tensor([[[6.0, 0.0, 3.0, 0.0, 0.0, 0.0]]])
+    by_order = kept_entries("h2o", length=6, keep=2, num_layers=1, num_kv_heads=1, mass=mass)
+    assert by_order[0, 0].tolist() == [0, 5]  # entry 0, seen by at least the 6 entries from it on: 1.0 > 3.0 / 4
+    positions = torch.tensor([[[0, 1, 40, 41, 42, 43]]])  # tokens 2..39 were evicted after seeing entry 0
+    by_position = kept_entries("h2o", length=6, keep=2, num_layers=1, num_kv_heads=1, mass=mass,
+                               positions=positions)
+    assert by_position[0, 0].tolist() == [2, 5]  # 6.0 / 44 queries < 3.0 / 4
 
 
 def test_h2o_chooses_per_kv_head_and_keeps_the_same_count_in_each():
@@ -37,12 +48,13 @@ def test_h2o_chooses_per_kv_head_and_keeps_the_same_count_in_each():
     mass = torch.rand(3, 4, 50, generator=gen)
     kept = kept_entries("h2o", length=50, keep=10, num_layers=3, num_kv_heads=4, mass=mass)
     assert kept.shape == (3, 4, 10)
+    seen = torch.arange(50, 0, -1)  # entries at or after each one
     for layer in range(3):
         for head in range(4):
             entries = kept[layer, head]
             assert torch.equal(entries, entries.unique())  # distinct, increasing
             assert entries[-5:].tolist() == list(range(45, 50))  # the recent half
-            heavy = mass[layer, head, :45].topk(5).indices.sort().values
+            heavy = (mass[layer, head, :45] / seen[:45]).topk(5).indices.sort().values
             assert torch.equal(entries[:5], heavy)
     assert not torch.equal(kept[0, 0], kept[0, 1])  # heads really differ
 
