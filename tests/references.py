@@ -148,8 +148,8 @@ def keep_by_policy(policy: str, held: list[int], keep: int, mass: dict[int, floa
         return held[:sinks] + held[-(keep - sinks):]
     recent = keep // 2  # H2O: half the budget for the most recent tokens, half for heavy hitters
     older, window = held[:-recent], held[-recent:]
-    seen = {position: len(held) - i for i, position in enumerate(held)}  # held tokens at or after it saw it
-    heavy = sorted(older, key=lambda position: -mass[position] / seen[position])[:keep - recent]  # per query
+    newest = held[-1]  # every token from a position to the newest attended to it
+    heavy = sorted(older, key=lambda position: -mass[position] / (newest + 1 - position))[:keep - recent]  # per query
     return sorted(heavy) + window
 
 

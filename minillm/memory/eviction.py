@@ -96,9 +96,10 @@ def budget_for(kv_budget: int | float, max_len: int) -> int:
 def kept_entries(policy: str, length: int, keep: int, num_layers: int, num_kv_heads: int,
                  mass: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Which of `length` cache entries to keep: (num_layers, num_kv_heads, keep) indices, in
-    increasing order. `mass` (num_layers, num_kv_heads, length) is H2O's accumulated attention;
-    `positions` (same shape), where the cache knows them, are the entries' token positions, in
-    increasing order along the last dimension (see `queries_seen`)."""
+    increasing order, into each head's entries oldest first. `mass` (num_layers, num_kv_heads,
+    length) is H2O's accumulated attention; `positions` (same shape), where the cache knows them,
+    are the entries' token positions, in increasing order along the last dimension (see
+    `queries_seen`)."""
     shape = (num_layers, num_kv_heads, keep)
     if policy == "window" or keep < 2:
         return torch.arange(length - keep, length).expand(shape)
@@ -180,8 +181,10 @@ class Evictor:
         positions = entry_positions(positions, num_cached, num_computed, self.num_layers, self.num_kv_heads,
                                     self.pool.device)
         oldest_first = positions[..., protected:].argsort(dim=-1)  # (layers, kv_heads, private) private indices
+        private_positions = positions[..., protected:].gather(-1, oldest_first)  # (layers, kv_heads, private)
         private_mass = None if mass is None else mass[..., protected:].gather(-1, oldest_first.to(mass.device))
-        chosen = kept_entries(self.policy, private, keep, self.num_layers, self.num_kv_heads, private_mass)
+        chosen = kept_entries(self.policy, private, keep, self.num_layers, self.num_kv_heads, private_mass,
+                              None if mass is None else private_positions.to(mass.device))
         kept = oldest_first.gather(-1, chosen.to(oldest_first.device))  # (layers, kv_heads, keep) private indices
         layers, heads, holes, newcomers = fill_plan(kept, keep, private)
         holes, newcomers = holes + protected, newcomers + protected  # cache indices
