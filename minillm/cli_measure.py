@@ -30,9 +30,12 @@ def add_bench(subparsers) -> None:
 def add_bench_decode(benches) -> None:
     decode = benches.add_parser("decode", help="batch-1 decode tok/s: naive vs cached vs HF transformers",
                                 description="Batch-1 decode speed of the naive and cached decoders and of HF "
-                                            "transformers' generate on the same weights, with bandwidth achieved "
-                                            "against this machine's measured copy bandwidth.")
-    decode.add_argument("--tokens", type=positive_int, default=64, help="new tokens per run for cached and HF (default: 64)")
+                                            "transformers' generate on the same weights, and of the cached decoder "
+                                            "in the other precision (float32 beside bfloat16), with bandwidth "
+                                            "achieved against this machine's measured copy bandwidth: the median "
+                                            "of interleaved runs, the best and the spread.")
+    decode.add_argument("--tokens", type=positive_int, default=128, help="new tokens per run for cached and HF (default: 128)")
+    decode.add_argument("--repeats", type=positive_int, default=5, help="interleaved runs of every decoder (default: 5)")
     decode.add_argument("--naive-tokens", type=positive_int, default=16, help="new tokens for the slow naive decoder (default: 16)")
     decode.add_argument("--prompt-len", type=positive_int, default=64, help="prompt length in tokens (default: 64)")
     decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
@@ -44,7 +47,7 @@ def add_bench_decode(benches) -> None:
 def cmd_bench_decode(args) -> None:
     from minillm.benchmarks.decode import bench_decode, print_decode_report
     show(bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens, naive_tokens=args.naive_tokens,
-                      include_hf=not args.no_hf, dtype=args.dtype), print_decode_report, args.json)
+                      include_hf=not args.no_hf, dtype=args.dtype, repeats=args.repeats), print_decode_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench serve

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 
 import pytest
 import torch
@@ -153,12 +154,16 @@ def check_decoder_rows(report: dict, weight_bytes: int, kv_per_token: int) -> No
     for name, row in report["decoders"].items():
         tokens = report["naive_tokens"] if name == "naive" else report["new_tokens"]
         kv_read = 0 if name == "naive" else kv_per_token * (report["prompt_len"] + tokens / 2)
-        assert row["bytes_per_step"] == approx(weight_bytes + kv_read), name
-        assert len(row["samples_tok_s"]) == 3 and row["tok_s"] == max(row["samples_tok_s"]) > 0, name
+        scale = 0.5 if row["dtype"] == "bfloat16" else 1  # the tiny and real models load as float32
+        assert row["bytes_per_step"] == approx((weight_bytes + kv_read) * scale), name
+        samples = row["samples_tok_s"]
+        assert len(samples) == report["repeats"] and row["tok_s"] == statistics.median(samples) > 0, name
+        assert row["best_tok_s"] == max(samples) and row["spread"] == approx((max(samples) - min(samples)) / row["tok_s"])
         assert row["ms_per_token"] == approx(1000 / row["tok_s"]), name
         assert row["bandwidth_GBs"] == approx(row["bytes_per_step"] * row["tok_s"] / 1e9), name
         assert row["roof_fraction"] == approx(row["bandwidth_GBs"] / roof_GBs) and row["roof_fraction"] > 0, name
     decoders = report["decoders"]
+    assert report["cached_bfloat16_vs_cached"] == approx(decoders["cached_bfloat16"]["tok_s"] / decoders["cached"]["tok_s"])
     assert report["cached_vs_naive"] == approx(decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"])
     threads = report["cached_tok_s_by_threads"]  # JSON keys are strings
     assert list(threads) == [str(n) for n in range(1, os.cpu_count() + 1)] and min(threads.values()) > 0
@@ -169,7 +174,7 @@ def test_bench_decode_json_with_hf_rates_ratios_and_bandwidth_agree(capsys, voca
     report = run_json(capsys, "bench", "decode", "--json", "--tokens", 16, "--naive-tokens", 4, "--prompt-len", 8,
                       "--model", vocab_dir)
     assert (report["prompt_len"], report["new_tokens"], report["naive_tokens"]) == (8, 16, 4)
-    assert set(report["decoders"]) == {"naive", "cached", "hf_transformers"}
+    assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16", "hf_transformers"}
     weight_bytes = sum(p.nbytes for p in load_model(vocab_dir).parameters())
     check_decoder_rows(report, weight_bytes, kv_bytes_per_token(vocab_dir))
     decoders = report["decoders"]
@@ -178,8 +183,8 @@ def test_bench_decode_json_with_hf_rates_ratios_and_bandwidth_agree(capsys, voca
 
 def test_bench_decode_json_on_the_real_model_without_hf(capsys, real_dir, real_model):
     report = run_json(capsys, "bench", "decode", "--json", "--tokens", 2, "--naive-tokens", 1, "--prompt-len", 4,
-                      "--no-hf", "--model", real_dir)
-    assert set(report["decoders"]) == {"naive", "cached"} and "cached_vs_hf" not in report
+                      "--repeats", 2, "--no-hf", "--model", real_dir)
+    assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16"} and "cached_vs_hf" not in report
     check_decoder_rows(report, sum(p.nbytes for p in real_model.parameters()), 46080)
 
 
