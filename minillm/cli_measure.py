@@ -56,7 +56,8 @@ def add_bench_serve(benches) -> None:
     serve = benches.add_parser("serve", help="a 64-request trace: continuous vs static vs HF transformers",
                                description="Serve one seeded trace (prompts U[16, 320], outputs U[8, 160] tokens) "
                                            "with minillm continuous and static batching and HF transformers' "
-                                           "batched generate: output tok/s, TTFT, TPOT, KV utilization of paged "
+                                           "batched generate: output tok/s, achieved GFLOP/s against a matmul "
+                                           "measured in the same run, TTFT, TPOT, KV utilization of paged "
                                            "vs contiguous memory, and a block-size sweep.")
     serve.add_argument("--requests", type=positive_int, default=64, help="requests in the trace (default: 64)")
     serve.add_argument("--max-num-seqs", type=positive_int, default=16, help="batch size for every server (default: 16)")
@@ -74,7 +75,7 @@ def cmd_bench_serve(args) -> None:
     from minillm.benchmarks.serve import bench_serve, print_serve_report
     show(bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
                      block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf,
-                     attention_backend=args.attention_backend), print_serve_report, args.json)
+                     attention_backend=args.attention_backend, dtype=args.dtype), print_serve_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench prefix

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from conftest import REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
-from minillm.benchmarks.serve import latency_summary, make_trace
+from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
 from minillm.benchmarks.tiers import percentile
 from minillm.cli import main, print_json
+from minillm.config import ModelConfig
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -190,9 +191,12 @@ def test_bench_decode_json_on_the_real_model_without_hf(capsys, real_dir, real_m
 
 # ----------------------------------------------------------------------------- bench serve
 
-def check_server(run: dict, output_tokens: int) -> None:
+def check_server(run: dict, output_tokens: int, report: dict) -> None:
     # every server decodes each request to exactly its trace length (EOS ignored)
     assert run["output_tok_s"] * run["elapsed_s"] == approx(output_tokens)
+    # the same useful work for every server, over its own time, against the matmul measured in the run
+    assert run["achieved_GFLOPs"] == approx(report["trace"]["model_GFLOP"] / run["elapsed_s"])
+    assert run["matmul_fraction"] == approx(run["achieved_GFLOPs"] / report["matmul_GFLOPs"]) and report["matmul_GFLOPs"] > 0
     for latency in ("ttft", "tpot"):
         assert 0 < run[f"{latency}_mean_s"] <= run["elapsed_s"] and 0 < run[f"{latency}_p90_s"] <= run["elapsed_s"]
 
@@ -212,7 +216,7 @@ def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir
     servers = report["servers"]
     assert set(servers) == {"minillm_continuous", "minillm_static", "hf_transformers_static"}
     for run in servers.values():
-        check_server(run, report["trace"]["output_tokens"])
+        check_server(run, report["trace"]["output_tokens"], report)
     for name in ("minillm_continuous", "minillm_static"):
         check_paged_memory(servers[name])
         assert 0 < servers[name]["kv_utilization_contiguous"] <= 1
@@ -240,8 +244,19 @@ def test_bench_serve_json_one_request_p90_is_that_request(capsys, vocab_dir):
     assert set(report["servers"]) == {"minillm_continuous", "minillm_static"} and "continuous_vs_hf" not in report
     assert report["block_size_sweep"] == {}
     for run in report["servers"].values():
-        check_server(run, report["trace"]["output_tokens"])
+        check_server(run, report["trace"]["output_tokens"], report)
         assert run["ttft_p90_s"] == run["ttft_mean_s"] and run["tpot_p90_s"] == run["tpot_mean_s"]
+
+
+def test_trace_flops_by_hand():
+    """One layer, hidden 4, 2 heads and 1 KV head of dim 2, intermediate 8, vocab 10: a layer holds
+    4*(2+2)*2 (wqkv) + 4*4 (wo) + 3*4*8 (gate, up, down) = 144 weights. A 3-token prompt with 2
+    outputs computes 4 tokens (288 FLOPs each), attends over 1+2+3+4 keys (16 FLOPs a key: q.k and
+    p.v for 2 heads of dim 2), and computes 2 logits rows (80 FLOPs each)."""
+    config = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=2, max_position_embeddings=16, rope_theta=1e4, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True)
+    assert trace_flops(config, [([1, 2, 3], 2)]) == 4 * 288 + 10 * 16 + 2 * 80
 
 
 def test_latency_summary_mean_and_nearest_rank_p90_by_hand():
