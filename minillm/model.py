@@ -12,7 +12,8 @@ token belongs to which sequence. This is the layout continuous batching needs.
 Two projections are fused for speed, as nano-vllm and gpt-fast do: q, k and v are one matmul
 (`wqkv`), and the SwiGLU gate and up projections are another (`w_gate_up`). `weights.py`
 concatenates the checkpoint's separate matrices into them. Every matmul goes through `Matmul`,
-which picks torch's own kernel or, for bf16 on a CPU, oneDNN on a copy of the weight packed once.
+which picks torch's own kernel or, for decode-sized bf16 products on a CPU, oneDNN on a copy of
+the weight packed once.
 """
 
 from __future__ import annotations
@@ -34,24 +35,28 @@ class AttentionContext(Protocol):
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether `Matmul` multiplies by this weight through a oneDNN-packed copy: bf16 on a CPU.
+    """Whether `Matmul` may multiply by this weight through a oneDNN-packed copy: bf16 on a CPU.
 
     Measured on a 2-core AMD EPYC (avx512_bf16), one thread, SmolLM2's shapes, weights read from
-    DRAM: torch's bf16 F.linear re-lays the weight out on every call and reaches 14 GFLOP/s at
-    one row (14 GB/s of weights), a copy packed once reaches 26 (1.8x), and 1.5x at 16 rows.
-    fp32 would gain as much (torch's fp32 BLAS on this CPU is ~2x slower than oneDNN), but its
-    sums come out in another order and the fp32 logits would no longer equal HF transformers'
-    bit for bit; fp32 stays the exact reference, bf16 is the fast choice.
+    memory: torch's bf16 F.linear re-lays the weight out on every call and reaches ~14 GFLOP/s at
+    one row (14 GB/s of weights); a copy packed once reaches ~25 (1.8x, in every run) and 0.9-1.5x
+    at 16 rows. From 64 rows on it is no faster, and at 256 often slower (0.7-1.0x), so prefill-
+    sized products keep F.linear (`PACKED_MAX_ROWS`). fp32 would gain too (torch's fp32 BLAS runs
+    1.4-2x slower than oneDNN on this CPU), but its sums would come out in another order and the
+    fp32 logits would no longer equal HF transformers' bit for bit: fp32 stays the exact reference.
     """
     return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
+PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed copy; prefill chunks, F.linear
+
+
 class Matmul:
-    """x @ weight.T, by F.linear or, where `onednn_packs` says so, by oneDNN on a packed copy.
+    """x @ weight.T: by oneDNN on a packed copy for a few rows of bf16 on a CPU, else by F.linear.
 
     The copy is made on first use and made again if the weight was replaced or written since
-    (torch counts in-place writes in `_version`); it costs the weight's bytes a second time (bf16 SmolLM2:
-    269 MB plain + 269 MB packed, still less than the 538 MB of fp32 weights).
+    (torch counts in-place writes in `_version`); it costs the weight's bytes a second time (bf16
+    SmolLM2: 272 MB plain + 272 MB packed, the size of the fp32 weights alone).
     """
 
     def __init__(self):
@@ -59,7 +64,7 @@ class Matmul:
         self.packed_from = None  # (address, version) of the weight it was packed from
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if not onednn_packs(weight):
+        if x.shape[0] > PACKED_MAX_ROWS or not onednn_packs(weight):
             return F.linear(x, weight)
         source = (weight.data_ptr(), weight._version)
         if self.packed_from != source:

@@ -22,7 +22,7 @@ def test_packed_bf16_matmul_equals_torch_linear_within_bf16_rounding():
     layer = Linear(576, 960).to(torch.bfloat16)
     layer.weight.data = (torch.randn(960, 576, generator=gen) / 24).to(torch.bfloat16)
     assert onednn_packs(layer.weight)
-    for rows in (1, 3, 16, 64):  # decode, a small batch, prefill-sized
+    for rows in (1, 3, 16, 63, 64, 300):  # decode, small batches (packed), prefill-sized (F.linear)
         x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
         expected = (x.float() @ layer.weight.float().T)
         assert (layer(x).float() - expected).abs().max() <= 2 ** -7 * expected.abs().max()  # one bf16 step
