@@ -28,8 +28,6 @@ from minillm.sampling import SamplingParams
 from minillm.weights import load_model
 
 
-
-
 def bench_prompt(model_dir: Path, prompt_len: int) -> list[int]:
     from minillm.tokenizer import Tokenizer
     return Tokenizer(model_dir).encode(read_text())[:prompt_len]
