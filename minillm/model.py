@@ -56,7 +56,7 @@ class Matmul:
 
     The copy is made on first use and made again if the weight was replaced or written since
     (torch counts in-place writes in `_version`); it costs the weight's bytes a second time (bf16
-    SmolLM2: 272 MB plain + 272 MB packed, the size of the fp32 weights alone).
+    SmolLM2: 269 MB plain + 269 MB packed, the size of the fp32 weights alone).
     """
 
     def __init__(self):
