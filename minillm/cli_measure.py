@@ -30,9 +30,12 @@ def add_bench(subparsers) -> None:
 def add_bench_decode(benches) -> None:
     decode = benches.add_parser("decode", help="batch-1 decode tok/s: naive vs cached vs HF transformers",
                                 description="Batch-1 decode speed of the naive and cached decoders and of HF "
-                                            "transformers' generate on the same weights, with bandwidth achieved "
-                                            "against this machine's measured copy bandwidth.")
-    decode.add_argument("--tokens", type=positive_int, default=64, help="new tokens per run for cached and HF (default: 64)")
+                                            "transformers' generate on the same weights, and of the cached decoder "
+                                            "in the other precision (float32 beside bfloat16), with bandwidth "
+                                            "achieved against this machine's measured copy bandwidth: the median "
+                                            "of interleaved runs, the best and the spread.")
+    decode.add_argument("--tokens", type=positive_int, default=128, help="new tokens per run for cached and HF (default: 128)")
+    decode.add_argument("--repeats", type=positive_int, default=5, help="interleaved runs of every decoder (default: 5)")
     decode.add_argument("--naive-tokens", type=positive_int, default=16, help="new tokens for the slow naive decoder (default: 16)")
     decode.add_argument("--prompt-len", type=positive_int, default=64, help="prompt length in tokens (default: 64)")
     decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
@@ -44,7 +47,7 @@ def add_bench_decode(benches) -> None:
 def cmd_bench_decode(args) -> None:
     from minillm.benchmarks.decode import bench_decode, print_decode_report
     show(bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens, naive_tokens=args.naive_tokens,
-                      include_hf=not args.no_hf, dtype=args.dtype), print_decode_report, args.json)
+                      include_hf=not args.no_hf, dtype=args.dtype, repeats=args.repeats), print_decode_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench serve
@@ -53,7 +56,8 @@ def add_bench_serve(benches) -> None:
     serve = benches.add_parser("serve", help="a 64-request trace: continuous vs static vs HF transformers",
                                description="Serve one seeded trace (prompts U[16, 320], outputs U[8, 160] tokens) "
                                            "with minillm continuous and static batching and HF transformers' "
-                                           "batched generate: output tok/s, TTFT, TPOT, KV utilization of paged "
+                                           "batched generate: output tok/s, achieved GFLOP/s against a matmul "
+                                           "measured in the same run, TTFT, TPOT, KV utilization of paged "
                                            "vs contiguous memory, and a block-size sweep.")
     serve.add_argument("--requests", type=positive_int, default=64, help="requests in the trace (default: 64)")
     serve.add_argument("--max-num-seqs", type=positive_int, default=16, help="batch size for every server (default: 16)")
@@ -71,7 +75,7 @@ def cmd_bench_serve(args) -> None:
     from minillm.benchmarks.serve import bench_serve, print_serve_report
     show(bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
                      block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf,
-                     attention_backend=args.attention_backend), print_serve_report, args.json)
+                     attention_backend=args.attention_backend, dtype=args.dtype), print_serve_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench prefix

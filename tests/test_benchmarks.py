@@ -11,14 +11,16 @@ import json
 import math
 import os
 import shutil
+import statistics
 
 import pytest
 import torch
 
 from conftest import REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
-from minillm.benchmarks.serve import latency_summary, make_trace
+from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
 from minillm.benchmarks.tiers import percentile
 from minillm.cli import main, print_json
+from minillm.config import ModelConfig
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -153,12 +155,16 @@ def check_decoder_rows(report: dict, weight_bytes: int, kv_per_token: int) -> No
     for name, row in report["decoders"].items():
         tokens = report["naive_tokens"] if name == "naive" else report["new_tokens"]
         kv_read = 0 if name == "naive" else kv_per_token * (report["prompt_len"] + tokens / 2)
-        assert row["bytes_per_step"] == approx(weight_bytes + kv_read), name
-        assert len(row["samples_tok_s"]) == 3 and row["tok_s"] == max(row["samples_tok_s"]) > 0, name
+        scale = 0.5 if row["dtype"] == "bfloat16" else 1  # the tiny and real models load as float32
+        assert row["bytes_per_step"] == approx((weight_bytes + kv_read) * scale), name
+        samples = row["samples_tok_s"]
+        assert len(samples) == report["repeats"] and row["tok_s"] == statistics.median(samples) > 0, name
+        assert row["best_tok_s"] == max(samples) and row["spread"] == approx((max(samples) - min(samples)) / row["tok_s"])
         assert row["ms_per_token"] == approx(1000 / row["tok_s"]), name
         assert row["bandwidth_GBs"] == approx(row["bytes_per_step"] * row["tok_s"] / 1e9), name
         assert row["roof_fraction"] == approx(row["bandwidth_GBs"] / roof_GBs) and row["roof_fraction"] > 0, name
     decoders = report["decoders"]
+    assert report["cached_bfloat16_vs_cached"] == approx(decoders["cached_bfloat16"]["tok_s"] / decoders["cached"]["tok_s"])
     assert report["cached_vs_naive"] == approx(decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"])
     threads = report["cached_tok_s_by_threads"]  # JSON keys are strings
     assert list(threads) == [str(n) for n in range(1, os.cpu_count() + 1)] and min(threads.values()) > 0
@@ -169,7 +175,7 @@ def test_bench_decode_json_with_hf_rates_ratios_and_bandwidth_agree(capsys, voca
     report = run_json(capsys, "bench", "decode", "--json", "--tokens", 16, "--naive-tokens", 4, "--prompt-len", 8,
                       "--model", vocab_dir)
     assert (report["prompt_len"], report["new_tokens"], report["naive_tokens"]) == (8, 16, 4)
-    assert set(report["decoders"]) == {"naive", "cached", "hf_transformers"}
+    assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16", "hf_transformers"}
     weight_bytes = sum(p.nbytes for p in load_model(vocab_dir).parameters())
     check_decoder_rows(report, weight_bytes, kv_bytes_per_token(vocab_dir))
     decoders = report["decoders"]
@@ -178,16 +184,19 @@ def test_bench_decode_json_with_hf_rates_ratios_and_bandwidth_agree(capsys, voca
 
 def test_bench_decode_json_on_the_real_model_without_hf(capsys, real_dir, real_model):
     report = run_json(capsys, "bench", "decode", "--json", "--tokens", 2, "--naive-tokens", 1, "--prompt-len", 4,
-                      "--no-hf", "--model", real_dir)
-    assert set(report["decoders"]) == {"naive", "cached"} and "cached_vs_hf" not in report
+                      "--repeats", 2, "--no-hf", "--model", real_dir)
+    assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16"} and "cached_vs_hf" not in report
     check_decoder_rows(report, sum(p.nbytes for p in real_model.parameters()), 46080)
 
 
 # ----------------------------------------------------------------------------- bench serve
 
-def check_server(run: dict, output_tokens: int) -> None:
+def check_server(run: dict, output_tokens: int, report: dict) -> None:
     # every server decodes each request to exactly its trace length (EOS ignored)
     assert run["output_tok_s"] * run["elapsed_s"] == approx(output_tokens)
+    # the same useful work for every server, over its own time, against the matmul measured in the run
+    assert run["achieved_GFLOPs"] == approx(report["trace"]["model_GFLOP"] / run["elapsed_s"])
+    assert run["matmul_fraction"] == approx(run["achieved_GFLOPs"] / report["matmul_GFLOPs"]) and report["matmul_GFLOPs"] > 0
     for latency in ("ttft", "tpot"):
         assert 0 < run[f"{latency}_mean_s"] <= run["elapsed_s"] and 0 < run[f"{latency}_p90_s"] <= run["elapsed_s"]
 
@@ -207,7 +216,7 @@ def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir
     servers = report["servers"]
     assert set(servers) == {"minillm_continuous", "minillm_static", "hf_transformers_static"}
     for run in servers.values():
-        check_server(run, report["trace"]["output_tokens"])
+        check_server(run, report["trace"]["output_tokens"], report)
     for name in ("minillm_continuous", "minillm_static"):
         check_paged_memory(servers[name])
         assert 0 < servers[name]["kv_utilization_contiguous"] <= 1
@@ -235,8 +244,19 @@ def test_bench_serve_json_one_request_p90_is_that_request(capsys, vocab_dir):
     assert set(report["servers"]) == {"minillm_continuous", "minillm_static"} and "continuous_vs_hf" not in report
     assert report["block_size_sweep"] == {}
     for run in report["servers"].values():
-        check_server(run, report["trace"]["output_tokens"])
+        check_server(run, report["trace"]["output_tokens"], report)
         assert run["ttft_p90_s"] == run["ttft_mean_s"] and run["tpot_p90_s"] == run["tpot_mean_s"]
+
+
+def test_trace_flops_by_hand():
+    """One layer, hidden 4, 2 heads and 1 KV head of dim 2, intermediate 8, vocab 10: a layer holds
+    4*(2+2)*2 (wqkv) + 4*4 (wo) + 3*4*8 (gate, up, down) = 144 weights. A 3-token prompt with 2
+    outputs computes 4 tokens (288 FLOPs each), attends over 1+2+3+4 keys (16 FLOPs a key: q.k and
+    p.v for 2 heads of dim 2), and computes 2 logits rows (80 FLOPs each)."""
+    config = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                         head_dim=2, max_position_embeddings=16, rope_theta=1e4, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True)
+    assert trace_flops(config, [([1, 2, 3], 2)]) == 4 * 288 + 10 * 16 + 2 * 80
 
 
 def test_latency_summary_mean_and_nearest_rank_p90_by_hand():

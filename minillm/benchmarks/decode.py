@@ -5,27 +5,27 @@ weight: on a CPU that is a memory-bandwidth problem, not a compute one. So next 
 *bandwidth achieved* = bytes read per step x steps per second, and its ratio to a copy bandwidth
 measured here, now (STREAM's convention: bytes read + bytes written per second).
 
-Three decoders run on the same weights, prompt and thread settings, interleaved so machine drift
-hits them alike: naive (no cache), cached (contiguous KV cache) and HF transformers `generate`.
+Decoders run on the same prompt and thread settings, interleaved so machine drift hits them
+alike: naive (no cache), cached (contiguous KV cache) and HF transformers `generate` in --dtype,
+and cached in the other precision (fp32 beside bf16): the same step reads half the bytes in bf16.
+Each row reports the median of the repeats, the best, and their spread.
 """
 
 from __future__ import annotations
 
 import os
-import platform
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from minillm.benchmarks import copy_bandwidth
+from minillm.benchmarks import copy_bandwidth, cpu_model
 from minillm.decoding import generate
 from minillm.evaluation import read_text
 from minillm.report import print_table
 from minillm.sampling import SamplingParams
 from minillm.weights import load_model
-
-
 
 
 def bench_prompt(model_dir: Path, prompt_len: int) -> list[int]:
@@ -61,69 +61,103 @@ def bytes_per_step(model, prompt_len: int, new_tokens: int, with_kv: bool) -> fl
     return weight_bytes + kv
 
 
-def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 64, naive_tokens: int = 16,
-                 include_hf: bool = True, dtype: str = "float32", repeats: int = 3) -> dict:
+def other_dtype(dtype: str) -> str | None:
+    """The precision compared beside --dtype: fp32 (the exact reference) against bf16 (half the
+    bytes per step, oneDNN-packed matmuls on a CPU), whichever of the two was not asked for."""
+    return {"float32": "bfloat16", "bfloat16": "float32"}.get(dtype)
+
+
+def summarize(samples: list[float]) -> dict:
+    """The median is the headline (one slow run on a shared machine does not move it), the best
+    beside it, and the spread (max - min) / median says how far to trust either."""
+    median = statistics.median(samples)
+    return {"tok_s": median, "best_tok_s": max(samples), "spread": (max(samples) - min(samples)) / median,
+            "samples_tok_s": samples}
+
+
+def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 128, naive_tokens: int = 16,
+                 include_hf: bool = True, dtype: str = "float32", repeats: int = 5) -> dict:
     from minillm.config import DTYPES, ConfigError
 
     if new_tokens < 1 or naive_tokens < 1:  # a rate needs at least one timed decode step
         raise ConfigError(f"bench decode times at least 1 new token per decoder (--tokens {new_tokens}, "
                           f"--naive-tokens {naive_tokens}); raise them.")
-    torch_dtype = DTYPES[dtype]
-    model = load_model(model_dir, torch_dtype)
+    model = load_model(model_dir, DTYPES[dtype])
+    models = {"naive": model, "cached": model}
+    if other_dtype(dtype):
+        models[f"cached_{other_dtype(dtype)}"] = load_model(model_dir, DTYPES[other_dtype(dtype)])
     prompt_ids = bench_prompt(model_dir, prompt_len)
     hf_model = None
     if include_hf:
         from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
-        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
 
-    runs: dict[str, list[float]] = {"naive": [], "cached": [], **({"hf_transformers": []} if hf_model else {})}
+    def run_once(name: str) -> float:
+        if name == "hf_transformers":
+            return time_hf(hf_model, prompt_ids, new_tokens)
+        decoder = "naive" if name == "naive" else "cached"
+        return time_minillm(models[name], prompt_ids, naive_tokens if name == "naive" else new_tokens, decoder)
+
+    names = list(models) + (["hf_transformers"] if hf_model is not None else [])
+    runs: dict[str, list[float]] = {name: [] for name in names}
     with torch.inference_mode():
-        time_minillm(model, prompt_ids, 4, "cached")  # warm-up
-        for _ in range(repeats):
-            runs["naive"].append(time_minillm(model, prompt_ids, naive_tokens, "naive"))
-            runs["cached"].append(time_minillm(model, prompt_ids, new_tokens, "cached"))
-            if hf_model is not None:
-                runs["hf_transformers"].append(time_hf(hf_model, prompt_ids, new_tokens))
+        for name in models:  # warm-up: first calls allocate, and pack bf16 weights for oneDNN
+            if name != "naive":
+                time_minillm(models[name], prompt_ids, 4, "cached")
+        for _ in range(repeats):  # interleaved, so machine drift hits every decoder alike
+            for name in names:
+                runs[name].append(run_once(name))
 
         threads = {}
         default_threads = torch.get_num_threads()
         for n in range(1, (os.cpu_count() or 1) + 1):
             torch.set_num_threads(n)
-            threads[n] = max(time_minillm(model, prompt_ids, new_tokens, "cached") for _ in range(2))
+            threads[n] = statistics.median(run_once("cached") for _ in range(3))
         torch.set_num_threads(default_threads)
 
     roof = copy_bandwidth()
     decoders = {}
     for name, samples in runs.items():
-        tok_s = max(samples)
-        step_bytes = bytes_per_step(model, prompt_len, naive_tokens if name == "naive" else new_tokens,
+        row = summarize(samples)
+        row_model = models.get(name, model)
+        step_bytes = bytes_per_step(row_model, prompt_len, naive_tokens if name == "naive" else new_tokens,
                                     with_kv=name != "naive")
-        decoders[name] = {"tok_s": tok_s, "ms_per_token": 1000 / tok_s, "bytes_per_step": step_bytes,
-                          "bandwidth_GBs": step_bytes * tok_s / 1e9, "roof_fraction": step_bytes * tok_s / roof,
-                          "samples_tok_s": samples}
+        decoders[name] = {"dtype": str(row_model.dtype).removeprefix("torch."), **row,
+                          "ms_per_token": 1000 / row["tok_s"], "bytes_per_step": step_bytes,
+                          "bandwidth_GBs": step_bytes * row["tok_s"] / 1e9, "roof_fraction": step_bytes * row["tok_s"] / roof,
+                          "best_roof_fraction": step_bytes * row["best_tok_s"] / roof}
     report = {
         "machine": {"cpus": os.cpu_count(), "torch_threads": default_threads, "torch": torch.__version__,
-                    "processor": platform.processor() or platform.machine()},
+                    "processor": cpu_model()},
         "model_dir": str(model_dir), "dtype": dtype, "prompt_len": len(prompt_ids), "new_tokens": new_tokens,
-        "naive_tokens": naive_tokens, "copy_bandwidth_GBs": roof / 1e9, "decoders": decoders,
+        "naive_tokens": naive_tokens, "repeats": repeats, "copy_bandwidth_GBs": roof / 1e9, "decoders": decoders,
         "cached_tok_s_by_threads": threads,
         "cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"],
     }
+    if other_dtype(dtype):
+        report[f"cached_{other_dtype(dtype)}_vs_cached"] = (decoders[f"cached_{other_dtype(dtype)}"]["tok_s"]
+                                                            / decoders["cached"]["tok_s"])
     if "hf_transformers" in decoders:
         report["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
     return report
 
 
 def print_decode_report(report: dict, console) -> None:
-    print_table(console, f"batch-1 decode, {report['dtype']}, prompt {report['prompt_len']} tokens, "
+    print_table(console, f"batch-1 decode, prompt {report['prompt_len']} tokens, {report['new_tokens']} new "
+                         f"(naive {report['naive_tokens']}), {report['repeats']} interleaved runs, "
                          f"{report['machine']['torch_threads']} threads",
-                ["decoder", "tok/s", "ms/token", "MB read/step", "GB/s achieved", "of copy roof"],
-                [[name, f"{d['tok_s']:.1f}", f"{d['ms_per_token']:.1f}", f"{d['bytes_per_step'] / 1e6:.0f}",
-                  f"{d['bandwidth_GBs']:.1f}", f"{d['roof_fraction']:.0%}"] for name, d in report["decoders"].items()])
+                ["decoder", "dtype", "tok/s median", "best", "spread", "ms/token", "MB read/step", "GB/s achieved",
+                 "of copy roof (best)"],
+                [[name, d["dtype"], f"{d['tok_s']:.1f}", f"{d['best_tok_s']:.1f}", f"{d['spread']:.0%}",
+                  f"{d['ms_per_token']:.1f}", f"{d['bytes_per_step'] / 1e6:.0f}", f"{d['bandwidth_GBs']:.1f}",
+                  f"{d['roof_fraction']:.0%} ({d['best_roof_fraction']:.0%})"]
+                 for name, d in report["decoders"].items()])
     console.print(f"copy bandwidth measured now: {report['copy_bandwidth_GBs']:.1f} GB/s (read + write)")
-    console.print("cached decode by torch threads: " +
+    console.print("cached decode by torch threads (median of 3): " +
                   ", ".join(f"{n}: {v:.1f} tok/s" for n, v in report["cached_tok_s_by_threads"].items()))
     console.print(f"cached is {report['cached_vs_naive']:.1f}x naive" +
-                  (f" and {report['cached_vs_hf']:.2f}x HF transformers" if "cached_vs_hf" in report else ""))
+                  (f" and {report['cached_vs_hf']:.2f}x HF transformers" if "cached_vs_hf" in report else "") +
+                  "".join(f"; {key.removesuffix('_vs_cached').replace('_', ' ')} is {value:.2f}x cached {report['dtype']}"
+                          for key, value in report.items() if key.endswith("_vs_cached")))
     console.print("[dim]naive's bandwidth is not its limit: it recomputes the whole sequence, so it is "
                   "compute bound and its GB/s only counts the weights once per step.[/dim]")

@@ -11,6 +11,13 @@ Servers, all with the same batch size (`max_num_seqs`):
   - HF transformers static: `generate` on left-padded batches; a batch runs until its longest
     request is done, and only each request's own tokens count as output.
 
+Beside output tok/s, each server's *achieved GFLOP/s*: the model FLOPs of the trace's useful work
+(every prompt token and every output token but the last goes through the layers once, each output
+token needs one row of logits; padding and recomputation after preemption do not count) divided by
+its elapsed time, and its ratio to a matmul of the model's own shape measured in this run, in the
+same dtype and through the same kernel: how much of the machine's compute the server turns into
+model work.
+
 On the continuous run we also replay memory: at every step, the paged pool's reserved slots vs
 what a contiguous allocator would reserve for the same running requests (prompt + max_tokens
 each), and a block-size sweep: wasted slots, block-table entries, speed.
@@ -25,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.config import ConfigError
+from minillm.config import DTYPES, ConfigError, ModelConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import read_text
 from minillm.report import print_table
@@ -43,6 +50,39 @@ def make_trace(tokenizer: Tokenizer, num_requests: int = 64, seed: int = 0) -> l
         start = rng.randrange(len(text_ids) - prompt_len)
         trace.append((text_ids[start:start + prompt_len], rng.randint(8, 160)))
     return trace
+
+
+def trace_flops(config: ModelConfig, trace: list[tuple[list[int], int]]) -> float:
+    """The model FLOPs of serving `trace` once, 2 per multiply-add: the layers' matmuls for every
+    computed token, attention (q.k and p.v over the token's history), and the lm_head for each
+    output token's logits row."""
+    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    layer_params = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden  # wqkv, wo
+                    + 3 * hidden * config.intermediate_size)  # gate, up, down
+    flops = 0.0
+    for prompt_ids, output_len in trace:
+        computed = len(prompt_ids) + output_len - 1  # the last output token is sampled, never fed back
+        flops += 2 * config.num_layers * layer_params * computed
+        flops += 2 * 2 * config.num_layers * heads * head_dim * computed * (computed + 1) / 2  # token p reads p + 1 keys
+        flops += 2 * config.vocab_size * hidden * output_len
+    return flops
+
+
+def matmul_gflops(model, rows: int = 256, repeats: int = 5) -> float:
+    """GFLOP/s of the model's own largest layer matmul (the SwiGLU gate|up projection) on `rows`
+    tokens at once, best of `repeats`: the compute roof of this dtype and kernel, measured now."""
+    layer = model.layers[0].mlp.w_gate_up
+    x = torch.randn(rows, layer.in_features, dtype=model.dtype, device=model.device)
+    with torch.inference_mode():
+        layer(x)  # warm-up (and, for bf16 on a CPU, the packed copy)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            layer(x)
+            if x.is_cuda:
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - start)
+    return 2 * rows * layer.in_features * layer.out_features / best / 1e9
 
 
 def latency_summary(name: str, values: list[float]) -> dict:
@@ -129,26 +169,36 @@ def run_hf(hf_model, trace, batch_size: int) -> dict:
 
 def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
                 block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128), include_hf: bool = True,
-                attention_backend: str = "torch") -> dict:
+                attention_backend: str = "torch", dtype: str = "float32") -> dict:
     if num_requests < 1:
         raise ConfigError(f"bench serve needs at least 1 request (--requests {num_requests}); raise it.")
-    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    model, tokenizer = load_model(model_dir, DTYPES[dtype]), Tokenizer(model_dir)
     trace = make_trace(tokenizer, num_requests)
+    matmul_before = matmul_gflops(model)
     servers = {
         "minillm_continuous": run_minillm(model, tokenizer, trace, "continuous", 16, max_num_seqs, attention_backend),
         "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs, attention_backend),
     }
     if include_hf:
         from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
-        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
         servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
+    # the roof is measured before and after the servers, and the better taken, so that a busy
+    # moment on a shared machine does not make the servers look closer to it than they are
+    matmul = max(matmul_before, matmul_gflops(model))
+    work = trace_flops(model.config, trace)
+    for run in servers.values():
+        run["achieved_GFLOPs"] = work / run["elapsed_s"] / 1e9
+        run["matmul_fraction"] = run["achieved_GFLOPs"] / matmul
     sweep = {size: servers["minillm_continuous"] if size == 16 else
              run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs, attention_backend)
              for size in block_sizes}
     report = {
         "trace": {"requests": num_requests, "prompt_tokens": sum(len(p) for p, _ in trace),
                   "output_tokens": sum(n for _, n in trace), "prompt_len": "U[16, 320]", "output_len": "U[8, 160]",
-                  "seed": 0, "max_num_seqs": max_num_seqs, "attention_backend": attention_backend},
+                  "seed": 0, "max_num_seqs": max_num_seqs, "attention_backend": attention_backend,
+                  "model_GFLOP": work / 1e9},
+        "dtype": dtype, "torch_threads": torch.get_num_threads(), "matmul_GFLOPs": matmul,
         "servers": servers,
         "continuous_vs_static": servers["minillm_continuous"]["output_tok_s"] / servers["minillm_static"]["output_tok_s"],
         "block_size_sweep": {size: {key: run[key] for key in ("output_tok_s", "kv_utilization_paged",
@@ -164,11 +214,15 @@ def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
 def print_serve_report(report: dict, console) -> None:
     trace = report["trace"]
     print_table(console, f"{trace['requests']} requests (prompts {trace['prompt_len']}, outputs {trace['output_len']}), "
-                         f"batch {trace['max_num_seqs']}",
-                ["server", "output tok/s", "TTFT mean", "TTFT p90", "TPOT mean", "TPOT p90"],
-                [[name, f"{run['output_tok_s']:.1f}", f"{run['ttft_mean_s']:.1f} s", f"{run['ttft_p90_s']:.1f} s",
+                         f"batch {trace['max_num_seqs']}, {report['dtype']}, {report['torch_threads']} threads",
+                ["server", "output tok/s", "GFLOP/s", "of matmul", "TTFT mean", "TTFT p90", "TPOT mean", "TPOT p90"],
+                [[name, f"{run['output_tok_s']:.1f}", f"{run['achieved_GFLOPs']:.1f}", f"{run['matmul_fraction']:.0%}",
+                  f"{run['ttft_mean_s']:.1f} s", f"{run['ttft_p90_s']:.1f} s",
                   f"{run['tpot_mean_s'] * 1e3:.0f} ms", f"{run['tpot_p90_s'] * 1e3:.0f} ms"]
                  for name, run in report["servers"].items()])
+    console.print(f"GFLOP/s: the trace's {trace['model_GFLOP']:.0f} GFLOP of model work over each server's time, "
+                  f"against {report['matmul_GFLOPs']:.0f} GFLOP/s of the model's gate|up matmul on 256 rows, "
+                  f"{report['dtype']}, measured in this run")
     cont = report["servers"]["minillm_continuous"]
     console.print(f"continuous is {report['continuous_vs_static']:.2f}x static" +
                   (f" and {report['continuous_vs_hf']:.2f}x HF transformers" if "continuous_vs_hf" in report else ""))
