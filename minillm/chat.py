@@ -1,29 +1,61 @@
-"""`minillm chat`: a multi-turn conversation in the terminal, and what it costs, turn by turn.
+"""`minillm chat`: a multi-turn conversation in the terminal, with its KV memory in view.
 
 A chat model has no memory between turns: every turn's prompt is the whole conversation so far,
 rendered by the chat template, so the prompt grows with each turn. Run on the serving engine with
 the prefix cache on, the KV blocks an earlier turn computed are found in the cache, and only the
-newest turn is prefilled. /stats shows it after each reply: the prompt's tokens and how many of
-them were reused from the cache, time to first token, decode speed, the KV memory the
-conversation holds, and the pool's cached and free blocks.
+newest turn is prefilled. While a reply streams, a panel below it draws the KV pool block by
+block (`chat_view.py`): which blocks this conversation holds, which are shared with the prefix
+cache, which wait cached for a later prompt, which are free; bytes per token, prefix tokens
+reused, time to first token and tokens per second. Without a terminal the same numbers come as
+plain lines after each reply.
 
-With `--session NAME` the conversation outlives the process: when the chat ends, its KV blocks and
-messages are parked in one file (`memory/sessions.py`), and the next `minillm chat --session NAME`
-loads them back as cached prefix blocks — its first reply prefills only the new turn.
+Commands change the engine while the conversation stays: `/set kv_dtype int8` rebuilds the
+engine with int8 KV (the next reply prefills the conversation again into the new pool);
+`/compare kv_dtype int4` answers the last prompt twice, on fresh engines, as now and with the
+switch changed, and shows both side by side with the first token where they part
+(`chat_switches.py` lists the switches). `/memory` draws every block and the engine's accounting.
+
+Sessions: `/save NAME` parks the conversation's KV blocks and messages in one file
+(`memory/sessions.py`), `/load NAME` loads them back as cached prefix blocks, so the next reply
+prefills only the new turn. With `--session NAME` the chat starts from that session, if it
+exists, and parks itself there when it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 from safetensors import safe_open
 
+from minillm.chat_switches import SWITCHES, Switch, parse_switch
+from minillm.chat_view import LiveView, ReplyMeter, full_map, summary_lines
+from minillm.config import ConfigError
 from minillm.memory import SessionError
-from minillm.report import console, print_table
+from minillm.report import console as default_console, print_table
 
-CHAT_HELP = ("/reset clears the conversation, /stats shows speed, KV memory and prefix reuse, /sessions lists "
-             "parked sessions, /exit quits.")
+COMMANDS = {  # command -> (its arguments, what it does); /help prints them in this order
+    "/set": ("SWITCH VALUE", "change a switch; the engine is rebuilt if it must be, the conversation stays"),
+    "/compare": ("SWITCH VALUE", "answer the last prompt again with the switch changed, side by side"),
+    "/memory": ("", "every KV block, per tier, and the engine's accounting"),
+    "/stats": ("", "the last reply: prompt reuse, first token, decode speed, KV memory"),
+    "/save": ("[NAME]", "park the conversation (KV and messages) as session NAME"),
+    "/load": ("NAME", "resume session NAME: its messages, and its KV as cached prefix blocks"),
+    "/sessions": ("", "list the parked sessions"),
+    "/reset": ("", "clear the conversation"),
+    "/help": ("", "this list, and the switches"),
+    "/exit": ("", "quit (parking the --session, if there is one)"),
+}
+CHAT_HELP = ("Commands: /set, /compare, /memory, /stats, /save, /load, /sessions, /reset, /help, /exit; "
+             "a panel shows the KV pool while a reply streams.")
 SESSION_NAME = re.compile(r"\w[\w.-]*")
 DEFAULT_SESSIONS_DIR = Path.home() / ".cache" / "minillm" / "sessions"
 
@@ -48,26 +80,217 @@ def list_sessions(sessions_dir: Path) -> list[tuple[str, int, int]]:
     return found
 
 
-class Chat:
-    """One conversation on `llm`, an `LLM` built with prefix_caching=True; it owns the history."""
+# ----------------------------------------------------------------------------- /compare
+@dataclass
+class Answer:
+    """One prompt answered on a fresh engine, for /compare."""
 
-    def __init__(self, llm, params, system: str | None, session: Path | None = None):
-        self.llm, self.params, self.session = llm, params, session
+    token_ids: list[int]
+    text: str
+    seconds: float  # prefill and decode, by the wall clock
+    ttft: float
+    kv_bytes: int  # the most KV the request held at once (whole blocks, scales included)
+    bytes_per_token: int
+
+
+def answer(llm, prompt_ids: list[int], params) -> Answer:
+    start = time.perf_counter()
+    out = llm.generate([prompt_ids], params)[0]
+    seconds = time.perf_counter() - start
+    if out.error:
+        raise ValueError(out.error)
+    engine = llm.engine
+    peak = max(snapshot.reserved_slots for snapshot in engine.stats.memory)
+    return Answer(out.token_ids, out.text, seconds, out.ttft, peak * engine.pool.bytes_per_slot,
+                  engine.pool.bytes_per_slot)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where a and b differ (or where the shorter one ends); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ----------------------------------------------------------------------------- the chat
+class Chat:
+    """One conversation on `llm`, an `LLM` (prefix caching on, normally); it owns the history.
+    `live`: draw the memory panel while replies stream, when the console is a terminal."""
+
+    def __init__(self, llm, params, system: str | None, session: Path | None = None,
+                 sessions_dir: Path = DEFAULT_SESSIONS_DIR, console: Console = default_console, live: bool = True):
+        self.llm, self.params, self.session, self.console, self.live = llm, params, session, console, live
+        self.sessions_dir = session.parent if session is not None else Path(sessions_dir)
         self.initial = [{"role": "system", "content": system}] if system else []
         self.reset()
         self.resumed_tokens = 0  # KV tokens the session brought back, until the first reply uses them
 
+    @property
+    def engine(self):
+        return self.llm.engine
+
+    def say(self, line: str, style: str = "dim") -> None:
+        """One line, never wrapped (a pipe gets it whole) and never read as markup."""
+        self.console.print(f"[{style}]{escape(line)}[/{style}]", soft_wrap=True)
+
+    def error(self, message: str) -> None:
+        self.console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+
+    # ------------------------------------------------------------------ replies
+    def reset(self) -> None:
+        self.history: list[dict[str, str]] = list(self.initial)
+        self.last = None  # (output, its ReplyMeter) of the newest reply
+
+    def reply(self, user: str) -> None:
+        """Stream the answer to `user`. A turn that fails (e.g. the conversation outgrew the
+        context) leaves the history as it was."""
+        self.history.append({"role": "user", "content": user})
+        out, meter = self.stream(self.engine.tokenizer.encode_chat(self.history))
+        if out.finish_reason == "error":
+            self.history.pop()
+            self.error(f"{out.error} Type /reset to start over.")
+            return
+        self.history.append({"role": "assistant", "content": out.text})
+        self.last = (out, meter)
+        for line in summary_lines(self.engine, meter):
+            self.say(line)
+        if self.resumed_tokens:
+            self.show_resume_saving()
+
+    def stream(self, prompt_ids: list[int]):
+        """Run the prompt, showing the reply as it comes: under the live panel in a terminal,
+        as plain text otherwise. Returns the final output and its meter."""
+        engine, tokenizer = self.engine, self.engine.tokenizer
+        meter, decoder, hits_before = ReplyMeter(), tokenizer.stream_decoder(), engine.prefix_hit_tokens()
+        live = self.live and self.console.is_terminal
+        view = LiveView(self.console, engine, meter) if live else None
+        if not live:
+            self.console.print("[bold blue]smol>[/bold blue] ", end="")
+        text, out = "", None
+        with view or contextlib.nullcontext():
+            for out in self.llm.stream(prompt_ids, self.params):
+                meter.reused_tokens = engine.prefix_hit_tokens() - hits_before
+                if not out.token_ids:
+                    continue
+                meter.count_token()
+                if out.token_ids[-1] != tokenizer.eos_token_id:
+                    piece = decoder.feed(out.token_ids[-1])
+                    text += piece
+                    if view:
+                        view.feed(piece)
+                    else:
+                        self.console.print(piece, end="", markup=False, highlight=False)
+        rest = decoder.flush()
+        if live:  # the drawing is gone: the reply stays, printed once
+            self.console.print(Text("smol> ", style="bold blue") + Text(text + rest))
+        else:
+            self.console.print(rest, markup=False, highlight=False)
+        return out, meter
+
+    def show_resume_saving(self) -> None:
+        """After the first reply of a resumed session: the prefill the session saved, and what
+        recomputing it would have cost at the prefill rate this run measured."""
+        out, meter = self.last
+        rate = self.engine.swap_cost.prefill_rate()
+        estimate = f"; recomputing them would take ~{meter.reused_tokens / rate * 1000:.0f} ms here" if rate else ""
+        self.say(f"{meter.reused_tokens:,} of {len(out.prompt_token_ids):,} prompt tokens came from the session, "
+                 f"first token in {out.ttft * 1000:.0f} ms{estimate}")
+        self.resumed_tokens = 0
+
+    def stats(self) -> str:
+        if self.last is None:
+            return "no reply yet"
+        out, meter = self.last
+        engine = self.engine
+        per_token = engine.pool.bytes_per_slot
+        held = len(out.prompt_token_ids) + len(out.token_ids)
+        decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
+        cache = engine.block_manager.prefix_cache
+        return (f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
+                f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
+                f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
+                f"{len(cache.entries) if cache else 0} blocks cached, "
+                f"{engine.block_manager.num_free_blocks} of {engine.block_manager.num_blocks} blocks free")
+
+    # ------------------------------------------------------------------ /set and /compare
+    def engine_with(self, fields: dict):
+        """A new LLM: this one's switches with `fields` changed; the model is kept unless its dtype changes."""
+        from minillm.engine import LLM
+
+        config, engine = self.engine.config, self.engine
+        switches = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_dir"}
+        switches |= fields
+        model = engine.model if switches["dtype"] == config.dtype else None
+        return LLM(config.model_dir, model=model, tokenizer=engine.tokenizer, **switches)
+
+    def current(self, switch: Switch, fields: dict) -> str:
+        owner = self.params if switch.where == "sampling" else self.engine.config
+        return " ".join(f"{name}={getattr(owner, name)}" for name in fields)
+
+    def set_switch(self, words: str) -> None:
+        switch, fields = parse_switch(words)
+        if switch.where == "view":
+            self.live = fields["live"]
+            terminal = "" if self.console.is_terminal else " (stdout is not a terminal: plain lines stay)"
+            self.say(f"live panel {'on' if self.live else 'off'}{terminal}")
+        elif switch.where == "sampling":
+            self.params = dataclasses.replace(self.params, **fields)
+            self.say(f"next replies sample with {self.current(switch, fields)}")
+        else:
+            self.llm = self.engine_with(fields)
+            tokens = len(self.engine.tokenizer.encode_chat(self.history, add_generation_prompt=False)) \
+                if self.history else 0
+            self.say(f"engine rebuilt with {self.current(switch, fields)}; the conversation stays "
+                     f"({len(self.history)} messages): its next reply prefills its {tokens:,} tokens into the new pool")
+
+    def compare(self, words: str) -> None:
+        switch, fields = parse_switch(words)
+        if switch.where == "view":
+            raise ValueError("live changes only the drawing; /compare an engine or sampling switch")
+        if self.last is None:
+            raise ValueError("nothing to compare yet: ask something first, then /compare SWITCH VALUE")
+        prompt_ids = self.last[0].prompt_token_ids
+        changed_params = dataclasses.replace(self.params, **fields) if switch.where == "sampling" else self.params
+        changed = self.engine_with(fields if switch.where == "engine" else {})  # a bad combination fails here, first
+        self.say(f"answering the last prompt ({len(prompt_ids):,} tokens) on two fresh engines: as now, and with {words}")
+        before = answer(self.engine_with({}), prompt_ids, self.params)
+        after = answer(changed, prompt_ids, changed_params)
+        self.show_comparison(switch, f"now: {self.current(switch, fields)}", f"with {words}", before, after)
+
+    def show_comparison(self, switch: Switch, name_a: str, name_b: str, a: Answer, b: Answer) -> None:
+        table = Table(title=f"/compare {switch.name} ({'lossy' if switch.lossy else 'lossless'})")
+        table.add_column("")
+        table.add_column(name_a, overflow="fold")
+        table.add_column(name_b, overflow="fold")
+        rows = [("text", a.text, b.text), ("tokens", f"{len(a.token_ids):,}", f"{len(b.token_ids):,}"),
+                ("time", f"{a.seconds:.2f} s", f"{b.seconds:.2f} s"),
+                ("first token", f"{a.ttft * 1000:,.0f} ms", f"{b.ttft * 1000:,.0f} ms"),
+                ("KV held", f"{a.kv_bytes / 2**20:,.2f} MiB", f"{b.kv_bytes / 2**20:,.2f} MiB"),
+                ("KV B/token", f"{a.bytes_per_token:,}", f"{b.bytes_per_token:,}")]
+        for row in rows:
+            table.add_row(*row)
+        self.console.print(table)
+        index = first_difference(a.token_ids, b.token_ids)
+        if index is None:
+            self.say(f"identical: all {len(a.token_ids):,} tokens are the same", style="bold")
+        else:
+            decode = self.engine.tokenizer.decode
+            token = lambda ids: repr(decode(ids[index:index + 1])) if index < len(ids) else "(ended)"
+            self.say(f"first differs at token {index}: {token(a.token_ids)} vs {token(b.token_ids)}", style="bold")
+
+    # ------------------------------------------------------------------ sessions
     def resume(self) -> None:
         """Load the parked session: its messages become the history, its KV the prefix cache's."""
-        token_ids, extra = self.llm.engine.load_session(self.session)
+        token_ids, extra = self.engine.load_session(self.session)
         messages = extra.get("messages")
         if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                    and isinstance(m.get("content"), str) for m in messages)):
             raise SessionError(f"Session {self.session.stem} holds no chat messages; start a new session.")
         self.history = messages
+        self.last = None
         self.resumed_tokens = len(token_ids)
-        console.print(f"[dim]resumed session {self.session.stem}: {len(self.history)} messages, "
-                      f"{len(token_ids):,} tokens of KV loaded from disk[/dim]")
+        self.say(f"resumed session {self.session.stem}: {len(self.history)} messages, "
+                 f"{len(token_ids):,} tokens of KV loaded from disk")
 
     def park(self) -> None:
         """Write the conversation's KV and messages to the session file (if there was a reply)."""
@@ -75,78 +298,72 @@ class Chat:
             return
         out = self.last[0]
         try:
-            kept = self.llm.engine.save_session(self.session, out.prompt_token_ids + out.token_ids,
-                                                extra={"messages": self.history})
+            kept = self.engine.save_session(self.session, out.prompt_token_ids + out.token_ids,
+                                            extra={"messages": self.history})
         except OSError as err:
-            console.print(f"[red]error:[/red] session {self.session.stem} could not be parked in "
-                          f"{self.session.parent} ({err.strerror or err}); choose another --sessions-dir.")
+            self.error(f"session {self.session.stem} could not be parked in {self.session.parent} "
+                       f"({err.strerror or err}); choose another --sessions-dir.")
             return
-        console.print(f"[dim]parked session {self.session.stem}: {kept:,} tokens of KV, "
-                      f"{self.session.stat().st_size / 2**20:.1f} MiB on disk[/dim]")
+        self.say(f"parked session {self.session.stem}: {kept:,} tokens of KV, "
+                 f"{self.session.stat().st_size / 2**20:.1f} MiB on disk")
 
-    def reset(self) -> None:
-        self.history: list[dict[str, str]] = list(self.initial)
-        self.last = None  # (output, prompt tokens reused from the prefix cache) of the newest reply
-
-    def reply(self, user: str) -> None:
-        """Stream the answer to `user`. A turn that fails (e.g. the conversation outgrew the
-        context) leaves the history as it was."""
-        tokenizer, cache = self.llm.engine.tokenizer, self.llm.engine.block_manager.prefix_cache
-        self.history.append({"role": "user", "content": user})
-        hits_before = cache.hit_blocks
-        text, out = tokenizer.stream_decoder(), None
-        console.print("[bold blue]smol>[/bold blue] ", end="")
-        for out in self.llm.stream(tokenizer.encode_chat(self.history), self.params):
-            token = out.token_ids[-1] if out.token_ids else None
-            if token is not None and token != tokenizer.eos_token_id:
-                console.print(text.feed(token), end="", markup=False, highlight=False)
-        if out.finish_reason == "error":
-            self.history.pop()
-            console.print(f"\n[red]error:[/red] {out.error} Type /reset to start over.")
-            return
-        console.print(text.flush())
-        self.history.append({"role": "assistant", "content": out.text})
-        self.last = (out, (cache.hit_blocks - hits_before) * cache.block_size)
-        if self.resumed_tokens:
-            self.show_resume_saving()
-
-    def show_resume_saving(self) -> None:
-        """After the first reply of a resumed session: the prefill the session saved, and what
-        recomputing it would have cost at the prefill rate this run measured."""
-        out, reused = self.last
-        rate = self.llm.engine.swap_cost.prefill_rate()
-        estimate = f"; recomputing them would take ~{reused / rate * 1000:.0f} ms here" if rate else ""
-        console.print(f"[dim]{reused:,} of {len(out.prompt_token_ids):,} prompt tokens came from the session, "
-                      f"first token in {out.ttft * 1000:.0f} ms{estimate}[/dim]")
-        self.resumed_tokens = 0
-
-    def stats(self) -> str:
+    def save(self, name: str) -> None:
+        if not name and self.session is None:
+            raise ValueError("give the session a name: /save NAME")
         if self.last is None:
-            return "[dim]no reply yet[/dim]"
-        out, reused_tokens = self.last
-        engine = self.llm.engine
-        per_token = engine.pool.bytes_per_slot
-        held = len(out.prompt_token_ids) + len(out.token_ids)
-        decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
-        return (f"prompt {len(out.prompt_token_ids)} tokens ({reused_tokens} reused from the prefix cache), "
-                f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
-                f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
-                f"{len(engine.block_manager.prefix_cache.entries)} blocks cached, "
-                f"{engine.block_manager.num_free_blocks} of {engine.block_manager.num_blocks} blocks free")
+            raise ValueError("nothing to save yet: a session keeps a conversation's KV, so ask something first")
+        self.session = session_path(self.sessions_dir, name) if name else self.session
+        self.park()
 
-    def show_sessions(self) -> None:
-        folder = self.session.parent if self.session else DEFAULT_SESSIONS_DIR
+    def load(self, name: str) -> None:
+        if not name:
+            raise ValueError("say which session: /load NAME (/sessions lists them)")
+        path = session_path(self.sessions_dir, name)
+        if not path.exists():
+            raise ValueError(f"no session {name} in {self.sessions_dir}; /sessions lists them")
+        self.session = path
+        self.resume()
+
+    def show_sessions(self, _: str = "") -> None:
         rows = [[name, f"{tokens:,}" if tokens >= 0 else "damaged", f"{size / 2**20:.1f} MiB"]
-                for name, tokens, size in list_sessions(folder)]
+                for name, tokens, size in list_sessions(self.sessions_dir)]
         if rows:
-            print_table(console, f"sessions in {folder}", ["name", "KV tokens", "on disk"], rows)
+            print_table(self.console, f"sessions in {self.sessions_dir}", ["name", "KV tokens", "on disk"], rows)
         else:
-            console.print(f"[dim]no sessions in {folder}[/dim]")
+            self.say(f"no sessions in {self.sessions_dir}")
+
+    # ------------------------------------------------------------------ the loop
+    def show_help(self, _: str = "") -> None:
+        for command, (arguments, what) in COMMANDS.items():
+            self.console.print(f"  {command} {arguments}".ljust(24) + escape(what), soft_wrap=True)
+        self.console.print("  switches (/set, /compare):", soft_wrap=True)
+        for switch in SWITCHES.values():
+            kind = "view" if switch.where == "view" else "lossy" if switch.lossy else "lossless"
+            self.console.print(f"    {switch.name}".ljust(24) + escape(f"{switch.accepts} ({kind})"), soft_wrap=True)
+
+    def command(self, line: str) -> bool:
+        """Run a /command; False when it ends the chat. A mistake is one line, and the chat goes on."""
+        name, _, rest = line.partition(" ")
+        if name in ("/exit", "/quit"):
+            return False
+        handlers = {"/set": self.set_switch, "/compare": self.compare, "/memory": lambda _: full_map(self.engine, self.console),
+                    "/stats": lambda _: self.say(self.stats(), style="none"), "/save": self.save, "/load": self.load,
+                    "/sessions": self.show_sessions, "/reset": lambda _: self.reset() or self.say("conversation cleared"),
+                    "/help": self.show_help}
+        if name not in handlers:
+            self.error(f"unknown command {name}; /help lists the commands")
+            return True
+        try:
+            handlers[name](rest.strip())
+        except (ConfigError, ValueError) as err:  # SessionError is a ConfigError
+            self.error(str(err))
+        return True
 
     def run(self, model_name: str) -> None:
         """Read a line, run it as a command or answer it; until /exit or the end of the input,
         then park the session if there is one."""
-        console.print(f"[bold]minillm chat[/bold] — {model_name}, paged KV with prefix caching. {CHAT_HELP}")
+        self.console.print(f"[bold]minillm chat[/bold] — {model_name}, paged KV with prefix caching. "
+                           f"{CHAT_HELP}", soft_wrap=True)
         if self.session is not None and self.session.exists():
             self.resume()
         self.converse()
@@ -155,18 +372,12 @@ class Chat:
     def converse(self) -> None:
         while True:
             try:
-                user = console.input("[bold green]you>[/bold green] ").strip()
+                line = self.console.input("[bold green]you>[/bold green] ").strip()
             except (EOFError, KeyboardInterrupt):
-                console.print()
+                self.console.print()
                 return
-            if user in ("/exit", "/quit"):
-                return
-            if user == "/sessions":
-                self.show_sessions()
-            elif user == "/reset":
-                self.reset()
-                console.print("[dim]conversation cleared[/dim]")
-            elif user == "/stats":
-                console.print(self.stats())
-            elif user:
-                self.reply(user)
+            if line.startswith("/"):
+                if not self.command(line):
+                    return
+            elif line:
+                self.reply(line)

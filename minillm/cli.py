@@ -123,6 +123,8 @@ def add_chat(subparsers) -> None:
                            "(only the new turn is computed)")
     chat.add_argument("--sessions-dir", type=Path, default=DEFAULT_SESSIONS_DIR,
                       help=f"where sessions are parked (default: {DEFAULT_SESSIONS_DIR})")
+    chat.add_argument("--no-live", action="store_true",
+                      help="no live memory panel while a reply streams, even in a terminal (plain lines instead)")
     add_sampling_args(chat, max_tokens=256)
     add_kv_quantization_args(chat)
     add_model_args(chat)
@@ -136,7 +138,7 @@ def cmd_chat(args) -> None:
     session = session_path(args.sessions_dir, args.session) if args.session is not None else None
     llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True, kv_dtype=args.kv_dtype,
               kv_key_scales=args.kv_key_scales)
-    Chat(llm, sampling_from(args), args.system, session).run(args.model.name)
+    Chat(llm, sampling_from(args), args.system, session, args.sessions_dir, live=not args.no_live).run(args.model.name)
 
 
 # ----------------------------------------------------------------------------- info

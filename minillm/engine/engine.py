@@ -246,6 +246,18 @@ class LLMEngine:
         return paged_stats(self.block_manager, self.scheduler.cached_entries(), self.pool.bytes_per_slot,
                            self.tiers.moved())
 
+    def block_states(self) -> dict[str, list[str]]:
+        """Every block's state ("free", "cached", "shared", "private"), per tier the engine has:
+        a picture of the pool, for the chat's memory view."""
+        manager = self.block_manager
+        tiers = ["device"] + ["host"] * bool(manager.num_host_blocks) + ["disk"] * manager.disk
+        return {tier: manager.block_states(tier) for tier in tiers}
+
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens the prefix cache has saved from prefill so far (0 without a cache)."""
+        cache = self.block_manager.prefix_cache
+        return cache.hit_blocks * cache.block_size if cache else 0
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions

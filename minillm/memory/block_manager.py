@@ -346,6 +346,16 @@ class BlockManager:
             return "cached" if cached else "free"
         return "shared" if self.refcounts[block] > 1 or cached else "private"
 
+    def block_states(self, tier: str) -> list[str]:
+        """`block_state` of every block of a tier, by id: the whole device or host pool, or the
+        disk's block files in use."""
+        if tier == "disk":
+            ids = sorted(block for block, held in self.refcounts.items() if held and self.tier(block) == "disk")
+        else:
+            first, size = (0, self.num_blocks) if tier == "device" else (self.num_blocks, self.num_host_blocks)
+            ids = range(first, first + size)
+        return [self.block_state(block) for block in ids]
+
     def check_invariants(self) -> None:
         holders = Counter(block for table in self.block_tables.values() for block in table)
         free = set(self.free_blocks) | set(self.free_host) | set(self.free_disk)

@@ -1,0 +1,180 @@
+"""The chat REPL: /set keeps the conversation and changes the engine, /compare answers as fresh
+engines do, the memory view counts what the engine counts, a bad command is one line and the
+chat goes on, and without a terminal there is no live panel and no escape code.
+
+A tiny random model with the real tokenizer (and an untied output layer, so that its replies do
+not repeat one token) keeps these fast; what it says is noise, but noise is exact."""
+
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+import minillm.chat_view
+from minillm.chat import Chat, first_difference
+from minillm.chat_view import STATES, state_counts, summary_lines
+from minillm.engine import LLM, SamplingParams
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+from tests.conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+
+REPO = Path(__file__).parent.parent
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+POOL = dict(prefix_caching=True, kv_cache_bytes=96 * 16 * 768)  # 96 blocks of the tiny model's fp32 KV
+
+
+@pytest.fixture(scope="module")
+def chat_dir(real_dir, tmp_path_factory) -> Path:
+    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
+    config = {**TINY_CONFIG, "vocab_size": vocab_size, "max_position_embeddings": 1024}
+    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-chat"), config, random_llama_tensors(config))
+    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
+        shutil.copy(real_dir / name, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def parts(chat_dir):
+    return load_model(chat_dir), Tokenizer(chat_dir)
+
+
+def fresh_llm(chat_dir, parts, **switches) -> LLM:
+    model, tokenizer = parts
+    return LLM(chat_dir, model=model, tokenizer=tokenizer, **{**POOL, **switches})
+
+
+def new_chat(chat_dir, parts, console=None, sessions_dir=None, **switches) -> Chat:
+    console = console or Console(file=io.StringIO(), width=80)
+    return Chat(fresh_llm(chat_dir, parts, **switches), SamplingParams(max_tokens=24), None,
+                sessions_dir=sessions_dir or Path("."), console=console)
+
+
+def printed(chat: Chat) -> str:
+    return chat.console.file.getvalue()
+
+
+def test_set_keeps_the_conversation_and_rebuilds_the_engine(chat_dir, parts):
+    chat = new_chat(chat_dir, parts)
+    chat.reply("Say hello.")
+    history, engine = list(chat.history), chat.engine
+    assert chat.command("/set kv_dtype int8")
+    assert chat.engine is not engine and chat.engine.config.kv_dtype == "int8"
+    assert chat.engine.model is engine.model and chat.engine.config.prefix_caching  # the rest is as it was
+    assert chat.history == history
+    chat.reply("And goodbye?")
+    out = chat.last[0]
+    prompt = parts[1].encode_chat(history + [{"role": "user", "content": "And goodbye?"}])
+    assert out.prompt_token_ids == prompt  # the whole conversation, carried into the new engine
+    expected = fresh_llm(chat_dir, parts, kv_dtype="int8").generate([prompt], SamplingParams(max_tokens=24))[0]
+    assert out.token_ids == expected.token_ids
+    chat.command("/set temperature 0.7")
+    assert chat.params.temperature == 0.7 and chat.engine.config.kv_dtype == "int8"
+    assert "engine rebuilt with kv_dtype=int8" in printed(chat) and "sample with temperature=0.7" in printed(chat)
+
+
+@pytest.mark.parametrize("switch, changes", [("block_size 4", {"block_size": 4}),
+                                             ("prefix_caching off", {"prefix_caching": False}),
+                                             ("kv_dtype int4", {"kv_dtype": "int4"}),
+                                             ("eviction window 16", {"eviction": "window", "kv_budget": 16})])
+def test_compare_answers_as_two_fresh_engines_do(chat_dir, parts, switch, changes):
+    chat = new_chat(chat_dir, parts)
+    chat.reply("Say hello.")
+    chat.command(f"/compare {switch}")
+    prompt, params = chat.last[0].prompt_token_ids, SamplingParams(max_tokens=24)
+    now = fresh_llm(chat_dir, parts).generate([prompt], params)[0].token_ids
+    changed = fresh_llm(chat_dir, parts, **changes).generate([prompt], params)[0].token_ids
+    said = " ".join(printed(chat).split())
+    index = first_difference(now, changed)
+    if "kv_dtype" in changes or "eviction" in changes:  # lossy: they part, and the chat says where
+        assert index is not None and f"first differs at token {index}:" in said
+    else:  # lossless: the very same tokens
+        assert index is None and f"identical: all {len(now)} tokens are the same" in said
+    assert f"tokens │ {len(now)} │ {len(changed)} │" in said
+
+
+def test_compare_a_sampling_switch_changes_only_the_sampling(chat_dir, parts):
+    chat = new_chat(chat_dir, parts)
+    chat.reply("Say hello.")
+    chat.command("/compare temperature 1.5 ")  # the seed is unset: the text differs from run to run
+    assert "/compare temperature (lossy)" in printed(chat) and chat.params.temperature == 0
+
+
+def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts):
+    """Mid-reply and after it, with a small pool whose cached blocks spill to a host tier."""
+    chat = new_chat(chat_dir, parts, kv_cache_bytes=12 * 16 * 768, host_cache_bytes=8 * 16 * 768)
+    engine = chat.engine
+    for turn in range(3):
+        prompt = parts[1].encode_chat([{"role": "user", "content": f"Question {turn}: " + "why? " * 30}])
+        for step, out in enumerate(chat.llm.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True))):
+            if step % 7 == 3 or out.finished:
+                tiers, stats = engine.block_states(), engine.memory_stats()
+                device, host = state_counts(tiers["device"]), state_counts(tiers["host"])
+                assert (device["private"] + device["shared"]) * 16 == stats.reserved_slots
+                assert device["free"] + device["cached"] == engine.block_manager.num_free_blocks
+                manager = engine.block_manager
+                assert device["cached"] == sum(manager.tier(b) == "device" and manager.refcount(b) == 0
+                                               for b in manager.prefix_cache.entries)
+                assert (host["private"] + host["shared"]) * 16 == stats.host_reserved_slots
+                assert host["cached"] == sum(manager.tier(b) == "host" for b in manager.prefix_cache.entries)
+                lines = summary_lines(engine, minillm.chat_view.ReplyMeter())
+                names = ", ".join(f"{device[s]:,} {name}" for s, (_, _, name) in STATES.items())
+                assert lines[0] == f"blocks: {names} of 12"
+                assert lines[1].startswith(f"host: {host['private'] + host['shared']} swapped out, {host['cached']} spilled")
+    assert engine.block_manager.num_spilled > 0  # the host row had something to show
+
+
+def test_save_and_load_carry_the_conversation_and_its_kv(chat_dir, parts, tmp_path):
+    chat = new_chat(chat_dir, parts, sessions_dir=tmp_path)
+    chat.reply("Name a color.")
+    chat.command("/save notes")
+    assert (tmp_path / "notes.safetensors").exists() and "parked session notes" in printed(chat)
+    other = new_chat(chat_dir, parts, sessions_dir=tmp_path)
+    other.command("/load notes")
+    assert other.history == chat.history
+    other.reply("And a fruit?")
+    assert other.last[1].reused_tokens >= 32  # the first turn's full blocks came from the file
+
+
+def test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal(chat_dir, tmp_path):
+    """Piped input and output, as in CI: every mistake is one `error:` line, the chat answers
+    afterwards, and nothing is drawn live: no escape codes, no panel."""
+    bad = ["/set", "/set foo 1", "/set kv_dtype int9", "/set block_size 0", "/set block_size x",
+           "/set kv_budget 5", "/set eviction h2o", "/set temperature -1", "/compare block_size 8",
+           "/compare live off", "/bogus", "/load nosuch", "/load ../up", "/save"]
+    lines = bad + ["Say hello.", "/compare kv_cache_mb 0", "/stats", "/memory", "/help", "/exit"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
+    done = subprocess.run([sys.executable, "-m", "minillm.cli", "chat", "--model", str(chat_dir), "--max-tokens", "8",
+                           "--sessions-dir", str(tmp_path)], input="\n".join(lines) + "\n", capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stderr == ""
+    answers = done.stdout.split("you> ")[1:]  # what each line got
+    for line, said in zip(bad + [None, "/compare kv_cache_mb 0"], answers):
+        if line:
+            assert said.startswith("error: ") and said.count("\n") == 1, (line, said)
+    assert "blocks: " in answers[len(bad)] and "first token" in answers[len(bad)]  # a reply, then plain lines
+    assert "KV pool:" in answers[len(bad) + 3] and "/compare SWITCH VALUE" in answers[len(bad) + 4]
+    assert not ANSI.search(done.stdout) and "╭" not in done.stdout  # no colour, no live panel
+
+
+def test_the_live_panel_is_drawn_in_a_terminal_within_80_columns(chat_dir, parts, monkeypatch):
+    monkeypatch.setattr(minillm.chat_view, "REDRAW_SECONDS", 0.0)  # draw on every token
+    console = Console(file=io.StringIO(), width=80, height=30, force_terminal=True)
+    chat = new_chat(chat_dir, parts, console=console)
+    chat.reply("Say hello " * 40)
+    drawn = ANSI.sub("", printed(chat))
+    panels = drawn.count("╭─ KV pool: 96 blocks x 16 tokens, float32")
+    assert panels >= len(chat.last[0].token_ids) - 1  # redrawn as tokens came
+    assert all(len(line) <= 80 for line in re.split(r"[\r\n]", drawn))
+    reply = " ".join(parts[1].decode(chat.last[0].token_ids).split())
+    assert reply[:20] in " ".join(drawn.split())  # the reply stays once the panel goes
+    chat.command("/set live off")
+    chat.reply("Again.")
+    assert ANSI.sub("", printed(chat)).count("╭─ KV pool") == panels
+
