@@ -304,6 +304,9 @@ class Chat:
             self.error(f"session {self.session.stem} could not be parked in {self.session.parent} "
                        f"({err.strerror or err}); choose another --sessions-dir.")
             return
+        except ConfigError as err:  # e.g. /set prefix_caching off: nothing to find the blocks again by
+            self.error(f"session {self.session.stem} was not parked: {err}")
+            return
         self.say(f"parked session {self.session.stem}: {kept:,} tokens of KV, "
                  f"{self.session.stat().st_size / 2**20:.1f} MiB on disk")
 

@@ -67,6 +67,10 @@ class ReplyMeter:
         return (self.tokens - 1) / (self.last_token_time - self.first_token_time)
 
 
+def mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.2f} MiB"
+
+
 def state_counts(states: list[str]) -> dict[str, int]:
     return {state: states.count(state) for state in STATES}
 
@@ -111,8 +115,7 @@ def bytes_line(engine, counts: dict[str, int]) -> str:
     held = (counts["private"] + counts["shared"]) * block_size * per_token
     staged = engine.pool.staged_bytes
     staging = f" + {staged / 2**10:,.0f} KiB keys staging" if staged else ""
-    return (f"{per_token:,} B/token; held {held / 2**20:,.2f} MiB{staging}; "
-            f"pool {engine.pool.nbytes / 2**20:,.0f} MiB")
+    return f"{per_token:,} B/token; held {mib(held)}{staging}; pool {mib(engine.pool.nbytes)}"
 
 
 def reply_line(meter: ReplyMeter) -> str:
@@ -161,27 +164,26 @@ def full_map(engine, console: Console) -> None:
     console.print(f"[bold]{pool_title(engine)}[/bold]")
     for tier, states in tiers.items():
         if states:
-            console.print(f"{tier}:")
             picture, per_cell = block_map(states, FULL_ROWS)
+            console.print(f"{tier}:" + (f" (1 cell = {per_cell} blocks, the busiest state among them)" if per_cell > 1 else ""))
             console.print(picture)
-            if per_cell > 1:
-                console.print(f"(1 cell = {per_cell} blocks: the busiest state among them)")
-        console.print(legend(state_counts(states)))
+    console.print(legend(state_counts(tiers["device"])))
+    for line in tier_lines(tiers):
+        console.print(line)
     stats, per_token = engine.memory_stats(), engine.pool.bytes_per_slot
     cache = engine.block_manager.prefix_cache
-    rows = [["bytes per token (K and V, all layers, scales)", f"{per_token:,}"],
-            ["reserved (blocks held)", f"{stats.reserved_slots:,} tokens, {stats.reserved_slots * per_token / 2**20:,.2f} MiB"],
-            ["live (tokens stored now)", f"{stats.live_slots:,} tokens, {stats.live_slots * per_token / 2**20:,.2f} MiB"],
+    rows = [["bytes per token", f"{per_token:,} (K and V, all layers, scales)"],
+            ["reserved (blocks held)", f"{stats.reserved_slots:,} tokens, {mib(stats.reserved_slots * per_token)}"],
+            ["live (tokens stored)", f"{stats.live_slots:,} tokens, {mib(stats.live_slots * per_token)}"],
             ["saved by sharing", f"{stats.shared_slots:,} tokens"],
-            ["pool", f"{stats.total_slots:,} tokens, {engine.pool.nbytes / 2**20:,.1f} MiB"],
-            ["keys staging in full precision", f"{engine.pool.staged_bytes / 2**10:,.1f} KiB"]]
+            ["pool", f"{stats.total_slots:,} tokens, {mib(engine.pool.nbytes)}"],
+            ["keys staging", f"{engine.pool.staged_bytes / 2**10:,.1f} KiB in full precision"]]
     if cache is not None:
-        rows += [["prefix cache", f"{len(cache.entries):,} blocks cached, {cache.hit_rate:.0%} of prompt blocks hit, "
-                                  f"{engine.prefix_hit_tokens():,} prefill tokens saved"]]
+        rows += [["prefix cache", f"{len(cache.entries):,} blocks, {cache.hit_rate:.0%} hit, "
+                                  f"{engine.prefix_hit_tokens():,} tokens saved"]]
     if "host" in tiers:
         rows += [["host pool", f"{stats.host_reserved_slots:,} of {stats.host_total_slots:,} tokens held"]]
-    if stats.bytes_moved:
-        rows += [[f"moved {direction}", f"{moved / 2**20:,.2f} MiB"] for direction, moved in stats.bytes_moved.items()]
+    rows += [[f"moved {direction}", mib(moved)] for direction, moved in stats.bytes_moved.items()]
     print_table(console, "accounting (memory/accounting.py)", ["", "now"], rows)
 
 

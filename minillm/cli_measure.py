@@ -1,4 +1,4 @@
-"""The commands that measure: `minillm bench decode|serve|prefix|tiers|memory|attention` (speed) and
+"""The commands that measure: `minillm bench decode|serve|prefix|tiers|memory|attention|chat-view` (speed) and
 `minillm eval ppl` (quality).
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
@@ -21,7 +21,7 @@ def add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_tiers, add_bench_memory,
-                        add_bench_attention):
+                        add_bench_attention, add_bench_chat_view):
         add_command(benches)
 
 
@@ -96,6 +96,25 @@ def cmd_bench_prefix(args) -> None:
     from minillm.benchmarks.prefix import bench_prefix, print_prefix_report
     show(bench_prefix(args.model, args.requests, args.system_tokens, args.attention_backend),
          print_prefix_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench chat-view
+
+def add_bench_chat_view(benches) -> None:
+    view = benches.add_parser("chat-view", help="the chat's live memory panel: decode tok/s with it vs without",
+                              description="The same chat reply, again and again, with the live memory panel drawn "
+                                          "into a terminal and as plain text, interleaved: decode tok/s of each "
+                                          "(median, best, spread) and the slowdown (target: under 5%%).")
+    view.add_argument("--rounds", type=positive_int, default=5, help="replies with each view (default: 5)")
+    view.add_argument("--tokens", type=positive_int, default=128, help="tokens per reply (default: 128)")
+    view.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(view)
+    view.set_defaults(func=cmd_bench_chat_view)
+
+
+def cmd_bench_chat_view(args) -> None:
+    from minillm.benchmarks.chat_view import bench_chat_view, print_chat_view_report
+    show(bench_chat_view(args.model, args.rounds, args.tokens, args.dtype), print_chat_view_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench tiers

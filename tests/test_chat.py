@@ -178,3 +178,14 @@ def test_the_live_panel_is_drawn_in_a_terminal_within_80_columns(chat_dir, parts
     chat.reply("Again.")
     assert ANSI.sub("", printed(chat)).count("╭─ KV pool") == panels
 
+
+
+def test_bench_chat_view_times_both_views(capsys, chat_dir):
+    from minillm.cli import main
+
+    assert main(["bench", "chat-view", "--json", "--rounds", "2", "--tokens", "4", "--model", str(chat_dir)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    for view in ("live", "plain"):
+        assert len(report[view]["samples_tok_s"]) == 2 and report[view]["tok_s"] > 0
+    assert report["slowdown"] == pytest.approx(1 - report["live"]["tok_s"] / report["plain"]["tok_s"])
+    assert report["panel_draw_ms"] > 0
