@@ -130,11 +130,11 @@ class Chat:
         return self.llm.engine
 
     def say(self, line: str, style: str = "dim") -> None:
-        """One line, never wrapped (a pipe gets it whole) and never read as markup."""
-        self.console.print(f"[{style}]{escape(line)}[/{style}]", soft_wrap=True)
+        """One line, never read as markup; wrapped to fit a terminal, whole in a pipe."""
+        self.console.print(f"[{style}]{escape(line)}[/{style}]", soft_wrap=not self.console.is_terminal)
 
     def error(self, message: str) -> None:
-        self.console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
+        self.console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=not self.console.is_terminal)
 
     # ------------------------------------------------------------------ replies
     def reset(self) -> None:
@@ -227,7 +227,7 @@ class Chat:
         owner = self.params if switch.where == "sampling" else self.engine.config
         return " ".join(f"{name}={getattr(owner, name)}" for name in fields)
 
-    def set_switch(self, words: str) -> None:
+    def do_set(self, words: str) -> None:
         switch, fields = parse_switch(words)
         if switch.where == "view":
             self.live = fields["live"]
@@ -243,7 +243,7 @@ class Chat:
             self.say(f"engine rebuilt with {self.current(switch, fields)}; the conversation stays "
                      f"({len(self.history)} messages): its next reply prefills its {tokens:,} tokens into the new pool")
 
-    def compare(self, words: str) -> None:
+    def do_compare(self, words: str) -> None:
         switch, fields = parse_switch(words)
         if switch.where == "view":
             raise ValueError("live changes only the drawing; /compare an engine or sampling switch")
@@ -310,7 +310,7 @@ class Chat:
         self.say(f"parked session {self.session.stem}: {kept:,} tokens of KV, "
                  f"{self.session.stat().st_size / 2**20:.1f} MiB on disk")
 
-    def save(self, name: str) -> None:
+    def do_save(self, name: str) -> None:
         if not name and self.session is None:
             raise ValueError("give the session a name: /save NAME")
         if self.last is None:
@@ -318,7 +318,7 @@ class Chat:
         self.session = session_path(self.sessions_dir, name) if name else self.session
         self.park()
 
-    def load(self, name: str) -> None:
+    def do_load(self, name: str) -> None:
         if not name:
             raise ValueError("say which session: /load NAME (/sessions lists them)")
         path = session_path(self.sessions_dir, name)
@@ -327,7 +327,7 @@ class Chat:
         self.session = path
         self.resume()
 
-    def show_sessions(self, _: str = "") -> None:
+    def do_sessions(self, _: str) -> None:
         rows = [[name, f"{tokens:,}" if tokens >= 0 else "damaged", f"{size / 2**20:.1f} MiB"]
                 for name, tokens, size in list_sessions(self.sessions_dir)]
         if rows:
@@ -336,37 +336,46 @@ class Chat:
             self.say(f"no sessions in {self.sessions_dir}")
 
     # ------------------------------------------------------------------ the loop
-    def show_help(self, _: str = "") -> None:
+    def do_help(self, _: str) -> None:
+        commands = Table.grid(padding=(0, 2))
         for command, (arguments, what) in COMMANDS.items():
-            self.console.print(f"  {command} {arguments}".ljust(24) + escape(what), soft_wrap=True)
-        self.console.print("  switches (/set, /compare):", soft_wrap=True)
+            commands.add_row(f"{command} {arguments}", what)
+        switches = Table.grid(padding=(0, 2))
         for switch in SWITCHES.values():
             kind = "view" if switch.where == "view" else "lossy" if switch.lossy else "lossless"
-            self.console.print(f"    {switch.name}".ljust(24) + escape(f"{switch.accepts} ({kind})"), soft_wrap=True)
+            switches.add_row(switch.name, switch.accepts, kind)
+        self.console.print(commands, "switches of /set and /compare:", switches)
 
     def command(self, line: str) -> bool:
-        """Run a /command; False when it ends the chat. A mistake is one line, and the chat goes on."""
-        name, _, rest = line.partition(" ")
+        """Run a /command (method `do_` + its name); False when it ends the chat. A mistake is
+        one line, and the chat goes on."""
+        name, _, words = line.partition(" ")
         if name in ("/exit", "/quit"):
             return False
-        handlers = {"/set": self.set_switch, "/compare": self.compare, "/memory": lambda _: full_map(self.engine, self.console),
-                    "/stats": lambda _: self.say(self.stats(), style="none"), "/save": self.save, "/load": self.load,
-                    "/sessions": self.show_sessions, "/reset": lambda _: self.reset() or self.say("conversation cleared"),
-                    "/help": self.show_help}
-        if name not in handlers:
+        if name not in COMMANDS:
             self.error(f"unknown command {name}; /help lists the commands")
             return True
         try:
-            handlers[name](rest.strip())
+            getattr(self, "do_" + name[1:])(words.strip())
         except (ConfigError, ValueError) as err:  # SessionError is a ConfigError
             self.error(str(err))
         return True
 
+    def do_memory(self, _: str) -> None:
+        full_map(self.engine, self.console)
+
+    def do_stats(self, _: str) -> None:
+        self.say(self.stats(), style="none")
+
+    def do_reset(self, _: str) -> None:
+        self.reset()
+        self.say("conversation cleared")
+
     def run(self, model_name: str) -> None:
         """Read a line, run it as a command or answer it; until /exit or the end of the input,
         then park the session if there is one."""
-        self.console.print(f"[bold]minillm chat[/bold] — {model_name}, paged KV with prefix caching. "
-                           f"{CHAT_HELP}", soft_wrap=True)
+        self.console.print(f"[bold]minillm chat[/bold] — {model_name}, paged KV with prefix caching. {CHAT_HELP}",
+                           highlight=False)
         if self.session is not None and self.session.exists():
             self.resume()
         self.converse()

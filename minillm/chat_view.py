@@ -136,15 +136,16 @@ def tier_lines(tiers: dict[str, list[str]]) -> list[str]:
     return lines
 
 
-def memory_panel(engine, meter: ReplyMeter, rows: int = LIVE_ROWS) -> Panel:
-    """The panel: the device map, its legend, the other tiers, bytes, and the reply's speed."""
+def memory_panel(engine, meter: ReplyMeter, rows: int = LIVE_ROWS, width: int = MAP_WIDTH) -> Panel:
+    """The panel: the device map, its legend, the other tiers, bytes, and the reply's speed;
+    `width` cells a row (the panel is 4 columns wider)."""
     tiers = engine.block_states()
-    picture, per_cell = block_map(tiers["device"], rows)
+    picture, per_cell = block_map(tiers["device"], rows, width)
     counts = state_counts(tiers["device"])
     scale = f" (1 cell = {per_cell} blocks)" if per_cell > 1 else ""
     body = [picture, legend(counts), *map(Text, tier_lines(tiers)), Text(bytes_line(engine, counts)),
             Text(reply_line(meter))]
-    return Panel(Group(*body), title=pool_title(engine) + scale, title_align="left", width=MAP_WIDTH + 4)
+    return Panel(Group(*body), title=pool_title(engine) + scale, title_align="left", width=width + 4)
 
 
 def summary_lines(engine, meter: ReplyMeter) -> list[str]:
@@ -210,9 +211,10 @@ class LiveView:
             self.draw()
 
     def draw(self) -> None:
+        width = min(self.console.width, MAP_WIDTH + 4)  # 80 columns, or what a narrower terminal has
         rows = max(2, min(LIVE_ROWS, self.console.height - 16))  # leave a few lines for the reply
-        panel = memory_panel(self.engine, self.meter, rows)
+        panel = memory_panel(self.engine, self.meter, rows, width - 4)
         room = max(1, self.console.height - rows - 10)  # lines left above the panel
-        lines = Text(self.text).wrap(self.console, min(self.console.width, MAP_WIDTH + 4))
+        lines = (Text("smol> ", style="bold blue") + Text(self.text)).wrap(self.console, width)
         self.live.update(Group(*lines[-room:], panel), refresh=True)
         self.drawn_at = time.perf_counter()

@@ -163,15 +163,16 @@ def test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal(chat_
     assert not ANSI.search(done.stdout) and "╭" not in done.stdout  # no colour, no live panel
 
 
-def test_the_live_panel_is_drawn_in_a_terminal_within_80_columns(chat_dir, parts, monkeypatch):
+@pytest.mark.parametrize("columns", [80, 60])
+def test_the_live_panel_is_drawn_in_a_terminal_within_its_columns(chat_dir, parts, monkeypatch, columns):
     monkeypatch.setattr(minillm.chat_view, "REDRAW_SECONDS", 0.0)  # draw on every token
-    console = Console(file=io.StringIO(), width=80, height=30, force_terminal=True)
+    console = Console(file=io.StringIO(), width=columns, height=30, force_terminal=True)
     chat = new_chat(chat_dir, parts, console=console)
     chat.reply("Say hello " * 40)
     drawn = ANSI.sub("", printed(chat))
     panels = drawn.count("╭─ KV pool: 96 blocks x 16 tokens, float32")
     assert panels >= len(chat.last[0].token_ids) - 1  # redrawn as tokens came
-    assert all(len(line) <= 80 for line in re.split(r"[\r\n]", drawn))
+    assert all(len(line) <= columns for line in re.split(r"[\r\n]", drawn))
     reply = " ".join(parts[1].decode(chat.last[0].token_ids).split())
     assert reply[:20] in " ".join(drawn.split())  # the reply stays once the panel goes
     chat.command("/set live off")
