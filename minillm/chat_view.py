@@ -7,8 +7,8 @@ Every physical block is one cell, and its glyph says what the block holds right 
     +  cached (for later): nobody holds it, but a later prompt that starts alike finds it
     .  free
 
-A row per tier: the device pool that attention reads, and — when the engine has them — the host
-pool (swapped-out or spilled blocks) and the block files on disk. Quantization is a property of
+The device pool that attention reads is drawn first; when the engine has them, a row for the host
+pool (#/= swapped out, + spilled there by the prefix cache) and one for the block files on disk follow. Quantization is a property of
 the whole pool (every block stores the same format), so the panel's title names the format, and
 its bytes per token include the scales. Beside the map: bytes per token and in total, the prompt
 tokens the prefix cache saved, time to first token and decode speed.
@@ -35,6 +35,7 @@ STATES = {"private": ("#", "green", "this conversation"), "shared": ("=", "cyan"
           "cached": ("+", "yellow", "cached"), "free": (".", "bright_black", "free")}
 MAP_WIDTH = 76  # cells per row: an 80-column terminal less the panel's borders and padding
 LIVE_ROWS = 10  # rows of the device map in the live panel (fewer in a short terminal); more blocks share a cell
+TIER_ROWS = 1  # rows of the host map, and of the disk's, in the live panel
 FULL_ROWS = 40  # rows of a tier's map in /memory
 REDRAW_SECONDS = 0.25
 
@@ -143,8 +144,12 @@ def memory_panel(engine, meter: ReplyMeter, rows: int = LIVE_ROWS, width: int = 
     picture, per_cell = block_map(tiers["device"], rows, width)
     counts = state_counts(tiers["device"])
     scale = f" (1 cell = {per_cell} blocks)" if per_cell > 1 else ""
-    body = [picture, legend(counts), *map(Text, tier_lines(tiers)), Text(bytes_line(engine, counts)),
-            Text(reply_line(meter))]
+    body = [picture, legend(counts)]
+    for tier, line in zip([tier for tier in tiers if tier != "device"], tier_lines(tiers)):
+        if tiers[tier]:
+            body.append(block_map(tiers[tier], TIER_ROWS, width)[0])
+        body.append(Text(line))
+    body += [Text(bytes_line(engine, counts)), Text(reply_line(meter))]
     return Panel(Group(*body), title=pool_title(engine) + scale, title_align="left", width=width + 4)
 
 
@@ -212,7 +217,7 @@ class LiveView:
 
     def draw(self) -> None:
         width = min(self.console.width, MAP_WIDTH + 4)  # 80 columns, or what a narrower terminal has
-        rows = max(2, min(LIVE_ROWS, self.console.height - 16))  # leave a few lines for the reply
+        rows = max(2, min(LIVE_ROWS, self.console.height - 18))  # leave a few lines for the reply
         panel = memory_panel(self.engine, self.meter, rows, width - 4)
         room = max(1, self.console.height - rows - 10)  # lines left above the panel
         lines = (Text("smol> ", style="bold blue") + Text(self.text)).wrap(self.console, width)
