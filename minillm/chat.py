@@ -238,10 +238,11 @@ class Chat:
             self.say(f"next replies sample with {self.current(switch, fields)}")
         else:
             self.llm = self.engine_with(fields)
-            tokens = len(self.engine.tokenizer.encode_chat(self.history, add_generation_prompt=False)) \
-                if self.history else 0
-            self.say(f"engine rebuilt with {self.current(switch, fields)}; the conversation stays "
-                     f"({len(self.history)} messages): its next reply prefills its {tokens:,} tokens into the new pool")
+            carried = ""
+            if self.history:
+                tokens = len(self.engine.tokenizer.encode_chat(self.history, add_generation_prompt=False))
+                carried = f"; the conversation stays: its next reply prefills its {tokens:,} tokens into the new pool"
+            self.say(f"engine rebuilt with {self.current(switch, fields)}{carried}")
 
     def do_compare(self, words: str) -> None:
         switch, fields = parse_switch(words)

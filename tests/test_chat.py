@@ -76,7 +76,7 @@ def test_set_keeps_the_conversation_and_rebuilds_the_engine(chat_dir, parts):
     assert out.token_ids == expected.token_ids
     chat.command("/set temperature 0.7")
     assert chat.params.temperature == 0.7 and chat.engine.config.kv_dtype == "int8"
-    assert "engine rebuilt with kv_dtype=int8" in printed(chat) and "sample with temperature=0.7" in printed(chat)
+    assert "engine rebuilt with kv_dtype=int8; the conversation stays" in printed(chat) and "sample with temperature=0.7" in printed(chat)
 
 
 @pytest.mark.parametrize("switch, changes", [("block_size 4", {"block_size": 4}),
