@@ -149,7 +149,8 @@ def test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal(chat_
            "/set kv_budget 5", "/set eviction h2o", "/set temperature -1", "/compare block_size 8",
            "/compare live off", "/bogus", "/load nosuch", "/load ../up", "/save"]
     lines = bad + ["Say hello.", "/compare kv_cache_mb 0", "/stats", "/memory", "/help", "/exit"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
+    forcing = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")  # would make rich colour a pipe
+    env = {**{k: v for k, v in os.environ.items() if k not in forcing}, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
     done = subprocess.run([sys.executable, "-m", "minillm.cli", "chat", "--model", str(chat_dir), "--max-tokens", "8",
                            "--sessions-dir", str(tmp_path)], input="\n".join(lines) + "\n", capture_output=True,
                           text=True, env=env, timeout=120)
