@@ -104,7 +104,7 @@ def add_bench_chat_view(benches) -> None:
     view = benches.add_parser("chat-view", help="the chat's live memory panel: decode tok/s with it vs without",
                               description="The same chat reply, again and again, with the live memory panel drawn "
                                           "into a terminal and as plain text, interleaved: decode tok/s of each "
-                                          "(median, best, spread) and the slowdown (target: under 5%%).")
+                                          "(median, best, spread) and the slowdown (target: under 5%).")
     view.add_argument("--rounds", type=positive_int, default=5, help="replies with each view (default: 5)")
     view.add_argument("--tokens", type=positive_int, default=128, help="tokens per reply (default: 128)")
     view.add_argument("--json", action="store_true", help="print one JSON object")
