@@ -138,7 +138,8 @@ def cmd_chat(args) -> None:
     session = session_path(args.sessions_dir, args.session) if args.session is not None else None
     llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True, kv_dtype=args.kv_dtype,
               kv_key_scales=args.kv_key_scales)
-    Chat(llm, sampling_from(args), args.system, session, args.sessions_dir, live=not args.no_live).run(args.model.name)
+    chat = Chat(llm, sampling_from(args), args.system, session, args.sessions_dir, live=not args.no_live)
+    chat.run(args.model.name)
 
 
 # ----------------------------------------------------------------------------- info
