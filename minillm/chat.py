@@ -253,7 +253,8 @@ class Chat:
         prompt_ids = self.last[0].prompt_token_ids
         changed_params = dataclasses.replace(self.params, **fields) if switch.where == "sampling" else self.params
         changed = self.engine_with(fields if switch.where == "engine" else {})  # a bad combination fails here, first
-        self.say(f"answering the last prompt ({len(prompt_ids):,} tokens) on two fresh engines: as now, and with {words}")
+        self.say(f"answering the last prompt ({len(prompt_ids):,} tokens) on two fresh engines: as now, "
+                 f"and with {words}")
         before = answer(self.engine_with({}), prompt_ids, self.params)
         after = answer(changed, prompt_ids, changed_params)
         self.show_comparison(switch, f"now: {self.current(switch, fields)}", f"with {words}", before, after)

@@ -8,10 +8,11 @@ Every physical block is one cell, and its glyph says what the block holds right 
     .  free
 
 The device pool that attention reads is drawn first; when the engine has them, a row for the host
-pool (#/= swapped out, + spilled there by the prefix cache) and one for the block files on disk follow. Quantization is a property of
-the whole pool (every block stores the same format), so the panel's title names the format, and
-its bytes per token include the scales. Beside the map: bytes per token and in total, the prompt
-tokens the prefix cache saved, time to first token and decode speed.
+pool (#/= swapped out, + spilled there by the prefix cache) and one for the block files on disk
+follow. Quantization is a property of the whole pool (every block stores the same format), so the
+panel's title names the format, and its bytes per token include the scales. Beside the map:
+bytes per token and in total, the prompt tokens the prefix cache saved, time to first token and
+decode speed.
 
 The states come from the engine (`LLMEngine.block_states`, which asks the block manager), so the
 map's counts are the engine's own accounting. Drawing costs time the reply does not get, so the
@@ -171,7 +172,8 @@ def full_map(engine, console: Console) -> None:
     for tier, states in tiers.items():
         if states:
             picture, per_cell = block_map(states, FULL_ROWS)
-            console.print(f"{tier}:" + (f" (1 cell = {per_cell} blocks, the busiest state among them)" if per_cell > 1 else ""))
+            shared_cells = f" (1 cell = {per_cell} blocks, the busiest state among them)" if per_cell > 1 else ""
+            console.print(f"{tier}:{shared_cells}")
             console.print(picture)
     console.print(legend(state_counts(tiers["device"])))
     for line in tier_lines(tiers):
