@@ -3,6 +3,8 @@
 Every physical block is one cell, and its glyph says what the block holds right now:
 
     #  this conversation: held by the reply being computed, and by nobody else
+    ~  filling (quantized pools): the conversation's last block, its keys kept in full precision
+       until it fills, then quantized with one scale per channel
     =  shared: held by the conversation and findable in the prefix cache (or held twice)
     +  cached (for later): nobody holds it, but a later prompt that starts alike finds it
     .  free
@@ -32,7 +34,8 @@ from rich.panel import Panel
 from rich.text import Text
 
 # state -> (glyph, colour, what the legend calls it), in the order of the legend
-STATES = {"private": ("#", "green", "this conversation"), "shared": ("=", "cyan", "shared"),
+STATES = {"private": ("#", "green", "this conversation"), "filling": ("~", "magenta", "filling"),
+          "shared": ("=", "cyan", "shared"),
           "cached": ("+", "yellow", "cached"), "free": (".", "bright_black", "free")}
 MAP_WIDTH = 76  # cells per row: an 80-column terminal less the panel's borders and padding
 LIVE_ROWS = 10  # rows of the device map in the live panel (fewer in a short terminal); more blocks share a cell
@@ -77,6 +80,11 @@ def state_counts(states: list[str]) -> dict[str, int]:
     return {state: states.count(state) for state in STATES}
 
 
+def shown(counts: dict[str, int]) -> list[str]:
+    """The states a legend names: all but "filling", which only quantized pools have."""
+    return [state for state in STATES if state != "filling" or counts["filling"]]
+
+
 def block_map(states: list[str], rows: int, width: int = MAP_WIDTH) -> tuple[Text, int]:
     """The blocks as rows of glyphs, and how many blocks one cell stands for: 1, unless `rows`
     cannot hold them all; then a cell shows the busiest state among its blocks."""
@@ -99,7 +107,8 @@ def block_map(states: list[str], rows: int, width: int = MAP_WIDTH) -> tuple[Tex
 
 def legend(counts: dict[str, int]) -> Text:
     line = Text()
-    for state, (glyph, colour, name) in STATES.items():
+    for state in shown(counts):
+        glyph, colour, name = STATES[state]
         line.append(f"{glyph} ", style=colour)
         line.append(f"{name} {counts[state]:,}  ")
     return line
@@ -114,7 +123,7 @@ def pool_title(engine) -> str:
 def bytes_line(engine, counts: dict[str, int]) -> str:
     """Bytes per token, what the conversation holds (its blocks and the shared ones), the pool."""
     per_token, block_size = engine.pool.bytes_per_slot, engine.block_manager.block_size
-    held = (counts["private"] + counts["shared"]) * block_size * per_token
+    held = (counts["private"] + counts["filling"] + counts["shared"]) * block_size * per_token
     staged = engine.pool.staged_bytes
     staging = f" + {staged / 2**10:,.0f} KiB keys staging" if staged else ""
     return f"{per_token:,} B/token; held {mib(held)}{staging}; pool {mib(engine.pool.nbytes)}"
@@ -158,7 +167,7 @@ def summary_lines(engine, meter: ReplyMeter) -> list[str]:
     """The panel's numbers as plain lines: what a pipe gets after each reply, and the terminal too."""
     tiers = engine.block_states()
     counts = state_counts(tiers["device"])
-    blocks = ", ".join(f"{counts[state]:,} {name}" for state, (_, _, name) in STATES.items())
+    blocks = ", ".join(f"{counts[state]:,} {STATES[state][2]}" for state in shown(counts))
     return [f"blocks: {blocks} of {len(tiers['device']):,}",
             *tier_lines(tiers), bytes_line(engine, counts), reply_line(meter)]
 

@@ -21,6 +21,7 @@ import minillm.chat_view
 from minillm.chat import Chat, first_difference
 from minillm.chat_view import STATES, state_counts, summary_lines
 from minillm.engine import LLM, SamplingParams
+from minillm.memory import bytes_per_slot
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 from tests.conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
@@ -107,29 +108,35 @@ def test_compare_a_sampling_switch_changes_only_the_sampling(chat_dir, parts):
     assert "/compare temperature (lossy)" in printed(chat) and chat.params.temperature == 0
 
 
-def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dtype):
     """Mid-reply and after it, with a small pool whose cached blocks spill to a host tier."""
-    chat = new_chat(chat_dir, parts, kv_cache_bytes=12 * 16 * 768, host_cache_bytes=8 * 16 * 768)
-    engine = chat.engine
+    per_block = 16 * bytes_per_slot(parts[0].config, kv_dtype, "channel", 16, parts[0].dtype)
+    chat = new_chat(chat_dir, parts, kv_cache_bytes=12 * per_block, host_cache_bytes=8 * per_block, kv_dtype=kv_dtype)
+    engine, manager = chat.engine, chat.engine.block_manager
+    filling_seen = 0
     for turn in range(3):
         prompt = parts[1].encode_chat([{"role": "user", "content": f"Question {turn}: " + "why? " * 30}])
         for step, out in enumerate(chat.llm.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True))):
             if step % 7 == 3 or out.finished:
                 tiers, stats = engine.block_states(), engine.memory_stats()
                 device, host = state_counts(tiers["device"]), state_counts(tiers["host"])
-                assert (device["private"] + device["shared"]) * 16 == stats.reserved_slots
-                assert device["free"] + device["cached"] == engine.block_manager.num_free_blocks
-                manager = engine.block_manager
+                assert (device["private"] + device["filling"] + device["shared"]) * 16 == stats.reserved_slots
+                assert device["free"] + device["cached"] == manager.num_free_blocks
                 assert device["cached"] == sum(manager.tier(b) == "device" and manager.refcount(b) == 0
                                                for b in manager.prefix_cache.entries)
+                assert device["filling"] <= 1 and (kv_dtype != "auto" or device["filling"] == 0)
+                filling_seen += device["filling"]
                 assert (host["private"] + host["shared"]) * 16 == stats.host_reserved_slots
                 assert host["cached"] == sum(manager.tier(b) == "host" for b in manager.prefix_cache.entries)
                 lines = summary_lines(engine, minillm.chat_view.ReplyMeter())
-                names = ", ".join(f"{device[s]:,} {name}" for s, (_, _, name) in STATES.items())
+                names = ", ".join(f"{device[s]:,} {name}" for s, (_, _, name) in STATES.items()
+                                  if s != "filling" or device[s])
                 assert lines[0] == f"blocks: {names} of 12"
                 swapped = host["private"] + host["shared"]
                 assert lines[1].startswith(f"host: {swapped} swapped out, {host['cached']} spilled")
-    assert engine.block_manager.num_spilled > 0  # the host row had something to show
+    assert manager.num_spilled > 0  # the host row had something to show
+    assert (filling_seen > 0) == (kv_dtype != "auto")  # an int8 reply's last block fills in full precision
 
 
 def test_save_and_load_carry_the_conversation_and_its_kv(chat_dir, parts, tmp_path):

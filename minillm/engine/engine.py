@@ -247,11 +247,17 @@ class LLMEngine:
                            self.tiers.moved())
 
     def block_states(self) -> dict[str, list[str]]:
-        """Every block's state ("free", "cached", "shared", "private"), per tier the engine has:
-        a picture of the pool, for the chat's memory view."""
+        """Every block's state per tier the engine has, a picture of the pool for the chat's memory
+        view: "free", "cached", "shared", "private" (`BlockManager.block_state`), and "filling"
+        for a private device block of a quantized pool whose keys still wait in full precision
+        (in the first layer; every layer stages the same blocks)."""
         manager = self.block_manager
         tiers = ["device"] + ["host"] * bool(manager.num_host_blocks) + ["disk"] * manager.disk
-        return {tier: manager.block_states(tier) for tier in tiers}
+        states = {tier: manager.block_states(tier) for tier in tiers}
+        for block in self.pool.staged_blocks(0):
+            if states["device"][block] == "private":
+                states["device"][block] = "filling"
+        return states
 
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens the prefix cache has saved from prefill so far (0 without a cache)."""

@@ -138,6 +138,10 @@ class PagedKVPool:
     def restage_block(self, block: int) -> None:
         """Nothing to do: a block's numbers are written one slot at a time, never sealed."""
 
+    def staged_blocks(self, layer: int) -> list[int]:
+        """Blocks whose keys wait in full precision until they fill: none, nothing is quantized here."""
+        return []
+
     def read_block(self, block: int) -> dict[str, torch.Tensor]:
         """The block's keys and values, (layers, block_size, kv_heads, head_dim) each (views)."""
         rows = slice(block * self.block_size, (block + 1) * self.block_size)
@@ -340,6 +344,7 @@ class QuantizedKVPool:
                 self.staged_row[layer, block] = row
 
     def staged_blocks(self, layer: int) -> list[int]:
+        """Blocks whose keys wait in full precision in this layer until they fill (then quantized)."""
         return (self.staged_row[layer] >= 0).nonzero().flatten().tolist()
 
     def read_block(self, block: int) -> dict[str, torch.Tensor]:
