@@ -303,7 +303,7 @@ def cmd_eval_ppl(args) -> None:
     kv_format = args.dtype if args.kv_dtype == "auto" else f"{args.kv_dtype}, keys per {args.kv_key_scales}, scales included"
     budget = (f", {args.eviction} keeping {args.kv_budget} ({report['tokens_evicted']:,} entries evicted)"
               if args.eviction != "none" else "")
-    console.print(f"perplexity {report['perplexity']:.4f} (NLL {report['nll']:.4f} nats) over {report['tokens_scored']} "
-                  f"tokens of {args.text.name}, each predicted by a decode step reading the cache | "
+    console.print(f"perplexity {report['perplexity']:.4f} (NLL {report['nll']:.4f} nats) over "
+                  f"{report['tokens_scored']} tokens of {args.text.name}, each predicted by a decode step reading the cache | "
                   f"KV {kv_format} ({report['kv_bytes_per_token']:,} B/token){budget} | "
                   f"{report['tokens_scored'] / report['seconds']:.1f} tok/s")

@@ -486,7 +486,8 @@ def test_bench_all_writes_every_report_a_plot_each_and_a_table_equal_to_the_json
     decode, ppl = benchmarks["decode"], benchmarks["ppl"]["report"]["kv_dtypes"]
     assert decode["headlines"][1] == {"measurement": "cached (float32), median of 1", "unit": "tok/s",
                                       "value": float(f"{decode['report']['decoders']['cached']['tok_s']:.3g}")}
-    int8_ratio = next(h["value"] for h in benchmarks["ppl"]["headlines"] if h["measurement"].startswith("int8 KV: perplexity /"))
+    int8_ratio = next(h["value"] for h in benchmarks["ppl"]["headlines"]
+                      if h["measurement"].startswith("int8 KV: perplexity /"))
     assert int8_ratio == float(f"{ppl['int8']['perplexity'] / ppl['auto']['perplexity']:.3g}")
 
     markdown = (tmp_path / "results.md").read_text()
@@ -513,7 +514,8 @@ def test_bench_all_records_a_failing_benchmark_and_runs_the_others(capsys, monke
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["failed"] == ["prefix"]
     failed = results["benchmarks"]["prefix"]
-    assert failed["status"] == "failed" and failed["error"].startswith("ConfigError: ") and "--requests 1" in failed["error"]
+    assert failed["status"] == "failed" and failed["error"].startswith("ConfigError: ")
+    assert "--requests 1" in failed["error"]
     assert "Traceback" in failed["traceback"] and "report" not in failed and not (tmp_path / "prefix.png").exists()
     for name in ("attention", "ppl"):
         assert results["benchmarks"][name]["status"] == "ok" and (tmp_path / f"{name}.png").is_file(), name
