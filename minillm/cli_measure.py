@@ -225,12 +225,12 @@ def cmd_bench_attention(args) -> None:
 def add_bench_all(benches) -> None:
     bench_all = benches.add_parser("all", help="every benchmark at a size that takes minutes: JSON, plots, a table",
                                    description="Run every benchmark (decode, attention, serve, prefix, tiers, memory, "
-                                               "and perplexity per KV format) at a size a 2-core CPU finishes in "
-                                               "about ten minutes (--quick: about three), and write results.json "
-                                               "(the machine, the date, every report), results.md (a table of the "
-                                               "headline numbers) and a PNG plot per benchmark. A benchmark that "
-                                               "fails is recorded as failed and the others still run.")
-    bench_all.add_argument("--quick", action="store_true", help="smaller sizes, noisier numbers")
+                                               "and perplexity per KV format) at a size a small CPU finishes in "
+                                               "minutes (--quick: about 5 on a shared 2-core VM), and write "
+                                               "results.json (the machine, the date, every report), results.md (a "
+                                               "table of the headline numbers) and a PNG plot per benchmark. A "
+                                               "benchmark that fails is recorded as failed and the others still run.")
+    bench_all.add_argument("--quick", action="store_true", help="smaller sizes, noisier numbers, no HF baselines")
     bench_all.add_argument("--out", type=Path, default=Path("bench_results"),
                            help="folder for results.json, results.md and the plots (default: bench_results)")
     bench_all.add_argument("--json", action="store_true", help="print the results as one JSON object")

@@ -2,7 +2,8 @@
 reproduced by running one thing.
 
 It runs each benchmark's own function (`bench_decode`, `bench_serve`, ... and `eval_ppl` for a
-few KV formats) at a size this CPU finishes in minutes (--quick: a couple), one after another;
+few KV formats) at a size a small CPU finishes in minutes, one after another (--quick: 306 s on
+the 2-core development VM while other jobs shared it, 2026-12-01; without it, larger sizes);
 a benchmark that fails is recorded as failed and the others still run. Into the output folder
 (`bench_results/` by default) it writes:
 
@@ -154,14 +155,15 @@ def memory_headlines(r: dict) -> list[Headline]:
     peak = [(f"{rows[name]['label']}: peak sequences", rows[name]["peak_seqs"], "sequences")
             for name in ("reserve", "lossless")]
     int8 = r["targets"]["int8_perplexity_ratio"]["got"]
-    return tok_s + goodput + peak + [("int8 KV: perplexity ratio, worst of two texts", int8, "x")]
+    return tok_s + goodput + peak + [("int8 KV: perplexity above the exact cache, worst of two texts",
+                                      100 * (int8 - 1), "%")]
 
 
 def ppl_headlines(r: dict) -> list[Headline]:
     rows = r["kv_dtypes"]
     exact = rows.get("auto", {}).get("perplexity")
     return [(f"{kv_dtype} KV: perplexity", row["perplexity"], "") for kv_dtype, row in rows.items()] + \
-        [(f"{kv_dtype} KV: perplexity / the model's dtype", row["perplexity"] / exact, "x")
+        [(f"{kv_dtype} KV: perplexity above the model's dtype", 100 * (row["perplexity"] / exact - 1), "%")
          for kv_dtype, row in rows.items() if exact and kv_dtype != "auto"] + \
         [(f"{kv_dtype} KV: bytes per token", row["kv_bytes_per_token"], "B") for kv_dtype, row in rows.items()]
 
@@ -226,18 +228,18 @@ BENCHMARKS = (
     Benchmark("ppl", run_ppl, print_ppl_report, ppl_headlines, ppl_bars),
 )
 
-# Each benchmark's keyword arguments, smaller than its own defaults. quick: a couple of minutes in
-# all on a 2-core CPU; full: a few more.
+# Each benchmark's keyword arguments, smaller than its own defaults. quick: about 5 minutes in all
+# on a shared 2-core CPU (decode's sweep over thread counts is most of it there); full: more.
 SIZES = {
     "quick": {
-        "decode": {"prompt_len": 32, "new_tokens": 32, "naive_tokens": 4, "repeats": 2, "include_hf": False},
+        "decode": {"prompt_len": 32, "new_tokens": 16, "naive_tokens": 4, "repeats": 2, "include_hf": False},
         "attention": {"batches": (1, 16), "contexts": (128, 1024)},
-        "serve": {"num_requests": 6, "max_num_seqs": 6, "block_sizes": (16,), "include_hf": False},
+        "serve": {"num_requests": 4, "max_num_seqs": 4, "block_sizes": (16,), "include_hf": False},
         "prefix": {"num_requests": 4, "system_tokens": 250},
-        "tiers": {"num_requests": 16, "device_tokens": 256, "history_tokens": 1000, "system_prompts": 4,
+        "tiers": {"num_requests": 10, "device_tokens": 256, "history_tokens": 1000, "system_prompts": 4,
                   "system_tokens": 128, "spill_requests": 8},
         "memory": {"quick": True, "load": False},
-        "ppl": {"kv_dtypes": ("auto", "int8", "int4"), "segment_len": 128, "num_segments": 2},
+        "ppl": {"kv_dtypes": ("auto", "int8", "int4"), "segment_len": 96, "num_segments": 2},
     },
     "full": {
         "decode": {"prompt_len": 64, "new_tokens": 64, "naive_tokens": 8, "repeats": 3},
