@@ -4,6 +4,7 @@
     minillm chat --kv-dtype int8
     minillm info --json
     minillm bench decode --json
+    minillm bench all --quick
     minillm eval ppl --eviction h2o --kv-budget 0.2
 
 Each command is a pair: `add_X(subparsers)` declares its flags, `cmd_X(args)` runs it. The flags
@@ -208,13 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as done:  # --help (0), or a usage mistake already printed in one line (2)
         return done.code
     try:
-        args.func(args)
+        return args.func(args) or 0  # a command that can partly fail returns 1 (bench all)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)  # one line, never wrapped
         return 2
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The commands that measure: `minillm bench decode|serve|prefix|tiers|memory|attention|chat-view` (speed) and
-`minillm eval ppl` (quality).
+"""The commands that measure: `minillm bench decode|serve|prefix|tiers|memory|attention|chat-view` (speed),
+`minillm eval ppl` (quality), and `minillm bench all` (every one of them, written to files).
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
 JSON object, to compare across commits; without, its module's `print_*_report` prints the tables.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from minillm.cli_flags import (add_eviction_args, add_kv_quantization_args, add_model_args,
                                positive_float, positive_int)
-from minillm.config import DTYPES, KV_DTYPES
+from minillm.config import DEFAULT_MODEL_DIR, DTYPES, KV_DTYPES
 from minillm.evaluation import DEFAULT_TEXT
 from minillm.report import console, print_json, show
 
@@ -21,7 +21,7 @@ def add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_tiers, add_bench_memory,
-                        add_bench_attention, add_bench_chat_view):
+                        add_bench_attention, add_bench_chat_view, add_bench_all):
         add_command(benches)
 
 
@@ -239,6 +239,53 @@ def cmd_bench_attention(args) -> None:
                          tuple(dict.fromkeys(args.kv_dtype))), print_attention_report, args.json)
 
 
+# ----------------------------------------------------------------------------- bench all
+
+def add_bench_all(benches) -> None:
+    bench_all = benches.add_parser("all", help="every benchmark at a size that takes minutes: JSON, plots, a table",
+                                   description="Run every benchmark (decode, attention, serve, prefix, tiers, memory, "
+                                               "and perplexity per KV format) at a size a small CPU finishes in "
+                                               "minutes (--quick: about 5 on a shared 2-core VM), and write "
+                                               "results.json (the machine, the date, every report), results.md (a "
+                                               "table of the headline numbers) and a PNG plot per benchmark. A "
+                                               "benchmark that fails is recorded as failed and the others still run.")
+    bench_all.add_argument("--quick", action="store_true", help="smaller sizes, noisier numbers, no HF baselines")
+    bench_all.add_argument("--out", type=Path, default=Path("bench_results"),
+                           help="folder for results.json, results.md and the plots (default: bench_results)")
+    bench_all.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    bench_all.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
+                           help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR}); "
+                                "every benchmark runs in float32 on the CPU")
+    bench_all.set_defaults(func=cmd_bench_all)
+
+
+def cmd_bench_all(args) -> int:
+    """Exit status 1 when a benchmark failed (its error is in the results, the others' numbers too)."""
+    import sys
+
+    from minillm.benchmarks.all import SIZES, bench_all, print_results
+
+    def show(bench, result) -> None:
+        console.rule(f"{bench.name}: {result['status']}, {result['seconds']:.0f} s")
+        if result["status"] == "ok":
+            bench.print_report(result["report"], console)
+        else:
+            console.print(result["error"], markup=False, highlight=False)
+
+    command = "minillm bench all" + (" --quick" if args.quick else "")
+    results = bench_all(args.model, args.out, SIZES["quick" if args.quick else "full"], command,
+                        progress=not args.json, show=None if args.json else show)
+    if args.json:
+        print_json(results)
+    else:
+        print_results(results, args.out)
+    if results["failed"]:
+        print(f"error: bench all: {', '.join(results['failed'])} failed; the error and traceback of each are in "
+              f"{args.out / 'results.json'}", file=sys.stderr)
+        return 1
+    return 0
+
+
 # ----------------------------------------------------------------------------- eval ppl
 
 def add_eval(subparsers) -> None:
@@ -264,25 +311,18 @@ def add_eval(subparsers) -> None:
 
 
 def cmd_eval_ppl(args) -> None:
-    from minillm.engine import LLM
-    from minillm.evaluation import perplexity, read_text
+    from minillm.evaluation import eval_ppl
 
-    text = read_text(args.text)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, kv_dtype=args.kv_dtype,
-              kv_key_scales=args.kv_key_scales, eviction=args.eviction, kv_budget=args.kv_budget,
-              attention_backend=args.attention_backend)
-    result = perplexity(llm, llm.engine.tokenizer.encode(text), args.segment_len, args.segments,
-                        progress=not args.json)
-    report = {"text": str(args.text), "kv_dtype": args.kv_dtype, "kv_key_scales": args.kv_key_scales,
-              "eviction": args.eviction, "kv_budget": args.kv_budget, "attention_backend": args.attention_backend,
-              **result.as_dict()}
+    report = eval_ppl(args.model, args.text, args.segment_len, args.segments, args.dtype, args.device,
+                      progress=not args.json, kv_dtype=args.kv_dtype, kv_key_scales=args.kv_key_scales,
+                      eviction=args.eviction, kv_budget=args.kv_budget, attention_backend=args.attention_backend)
     if args.json:
         print_json(report)
         return
     kv_format = args.dtype if args.kv_dtype == "auto" else f"{args.kv_dtype}, keys per {args.kv_key_scales}, scales included"
-    budget = (f", {args.eviction} keeping {args.kv_budget} ({result.tokens_evicted:,} entries evicted)"
+    budget = (f", {args.eviction} keeping {args.kv_budget} ({report['tokens_evicted']:,} entries evicted)"
               if args.eviction != "none" else "")
-    console.print(f"perplexity {result.perplexity:.4f} (NLL {result.nll:.4f} nats) over {result.tokens_scored} "
-                  f"tokens of {args.text.name}, each predicted by a decode step reading the cache | "
-                  f"KV {kv_format} ({result.kv_bytes_per_token:,} B/token){budget} | "
-                  f"{result.tokens_scored / result.seconds:.1f} tok/s")
+    console.print(f"perplexity {report['perplexity']:.4f} (NLL {report['nll']:.4f} nats) over "
+                  f"{report['tokens_scored']} tokens of {args.text.name}, each predicted by a decode step reading the cache | "
+                  f"KV {kv_format} ({report['kv_bytes_per_token']:,} B/token){budget} | "
+                  f"{report['tokens_scored'] / report['seconds']:.1f} tok/s")

@@ -91,6 +91,18 @@ def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: 
     return perplexities(llm, {"text": token_ids}, segment_len, num_segments, progress)["text"]
 
 
+def eval_ppl(model_dir: Path, text: Path = DEFAULT_TEXT, segment_len: int = 512, num_segments: int = 4,
+             dtype: str = "float32", device: str = "cpu", progress: bool = False, **switches) -> dict:
+    """`minillm eval ppl`: `text`'s perplexity through an engine whose cache the `switches` set
+    (kv_dtype, kv_key_scales, eviction, kv_budget, attention_backend), as one report."""
+    from minillm.engine import LLM
+
+    content = read_text(text)  # a missing text fails before the model loads
+    llm = LLM(model_dir, dtype=dtype, device=device, **switches)
+    result = perplexity(llm, llm.engine.tokenizer.encode(content), segment_len, num_segments, progress)
+    return {"text": str(text), **switches, **result.as_dict()}
+
+
 def perplexities(llm, texts: dict[str, list[int]], segment_len: int = 512, num_segments: int = 4,
                  progress: bool = False) -> dict[str, PerplexityResult]:
     """Each text's perplexity, all texts' segments scored side by side in one run (a decode step

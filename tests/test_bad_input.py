@@ -130,7 +130,7 @@ def test_cli_missing_weights_is_one_line(capsys, tmp_path):
     assert len(err.strip().splitlines()) == 1 and "python weights_fetch.py" in err
 
 
-@pytest.mark.parametrize("bench", ["decode", "serve", "prefix"])
+@pytest.mark.parametrize("bench", ["decode", "serve", "prefix", "all"])
 def test_cli_bench_without_its_text_is_one_line(capsys, monkeypatch, tmp_path, real_dir, bench):
     monkeypatch.chdir(tmp_path)  # no weights/texts/alice29.txt here
     code, out, err = run_cli(capsys, "bench", bench, "--model", str(real_dir.resolve()))

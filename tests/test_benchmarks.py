@@ -7,16 +7,20 @@ widened to the real tokenizer's vocabulary, at the smallest sizes the CLI takes.
 and `eval ppl` run on the real checkpoint, whose numbers (46,080 KV bytes per token) are known.
 """
 
+import datetime
 import json
 import math
 import os
 import shutil
 import statistics
+import sys
 
 import pytest
 import torch
 
 from conftest import REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
+from minillm.benchmarks import cpu_model
+from minillm.benchmarks.all import BENCHMARKS, SIZES
 from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
 from minillm.benchmarks.tiers import percentile
 from minillm.cli import main, print_json
@@ -439,6 +443,92 @@ def test_bench_attention_json_bandwidth_is_bytes_read_over_time(capsys, device):
             (speedup["kv_dtype"], speedup["batch"], speedup["context"])]
         assert speedup["speedup"] == approx(full[f"{kernel}_us"] / small[f"{kernel}_us"])
         assert speedup["bytes_ratio"] == approx(full["kv_bytes"] / small["kv_bytes"])
+
+
+# ----------------------------------------------------------------------------- bench all
+
+TINY_SIZES = {  # every benchmark at the sizes of its own test above, for the tiny model: seconds in all
+    "decode": {"prompt_len": 8, "new_tokens": 4, "naive_tokens": 2, "repeats": 1, "include_hf": False},
+    "attention": {"batches": (1,), "contexts": (16,), "kv_dtypes": ("auto", "int8")},
+    "serve": {"num_requests": 2, "max_num_seqs": 2, "block_sizes": (), "include_hf": False},
+    "prefix": {"num_requests": 2, "system_tokens": 40},
+    "tiers": {"num_requests": 8, "rate": 1e9, "device_tokens": 160, "history_tokens": 200, "system_prompts": 4,
+              "system_tokens": 48, "spill_requests": 12},
+    "memory": {"quick": True, "num_requests": 16, "rate": 1e9, "kv_tokens": 128, "load": False},
+    "ppl": {"kv_dtypes": ("auto", "int8"), "segment_len": 16, "num_segments": 1},
+}
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows."""
+    rows = [line.strip("|").split("|") for line in markdown.splitlines() if line.startswith("| ")]
+    return [[cell.strip() for cell in row] for row in rows[1:]]  # rows[0] is the header
+
+
+def test_bench_all_writes_every_report_a_plot_each_and_a_table_equal_to_the_json(capsys, monkeypatch, tmp_path,
+                                                                                   vocab_dir):
+    monkeypatch.setitem(SIZES, "quick", TINY_SIZES)
+    report = run_json(capsys, "bench", "all", "--quick", "--json", "--out", tmp_path, "--model", vocab_dir)
+    assert json.loads((tmp_path / "results.json").read_text()) == report
+    assert report["command"] == "minillm bench all --quick" and report["failed"] == []
+    machine = report["machine"]
+    assert machine["cpu_model"] == cpu_model() and machine["torch"] == torch.__version__
+    assert machine["torch_threads"] == 1 and machine["cpus"] == os.cpu_count()
+    when = datetime.datetime.fromisoformat(report["date"])
+    assert abs(datetime.datetime.now(datetime.timezone.utc) - when) < datetime.timedelta(minutes=10)
+
+    benchmarks = report["benchmarks"]
+    assert list(benchmarks) == [bench.name for bench in BENCHMARKS] == list(TINY_SIZES)
+    for name, result in benchmarks.items():
+        assert result["status"] == "ok" and result["seconds"] > 0 and result["headlines"], name
+        assert result["plot"] == f"{name}.png" and (tmp_path / result["plot"]).read_bytes()[:4] == b"\x89PNG", name
+    # headlines are the reports' own numbers, rounded to 3 significant digits
+    decode, ppl = benchmarks["decode"], benchmarks["ppl"]["report"]["kv_dtypes"]
+    assert decode["headlines"][1] == {"measurement": "cached (float32), median of 1", "unit": "tok/s",
+                                      "value": float(f"{decode['report']['decoders']['cached']['tok_s']:.3g}")}
+    int8_cost = next(h["value"] for h in benchmarks["ppl"]["headlines"]
+                     if h["measurement"] == "int8 KV: perplexity above the model's dtype")
+    assert int8_cost == float(f"{100 * (ppl['int8']['perplexity'] / ppl['auto']['perplexity'] - 1):.3g}")
+
+    markdown = (tmp_path / "results.md").read_text()
+    assert machine["cpu_model"] in markdown.splitlines()[0] and report["date"][:10] in markdown.splitlines()[0]
+    rows = table_rows(markdown)
+    headlines = [(name, h) for name, result in benchmarks.items() for h in result["headlines"]]
+    assert len(rows) == len(headlines)
+    for (bench, measurement, value, unit), (name, h) in zip(rows, headlines):
+        assert (bench, measurement, unit) == (name, h["measurement"], h["unit"])
+        if h["value"] is None:
+            assert value == "n/a", (name, h)
+        else:
+            assert float(value) == h["value"], (name, h)
+
+
+def test_bench_all_records_a_failing_benchmark_and_runs_the_others(capsys, monkeypatch, tmp_path, vocab_dir):
+    """One request is too few for bench prefix (a ConfigError); the benchmarks around it still run."""
+    monkeypatch.setitem(SIZES, "full", {"attention": TINY_SIZES["attention"],
+                                        "prefix": {**TINY_SIZES["prefix"], "num_requests": 1},
+                                        "ppl": TINY_SIZES["ppl"]})
+    code = main(["bench", "all", "--out", str(tmp_path), "--model", str(vocab_dir)])
+    out, err = capsys.readouterr()
+    assert code == 1 and len(err.strip().splitlines()) == 1 and "prefix" in err, err
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["failed"] == ["prefix"]
+    failed = results["benchmarks"]["prefix"]
+    assert failed["status"] == "failed" and failed["error"].startswith("ConfigError: ")
+    assert "--requests 1" in failed["error"]
+    assert "Traceback" in failed["traceback"] and "report" not in failed and not (tmp_path / "prefix.png").exists()
+    for name in ("attention", "ppl"):
+        assert results["benchmarks"][name]["status"] == "ok" and (tmp_path / f"{name}.png").is_file(), name
+    assert ["prefix", f"FAILED: {failed['error']}", "", ""] in table_rows((tmp_path / "results.md").read_text())
+    assert "FAILED" in out and "perplexity through the cache" in out  # each report printed as it finished
+
+
+def test_bench_all_without_matplotlib_is_one_line(capsys, monkeypatch, tmp_path, vocab_dir):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    code = main(["bench", "all", "--quick", "--out", str(tmp_path), "--model", str(vocab_dir)])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and "pip install" in err, err
+    assert not (tmp_path / "results.json").exists()
 
 
 # ----------------------------------------------------------------------------- sizes with nothing to measure
