@@ -185,7 +185,10 @@ def add_serve(subparsers) -> None:
 
 
 def cmd_serve(args) -> None:
+    """HTTP in a thread, the engine in the main thread: torch's parallel regions run ~20% slower
+    from any other thread (measured on this CPU), and the engine is where the time goes."""
     import socket
+    import threading
 
     from minillm.serve import missing_server_packages
 
@@ -206,10 +209,18 @@ def cmd_serve(args) -> None:
     engine = LLMEngine(EngineConfig(**engine_switches(args)))
     name = args.served_model_name or Path(args.model).name
     host, port = sock.getsockname()[:2]
+    engine_loop = EngineLoop(engine, args.threads)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine_loop, name, start_engine=False), log_level=args.log_level,
+                                           timeout_graceful_shutdown=5))
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
     err_console.print(f"minillm serve: {name} on http://{host}:{port}/v1 ({engine.block_manager.num_blocks} KV "
                       f"blocks of {engine.config.block_size} tokens); Ctrl-C stops", soft_wrap=True)
-    server = uvicorn.Server(uvicorn.Config(build_app(EngineLoop(engine, args.threads), name), log_level=args.log_level))
-    server.run(sockets=[sock])
+    http.start()
+    try:
+        engine_loop.run(while_true=http.is_alive)  # until the server's shutdown stops it, or Ctrl-C
+    finally:
+        server.should_exit = True
+        http.join()
 
 
 # ----------------------------------------------------------------------------- info

@@ -97,9 +97,9 @@ def add_bench_serve_http(benches) -> None:
     http.add_argument("--repeats", type=positive_int, default=1,
                       help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
                            "(default: 1)")
-    http.add_argument("--threads", type=positive_int, default=None,
-                      help="torch threads for LLM.generate and for the server's engine (default: torch's, one "
-                           "per core)")
+    http.add_argument("--threads", type=positive_int, default=1,
+                      help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
+                           "other work (here: the clients) more threads wait for each other (default: 1)")
     http.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(http)
     add_kv_quantization_args(http)

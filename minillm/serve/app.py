@@ -7,7 +7,7 @@
     GET  /metrics               Prometheus text: KV blocks per state, KV usage, prefix-cache hit
                                 rate, requests running and waiting, tokens/s, counters
 
-Every route runs on the event loop; the engine runs in its own thread (`engine_loop.py`). A
+Every route runs on the event loop; the engine runs in a thread of its own (`engine_loop.py`). A
 request's body is checked first (`protocol.py`): a malformed or too long one gets a 400 with
 OpenAI's error body, an unknown model a 404, and nothing reaches the engine. A client that goes
 away, while its request waits or streams, aborts it: its blocks are free before the next step.
@@ -29,12 +29,13 @@ from minillm.serve.protocol import (DONE, APIError, ChoiceText, Job, chunk, delt
                                     parse_completion, parse_json, response_body, sse, usage)
 
 
-def build_app(engine_loop: EngineLoop, model_name: str) -> FastAPI:
-    """The app over a started-or-not EngineLoop: its lifespan starts the engine thread and stops it."""
+def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = True) -> FastAPI:
+    """The app over an EngineLoop. Its lifespan starts the engine in a thread of its own (unless
+    `start_engine` is False: the caller runs `engine_loop.run()` itself) and stops it at shutdown."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if not engine_loop.thread.is_alive():
+        if start_engine:
             engine_loop.start()
         yield
         engine_loop.stop()

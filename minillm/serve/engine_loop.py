@@ -1,7 +1,9 @@
 """One engine, one thread, many HTTP requests: the bridge between `LLMEngine` and asyncio.
 
-The engine is not thread-safe and need not be: only the engine thread touches it. Everything else
-talks to that thread through one queue of commands, read between steps:
+The engine is not thread-safe and need not be: only the engine thread touches it — the main
+thread under `minillm serve` (torch's parallel regions run ~20% slower from any other thread on
+a small CPU; the HTTP server gets a thread instead), a thread of its own in the tests. Everything
+else talks to it through one queue of commands, read between steps:
     add     queue a request (its prompt ids and SamplingParams); the answer, accepted or refused
             with the engine's reason (a KV budget it can never fit, ...), goes back to the caller;
     abort   stop a request now (its client went away, or every choice met a stop string): its
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import queue
 import threading
 import time
@@ -45,9 +46,9 @@ class EngineLoop:
         self.engine, self.threads = engine, threads
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
-        self.thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
+        self.thread: threading.Thread | None = None  # set by start(); None when a caller runs run() itself
+        self.running = False
         self.error: str | None = None  # set if the loop itself broke (a bug): /health reports it
-        self.ids = itertools.count()
         # counters for /metrics, kept by the engine thread
         self.prompt_tokens = 0
         self.finished = Counter()  # finish reason -> requests
@@ -57,40 +58,77 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ lifetime (any thread)
     def start(self) -> None:
+        """Run the engine in a thread of its own (the tests do; `minillm serve` runs it in the main
+        thread instead, where torch's parallel regions are measurably faster)."""
+        self.running = True
+        self.thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
         self.thread.start()
 
     def stop(self) -> None:
-        if self.thread.is_alive():
-            self.commands.put(("stop",))
+        """Make run() return after the command it is on; wait for it when it runs in our thread."""
+        self.commands.put(("stop",))
+        if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
 
     @property
     def alive(self) -> bool:
-        return self.thread.is_alive() and self.error is None
+        return self.running and self.error is None
 
     # ------------------------------------------------------------------ the engine thread
-    def run(self) -> None:
+    def run(self, while_true: Callable[[], bool] = lambda: True) -> None:
+        """Serve commands and step the engine until stop() (or until `while_true()` turns false,
+        checked at least once a second while idle), in the calling thread."""
+        self.running = True
         if self.threads:  # OpenMP's thread count is per calling thread: set it where the engine runs
             torch.set_num_threads(self.threads)
+        try:
+            while while_true():
+                if not self.serve_commands():
+                    return
+                if self.engine.has_unfinished_requests():
+                    try:
+                        self.step()
+                    except Exception as err:  # the engine fails a batch itself; this is a bug past that
+                        self.error = f"The engine loop broke ({type(err).__name__}: {err})."
+                        return
+        finally:
+            self.running = False
+            self.fail_all(self.error or "The server is shutting down.")
+
+    def fail_all(self, error: str) -> None:
+        """End every request still answered, and every command still waiting, with `error`."""
+        for loop, out_queue, index in self.sinks.values():
+            deliver_soon(loop, out_queue, index, RuntimeError(error))
+        self.sinks.clear()
         while True:
-            idle = not self.engine.has_unfinished_requests()
-            commands = [self.commands.get()] if idle else []
-            while True:
-                try:
-                    commands.append(self.commands.get_nowait())
-                except queue.Empty:
-                    break
-            for command in commands:
-                if command[0] == "stop":
-                    return
-                self.obey(command)
-            if self.engine.has_unfinished_requests():
-                try:
-                    self.step()
-                except Exception as err:  # the engine fails a batch itself; this is a bug past that
-                    self.error = f"The engine loop broke ({type(err).__name__}: {err})."
-                    self.fail_all()
-                    return
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                loop, out_queue, index = command[5]
+                deliver_soon(loop, out_queue, index, RuntimeError(error))
+            elif command[0] == "call":
+                command[2].set_exception(RuntimeError(error))
+
+    def serve_commands(self) -> bool:
+        """Carry out every command waiting (when idle, wait up to 1 s for one); False on stop."""
+        commands = []
+        if not self.engine.has_unfinished_requests():
+            try:
+                commands.append(self.commands.get(timeout=1.0))
+            except queue.Empty:
+                return True
+        while True:
+            try:
+                commands.append(self.commands.get_nowait())
+            except queue.Empty:
+                break
+        for command in commands:
+            if command[0] == "stop":
+                return False
+            self.obey(command)
+        return True
 
     def obey(self, command: tuple) -> None:
         kind = command[0]
@@ -147,10 +185,6 @@ class EngineLoop:
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(deliver, items)
 
-    def fail_all(self) -> None:
-        for request_id, (loop, out_queue, index) in list(self.sinks.items()):
-            loop.call_soon_threadsafe(out_queue.put_nowait, (index, RuntimeError(self.error)))
-        self.sinks.clear()
 
     def tokens_per_second(self) -> float:
         """Tokens generated over the steps of the last RATE_WINDOW_S seconds, per second of wall time
@@ -162,7 +196,7 @@ class EngineLoop:
     # ------------------------------------------------------------------ callers (the event loop)
     async def call(self, fn: Callable[["EngineLoop"], object]):
         """fn(self), run on the engine thread between two steps."""
-        if not self.thread.is_alive():
+        if not self.alive:
             raise RuntimeError(self.error or "The engine loop is not running.")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.commands.put(("call", fn, future))
@@ -170,6 +204,13 @@ class EngineLoop:
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> "Submission":
         return Submission(self, prompts, params, request_id)
+
+
+def deliver_soon(loop: asyncio.AbstractEventLoop, out_queue: asyncio.Queue, index: int, item) -> None:
+    try:
+        loop.call_soon_threadsafe(out_queue.put_nowait, (index, item))
+    except RuntimeError:  # that event loop has closed already: nobody is listening
+        pass
 
 
 def deliver(items: list[tuple[asyncio.Queue, int, RequestOutput]]) -> None:
