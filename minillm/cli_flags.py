@@ -97,3 +97,51 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
                         help="drop KV entries beyond --kv-budget: h2o, sinks or window (default: none)")
     parser.add_argument("--kv-budget", type=kv_budget, default=None,
                         help="with --eviction: entries kept per sequence, as tokens (256) or a fraction (0.2)")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, max_num_seqs: int = 64) -> None:
+    """The serving engine's own switches (EngineConfig fields of the same names, dashed), for the
+    commands that run one engine for many requests (serve, bench serve-http)."""
+    group = parser.add_argument_group("engine (EngineConfig switches)")
+    group.add_argument("--kv-cache-mb", type=positive_int, default=512, help="the device KV pool in MiB (default: 512)")
+    group.add_argument("--block-size", type=positive_int, default=16, help="token slots per KV block (default: 16)")
+    group.add_argument("--max-num-seqs", type=positive_int, default=max_num_seqs,
+                       help=f"sequences running at once (default: {max_num_seqs})")
+    group.add_argument("--max-num-batched-tokens", type=positive_int, default=512,
+                       help="tokens computed per step; a longer prefill is chunked (default: 512)")
+    group.add_argument("--max-seq-len", type=whole_number(2, "a context of 2 tokens or more"), default=None,
+                       help="tokens one sequence may hold (default: the model's context)")
+    group.add_argument("--prefix-caching", action="store_true",
+                       help="share the KV of full prompt blocks computed for earlier requests (default: off)")
+    group.add_argument("--attention-backend", choices=["torch", "cpu", "cuda"], default="torch",
+                       help="decode attention: torch reference, C++ or CUDA kernel (default: torch)")
+    group.add_argument("--scheduling", choices=["continuous", "static"], default="continuous",
+                       help="iteration-level batching, or a new batch only when the last has finished "
+                            "(default: continuous)")
+    group.add_argument("--admission", choices=["fcfs", "memory", "reserve"], default="fcfs",
+                       help="who joins the batch first: arrival order, benefit per KV cost, or fcfs reserving "
+                            "each request's maximum length (default: fcfs)")
+
+
+def engine_switches(args) -> dict:
+    """Every EngineConfig switch of add_model_args, add_engine_args, add_kv_quantization_args,
+    add_eviction_args and add_tier_args."""
+    return {"model_dir": args.model, "dtype": args.dtype, "device": args.device,
+            "kv_cache_bytes": args.kv_cache_mb * 2**20, "block_size": args.block_size,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_seq_len": args.max_seq_len, "prefix_caching": args.prefix_caching,
+            "attention_backend": args.attention_backend, "scheduling": args.scheduling, "admission": args.admission,
+            "kv_dtype": args.kv_dtype, "kv_key_scales": args.kv_key_scales, "eviction": args.eviction,
+            "kv_budget": args.kv_budget, **tier_switches(args)}
+
+
+def engine_argv(args) -> list[str]:
+    """engine_switches(args) as flags again, for a child `minillm serve` run with the same engine."""
+    argv = []
+    for flag in ("model", "dtype", "device", "kv_cache_mb", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                 "max_seq_len", "attention_backend", "scheduling", "admission", "kv_dtype", "kv_key_scales",
+                 "eviction", "kv_budget", "host_cache_mb", "disk_cache_dir", "preemption"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += ["--" + flag.replace("_", "-"), str(value)]
+    return argv + (["--prefix-caching"] if args.prefix_caching else [])

@@ -1,5 +1,5 @@
-"""The commands that measure: `minillm bench decode|serve|prefix|tiers|memory|attention|chat-view` (speed),
-`minillm eval ppl` (quality), and `minillm bench all` (every one of them, written to files).
+"""The commands that measure: `minillm bench decode|serve|serve-http|prefix|tiers|memory|attention|chat-view`
+(speed), `minillm eval ppl` (quality), and `minillm bench all` (every one of them, written to files).
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
 JSON object, to compare across commits; without, its module's `print_*_report` prints the tables.
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.cli_flags import (add_eviction_args, add_kv_quantization_args, add_model_args,
-                               positive_float, positive_int)
+from minillm.cli_flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
+                               add_tier_args, engine_argv, engine_switches, positive_float, positive_int)
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, KV_DTYPES
 from minillm.evaluation import DEFAULT_TEXT
 from minillm.report import console, print_json, show
@@ -20,8 +20,8 @@ from minillm.report import console, print_json, show
 def add_bench(subparsers) -> None:
     bench = subparsers.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for add_command in (add_bench_decode, add_bench_serve, add_bench_prefix, add_bench_tiers, add_bench_memory,
-                        add_bench_attention, add_bench_chat_view, add_bench_all):
+    for add_command in (add_bench_decode, add_bench_serve, add_bench_serve_http, add_bench_prefix, add_bench_tiers,
+                        add_bench_memory, add_bench_attention, add_bench_chat_view, add_bench_all):
         add_command(benches)
 
 
@@ -76,6 +76,55 @@ def cmd_bench_serve(args) -> None:
     show(bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
                      block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf,
                      attention_backend=args.attention_backend, dtype=args.dtype), print_serve_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench serve-http
+
+def add_bench_serve_http(benches) -> None:
+    http = benches.add_parser("serve-http", help="minillm serve with N streaming clients vs LLM.generate",
+                              description="The HTTP server's cost: N streaming clients (default 32) send bench "
+                                          "serve's seeded trace at once to a `minillm serve` child process; "
+                                          "aggregate output tok/s against LLM.generate on the same prompts in "
+                                          "this process (target >= 80%), p50/p99 time to first token, whether "
+                                          "every client got LLM.generate's text, and the KV blocks still held "
+                                          "once all have finished, and again after half of them hang up "
+                                          "mid-stream (must be 0). Needs the serve extra: pip install -e "
+                                          "\".[serve]\".")
+    http.add_argument("--clients", type=positive_int, default=32,
+                      help="streaming clients, one request each (default: 32)")
+    http.add_argument("--disconnect-after", type=positive_int, default=4,
+                      help="in the second round, every other client hangs up after this many chunks (default: 4)")
+    http.add_argument("--repeats", type=positive_int, default=1,
+                      help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
+                           "(default: 1)")
+    http.add_argument("--threads", type=positive_int, default=1,
+                      help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
+                           "other work (here: the clients) more threads wait for each other (default: 1)")
+    http.add_argument("--json", action="store_true", help="print one JSON object")
+    add_engine_args(http)
+    add_kv_quantization_args(http)
+    add_eviction_args(http)
+    add_tier_args(http)
+    add_model_args(http)
+    http.set_defaults(func=cmd_bench_serve_http)
+
+
+def cmd_bench_serve_http(args) -> None:
+    from minillm.benchmarks.serve_http import bench_serve_http, print_serve_http_report
+    from minillm.config import ConfigError
+    from minillm.serve import missing_server_packages
+
+    problem = missing_server_packages()
+    if problem:
+        raise ConfigError(problem)
+    switches = {k: v for k, v in engine_switches(args).items() if k != "model_dir"}
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
+    serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
+    show(bench_serve_http(args.model, serve_args, switches, clients=args.clients,
+                          disconnect_after=args.disconnect_after, repeats=args.repeats), print_serve_http_report,
+         args.json)
 
 
 # ----------------------------------------------------------------------------- bench prefix

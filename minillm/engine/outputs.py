@@ -20,6 +20,17 @@ from minillm.tokenizer import Tokenizer
 
 
 @dataclass
+class CompletionOutput:
+    """One sample (or beam) of a request, shaped like vLLM's, so `out.outputs[0].text` reads the
+    same on both engines; finish_reason speaks the OpenAI API's words ("stop" for EOS)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
 class RequestOutput:
     """A request's state. With n parallel samples, `token_ids` is sample 0 and `samples` holds all;
     with beam search, `samples` are the beams, best first."""
@@ -44,6 +55,17 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.decode(self.token_ids)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """Every sample or beam as vLLM's RequestOutput.outputs lists them (decoded on each read)."""
+        eos = self.tokenizer.eos_token_id if self.tokenizer else None
+        ended = "length" if self.finish_reason in ("eos", "length") else self.finish_reason
+
+        def reason(ids: list[int]) -> str | None:
+            return ("stop" if ids and ids[-1] == eos else ended) if self.finished else None
+        return [CompletionOutput(i, self.decode(ids), list(ids), reason(ids))
+                for i, ids in enumerate(self.samples or [self.token_ids])]
 
     @classmethod
     def of(cls, seqs: list[Sequence], tokenizer: Tokenizer | None) -> "RequestOutput":

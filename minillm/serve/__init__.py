@@ -1,0 +1,22 @@
+"""`minillm serve`: the engine behind an OpenAI-compatible HTTP server (vLLM's routes and shapes).
+
+protocol.py     request bodies -> Jobs (prompt ids, SamplingParams, stop strings), response and
+                stream-chunk bodies, OpenAI's error body; no web framework
+engine_loop.py  the engine in its own thread, fed by a command queue; Submission, one HTTP
+                request's side (outputs as they come, abort on close)
+app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+
+FastAPI and uvicorn are an optional extra: pip install -e ".[serve]".
+"""
+
+INSTALL_HINT = 'minillm serve needs FastAPI and uvicorn: pip install -e ".[serve]"'
+
+
+def missing_server_packages() -> str | None:
+    """None if FastAPI and uvicorn import, else the line that says how to install them."""
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        return f"{INSTALL_HINT} ({err})."
+    return None

@@ -1,0 +1,341 @@
+"""The OpenAI API as vLLM serves it: request bodies in, response bodies and stream chunks out.
+
+Pure functions and small classes, no web framework: `parse_completion` and `parse_chat` check a
+JSON body and turn it into a `Job` (prompts as token ids, `SamplingParams`, stop strings, stream
+or not), or raise `APIError` with the status and the message the client reads. `ChoiceText`
+follows one choice's tokens as they arrive: text decoded a token at a time (a character split
+across tokens waits for its last byte), stop strings found and cut off (text that may be the start
+of one is held back), and the choice's finish reason. The `*_body` and `*_chunk` functions build
+the JSON shapes of vLLM's OpenAI server, so a client written against minillm moves to vLLM
+unchanged.
+
+Parameters and where they go:
+    max_tokens (max_completion_tokens)  SamplingParams.max_tokens; completions default to 16 (the
+                                        OpenAI default), chat to the rest of the context (vLLM's)
+    temperature, top_p, seed, n         SamplingParams fields of the same names; temperature
+                                        defaults to 1 (OpenAI's), 0 is greedy
+    top_k, ignore_eos                   vLLM's extra parameters, the SamplingParams fields
+    stop                                a string or a list; found in the text here, the engine
+                                        request aborted once every choice has stopped
+    stream, stream_options              server-sent events; include_usage adds a last chunk of usage
+Anything else that changes the output (logprobs, echo, penalties, logit_bias, tools, ...) gets a
+400 that names it; an unknown field a 400 that lists the ones minillm takes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from minillm.config import prompt_problem
+from minillm.sampling import SamplingParams, is_real
+from minillm.tokenizer import Tokenizer
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP `status`, and the body of OpenAI's error shape."""
+
+    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    """{"error": {"message", "type", "param", "code"}}: what the openai client reads into its exception."""
+    return {"error": {"message": message, "type": APIError.TYPES.get(status, "APIError"), "param": param,
+                      "code": status}}
+
+
+# ----------------------------------------------------------------------------- requests
+
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
+                 "stream_options", "ignore_eos", "user")
+COMPLETION_FIELDS = ("prompt", *COMMON_FIELDS)
+CHAT_FIELDS = ("messages", "max_completion_tokens", *COMMON_FIELDS)
+# fields minillm knows but does not implement: refused unless they ask for nothing (their default)
+UNSUPPORTED = {"echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
+               "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+               "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
+               "response_format": (None, {"type": "text"})}
+
+
+@dataclass
+class Job:
+    """One HTTP request, checked: what the engine runs and how the answer is shaped."""
+
+    kind: str  # "completion" or "chat"
+    model: str
+    prompts: list[list[int]]  # one engine request each (a completion may batch several prompts)
+    params: SamplingParams
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    id: str = ""
+    created: int = 0
+
+    def __post_init__(self):
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
+        self.created = self.created or int(time.time())
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise APIError(400, f"The request body is not valid JSON ({err}).") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"The request body must be a JSON object, not a JSON {type(body).__name__}.")
+    return body
+
+
+def check_fields(body: dict, known: tuple[str, ...]) -> None:
+    for name, value in body.items():
+        if name in UNSUPPORTED:
+            if value not in UNSUPPORTED[name]:
+                raise APIError(400, f"minillm does not support '{name}' (got {value!r}); leave it out.", name)
+        elif name not in known:
+            raise APIError(400, f"Unknown field '{name}'; minillm takes {', '.join(sorted(known))}.", name)
+
+
+def typed(body: dict, name: str, kind, default, describe: str):
+    """body[name] if it is of `kind` (None means the default), else a 400 that says what it must be."""
+    value = body.get(name)
+    if value is None:
+        return default
+    ok = is_real(value) if kind is float else isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if not ok:
+        raise APIError(400, f"'{name}' must be {describe}, not {value!r}.", name)
+    return value
+
+
+def parse_stop(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise APIError(400, f"'stop' must be a non-empty string or a list of them, not {stop!r}.", "stop")
+    return stops
+
+
+def parse_common(body: dict, tokenizer: Tokenizer | None, default_max_tokens: int | None) -> dict:
+    """The fields both endpoints share, checked; max_tokens is None when the context decides it."""
+    options = typed(body, "stream_options", dict, {}, "an object like {\"include_usage\": true}")
+    if set(options) - {"include_usage"}:
+        raise APIError(400, f"stream_options takes only include_usage, not {sorted(set(options) - {'include_usage'})}.",
+                       "stream_options")
+    stream = typed(body, "stream", bool, False, "true or false")
+    if options and not stream:
+        raise APIError(400, "stream_options is only allowed with stream: true.", "stream_options")
+    top_k = typed(body, "top_k", int, 0, "an integer (0 or -1 turns it off)")
+    max_tokens = typed(body, "max_tokens", int, default_max_tokens, "an integer >= 1")
+    if body.get("max_completion_tokens") is not None:
+        max_tokens = typed(body, "max_completion_tokens", int, None, "an integer >= 1")
+    return {"max_tokens": max_tokens, "temperature": typed(body, "temperature", float, 1.0, "a number >= 0"),
+            "top_p": typed(body, "top_p", float, 1.0, "a number in (0, 1]"), "top_k": 0 if top_k == -1 else top_k,
+            "n": typed(body, "n", int, 1, "an integer >= 1"), "seed": typed(body, "seed", int, None, "an integer"),
+            "ignore_eos": typed(body, "ignore_eos", bool, False, "true or false"), "stream": stream,
+            "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
+            "stop": parse_stop(body)}
+
+
+def make_job(kind: str, model: str, prompts: list[list[int]], common: dict, context_len: int,
+             vocab_size: int) -> Job:
+    """Check every prompt against the context and the vocabulary, then build SamplingParams."""
+    max_tokens = common["max_tokens"]
+    for prompt in prompts:
+        problem = prompt_problem(prompt, context_len, vocab_size)
+        if problem:
+            raise APIError(400, problem, "messages" if kind == "chat" else "prompt")
+        wanted = max_tokens if max_tokens is not None else context_len - len(prompt)
+        if isinstance(wanted, int) and len(prompt) + wanted > context_len:
+            where = "messages" if kind == "chat" else "prompt"
+            raise APIError(400, f"This model's maximum context length is {context_len} tokens. However, you requested "
+                                f"{len(prompt) + wanted} tokens ({len(prompt)} in the {where}, {wanted} in the "
+                                f"completion). Please reduce the length of the {where} or completion.", "max_tokens")
+    if max_tokens is None:  # chat without max_tokens: the rest of the (shortest prompt's) context, as vLLM does
+        max_tokens = context_len - max(len(p) for p in prompts)
+    try:
+        params = SamplingParams(temperature=common["temperature"], top_k=common["top_k"], top_p=common["top_p"],
+                                max_tokens=max_tokens, seed=common["seed"], n=common["n"],
+                                ignore_eos=common["ignore_eos"])
+    except ValueError as err:
+        raise APIError(400, str(err)) from None
+    return Job(kind, model, prompts, params, common["stop"], common["stream"], common["include_usage"])
+
+
+def parse_completion(body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int) -> Job:
+    """POST /v1/completions: prompt is a string, a list of strings, a list of token ids, or a list
+    of lists of token ids (a batch: one choice per prompt, n each)."""
+    check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+                            f"of token ids, not {prompt!r}." if prompt is not None else "'prompt' is required.",
+                       "prompt")
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise APIError(400, "This model has no tokenizer; send prompts as token ids.", "prompt")
+            ids.append(tokenizer.encode(p))
+        else:
+            ids.append(list(p))
+    return make_job("completion", model, ids, parse_common(body, tokenizer, 16), context_len, vocab_size)
+
+
+def message_text(message, index: int) -> dict[str, str]:
+    """A chat message as {"role", "content"}; content given as parts must be text parts."""
+    if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+        raise APIError(400, f"messages[{index}] must be an object with role system, user or assistant and a "
+                            f"content, not {message!r}.", "messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                   for part in content):
+            raise APIError(400, f"messages[{index}].content: minillm reads only text parts "
+                                "({\"type\": \"text\", \"text\": ...}).", "messages")
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{index}].content must be a string, not {content!r}.", "messages")
+    extra = set(message) - {"role", "content", "name"}
+    if extra:
+        raise APIError(400, f"messages[{index}] has fields minillm does not support: {sorted(extra)}.", "messages")
+    return {"role": message["role"], "content": content}
+
+
+def parse_chat(body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int) -> Job:
+    """POST /v1/chat/completions: the conversation is rendered by the checkpoint's chat template."""
+    check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
+    conversation = [message_text(m, i) for i, m in enumerate(messages)]
+    if tokenizer is None:
+        raise APIError(400, "This model has no tokenizer, so no chat template; use /v1/completions with token ids.")
+    try:
+        prompt = tokenizer.encode_chat(conversation)
+    except ValueError as err:  # ConfigError: no chat template in this checkpoint
+        raise APIError(400, str(err)) from None
+    return make_job("chat", model, [prompt], parse_common(body, tokenizer, None), context_len, vocab_size)
+
+
+# ----------------------------------------------------------------------------- outputs
+
+FINISH_REASONS = {"eos": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class ChoiceText:
+    """One choice (one sample of one prompt) as its tokens arrive: its text, the part of it the
+    client has been sent, and why it ended. Text that could be the start of a stop string is held
+    back until it is not; a stop string found ends the choice, cut before it (vLLM's default)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], eos_token_id: int | None, max_new_tokens: int,
+                 ignore_eos: bool):
+        self.decoder = tokenizer.stream_decoder()
+        self.stop, self.eos, self.max_new, self.ignore_eos = stop, eos_token_id, max_new_tokens, ignore_eos
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text, self.sent, self.num_tokens = "", 0, 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, token_ids: list[int], engine_finish: str | None = None) -> str:
+        """Take the choice's tokens so far; return the new text to send (may be ""). `engine_finish`
+        is the engine's finish reason once the whole request has finished."""
+        if self.done:
+            return ""
+        searched_from = max(0, len(self.text) - self.hold)
+        for token in token_ids[self.num_tokens:]:
+            if token != self.eos:  # never text, as in RequestOutput.text (even with ignore_eos)
+                self.text += self.decoder.feed(token)
+        self.num_tokens = len(token_ids)
+        ended_by_engine = self.ended(token_ids)
+        if engine_finish is not None and not ended_by_engine:
+            ended_by_engine = FINISH_REASONS.get(engine_finish, engine_finish)
+        if ended_by_engine:
+            self.text += self.decoder.flush()
+        found = [(self.text.find(s, searched_from), s) for s in self.stop]
+        found = [(at, s) for at, s in found if at >= 0]
+        if found:
+            at, self.stop_reason = min(found)
+            self.text, self.finish_reason = self.text[:at], "stop"
+        elif ended_by_engine:
+            self.finish_reason = ended_by_engine
+        safe = len(self.text) if self.done else len(self.text) - self.hold
+        delta = self.text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return delta
+
+    def ended(self, token_ids: list[int]) -> str | None:
+        """Whether this sample has ended by the engine's rules (it may end before its request does,
+        when the request has n samples): EOS, or max_tokens (or the context) reached."""
+        if token_ids and token_ids[-1] == self.eos and not self.ignore_eos:
+            return "stop"
+        return "length" if len(token_ids) >= self.max_new else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def choice_body(job: Job, index: int, choice: ChoiceText) -> dict:
+    if job.kind == "chat":
+        return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None,
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+    return {"index": index, "text": choice.text, "logprobs": None, "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason}
+
+
+def response_body(job: Job, choices: list[ChoiceText], usage_: dict) -> dict:
+    """The whole answer of a request that did not stream."""
+    return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model,
+            "choices": [choice_body(job, i, c) for i, c in enumerate(choices)],
+            "usage": usage_}
+
+
+def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> str:
+    """One server-sent event of a stream."""
+    body = {"id": job.id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return sse(body)
+
+
+def delta_choice(job: Job, index: int, text: str, choice: ChoiceText | None = None, first: bool = False) -> dict:
+    """A stream chunk's choice: new text, and the finish reason on the choice's last chunk."""
+    finish = choice.finish_reason if choice is not None else None
+    stop_reason = choice.stop_reason if choice is not None else None
+    if job.kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+
+
+def sse(body: dict | str) -> str:
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+DONE = sse("[DONE]")

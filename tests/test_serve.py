@@ -1,0 +1,369 @@
+"""`minillm serve`, driven by the official `openai` client over HTTP on 127.0.0.1.
+
+One server for the module (a free port, uvicorn in a thread, started and stopped by a fixture), on
+the tiny random Llama with the real tokenizer, so text goes in and out and each test runs in a
+second or two. Greedy answers must be `LLM.generate`'s token for token, streamed or not, one
+client or twenty at once; a client that disconnects must get its request aborted and its blocks
+freed; every bad request a 4xx with OpenAI's error body, never a 500.
+"""
+
+import json
+import shutil
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+import uvicorn
+
+from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from minillm.cli import main
+from minillm.config import EngineConfig
+from minillm.engine import LLM, LLMEngine, SamplingParams
+from minillm.serve.app import build_app, parse_metrics
+from minillm.serve.engine_loop import EngineLoop
+
+CONTEXT = 1024
+MAX_NUM_SEQS = 32
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "KV caches hold",
+           "Alice was beginning to get very tired", "1, 2, 3, 4,", "The quick brown fox", "Why is the sky blue?"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Server, clients and reference share two cores: one torch thread each runs the tiny model fastest."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(real_dir, tmp_path_factory):
+    """The tiny random Llama with the real tokenizer (vocabulary and chat template)."""
+    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
+    config = {**TINY_CONFIG, "vocab_size": vocab_size, "max_position_embeddings": CONTEXT, "tie_word_embeddings": True}
+    folder = write_checkpoint(tmp_path_factory.mktemp("serve-model"), config, random_llama_tensors(config))
+    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
+        shutil.copy(real_dir / name, folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """(base URL, EngineLoop) of a server running in this process until the module ends."""
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=4 << 20, prefix_caching=True,
+                                    max_num_seqs=MAX_NUM_SEQS))
+    engine_loop = EngineLoop(engine)
+    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on
+    uv = uvicorn.Server(uvicorn.Config(build_app(engine_loop, "tiny"), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine_loop
+    uv.should_exit = True
+    thread.join(timeout=30)
+    assert not engine_loop.thread.is_alive()  # the app's lifespan stopped the engine thread
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """LLM.generate in this process, on its own copy of the model: what the server must answer."""
+    return LLM(model_dir)
+
+
+def metrics(server) -> dict:
+    with urllib.request.urlopen(server[0] + "/metrics", timeout=30) as response:
+        return parse_metrics(response.read().decode())
+
+
+def held_blocks(values: dict) -> int:
+    return values["kv_blocks"]["private"] + values["kv_blocks"]["shared"]
+
+
+def wait_until_idle(server, timeout: float = 20) -> dict:
+    """/metrics once nothing runs, waits or holds a block (cached blocks are free)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(server)
+        if values["num_requests_running"] == values["num_requests_waiting"] == held_blocks(values) == 0:
+            return values
+        assert time.monotonic() < deadline, f"the engine did not drain: {values}"
+        time.sleep(0.05)
+
+
+def greedy(reference, prompt, max_tokens: int, **fields) -> str:
+    return reference.generate([prompt], SamplingParams(max_tokens=max_tokens, **fields))[0]
+
+
+# ----------------------------------------------------------------------------- answers
+
+def test_models_health_and_metrics_describe_the_server(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == CONTEXT
+    with urllib.request.urlopen(server[0] + "/health", timeout=10) as response:
+        assert response.status == 200
+    values = metrics(server)
+    assert sum(values["kv_blocks"].values()) == values["kv_blocks_total"] == server[1].engine.block_manager.num_blocks
+    for name in ("kv_cache_usage_perc", "kv_utilization", "prefix_cache_hit_rate", "num_requests_waiting",
+                 "generation_tokens_per_second", "generation_tokens_total"):
+        assert name in values
+
+
+def test_greedy_completions_equal_llm_generate(client, reference):
+    for prompt in PROMPTS[:4]:
+        expected = greedy(reference, prompt, 24)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+        assert got.choices[0].text == expected.text
+        assert got.choices[0].finish_reason == ("stop" if expected.finish_reason == "eos" else "length")
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(expected.prompt_token_ids),
+                                                                          len(expected.token_ids))
+    # a batch of prompts, and a prompt given as token ids: one choice each, in order
+    ids = reference.engine.tokenizer.encode(PROMPTS[5])
+    got = client.completions.create(model="tiny", prompt=[PROMPTS[4], PROMPTS[6]], max_tokens=12, temperature=0)
+    assert [c.text for c in got.choices] == [greedy(reference, p, 12).text for p in (PROMPTS[4], PROMPTS[6])]
+    got = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert got.choices[0].text == greedy(reference, ids, 12).text
+
+
+def test_chat_answers_with_the_chat_template(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+    prompt = reference.engine.tokenizer.encode_chat(messages)
+    got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == greedy(reference, prompt, 20).text
+    assert got.usage.prompt_tokens == len(prompt)
+
+
+def test_streamed_chunks_concatenate_to_the_same_text(client, reference):
+    expected = greedy(reference, PROMPTS[1], 30).text
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=30, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert len(chunks) > 10  # it really streamed
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 30
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    expected = greedy(reference, reference.engine.tokenizer.encode_chat(messages), 30).text
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_and_end_the_request(server, client, reference):
+    full = greedy(reference, PROMPTS[2], 60, ignore_eos=True).text
+    # the last 3 characters that first appear where they are (a random model repeats itself)
+    at = max(k for k in range(1, len(full) - 3) if full.find(full[k:k + 3]) == k)
+    stop = full[at:at + 3]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=60, temperature=0, stop=[stop],
+                                    extra_body={"ignore_eos": True})
+    choice = got.choices[0]
+    assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (full[:at], "stop", stop)
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=60, temperature=0, stop=stop,
+                                         stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == full[:at]
+    wait_until_idle(server)  # the engine request was aborted at the stop, its blocks freed
+
+
+def test_n_seeded_samples_equal_llm_generate(client, reference):
+    expected = reference.generate([PROMPTS[3]], SamplingParams(max_tokens=16, temperature=1.0, n=3, seed=7))[0]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3, seed=7)
+    assert [c.text for c in got.choices] == [expected.decode(s) for s in expected.samples]
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3,
+                                         seed=7, stream=True)
+    texts = ["", "", ""]
+    for c in streamed:
+        texts[c.choices[0].index] += c.choices[0].text
+    assert texts == [expected.decode(s) for s in expected.samples]
+
+
+# ----------------------------------------------------------------------------- many at once, and leaving
+
+def test_twenty_concurrent_streams_finish_right_and_free_every_block(server, client, reference):
+    jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 8 + 3 * i) for i in range(20)]
+    expected = [greedy(reference, prompt, n, ignore_eos=True).text for prompt, n in jobs]
+    before = metrics(server)
+    started = threading.Barrier(len(jobs))
+
+    def stream(job):
+        prompt, n = job
+        started.wait()
+        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks)
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        assert list(pool.map(stream, jobs)) == expected
+    after = wait_until_idle(server)
+    assert after["kv_cache_usage_perc"] == 0.0
+    finished = sum(after["request_success_total"].values()) - sum(before["request_success_total"].values())
+    assert finished == len(jobs) and after["requests_aborted_total"] == before["requests_aborted_total"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] == sum(n for _, n in jobs)
+    engine = server[1].engine
+    assert max(len(batch) for batch in engine.stats.batches) > 1  # the streams really shared steps
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, client):
+    before = metrics(server)
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=900, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    chunks = iter(stream)
+    for _ in range(3):
+        next(chunks)
+    assert held_blocks(metrics(server)) > 0  # it is running, holding blocks
+    stream.close()
+    after = wait_until_idle(server)
+    assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 900  # stopped early
+
+
+def test_a_client_that_leaves_a_request_that_does_not_stream_aborts_it(server):
+    before = metrics(server)
+    host, port = server[0].removeprefix("http://").split(":")
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port))) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 20
+        while held_blocks(metrics(server)) == 0:  # wait until it runs
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    after = wait_until_idle(server)
+    assert after["requests_aborted_total"] == before["requests_aborted_total"] + 1
+
+
+# ----------------------------------------------------------------------------- bad requests
+
+BAD_COMPLETIONS = [  # (fields beside model, what the message says)
+    ({"prompt": list(range(10, 10 + CONTEXT + 5))}, "context holds"),
+    ({"prompt": "Hello", "max_tokens": CONTEXT}, "maximum context length"),
+    ({"prompt": ""}, "empty"),
+    ({"prompt": [10, 10**9]}, "vocabulary"),
+    ({"prompt": "Hello", "temperature": -1}, "temperature"),
+    ({"prompt": "Hello", "top_p": 2}, "top_p"),
+    ({"prompt": "Hello", "n": 0}, "n must be"),
+    ({"prompt": "Hello", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "Hello", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "Hello", "seed": -1}, "seed"),
+    ({"prompt": "Hello", "stop": 5}, "stop"),
+    ({"prompt": "Hello", "logprobs": 2}, "does not support 'logprobs'"),
+    ({"prompt": "Hello", "echo": True}, "does not support 'echo'"),
+    ({"prompt": "Hello", "presence_penalty": 0.5}, "does not support 'presence_penalty'"),
+    ({"prompt": "Hello", "repetition_penalty": 1.2}, "Unknown field 'repetition_penalty'"),
+    ({"prompt": "Hello", "stream_options": {"include_usage": True}}, "only allowed with stream"),
+    ({"prompt": "Hello", "n": MAX_NUM_SEQS + 1}, "max_num_seqs"),  # refused by the engine's admission
+    ({"prompt": {"text": "Hello"}}, "'prompt' must be"),
+    ({}, "'prompt' is required"),
+]
+
+
+@pytest.mark.parametrize("fields, message", BAD_COMPLETIONS, ids=[m for _, m in BAD_COMPLETIONS])
+@pytest.mark.parametrize("stream", [False, True])
+def test_bad_completion_requests_get_a_400_that_says_why(client, fields, message, stream):
+    fields = {**fields, "stream": True} if stream and "stream_options" not in fields else fields
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/completions", body={"model": "tiny", **fields}, cast_to=object)
+    assert caught.value.status_code == 400 and message in caught.value.body["message"]
+    assert caught.value.body["code"] == 400 and caught.value.body["type"] == "BadRequestError"
+
+
+BAD_CHATS = [
+    ({"messages": []}, "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role system, user or assistant"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text parts"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "does not support 'tools'"),
+    ({"messages": [{"role": "user", "content": "x " * CONTEXT}]}, "context"),
+]
+
+
+@pytest.mark.parametrize("fields, message", BAD_CHATS, ids=[m for _, m in BAD_CHATS])
+def test_bad_chat_requests_get_a_400_that_says_why(client, fields, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/chat/completions", body={"model": "tiny", **fields}, cast_to=object)
+    assert message in caught.value.body["message"]
+
+
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt="Hello", max_tokens=4)
+    assert "gpt-4" in caught.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], stream=True)
+
+
+@pytest.mark.parametrize("path, body, status", [
+    ("/v1/completions", b"{not json", 400),
+    ("/v1/completions", b"[1, 2]", 400),
+    ("/v1/completions", "{\"prompt\": \"\xff\"}".encode("latin-1"), 400),
+    ("/v1/nowhere", b"{}", 404),
+])
+def test_malformed_bodies_and_unknown_routes_get_json_errors(server, path, body, status):
+    request = urllib.request.Request(server[0] + path, data=body, headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=10)
+    assert caught.value.code == status
+    error = json.loads(caught.value.read())["error"]
+    assert error["code"] == status and error["message"]
+
+
+def test_the_server_still_answers_after_bad_requests(server, client, reference):
+    got = client.completions.create(model="tiny", prompt=PROMPTS[7], max_tokens=8, temperature=0)
+    assert got.choices[0].text == greedy(reference, PROMPTS[7], 8).text
+    wait_until_idle(server)
+
+
+# ----------------------------------------------------------------------------- the command
+
+def test_serve_help_explains_routes_and_flags(capsys):
+    assert main(["serve", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for words in ("/v1/chat/completions", "/metrics", "--prefix-caching", "--kv-dtype", "--host-cache-mb",
+                  "default: 127.0.0.1", '.[serve]'):
+        assert words in text
+
+
+def test_serve_on_a_port_in_use_is_one_line(capsys, model_dir):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(model_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: Cannot listen on 127.0.0.1:{port}") and err.count("\n") == 1
+
+
+def test_llm_outputs_read_like_vllms(reference):
+    """`out.outputs[i].text`, `.token_ids`, `.finish_reason`: the README's LLM.generate script runs on both."""
+    out = reference.generate([PROMPTS[0]], SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3))[0]
+    assert [o.index for o in out.outputs] == [0, 1]
+    assert [o.token_ids for o in out.outputs] == out.samples and out.outputs[0].text == out.text
+    assert {o.finish_reason for o in out.outputs} == {"length"}
+
+
+def test_bench_serve_http_reports_speed_latency_and_no_block_left(capsys, model_dir):
+    assert main(["bench", "serve-http", "--json", "--clients", "4", "--threads", "1", "--kv-cache-mb", "8",
+                 "--model", str(model_dir)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["all_rounds_match_generate"] and report["server"]["all_finished"]
+    assert report["server"]["output_tokens"] == report["trace"]["output_tokens"]
+    for side in ("server", "llm_generate"):
+        assert report[side]["output_tok_s"] > 0 and 0 < report[side]["ttft_p50_s"] <= report[side]["ttft_p99_s"]
+    assert report["server_vs_generate"] == report["server"]["output_tok_s"] / report["llm_generate"]["output_tok_s"]
+    assert report["blocks_held_after_all_finished"] == 0
+    left = report["disconnect"]
+    assert left["clients_hung_up"] == left["requests_aborted"] == 2 and left["others_finished"]
+    assert left["blocks_held_after"] == left["requests_left"] == 0
