@@ -7,7 +7,6 @@ import errno
 import json
 import logging
 import random
-from collections import Counter
 from pathlib import Path
 
 import pytest
