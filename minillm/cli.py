@@ -189,8 +189,9 @@ def add_serve(subparsers) -> None:
 
 
 def cmd_serve(args) -> None:
-    """HTTP in a thread, the engine in the main thread: torch's parallel regions run ~20% slower
-    from any other thread (measured on this CPU), and the engine is where the time goes."""
+    """HTTP in a thread, the engine in the main thread, which loaded the model: torch's parallel
+    regions ran ~20% slower in a thread started after another had run them (OpenMP, measured on
+    the 2-core development CPU), and the engine is where the time goes."""
     import socket
     import threading
 

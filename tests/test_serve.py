@@ -367,3 +367,40 @@ def test_bench_serve_http_reports_speed_latency_and_no_block_left(capsys, model_
     left = report["disconnect"]
     assert left["clients_hung_up"] == left["requests_aborted"] == 2 and left["others_finished"]
     assert left["blocks_held_after"] == left["requests_left"] == 0
+
+
+def test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c(model_dir):
+    """`minillm serve` as a user runs it: the engine in the main thread, HTTP beside it; Ctrl-C
+    ends a stream in flight with an error event and [DONE], and the process exits."""
+    import http.client
+    import signal
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", "--model", str(model_dir), "--port",
+                             str(port), "--threads", "1", "--served-model-name", "tiny", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+                time.sleep(0.1)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1000,
+                                                             "stream": True, "ignore_eos": True}))
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"data: {")
+        proc.send_signal(signal.SIGINT)
+        events = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+        assert "shutting down" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
+        assert proc.wait(timeout=30) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    assert "on http://127.0.0.1:" in proc.stderr.read()

@@ -231,7 +231,8 @@ def bench_serve_http(model_dir: Path, serve_args: list[str], switches: dict, cli
 def print_serve_http_report(report: dict, console) -> None:
     trace, gen, srv = report["trace"], report["llm_generate"], report["server"]
     print_table(console, f"{report['clients']} streaming clients at once (prompts {trace['prompt_len']}, "
-                         f"outputs {trace['output_len']} tokens, greedy); best of {report['repeats']}",
+                         f"outputs {trace['output_len']} tokens, greedy), {report['torch_threads']} torch "
+                         f"thread(s), best of {report['repeats']} interleaved rounds",
                 ["", "output tok/s", "elapsed", "TTFT p50", "TTFT p99"],
                 [["LLM.generate (one process)", f"{gen['output_tok_s']:.1f}", f"{gen['elapsed_s']:.1f} s",
                   f"{gen['ttft_p50_s']:.2f} s", f"{gen['ttft_p99_s']:.2f} s"],
@@ -240,6 +241,9 @@ def print_serve_http_report(report: dict, console) -> None:
     console.print(f"server / LLM.generate: {report['server_vs_generate']:.0%} (target >= 80%); every client got "
                   f"LLM.generate's text: {report['all_rounds_match_generate']}; KV blocks held after all finished: "
                   f"{report['blocks_held_after_all_finished']} of {report['blocks_total']}")
+    rounds = report["rounds"]
+    console.print("every round's tok/s: LLM.generate " + ", ".join(f"{x:.1f}" for x in rounds["llm_generate_tok_s"])
+                  + "; server " + ", ".join(f"{x:.1f}" for x in rounds["server_tok_s"]))
     left = report["disconnect"]
     console.print(f"{left['clients_hung_up']} clients hung up mid-stream: {left['requests_aborted']} requests aborted, "
                   f"the others finished: {left['others_finished']}; KV blocks held after: "

@@ -1,9 +1,10 @@
 """One engine, one thread, many HTTP requests: the bridge between `LLMEngine` and asyncio.
 
 The engine is not thread-safe and need not be: only the engine thread touches it — the main
-thread under `minillm serve` (torch's parallel regions run ~20% slower from any other thread on
-a small CPU; the HTTP server gets a thread instead), a thread of its own in the tests. Everything
-else talks to it through one queue of commands, read between steps:
+thread under `minillm serve`, the one that loaded the model (with OpenMP, torch's parallel
+regions ran ~20% slower, small ones 2x, in a thread started after another had run them; the
+HTTP server gets a thread instead), a thread of its own in the tests. Everything else talks to it
+through one queue of commands, read between steps:
     add     queue a request (its prompt ids and SamplingParams); the answer, accepted or refused
             with the engine's reason (a KV budget it can never fit, ...), goes back to the caller;
     abort   stop a request now (its client went away, or every choice met a stop string): its
@@ -58,8 +59,8 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ lifetime (any thread)
     def start(self) -> None:
-        """Run the engine in a thread of its own (the tests do; `minillm serve` runs it in the main
-        thread instead, where torch's parallel regions are measurably faster)."""
+        """Run the engine in a thread of its own (the tests do; `minillm serve` calls run() from the
+        main thread instead, the one whose OpenMP threads torch already uses: faster)."""
         self.running = True
         self.thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
         self.thread.start()
