@@ -222,6 +222,8 @@ def cmd_serve(args) -> None:
     finally:
         server.should_exit = True
         http.join()
+    if engine_loop.error:  # a bug: say so, and exit with a status that says it too
+        raise SystemExit(f"error: {engine_loop.error}")
 
 
 # ----------------------------------------------------------------------------- info
