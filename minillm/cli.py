@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from rich.console import Console
@@ -160,12 +161,12 @@ def add_serve(subparsers) -> None:
     serve = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server on the engine (vLLM's routes)",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EXAMPLES,
-        description="Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
+        description=textwrap.fill("Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
                     "/v1/chat/completions (\"stream\": true sends server-sent events), GET /v1/models, /health and "
                     "/metrics (Prometheus text). One engine loop (the main thread; HTTP runs in another) batches "
                     "every request in flight; a client that disconnects aborts its request and its KV blocks go "
                     "back at once. "
-                    "Needs the serve extra: pip install -e \".[serve]\".")
+                    "Needs the serve extra: pip install -e \".[serve]\".", 100))
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)")
     serve.add_argument("--port", type=whole_number(0, "a port number"), default=8000, help="(default: 8000)")
