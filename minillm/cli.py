@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 from pathlib import Path
 
 from rich.console import Console
@@ -164,11 +165,12 @@ def add_serve(subparsers) -> None:
     serve = subparsers.add_parser(
         "serve", help="an OpenAI-compatible HTTP server on the engine (vLLM's routes)",
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EXAMPLES,
-        description="Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
+        description=textwrap.fill("Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
                     "/v1/chat/completions (\"stream\": true sends server-sent events), GET /v1/models, /health and "
-                    "/metrics (Prometheus text). One engine runs in its own thread and batches every request "
-                    "in flight; a client that disconnects aborts its request and its KV blocks go back at once. "
-                    "Needs the serve extra: pip install -e \".[serve]\".")
+                    "/metrics (Prometheus text). One engine loop (the main thread; HTTP runs in another) batches "
+                    "every request in flight; a client that disconnects aborts its request and its KV blocks go "
+                    "back at once. "
+                    "Needs the serve extra: pip install -e \".[serve]\".", 100))
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)")
     serve.add_argument("--port", type=whole_number(0, "a port number"), default=8000, help="(default: 8000)")
@@ -176,8 +178,8 @@ def add_serve(subparsers) -> None:
                        help="the name clients pass as \"model\" (default: the model folder's name, e.g. "
                             "SmolLM2-135M-Instruct); any other name gets a 404")
     serve.add_argument("--threads", type=positive_int, default=None,
-                       help="torch threads for the engine (default: torch's, one per core); on a small CPU "
-                            "shared with the clients, fewer can be faster")
+                       help="torch threads for the engine (default: torch's, one per core; fewer are steadier "
+                            "on a CPU shared with other work)")
     serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
                        help="uvicorn's log level; info logs every request (default: info)")
     add_engine_args(serve)
@@ -226,6 +228,8 @@ def cmd_serve(args) -> None:
     finally:
         server.should_exit = True
         http.join()
+    if engine_loop.error:  # a bug: say so, and exit with a status that says it too
+        raise SystemExit(f"error: {engine_loop.error}")
 
 
 # ----------------------------------------------------------------------------- info

@@ -126,10 +126,9 @@ class EngineLoop:
             except queue.Empty:
                 break
         for command in commands:
-            if command[0] == "stop":
-                return False
-            self.obey(command)
-        return True
+            if command[0] != "stop":
+                self.obey(command)
+        return not any(command[0] == "stop" for command in commands)
 
     def obey(self, command: tuple) -> None:
         kind = command[0]
@@ -143,7 +142,7 @@ class EngineLoop:
                 self.engine.abort(request_id)
                 if reason == "disconnect":
                     self.aborted += 1
-                else:
+                elif reason == "stop":  # every choice met a stop string: a request answered
                     self.finished[reason] += 1
         elif kind == "call":
             _, fn, future = command
@@ -157,16 +156,16 @@ class EngineLoop:
         try:
             self.engine.add_request(prompt_ids, params, request_id=request_id, arrival_time=arrival)
         except ValueError as err:
-            loop.call_soon_threadsafe(out_queue.put_nowait, (index, RequestRefused(str(err))))
+            deliver_soon(loop, out_queue, index, RequestRefused(str(err)))
             return
         seq = self.engine.requests[request_id][0]
         if seq.status is Status.FINISHED:  # refused at admission (its reason is the sequence's error)
             self.engine.abort(request_id)
-            loop.call_soon_threadsafe(out_queue.put_nowait, (index, RequestRefused(seq.error)))
+            deliver_soon(loop, out_queue, index, RequestRefused(seq.error))
             return
         self.prompt_tokens += len(prompt_ids)
         self.sinks[request_id] = sink
-        loop.call_soon_threadsafe(out_queue.put_nowait, (index, None))  # accepted
+        deliver_soon(loop, out_queue, index, None)  # accepted
 
     def step(self) -> None:
         start, generated = time.perf_counter(), self.engine.stats.tokens_generated
@@ -184,7 +183,10 @@ class EngineLoop:
                 loop, out_queue, index = sink
                 by_loop.setdefault(loop, []).append((out_queue, index, out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(deliver, items)
+            try:
+                loop.call_soon_threadsafe(deliver, items)
+            except RuntimeError:  # that event loop has closed: nobody is listening
+                pass
 
 
     def tokens_per_second(self) -> float:
