@@ -7,6 +7,7 @@ The same command writes the real texts the tests read into TEXTS_DIR.
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,17 @@ def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def tiny_with_real_tokenizer(folder: Path, real_dir: Path, **config_overrides) -> Path:
+    """The tiny random Llama with the real model's tokenizer (vocabulary and chat template) in
+    `folder`: real text in, random-weight speed."""
+    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
+    config = {**TINY_CONFIG, "vocab_size": vocab_size, **config_overrides}
+    write_checkpoint(folder, config, random_llama_tensors(config))
+    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
+        shutil.copy(real_dir / name, folder)
     return folder
 
 

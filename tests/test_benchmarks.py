@@ -11,14 +11,13 @@ import datetime
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
 
 import pytest
 import torch
 
-from conftest import REAL_MODEL_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
+from conftest import REAL_MODEL_DIR, tiny_with_real_tokenizer
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.all import BENCHMARKS, SIZES
 from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
@@ -80,12 +79,8 @@ def one_torch_thread():
 def vocab_dir(real_dir, tmp_path_factory):
     """The tiny random Llama with the real tokenizer (and so the real vocabulary), and a context
     long enough for the serve trace (prompts up to 320 tokens, outputs up to 160)."""
-    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
-    config = {**TINY_CONFIG, "vocab_size": vocab_size, "max_position_embeddings": 1024, "tie_word_embeddings": True}
-    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-real-vocab"), config, random_llama_tensors(config))
-    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
-        shutil.copy(real_dir / name, folder)
-    return folder
+    return tiny_with_real_tokenizer(tmp_path_factory.mktemp("tiny-real-vocab"), real_dir,
+                                    max_position_embeddings=1024, tie_word_embeddings=True)
 
 
 # ----------------------------------------------------------------------------- the strict-JSON rule

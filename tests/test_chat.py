@@ -9,7 +9,6 @@ import io
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +23,7 @@ from minillm.engine import LLM, SamplingParams
 from minillm.memory import bytes_per_slot
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
-from tests.conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from tests.conftest import tiny_with_real_tokenizer
 
 REPO = Path(__file__).parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -33,12 +32,8 @@ POOL = dict(prefix_caching=True, kv_cache_bytes=96 * 16 * 768)  # 96 blocks of t
 
 @pytest.fixture(scope="module")
 def chat_dir(real_dir, tmp_path_factory) -> Path:
-    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
-    config = {**TINY_CONFIG, "vocab_size": vocab_size, "max_position_embeddings": 1024}
-    folder = write_checkpoint(tmp_path_factory.mktemp("tiny-chat"), config, random_llama_tensors(config))
-    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
-        shutil.copy(real_dir / name, folder)
-    return folder
+    return tiny_with_real_tokenizer(tmp_path_factory.mktemp("tiny-chat"), real_dir,
+                                    max_position_embeddings=1024)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ freed; every bad request a 4xx with OpenAI's error body, never a 500.
 """
 
 import json
-import shutil
 import socket
 import threading
 import time
@@ -21,7 +20,7 @@ import pytest
 import torch
 import uvicorn
 
-from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from conftest import tiny_with_real_tokenizer
 from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
@@ -46,12 +45,8 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def model_dir(real_dir, tmp_path_factory):
     """The tiny random Llama with the real tokenizer (vocabulary and chat template)."""
-    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
-    config = {**TINY_CONFIG, "vocab_size": vocab_size, "max_position_embeddings": CONTEXT, "tie_word_embeddings": True}
-    folder = write_checkpoint(tmp_path_factory.mktemp("serve-model"), config, random_llama_tensors(config))
-    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
-        shutil.copy(real_dir / name, folder)
-    return folder
+    return tiny_with_real_tokenizer(tmp_path_factory.mktemp("serve-model"), real_dir,
+                                    max_position_embeddings=CONTEXT, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
