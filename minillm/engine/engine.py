@@ -37,8 +37,9 @@ from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory import (BlockManager, DiskTier, Evictor, MemoryPressure, MemoryStats, SwapCost, TieredKV,
                             load_session, make_pool, paged_stats, save_session)
+from minillm.memory.accounting import MemorySnapshot, SequenceView
 from minillm.model import Transformer
-from minillm.sampling import SamplingParams
+from minillm.sampling import Sampler, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model, model_fingerprint
 
@@ -93,10 +94,14 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0,
+                    sampler: Sampler | None = None) -> str:
         """Queue a request; `arrival_time` (a time.perf_counter() value, default now) is when its
         time to first token starts counting, for a caller that took the request in earlier.
-        `priority` (an int, lower first, as in vLLM) weighs in with admission="memory"."""
+        `priority` (an int, lower first, as in vLLM) weighs in with admission="memory".
+        `sampler` replaces the sampler `params` would build: anything called with the next-token
+        logits (vocab,) that returns a token id, e.g. teacher forcing (`evaluation.TeacherForcing`),
+        which scores a given text through the cache instead of choosing tokens."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 64:
             raise ValueError(f"priority must be a whole number in [-64, 64] (lower is served first), not {priority!r}")
@@ -111,6 +116,10 @@ class LLMEngine:
             raise ConfigError("This engine has no tokenizer; pass prompts as token ids.")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_list(prompt)
         seq = Sequence(seq_id, request_id, prompt_ids, params, min(self.context_len, len(prompt_ids) + params.max_tokens))
+        if sampler is not None:
+            if params.n > 1 or params.beam_width > 1:
+                raise ValueError("A custom sampler drives one sequence; use n=1 and beam_width=1 with it.")
+            seq.sampler = sampler
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.priority = priority
@@ -130,6 +139,15 @@ class LLMEngine:
                 self.scheduler.finish(seq, "abort")
         self.rejected = [seq for seq in self.rejected if seq.request_id != request_id]
         self.forget(request_id)
+
+    def has_request(self, request_id: str) -> bool:
+        """Is the request still the engine's (queued, running, or finished but not yet returned)?"""
+        return request_id in self.requests
+
+    def refusal(self, request_id: str) -> str | None:
+        """Why the request was refused at admission (it never runs), or None if it was queued."""
+        seq = self.requests[request_id][0]
+        return seq.error if seq.status is Status.FINISHED and seq.finish_reason == "error" else None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.rejected)
@@ -245,6 +263,27 @@ class LLMEngine:
     def memory_stats(self) -> MemoryStats:
         return paged_stats(self.block_manager, self.scheduler.cached_entries(), self.pool.bytes_per_slot,
                            self.tiers.moved())
+
+    def snapshot(self) -> MemorySnapshot:
+        """The memory system now, read-only (`memory/accounting.py`): blocks per state and tier,
+        bytes, tables, counters, prefix-cache hits. What anything outside the engine reads."""
+        scheduler, manager, cache, tiers = self.scheduler, self.block_manager, self.block_manager.prefix_cache, self.tiers
+        views = tuple(SequenceView(seq.seq_id, seq.request_id, seq.status.value, seq.num_computed, seq.num_cached,
+                                   seq.max_len, tuple(manager.table(seq.seq_id)) if manager.has_table(seq.seq_id)
+                                   else ()) for seq in scheduler.unfinished())
+        counters = {"preemptions": scheduler.num_preemptions, "swapped_out": scheduler.num_swapped_out,
+                    "swapped_in": scheduler.num_swapped_in, "prefetched": scheduler.num_prefetched,
+                    "recomputed_tokens": scheduler.num_recomputed_tokens, "copy_on_write": manager.num_copies,
+                    "spilled": manager.num_spilled, "spill_hits": manager.num_spill_hits,
+                    "reclaimed": manager.num_reclaimed}
+        rates = {tier: rate for tier in ("host", "disk") if (rate := tiers.copy_rate(tier)) is not None}
+        return MemorySnapshot(
+            block_size=manager.block_size, bytes_per_token=self.pool.bytes_per_slot, pool_bytes=self.pool.nbytes,
+            staged_bytes=self.pool.staged_bytes, blocks={t: tuple(s) for t, s in self.block_states().items()},
+            stats=self.memory_stats(), sequences=views, counters=counters,
+            prefix_cache={**cache.stats(), "hit_rate": cache.hit_rate} if cache else None,
+            preemption=self.pressure.preemption, prefetch_seconds=tiers.prefetch_seconds,
+            prefetch_waited=tiers.prefetch_waited, copy_rates=rates, prefill_rate=self.swap_cost.prefill_rate())
 
     def block_states(self) -> dict[str, list[str]]:
         """Every block's state per tier the engine has, a picture of the pool for the chat's memory

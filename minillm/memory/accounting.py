@@ -71,3 +71,71 @@ def arena_stats(arena: ContiguousArena, live_tokens: dict[int, int], bytes_per_s
     return MemoryStats(total_slots=arena.num_slots, reserved_slots=arena.num_slots - free,
                        live_slots=sum(live_tokens.values()),
                        external_fragmentation_slots=free - arena.largest_hole, bytes_per_slot=bytes_per_slot)
+
+
+@dataclass(frozen=True)
+class SequenceView:
+    """One sequence as the memory system sees it, in plain values (a copy: changing it changes nothing)."""
+
+    seq_id: int
+    request_id: str
+    status: str  # "running" or "waiting"
+    num_computed: int  # tokens processed (the next position)
+    num_cached: int  # KV entries stored (num_computed less what eviction dropped)
+    max_len: int  # the most tokens it may reach
+    table: tuple[int, ...]  # its block table: logical block i -> physical block id (any tier); () if none
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """The memory system at one moment, read-only: what `/metrics`, the chat's panel and `/memory`,
+    `minillm generate --json`, the benchmarks and the lessons read, instead of reaching inside.
+
+    `blocks` holds every block's state per tier the engine has: the device and host pools by id (a
+    host block's id is `num_blocks` + its index), the disk's block files in use. States: "free";
+    "cached" (free, but findable in the prefix cache: the first to go under pressure); "shared"
+    (held by several tables, or by one and findable by requests to come); "private" (one table's
+    alone); "filling" (a private device block of a quantized pool whose keys still wait in full
+    precision)."""
+
+    block_size: int
+    bytes_per_token: int  # K and V, all layers, scales included once quantized
+    pool_bytes: int  # the device pool's tensors
+    staged_bytes: int  # keys of filling blocks kept in full precision (quantized pools)
+    blocks: dict[str, tuple[str, ...]]  # tier -> every block's state
+    stats: MemoryStats  # reserved, live, shared, per tier, bytes moved
+    sequences: tuple[SequenceView, ...]  # running ones first (oldest first), then the waiting ones in queue order
+    counters: dict[str, int]  # preemptions, swapped_out, swapped_in, prefetched, recomputed_tokens,
+    #   copy_on_write, spilled, spill_hits, reclaimed: totals since the engine started
+    prefix_cache: dict | None  # PrefixCache.stats() (with "hit_rate"), None without a prefix cache
+    preemption: str  # "recompute", "swap" or "auto" (the measured cost model)
+    prefetch_seconds: float = 0.0  # copying done by prefetches
+    prefetch_waited: float = 0.0  # ...of which the engine still waited for
+    copy_rates: dict[str, float] = field(default_factory=dict)  # tier -> round-trip bytes/s measured so far
+    prefill_rate: float | None = None  # prefill tokens/s measured so far (the cost model's other rate)
+
+    @property
+    def num_blocks(self) -> int:
+        """Device blocks: the pool attention reads."""
+        return len(self.blocks["device"])
+
+    @property
+    def num_host_blocks(self) -> int:
+        return len(self.blocks.get("host", ()))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(state in ("free", "cached") for state in self.blocks["device"])
+
+    def count(self, tier: str = "device") -> dict[str, int]:
+        """Blocks of a tier per state (every state named, 0 where none)."""
+        counts = dict.fromkeys(("free", "cached", "shared", "private", "filling"), 0)
+        for state in self.blocks.get(tier, ()):
+            counts[state] += 1
+        return counts
+
+    def running(self) -> list[SequenceView]:
+        return [seq for seq in self.sequences if seq.status == "running"]
+
+    def waiting(self) -> list[SequenceView]:
+        return [seq for seq in self.sequences if seq.status == "waiting"]
