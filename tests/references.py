@@ -40,7 +40,9 @@ class Chunk:
 
 class ScheduleRecorder:
     """Records every chunk the engine computes, per sequence, by wrapping `ModelRunner.forward`,
-    and how many cache entries each sequence holds after the step, by wrapping `LLMEngine.step`."""
+    how many cache entries each sequence holds after the step, by wrapping `LLMEngine.step`, and
+    the H2O scores and entry positions the KV cache manager held for a sequence when it let go of
+    it (`freed_state`), by wrapping `KVCacheManager.free`."""
 
     def __init__(self, engine):
         self.chunks: dict[int, list[Chunk]] = defaultdict(list)
@@ -65,7 +67,14 @@ class ScheduleRecorder:
             self.step += 1
             return outputs
 
-        engine.runner.forward, engine.step = recording_forward, recording_step
+        kv_cache, free = engine.kv_cache, engine.kv_cache.free
+        self.freed_state: dict[int, tuple] = {}  # seq_id -> (attention mass, entry positions) at its last free
+
+        def recording_free(seq_id):
+            self.freed_state[seq_id] = (kv_cache.attention_mass(seq_id), kv_cache.kv_positions(seq_id))
+            free(seq_id)
+
+        engine.runner.forward, engine.step, kv_cache.free = recording_forward, recording_step, recording_free
 
     def history(self, seq, parent=None) -> list[Chunk]:
         """The chunks that built `seq`'s cache. A parallel sample forked from `parent` at the

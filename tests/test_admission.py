@@ -13,7 +13,7 @@ from minillm.engine.admission import MAX_WAIT_STEPS
 from minillm.engine.beam import reference_beam_search
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.memory import RUNGS, BlockManager
+from minillm.memory import RUNGS, BlockManager, KVCacheManager
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 BLOCK = 4
@@ -35,7 +35,7 @@ def tight(tiny_dir, tiny_model, blocks=14, **switches):
 
 
 def assert_drained(llm):
-    manager = llm.engine.block_manager
+    manager = llm.engine.kv_cache.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks
 
@@ -43,7 +43,7 @@ def assert_drained(llm):
 # ---------------------------------------------------------------- the scheduler alone
 
 def scheduler(admission, num_blocks=10):
-    return Scheduler(BlockManager(num_blocks=num_blocks, block_size=BLOCK), "continuous", max_num_seqs=16,
+    return Scheduler(KVCacheManager(BlockManager(num_blocks=num_blocks, block_size=BLOCK)), "continuous", max_num_seqs=16,
                      max_num_batched_tokens=64, context_len=128, vocab_size=97, admission=admission)
 
 
@@ -139,7 +139,7 @@ def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, sw
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
     assert llm.engine.num_preemptions > 0
     if switches.get("prefix_caching"):
-        assert llm.engine.block_manager.prefix_cache.hit_blocks > 0
+        assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0
     assert_drained(llm)
 
 

@@ -17,7 +17,7 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 def assert_serves_good_requests(model, llm):
     for out, prompt in zip(llm.generate(GOOD, PARAMS), GOOD):
         assert out.error is None and out.token_ids == generate(model, prompt, PARAMS, "naive").token_ids
-    manager = llm.engine.block_manager
+    manager = llm.engine.kv_cache.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks
 

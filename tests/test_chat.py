@@ -108,7 +108,7 @@ def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dty
     """Mid-reply and after it, with a small pool whose cached blocks spill to a host tier."""
     per_block = 16 * bytes_per_slot(parts[0].config, kv_dtype, "channel", 16, parts[0].dtype)
     chat = new_chat(chat_dir, parts, kv_cache_bytes=12 * per_block, host_cache_bytes=8 * per_block, kv_dtype=kv_dtype)
-    engine, manager = chat.engine, chat.engine.block_manager
+    engine, manager = chat.engine, chat.engine.kv_cache.block_manager
     filling_seen = 0
     for turn in range(3):
         prompt = parts[1].encode_chat([{"role": "user", "content": f"Question {turn}: " + "why? " * 30}])

@@ -13,7 +13,7 @@ from minillm.engine import LLM, SamplingParams
 from minillm.engine.outputs import EngineStats
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.memory.block_manager import BlockManager
+from minillm.memory import BlockManager, KVCacheManager
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model: layers 3, kv heads 2, head_dim 16, fp32
 
@@ -30,7 +30,7 @@ def assert_matches_naive(model, llm, prompts, params):
     for out, prompt, sp in zip(outputs, prompts, params):
         assert out.finished and out.error is None
         assert out.token_ids == generate(model, prompt, sp, "naive").token_ids, out.request_id
-    manager = llm.engine.block_manager
+    manager = llm.engine.kv_cache.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks  # the run drained: every block is free
 
@@ -109,7 +109,7 @@ def test_abort_frees_the_blocks(tiny_dir, tiny_model):
     while engine.has_unfinished_requests():
         engine.step()
     assert dropped.finish_reason == "abort" and kept.finish_reason == "length"
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache.block_manager.num_free_blocks == engine.kv_cache.block_manager.num_blocks
 
 
 def test_stream_yields_one_token_at_a_time(tiny_dir, tiny_model):
@@ -189,7 +189,7 @@ def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
     first = list(range(20, 29))  # 9 tokens: 2 full blocks can be looked up (never the last token)
     llm.generate([first], params)
     llm.generate([first[:8] + [50, 51, 52]], params)  # 11 tokens: both blocks hit
-    assert llm.engine.block_manager.prefix_cache.stats() == {
+    assert llm.engine.kv_cache.block_manager.prefix_cache.stats() == {
         "queried_blocks": 2 + 2, "hit_blocks": 2, "block_hit_rate": 2 / 4, "prompt_tokens": 9 + 11,
         "prefill_tokens_saved": 8, "token_hit_rate": 8 / 20,
         "cached_blocks": 3}  # the 2 shared, and the second request's third block (filled by its first output)
@@ -197,7 +197,7 @@ def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
 
 def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
     """FCFS survives preemption: the victim arrived before everyone still waiting."""
-    scheduler = Scheduler(BlockManager(num_blocks=4, block_size=4), "continuous", max_num_seqs=8,
+    scheduler = Scheduler(KVCacheManager(BlockManager(num_blocks=4, block_size=4)), "continuous", max_num_seqs=8,
                           max_num_batched_tokens=64, context_len=16, vocab_size=97)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     first, second, third = (Sequence(i, str(i), list(range(8)), params, max_len=16) for i in range(3))

@@ -96,13 +96,13 @@ def test_exactly_the_budget_is_kept_and_the_rest_given_back(tiny_dir, tiny_model
         for seq in engine.scheduler.running:
             keep = budget_for(budget, seq.max_len)
             assert seq.num_cached == min(keep, seq.num_computed)
-            assert len(engine.block_manager.table(seq.seq_id)) == engine.block_manager.blocks_for(seq.num_cached)
+            assert len(engine.kv_cache.block_manager.table(seq.seq_id)) == engine.kv_cache.block_manager.blocks_for(seq.num_cached)
             if policy == "h2o":
-                assert seq.attention_mass.shape == (3, 2, seq.num_cached)
+                assert engine.kv_cache.attention_mass(seq.seq_id).shape == (3, 2, seq.num_cached)
             evicted |= seq.num_evicted > 0
-        engine.block_manager.check_invariants()
+        engine.kv_cache.block_manager.check_invariants()
     assert evicted
-    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    assert engine.kv_cache.block_manager.num_free_blocks == engine.kv_cache.block_manager.num_blocks
 
 
 def test_eviction_changes_the_output_so_the_cache_is_really_read(tiny_dir, tiny_model):
@@ -180,7 +180,7 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
     computed = seq.token_ids[:seq.num_computed]  # the last sampled token was never fed back
     ctx = AttentionColumnSums(len(computed))
     tiny_model(torch.tensor(computed), torch.arange(len(computed)), ctx)
-    assert torch.allclose(seq.attention_mass, torch.stack(ctx.mass), atol=1e-4)
+    assert torch.allclose(llm.engine.kv_cache.attention_mass(seq.seq_id), torch.stack(ctx.mass), atol=1e-4)
 
 
 # ---------------------------------------------------------------- against a reference while evicting
@@ -192,12 +192,13 @@ def tiny_config(model):
     return model.config.num_layers, model.config.num_kv_heads
 
 
-def held_positions(seq, shape) -> torch.Tensor:
-    """(layers, kv_heads, num_cached): the token position each cache entry of `seq` holds."""
-    if seq.kv_positions is None:  # nothing moved yet: entry i holds position i
+def held_positions(kv_positions, seq, shape) -> torch.Tensor:
+    """(layers, kv_heads, num_cached): the token position each cache entry of `seq` holds, from
+    the positions the KV cache manager keeps for it (None: nothing moved yet)."""
+    if kv_positions is None:  # nothing moved yet: entry i holds position i
         return torch.arange(seq.num_cached).expand(*shape, seq.num_cached)
-    assert seq.kv_positions.shape == (*shape, seq.num_cached)
-    return seq.kv_positions
+    assert kv_positions.shape == (*shape, seq.num_cached)
+    return kv_positions
 
 
 def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget, prefix_block_size=0):
@@ -222,13 +223,14 @@ def assert_equals_eviction_reference(model, recorder, requests, params, policy, 
                     assert torch.allclose(ours, theirs, atol=1e-4)
             # entries lie in no order (a newcomer takes a dropped entry's slot): sorted by position,
             # each head holds exactly the positions the reference holds
-            positions = held_positions(seq, tiny_config(model))
+            mass, kv_positions = recorder.freed_state[seq.seq_id]
+            positions = held_positions(kv_positions, seq, tiny_config(model))
             assert positions.sort(dim=-1).values.tolist() == replayed.held
             if policy == "h2o":  # the scores H2O kept for the entries it kept, head by head
                 expected = torch.tensor([[[replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
                                           for head in range(len(replayed.held[layer]))]
                                          for layer in range(len(replayed.held))])
-                in_position_order = seq.attention_mass.gather(-1, positions.argsort(dim=-1))
+                in_position_order = mass.gather(-1, positions.argsort(dim=-1))
                 assert torch.allclose(in_position_order, expected, atol=1e-4)
     return total_dropped
 
@@ -282,8 +284,8 @@ def record_written_keys(pool, num_layers: int) -> list[list[torch.Tensor]]:
 
 def cache_keys(engine, seq) -> torch.Tensor:
     """(layers, num_cached, kv_heads, head_dim): the keys the pool holds for the sequence's entries."""
-    slots = torch.tensor(engine.block_manager.slots(seq.seq_id, 0, seq.num_cached))
-    return torch.stack([engine.pool.read(layer, slots)[0] for layer in range(engine.model.config.num_layers)])
+    slots = torch.tensor(engine.kv_cache.block_manager.slots(seq.seq_id, 0, seq.num_cached))
+    return torch.stack([engine.kv_cache.pool.read(layer, slots)[0] for layer in range(engine.model.config.num_layers)])
 
 
 @pytest.mark.parametrize("policy", ["window", "sinks"])
@@ -296,13 +298,13 @@ def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir
     llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4)
     engine, shape = llm.engine, tiny_config(tiny_model)
     seq = engine.requests[engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))][0]
-    held, written = [], record_written_keys(engine.pool, shape[0])  # (positions, keys) after each step at the budget
+    held, written = [], record_written_keys(engine.kv_cache.pool, shape[0])  # (positions, keys) after each step at the budget
     while engine.has_unfinished_requests():
         engine.step()
         if seq.num_evicted and seq.status.value == "running":
             sinks = NUM_SINKS if policy == "sinks" else 0
             expected = list(range(sinks)) + list(range(seq.num_computed - (budget - sinks), seq.num_computed))
-            positions = held_positions(seq, shape)
+            positions = held_positions(engine.kv_cache.kv_positions(seq.seq_id), seq, shape)
             assert all(sorted(head) == expected for layer in positions.tolist() for head in layer)
             held.append((positions.clone(), cache_keys(engine, seq)))
     assert len(held) >= 20
@@ -345,7 +347,7 @@ def test_a_step_at_the_budget_moves_at_most_its_new_entries_per_head(tiny_dir, t
     engine = llm.engine
     layers = engine.model.config.num_layers
     seq = engine.requests[engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=25, ignore_eos=True))][0]
-    counter, moved_any = MoveCounter(engine.pool), 0
+    counter, moved_any = MoveCounter(engine.kv_cache.pool), 0
     while engine.has_unfinished_requests():
         before = seq.num_computed
         counter.reset()
@@ -374,21 +376,21 @@ def snapshot(pool, block):
 def test_a_shared_prefix_is_never_written_or_dropped_while_its_sequences_evict(tiny_dir, tiny_model, policy):
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction=policy, kv_budget=6, block_size=BLOCK,
               max_num_batched_tokens=16)
-    engine, manager = llm.engine, llm.engine.block_manager
+    engine, manager = llm.engine, llm.engine.kv_cache.block_manager
     cache, params = manager.prefix_cache, SamplingParams(max_tokens=24, ignore_eos=True)
     seqs = [engine.requests[engine.add_request(SYSTEM + TAILS[0], params)][0]]
     while engine.has_unfinished_requests() and len(cache.lookup(SYSTEM + [0])) < len(SYSTEM) // BLOCK:
         engine.step()
     shared = cache.lookup(SYSTEM + [0])  # the first request computed and registered them
     assert len(shared) == len(SYSTEM) // BLOCK
-    stored = {block: snapshot(engine.pool, block) for block in shared}
+    stored = {block: snapshot(engine.kv_cache.pool, block) for block in shared}
     seqs += [engine.requests[engine.add_request(SYSTEM + tail, params)][0] for tail in TAILS[1:]]
     while engine.has_unfinished_requests():
         engine.step()
         for block in shared:
             assert cache.holds(block)
             assert manager.refcount(block) == len(engine.scheduler.running)  # every running request holds it
-            for name, tensor in engine.pool.read_block(block).items():
+            for name, tensor in engine.kv_cache.pool.read_block(block).items():
                 assert torch.equal(tensor, stored[block][name])
         manager.check_invariants()
     assert all(seq.num_evicted > 0 for seq in seqs)
@@ -404,7 +406,7 @@ def test_a_budget_covering_the_sequence_is_exact_with_prefix_hits(tiny_dir, tiny
     outputs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)  # the later ones hit
     for out, prompt in zip(outputs, prompts):
         assert out.token_ids == generate(tiny_model, prompt, params, "naive").token_ids
-    assert llm.engine.block_manager.prefix_cache.hit_blocks >= len(SYSTEM) // BLOCK * len(TAILS[1:])
+    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= len(SYSTEM) // BLOCK * len(TAILS[1:])
 
 
 @pytest.mark.parametrize("policy, params", [
@@ -420,7 +422,7 @@ def test_prefix_hits_under_active_eviction_equal_the_reference(tiny_dir, tiny_mo
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction=policy, kv_budget=budget, block_size=BLOCK,
               max_num_batched_tokens=16)
     recorder, requests = run_recorded(llm, [SYSTEM + tail for tail in TAILS], params)
-    assert llm.engine.block_manager.prefix_cache.hit_blocks > 0 and llm.engine.num_preemptions == 0
+    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0 and llm.engine.num_preemptions == 0
     assert all(seq.num_evicted > 0 for seqs in requests for seq in seqs)
     dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget,
                                                prefix_block_size=BLOCK)
@@ -435,12 +437,12 @@ def test_blocks_adopted_after_eviction_equal_a_fresh_prefill_bit_for_bit(tiny_di
     plain = LLM(tiny_dir, model=tiny_model, **switches)
     plain.generate([SYSTEM + TAILS[0]], SamplingParams(max_tokens=1))
     later = SYSTEM + TAILS[1]
-    adopted = evicting.engine.block_manager.prefix_cache.lookup(later)
-    fresh = plain.engine.block_manager.prefix_cache.lookup(later)
+    adopted = evicting.engine.kv_cache.block_manager.prefix_cache.lookup(later)
+    fresh = plain.engine.kv_cache.block_manager.prefix_cache.lookup(later)
     assert len(adopted) == len(fresh) == len(SYSTEM) // BLOCK
     for ours, theirs in zip(adopted, fresh):
-        stored = plain.engine.pool.read_block(theirs)
-        for name, tensor in evicting.engine.pool.read_block(ours).items():
+        stored = plain.engine.kv_cache.pool.read_block(theirs)
+        for name, tensor in evicting.engine.kv_cache.pool.read_block(ours).items():
             assert torch.equal(tensor, stored[name])
 
 
@@ -453,7 +455,7 @@ def test_a_prefix_hit_gives_the_tokens_a_miss_gives_under_eviction(tiny_dir, tin
     warm = LLM(tiny_dir, model=tiny_model, **switches)
     warm.generate([SYSTEM + TAILS[0]], params)
     hit = warm.generate([SYSTEM + TAILS[1]], params)[0]
-    assert warm.engine.block_manager.prefix_cache.hit_blocks == len(SYSTEM) // BLOCK
+    assert warm.engine.kv_cache.block_manager.prefix_cache.hit_blocks == len(SYSTEM) // BLOCK
     miss = LLM(tiny_dir, model=tiny_model, **switches).generate([SYSTEM + TAILS[1]], params)[0]
     assert hit.token_ids == miss.token_ids
 
@@ -474,7 +476,7 @@ def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_mod
     first = llm.generate([prompt], params)[0]
     assert first.error is None
     next_turn = prompt + first.token_ids[:14]
-    found = llm.engine.block_manager.prefix_cache.lookup(next_turn)
+    found = llm.engine.kv_cache.block_manager.prefix_cache.lookup(next_turn)
     assert len(found) == {2: 2, 8: 3}[budget]  # the prompt's blocks, and with budget 8 the sinks' block
     fresh = LLM(tiny_dir, model=tiny_model, **switches)
     assert llm.generate([next_turn], params)[0].token_ids == fresh.generate([next_turn], params)[0].token_ids
@@ -502,7 +504,7 @@ def test_samples_and_beams_evict_beside_a_cached_prefix_without_leaking(tiny_dir
     preempts them too."""
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction="h2o", kv_budget=5, block_size=BLOCK,
               max_num_batched_tokens=16, kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN)
-    engine, manager = llm.engine, llm.engine.block_manager
+    engine, manager = llm.engine, llm.engine.kv_cache.block_manager
     for tail in TAILS:
         engine.add_request(SYSTEM + tail, params)
     finished = []

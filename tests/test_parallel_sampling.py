@@ -19,7 +19,7 @@ def test_samples_equal_independent_seeded_requests(tiny_dir, tiny_model, prompt_
                                                              ignore_eos=True), "naive").token_ids for i in range(4)]
     assert out.samples == expected and out.token_ids == expected[0]
     assert len(set(map(tuple, out.samples))) > 1  # the seeds really differ
-    manager = llm.engine.block_manager
+    manager = llm.engine.kv_cache.block_manager
     assert manager.num_copies == (3 if prompt_len % 8 else 0)  # only a partly filled block is ever copied
     assert manager.num_free_blocks == manager.num_blocks
 
@@ -43,5 +43,5 @@ def test_parallel_sampling_under_preemption(tiny_dir, tiny_model):
         expected = [generate(tiny_model, prompt, SamplingParams(temperature=0.8, seed=5 + i, max_tokens=24,
                                                                  ignore_eos=True), "naive").token_ids for i in range(3)]
         assert out.samples == expected
-    llm.engine.block_manager.check_invariants()
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    llm.engine.kv_cache.block_manager.check_invariants()
+    assert llm.engine.kv_cache.block_manager.num_free_blocks == llm.engine.kv_cache.block_manager.num_blocks

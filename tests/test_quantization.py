@@ -117,10 +117,10 @@ def test_accounting_counts_the_scales(tiny_dir, tiny_model, kv_dtype, key_scales
     # (2 + 2 B per head and layer), 24 B of key scales and centers (16 channels x 4 B per 16-token block)
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, kv_cache_bytes=1 << 20)
     engine = llm.engine
-    slots = engine.block_manager.num_blocks * engine.config.block_size
-    assert engine.pool.nbytes == engine.pool.bytes_per_slot * slots  # every byte of the pool, scales included
+    slots = engine.kv_cache.block_manager.num_blocks * engine.config.block_size
+    assert engine.kv_cache.pool.nbytes == engine.kv_cache.pool.bytes_per_slot * slots  # every byte of the pool, scales included
     full = tiny_model.config.kv_bytes_per_token(torch.float32)
-    assert engine.pool.bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
+    assert engine.kv_cache.pool.bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
 
 
 @pytest.mark.parametrize("switches", [{}, {"kv_dtype": "auto", "kv_key_scales": "token"}, {"eviction": "none"}])
@@ -136,15 +136,15 @@ def test_switches_off_are_exact(tiny_dir, tiny_model, switches):
 def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, kv_dtype):
     prompts = [[(3 * i + j) % 97 for j in range(5 + 9 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.pool.bytes_per_slot
+    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.kv_cache.pool.bytes_per_slot
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=9,
               kv_cache_bytes=30 * 4 * probe)  # 30 blocks: preemption
     outputs = llm.generate(prompts, params)
     assert all(out.finished and len(out.token_ids) == 30 for out in outputs)
     assert llm.engine.num_preemptions > 0
-    llm.engine.block_manager.check_invariants()
-    llm.engine.pool.forget_free_blocks(llm.engine.block_manager.is_free)
-    assert llm.engine.pool.staged_bytes == 0  # nothing left behind
+    llm.engine.kv_cache.block_manager.check_invariants()
+    llm.engine.kv_cache.pool.forget_free_blocks(llm.engine.kv_cache.block_manager.is_free)
+    assert llm.engine.kv_cache.pool.staged_bytes == 0  # nothing left behind
 
 
 @pytest.mark.parametrize("key_scales", ["channel", "token"])
@@ -172,7 +172,7 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(tiny_dir, t
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (3, 14, 27, 40, 9, 33)]
     params = SamplingParams(max_tokens=18, ignore_eos=True)
-    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.pool.bytes_per_slot
+    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.kv_cache.pool.bytes_per_slot
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, block_size=4,
               max_num_batched_tokens=9, kv_cache_bytes=26 * 4 * probe)
     recorder, requests = run_recorded(llm, prompts, params)

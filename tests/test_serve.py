@@ -112,7 +112,7 @@ def test_models_health_and_metrics_describe_the_server(server, client):
     with urllib.request.urlopen(server[0] + "/health", timeout=10) as response:
         assert response.status == 200
     values = metrics(server)
-    assert sum(values["kv_blocks"].values()) == values["kv_blocks_total"] == server[1].engine.block_manager.num_blocks
+    assert sum(values["kv_blocks"].values()) == values["kv_blocks_total"] == server[1].engine.kv_cache.block_manager.num_blocks
     for name in ("kv_cache_usage_perc", "kv_utilization", "prefix_cache_hit_rate", "num_requests_waiting",
                  "generation_tokens_per_second", "generation_tokens_total"):
         assert name in values

@@ -47,7 +47,7 @@ def test_a_resumed_session_computes_only_the_new_turn(tiny_dir, tiny_model, tmp_
     assert out.token_ids == fresh.token_ids  # bit for bit what computing the history again gives
     if not switches:
         assert out.token_ids == generate(tiny_model, next_prompt, params, "naive").token_ids
-    cache = resumed.engine.block_manager.prefix_cache
+    cache = resumed.engine.kv_cache.block_manager.prefix_cache
     assert cache.hit_blocks * BLOCK == len(token_ids)  # the whole parked history was reused
     assert resumed.engine.stats.tokens_computed == len(next_prompt) - len(token_ids) + 7
 
@@ -75,7 +75,7 @@ def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp
     with pytest.raises(SessionError) as refused:
         llm.engine.load_session(path)
     assert "\n" not in str(refused.value) and "delete it" in str(refused.value)
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+    assert llm.engine.kv_cache.block_manager.num_free_blocks == llm.engine.kv_cache.block_manager.num_blocks
 
 
 def chat(monkeypatch, capsys, real_dir, folder, lines, *flags):

@@ -89,7 +89,7 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
             continue
         assert out is not None and out.error is None, (seed, request_id, out and out.error)
         assert out.samples == expected_outputs(tiny_model, prompt, params), (seed, request_id, params)
-    manager = llm.engine.block_manager
+    manager = llm.engine.kv_cache.block_manager
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks, seed
     assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0, seed

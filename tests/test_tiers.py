@@ -38,15 +38,15 @@ def tight(tiny_dir, tiny_model, blocks=14, **switches):
     """An engine whose device pool holds `blocks` blocks: running sequences crowd each other out."""
     probe = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **{k: v for k, v in switches.items()
                                                                   if k in ("kv_dtype", "kv_key_scales")})
-    per_block = probe.engine.pool.bytes_per_slot * BLOCK
+    per_block = probe.engine.kv_cache.pool.bytes_per_slot * BLOCK
     switches = {"host_cache_bytes": 400 * per_block, "preemption": "swap", **switches}
     return LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=blocks * per_block, **switches)
 
 
 def assert_swapped_and_drained(llm):
-    scheduler, manager = llm.engine.scheduler, llm.engine.block_manager
-    assert scheduler.num_swapped_out > 0 and scheduler.num_swapped_in > 0
-    assert scheduler.num_recomputed_tokens == 0  # swap preemption throws no work away
+    counters, manager = llm.engine.snapshot().counters, llm.engine.kv_cache.block_manager
+    assert counters["swapped_out"] > 0 and counters["swapped_in"] > 0
+    assert counters["recomputed_tokens"] == 0  # swap preemption throws no work away
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks
     assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0
@@ -69,7 +69,7 @@ def test_disk_as_the_only_tier_equals_naive(tiny_dir, tiny_model, tmp_path):
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert llm.engine.tiers.bytes_moved["device->disk"] > 0
+    assert llm.engine.kv_cache.tiers.bytes_moved["device->disk"] > 0
     assert_swapped_and_drained(llm)
 
 
@@ -80,7 +80,7 @@ def test_a_full_host_pool_overflows_to_disk(tiny_dir, tiny_model, tmp_path):
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=3 * per_block, disk_cache_dir=str(tmp_path))
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    moved = llm.engine.tiers.bytes_moved
+    moved = llm.engine.kv_cache.tiers.bytes_moved
     assert moved["device->host"] > 0 and moved["device->disk"] > 0
     assert_swapped_and_drained(llm)
 
@@ -239,7 +239,7 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
 
 def corrupt_every_block_file(llm, damage):
     """Wrap the disk tier's writes so each file is damaged right after it is written."""
-    disk = llm.engine.tiers.disk
+    disk = llm.engine.kv_cache.tiers.disk
     original = disk.write_block
 
     def write_then_damage(block, payload):
@@ -259,8 +259,8 @@ def test_a_lost_block_file_is_recomputed_with_a_warning(tiny_dir, tiny_model, tm
     with caplog.at_level(logging.WARNING, logger="minillm"):
         outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert "missing or corrupt" in caplog.text and llm.engine.scheduler.num_recomputed_tokens > 0
-    llm.engine.block_manager.check_invariants()
+    assert "missing or corrupt" in caplog.text and llm.engine.kv_cache.counters["recomputed_tokens"] > 0
+    llm.engine.kv_cache.block_manager.check_invariants()
 
 
 def test_a_full_disk_means_recompute_not_wrong_kv(tiny_dir, tiny_model, tmp_path, caplog, monkeypatch):
@@ -304,10 +304,10 @@ def test_auto_in_the_engine_follows_the_measured_costs(tiny_dir, tiny_model, mon
                             (1.0, 0.001) if cheap else (0.001, 1.0))
         llm = tight(tiny_dir, tiny_model, preemption="auto")
         assert [out.token_ids for out in llm.generate(prompts, params)] == expected
-        scheduler = llm.engine.scheduler
-        assert scheduler.num_preemptions > 0
-        assert (scheduler.num_swapped_out > 0) is copy_is_cheap
-        assert (scheduler.num_recomputed_tokens > 0) is not copy_is_cheap
+        counters = llm.engine.snapshot().counters
+        assert counters["preemptions"] > 0
+        assert (counters["swapped_out"] > 0) is copy_is_cheap
+        assert (counters["recomputed_tokens"] > 0) is not copy_is_cheap
 
 
 def test_prefix_blocks_spill_to_host_and_come_back(tiny_dir, tiny_model):
@@ -323,10 +323,10 @@ def test_prefix_blocks_spill_to_host_and_come_back(tiny_dir, tiny_model):
         llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True,
                   kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN, host_cache_bytes=host * BLOCK * KV_BYTES_PER_TOKEN)
         assert [llm.generate([p], params)[0].token_ids for p in prompts] == expected
-        saved[host] = llm.engine.block_manager.prefix_cache.hit_blocks
-        llm.engine.block_manager.check_invariants()
+        saved[host] = llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks
+        llm.engine.kv_cache.block_manager.check_invariants()
     assert saved[64] >= 2 * max(saved[0], 1)
-    assert llm.engine.block_manager.num_spill_hits > 0
+    assert llm.engine.kv_cache.block_manager.num_spill_hits > 0
 
 
 def test_tier_switches_are_checked(tiny_dir, tiny_model, tmp_path):
@@ -351,7 +351,7 @@ def test_memory_stats_count_every_tier(tiny_dir, tiny_model):
     assert max(m.host_reserved_slots for m in snapshots) > 0
     final = snapshots[-1].as_dict()
     assert final["bytes_moved"]["device->host"] == final["bytes_moved"]["host->device"] > 0
-    assert final["host_total_slots"] == llm.engine.block_manager.num_host_blocks * BLOCK
+    assert final["host_total_slots"] == llm.engine.kv_cache.block_manager.num_host_blocks * BLOCK
 
 
 def test_cli_generate_on_the_engine_reports_memory_per_tier(capsys, real_dir):
@@ -371,7 +371,7 @@ def test_prefetched_swap_ins_copy_behind_the_forward_pass_and_stay_exact(tiny_di
     llm = tight(tiny_dir, tiny_model, blocks=20)
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert llm.engine.scheduler.num_prefetched > 0 and llm.engine.tiers.prefetch_seconds > 0
+    assert llm.engine.kv_cache.counters["prefetched"] > 0 and llm.engine.kv_cache.tiers.prefetch_seconds > 0
     assert_swapped_and_drained(llm)
 
 

@@ -26,11 +26,20 @@ CPU_SOURCE = files("kernels_cuda") / "paged_attention_cpu.cpp"  # package data, 
 CUDA_SOURCE = files("kernels_cuda") / "paged_attention.cu"
 # -march=native: this machine's vector width (the build is cached per machine). The three math
 # flags let the compiler reorder the float sums of the dot products, so it can vectorize them.
-CPU_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-DECLARATION = ("std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, "
-               "torch::Tensor v, torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged, "
-               "torch::Tensor staged_row, torch::Tensor block_tables, torch::Tensor context_lens, "
-               "int64_t block_size, int64_t kv_format, bool keys_per_channel, bool with_mass);")  # the .cu defines it
+CPU_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+]
+DECLARATION = (
+    "std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, "
+    "torch::Tensor v, torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged, "
+    "torch::Tensor staged_row, torch::Tensor block_tables, torch::Tensor context_lens, "
+    "int64_t block_size, int64_t kv_format, bool keys_per_channel, bool with_mass);"
+)  # the .cu defines it
 FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format -> the kernels' kv_format
 
 
@@ -38,11 +47,18 @@ def build(name: str, **sources) -> object:
     from torch.utils.cpp_extension import load_inline
 
     try:
-        return load_inline(name=name, functions=["paged_attention_decode"], extra_cflags=CPU_FLAGS,
-                           extra_cuda_cflags=["-O3"], **sources)
+        return load_inline(
+            name=name,
+            functions=["paged_attention_decode"],
+            extra_cflags=CPU_FLAGS,
+            extra_cuda_cflags=["-O3"],
+            **sources,
+        )
     except Exception as err:  # compiler missing, compile error, ...
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise ConfigError(f"The {name} kernel did not build ({reason}); use attention_backend='torch'.") from err
+        raise ConfigError(
+            f"The {name} kernel did not build ({reason}); use attention_backend='torch'."
+        ) from err
 
 
 @functools.cache
@@ -53,19 +69,36 @@ def cpu_kernel():
 @functools.cache
 def cuda_kernel():
     if not torch.cuda.is_available():
-        raise ConfigError("attention_backend='cuda' needs a CUDA GPU, and torch sees none; use 'cpu' or 'torch'.")
-    return build("minillm_paged_attention_cuda", cpp_sources=[DECLARATION],
-                 cuda_sources=[CUDA_SOURCE.read_text()])
+        raise ConfigError(
+            "attention_backend='cuda' needs a CUDA GPU, and torch sees none; use 'cpu' or 'torch'."
+        )
+    return build(
+        "minillm_paged_attention_cuda", cpp_sources=[DECLARATION], cuda_sources=[CUDA_SOURCE.read_text()]
+    )
 
 
 def reading_the_pool(kernel_fn) -> Callable:
     """The reference's signature around a kernel: it hands the kernel the layer's stored tensors."""
+
     def attend(query, pool, layer, block_tables, context_lens, with_mass=False):
         kv = pool.layer(layer)
-        out, mass = kernel_fn(query, kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_staged, kv.staged_row, block_tables,
-                              context_lens, pool.block_size, FORMAT_CODES[kv.kv_format], kv.keys_per_channel,
-                              with_mass)
+        out, mass = kernel_fn(
+            query,
+            kv.k,
+            kv.v,
+            kv.k_scale,
+            kv.v_scale,
+            kv.k_staged,
+            kv.staged_row,
+            block_tables,
+            context_lens,
+            pool.block_size,
+            FORMAT_CODES[kv.kv_format],
+            kv.keys_per_channel,
+            with_mass,
+        )
         return out, (mass if with_mass else None)
+
     return attend
 
 

@@ -58,35 +58,63 @@ class DecodeBatch:
     mass: torch.Tensor | None  # (layers, S, kv_heads, longest context): attention each entry got, for H2O
 
     @classmethod
-    def of(cls, rows: list[int], tables: list[list[int]], context_lens: list[int], device,
-           mass_layers: int = 0, num_kv_heads: int = 0) -> "DecodeBatch":
+    def of(
+        cls,
+        rows: list[int],
+        tables: list[list[int]],
+        context_lens: list[int],
+        device,
+        mass_layers: int = 0,
+        num_kv_heads: int = 0,
+    ) -> "DecodeBatch":
         """`mass_layers` > 0: keep the attention mass of every layer (H2O)."""
         width = max(len(table) for table in tables)
         padded = [table + [0] * (width - len(table)) for table in tables]
-        mass = torch.zeros(mass_layers, len(rows), num_kv_heads, max(context_lens), device=device) \
-            if mass_layers else None
-        return cls(torch.tensor(rows, device=device), torch.tensor(padded, dtype=torch.int32, device=device),
-                   torch.tensor(context_lens, dtype=torch.int32, device=device), mass)
+        mass = (
+            torch.zeros(mass_layers, len(rows), num_kv_heads, max(context_lens), device=device)
+            if mass_layers
+            else None
+        )
+        return cls(
+            torch.tensor(rows, device=device),
+            torch.tensor(padded, dtype=torch.int32, device=device),
+            torch.tensor(context_lens, dtype=torch.int32, device=device),
+            mass,
+        )
 
 
 class PagedAttention:
     """The attention context of one engine step (see `model.AttentionContext`)."""
 
-    def __init__(self, pool, write_slots: torch.Tensor, sequences: list[SequenceSlice],
-                 decode: DecodeBatch | None, decode_attention: Callable):
+    def __init__(
+        self,
+        pool,
+        write_slots: torch.Tensor,
+        sequences: list[SequenceSlice],
+        decode: DecodeBatch | None,
+        decode_attention: Callable,
+    ):
         self.pool = pool
         self.write_slots = write_slots  # (N,)
         self.sequences = sequences
         self.decode = decode
-        self.decode_attention = decode_attention  # reference.paged_decode_attention, or a kernel with its signature
+        self.decode_attention = (
+            decode_attention  # reference.paged_decode_attention, or a kernel with its signature
+        )
 
     def attend(self, layer_idx, q, k, v):
         self.pool.write(layer_idx, self.write_slots, k, v)  # store this step's keys and values first:
         out = torch.empty_like(q)  # (N, num_heads, head_dim)      every query attends to its own token too
         if self.decode is not None:
             d = self.decode
-            out[d.rows], mass = self.decode_attention(q[d.rows].contiguous(), self.pool, layer_idx, d.block_tables,
-                                                      d.context_lens, with_mass=d.mass is not None)
+            out[d.rows], mass = self.decode_attention(
+                q[d.rows].contiguous(),
+                self.pool,
+                layer_idx,
+                d.block_tables,
+                d.context_lens,
+                with_mass=d.mass is not None,
+            )
             if d.mass is not None:
                 d.mass[layer_idx] = mass
         for seq in self.sequences:

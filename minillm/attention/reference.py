@@ -15,8 +15,9 @@ answers `group x Tq` query rows in a single matmul.
 import torch
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor,
-                     with_key_mass: bool = False):
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positions: torch.Tensor, with_key_mass: bool = False
+):
     """q: (Tq, num_heads, head_dim) at positions `q_positions` (Tq,);
     k, v: (Tk, num_kv_heads, head_dim) for positions 0..Tk-1. Returns (Tq, num_heads, head_dim),
     and with `with_key_mass` also the attention each key received, summed over all queries and
@@ -30,7 +31,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     num_kv_heads = k.shape[1]
     group = num_heads // num_kv_heads
     q_rows = q.permute(1, 0, 2).reshape(num_kv_heads, group * n_queries, head_dim)  # (kv_heads, group*Tq, hd)
-    scores = torch.bmm(q_rows, k.permute(1, 2, 0)) * head_dim ** -0.5  # (kv_heads, group*Tq, Tk)
+    scores = torch.bmm(q_rows, k.permute(1, 2, 0)) * head_dim**-0.5  # (kv_heads, group*Tq, Tk)
     if n_queries > 1:  # a single decode token is the newest position: it sees every key
         key_positions = torch.arange(k.shape[0], device=k.device)
         hidden = key_positions[None, :] > q_positions[:, None]  # (Tq, Tk)
@@ -41,8 +42,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_positi
     return (out, probs.sum(dim=1)) if with_key_mass else out
 
 
-def paged_decode_attention(query: torch.Tensor, pool, layer: int, block_tables: torch.Tensor,
-                           context_lens: torch.Tensor, with_mass: bool = False):
+def paged_decode_attention(
+    query: torch.Tensor,
+    pool,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    with_mass: bool = False,
+):
     """Decode attention for S sequences at once, through their block tables: the contract the C++
     and CUDA kernels implement, and the torch backend's decode path.
 
@@ -58,11 +65,15 @@ def paged_decode_attention(query: torch.Tensor, pool, layer: int, block_tables: 
     num_seqs, num_heads, head_dim = query.shape
     width, block_size = int(context_lens.max()), pool.block_size
     positions = torch.arange(width, device=query.device)
-    slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size  # (S, width)
+    slots = (
+        block_tables[:, positions // block_size].long() * block_size + positions % block_size
+    )  # (S, width)
     keys, values = pool.read(layer, slots)  # (S, width, kv_heads, head_dim) each
     num_kv_heads = keys.shape[2]
-    q_rows = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (S, kv_heads, group, hd)
-    scores = q_rows @ keys.permute(0, 2, 3, 1) * head_dim ** -0.5  # (S, kv_heads, group, width)
+    q_rows = query.view(
+        num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim
+    )  # (S, kv_heads, group, hd)
+    scores = q_rows @ keys.permute(0, 2, 3, 1) * head_dim**-0.5  # (S, kv_heads, group, width)
     padding = positions[None, :] >= context_lens[:, None]  # (S, width)
     scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1)  # fp32 softmax, as in causal_attention

@@ -1,4 +1,4 @@
-"""Which waiting request joins the batch next: by arrival, by memory cost, or by reservation.
+"""Which waiting request joins the batch next (by arrival, memory cost or reservation), and which never can.
 
 Max-length reservation (`admission="reserve"`) is the baseline before paging (Orca, FasterTransformer):
 a request is admitted only when its whole possible length, prompt plus max_tokens, is free for
@@ -43,8 +43,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from minillm.config import prompt_problem
 from minillm.engine.sequence import Sequence
-from minillm.memory import BlockManager
+from minillm.memory import KVCacheManager
 
 MAX_WAIT_STEPS = 32  # steps after which a waiting request is due: served first, its blocks kept for it
 
@@ -71,7 +72,7 @@ class FirstComeFirstServed:
 class MaxLengthReservation(FirstComeFirstServed):
     """FCFS, admitting only while every running request's maximum length stays reserved."""
 
-    def __init__(self, manager: BlockManager):
+    def __init__(self, manager: KVCacheManager):
         self.manager = manager
 
     def blocks_at_most(self, seq: Sequence) -> int:
@@ -88,7 +89,7 @@ class MaxLengthReservation(FirstComeFirstServed):
 class MemoryAware:
     """Benefit over memory cost, with a headroom for growth and aging against starvation."""
 
-    def __init__(self, manager: BlockManager):
+    def __init__(self, manager: KVCacheManager):
         self.manager = manager
         self.outputs_finished = self.output_tokens = 0  # what finished requests generated, to learn from
 
@@ -114,15 +115,14 @@ class MemoryAware:
 
     @staticmethod
     def benefit(seq: Sequence, step: int) -> float:
-        return 2.0 ** -seq.priority * (1 + (step - seq.arrival_step) / MAX_WAIT_STEPS)
+        return 2.0**-seq.priority * (1 + (step - seq.arrival_step) / MAX_WAIT_STEPS)
 
     def cost(self, seq: Sequence) -> int:
         """Blocks newly held at the peak + blocks read per decode step at the peak."""
         manager, outputs = self.manager, seq.params.num_outputs
         prompt_blocks = manager.blocks_for(seq.num_tokens)
         peak_blocks = manager.blocks_for(self.peak_tokens(seq))
-        cache = manager.prefix_cache
-        cached = len(cache.lookup(seq.token_ids)) if cache and not manager.has_table(seq.seq_id) else 0
+        cached = manager.cached_prefix_blocks(seq.seq_id, seq.token_ids)
         held = prompt_blocks - cached + outputs * (peak_blocks - prompt_blocks)
         read = outputs * peak_blocks
         return max(1, held) + read
@@ -142,17 +142,18 @@ class MemoryAware:
     def headroom(self, running: list[Sequence]) -> int:
         """Blocks the running sequences are expected to grow into."""
         manager = self.manager
-        return sum(max(0, manager.blocks_for(self.peak_tokens(seq)) - len(manager.table(seq.seq_id)))
-                   for seq in running if manager.has_table(seq.seq_id))
+        return sum(
+            max(0, manager.blocks_for(self.peak_tokens(seq)) - manager.num_held(seq.seq_id))
+            for seq in running
+            if manager.has_blocks(seq.seq_id)
+        )
 
     def blocks_to_start(self, seq: Sequence, budget: int) -> int:
         """New blocks its first chunk takes: the chunk's, less the prompt blocks the prefix cache gives."""
         manager = self.manager
         chunk_end = seq.num_cached + min(seq.num_uncomputed, budget)
-        needed = manager.blocks_missing(seq.seq_id, chunk_end)
-        if manager.prefix_cache and not manager.has_table(seq.seq_id):
-            needed -= len(manager.prefix_cache.lookup(seq.token_ids))
-        return max(0, needed)
+        needed = manager.blocks_for(chunk_end) - manager.num_held(seq.seq_id)
+        return max(0, needed - manager.cached_prefix_blocks(seq.seq_id, seq.token_ids))
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
         """Do the free blocks, less the `kept` ones due requests wait for, cover this request's first
@@ -169,7 +170,39 @@ class MemoryAware:
         self.output_tokens += len(seq.output_ids)
 
 
-def make_admission(policy: str, manager: BlockManager) -> FirstComeFirstServed | MaxLengthReservation | MemoryAware:
+def admission_problem(
+    seq: Sequence,
+    kv_cache: KVCacheManager,
+    context_len: int,
+    vocab_size: int,
+    max_num_seqs: int,
+    step_tokens: int,
+) -> str | None:
+    """Why a request can never run here (it then fails alone, at once), or None."""
+    problem = prompt_problem(seq.prompt_ids, context_len, vocab_size)
+    if problem:
+        return problem
+    if seq.params.beam_width > vocab_size:
+        width = seq.params.beam_width
+        return f"beam_width={width} is more than the {vocab_size} tokens of the vocabulary; lower it."
+    if seq.params.num_outputs > max_num_seqs:
+        return (
+            f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
+            f"max_num_seqs is {max_num_seqs}; raise max_num_seqs or lower n."
+        )
+    most_held = kv_cache.most_held(len(seq.prompt_ids), seq.max_len, step_tokens)
+    needed = kv_cache.blocks_for(most_held)
+    if needed > kv_cache.num_blocks:
+        return (
+            f"This request may need {needed} KV blocks ({most_held} tokens) but the pool has only "
+            f"{kv_cache.num_blocks}; raise kv_cache_bytes or lower max_tokens."
+        )
+    return None
+
+
+def make_admission(
+    policy: str, manager: KVCacheManager
+) -> FirstComeFirstServed | MaxLengthReservation | MemoryAware:
     if policy == "reserve":
         return MaxLengthReservation(manager)
     return MemoryAware(manager) if policy == "memory" else FirstComeFirstServed()

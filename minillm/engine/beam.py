@@ -58,8 +58,9 @@ class BeamGroup:
         finish beams chosen by nobody (their blocks go back). Returns the request's sequences:
         the live beams, or once none is left, the best finished ones."""
         live = self.live
-        choices = select([score for _, score in live], torch.stack([self.pending[s.seq_id] for s, _ in live]),
-                         self.width)
+        choices = select(
+            [score for _, score in live], torch.stack([self.pending[s.seq_id] for s, _ in live]), self.width
+        )
         self.pending.clear()
         chosen = {beam for beam, _, _ in choices}
         for index, (seq, _) in enumerate(live):
@@ -84,15 +85,18 @@ class BeamGroup:
         return [seq for seq, _ in self.live] or self.ranked()
 
     def ranked(self) -> list[Sequence]:
-        return [seq for seq, _ in sorted(self.finished, key=lambda beam: -beam[1])[:self.width]]
+        return [seq for seq, _ in sorted(self.finished, key=lambda beam: -beam[1])[: self.width]]
 
 
-def reference_beam_search(model, prompt_ids: list[int], width: int, max_tokens: int,
-                          eos_token_id: int | None) -> list[list[int]]:
+def reference_beam_search(
+    model, prompt_ids: list[int], width: int, max_tokens: int, eos_token_id: int | None
+) -> list[list[int]]:
     """The same search, recomputing every beam's whole sequence every step (no cache at all)."""
     live, finished = [([], 0.0)], []
     while live:
-        logprobs = torch.stack([torch.log_softmax(sequence_logits(model, prompt_ids + out)[-1], -1) for out, _ in live])
+        logprobs = torch.stack(
+            [torch.log_softmax(sequence_logits(model, prompt_ids + out)[-1], -1) for out, _ in live]
+        )
         survivors = []
         for beam, token, score in select([score for _, score in live], logprobs, width):
             out = live[beam][0] + [token]

@@ -35,9 +35,7 @@ from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import (BlockManager, DiskTier, Evictor, MemoryPressure, MemoryStats, SwapCost, TieredKV,
-                            load_session, make_pool, paged_stats, save_session)
-from minillm.memory.accounting import MemorySnapshot, SequenceView
+from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams
 from minillm.tokenizer import Tokenizer
@@ -45,57 +43,51 @@ from minillm.weights import load_model, model_fingerprint
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model: Transformer | None = None, tokenizer: Tokenizer | None = None):
+    def __init__(
+        self, config: EngineConfig, model: Transformer | None = None, tokenizer: Tokenizer | None = None
+    ):
         self.config = config
-        self.model = model if model is not None else load_model(config.model_dir, config.torch_dtype, config.device)
-        self.tokenizer = tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
+        self.model = (
+            model if model is not None else load_model(config.model_dir, config.torch_dtype, config.device)
+        )
+        self.tokenizer = (
+            tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
+        )
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
         self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
-        self.pool, self.block_manager, self.tiers = self.build_memory()
-        self.swap_cost = SwapCost(self.tiers)
-        evictor = None if config.eviction == "none" else Evictor(
-            config.eviction, config.kv_budget, self.pool, self.block_manager, model_config.num_layers,
-            model_config.num_kv_heads)
-        self.pressure = MemoryPressure(self.block_manager, config.preemption if config.has_tiers else "recompute",
-                                       self.swap_cost, config.eviction_trigger if evictor else None)
-        self.scheduler = Scheduler(self.block_manager, config.scheduling, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.context_len, model_config.vocab_size, evictor,
-                                   self.pressure, self.tiers, config.admission)
-        decode_attention = paged_decode_attention if config.attention_backend == "torch" else \
-            decode_backend(config.attention_backend)
-        self.runner = ModelRunner(self.model, self.pool, self.block_manager, decode_attention,
-                                  keeps_attention_mass=config.eviction == "h2o")
+        self.kv_cache = KVCacheManager.build(config, model_config, self.model.dtype, self.model.device)
+        self.scheduler = Scheduler(
+            self.kv_cache,
+            config.scheduling,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.context_len,
+            model_config.vocab_size,
+            config.admission,
+        )
+        decode_attention = (
+            paged_decode_attention
+            if config.attention_backend == "torch"
+            else decode_backend(config.attention_backend)
+        )
+        self.runner = ModelRunner(self.model, self.kv_cache, decode_attention)
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
         self.beam_groups: dict[str, BeamGroup] = {}
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
 
-    def build_memory(self) -> tuple:
-        """The device pool attention reads, the block manager, and the tiers behind the pool:
-        a host pool of the same layout (pinned when the device is a GPU) and a disk folder."""
-        config, model_config, dtype = self.config, self.model.config, self.model.dtype
-        pool = make_pool(model_config, config.kv_cache_bytes, config.block_size, config.kv_dtype,
-                         config.kv_key_scales, dtype, self.model.device)
-        host_pool = disk = None
-        if config.host_cache_bytes:
-            host_pool = make_pool(model_config, config.host_cache_bytes, config.block_size, config.kv_dtype,
-                                  config.kv_key_scales, dtype, "cpu", pin=pool.device.type == "cuda",
-                                  budget_name="host_cache_bytes")
-        if config.disk_cache_dir is not None:
-            try:
-                disk = DiskTier(config.disk_cache_dir)
-            except OSError as err:
-                raise ConfigError(str(err)) from None
-        manager = BlockManager(pool.num_blocks, config.block_size, config.prefix_caching,
-                               host_pool.num_blocks if host_pool else 0, disk is not None)
-        return pool, manager, TieredKV(pool, host_pool, disk)
-
     # ----------------------------------------------------------------- requests
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival_time: float | None = None, priority: int = 0,
-                    sampler: Sampler | None = None) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        sampler: Sampler | None = None,
+    ) -> str:
         """Queue a request; `arrival_time` (a time.perf_counter() value, default now) is when its
         time to first token starts counting, for a caller that took the request in earlier.
         `priority` (an int, lower first, as in vLLM) weighs in with admission="memory".
@@ -104,9 +96,14 @@ class LLMEngine:
         which scores a given text through the cache instead of choosing tokens."""
         params = params or SamplingParams()
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 64:
-            raise ValueError(f"priority must be a whole number in [-64, 64] (lower is served first), not {priority!r}")
-        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))
-                                         or not math.isfinite(arrival_time)):
+            raise ValueError(
+                f"priority must be a whole number in [-64, 64] (lower is served first), not {priority!r}"
+            )
+        if arrival_time is not None and (
+            isinstance(arrival_time, bool)
+            or not isinstance(arrival_time, (int, float))
+            or not math.isfinite(arrival_time)
+        ):
             raise ValueError(f"arrival_time must be a time.perf_counter() value, not {arrival_time!r}")
         seq_id = next(self.seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
@@ -115,7 +112,9 @@ class LLMEngine:
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ConfigError("This engine has no tokenizer; pass prompts as token ids.")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_list(prompt)
-        seq = Sequence(seq_id, request_id, prompt_ids, params, min(self.context_len, len(prompt_ids) + params.max_tokens))
+        seq = Sequence(
+            seq_id, request_id, prompt_ids, params, min(self.context_len, len(prompt_ids) + params.max_tokens)
+        )
         if sampler is not None:
             if params.n > 1 or params.beam_width > 1:
                 raise ValueError("A custom sampler drives one sequence; use n=1 and beam_width=1 with it.")
@@ -158,7 +157,7 @@ class LLMEngine:
         """Run one iteration; return an output for every request that got a token or ended."""
         outputs = self.outputs_of([seq.request_id for seq in self.rejected])
         self.rejected.clear()
-        self.tiers.finish_prefetch()  # last step's background copies are done before anything is decided
+        self.kv_cache.finish_prefetch()  # last step's background copies are done before anything is decided
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
         if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
             stuck = {seq.request_id for seq in self.scheduler.unfinished()}
@@ -170,20 +169,26 @@ class LLMEngine:
             return outputs + self.fail(failed, f"This step failed ({type(err).__name__}: {err}).")
 
     def run(self, schedule: Schedule) -> list[RequestOutput]:
-        self.tiers.copy(schedule.copies)  # 2. swaps, spills, copy-on-write, before anyone writes
-        self.pool.forget_free_blocks(self.block_manager.is_free)
-        self.tiers.start_prefetch(schedule.prefetch)  # the next step's swap-in, behind this forward pass
+        # 2. swaps, spills, copy-on-write before anyone writes; the next step's swap-in behind this pass
+        self.kv_cache.apply(schedule.copies, prefetch=schedule.prefetch)
         start = time.perf_counter()
         hidden, last_rows = self.runner.forward(schedule.sequences)  # 3. one forward pass
-        self.swap_cost.record_forward(sum(item.num_tokens for item in schedule.sequences), len(schedule.sequences),
-                                      time.perf_counter() - start)
+        self.kv_cache.record_forward(
+            sum(item.num_tokens for item in schedule.sequences),
+            len(schedule.sequences),
+            time.perf_counter() - start,
+        )
         evicted = self.scheduler.computed(schedule)  # 4. prefix blocks registered, budgets kept
-        ready = [(item.seq, row) for item, row in zip(schedule.sequences, last_rows) if item.seq.num_uncomputed == 0]
+        ready = [
+            (item.seq, row)
+            for item, row in zip(schedule.sequences, last_rows)
+            if item.seq.num_uncomputed == 0
+        ]
         changed = []
         if ready:
             logits = self.runner.logits(hidden, [row for _, row in ready])  # (sequences ready, vocab)
             changed = self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
-        self.stats.record(schedule, len(ready), evicted, self.memory_stats(), self.pressure.end_step())
+        self.stats.record(schedule, len(ready), evicted, self.memory_stats(), self.kv_cache.end_step())
         return self.outputs_of(changed)  # 6.
 
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
@@ -218,8 +223,9 @@ class LLMEngine:
                     if reason:
                         self.scheduler.finish(sample, reason)
             elif group.offer(seq, seq_logits):  # every live beam has its next-token scores: choose
-                self.requests[seq.request_id][:] = group.advance(self.scheduler, lambda: next(self.seq_ids),
-                                                              self.eos_token_id)
+                self.requests[seq.request_id][:] = group.advance(
+                    self.scheduler, lambda: next(self.seq_ids), self.eos_token_id
+                )
             else:
                 continue
             changed[seq.request_id] = None
@@ -240,67 +246,41 @@ class LLMEngine:
     def session_identity(self) -> dict[str, str]:
         """What a session's KV depends on: the model (its fingerprint), block size, storage format."""
         c = self.config
-        return {"model": model_fingerprint(self.model), "block_size": str(c.block_size), "dtype": c.dtype,
-                "kv_dtype": c.kv_dtype, "kv_key_scales": c.kv_key_scales}
+        return {
+            "model": model_fingerprint(self.model),
+            "block_size": str(c.block_size),
+            "dtype": c.dtype,
+            "kv_dtype": c.kv_dtype,
+            "kv_key_scales": c.kv_key_scales,
+        }
 
     def save_session(self, path: Path, token_ids: list[int], extra: dict | None = None) -> int:
         """Park the cached KV of `token_ids` (a finished conversation) in a file; returns the tokens kept."""
-        self.require_prefix_cache()
-        self.tiers.finish_prefetch()
-        return save_session(Path(path), self.block_manager, self.tiers, token_ids, self.session_identity(), extra)
+        return self.kv_cache.save_session(path, token_ids, self.session_identity(), extra)
 
     def load_session(self, path: Path) -> tuple[list[int], dict]:
         """Load a parked session's KV as cached prefix blocks; returns (its token ids, its extra)."""
-        self.require_prefix_cache()
-        self.tiers.finish_prefetch()
-        return load_session(Path(path), self.block_manager, self.tiers, self.session_identity())
-
-    def require_prefix_cache(self) -> None:
-        if self.block_manager.prefix_cache is None:
-            raise ConfigError("Sessions are found again through the prefix cache; build the engine with "
-                              "prefix_caching=True.")
+        return self.kv_cache.load_session(path, self.session_identity())
 
     def memory_stats(self) -> MemoryStats:
-        return paged_stats(self.block_manager, self.scheduler.cached_entries(), self.pool.bytes_per_slot,
-                           self.tiers.moved())
+        return self.kv_cache.memory_stats(self.scheduler.cached_entries())
 
     def snapshot(self) -> MemorySnapshot:
         """The memory system now, read-only (`memory/accounting.py`): blocks per state and tier,
         bytes, tables, counters, prefix-cache hits. What anything outside the engine reads."""
-        scheduler, manager, cache, tiers = self.scheduler, self.block_manager, self.block_manager.prefix_cache, self.tiers
-        views = tuple(SequenceView(seq.seq_id, seq.request_id, seq.status.value, seq.num_computed, seq.num_cached,
-                                   seq.max_len, tuple(manager.table(seq.seq_id)) if manager.has_table(seq.seq_id)
-                                   else ()) for seq in scheduler.unfinished())
-        counters = {"preemptions": scheduler.num_preemptions, "swapped_out": scheduler.num_swapped_out,
-                    "swapped_in": scheduler.num_swapped_in, "prefetched": scheduler.num_prefetched,
-                    "recomputed_tokens": scheduler.num_recomputed_tokens, "copy_on_write": manager.num_copies,
-                    "spilled": manager.num_spilled, "spill_hits": manager.num_spill_hits,
-                    "reclaimed": manager.num_reclaimed}
-        rates = {tier: rate for tier in ("host", "disk") if (rate := tiers.copy_rate(tier)) is not None}
-        return MemorySnapshot(
-            block_size=manager.block_size, bytes_per_token=self.pool.bytes_per_slot, pool_bytes=self.pool.nbytes,
-            staged_bytes=self.pool.staged_bytes, blocks={t: tuple(s) for t, s in self.block_states().items()},
-            stats=self.memory_stats(), sequences=views, counters=counters,
-            prefix_cache={**cache.stats(), "hit_rate": cache.hit_rate} if cache else None,
-            preemption=self.pressure.preemption, prefetch_seconds=tiers.prefetch_seconds,
-            prefetch_waited=tiers.prefetch_waited, copy_rates=rates, prefill_rate=self.swap_cost.prefill_rate())
+        sequences = [
+            (seq.seq_id, seq.request_id, seq.status.value, seq.num_computed, seq.num_cached, seq.max_len)
+            for seq in self.scheduler.unfinished()
+        ]
+        return self.kv_cache.snapshot(sequences, {"preemptions": self.scheduler.num_preemptions})
 
     def block_states(self) -> dict[str, list[str]]:
-        """Every block's state per tier the engine has, a picture of the pool for the chat's memory
-        view: "free", "cached", "shared", "private" (`BlockManager.block_state`), and "filling"
-        for a private device block of a quantized pool whose keys still wait in full precision
-        (in the first layer; every layer stages the same blocks)."""
-        manager = self.block_manager
-        tiers = ["device"] + ["host"] * bool(manager.num_host_blocks) + ["disk"] * manager.disk
-        states = {tier: manager.block_states(tier) for tier in tiers}
-        for block in self.pool.staged_blocks(0):
-            if states["device"][block] == "private":
-                states["device"][block] = "filling"
-        return states
+        """Every block's state per tier (see `MemorySnapshot`), for the chat's memory view."""
+        return self.kv_cache.block_states()
 
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens the prefix cache has saved from prefill so far (0 without a cache)."""
-        cache = self.block_manager.prefix_cache
+        cache = self.kv_cache.block_manager.prefix_cache
         return cache.hit_blocks * cache.block_size if cache else 0
 
     @property

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import Iterator
+from typing import Sequence as Seq
 
 from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig
 from minillm.engine.engine import LLMEngine
@@ -27,20 +28,32 @@ SWITCHES = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "
 class LLM:
     """`LLM(model_dir, **switches)`; switches are `EngineConfig` fields (block_size, scheduling, ...)."""
 
-    def __init__(self, model_dir: str | Path = DEFAULT_MODEL_DIR, *, model: Transformer | None = None,
-                 tokenizer: Tokenizer | None = None, **switches):
+    def __init__(
+        self,
+        model_dir: str | Path = DEFAULT_MODEL_DIR,
+        *,
+        model: Transformer | None = None,
+        tokenizer: Tokenizer | None = None,
+        **switches,
+    ):
         unknown = [name for name in switches if name not in SWITCHES]
         if unknown:
             raise ConfigError(f"LLM has no switch {unknown[0]!r}; the switches are {', '.join(SWITCHES)}.")
         self.engine = LLMEngine(EngineConfig(model_dir=Path(model_dir), **switches), model, tokenizer)
 
-    def generate(self, prompts: Seq[str | list[int]], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Seq[str | list[int]],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`."""
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams; give one for each "
-                             "prompt, or a single one for all.")
+            raise ValueError(
+                f"{len(prompts)} prompts but {len(params_list)} SamplingParams; give one for each "
+                "prompt, or a single one for all."
+            )
         ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         final: dict[str, RequestOutput] = {}
         with progress_bar("requests", len(ids), enabled=progress) as advance:
@@ -51,7 +64,9 @@ class LLM:
                         advance()
         return [final[i] for i in ids]
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield the request's output each time it gains a token (the last one is finished)."""
         request_id = self.engine.add_request(prompt, params)
         while True:

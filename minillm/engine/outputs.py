@@ -64,8 +64,11 @@ class RequestOutput:
 
         def reason(ids: list[int]) -> str | None:
             return ("stop" if ids and ids[-1] == eos else ended) if self.finished else None
-        return [CompletionOutput(i, self.decode(ids), list(ids), reason(ids))
-                for i, ids in enumerate(self.samples or [self.token_ids])]
+
+        return [
+            CompletionOutput(i, self.decode(ids), list(ids), reason(ids))
+            for i, ids in enumerate(self.samples or [self.token_ids])
+        ]
 
     @classmethod
     def of(cls, seqs: list[Sequence], tokenizer: Tokenizer | None) -> "RequestOutput":
@@ -75,11 +78,24 @@ class RequestOutput:
             ttft = first.first_token_time - first.arrival_time
             if first.finish_time is not None and len(first.output_ids) > 1:
                 tpot = (first.finish_time - first.first_token_time) / (len(first.output_ids) - 1)
-        finished = all(seq.status is Status.FINISHED for seq in seqs) and len(seqs) == first.params.num_outputs \
+        finished = (
+            all(seq.status is Status.FINISHED for seq in seqs)
+            and len(seqs) == first.params.num_outputs
             or first.finish_reason in ("error", "abort")
-        return cls(first.request_id, list(first.prompt_ids), list(first.output_ids), finished, first.finish_reason,
-                   first.error, ttft, tpot, sum(seq.num_preemptions for seq in seqs),
-                   [list(seq.output_ids) for seq in seqs], tokenizer)
+        )
+        return cls(
+            first.request_id,
+            list(first.prompt_ids),
+            list(first.output_ids),
+            finished,
+            first.finish_reason,
+            first.error,
+            ttft,
+            tpot,
+            sum(seq.num_preemptions for seq in seqs),
+            [list(seq.output_ids) for seq in seqs],
+            tokenizer,
+        )
 
 
 @dataclass
@@ -105,8 +121,9 @@ class EngineStats:
         self.memory, self.batches = deque(maxlen=self.window), deque(maxlen=self.window)
         self.ladder = deque(maxlen=self.window)
 
-    def record(self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats,
-               rungs: dict[str, int]) -> None:
+    def record(
+        self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats, rungs: dict[str, int]
+    ) -> None:
         self.steps += 1
         self.tokens_computed += sum(item.num_tokens for item in schedule.sequences)
         self.tokens_generated += sampled

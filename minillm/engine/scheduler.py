@@ -3,36 +3,27 @@
 Continuous batching (Orca's iteration-level scheduling): every step, sequences that finished
 leave and waiting ones join, so the batch stays full. Static batching, the baseline, starts a new
 batch of `max_num_seqs` requests only when the whole previous one has finished: short requests
-wait for the longest, and their slots in the batch sit idle.
+wait for the longest, and their seats in the batch sit idle.
 
 Each step has a token budget (`max_num_batched_tokens`). Running sequences go first, oldest
 first: a decode costs 1 token, an unfinished prefill takes what is left of the budget (chunked
-prefill). Waiting sequences are admitted while budget, sequence slots and KV blocks last, in the
-order the admission policy gives (`admission.py`: first come first served, by memory cost, or by
-max-length reservation);
-a request that will fork (n samples, beam_width beams) takes its forks' slots when admitted.
+prefill). Waiting sequences are admitted while budget, seats and KV blocks last, in the order the
+admission policy gives (`admission.py`); a request that will fork (n samples, beam_width beams)
+takes its forks' seats when admitted.
 
-A sequence's first blocks may come from the prefix cache: its prompt's leading full blocks,
-computed before for another request, are shared and skipped (num_computed starts past them).
-A block that a sequence is about to write while others hold it (parallel samples share their
-prompt's last, partly filled block) is copied first: copy-on-write.
+When a running sequence's next chunk finds no free block, room is made: first from a waiting
+sequence that holds device blocks, then by preempting the newest running sequence, which goes
+back to the front of the queue. By *recompute* it starts over when memory allows; by *swap* its
+blocks (and its request's siblings', which share them) leave for the host or disk tier and come
+back before it runs again; a swapped sequence at the head of the queue comes back one step early
+(prefetch), its copies behind that step's forward pass. Running out of blocks is a scheduling
+event, never a crash.
 
-When a running sequence needs a block and none is free, the pressure ladder (`memory/pressure.py`)
-has already reclaimed every cached block nobody holds; the next rung is preemption: the newest
-running sequence is preempted, and goes back to the front of the waiting queue. By *recompute*:
-its blocks are freed and num_computed = 0, to be prefilled again (prompt + what it generated so
-far) when memory allows. Or, with a host or disk tier, by *swap*: the blocks of its request's
-running sequences (parallel samples or beams share theirs, and a shared block moves once) leave
-the device pool, and come back before it runs again, with nothing recomputed. `preemption="auto"`
-asks the measured cost model (`memory/tiers.py`), through the ladder, which is cheaper for this
-victim. A swapped sequence at the head of the queue is brought back one step before it runs when
-others run now (prefetch): its copies overlap their forward pass. Running out of blocks is a
-scheduling event, never a crash.
-
-The scheduler is the one owner of who holds which blocks: it admits requests (or says why one
-can never run), grows and frees block tables, forks samples and beams, finishes sequences, and
-after each forward pass offers newly full blocks to the prefix cache and keeps every sequence
-within its eviction budget (every step, or after a step that ran short: the ladder's last rung).
+The scheduler keeps only scheduling: the token budget, the seats, the admission order, the
+choice of victims, chunking. Everything about memory it asks the KV cache manager
+(`memory/kv_cache_manager.py`) in its words: allocate a chunk's blocks (prefix hits, swap-ins,
+copy-on-write are its business) or say no, preempt this victim (swap or recompute is its
+choice), fork, free, and after each forward pass `computed` (blocks registered, budgets kept).
 """
 
 from __future__ import annotations
@@ -40,10 +31,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from minillm.config import prompt_problem
-from minillm.engine.admission import make_admission
+from minillm.engine.admission import admission_problem, make_admission
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import BlockManager, Evictor, MemoryPressure, TieredKV
+from minillm.memory import KVCacheManager
 
 
 @dataclass
@@ -57,63 +47,55 @@ class Schedule:
     """One step's work: the sequences and their token counts, and the blocks to copy first."""
 
     sequences: list[ScheduledSequence] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) blocks: swaps, spills,
-    #   copy-on-write, in the order decided; all done before the forward pass
-    prefetch: list[tuple[int, int]] = field(default_factory=list)  # swap-ins for the next step, done during it
+    # (source, destination) blocks: swaps, spills, copy-on-write, in the order decided; all done before
+    # the forward pass
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    prefetch: list[tuple[int, int]] = field(
+        default_factory=list
+    )  # swap-ins for the next step, done during it
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, policy: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 context_len: int, vocab_size: int, evictor: Evictor | None = None,
-                 pressure: MemoryPressure | None = None, tiers: TieredKV | None = None, admission: str = "fcfs"):
-        self.block_manager = block_manager
+    def __init__(
+        self,
+        kv_cache: KVCacheManager,
+        policy: str,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        context_len: int,
+        vocab_size: int,
+        admission: str = "fcfs",
+    ):
+        self.kv_cache = kv_cache
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.context_len, self.vocab_size = context_len, vocab_size
-        self.evictor = evictor
-        self.pressure = pressure or MemoryPressure(block_manager, "recompute", None, None)
-        self.tiers = tiers
-        self.admission = make_admission(admission, block_manager)
+        self.admission = make_admission(admission, kv_cache)
         self.steps = 0  # schedules made: the clock a waiting request ages by
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
-        self.num_swapped_out = self.num_swapped_in = self.num_prefetched = 0  # sequences
-        self.num_recomputed_tokens = 0  # tokens whose KV a preemption by recompute threw away
-        self.scheduled_ids: set[int] = set()
+        self._scheduled_ids: set[int] = set()  # scheduled this step from the running: they stay on the device
 
     # ----------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
         """Queue a new request's sequence, or finish it with the reason it can never run (it
         fails alone; the others go on). Returns whether it was queued."""
-        problem = self.admission_problem(seq)
+        problem = admission_problem(
+            seq,
+            self.kv_cache,
+            self.context_len,
+            self.vocab_size,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+        )
         if problem:
             seq.finish("error", problem)
             return False
         seq.arrival_step = self.steps
         self.waiting.append(seq)
         return True
-
-    def admission_problem(self, seq: Sequence) -> str | None:
-        problem = prompt_problem(seq.prompt_ids, self.context_len, self.vocab_size)
-        if problem:
-            return problem
-        if seq.params.beam_width > self.vocab_size:
-            return (f"beam_width={seq.params.beam_width} is more than the {self.vocab_size} tokens of the vocabulary; "
-                    "lower it.")
-        if seq.params.num_outputs > self.max_num_seqs:
-            return (f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
-                    f"max_num_seqs is {self.max_num_seqs}; raise max_num_seqs or lower n.")
-        most_held = seq.max_len
-        if self.evictor:  # what it keeps (protected prefix and budget), plus one step's tokens before eviction
-            kept = self.evictor.kept(len(seq.prompt_ids), seq.max_len)
-            most_held = min(most_held, kept + self.max_num_batched_tokens)
-        needed = self.block_manager.blocks_for(most_held)
-        if needed > self.block_manager.num_blocks:
-            return (f"This request may need {needed} KV blocks ({most_held} tokens) but the pool has only "
-                    f"{self.block_manager.num_blocks}; raise kv_cache_bytes or lower max_tokens.")
-        return None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -123,46 +105,71 @@ class Scheduler:
 
     # ----------------------------------------------------------------- one step
     def schedule(self) -> Schedule:
+        """This step's sequences and token counts. If nothing could be scheduled while requests wait
+        (beams waiting for a sibling that waits for memory, or every running sequence left to make
+        room), make room for the head of the queue and try again: the newest running sequence
+        queues behind it, or it would take the room back."""
         self.steps += 1
-        scheduled = self.schedule_sequences()
-        copies = self.block_manager.take_copies()
+        scheduled, preempted = self._schedule_pass()
+        while (
+            not scheduled and any(seq.num_uncomputed for seq in self.waiting) and (self.running or preempted)
+        ):
+            if self.running:
+                self._preempt(self.running[-1], front=False)
+            scheduled, preempted = self._schedule_pass()
+        copies = self.kv_cache.take_copies()
         if scheduled:
-            self.prefetch_next()
-        return Schedule(scheduled, copies, self.block_manager.take_copies())
+            self._prefetch_next()
+        return Schedule(scheduled, copies, self.kv_cache.take_copies())
 
-    def schedule_sequences(self) -> list[ScheduledSequence]:
+    def _schedule_pass(self) -> tuple[list[ScheduledSequence], bool]:
+        """Running sequences first, oldest first, then waiting ones in the admission policy's order
+        (not after a preemption: the room was made for the running). Returns (the scheduled,
+        whether a sequence had to leave the device)."""
         if self.policy == "static" and not self.running:
-            self.start_static_batch()
-        budget = self.max_num_batched_tokens
-        scheduled: list[ScheduledSequence] = []
-        self.scheduled_ids: set[int] = set()  # a sequence scheduled this step stays on the device
-        preempted = False
+            self._start_static_batch()
+        budget, scheduled, preempted = self.max_num_batched_tokens, [], False
+        self._scheduled_ids = set()
         for seq in list(self.running):
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING or seq.num_uncomputed == 0:  # preempted in this loop, or a
                 continue  # beam whose scores are in, waiting for its siblings
-            while not (num_tokens := self.reserve(seq, budget)):
-                preempted = True
-                if not self.release_waiting(seq):
-                    self.preempt(self.running[-1], protect=seq)
-                if seq.status is not Status.RUNNING:  # the victim, or swapped out with it
-                    break
-            else:
+            num_tokens, made_room = self._reserve_running(seq, budget)
+            preempted |= made_room
+            if num_tokens:
                 scheduled.append(ScheduledSequence(seq, num_tokens))
-                self.scheduled_ids.add(seq.seq_id)
+                self._scheduled_ids.add(seq.seq_id)
                 budget -= num_tokens
+        if self.policy == "continuous" and not preempted:
+            self._admit_waiting(scheduled, budget)
+        return scheduled, preempted
 
-        may_admit = self.policy == "continuous" and not preempted
+    def _reserve_running(self, seq: Sequence, budget: int) -> tuple[int, bool]:
+        """Blocks for a running sequence's next chunk, making room while memory is short: from a
+        waiting sequence that holds device blocks, else by preempting the newest running one (it
+        may be `seq` itself). Returns (the chunk's tokens, 0 if `seq` left; whether room was made)."""
+        made_room = False
+        while seq.status is Status.RUNNING:
+            num_tokens = self._reserve(seq, budget)
+            if num_tokens:
+                return num_tokens, made_room
+            made_room = True
+            if not self._release_waiting(seq):
+                self._preempt(self.running[-1], protect=seq)
+        return 0, made_room
+
+    def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
+        """Start waiting sequences while the budget, seats and the admission policy allow."""
         kept = 0  # blocks kept free for due requests that could not start (memory-aware admission)
-        for seq in self.admission.order(self.waiting, self.steps) if may_admit else []:
+        for seq in self.admission.order(self.waiting, self.steps):
             if budget == 0:
                 break
             if seq.num_uncomputed == 0:  # a beam swapped out while it waited for its siblings' scores:
                 continue  # nothing to run until they are in; it keeps its place
-            if scheduled and self.block_manager.is_swapped(seq.seq_id):
+            if scheduled and self.kv_cache.is_swapped(seq.seq_id):
                 break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
-            num_tokens = self.admit(seq, budget, kept)
+            num_tokens = self._admit(seq, budget, kept)
             if not num_tokens:
                 if self.admission.holds_queue(seq, self.steps):
                     break  # it waits for memory or seats, and nobody overtakes it
@@ -170,129 +177,66 @@ class Scheduler:
                 continue
             scheduled.append(ScheduledSequence(seq, num_tokens))
             budget -= num_tokens
-        if not scheduled and any(seq.num_uncomputed for seq in self.waiting):
-            if self.running:
-                # Nobody running has work (beams waiting for a sibling that waits for memory): make room
-                # for the head of the queue; the victim queues behind it, or it would take the room back.
-                self.preempt(self.running[-1], front=False)
-                return self.schedule_sequences()
-            if preempted:  # every running sequence left to make room: the room is there now
-                return self.schedule_sequences()
-        return scheduled
 
-    def admit(self, seq: Sequence, budget: int, kept: int) -> int:
+    def _admit(self, seq: Sequence, budget: int, kept: int) -> int:
         """Start a waiting sequence if seats, the admission policy (headroom, blocks `kept` for
         others) and blocks allow; return the tokens of its first chunk, or 0 if it must wait."""
-        if not self.has_seats_for(seq) or not self.admission.has_room(seq, self.running, budget, kept, self.steps):
+        if not self._has_seats_for(seq) or not self.admission.has_room(
+            seq, self.running, budget, kept, self.steps
+        ):
             return 0
-        while not (num_tokens := self.reserve(seq, budget)) and self.release_waiting(seq):
-            pass
+        num_tokens = self._reserve(seq, budget)
+        while not num_tokens and self._release_waiting(seq):
+            num_tokens = self._reserve(seq, budget)
         if num_tokens:
-            self.start_running(seq)
+            self._start_running(seq)
         return num_tokens
 
-    def reserve(self, seq: Sequence, budget: int) -> int:
-        """Give the sequence blocks for its next chunk (at most `budget` tokens); return the
-        chunk's length, or 0 if memory is short. A sequence without blocks first looks for its
-        prompt's leading blocks in the prefix cache: those tokens need no computing at all."""
-        manager, cache = self.block_manager, self.block_manager.prefix_cache
-        if manager.is_swapped(seq.seq_id) and not self.can_come_back(seq, budget):
-            self.forget_swapped(seq)
-        starting = not manager.has_table(seq.seq_id)
-        hits = cache.lookup(seq.token_ids) if cache and starting else []
-        skipped = len(hits) * manager.block_size  # prompt tokens whose K/V the cache already holds
-        num_tokens = min(seq.num_uncomputed - skipped, budget)
-        start = seq.num_cached + skipped  # cache index of the chunk's first token
-        end = start + num_tokens
-        copies = len(manager.shared_blocks(seq.seq_id, start, end))
-        if manager.is_swapped(seq.seq_id):  # its blocks come back first, then it grows
-            if not manager.can_swap_in([seq.seq_id], extra=manager.blocks_missing(seq.seq_id, end) + copies):
-                return 0
-            manager.swap_in([seq.seq_id])
-            self.num_swapped_in += 1
-        if not manager.can_grow(seq.seq_id, end, adopting=hits, copies=copies):
-            return 0
-        if cache and starting:
-            cache.record_lookup(seq.token_ids, len(hits))
-            manager.adopt(seq.seq_id, hits)
-            seq.num_computed = skipped
-        manager.grow(seq.seq_id, end)
-        manager.copy_on_write(seq.seq_id, start, end)
-        return num_tokens
+    def _reserve(self, seq: Sequence, budget: int) -> int:
+        """Ask for the blocks of the sequence's next chunk; return its length, or 0 if memory is
+        short. The manager may move the sequence's start: past prefix hits, or back to 0."""
+        grant = self.kv_cache.allocate(seq.seq_id, seq.token_ids, seq.num_computed, seq.num_cached, budget)
+        if grant.num_computed != seq.num_computed:
+            seq.restart(grant.num_computed)
+        return grant.num_tokens
 
-    def can_come_back(self, seq: Sequence, budget: int) -> bool:
-        """Can the swapped sequence's blocks return and take its next chunk? Not if a disk file is
-        lost, nor if even the whole pool is too small: its samples shared a half-filled block that
-        each must now copy, say, where recomputing it alone would fit."""
-        manager = self.block_manager
-        start, end = seq.num_cached, seq.num_cached + min(seq.num_uncomputed, budget)
-        needed = len(manager.held_off_device([seq.seq_id])) + manager.blocks_missing(seq.seq_id, end) + \
-            len(manager.shared_blocks(seq.seq_id, start, end))
-        return needed <= manager.num_blocks and self.readable(seq)
-
-    def readable(self, seq: Sequence) -> bool:
-        """Can the swapped sequence's blocks be read back? (A disk file may be lost or corrupt.)"""
-        return self.tiers.readable(self.block_manager.held_off_device([seq.seq_id]))
-
-    def forget_swapped(self, seq: Sequence) -> None:
-        """The sequence's swapped KV cannot come back: it will be recomputed instead."""
-        self.block_manager.free(seq.seq_id)
-        self.num_recomputed_tokens += seq.num_computed
-        seq.forget_cache()
-
-    def release_waiting(self, keep: Sequence) -> bool:
+    def _release_waiting(self, keep: Sequence) -> bool:
         """Free the device blocks a waiting sequence holds (brought back early, or sharing blocks
-        with a sibling that came back), the last in the queue first: swap them out again, or
-        forget them. False if no waiting sequence but `keep` holds any."""
-        manager = self.block_manager
+        with a sibling that came back), the last in the queue first: swapped out again, or
+        forgotten. False if no waiting sequence but `keep` holds any."""
         for seq in reversed(self.waiting):
-            if seq is not keep and manager.has_table(seq.seq_id) and \
-                    any(manager.tier(block) == "device" for block in manager.table(seq.seq_id)):
-                if self.pressure.preempt_by([seq.seq_id], seq.num_computed) == "swap":
-                    manager.swap_out([seq.seq_id])
-                    self.num_swapped_out += 1
-                else:
-                    manager.free(seq.seq_id)
-                    self.num_recomputed_tokens += seq.num_computed
+            if seq is not keep and self.kv_cache.holds_device_blocks(seq.seq_id):
+                self.kv_cache.preempt(seq.seq_id, seq.num_computed, {seq.seq_id: seq.num_computed})
+                if not self.kv_cache.has_blocks(seq.seq_id):
                     seq.forget_cache()
-                self.pressure.took("preempt")
                 return True
         return False
 
-    def prefetch_next(self) -> None:
+    def _prefetch_next(self) -> None:
         """Bring the head of the queue back now if it is swapped out and memory allows, keeping
-        a block free for each running sequence to grow into. It runs from the next step on; its
-        copies overlap this step's forward pass instead of delaying one."""
+        a block free for each running sequence to grow into."""
         head = next((seq for seq in self.waiting if seq.num_uncomputed), None)  # the next to run
-        if head is None or not self.block_manager.is_swapped(head.seq_id):
-            return
-        if self.block_manager.can_swap_in([head.seq_id], extra=len(self.running)) and self.readable(head):
-            self.block_manager.swap_in([head.seq_id])
-            self.num_swapped_in += 1
-            self.num_prefetched += 1
+        if head is not None and self.kv_cache.is_swapped(head.seq_id):
+            self.kv_cache.prefetch(head.seq_id, spare_blocks=len(self.running))
 
-    def start_static_batch(self) -> None:
+    def _start_static_batch(self) -> None:
         """Static batching: the next max_num_seqs requests form a batch that runs to its end.
         Their prefills may still be spread over several steps by the token budget."""
-        while self.waiting and self.has_seats_for(self.waiting[0]):
-            self.start_running(self.waiting[0])
+        while self.waiting and self._has_seats_for(self.waiting[0]):
+            self._start_running(self.waiting[0])
 
-    def start_running(self, seq: Sequence) -> None:
-        """A waiting sequence joins the running ones."""
+    def _start_running(self, seq: Sequence) -> None:
         self.waiting.remove(seq)
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def has_seats_for(self, seq: Sequence) -> bool:
+    def _has_seats_for(self, seq: Sequence) -> bool:
         """At most max_num_seqs sequences run at once, counting the forks that running requests
         will make at their first sampling (n - 1 samples, beam_width - 1 beams) as taken."""
-        taken = sum(1 + self.forks_to_come(running) for running in self.running)
-        return taken + 1 + self.forks_to_come(seq) <= self.max_num_seqs
+        taken = sum(1 + _forks_to_come(running) for running in self.running)
+        return taken + 1 + _forks_to_come(seq) <= self.max_num_seqs
 
-    @staticmethod
-    def forks_to_come(seq: Sequence) -> int:
-        return seq.params.num_outputs - 1 if not seq.output_ids else 0
-
+    # ----------------------------------------------------------------- forks, victims, the end
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """A parallel sample or a beam joins beside its parent, sharing all its blocks. A fork the
         parent's admission reserved a seat for always fits; a parent swapped out (or brought back
@@ -300,53 +244,46 @@ class Scheduler:
         sibling's seat may have gone to another request while that sibling was preempted) or the
         child of a parent preempted by recompute waits instead, to be computed again."""
         running = parent.status is Status.RUNNING
-        if not self.block_manager.has_table(parent.seq_id) or \
-                (running and parent.output_ids and not self.has_seats_for(child)):
+        if not self.kv_cache.has_blocks(parent.seq_id) or (
+            running and parent.output_ids and not self._has_seats_for(child)
+        ):
             child.forget_cache()
             child.status = Status.WAITING
             self.waiting.append(child)
             return
-        self.block_manager.fork(parent.seq_id, child.seq_id)
+        self.kv_cache.fork(parent.seq_id, child.seq_id)
         if running:
             self.running.append(child)
         else:
             self.waiting.insert(self.waiting.index(parent) + 1, child)
 
-    def preempt(self, seq: Sequence, front: bool = True, protect: Sequence | None = None) -> None:
-        """Take `seq` off the device: by swap (with its request's other running sequences, except
-        `protect`, the one the room is made for) when the policy says so and a tier has room, else
-        by recompute."""
-        victims = self.swap_victims(seq, protect)
-        if victims:
-            self.block_manager.swap_out([victim.seq_id for victim in victims])
-            self.num_swapped_out += len(victims)
-        else:
-            victims = [seq]
-            if self.block_manager.has_table(seq.seq_id):  # a static-batch member may not have started
-                self.block_manager.free(seq.seq_id)
-            self.num_recomputed_tokens += seq.num_computed
-            seq.forget_cache()
+    def _preempt(self, seq: Sequence, front: bool = True, protect: Sequence | None = None) -> None:
+        """Take `seq` off the device, to the front of the queue (or its back). The KV cache manager
+        chooses swap or recompute; by swap, its request's other running sequences that this step
+        has not scheduled go with it (they share blocks), except `protect`, the one the room is for."""
+        group = {}
+        if self.kv_cache.has_blocks(seq.seq_id):
+            group = {
+                s.seq_id: s.num_computed
+                for s in self.running
+                if s.request_id == seq.request_id
+                and self.kv_cache.has_blocks(s.seq_id)
+                and s.seq_id not in self._scheduled_ids
+                and (s is seq or s is not protect)
+            }
+        left = set(self.kv_cache.preempt(seq.seq_id, seq.num_computed, group))
+        victims = [s for s in self.running if s.seq_id in left]
         for victim in victims:
             self.running.remove(victim)
             victim.status = Status.WAITING
             victim.num_preemptions += 1
             self.num_preemptions += 1
-        self.pressure.took("preempt", len(victims))
+            if not self.kv_cache.has_blocks(victim.seq_id):
+                victim.forget_cache()  # by recompute: nothing of it is cached any more
         if front:
             self.waiting.extendleft(reversed(victims))
         else:
             self.waiting.extend(victims)
-
-    def swap_victims(self, seq: Sequence, protect: Sequence | None) -> list[Sequence]:
-        """The sequences to swap out with `seq` (its request's running ones that this step has not
-        scheduled, `protect` excepted), or [] to recompute."""
-        manager = self.block_manager
-        if not manager.has_table(seq.seq_id):
-            return []
-        group = [s for s in self.running if s.request_id == seq.request_id and manager.has_table(s.seq_id)
-                 and s.seq_id not in self.scheduled_ids and (s is seq or s is not protect)]
-        swap = self.pressure.preempt_by([s.seq_id for s in group], sum(s.num_computed for s in group)) == "swap"
-        return group if swap else []
 
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a sequence (finished, pruned, aborted): it leaves the queues and its blocks go back."""
@@ -354,32 +291,31 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        if self.block_manager.has_table(seq.seq_id):  # running, or swapped out while waiting
-            self.block_manager.free(seq.seq_id)
+        self.kv_cache.free(seq.seq_id)
         seq.finish(reason, error)
         if reason in ("eos", "length"):
             self.admission.finished(seq)
 
     # ----------------------------------------------------------------- after the forward pass
     def computed(self, schedule: Schedule) -> int:
-        """The step's tokens now have their K/V in the pool: newly full blocks become findable in
-        the prefix cache, and sequences over their budget evict. Returns the entries evicted."""
-        cache, evicted = self.block_manager.prefix_cache, 0
-        evicts = self.evictor is not None and self.pressure.evicts_now()
+        """The step's tokens now have their K/V in the pool; the KV cache manager registers full
+        blocks and keeps budgets. Returns the entries evicted."""
+        evicted = 0
         for item in schedule.sequences:
             seq = item.seq
             seq.num_computed += item.num_tokens
-            if cache and seq.num_evicted == 0:  # once it evicts, its table no longer maps positions to blocks
-                cache.register(seq.seq_id, self.block_manager.table(seq.seq_id), seq.token_ids, seq.num_computed)
-            if evicts:
-                dropped, seq.attention_mass, seq.kv_positions = self.evictor.shrink(
-                    seq.seq_id, seq.num_cached, seq.num_computed, len(seq.prompt_ids), seq.max_len,
-                    seq.attention_mass, seq.kv_positions)
-                seq.num_evicted += dropped
-                evicted += dropped
-        self.pressure.took("evict", evicted)
+            computed_ids = seq.token_ids[: seq.num_computed]
+            dropped = self.kv_cache.computed(
+                seq.seq_id, computed_ids, seq.num_cached, len(seq.prompt_ids), seq.max_len
+            )
+            seq.num_evicted += dropped
+            evicted += dropped
         return evicted
 
     def cached_entries(self) -> dict[int, int]:
         """seq_id -> KV entries it holds now, for every running sequence (memory accounting)."""
         return {seq.seq_id: seq.num_cached for seq in self.running}
+
+
+def _forks_to_come(seq: Sequence) -> int:
+    return seq.params.num_outputs - 1 if not seq.output_ids else 0

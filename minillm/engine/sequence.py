@@ -7,8 +7,8 @@ some now, the rest later", and preemption by recompute is "forget them all" (num
 
 With KV eviction the cache holds fewer entries than tokens computed: `num_evicted` of them were
 dropped, and the next token's K/V go to cache index `num_cached = num_computed - num_evicted`
-while its position (for RoPE) stays `num_computed`. Eviction fills a dropped entry's place with a
-newer one, per layer and KV head, so `kv_positions` says which token each entry holds.
+while its position (for RoPE) stays `num_computed`. Which token each entry holds, and the H2O
+scores, are the KV cache manager's to keep (`memory/kv_cache_manager.py`): a sequence only counts.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 from minillm.sampling import Sampler, SamplingParams
 
@@ -40,9 +38,6 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_evicted: int = 0  # tokens computed whose K/V eviction dropped
-    attention_mass: torch.Tensor | None = None  # H2O: (layers, kv_heads, num_cached) attention received
-    kv_positions: torch.Tensor | None = None  # (layers, kv_heads, num_cached) the token each entry holds, once
-    #                                           eviction has moved entries; None while entry i holds position i
     status: Status = Status.WAITING
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -75,8 +70,11 @@ class Sequence:
 
     def forget_cache(self) -> None:
         """Preemption by recompute: nothing of this sequence is in the cache any more."""
-        self.num_computed = self.num_evicted = 0
-        self.attention_mass = self.kv_positions = None
+        self.restart(0)
+
+    def restart(self, num_computed: int) -> None:
+        """Its cache now holds exactly its first `num_computed` tokens (0, or prefix-cache hits)."""
+        self.num_computed, self.num_evicted = num_computed, 0
 
     def append(self, token_id: int, eos_token_id: int | None) -> str | None:
         """Add a sampled token; return why the sequence must stop now ("eos", "length"), or None.
@@ -92,12 +90,21 @@ class Sequence:
     def fork(self, seq_id: int, sample_index: int) -> "Sequence":
         """A parallel sample: the same tokens so far (its KV blocks are shared, not copied), its
         own sampler."""
-        return Sequence(seq_id, self.request_id, self.prompt_ids, self.params, self.max_len, sample_index,
-                        output_ids=list(self.output_ids), num_computed=self.num_computed,
-                        num_evicted=self.num_evicted, status=self.status, arrival_time=self.arrival_time,
-                        priority=self.priority, arrival_step=self.arrival_step,
-                        attention_mass=None if self.attention_mass is None else self.attention_mass.clone(),
-                        kv_positions=None if self.kv_positions is None else self.kv_positions.clone())
+        return Sequence(
+            seq_id,
+            self.request_id,
+            self.prompt_ids,
+            self.params,
+            self.max_len,
+            sample_index,
+            output_ids=list(self.output_ids),
+            num_computed=self.num_computed,
+            num_evicted=self.num_evicted,
+            status=self.status,
+            arrival_time=self.arrival_time,
+            priority=self.priority,
+            arrival_step=self.arrival_step,
+        )
 
     def finish(self, reason: str, error: str | None = None) -> None:
         """Mark the sequence done (its blocks are the scheduler's to release: `Scheduler.finish`)."""

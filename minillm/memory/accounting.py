@@ -9,7 +9,9 @@
   (always 0 for paging: any free block serves anyone);
 - shared: slots that sharing saved (prefix hits, forks), counted once per extra holder;
 - per tier: slots held in the host pool and on disk (swapped-out sequences), the host pool's
-  size, and the bytes moved so far in each direction ("device->host", "host->device", ...).
+  size, and the bytes moved so far in each direction ("device->host", "host->device", ...);
+- and the whole picture at one moment, read-only (`MemorySnapshot`): every block's state per
+  tier, every sequence's table, the counters, what the prefix cache found.
 Bytes are slots x bytes per token slot (K and V, all layers, scales included once quantized).
 The device numbers above count the device pool only.
 """
@@ -18,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from minillm.memory.block_manager import BlockManager
 from minillm.memory.arena import ContiguousArena
+from minillm.memory.block_manager import BlockManager
 
 
 @dataclass
@@ -44,33 +46,50 @@ class MemoryStats:
         return self.reserved_slots - self.live_slots
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "utilization": self.utilization,
-                "internal_fragmentation_slots": self.internal_fragmentation_slots,
-                "reserved_bytes": self.reserved_slots * self.bytes_per_slot,
-                "live_bytes": self.live_slots * self.bytes_per_slot,
-                "shared_bytes": self.shared_slots * self.bytes_per_slot,
-                "host_reserved_bytes": self.host_reserved_slots * self.bytes_per_slot,
-                "disk_reserved_bytes": self.disk_reserved_slots * self.bytes_per_slot}
+        return {
+            **asdict(self),
+            "utilization": self.utilization,
+            "internal_fragmentation_slots": self.internal_fragmentation_slots,
+            "reserved_bytes": self.reserved_slots * self.bytes_per_slot,
+            "live_bytes": self.live_slots * self.bytes_per_slot,
+            "shared_bytes": self.shared_slots * self.bytes_per_slot,
+            "host_reserved_bytes": self.host_reserved_slots * self.bytes_per_slot,
+            "disk_reserved_bytes": self.disk_reserved_slots * self.bytes_per_slot,
+        }
 
 
-def paged_stats(manager: BlockManager, live_tokens: dict[int, int], bytes_per_slot: int,
-                bytes_moved: dict[str, int] | None = None) -> MemoryStats:
+def paged_stats(
+    manager: BlockManager,
+    live_tokens: dict[int, int],
+    bytes_per_slot: int,
+    bytes_moved: dict[str, int] | None = None,
+) -> MemoryStats:
     """live_tokens: seq_id -> tokens whose KV is stored in the device pool now."""
     size = manager.block_size
     reserved_blocks = manager.num_blocks - manager.num_free_blocks
-    return MemoryStats(total_slots=manager.num_blocks * size, reserved_slots=reserved_blocks * size,
-                       live_slots=sum(live_tokens.values()), external_fragmentation_slots=0,
-                       bytes_per_slot=bytes_per_slot, shared_slots=manager.shared_device_blocks() * size,
-                       host_total_slots=manager.num_host_blocks * size,
-                       host_reserved_slots=manager.blocks_in_use("host") * size,
-                       disk_reserved_slots=manager.blocks_in_use("disk") * size, bytes_moved=dict(bytes_moved or {}))
+    return MemoryStats(
+        total_slots=manager.num_blocks * size,
+        reserved_slots=reserved_blocks * size,
+        live_slots=sum(live_tokens.values()),
+        external_fragmentation_slots=0,
+        bytes_per_slot=bytes_per_slot,
+        shared_slots=manager.shared_device_blocks() * size,
+        host_total_slots=manager.num_host_blocks * size,
+        host_reserved_slots=manager.blocks_in_use("host") * size,
+        disk_reserved_slots=manager.blocks_in_use("disk") * size,
+        bytes_moved=dict(bytes_moved or {}),
+    )
 
 
 def arena_stats(arena: ContiguousArena, live_tokens: dict[int, int], bytes_per_slot: int) -> MemoryStats:
     free = arena.num_free_slots
-    return MemoryStats(total_slots=arena.num_slots, reserved_slots=arena.num_slots - free,
-                       live_slots=sum(live_tokens.values()),
-                       external_fragmentation_slots=free - arena.largest_hole, bytes_per_slot=bytes_per_slot)
+    return MemoryStats(
+        total_slots=arena.num_slots,
+        reserved_slots=arena.num_slots - free,
+        live_slots=sum(live_tokens.values()),
+        external_fragmentation_slots=free - arena.largest_hole,
+        bytes_per_slot=bytes_per_slot,
+    )
 
 
 @dataclass(frozen=True)
@@ -104,7 +123,9 @@ class MemorySnapshot:
     staged_bytes: int  # keys of filling blocks kept in full precision (quantized pools)
     blocks: dict[str, tuple[str, ...]]  # tier -> every block's state
     stats: MemoryStats  # reserved, live, shared, per tier, bytes moved
-    sequences: tuple[SequenceView, ...]  # running ones first (oldest first), then the waiting ones in queue order
+    sequences: tuple[
+        SequenceView, ...
+    ]  # running ones first (oldest first), then the waiting ones in queue order
     counters: dict[str, int]  # preemptions, swapped_out, swapped_in, prefetched, recomputed_tokens,
     #   copy_on_write, spilled, spill_hits, reclaimed: totals since the engine started
     prefix_cache: dict | None  # PrefixCache.stats() (with "hit_rate"), None without a prefix cache
@@ -139,3 +160,57 @@ class MemorySnapshot:
 
     def waiting(self) -> list[SequenceView]:
         return [seq for seq in self.sequences if seq.status == "waiting"]
+
+
+def block_states(manager: BlockManager, pool) -> dict[str, list[str]]:
+    """Every block's state per tier the manager has (`BlockManager.block_state`), and "filling" for a
+    private device block of a quantized pool whose keys still wait in full precision (in the first
+    layer; every layer stages the same blocks)."""
+    tiers = ["device"] + ["host"] * bool(manager.num_host_blocks) + ["disk"] * manager.disk
+    states = {tier: manager.block_states(tier) for tier in tiers}
+    for block in pool.staged_blocks(0):
+        if states["device"][block] == "private":
+            states["device"][block] = "filling"
+    return states
+
+
+def take_snapshot(
+    manager: BlockManager,
+    tiers,
+    sequences: list[tuple],
+    counters: dict[str, int],
+    preemption: str,
+    prefill_rate: float | None,
+) -> MemorySnapshot:
+    """The `MemorySnapshot` of a block manager and its tiers (`TieredKV`: the device pool first).
+    `sequences`: (seq_id, request_id, status, num_computed, num_cached, max_len) of each unfinished one."""
+    pool, cache = tiers.device, manager.prefix_cache
+    views = tuple(
+        SequenceView(*seq, tuple(manager.table(seq[0])) if manager.has_table(seq[0]) else ())
+        for seq in sequences
+    )
+    live = {view.seq_id: view.num_cached for view in views if view.status == "running"}
+    counters = {
+        **counters,
+        "copy_on_write": manager.num_copies,
+        "spilled": manager.num_spilled,
+        "spill_hits": manager.num_spill_hits,
+        "reclaimed": manager.num_reclaimed,
+    }
+    rates = {tier: rate for tier in ("host", "disk") if (rate := tiers.copy_rate(tier)) is not None}
+    return MemorySnapshot(
+        block_size=manager.block_size,
+        bytes_per_token=pool.bytes_per_slot,
+        pool_bytes=pool.nbytes,
+        staged_bytes=pool.staged_bytes,
+        blocks={t: tuple(s) for t, s in block_states(manager, pool).items()},
+        stats=paged_stats(manager, live, pool.bytes_per_slot, tiers.moved()),
+        sequences=views,
+        counters=counters,
+        prefix_cache={**cache.stats(), "hit_rate": cache.hit_rate} if cache else None,
+        preemption=preemption,
+        prefetch_seconds=tiers.prefetch_seconds,
+        prefetch_waited=tiers.prefetch_waited,
+        copy_rates=rates,
+        prefill_rate=prefill_rate,
+    )

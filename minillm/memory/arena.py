@@ -48,8 +48,10 @@ class ContiguousArena:
             if hole >= length:
                 self.reservations[seq_id] = (start, length)
                 return start
-        raise MemoryError(f"no contiguous stretch of {length} slots "
-                          f"({self.num_free_slots} free in total, largest hole {self.largest_hole})")
+        raise MemoryError(
+            f"no contiguous stretch of {length} slots "
+            f"({self.num_free_slots} free in total, largest hole {self.largest_hole})"
+        )
 
     def free(self, seq_id: int) -> None:
         del self.reservations[seq_id]

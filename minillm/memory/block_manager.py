@@ -30,9 +30,9 @@ Invariants, checked by `check_invariants` and the property tests, in every tier:
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from itertools import count
+from collections import Counter
 
+from minillm.memory.free_blocks import FreeBlocks
 from minillm.memory.prefix_cache import PrefixCache
 
 
@@ -41,21 +41,26 @@ class BlockManagerError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = False, host_blocks: int = 0,
-                 disk: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_caching: bool = False,
+        host_blocks: int = 0,
+        disk: bool = False,
+    ):
         if num_blocks < 1 or block_size < 1 or host_blocks < 0:
-            raise ValueError(f"num_blocks and block_size must be >= 1 and host_blocks >= 0 "
-                             f"(got {num_blocks}, {block_size}, {host_blocks}).")
+            raise ValueError(
+                f"num_blocks and block_size must be >= 1 and host_blocks >= 0 "
+                f"(got {num_blocks}, {block_size}, {host_blocks})."
+            )
         self.num_blocks = num_blocks  # device blocks
         self.num_host_blocks = host_blocks
         self.block_size = block_size
         self.disk = disk
-        # each tier's free blocks, least recently freed first; OrderedDicts so a prefix hit can take
-        # a block out of the middle. Disk blocks are files, numbered as needed.
-        self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.free_host: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks, num_blocks + host_blocks))
-        self.free_disk: list[int] = []
-        self.new_disk_ids = count(num_blocks + host_blocks)
+        self._free = FreeBlocks(
+            num_blocks, host_blocks
+        )  # each tier's free blocks, and which tier an id is in
         self.refcounts: Counter[int] = Counter()
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> block ids
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
@@ -64,16 +69,15 @@ class BlockManager:
         self.num_spilled = 0  # cached prefix blocks moved to the host tier instead of dropped
         self.num_spill_hits = 0  # ...and found there again by a later prompt
         self.num_reclaimed = 0  # cached device blocks nobody held, taken for new content (spilled or dropped)
+        self._reclaimed_since = 0  # ...since the last `take_reclaimed`
 
     # ---------------------------------------------------------------- counting
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return self._free.count("device")
 
     def tier(self, block: int) -> str:
-        if block < self.num_blocks:
-            return "device"
-        return "host" if block < self.num_blocks + self.num_host_blocks else "disk"
+        return self._free.tier(block)
 
     def refcount(self, block: int) -> int:
         return self.refcounts[block]
@@ -92,107 +96,103 @@ class BlockManager:
     def shared_blocks(self, seq_id: int, start: int, end: int) -> list[int]:
         """Indices in the table of blocks that positions start..end-1 would write and others hold."""
         table = self.block_tables.get(seq_id, [])
-        return [i for i in range(start // self.block_size, min(len(table), self.blocks_for(end)))
-                if self.refcounts[table[i]] > 1]
+        return [
+            i
+            for i in range(start // self.block_size, min(len(table), self.blocks_for(end)))
+            if self.refcounts[table[i]] > 1
+        ]
 
     def can_grow(self, seq_id: int, num_tokens: int, adopting: list[int] = (), copies: int = 0) -> bool:
         """Room for `num_tokens` tokens and `copies` copy-on-write blocks, after taking over the
         cached blocks `adopting` (those waiting in the free pool stop being free; those spilled to
         the host tier need a device block to come back to)."""
         missing = self.blocks_missing(seq_id, num_tokens) - len(adopting) + copies
-        reclaimed = sum(1 for block in adopting if self.refcounts[block] == 0 and self.tier(block) == "device")
+        reclaimed = sum(
+            1 for block in adopting if self.refcounts[block] == 0 and self.tier(block) == "device"
+        )
         returning = sum(1 for block in adopting if self.tier(block) != "device")
         return missing + returning <= self.num_free_blocks - reclaimed
 
     def shared_device_blocks(self) -> int:
         """Device blocks saved by sharing: a block held by k tables counts k - 1 times."""
-        return sum(held - 1 for block, held in self.refcounts.items() if held > 1 and self.tier(block) == "device")
+        return sum(
+            held - 1 for block, held in self.refcounts.items() if held > 1 and self.tier(block) == "device"
+        )
 
     def blocks_in_use(self, tier: str) -> int:
         return sum(1 for block, held in self.refcounts.items() if held and self.tier(block) == tier)
 
     # ---------------------------------------------------------------- taking and releasing blocks
-    def take_free_block(self) -> int:
+    def _take_free_block(self) -> int:
         """A device block for new content: the least recently freed one. If it still holds a cached
         prefix block, that block moves to the host tier (spill) when there is one, else is dropped."""
-        block, _ = self.free_blocks.popitem(last=False)
+        block = self._free.take("device")
         if self.prefix_cache and block in self.prefix_cache.entries:
             self.num_reclaimed += 1
-            self.spill(block)
+            self._reclaimed_since += 1
+            self._spill(block)
             self.prefix_cache.evict(block)  # no-op once spilled: its content is about to be overwritten
         self.refcounts[block] = 1
         return block
 
-    def spill(self, block: int) -> None:
+    def _spill(self, block: int) -> None:
         """Keep a cached block that leaves the device in the host tier (LRU there too), as
         SGLang's HiCache does: a later prompt that needs it copies it back instead of recomputing."""
-        if not self.free_host:
+        if not self._free.count("host"):
             return
-        host = self.take_block("host")  # may drop the least recently used spilled block (and its children)
+        host = self._take_block("host")  # may drop the least recently used spilled block (and its children)
         if block in self.prefix_cache.entries:
             self.copies.append((block, host))
             self.prefix_cache.move(block, host)
             self.num_spilled += 1
-        self.drop(host)  # a spilled block is held by no table: free, but findable
+        self._drop(host)  # a spilled block is held by no table: free, but findable
 
-    def take_block(self, tier: str) -> int:
+    def _take_block(self, tier: str) -> int:
         if tier == "device":
-            return self.take_free_block()
-        if tier == "host":
-            block, _ = self.free_host.popitem(last=False)
-            if self.prefix_cache:
-                self.prefix_cache.evict(block)
-        else:
-            block = self.free_disk.pop() if self.free_disk else next(self.new_disk_ids)
+            return self._take_free_block()
+        block = self._free.take(tier)
+        if tier == "host" and self.prefix_cache:
+            self.prefix_cache.evict(block)  # the least recently used spilled block (and its children)
         self.refcounts[block] = 1
         return block
 
-    def drop(self, block: int, holders: int = 1) -> None:
+    def _drop(self, block: int, holders: int = 1) -> None:
         """`holders` tables let go of the block; at refcount 0 it returns to its tier's free blocks
         (most recently freed last; a cached block keeps its prefix-cache entry)."""
         self.refcounts[block] -= holders
         if self.refcounts[block] == 0:
             del self.refcounts[block]
-            tier = self.tier(block)
-            if tier == "disk":
-                self.free_disk.append(block)
-            else:
-                (self.free_blocks if tier == "device" else self.free_host)[block] = None
+            self._free.give_back(block)
 
     # ---------------------------------------------------------------- changing tables
     def grow(self, seq_id: int, num_tokens: int) -> None:
         """Make the sequence's table (created if new) long enough for `num_tokens` tokens."""
         missing = self.blocks_missing(seq_id, num_tokens)
         if missing > self.num_free_blocks:
-            raise BlockManagerError(f"sequence {seq_id} needs {missing} blocks, {self.num_free_blocks} are free; "
-                                    "check can_grow first")
+            raise BlockManagerError(
+                f"sequence {seq_id} needs {missing} blocks, {self.num_free_blocks} are free; "
+                "check can_grow first"
+            )
         table = self.block_tables.setdefault(seq_id, [])
         for _ in range(missing):
-            table.append(self.take_free_block())
+            table.append(self._take_free_block())
 
     def copy_on_write(self, seq_id: int, start: int, end: int) -> None:
         """Give the sequence private copies of the shared blocks positions start..end-1 will
-        write; the copies join `copies`."""
-        pairs = self.unshare(seq_id, start, end)
-        self.copies += pairs
-        self.num_copies += len(pairs)
-
-    def unshare(self, seq_id: int, start: int, end: int) -> list[tuple[int, int]]:
-        """Give the sequence private blocks in place of the shared ones positions start..end-1
-        would write. Returns (shared, private) pairs; their data is the caller's to fill."""
-        table, pairs = self.table(seq_id), []
+        write; each (shared, private) pair joins `copies`, to be performed before the write."""
+        table = self.table(seq_id)
         for index in self.shared_blocks(seq_id, start, end):
             shared = table[index]
-            if len(self.free_blocks) == 0:
+            if self.num_free_blocks == 0:
                 raise BlockManagerError(f"no free block to copy block {shared} into; check can_grow first")
-            self.drop(shared)
-            table[index] = self.take_free_block()
-            pairs.append((shared, table[index]))
-        return pairs
+            self._drop(shared)
+            table[index] = self._take_free_block()
+            self.copies.append((shared, table[index]))
+            self.num_copies += 1
 
     def forget_cached(self, seq_id: int, start: int, end: int) -> None:
         """Positions start..end-1 are about to be rewritten with other entries (eviction), in
-        blocks this table alone holds (`unshare` first): the prefix cache forgets those blocks, and
+        blocks this table alone holds (`copy_on_write` first): the prefix cache forgets those blocks, and
         their descendants, so it never hands their new content out as the old."""
         if self.prefix_cache is None:
             return
@@ -208,21 +208,22 @@ class BlockManager:
             raise BlockManagerError(f"sequence {seq_id} already has a block table")
         for block in blocks:
             if self.tier(block) != "device":
-                del self.free_host[block]  # in use while it is read
+                self._free.take_out(block)  # in use while it is read
                 continue
             if self.refcounts[block] == 0:
-                del self.free_blocks[block]
+                self._free.take_out(block)
             self.refcounts[block] += 1
-        self.block_tables[seq_id] = [block if self.tier(block) == "device" else self.bring_back(block)
-                                     for block in blocks]
+        self.block_tables[seq_id] = [
+            block if self.tier(block) == "device" else self._bring_back(block) for block in blocks
+        ]
 
-    def bring_back(self, host: int) -> int:
+    def _bring_back(self, host: int) -> int:
         """A spilled prefix block (taken out of the host free list) returns to a device block,
         held by one table: the caller's."""
-        block = self.take_free_block()
+        block = self._take_free_block()
         self.copies.append((host, block))
         self.prefix_cache.move(host, block)
-        self.free_host[host] = None
+        self._free.give_back(host)
         self.num_spill_hits += 1
         return block
 
@@ -238,14 +239,14 @@ class BlockManager:
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the blocks holding the first `num_tokens` entries (eviction shrank the sequence)."""
         table = self.table(seq_id)
-        for block in table[self.blocks_for(num_tokens):]:
-            self.drop(block)
-        del table[self.blocks_for(num_tokens):]
+        for block in table[self.blocks_for(num_tokens) :]:
+            self._drop(block)
+        del table[self.blocks_for(num_tokens) :]
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's table, in whatever tiers it lies; blocks nobody else holds are free."""
         for block in self.table(seq_id):
-            self.drop(block)
+            self._drop(block)
         del self.block_tables[seq_id]
         if self.prefix_cache:
             self.prefix_cache.forget_sequence(seq_id)
@@ -253,36 +254,44 @@ class BlockManager:
     # ---------------------------------------------------------------- moving between tiers
     def held_off_device(self, seq_ids: list[int]) -> Counter[int]:
         """Blocks of these tables outside the device pool -> how many of the tables hold each."""
-        return Counter(block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) != "device")
+        return Counter(
+            block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) != "device"
+        )
 
     def is_swapped(self, seq_id: int) -> bool:
         """Does the sequence hold a block outside the device pool? (Asked for every sequence every step:
         without tiers the answer needs no look at its table.)"""
         if not self.num_host_blocks and not self.disk:
             return False
-        return seq_id in self.block_tables and any(self.tier(b) != "device" for b in self.block_tables[seq_id])
+        return seq_id in self.block_tables and any(
+            self.tier(b) != "device" for b in self.block_tables[seq_id]
+        )
 
     def swap_out_tier(self, num_blocks: int) -> str:
         """Where `num_blocks` swapped-out blocks would go: host while it has room, else disk."""
-        return "host" if num_blocks <= len(self.free_host) else "disk"
+        return "host" if num_blocks <= self._free.count("host") else "disk"
 
     def can_swap_out(self, seq_ids: list[int]) -> bool:
-        on_device = {block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) == "device"}
-        return self.disk or len(on_device) <= len(self.free_host)
+        on_device = {
+            block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) == "device"
+        }
+        return self.disk or len(on_device) <= self._free.count("host")
 
     def swap_out(self, seq_ids: list[int]) -> None:
         """Move the device blocks of these tables to the host tier (to disk once it is full). A
         block held only by these tables moves, and its device block is freed; a block that other
         tables hold too (a shared prefix) is copied, and stays on the device for them."""
-        held = Counter(block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) == "device")
+        held = Counter(
+            block for seq_id in seq_ids for block in self.table(seq_id) if self.tier(block) == "device"
+        )
         moved = {}
         for block, holders in held.items():
-            moved[block] = self.take_block("host" if self.free_host else "disk")
+            moved[block] = self._take_block("host" if self._free.count("host") else "disk")
             self.copies.append((block, moved[block]))
             self.refcounts[moved[block]] = holders
-            self.drop(block, holders)
+            self._drop(block, holders)
         for seq_id in seq_ids:
-            self.repoint(self.block_tables[seq_id], moved)
+            self._repoint(self.block_tables[seq_id], moved)
 
     def can_swap_in(self, seq_ids: list[int], extra: int = 0) -> bool:
         return len(self.held_off_device(seq_ids)) + extra <= self.num_free_blocks
@@ -292,21 +301,26 @@ class BlockManager:
         holds such a block (a sibling still swapped out) follows it, so it stays shared."""
         moved = {}
         for block in self.held_off_device(seq_ids):
-            moved[block] = self.take_free_block()
+            moved[block] = self._take_free_block()
             self.copies.append((block, moved[block]))
             self.refcounts[moved[block]] = self.refcounts[block]
-            self.drop(block, self.refcounts[block])
+            self._drop(block, self.refcounts[block])
         for table in self.block_tables.values():
-            self.repoint(table, moved)
+            self._repoint(table, moved)
 
     @staticmethod
-    def repoint(table: list[int], moved: dict[int, int]) -> None:
+    def _repoint(table: list[int], moved: dict[int, int]) -> None:
         table[:] = [moved.get(block, block) for block in table]
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copies decided since the last call, in order; they are the caller's to perform."""
         copies, self.copies = self.copies, []
         return copies
+
+    def take_reclaimed(self) -> int:
+        """Cached blocks reclaimed since the last call (the pressure ladder's first rung)."""
+        reclaimed, self._reclaimed_since = self._reclaimed_since, 0
+        return reclaimed
 
     # ---------------------------------------------------------------- reading
     def has_table(self, seq_id: int) -> bool:
@@ -328,14 +342,20 @@ class BlockManager:
         table = self.table(seq_id)
         for index in range(start // self.block_size, self.blocks_for(end)):
             if self.refcounts[table[index]] > 1:
-                raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, "
-                                        f"shared by {self.refcounts[table[index]]} tables; copy it first")
+                raise BlockManagerError(
+                    f"sequence {seq_id} would write into block {table[index]}, "
+                    f"shared by {self.refcounts[table[index]]} tables; copy it first"
+                )
             if self.prefix_cache and self.prefix_cache.holds(table[index]):
-                raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, which the "
-                                        "prefix cache holds for later requests; forget it first")
+                raise BlockManagerError(
+                    f"sequence {seq_id} would write into block {table[index]}, which the "
+                    "prefix cache holds for later requests; forget it first"
+                )
             if self.tier(table[index]) != "device":
-                raise BlockManagerError(f"sequence {seq_id} would write into block {table[index]}, which is in "
-                                        f"the {self.tier(table[index])} tier; swap it in first")
+                raise BlockManagerError(
+                    f"sequence {seq_id} would write into block {table[index]}, which is in "
+                    f"the {self.tier(table[index])} tier; swap it in first"
+                )
 
     def block_state(self, block: int) -> str:
         """What a block holds, for pictures of the pool: "free"; "cached" (free, but its content is
@@ -350,16 +370,22 @@ class BlockManager:
         """`block_state` of every block of a tier, by id: the whole device or host pool, or the
         disk's block files in use."""
         if tier == "disk":
-            ids = sorted(block for block, held in self.refcounts.items() if held and self.tier(block) == "disk")
+            ids = sorted(
+                block for block, held in self.refcounts.items() if held and self.tier(block) == "disk"
+            )
         else:
-            first, size = (0, self.num_blocks) if tier == "device" else (self.num_blocks, self.num_host_blocks)
-            ids = range(first, first + size)
+            ids = self._free.ids(tier)
         return [self.block_state(block) for block in ids]
 
     def check_invariants(self) -> None:
         holders = Counter(block for table in self.block_tables.values() for block in table)
-        free = set(self.free_blocks) | set(self.free_host) | set(self.free_disk)
-        assert len(free) == len(self.free_blocks) + len(self.free_host) + len(self.free_disk), "a block freed twice"
-        for block in set(range(self.num_blocks + self.num_host_blocks)) | set(holders) | set(self.refcounts) | free:
+        listed = self._free.listed()
+        free = set(listed)
+        assert len(free) == len(listed), "a block freed twice"
+        for block in (
+            set(range(self.num_blocks + self.num_host_blocks)) | set(holders) | set(self.refcounts) | free
+        ):
             assert self.refcounts[block] == holders[block], f"block {block}: refcount != tables holding it"
-            assert (self.refcounts[block] == 0) == (block in free), f"block {block}: free iff refcount 0 broken"
+            assert (self.refcounts[block] == 0) == (block in free), (
+                f"block {block}: free iff refcount 0 broken"
+            )

@@ -77,6 +77,7 @@ what a request is.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -93,8 +94,15 @@ def budget_for(kv_budget: int | float, max_len: int) -> int:
     return kv_budget
 
 
-def kept_entries(policy: str, length: int, keep: int, num_layers: int, num_kv_heads: int,
-                 mass: torch.Tensor | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+def kept_entries(
+    policy: str,
+    length: int,
+    keep: int,
+    num_layers: int,
+    num_kv_heads: int,
+    mass: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Which of `length` cache entries to keep: (num_layers, num_kv_heads, keep) indices, in
     increasing order, into each head's entries oldest first. `mass` (num_layers, num_kv_heads,
     length) is H2O's accumulated attention; `positions` (same shape), where the cache knows them,
@@ -110,7 +118,9 @@ def kept_entries(policy: str, length: int, keep: int, num_layers: int, num_kv_he
     if policy == "h2o":
         recent = keep // 2  # H2O's split: half the budget recent, half heavy hitters
         older = length - recent  # the candidates for heavy hitters: entries 0..older-1
-        seen = queries_seen(length, positions, mass.device)[..., :older]  # (layers or 1, kv_heads or 1, older)
+        seen = queries_seen(length, positions, mass.device)[
+            ..., :older
+        ]  # (layers or 1, kv_heads or 1, older)
         mean_mass = mass[..., :older] / seen  # attention per query that saw the entry, not its age
         heavy = mean_mass.topk(keep - recent, dim=-1).indices.sort(dim=-1).values
         window = torch.arange(older, length, device=mass.device).expand(num_layers, num_kv_heads, recent)
@@ -129,8 +139,9 @@ def queries_seen(length: int, positions: torch.Tensor | None, device) -> torch.T
     return torch.arange(length, 0, -1, device=device, dtype=torch.float32).view(1, 1, length)
 
 
-def grow_attention_mass(mass: torch.Tensor | None, length: int, num_layers: int, num_kv_heads: int,
-                        device) -> torch.Tensor:
+def grow_attention_mass(
+    mass: torch.Tensor | None, length: int, num_layers: int, num_kv_heads: int, device
+) -> torch.Tensor:
     """An H2O accumulator (layers, kv_heads, entries so far), extended with zeros to `length` entries."""
     if mass is None:
         mass = torch.zeros(num_layers, num_kv_heads, 0, device=device)
@@ -139,18 +150,56 @@ def grow_attention_mass(mass: torch.Tensor | None, length: int, num_layers: int,
     return mass
 
 
+@dataclass
+class _SequenceState:
+    """One sequence's H2O scores and entry positions, (layers, kv_heads, entries) each, or None."""
+
+    mass: torch.Tensor | None = None
+    positions: torch.Tensor | None = None  # None while entry i holds position i
+
+    def copy(self) -> _SequenceState:
+        return _SequenceState(*(None if t is None else t.clone() for t in (self.mass, self.positions)))
+
+
 class Evictor:
-    """Keeps every sequence within its KV budget, in the pool and in the block manager.
+    """Keeps every sequence within its KV budget, in the pool and in the block manager, and is the
+    one owner of each sequence's eviction state: its H2O scores (attention adds to them) and the
+    token each entry holds. It works on plain values (a sequence id, its number of cache entries,
+    its length limit); the KV cache manager tells it about a sequence after each step."""
 
-    It works on plain values (a sequence id, its number of cache entries, its length limit, its
-    H2O scores); the engine tells it about a sequence after each step."""
-
-    def __init__(self, policy: str, kv_budget: int | float, pool, manager: BlockManager, num_layers: int,
-                 num_kv_heads: int):
+    def __init__(
+        self, policy: str, kv_budget: int | float, tiers, manager: BlockManager, layers: int, heads: int
+    ):
         self.policy, self.kv_budget = policy, kv_budget
-        self.pool, self.manager = pool, manager
-        self.num_layers, self.num_kv_heads = num_layers, num_kv_heads
+        self.tiers, self.pool, self.manager = tiers, tiers.device, manager
+        self.num_layers, self.num_kv_heads = layers, heads
+        self._states: dict[int, _SequenceState] = {}
 
+    # ---------------------------------------------------------------- each sequence's state
+    def attention_mass(self, seq_id: int, num_entries: int | None = None) -> torch.Tensor | None:
+        """H2O: the sequence's accumulator (layers, kv_heads, entries), grown with zeros to
+        `num_entries`; attention adds the attention each entry receives to it. None unless H2O."""
+        if self.policy != "h2o":
+            return None
+        state = self._states.setdefault(seq_id, _SequenceState())
+        if num_entries is not None:
+            shape = (self.num_layers, self.num_kv_heads)
+            state.mass = grow_attention_mass(state.mass, num_entries, *shape, self.pool.device)
+        return state.mass
+
+    def positions(self, seq_id: int) -> torch.Tensor | None:
+        """(layers, kv_heads, entries) the token each entry holds, once entries moved; else None."""
+        state = self._states.get(seq_id)
+        return state.positions if state else None
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        if parent_id in self._states:
+            self._states[child_id] = self._states[parent_id].copy()
+
+    def forget(self, seq_id: int) -> None:
+        self._states.pop(seq_id, None)
+
+    # ---------------------------------------------------------------- budgets
     def budget(self, max_len: int) -> int:
         """Private entries a sequence of at most `max_len` tokens may keep."""
         return budget_for(self.kv_budget, max_len)
@@ -165,42 +214,48 @@ class Evictor:
         """Entries a sequence holds at most after a step: its protected prefix and its budget."""
         return self.protected(prompt_len) + self.budget(max_len)
 
-    def shrink(self, seq_id: int, num_cached: int, num_computed: int, prompt_len: int, max_len: int,
-               mass: torch.Tensor | None, positions: torch.Tensor | None
-               ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
-        """Drop the sequence's least needed private entries down to its budget. `mass` and
-        `positions` (layers, kv_heads, entries) are each entry's H2O score and token position
-        (positions None: entry i holds position i, as before any eviction). Returns (entries
-        dropped, the scores and positions of the entries held after): nothing is dropped within
-        budget, or when a shared block must be copied and no block is free (the engine tries
-        again next step)."""
+    def shrink(self, seq_id: int, num_cached: int, num_computed: int, prompt_len: int, max_len: int) -> int:
+        """Drop the sequence's least needed private entries down to its budget; return how many.
+        Nothing is dropped within budget, or when a shared block must be copied and no block is
+        free (the engine tries again next step)."""
         protected, keep = self.protected(prompt_len), self.budget(max_len)
         private = num_cached - protected  # entries eviction may choose among
         if private <= keep:
-            return 0, mass, positions
-        positions = entry_positions(positions, num_cached, num_computed, self.num_layers, self.num_kv_heads,
-                                    self.pool.device)
-        oldest_first = positions[..., protected:].argsort(dim=-1)  # (layers, kv_heads, private) private indices
-        private_positions = positions[..., protected:].gather(-1, oldest_first)  # (layers, kv_heads, private)
-        private_mass = None if mass is None else mass[..., protected:].gather(-1, oldest_first.to(mass.device))
-        chosen = kept_entries(self.policy, private, keep, self.num_layers, self.num_kv_heads, private_mass,
-                              None if mass is None else private_positions.to(mass.device))
-        kept = oldest_first.gather(-1, chosen.to(oldest_first.device))  # (layers, kv_heads, keep) private indices
+            return 0
+        state = self._states.setdefault(seq_id, _SequenceState())
+        mass, shape = state.mass, (self.num_layers, self.num_kv_heads)
+        positions = entry_positions(state.positions, num_cached, num_computed, *shape, self.pool.device)
+        # (layers, kv_heads, private): private entries' indices, oldest first, and their positions
+        oldest_first = positions[..., protected:].argsort(dim=-1)
+        private_positions = positions[..., protected:].gather(-1, oldest_first)
+        private_mass = (
+            None if mass is None else mass[..., protected:].gather(-1, oldest_first.to(mass.device))
+        )
+        mass_positions = None if mass is None else private_positions.to(mass.device)
+        chosen = kept_entries(self.policy, private, keep, *shape, private_mass, mass_positions)
+        kept = oldest_first.gather(-1, chosen.to(oldest_first.device))  # (layers, kv_heads, keep)
         layers, heads, holes, newcomers = fill_plan(kept, keep, private)
         holes, newcomers = holes + protected, newcomers + protected  # cache indices
-        if not self.move(seq_id, protected + keep, layers, heads, newcomers, holes):
-            return 0, mass, positions
         end = protected + keep
+        if not self.move(seq_id, end, layers, heads, newcomers, holes):
+            return 0
         positions[layers, heads, holes] = positions[layers, heads, newcomers]
-        positions = positions[..., :end].contiguous()
+        state.positions = positions[..., :end].contiguous()
         if mass is not None:
             on_mass = [index.to(mass.device) for index in (layers, heads, holes, newcomers)]
             mass[on_mass[0], on_mass[1], on_mass[2]] = mass[on_mass[0], on_mass[1], on_mass[3]]
-            mass = mass[..., :end].contiguous()
-        return private - keep, mass, positions
+            state.mass = mass[..., :end].contiguous()
+        return private - keep
 
-    def move(self, seq_id: int, end: int, layers: torch.Tensor, heads: torch.Tensor, sources: torch.Tensor,
-             destinations: torch.Tensor) -> bool:
+    def move(
+        self,
+        seq_id: int,
+        end: int,
+        layers: torch.Tensor,
+        heads: torch.Tensor,
+        sources: torch.Tensor,
+        destinations: torch.Tensor,
+    ) -> bool:
         """Cut the sequence's cache back to `end` entries, entry `sources[i]` of head `heads[i]`
         of layer `layers[i]` first taking the place of `destinations[i]` (cache indices, all below
         `end`). The blocks written are copied first if shared and forgotten by the prefix cache;
@@ -210,15 +265,17 @@ class Evictor:
         if end % size:
             written.add(end // size)  # the block cut back into: the next tokens write its later slots
         written = sorted(written)
-        if sum(len(manager.shared_blocks(seq_id, block * size, (block + 1) * size)) for block in written) \
-                > manager.num_free_blocks:
+        if (
+            sum(len(manager.shared_blocks(seq_id, block * size, (block + 1) * size)) for block in written)
+            > manager.num_free_blocks
+        ):
             return False
         for block in written:
             start, stop = block * size, (block + 1) * size
-            for shared, private in manager.unshare(seq_id, start, stop):
-                self.pool.write_block(private, self.pool.read_block(shared))  # a copy: only some entries change
+            manager.copy_on_write(seq_id, start, stop)  # a copy: only some of its entries change
             manager.forget_cached(seq_id, start, stop)
             manager.check_writable(seq_id, start, stop)
+        self.tiers.copy(manager.take_copies())  # the copies land before any entry moves
         table = torch.tensor(manager.table(seq_id), device=self.pool.device)
         if end % size:
             self.pool.restage_block(int(table[end // size]))
@@ -229,8 +286,14 @@ class Evictor:
         return True
 
 
-def entry_positions(positions: torch.Tensor | None, num_cached: int, num_computed: int, num_layers: int,
-                    num_kv_heads: int, device) -> torch.Tensor:
+def entry_positions(
+    positions: torch.Tensor | None,
+    num_cached: int,
+    num_computed: int,
+    num_layers: int,
+    num_kv_heads: int,
+    device,
+) -> torch.Tensor:
     """Each of the `num_cached` entries' token position, per layer and KV head: (layers, kv_heads,
     num_cached). Entries added since `positions` was made were appended in order, and the last
     holds position num_computed - 1."""

@@ -24,9 +24,9 @@ copied to another pool, or saved to a file, comes back bit for bit.
 A decode kernel skips `read` and reads a layer where it lies: `pool.layer(layer)` is a `KVLayer`
 of the stored tensors (numbers, scales, staged keys), dequantized in the kernel's registers.
 
-Two pools keep that contract: `PagedKVPool` stores the numbers in the model's dtype;
-`QuantizedKVPool` stores int8 / int4 / fp8 numbers with their scales beside them
-(`quantization.py`), so attention never knows how the numbers are stored.
+Two pools keep that contract: `PagedKVPool` (here) stores the numbers in the model's dtype;
+`QuantizedKVPool` (`quantized_pool.py`) stores int8 / int4 / fp8 numbers with their scales beside
+them (`quantization.py`), so attention never knows how the numbers are stored.
 
 `make_pool` sizes a pool from a byte budget: bytes per slot (K and V, every layer, scales
 included) × block_size is one block's cost, and the budget buys that many whole blocks.
@@ -35,69 +35,79 @@ included) × block_size is one block's cost, and the budget buys that many whole
 from __future__ import annotations
 
 import math
-import threading
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from minillm.config import ConfigError, ModelConfig
-from minillm.memory.quantization import (FORMATS, KVFormat, SCALE_DTYPE, bytes_per_token, dequantize, quantize,
-                                        quantize_onto)
+from minillm.memory.quantization import FORMATS, KVLayer, bytes_per_token
+from minillm.memory.quantized_pool import QuantizedKVPool
 
 
-def bytes_per_slot(config: ModelConfig, kv_dtype: str, key_scales: str, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_slot(
+    config: ModelConfig, kv_dtype: str, key_scales: str, block_size: int, dtype: torch.dtype
+) -> int:
     """KV bytes one token slot costs: the model's dtype ("auto"), or a quantized format with its scales."""
     if kv_dtype == "auto":
         return config.kv_bytes_per_token(dtype)
     fmt = FORMATS[kv_dtype]
     if config.head_dim % fmt.values_per_byte:
-        raise ConfigError(f"kv_dtype={kv_dtype!r} packs two numbers per byte and needs an even head_dim "
-                          f"(this model has {config.head_dim}); use int8 or fp8.")
+        raise ConfigError(
+            f"kv_dtype={kv_dtype!r} packs two numbers per byte and needs an even head_dim "
+            f"(this model has {config.head_dim}); use int8 or fp8."
+        )
     return math.ceil(bytes_per_token(config, fmt, key_scales, block_size))
 
 
-def make_pool(config: ModelConfig, kv_cache_bytes: int, block_size: int, kv_dtype: str, key_scales: str,
-              dtype: torch.dtype, device, pin: bool = False,
-              budget_name: str = "kv_cache_bytes") -> PagedKVPool | QuantizedKVPool:
+def make_pool(
+    config: ModelConfig,
+    kv_cache_bytes: int,
+    block_size: int,
+    kv_dtype: str,
+    key_scales: str,
+    dtype: torch.dtype,
+    device,
+    pin: bool = False,
+    budget_name: str = "kv_cache_bytes",
+) -> PagedKVPool | QuantizedKVPool:
     """As many whole blocks as `kv_cache_bytes` pays for, in the storage `kv_dtype` asks for.
     `pin`: page-locked host memory, which a CUDA device copies from without a staging copy (the
     host tier); `budget_name` is the switch an error message names."""
     per_slot = bytes_per_slot(config, kv_dtype, key_scales, block_size, dtype)
     num_blocks = kv_cache_bytes // (per_slot * block_size)
     if num_blocks < 1:
-        raise ConfigError(f"{budget_name}={kv_cache_bytes:,} cannot hold one block of {block_size} "
-                          f"tokens ({per_slot * block_size:,} bytes); raise it.")
+        raise ConfigError(
+            f"{budget_name}={kv_cache_bytes:,} cannot hold one block of {block_size} "
+            f"tokens ({per_slot * block_size:,} bytes); raise it."
+        )
     try:
         if kv_dtype == "auto":
             return PagedKVPool(config, num_blocks, block_size, dtype, device, pin)
-        return QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device, pin)
-    except (RuntimeError, MemoryError) as err:  # the allocator said no (torch's OutOfMemoryError is a RuntimeError)
-        raise ConfigError(f"The KV pool of {budget_name}={kv_cache_bytes:,} could not be allocated on {device} "
-                          f"({str(err).splitlines()[0][:80]}); lower {budget_name}.") from None
-
-
-@dataclass
-class KVLayer:
-    """One layer of a pool as it is stored: what a decode kernel reads in place.
-
-    A pool in the model's dtype fills only k and v; the other tensors are then empty."""
-
-    k: torch.Tensor  # (num_slots, kv_heads, head_dim / values_per_byte): the numbers as stored
-    v: torch.Tensor
-    k_scale: torch.Tensor  # (scale, center) in fp16: (num_blocks, kv_heads, head_dim, 2) per channel,
-    v_scale: torch.Tensor  # or (num_slots, kv_heads, 1, 2) per token, as values always are
-    k_staged: torch.Tensor  # (rows, block_size, kv_heads, head_dim), model dtype: keys of blocks still filling
-    staged_row: torch.Tensor  # (num_blocks,) int32: a block's row in k_staged, -1 once its keys are quantized
-    kv_format: str  # "auto" (the model's dtype), "int8", "int4" or "fp8"
-    keys_per_channel: bool
+        return QuantizedKVPool(
+            config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device, pin
+        )
+    except (
+        RuntimeError,
+        MemoryError,
+    ) as err:  # the allocator said no (torch's OutOfMemoryError is a RuntimeError)
+        raise ConfigError(
+            f"The KV pool of {budget_name}={kv_cache_bytes:,} could not be allocated on {device} "
+            f"({str(err).splitlines()[0][:80]}); lower {budget_name}."
+        ) from None
 
 
 class PagedKVPool:
     """Numbers in the model's dtype: k_cache[layer], v_cache[layer] are (num_slots, kv_heads, head_dim)."""
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device,
-                 pin: bool = False):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device,
+        pin: bool = False,
+    ):
         self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
         self.bytes_per_slot = config.kv_bytes_per_token(dtype)
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
@@ -127,8 +137,9 @@ class PagedKVPool:
         """The keys and values in `slots` (any shape): (*slots.shape, kv_heads, head_dim) each."""
         return self.k_cache[layer][slots], self.v_cache[layer][slots]
 
-    def move_entries(self, layers: torch.Tensor, heads: torch.Tensor, src_slots: torch.Tensor,
-                     dst_slots: torch.Tensor) -> None:
+    def move_entries(
+        self, layers: torch.Tensor, heads: torch.Tensor, src_slots: torch.Tensor, dst_slots: torch.Tensor
+    ) -> None:
         """For each i (all (m,)): head heads[i] of slot dst_slots[i] in layer layers[i] takes what
         the same head holds in src_slots[i]. Eviction fills a dropped entry's place with a newcomer;
         each head may hold a different token in the same slot."""
@@ -153,235 +164,3 @@ class PagedKVPool:
 
     def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
         """Nothing to do: every number lives in its block (the quantized pool keeps staging too)."""
-
-
-class QuantizedKVPool:
-    """The paged KV pool with quantized numbers; the same `write` / `read` as `PagedKVPool`.
-
-    Per layer: key and value numbers (num_slots, kv_heads, head_dim / values_per_byte), value
-    scales per slot and head, key scales per slot and head ("token") or per block, head and
-    channel ("channel"), and the staged keys of blocks still filling (channel scales only).
-
-    Staging lives in tensors too, so a kernel can read it where it lies: `k_staged[layer]`
-    (rows, block_size, kv_heads, head_dim) in the model's dtype, and `staged_row[layer, block]`,
-    the row holding that block's keys, or -1 once the block is full and its keys quantized.
-    Rows are taken and given back as blocks start and fill; the tensor grows (doubling) when
-    more blocks fill at once than it has rows. A lock keeps a tier's prefetch thread (which
-    restores staged keys) and the step's writes from growing or taking rows under each other.
-    """
-
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, fmt: KVFormat, key_scales: str,
-                 dtype: torch.dtype, device, pin: bool = False):
-        self.block_size, self.num_blocks, self.device = block_size, num_blocks, torch.device(device)
-        self.fmt, self.key_scales, self.dtype, self.pin = fmt, key_scales, dtype, pin
-        self.bytes_per_slot = math.ceil(bytes_per_token(config, fmt, key_scales, block_size))
-        layers, slots, heads = config.num_layers, num_blocks * block_size, config.num_kv_heads
-        stored = (layers, slots, heads, config.head_dim // fmt.values_per_byte)
-        storage_dtype = torch.int8 if fmt.name == "int8" else torch.uint8
-        self.k_data = torch.zeros(stored, dtype=storage_dtype, device=device, pin_memory=pin)
-        self.v_data = torch.zeros(stored, dtype=storage_dtype, device=device, pin_memory=pin)
-        self.v_scale = torch.zeros(layers, slots, heads, 1, 2, dtype=SCALE_DTYPE, device=device, pin_memory=pin)
-        key_scale_shape = (layers, num_blocks, heads, config.head_dim, 2) if key_scales == "channel" else (layers, slots, heads, 1, 2)
-        self.k_scale = torch.zeros(key_scale_shape, dtype=SCALE_DTYPE, device=device, pin_memory=pin)
-        self.k_staged = torch.zeros(layers, 0, block_size, heads, config.head_dim, dtype=dtype, device=device)
-        self.staged_row = torch.full((layers, num_blocks), -1, dtype=torch.int32, device=device)
-        self.free_rows: list[list[int]] = [[] for _ in range(layers)]  # per layer: rows of k_staged nobody uses
-        self.staging_lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        return self.k_data.nbytes + self.v_data.nbytes + self.v_scale.nbytes + self.k_scale.nbytes + self.staged_bytes
-
-    @property
-    def staged_bytes(self) -> int:
-        """Bytes of the filling blocks' keys, waiting in full precision until their block is full."""
-        rows_in_use = int((self.staged_row >= 0).sum())
-        return rows_in_use * self.k_staged[0, 0].nbytes if rows_in_use else 0
-
-    def layer(self, layer: int) -> KVLayer:
-        return KVLayer(self.k_data[layer], self.v_data[layer], self.k_scale[layer], self.v_scale[layer],
-                       self.k_staged[layer], self.staged_row[layer], self.fmt.name, self.key_scales == "channel")
-
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        data, scale = quantize(v, self.fmt, dim=-1)
-        self.v_data[layer].index_copy_(0, slots, data)
-        self.v_scale[layer].index_copy_(0, slots, scale)
-        if self.key_scales == "token":
-            data, scale = quantize(k, self.fmt, dim=-1)
-            self.k_data[layer].index_copy_(0, slots, data)
-            self.k_scale[layer].index_copy_(0, slots, scale)
-        else:
-            with self.staging_lock:
-                self.stage_keys(layer, slots, k)
-
-    def stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        """Keys wait in their block's staging row; the write that fills a block quantizes it."""
-        blocks, offsets = slots // self.block_size, slots % self.block_size
-        rows = self.staged_row[layer, blocks]
-        if bool((rows < 0).any()):  # a block's first keys: give it a row
-            for block in blocks[rows < 0].unique().tolist():
-                self.staged_row[layer, block] = self.take_row(layer)
-            rows = self.staged_row[layer, blocks]
-        self.k_staged[layer, rows.long(), offsets] = k.to(self.dtype)
-        filled = offsets == self.block_size - 1  # the last slot: the block is full
-        if bool(filled.any()):
-            self.quantize_staged(layer, blocks[filled])
-
-    def quantize_staged(self, layer: int, blocks: torch.Tensor) -> None:
-        """Quantize the staged keys of full `blocks` (n,), one scale per (head, channel), and free their rows."""
-        rows = self.staged_row[layer, blocks].long()
-        data, scale = quantize(self.k_staged[layer, rows], self.fmt, dim=1)  # (n, block_size, ...), (n, 1, heads, hd, 2)
-        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
-        self.k_data[layer].index_copy_(0, slots, data.flatten(0, 1))
-        self.k_scale[layer].index_copy_(0, blocks, scale[:, 0])
-        self.release_rows(layer, blocks)
-
-    def take_row(self, layer: int) -> int:
-        if not self.free_rows[layer]:  # every row is in use: double them, for every layer
-            capacity = self.k_staged.shape[1]
-            grown = max(1, capacity)
-            with torch.inference_mode(False):  # a plain tensor: the prefetch thread writes it outside inference mode
-                extra = self.k_staged.new_zeros(self.k_staged.shape[0], grown, *self.k_staged.shape[2:])
-                self.k_staged = torch.cat([self.k_staged, extra], dim=1)
-            for free in self.free_rows:
-                free.extend(range(capacity, capacity + grown))
-        return self.free_rows[layer].pop()
-
-    def release_rows(self, layer: int, blocks: torch.Tensor) -> None:
-        self.free_rows[layer].extend(self.staged_row[layer, blocks].tolist())
-        self.staged_row[layer, blocks] = -1
-
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized keys and values in `slots` (any shape): (*slots.shape, kv_heads, head_dim)."""
-        values = dequantize(self.v_data[layer][slots], self.v_scale[layer][slots], self.fmt)
-        if self.key_scales == "token":
-            keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][slots], self.fmt)
-            return keys.to(self.dtype), values.to(self.dtype)
-        blocks = slots // self.block_size
-        keys = dequantize(self.k_data[layer][slots], self.k_scale[layer][blocks], self.fmt)
-        rows = self.staged_row[layer][blocks]
-        filling = rows >= 0  # a block still filling: its keys are the exact staged ones
-        keys[filling] = self.k_staged[layer][rows[filling].long(), (slots % self.block_size)[filling]].float()
-        return keys.to(self.dtype), values.to(self.dtype)
-
-    def move_entries(self, layers: torch.Tensor, heads: torch.Tensor, src_slots: torch.Tensor,
-                     dst_slots: torch.Tensor) -> None:
-        """For each i (all (m,)): head heads[i] of slot dst_slots[i] in layer layers[i] takes what
-        the same head holds in src_slots[i] (eviction: a newcomer fills a dropped entry's place).
-
-        Values, and keys scaled per token, have a scale per (slot, head): numbers and scales copy
-        exactly. Keys scaled per channel share the scales of their (block, head): into a block still
-        filling goes the exact key (staged; dequantized where its source block is quantized). Into
-        a quantized block, a key within the range of that (block, head)'s scales in every channel is
-        rounded onto them (`quantize_onto`) and nothing else changes; one outside it has that (block, head)
-        quantized anew, its keys and the newcomers together, with fresh scales (clamping instead
-        would flatten it onto a range set by a few other tokens). So a key is rounded once more
-        only when its block takes a newcomer out of its range, never more often than a rewrite of
-        the whole cache each step would round it."""
-        self.v_data[layers, dst_slots, heads] = self.v_data[layers, src_slots, heads]  # (m, head_dim / per byte)
-        self.v_scale[layers, dst_slots, heads] = self.v_scale[layers, src_slots, heads]  # (m, 1, 2)
-        if self.key_scales == "token":
-            self.k_data[layers, dst_slots, heads] = self.k_data[layers, src_slots, heads]
-            self.k_scale[layers, dst_slots, heads] = self.k_scale[layers, src_slots, heads]
-            return
-        with self.staging_lock:
-            keys = self.keys_at(layers, heads, src_slots)  # (m, head_dim) fp32, read before any write
-            blocks, offsets = dst_slots // self.block_size, dst_slots % self.block_size
-            rows = self.staged_row[layers, blocks]
-            filling = rows >= 0
-            self.k_staged[layers[filling], rows[filling].long(), offsets[filling], heads[filling]] = \
-                keys[filling].to(self.dtype)
-            scales = self.k_scale[layers, blocks, heads].float()  # (m, head_dim, 2): scale, center
-            # within half a step of the range it rounds into it, as any key of the block did
-            fits = ((keys - scales[..., 1]).abs() <= scales[..., 0] * (self.fmt.qmax + 0.5)).all(dim=-1)
-            group = (layers * self.num_blocks + blocks) * self.k_data.shape[2] + heads  # (m,) its (layer, block, head)
-            anew = ~filling & torch.isin(group, group[~filling & ~fits])  # in a group some key does not fit
-            onto = ~filling & ~anew
-            self.k_data[layers[onto], dst_slots[onto], heads[onto]] = quantize_onto(keys[onto], scales[onto], self.fmt)
-            if bool(anew.any()):
-                self.quantize_anew(layers[anew], blocks[anew], heads[anew], offsets[anew], keys[anew])
-
-    def quantize_anew(self, layers: torch.Tensor, blocks: torch.Tensor, heads: torch.Tensor, offsets: torch.Tensor,
-                      keys: torch.Tensor) -> None:
-        """Put `keys` (m, head_dim) at `offsets` of head heads[i] of quantized block blocks[i] in
-        layer layers[i], and quantize each such (layer, block, head) anew, with fresh per-channel
-        scales over its keys as they are now."""
-        group = (layers * self.num_blocks + blocks) * self.k_data.shape[2] + heads
-        groups, member = group.unique(return_inverse=True)  # (g,), and each key's group
-        first = torch.zeros_like(groups).scatter_(0, member, torch.arange(len(group), device=group.device))
-        g_layers, g_blocks, g_heads = layers[first], blocks[first], heads[first]  # (g,) each
-        slots = g_blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)  # (g, block_size)
-        current = dequantize(self.k_data[g_layers[:, None], slots, g_heads[:, None]],
-                             self.k_scale[g_layers, g_blocks, g_heads][:, None], self.fmt)  # (g, block_size, head_dim)
-        current[member, offsets] = keys
-        data, scales = quantize(current, self.fmt, dim=1)  # (g, block_size, ...), (g, 1, head_dim, 2)
-        self.k_data[g_layers[:, None], slots, g_heads[:, None]] = data
-        self.k_scale[g_layers, g_blocks, g_heads] = scales[:, 0]
-
-    def keys_at(self, layers: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """Keys scaled per channel, one per (layer, head, slot) triple: (m, head_dim) fp32, exact
-        where the block is still filling."""
-        blocks = slots // self.block_size
-        keys = dequantize(self.k_data[layers, slots, heads], self.k_scale[layers, blocks, heads], self.fmt)
-        rows = self.staged_row[layers, blocks]
-        filling = rows >= 0
-        keys[filling] = self.k_staged[layers[filling], rows[filling].long(), (slots % self.block_size)[filling],
-                                      heads[filling]].float()
-        return keys
-
-    def restage_block(self, block: int) -> None:
-        """Eviction cut a sequence back into `block`, whose later slots the next tokens write
-        again: where its keys were quantized (it had filled), they go back to staging,
-        dequantized, to be quantized anew with the block's new keys when it fills again."""
-        if self.key_scales == "token":
-            return
-        with self.staging_lock:
-            slots = torch.arange(block * self.block_size, (block + 1) * self.block_size, device=self.device)
-            for layer in (self.staged_row[:, block] < 0).nonzero().flatten().tolist():
-                keys = dequantize(self.k_data[layer, slots], self.k_scale[layer, block], self.fmt)  # (block_size, heads, hd)
-                row = self.take_row(layer)
-                self.k_staged[layer, row] = keys.to(self.dtype)
-                self.staged_row[layer, block] = row
-
-    def staged_blocks(self, layer: int) -> list[int]:
-        """Blocks whose keys wait in full precision in this layer until they fill (then quantized)."""
-        return (self.staged_row[layer] >= 0).nonzero().flatten().tolist()
-
-    def read_block(self, block: int) -> dict[str, torch.Tensor]:
-        """The block as stored: numbers and scales of every layer (views), and the staged keys
-        (block_size, kv_heads, head_dim) of each layer where it is still filling."""
-        rows = slice(block * self.block_size, (block + 1) * self.block_size)
-        payload = {"k_data": self.k_data[:, rows], "v_data": self.v_data[:, rows], "v_scale": self.v_scale[:, rows],
-                   "k_scale": self.k_scale[:, block] if self.key_scales == "channel" else self.k_scale[:, rows]}
-        for layer, row in enumerate(self.staged_row[:, block].tolist()):
-            if row >= 0:
-                payload[f"k_staging.{layer}"] = self.k_staged[layer, row]
-        return payload
-
-    def write_block(self, block: int, payload: dict[str, torch.Tensor]) -> None:
-        stored = self.read_block(block)
-        for name in ("k_data", "v_data", "v_scale", "k_scale"):
-            stored[name].copy_(payload[name], non_blocking=True)  # asynchronous from pinned host memory
-        with self.staging_lock:
-            self.write_staged(block, payload)
-
-    def write_staged(self, block: int, payload: dict[str, torch.Tensor]) -> None:
-        """The block's staged keys are the payload's: rows taken where it has some, given back where not."""
-        for layer in range(len(self.k_data)):
-            staged = payload.get(f"k_staging.{layer}")
-            row = int(self.staged_row[layer, block])
-            if staged is not None:
-                if row < 0:
-                    row = self.take_row(layer)
-                    self.staged_row[layer, block] = row
-                self.k_staged[layer, row].copy_(staged, non_blocking=True)
-            elif row >= 0:
-                self.release_rows(layer, torch.tensor([block], device=self.device))
-
-    def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
-        """Give back the staging rows of blocks no sequence holds any more (finished or preempted)."""
-        with self.staging_lock:
-            for layer in range(len(self.k_data)):
-                freed = [block for block in self.staged_blocks(layer) if is_free(block)]
-                if freed:
-                    self.release_rows(layer, torch.tensor(freed, device=self.device))

@@ -42,7 +42,7 @@ class PrefixCache:
         self.hit_blocks = 0
 
     def block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
-        return tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+        return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def lookup(self, token_ids: list[int]) -> list[int]:
         """Blocks holding the longest cached prefix of full blocks of `token_ids`, at most all
@@ -123,7 +123,12 @@ class PrefixCache:
 
     def stats(self) -> dict:
         hit_tokens = self.hit_blocks * self.block_size  # prefill tokens not computed
-        return {"queried_blocks": self.queried_blocks, "hit_blocks": self.hit_blocks, "block_hit_rate": self.hit_rate,
-                "prompt_tokens": self.queried_tokens, "prefill_tokens_saved": hit_tokens,
-                "token_hit_rate": hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
-                "cached_blocks": len(self.entries)}
+        return {
+            "queried_blocks": self.queried_blocks,
+            "hit_blocks": self.hit_blocks,
+            "block_hit_rate": self.hit_rate,
+            "prompt_tokens": self.queried_tokens,
+            "prefill_tokens_saved": hit_tokens,
+            "token_hit_rate": hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
+            "cached_blocks": len(self.entries),
+        }

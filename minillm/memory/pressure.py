@@ -19,9 +19,10 @@ climbing the rungs cheapest first:
               after a step in which memory ran short, sequences over their KV budget drop their
               least needed entries. It costs quality.
 
-The scheduler asks (`preempt_by`, `evicts_now`) and reports what it did (`took`); the block
-manager and pools obey. Every step's rungs are logged (`end_step`) for the engine's stats.
-(With `eviction_trigger="always"`, eviction is not a rung but a fixed budget kept every step.)
+The KV cache manager asks (`prefers_swap`, `evicts_now`) and reports what it did (`took`); the
+scheduler never talks to the ladder, only to the manager, which obeys it. Every step's rungs are
+logged (`end_step`) for the engine's stats. (With `eviction_trigger="always"`, eviction is not a
+rung but a fixed budget kept every step.)
 """
 
 from __future__ import annotations
@@ -34,27 +35,29 @@ from minillm.memory.tiers import SwapCost
 RUNGS = ("reclaim", "preempt", "evict")  # the rungs built, in the order they are taken
 
 
-class MemoryPressure:
-    def __init__(self, manager: BlockManager, preemption: str, swap_cost: SwapCost, eviction_trigger: str | None):
+class PressureLadder:
+    def __init__(
+        self, manager: BlockManager, preemption: str, swap_cost: SwapCost | None, eviction_trigger: str | None
+    ):
         """`preemption`: "recompute", "swap" or "auto"; `eviction_trigger`: None (no eviction allowed),
         "always" (a fixed budget every step) or "pressure" (rung 4)."""
         self.manager, self.preemption, self.swap_cost = manager, preemption, swap_cost
         self.eviction_trigger = eviction_trigger
-        self.rungs: Counter[str] = Counter()  # this step's rungs: blocks reclaimed, sequences preempted, evicted
-        self.reclaimed_before = manager.num_reclaimed
+        self.rungs: Counter[str] = (
+            Counter()
+        )  # this step's rungs: blocks reclaimed, sequences preempted, evicted
 
-    def preempt_by(self, seq_ids: list[int], tokens: int) -> str:
+    def prefers_swap(self, seq_ids: list[int], tokens: int) -> bool:
         """Rung 3 for these sequences (a request's running samples or beams, `tokens` computed in
-        all): "swap" if a tier can take their device blocks and the policy or cost model prefers
-        it to recomputing the tokens, else "recompute"."""
+        all): swap if a tier can take their device blocks and the policy, or for "auto" the
+        measured cost model, prefers it to recomputing the tokens."""
         manager = self.manager
         if self.preemption == "recompute" or not manager.can_swap_out(seq_ids):
-            return "recompute"
+            return False
         if self.preemption == "swap":
-            return "swap"
+            return True
         blocks = {b for seq_id in seq_ids for b in manager.table(seq_id) if manager.tier(b) == "device"}
-        tier = manager.swap_out_tier(len(blocks))
-        return "swap" if self.swap_cost.prefers_swap(tokens, len(blocks), tier) else "recompute"
+        return self.swap_cost.prefers_swap(tokens, len(blocks), manager.swap_out_tier(len(blocks)))
 
     def took(self, rung: str, amount: int = 1) -> None:
         self.rungs[rung] += amount
@@ -69,10 +72,9 @@ class MemoryPressure:
         return self.eviction_trigger == "always" or (self.eviction_trigger == "pressure" and self.short)
 
     def end_step(self) -> dict[str, int]:
-        """This step's rungs, in ladder order (the blocks reclaimed are read from the manager);
+        """This step's rungs, in ladder order (the blocks reclaimed are the block manager's count);
         the counts start again for the next step."""
-        self.took("reclaim", self.manager.num_reclaimed - self.reclaimed_before)
-        self.reclaimed_before = self.manager.num_reclaimed
+        self.took("reclaim", self.manager.take_reclaimed())
         taken = {rung: self.rungs[rung] for rung in RUNGS if self.rungs[rung]}
         self.rungs = Counter()
         return taken

@@ -53,7 +53,11 @@ class KVFormat:
     values_per_byte: int  # 2 for int4: two 4-bit numbers share a byte
 
 
-FORMATS = {"int8": KVFormat("int8", 127.0, 1), "int4": KVFormat("int4", 7.0, 2), "fp8": KVFormat("fp8", 448.0, 1)}
+FORMATS = {
+    "int8": KVFormat("int8", 127.0, 1),
+    "int4": KVFormat("int4", 7.0, 2),
+    "fp8": KVFormat("fp8", 448.0, 1),
+}
 
 
 def quantize(x: torch.Tensor, fmt: KVFormat, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,5 +125,25 @@ def bytes_per_token(config: ModelConfig, fmt: KVFormat, key_scales: str, block_s
     data = 2 * heads * config.head_dim // fmt.values_per_byte
     scale_size = 2 * torch.empty((), dtype=SCALE_DTYPE).element_size()  # a scale and a center
     value_scales = heads * scale_size
-    key_scales_bytes = heads * config.head_dim * scale_size / block_size if key_scales == "channel" else value_scales
+    key_scales_bytes = (
+        heads * config.head_dim * scale_size / block_size if key_scales == "channel" else value_scales
+    )
     return data + value_scales + key_scales_bytes
+
+
+@dataclass
+class KVLayer:
+    """One layer of a pool as it is stored: what a decode kernel reads in place.
+
+    A pool in the model's dtype fills only k and v; the other tensors are then empty."""
+
+    k: torch.Tensor  # (num_slots, kv_heads, head_dim / values_per_byte): the numbers as stored
+    v: torch.Tensor
+    k_scale: torch.Tensor  # (scale, center) in fp16: (num_blocks, kv_heads, head_dim, 2) per channel,
+    v_scale: torch.Tensor  # or (num_slots, kv_heads, 1, 2) per token, as values always are
+    k_staged: (
+        torch.Tensor
+    )  # (rows, block_size, kv_heads, head_dim), model dtype: keys of blocks still filling
+    staged_row: torch.Tensor  # (num_blocks,) int32: a block's row in k_staged, -1 once its keys are quantized
+    kv_format: str  # "auto" (the model's dtype), "int8", "int4" or "fp8"
+    keys_per_channel: bool

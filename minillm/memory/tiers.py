@@ -44,7 +44,12 @@ import weakref
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_tensors, save as save_tensors
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from minillm.config import ConfigError, EngineConfig, ModelConfig
+from minillm.memory.free_blocks import tier_of
+from minillm.memory.pool import make_pool
 
 log = logging.getLogger("minillm")
 
@@ -58,8 +63,10 @@ class DiskTier:
             Path(folder).mkdir(parents=True, exist_ok=True)
             self.folder = Path(tempfile.mkdtemp(prefix="minillm-kv-", dir=folder))
         except OSError as err:
-            raise OSError(f"disk_cache_dir={str(folder)!r} cannot hold KV blocks ({err.strerror or err}); "
-                          "choose a writable folder.") from None
+            raise OSError(
+                f"disk_cache_dir={str(folder)!r} cannot hold KV blocks ({err.strerror or err}); "
+                "choose a writable folder."
+            ) from None
         weakref.finalize(self, shutil.rmtree, self.folder, ignore_errors=True)
         self.checksums: dict[int, str] = {}  # block -> sha256 of its file
         self.lost: set[int] = set()  # blocks whose write failed
@@ -76,8 +83,12 @@ class DiskTier:
         try:
             self.path(block).write_bytes(data)
         except OSError as err:
-            log.warning("KV block %d could not be written to %s (%s); its sequence will be recomputed.",
-                        block, self.folder, err.strerror or err)
+            log.warning(
+                "KV block %d could not be written to %s (%s); its sequence will be recomputed.",
+                block,
+                self.folder,
+                err.strerror or err,
+            )
             self.lost.add(block)
             return
         self.checksums[block] = hashlib.sha256(data).hexdigest()
@@ -92,7 +103,9 @@ class DiskTier:
         except OSError:
             data = None
         if data is None or hashlib.sha256(data).hexdigest() != self.checksums.get(block):
-            log.warning("KV block file %s is missing or corrupt; its sequence will be recomputed.", self.path(block))
+            log.warning(
+                "KV block file %s is missing or corrupt; its sequence will be recomputed.", self.path(block)
+            )
             return False
         self.checked[block] = load_tensors(data)
         return True
@@ -116,13 +129,33 @@ class TieredKV:
         self.timed: dict[str, tuple[int, float]] = {}  # way -> (bytes, seconds) of copies done in the
         #   foreground: what a swap costs the step that waits for it (a prefetch shares the cores with a
         #   forward pass, so its copies run slower and would understate the rate)
-        self.side_stream = torch.cuda.Stream(device_pool.device) if device_pool.device.type == "cuda" else None
+        self.side_stream = (
+            torch.cuda.Stream(device_pool.device) if device_pool.device.type == "cuda" else None
+        )
         self.prefetch_thread: threading.Thread | None = None
         self.prefetch_seconds = 0.0  # copying done by prefetches
         self.prefetch_waited = 0.0  # ...of which the engine still had to wait for
 
+    @classmethod
+    def build(cls, config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device) -> TieredKV:
+        """The tiers a run's switches ask for: the device pool attention reads, a host pool of the
+        same layout (pinned when the device is a GPU) if `host_cache_bytes`, a disk folder if
+        `disk_cache_dir`."""
+        layout = (config.block_size, config.kv_dtype, config.kv_key_scales, dtype)
+        device_pool = make_pool(model, config.kv_cache_bytes, *layout, device)
+        host_pool = disk = None
+        if config.host_cache_bytes:
+            pin = device_pool.device.type == "cuda"
+            host_pool = make_pool(model, config.host_cache_bytes, *layout, "cpu", pin, "host_cache_bytes")
+        if config.disk_cache_dir is not None:
+            try:
+                disk = DiskTier(config.disk_cache_dir)
+            except OSError as err:
+                raise ConfigError(str(err)) from None
+        return cls(device_pool, host_pool, disk)
+
     def tier(self, block: int) -> str:
-        return "device" if block < self.first_host else "host" if block < self.first_disk else "disk"
+        return tier_of(block, self.first_host, self.first_disk - self.first_host)
 
     def store(self, block: int):
         """The pool (or disk tier) holding the block, and the block's index in it."""
@@ -152,10 +185,12 @@ class TieredKV:
         """Copy these blocks in the background; `finish_prefetch` must run before anything else
         reads or writes them (the engine calls it at the start of the next step)."""
         if pairs:
+
             def run():
                 start = time.perf_counter()
                 self.copy(pairs, timed=False)
                 self.prefetch_seconds += time.perf_counter() - start
+
             self.prefetch_thread = threading.Thread(target=run, name="minillm-prefetch", daemon=True)
             self.prefetch_thread.start()
 
