@@ -10,7 +10,7 @@ from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.memory.eviction import NUM_SINKS, budget_for, kept_entries
 from minillm.sampling import Sampler
-from references import RecordingSampler, replay_eviction, run_recorded
+from references import RecordingSampler, ScheduleRecorder, replay_eviction, run_recorded
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
@@ -174,13 +174,15 @@ class AttentionColumnSums:
 def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
     prompt, params = [(11 * j + 5) % 97 for j in range(21)], SamplingParams(max_tokens=6, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, eviction="h2o", kv_budget=200, max_num_batched_tokens=8)  # chunked
+    recorder = ScheduleRecorder(llm.engine)  # keeps the scores the evictor held when the sequence ended
     seq = llm.engine.requests[llm.engine.add_request(prompt, params)][0]
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     computed = seq.token_ids[:seq.num_computed]  # the last sampled token was never fed back
     ctx = AttentionColumnSums(len(computed))
     tiny_model(torch.tensor(computed), torch.arange(len(computed)), ctx)
-    assert torch.allclose(llm.engine.kv_cache.attention_mass(seq.seq_id), torch.stack(ctx.mass), atol=1e-4)
+    mass, _ = recorder.freed_state[seq.seq_id]
+    assert torch.allclose(mass, torch.stack(ctx.mass), atol=1e-4)
 
 
 # ---------------------------------------------------------------- against a reference while evicting
