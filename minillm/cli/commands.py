@@ -9,8 +9,8 @@
     minillm eval ppl --eviction h2o --kv-budget 0.2
 
 Each command is a pair: `add_X(subparsers)` declares its flags, `cmd_X(args)` runs it. The flags
-several commands share live in `cli_flags`; the commands that measure (bench, eval) in
-`cli_measure`. Every error a user can cause (missing weights, a bad switch, a prompt too long) ends
+several commands share live in `flags.py`; the commands that measure (bench, eval) in
+`measure.py`. Every error a user can cause (missing weights, a bad switch, a prompt too long) ends
 in one line on stderr that says what to do, and exit status 2. Every command that measures takes
 --json and prints one JSON object.
 """
@@ -25,10 +25,10 @@ from pathlib import Path
 from rich.console import Console
 
 from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
-from minillm.cli_flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
+from minillm.cli.flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
                                add_sampling_args, add_tier_args, engine_switches, positive_int, sampling_from,
                                tier_switches, whole_number)
-from minillm.cli_measure import add_bench, add_eval
+from minillm.cli.measure import add_bench, add_eval
 from minillm.config import DTYPES, ConfigError, EngineConfig
 from minillm.report import console, print_json
 from minillm.runtime import Runtime

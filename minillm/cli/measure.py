@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.cli_flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
+from minillm.cli.flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
                                add_tier_args, engine_argv, engine_switches, positive_float, positive_int)
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, KV_DTYPES
 from minillm.evaluation import DEFAULT_TEXT
