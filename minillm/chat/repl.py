@@ -31,7 +31,7 @@ from rich.text import Text
 
 from minillm.chat.compare import Answer, answer, comparison_table, difference_line
 from minillm.chat.sessions import DEFAULT_SESSIONS_DIR, chat_messages, session_path, session_rows
-from minillm.chat.switches import SWITCHES, Switch, parse_switch
+from minillm.chat.switches import SETTINGS, Setting, parse_setting
 from minillm.chat.view import LiveView, ReplyMeter, full_map, summary_lines
 from minillm.config import ConfigError
 from minillm.report import console as default_console, print_table
@@ -163,12 +163,12 @@ class Chat:
         model = engine.model if switches["dtype"] == config.dtype else None
         return LLM(config.model_dir, model=model, tokenizer=engine.tokenizer, **switches)
 
-    def current(self, switch: Switch, fields: dict) -> str:
+    def current(self, switch: Setting, fields: dict) -> str:
         owner = self.params if switch.where == "sampling" else self.engine.config
         return " ".join(f"{name}={getattr(owner, name)}" for name in fields)
 
     def do_set(self, words: str) -> None:
-        switch, fields = parse_switch(words)
+        switch, fields = parse_setting(words)
         if switch.where == "view":
             self.live = fields["live"]
             terminal = "" if self.console.is_terminal else " (stdout is not a terminal: plain lines stay)"
@@ -185,7 +185,7 @@ class Chat:
             self.say(f"engine rebuilt with {self.current(switch, fields)}{carried}")
 
     def do_compare(self, words: str) -> None:
-        switch, fields = parse_switch(words)
+        switch, fields = parse_setting(words)
         if switch.where == "view":
             raise ValueError("live changes only the drawing; /compare an engine or sampling switch")
         if self.last is None:
@@ -199,7 +199,7 @@ class Chat:
         after = answer(changed, prompt_ids, changed_params)
         self.show_comparison(switch, f"now: {self.current(switch, fields)}", f"with {words}", before, after)
 
-    def show_comparison(self, switch: Switch, name_a: str, name_b: str, a: Answer, b: Answer) -> None:
+    def show_comparison(self, switch: Setting, name_a: str, name_b: str, a: Answer, b: Answer) -> None:
         title = f"/compare {switch.name} ({'lossy' if switch.lossy else 'lossless'})"
         self.console.print(comparison_table(title, name_a, name_b, a, b))
         self.say(difference_line(a, b, self.engine.tokenizer.decode), style="bold")
@@ -262,7 +262,7 @@ class Chat:
         for command, (arguments, what) in COMMANDS.items():
             commands.add_row(f"{command} {arguments}", what)
         switches = Table.grid(padding=(0, 2))
-        for switch in SWITCHES.values():
+        for switch in SETTINGS.values():
             kind = "view" if switch.where == "view" else "lossy" if switch.lossy else "lossless"
             switches.add_row(switch.name, switch.accepts, kind)
         self.console.print(commands, "switches of /set and /compare:", switches)

@@ -4,10 +4,11 @@ Each switch has a name a user types, a parser that turns the typed value into th
 changes (an `EngineConfig` field, a `SamplingParams` field, or the chat's own view), and whether
 it is lossy: a lossless switch (block size, prefix caching, pool size, attention backend) must
 give the very tokens it gave before, a lossy one (KV quantization, eviction, bf16, sampling) may
-not, and `/compare` shows where they part. A value that cannot be parsed raises `ValueError`
-with one line that says what would be accepted; the engine checks the combination
-(`EngineConfig`), so a switch that needs another ("eviction needs a budget") fails there, also
-in one line.
+not, and `/compare` shows where they part. The engine switches are `config.SWITCHES`' own (their
+choices, minimum, parser, lossy or not); this module says which the chat offers. A value that
+cannot be parsed raises `ValueError` with one line that says what would be accepted; the engine
+checks the combination (`EngineConfig`), so a switch that needs another ("eviction needs a
+budget") fails there, also in one line.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from minillm.config import DTYPES, EVICTION_POLICIES, KV_DTYPES
+from minillm.config import SWITCHES, Switch, parse_kv_budget
 
 
 @dataclass(frozen=True)
-class Switch:
+class Setting:
+    """One thing /set and /compare can change."""
+
     name: str
     where: str  # "engine" (the engine is rebuilt), "sampling" (the next reply's SamplingParams), "view"
     lossy: bool
@@ -56,57 +59,72 @@ def number(field: str, kind: type, minimum: float, scale: int = 1) -> Callable[[
     return parse
 
 
-def budget(text: str) -> int | float:
-    """'256' is tokens kept, '0.2' a fraction of the sequence (EngineConfig checks the range)."""
-    try:
-        return float(text) if "." in text else int(text)
-    except ValueError:
-        raise ValueError(f"{text!r} is neither a token count (256) nor a fraction (0.2)") from None
+_OFF, *_POLICIES = SWITCHES["eviction"].choices  # "none", and the policies that keep a budget
 
 
 def eviction(text: str) -> dict:
     """'none', or a policy and its budget: 'h2o 256'."""
     policy, _, kept = text.partition(" ")
-    if policy not in EVICTION_POLICIES:
-        raise ValueError(f"give none, or one of {', '.join(EVICTION_POLICIES[1:])} and a budget, like h2o 256")
-    if policy == "none":
-        return {"eviction": "none", "kv_budget": None, "eviction_trigger": "always"}
+    if policy not in SWITCHES["eviction"].choices:
+        raise ValueError(f"give {_OFF}, or one of {', '.join(_POLICIES)} and a budget, like h2o 256")
+    if policy == _OFF:
+        return {"eviction": _OFF, "kv_budget": None, "eviction_trigger": SWITCHES["eviction_trigger"].default}
     if not kept:
         raise ValueError(f"{policy} keeps a budget of entries: /set eviction {policy} 256 (tokens) or 0.5 (a fraction)")
-    return {"eviction": policy, "kv_budget": budget(kept.strip())}
+    return {"eviction": policy, "kv_budget": parse_kv_budget(kept.strip())}
 
 
-SWITCHES = {s.name: s for s in [
-    Switch("kv_dtype", "engine", True, choice("kv_dtype", KV_DTYPES), "|".join(KV_DTYPES)),
-    Switch("kv_key_scales", "engine", True, choice("kv_key_scales", ("channel", "token")), "channel|token"),
-    Switch("eviction", "engine", True, eviction, "none | h2o|sinks|window BUDGET"),
-    Switch("kv_budget", "engine", True, lambda text: {"kv_budget": budget(text)}, "tokens (256) or a fraction (0.2)"),
-    Switch("dtype", "engine", True, choice("dtype", tuple(DTYPES)), "|".join(DTYPES)),
-    Switch("block_size", "engine", False, number("block_size", int, 1), "tokens per block"),
-    Switch("prefix_caching", "engine", False, on_off("prefix_caching"), "on|off"),
-    Switch("attention_backend", "engine", False, choice("attention_backend", ("torch", "cpu", "cuda")),
-           "torch|cpu|cuda"),
-    Switch("kv_cache_mb", "engine", False, number("kv_cache_bytes", int, 1, 2**20), "device pool MiB"),
-    Switch("host_cache_mb", "engine", False, number("host_cache_bytes", int, 0, 2**20), "host pool MiB, 0 = none"),
-    Switch("temperature", "sampling", True, number("temperature", float, 0), "0 (greedy) or more"),
-    Switch("top_k", "sampling", True, number("top_k", int, 0), "0 (off) or more"),
-    Switch("top_p", "sampling", True, number("top_p", float, 0), "(0, 1]"),
-    Switch("seed", "sampling", True, number("seed", int, 0), "a whole number"),
-    Switch("max_tokens", "sampling", True, number("max_tokens", int, 1), "new tokens at most"),
-    Switch("live", "view", False, on_off("live"), "on|off (the panel, in a terminal)"),
+def engine_setting(switch: Switch, hint: str) -> Setting:
+    """/set's form of an engine switch: its parser and what it accepts come from `config.SWITCHES`."""
+    if switch.choices:
+        parse, hint = choice(switch.name, switch.choices), hint or "|".join(switch.choices)
+    elif switch.on_off:
+        parse, hint = on_off(switch.name), "on|off"
+    elif switch.minimum is not None:
+        parse = number(switch.name, int, switch.minimum, switch.scale)
+    else:
+        parse = lambda text: {switch.name: switch.parse(text)}  # noqa: E731
+    return Setting(switch.dest, "engine", switch.lossy, parse, hint)
+
+
+EVICTION = Setting("eviction", "engine", True, eviction, f"{_OFF} | {'|'.join(_POLICIES)} BUDGET")
+# the engine switches /set offers, by the name it takes, and what a value means where the switch
+# does not say (choices and on|off say it themselves)
+ENGINE_SETTINGS = {"kv_dtype": "", "kv_key_scales": "", "eviction": "",
+                   "kv_budget": "tokens (256) or a fraction (0.2)", "dtype": "",
+                   "block_size": "tokens per block", "prefix_caching": "", "attention_backend": "",
+                   "kv_cache_mb": "device pool MiB",
+                   "host_cache_mb": "host pool MiB, 0 = none"}
+
+
+def _engine_settings() -> list[Setting]:
+    by_dest = {switch.dest: switch for switch in SWITCHES.values()}
+    return [EVICTION if name == "eviction" else engine_setting(by_dest[name], hint)
+            for name, hint in ENGINE_SETTINGS.items()]
+
+
+SETTINGS = {s.name: s for s in [
+    *_engine_settings(),
+    Setting("temperature", "sampling", True, number("temperature", float, 0), "0 (greedy) or more"),
+    Setting("top_k", "sampling", True, number("top_k", int, 0), "0 (off) or more"),
+    Setting("top_p", "sampling", True, number("top_p", float, 0), "(0, 1]"),
+    Setting("seed", "sampling", True, number("seed", int, 0), "a whole number"),
+    Setting("max_tokens", "sampling", True, number("max_tokens", int, 1), "new tokens at most"),
+    Setting("live", "view", False, on_off("live"), "on|off (the panel, in a terminal)"),
 ]}
 
 
-def parse_switch(words: str) -> tuple[Switch, dict]:
-    """'kv_dtype int8' -> (its Switch, {"kv_dtype": "int8"}); a mistake raises one-line ValueError."""
+def parse_setting(words: str) -> tuple[Setting, dict]:
+    """'kv_dtype int8' -> (its Setting, {"kv_dtype": "int8"}); a mistake raises one-line ValueError."""
     name, _, value = words.strip().partition(" ")
-    if name not in SWITCHES:
-        raise ValueError(f"no switch {name!r}; the switches are {', '.join(SWITCHES)}" if name else
-                         f"say which switch and its value, like kv_dtype int8; the switches are {', '.join(SWITCHES)}")
-    switch = SWITCHES[name]
+    if name not in SETTINGS:
+        names = ", ".join(SETTINGS)
+        raise ValueError(f"no switch {name!r}; the switches are {names}" if name else
+                         f"say which switch and its value, like kv_dtype int8; the switches are {names}")
+    setting = SETTINGS[name]
     if not value.strip():
-        raise ValueError(f"{name} needs a value: {switch.accepts}")
+        raise ValueError(f"{name} needs a value: {setting.accepts}")
     try:
-        return switch, switch.parse(value.strip())
+        return setting, setting.parse(value.strip())
     except ValueError as err:
         raise ValueError(f"{name} {value.strip()!r}: {err}") from None

@@ -26,8 +26,8 @@ from rich.console import Console
 
 from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
 from minillm.cli.flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
-                               add_sampling_args, add_tier_args, engine_switches, positive_int, sampling_from,
-                               tier_switches, whole_number)
+                               add_sampling_args, add_switch, add_tier_args, engine_switches, positive_int,
+                               sampling_from, whole_number)
 from minillm.cli.measure import add_bench, add_eval
 from minillm.config import DTYPES, ConfigError, EngineConfig
 from minillm.report import console, print_json
@@ -51,8 +51,8 @@ def add_generate(subparsers) -> None:
     gen.add_argument("--decoder", choices=["naive", "cached", "paged"], default="cached",
                      help="naive recomputes everything per token (the oracle); cached keeps a KV cache; paged "
                           "runs the serving engine (paged KV, tiers) and --json reports its memory per tier")
-    gen.add_argument("--kv-cache-mb", type=positive_int, default=512,
-                     help="with --decoder paged: the device KV pool in MiB (default: 512)")
+    add_switch(gen, "kv_cache_bytes",
+               help="with --decoder paged: the device KV pool in MiB (default: %(default)s)")
     add_sampling_args(gen, max_tokens=128)
     add_tier_args(gen)
     add_model_args(gen)
@@ -88,8 +88,7 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
     """The same request on the serving engine; --json adds its memory per tier and its preemptions."""
     from minillm.engine import LLM
 
-    llm = LLM(args.model, model=runtime.model, tokenizer=runtime.tokenizer, dtype=args.dtype, device=args.device,
-              kv_cache_bytes=args.kv_cache_mb * 2**20, **tier_switches(args))
+    llm = LLM(model=runtime.model, tokenizer=runtime.tokenizer, **engine_switches(args))
     out, text = None, runtime.tokenizer.stream_decoder()
     for out in llm.stream(prompt_ids, params):
         if not args.json and out.token_ids and out.token_ids[-1] != runtime.tokenizer.eos_token_id:
@@ -140,8 +139,7 @@ def cmd_chat(args) -> None:
     from minillm.engine import LLM
 
     session = session_path(args.sessions_dir, args.session) if args.session is not None else None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True, kv_dtype=args.kv_dtype,
-              kv_key_scales=args.kv_key_scales)
+    llm = LLM(prefix_caching=True, **engine_switches(args))
     chat = Chat(llm, sampling_from(args), args.system, session, args.sessions_dir, live=not args.no_live)
     chat.run(args.model.name)
 

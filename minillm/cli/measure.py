@@ -11,10 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from minillm.cli.flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
-                               add_tier_args, engine_argv, engine_switches, positive_float, positive_int)
-from minillm.config import DEFAULT_MODEL_DIR, DTYPES, KV_DTYPES
+                               add_switch, add_tier_args, engine_argv, engine_switches, positive_float,
+                               positive_int)
+from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES
 from minillm.evaluation import DEFAULT_TEXT
 from minillm.report import console, print_json, show
+
+
+# the decode attention backends the CPU benchmarks compare
+CPU_BACKENDS = tuple(b for b in SWITCHES["attention_backend"].choices if b != "cuda")
 
 
 def add_bench(subparsers) -> None:
@@ -63,8 +68,8 @@ def add_bench_serve(benches) -> None:
     serve.add_argument("--max-num-seqs", type=positive_int, default=16, help="batch size for every server (default: 16)")
     serve.add_argument("--block-sizes", type=positive_int, nargs="*", default=[8, 16, 32, 64, 128],
                        help="block sizes to sweep (default: 8 16 32 64 128; none to skip)")
-    serve.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch",
-                       help="minillm's decode attention: torch reference or the C++ kernel (default: torch)")
+    add_switch(serve, "attention_backend", choices=CPU_BACKENDS,
+               help="minillm's decode attention: torch reference or the C++ kernel (default: %(default)s)")
     serve.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(serve)
@@ -135,7 +140,7 @@ def add_bench_prefix(benches) -> None:
                                             "with and without the prefix cache: TTFT and prefill tokens computed.")
     prefix.add_argument("--requests", type=positive_int, default=32, help="(default: 32)")
     prefix.add_argument("--system-tokens", type=positive_int, default=500, help="system prompt length (default: 500)")
-    prefix.add_argument("--attention-backend", choices=["torch", "cpu"], default="torch", help="(default: torch)")
+    add_switch(prefix, "attention_backend", choices=CPU_BACKENDS, help="(default: %(default)s)")
     prefix.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(prefix)
     prefix.set_defaults(func=cmd_bench_prefix)
@@ -274,10 +279,11 @@ def add_bench_attention(benches) -> None:
     attention.add_argument("--contexts", type=positive_int, nargs="+", default=[128, 512, 1024, 4096],
                            help="(default: 128 512 1024 4096)")
     attention.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
-    attention.add_argument("--dtype", choices=list(DTYPES), default="float32", help="(default: float32)")
-    attention.add_argument("--kv-dtype", choices=KV_DTYPES, nargs="+", default=list(KV_DTYPES),
-                           help="how the pool stores K and V: auto (the model's dtype), int8, int4, fp8 "
-                                "(default: all four)")
+    add_switch(attention, "dtype", help="(default: %(default)s)")
+    kv_formats = SWITCHES["kv_dtype"].choices
+    add_switch(attention, "kv_dtype", nargs="+", default=list(kv_formats),
+               help="how the pool stores K and V: auto (the model's dtype), int8, int4, fp8 "
+                    "(default: all four)")
     attention.add_argument("--json", action="store_true", help="print one JSON object")
     attention.set_defaults(func=cmd_bench_attention)
 
@@ -349,9 +355,9 @@ def add_eval(subparsers) -> None:
                      help=f"UTF-8 text to score (default: {DEFAULT_TEXT}, fetched by weights_fetch.py)")
     ppl.add_argument("--segments", type=positive_int, default=4, help="segments scored side by side (default: 4)")
     ppl.add_argument("--segment-len", type=positive_int, default=512, help="tokens per segment (default: 512)")
-    ppl.add_argument("--attention-backend", choices=["torch", "cpu", "cuda"], default="torch",
-                     help="decode attention: the batched torch reference or a kernel reading the cache in place "
-                          "(default: torch)")
+    add_switch(ppl, "attention_backend",
+               help="decode attention: the batched torch reference or a kernel reading the cache in place "
+                    "(default: %(default)s)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     add_kv_quantization_args(ppl)
     add_eviction_args(ppl)
