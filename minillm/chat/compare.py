@@ -32,10 +32,9 @@ def answer(llm, prompt_ids: list[int], params) -> Answer:
     seconds = time.perf_counter() - start
     if out.error:
         raise ValueError(out.error)
-    engine = llm.engine
-    peak = max(snapshot.reserved_slots for snapshot in engine.stats.memory)
-    return Answer(out.token_ids, out.text, seconds, out.ttft, peak * engine.pool.bytes_per_slot,
-                  engine.pool.bytes_per_slot)
+    per_token = llm.engine.snapshot().bytes_per_token
+    peak = max(stats.reserved_slots for stats in llm.engine.stats.memory)
+    return Answer(out.token_ids, out.text, seconds, out.ttft, peak * per_token, per_token)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -131,7 +131,7 @@ class Chat:
         """After the first reply of a resumed session: the prefill the session saved, and what
         recomputing it would have cost at the prefill rate this run measured."""
         out, meter = self.last
-        rate = self.engine.swap_cost.prefill_rate()
+        rate = self.engine.snapshot().prefill_rate
         estimate = f"; recomputing them would take ~{meter.reused_tokens / rate * 1000:.0f} ms here" if rate else ""
         self.say(f"{meter.reused_tokens:,} of {len(out.prompt_token_ids):,} prompt tokens came from the session, "
                  f"first token in {out.ttft * 1000:.0f} ms{estimate}")
@@ -141,16 +141,15 @@ class Chat:
         if self.last is None:
             return "no reply yet"
         out, meter = self.last
-        engine = self.engine
-        per_token = engine.pool.bytes_per_slot
+        memory = self.engine.snapshot()
+        per_token = memory.bytes_per_token
         held = len(out.prompt_token_ids) + len(out.token_ids)
         decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
-        cache = engine.block_manager.prefix_cache
+        cached = memory.prefix_cache["cached_blocks"] if memory.prefix_cache else 0
         return (f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
                 f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
                 f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
-                f"{len(cache.entries) if cache else 0} blocks cached, "
-                f"{engine.block_manager.num_free_blocks} of {engine.block_manager.num_blocks} blocks free")
+                f"{cached} blocks cached, {memory.num_free_blocks} of {memory.num_blocks} blocks free")
 
     # ------------------------------------------------------------------ /set and /compare
     def engine_with(self, fields: dict):

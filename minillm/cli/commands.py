@@ -95,24 +95,26 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
             console.print(text.feed(out.token_ids[-1]), end="", markup=False, highlight=False)
     if out.error:
         raise ValueError(out.error)
-    engine = llm.engine
     if not args.json:
         console.print(text.flush())
         return
-    snapshots = engine.stats.memory
-    scheduler = engine.scheduler
     print_json({"prompt": args.prompt, "prompt_ids": out.prompt_token_ids, "generated_ids": out.token_ids,
                 "text": out.text, "finish_reason": out.finish_reason, "decoder": "paged",
-                "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot},
-                "memory": snapshots[-1].as_dict(),
-                "memory_peak": {"device_reserved_bytes": max(m.as_dict()["reserved_bytes"] for m in snapshots),
-                                "host_reserved_bytes": max(m.as_dict()["host_reserved_bytes"] for m in snapshots),
-                                "disk_reserved_bytes": max(m.as_dict()["disk_reserved_bytes"] for m in snapshots)},
-                "ladder": dict(engine.stats.rungs),
-                "preemption": {"mode": engine.pressure.preemption, "preemptions": scheduler.num_preemptions,
-                               "swapped_out": scheduler.num_swapped_out, "swapped_in": scheduler.num_swapped_in,
-                               "prefetched": scheduler.num_prefetched,
-                               "tokens_recomputed": scheduler.num_recomputed_tokens}})
+                "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot}, **_engine_memory(llm.engine)})
+
+
+def _engine_memory(engine) -> dict:
+    """generate --json's memory report: per tier now and at the peak, the ladder's rungs, preemptions."""
+    steps, memory = [stats.as_dict() for stats in engine.stats.memory], engine.snapshot()
+    counters = memory.counters
+    return {"memory": steps[-1],
+            "memory_peak": {"device_reserved_bytes": max(step["reserved_bytes"] for step in steps),
+                            "host_reserved_bytes": max(step["host_reserved_bytes"] for step in steps),
+                            "disk_reserved_bytes": max(step["disk_reserved_bytes"] for step in steps)},
+            "ladder": dict(engine.stats.rungs),
+            "preemption": {"mode": memory.preemption, "preemptions": counters["preemptions"],
+                           "swapped_out": counters["swapped_out"], "swapped_in": counters["swapped_in"],
+                           "prefetched": counters["prefetched"], "tokens_recomputed": counters["recomputed_tokens"]}}
 
 
 # ----------------------------------------------------------------------------- chat
@@ -218,7 +220,7 @@ def cmd_serve(args) -> None:
     server = uvicorn.Server(uvicorn.Config(build_app(engine_loop, name, start_engine=False), log_level=args.log_level,
                                            timeout_graceful_shutdown=5))
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
-    err_console.print(f"minillm serve: {name} on http://{host}:{port}/v1 ({engine.block_manager.num_blocks} KV "
+    err_console.print(f"minillm serve: {name} on http://{host}:{port}/v1 ({engine.snapshot().num_blocks} KV "
                       f"blocks of {engine.config.block_size} tokens); Ctrl-C stops", soft_wrap=True)
     http.start()
     try:
