@@ -2,8 +2,10 @@
 
 `ModelConfig` is read from a Hugging Face style `config.json` and validated, so an unsupported
 architecture fails here with one clear line instead of deep inside a matmul. `EngineConfig` holds
-the engine's switches; every later optimization (paging, prefix sharing, quantization, ...) adds
-its switch here, so one object describes a run.
+the engine's switches: model and precision, paged KV memory and its scheduling, prefix caching, KV
+quantization and eviction, the host and disk tiers, so one object describes a run. `SWITCHES`
+declares each switch once (its flag, choices, help, lossy or not), and every front end is made
+from it: the commands' flags, the chat's /set and /compare, the server's child argv.
 """
 
 from __future__ import annotations

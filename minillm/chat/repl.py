@@ -9,13 +9,11 @@ cache, which wait cached for a later prompt, which are free; bytes per token, pr
 reused, time to first token and tokens per second. Without a terminal the same numbers come as
 plain lines after each reply.
 
-Commands change the engine while the conversation stays: `/set kv_dtype int8` rebuilds the
-engine with int8 KV (the next reply prefills the conversation again into the new pool);
-`/compare kv_dtype int4` answers the last prompt twice, on fresh engines, as now and with the
-switch changed, and shows both side by side with the first token where they part
-(`compare.py`; `switches.py` lists the switches). `/memory` draws every block and the engine's accounting.
-
-Sessions (`sessions.py`): `/save NAME` parks the conversation, `/load NAME` brings it back.
+Commands change the engine while the conversation stays: `/set kv_dtype int8` rebuilds it with
+int8 KV (the next reply prefills the conversation again into the new pool); `/compare kv_dtype
+int4` answers the last prompt on two fresh engines, as now and changed (`compare.py`; the switches
+are `switches.py`'s); `/memory` draws every block; `/save` and `/load` park and resume the
+conversation (`sessions.py`).
 """
 
 from __future__ import annotations
@@ -32,7 +30,7 @@ from rich.text import Text
 from minillm.chat.compare import Answer, answer, comparison_table, difference_line
 from minillm.chat.sessions import DEFAULT_SESSIONS_DIR, chat_messages, session_path, session_rows
 from minillm.chat.switches import SETTINGS, Setting, parse_setting
-from minillm.chat.view import LiveView, ReplyMeter, full_map, summary_lines
+from minillm.chat.view import LiveView, ReplyMeter, full_map, stats_line, summary_lines
 from minillm.config import ConfigError
 from minillm.report import console as default_console, print_table
 
@@ -141,15 +139,7 @@ class Chat:
         if self.last is None:
             return "no reply yet"
         out, meter = self.last
-        memory = self.engine.snapshot()
-        per_token = memory.bytes_per_token
-        held = len(out.prompt_token_ids) + len(out.token_ids)
-        decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
-        cached = memory.prefix_cache["cached_blocks"] if memory.prefix_cache else 0
-        return (f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
-                f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
-                f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
-                f"{cached} blocks cached, {memory.num_free_blocks} of {memory.num_blocks} blocks free")
+        return stats_line(self.engine.snapshot(), out, meter)
 
     # ------------------------------------------------------------------ /set and /compare
     def engine_with(self, fields: dict):

@@ -174,6 +174,18 @@ def summary_lines(engine, meter: ReplyMeter) -> list[str]:
             *tier_lines(tiers), bytes_line(memory, counts), reply_line(meter)]
 
 
+def stats_line(memory, out, meter: ReplyMeter) -> str:
+    """`/stats`: the last reply (`out`, a RequestOutput) and the KV it held, in one line."""
+    per_token = memory.bytes_per_token
+    held = len(out.prompt_token_ids) + len(out.token_ids)
+    decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
+    cached = memory.prefix_cache["cached_blocks"] if memory.prefix_cache else 0
+    return (f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
+            f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
+            f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
+            f"{cached} blocks cached, {memory.num_free_blocks} of {memory.num_blocks} blocks free")
+
+
 def full_map(engine, console: Console) -> None:
     """`/memory`: every block a cell, per tier, and the engine's accounting."""
     from minillm.report import print_table
