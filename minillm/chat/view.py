@@ -17,9 +17,10 @@ bytes per token and in total, the prompt tokens the prefix cache saved, time to 
 decode speed.
 
 The states come from the engine's snapshot (`LLMEngine.snapshot`, `memory/accounting.py`), taken
-once per drawing, so the map's counts are the engine's own accounting. Drawing costs time the reply does not get, so the
-live panel is redrawn at most four times a second, not on every token. Without a terminal (a pipe,
-CI) there is no live panel: the same numbers come as plain lines after each reply.
+once per drawing, so the map's counts are the engine's own accounting. Drawing costs time the
+reply does not get, so the live panel is redrawn at most four times a second, not on every token.
+Without a terminal (a pipe, CI) there is no live panel: the same numbers come as plain lines after
+each reply.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ def memory_panel(engine, meter: ReplyMeter, rows: int = LIVE_ROWS, width: int = 
             body.append(block_map(tiers[tier], TIER_ROWS, width)[0])
         body.append(Text(line))
     body += [Text(bytes_line(memory, counts)), Text(reply_line(meter))]
-    return Panel(Group(*body), title=pool_title(engine.config, memory) + scale, title_align="left", width=width + 4)
+    title = pool_title(engine.config, memory) + scale
+    return Panel(Group(*body), title=title, title_align="left", width=width + 4)
 
 
 def summary_lines(engine, meter: ReplyMeter) -> list[str]:

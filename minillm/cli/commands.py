@@ -10,9 +10,9 @@
 
 Each command is a pair: `add_X(subparsers)` declares its flags, `cmd_X(args)` runs it. The flags
 several commands share live in `flags.py`; serve in `serve.py`; the commands that measure (bench,
-eval) in `measure.py` and `measure_memory.py`. Every error a user can cause (missing weights, a bad switch, a prompt too long) ends
-in one line on stderr that says what to do, and exit status 2. Every command that measures takes
---json and prints one JSON object.
+eval) in `measure.py` and `measure_memory.py`. Every error a user can cause (missing weights, a bad
+switch, a prompt too long) ends in one line on stderr that says what to do, and exit status 2.
+Every command that measures takes --json and prints one JSON object.
 """
 
 from __future__ import annotations
@@ -110,7 +110,8 @@ def _engine_memory(engine) -> dict:
             "ladder": dict(engine.stats.rungs),
             "preemption": {"mode": memory.preemption, "preemptions": counters["preemptions"],
                            "swapped_out": counters["swapped_out"], "swapped_in": counters["swapped_in"],
-                           "prefetched": counters["prefetched"], "tokens_recomputed": counters["recomputed_tokens"]}}
+                           "prefetched": counters["prefetched"],
+                           "tokens_recomputed": counters["recomputed_tokens"]}}
 
 
 # ----------------------------------------------------------------------------- chat

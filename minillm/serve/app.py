@@ -111,7 +111,8 @@ def _job_of(parse, raw: bytes, engine, model_name: str) -> Job:
     body = parse_json(raw)
     model = body.get("model", model_name)
     if model != model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.", "model")
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.",
+                       "model")
     return parse(body, engine.tokenizer, model_name, engine.context_len, engine.model.config.vocab_size)
 
 

@@ -180,7 +180,8 @@ class EngineLoop:
             self.recent_steps.popleft()
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Reply, RequestOutput]]] = {}
         for out in outputs:
-            reply = self.replies.pop(out.request_id, None) if out.finished else self.replies.get(out.request_id)
+            replies = self.replies
+            reply = replies.pop(out.request_id, None) if out.finished else replies.get(out.request_id)
             if out.finished:
                 self.finished[out.finish_reason] += 1
             if reply is not None:
@@ -228,7 +229,8 @@ class Submission:
             raise RuntimeError(self.engine_loop.error or "The engine loop is not running.")
         loop, arrival = asyncio.get_running_loop(), time.perf_counter()
         for index, (request_id, prompt) in enumerate(zip(self.ids, self.prompts)):
-            self.engine_loop.commands.put(Add(request_id, prompt, self.params, arrival, Reply(loop, self.queue, index)))
+            reply = Reply(loop, self.queue, index)
+            self.engine_loop.commands.put(Add(request_id, prompt, self.params, arrival, reply))
         refused = None
         for _ in self.ids:
             index, answer = await self.queue.get()

@@ -59,7 +59,7 @@ LABELS = {"kv_blocks": "state", "request_success_total": "finished_reason"}
 
 
 def _memory_values(memory) -> dict:
-    """/metrics' gauges of the engine's MemorySnapshot: requests, KV blocks per state and tier, prefix hits."""
+    """/metrics' gauges of a MemorySnapshot: requests, KV blocks per state and tier, prefix hits."""
     device, host = memory.count("device"), memory.count("host")
     cache, block_size = memory.prefix_cache, memory.block_size
     return {
