@@ -2,8 +2,10 @@
 
 `ModelConfig` is read from a Hugging Face style `config.json` and validated, so an unsupported
 architecture fails here with one clear line instead of deep inside a matmul. `EngineConfig` holds
-the engine's switches; every later optimization (paging, prefix sharing, quantization, ...) adds
-its switch here, so one object describes a run.
+the engine's switches: model and precision, paged KV memory and its scheduling, prefix caching, KV
+quantization and eviction, the host and disk tiers, so one object describes a run. `SWITCHES`
+declares each switch once (its flag, choices, help, lossy or not), and every front end is made
+from it: the commands' flags, the chat's /set and /compare, the server's child argv.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ from __future__ import annotations
 import json
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -154,13 +157,12 @@ class ModelConfig:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_DTYPES = ("auto", "int8", "int4", "fp8")
-EVICTION_POLICIES = ("none", "h2o", "sinks", "window")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Every switch of a run. Later chapters add theirs (block size, prefix cache, kv dtype...)."""
+    """Every switch of a run: the model, the paged KV memory and its scheduling, KV compression,
+    the tiers below the device pool. `SWITCHES` (below) says how each is spelled and what it takes."""
 
     model_dir: Path = DEFAULT_MODEL_DIR
     dtype: str = "float32"
@@ -169,26 +171,28 @@ class EngineConfig:
     # --- the serving engine (minillm.engine): paged KV memory and scheduling
     block_size: int = 16  # token slots per KV block
     kv_cache_bytes: int = 512 * 2**20  # the KV pool's budget; it is cut into blocks
-    scheduling: str = "continuous"  # "continuous" (iteration-level) or "static" (batch at a time)
-    admission: str = "fcfs"  # who joins first: "fcfs" (arrival order), "memory" (benefit / KV cost, aged),
+    scheduling: str = "continuous"  # iteration-level batching, or "static" (a batch at a time)
+    admission: str = "fcfs"  # who joins first: arrival order, "memory" (benefit / KV cost, aged),
     #   or "reserve" (fcfs, each request holding its maximum length: the pre-paging baseline)
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
     prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
-    attention_backend: str = "torch"  # decode attention: "torch" (reference), "cpu" (C++), "cuda" kernel
+    attention_backend: str = "torch"  # decode attention: the torch reference, or a C++ or CUDA kernel
     # --- KV compression (minillm.memory.quantization, minillm.memory.eviction); both lossy
-    kv_dtype: str = "auto"  # "auto" (the model's dtype), "int8", "int4" (two per byte) or "fp8" (e4m3)
-    kv_key_scales: str = "channel"  # quantized keys share a scale per "channel" of a block, or per "token"
-    eviction: str = "none"  # "none", "h2o" (heavy hitters + recent), "sinks" (first tokens + recent), "window"
+    kv_dtype: str = "auto"  # "auto" (the model's dtype), int8, int4 (two per byte) or fp8 (e4m3)
+    kv_key_scales: str = "channel"  # quantized keys share a scale per channel of a block, or per token
+    eviction: str = "none"  # h2o (heavy hitters + recent), sinks (first tokens + recent), window
     kv_budget: int | float | None = None  # with eviction: entries kept per sequence (int) or fraction (float)
-    eviction_trigger: str = "always"  # with eviction: keep the budget "always", or only under "pressure"
+    eviction_trigger: str = "always"  # with eviction: keep the budget always, or only under "pressure"
     #   (the pressure ladder's last rung, after a step that ran short of blocks)
     # --- tiers (minillm.memory.tiers): where KV goes when it leaves the device pool
     host_cache_bytes: int = 0  # a host pool for swapped-out blocks and spilled prefix blocks; 0 = none
     disk_cache_dir: str | None = None  # a folder for block files once the host pool is full; None = none
-    preemption: str = "auto"  # "recompute", "swap" (needs a tier) or "auto" (measured cost; recompute without a tier)
+    preemption: str = "auto"  # recompute, swap (needs a tier) or "auto": by measured cost (recompute
+    #   without a tier)
 
     def __post_init__(self):
+        self._check_choices()
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
@@ -196,19 +200,11 @@ class EngineConfig:
         if self.max_seq_len is not None and not (type(self.max_seq_len) is int and self.max_seq_len >= 2):
             raise ConfigError(f"max_seq_len must be a whole number of tokens >= 2 (a prompt token and a new one), "
                               f"or None for the model's context, not {self.max_seq_len!r}.")
-        if self.scheduling not in ("continuous", "static"):
-            raise ConfigError(f"scheduling must be 'continuous' or 'static', not {self.scheduling!r}.")
-        if self.admission not in ("fcfs", "memory", "reserve"):
-            raise ConfigError(f"admission must be 'fcfs', 'memory' or 'reserve', not {self.admission!r}.")
         if self.admission != "fcfs" and self.scheduling == "static":
             raise ConfigError(f"admission={self.admission!r} chooses who joins a running batch; static batching "
                               "admits a whole batch at a time, in order. Use scheduling='continuous'.")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {self.device!r}.")
-        if self.attention_backend not in ("torch", "cpu", "cuda"):
-            raise ConfigError(f"attention_backend must be 'torch', 'cpu' or 'cuda', not {self.attention_backend!r}.")
         if self.attention_backend != "torch" and self.attention_backend != self.device.split(":")[0]:
             raise ConfigError(f"attention_backend={self.attention_backend!r} cannot read a KV cache on "
                               f"device={self.device!r}; use the matching device or attention_backend='torch'.")
@@ -217,18 +213,17 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
 
+    def _check_choices(self) -> None:
+        """Every choice switch holds one of its choices (`SWITCHES` lists them)."""
+        for switch in SWITCHES.values():
+            value = getattr(self, switch.name)
+            if switch.choices and value not in switch.choices:
+                raise ConfigError(f"{switch.name} must be one of {_either(switch.choices)}, not {value!r}.")
+
     def check_kv_compression(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
-            raise ConfigError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, not {self.kv_dtype!r}.")
-        if self.kv_key_scales not in ("channel", "token"):
-            raise ConfigError(f"kv_key_scales must be 'channel' or 'token', not {self.kv_key_scales!r}.")
-        if self.eviction not in EVICTION_POLICIES:
-            raise ConfigError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}, not {self.eviction!r}.")
         budget = self.kv_budget
         if self.eviction == "none" and budget is not None:
             raise ConfigError("kv_budget only applies with eviction; choose --eviction h2o, sinks or window.")
-        if self.eviction_trigger not in ("always", "pressure"):
-            raise ConfigError(f"eviction_trigger must be 'always' or 'pressure', not {self.eviction_trigger!r}.")
         if self.eviction == "none" and self.eviction_trigger != "always":
             raise ConfigError("eviction_trigger only applies with eviction; choose --eviction h2o, sinks or window.")
         if self.eviction != "none":
@@ -245,8 +240,6 @@ class EngineConfig:
                               f"not {self.host_cache_bytes!r}.")
         if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, (str, Path)):
             raise ConfigError(f"disk_cache_dir must be a folder path or None, not {self.disk_cache_dir!r}.")
-        if self.preemption not in ("recompute", "swap", "auto"):
-            raise ConfigError(f"preemption must be 'recompute', 'swap' or 'auto', not {self.preemption!r}.")
         if self.preemption == "swap" and not self.has_tiers:
             raise ConfigError("preemption='swap' needs somewhere to swap to: set host_cache_bytes or disk_cache_dir.")
 
@@ -257,3 +250,108 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def _either(choices: tuple[str, ...]) -> str:
+    """('a', 'b', 'c') -> "'a', 'b' or 'c'"."""
+    quoted = [repr(choice) for choice in choices]
+    return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+def parse_kv_budget(text: str) -> int | float:
+    """'256' is a number of tokens, '0.2' a fraction of the sequence's full length."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither a token count (256) nor a fraction (0.2)") from None
+
+
+# ----------------------------------------------------------------------------- the switches, declared once
+
+@dataclass(frozen=True)
+class Switch:
+    """How one EngineConfig field is spelled and what it takes, declared once. From this table come
+    EngineConfig's check of the choices, the flags of every command (`cli/flags.py`), the chat's
+    `/set` and `/compare` (`chat/switches.py`) and the server's child argv (`cli/flags.engine_argv`).
+    Its default is the field's."""
+
+    name: str  # the EngineConfig field
+    group: str  # its flag group in cli/flags.py; "" for a switch only the API sets
+    help: str = ""  # the flag's --help; argparse writes %(default)s as the default
+    choices: tuple[str, ...] = ()  # a choice switch takes one of these
+    minimum: int | None = None  # a whole-number switch takes this or more (in the flag's unit)
+    parse: Callable[[str], object] | None = None  # text -> value for the rest; ValueError says why
+    flag: str = ""  # the flag's name (and the chat's), when it is not the field's
+    scale: int = 1  # the flag's value times this is the field's (MiB -> bytes)
+    lossy: bool = False  # changes what the weights or the KV hold, so the tokens may differ
+
+    @property
+    def dest(self) -> str:
+        """The flag's name with underscores: the argparse attribute, the word /set takes."""
+        return self.flag or self.name
+
+    @property
+    def option(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def default(self):
+        """The field's default, in the flag's unit."""
+        value = _FIELD_DEFAULTS[self.name]
+        return value // self.scale if self.scale > 1 else value
+
+    @property
+    def on_off(self) -> bool:
+        return isinstance(self.default, bool)
+
+    def field_value(self, value):
+        """A flag's value as the field holds it."""
+        return value * self.scale if self.scale > 1 else value
+
+
+_FIELD_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
+SWITCHES = {switch.name: switch for switch in (
+    # model: which checkpoint, in which precision, where
+    Switch("model_dir", "model", "checkpoint folder written by weights_fetch.py (default: %(default)s)",
+           parse=Path, flag="model"),
+    Switch("dtype", "model", "weights and KV dtype (default: %(default)s)", choices=tuple(DTYPES),
+           lossy=True),
+    Switch("device", "model", "cpu or cuda (default: %(default)s)"),
+    # engine: paged KV memory and scheduling
+    Switch("kv_cache_bytes", "engine", "the device KV pool in MiB (default: %(default)s)", minimum=1,
+           flag="kv_cache_mb", scale=2**20),
+    Switch("block_size", "engine", "token slots per KV block (default: %(default)s)", minimum=1),
+    Switch("max_num_seqs", "engine", "sequences running at once (default: %(default)s)", minimum=1),
+    Switch("max_num_batched_tokens", "engine",
+           "tokens computed per step; a longer prefill is chunked (default: %(default)s)", minimum=1),
+    Switch("max_seq_len", "engine", "tokens one sequence may hold (default: the model's context)", minimum=2),
+    Switch("prefix_caching", "engine",
+           "share the KV of full prompt blocks computed for earlier requests (default: off)"),
+    Switch("attention_backend", "engine",
+           "decode attention: torch reference, C++ or CUDA kernel (default: %(default)s)",
+           choices=("torch", "cpu", "cuda")),
+    Switch("scheduling", "engine", "iteration-level batching, or a new batch only when the last has "
+           "finished (default: %(default)s)", choices=("continuous", "static")),
+    Switch("admission", "engine", "who joins the batch first: arrival order, benefit per KV cost, or fcfs "
+           "reserving each request's maximum length (default: %(default)s)",
+           choices=("fcfs", "memory", "reserve")),
+    # KV quantization (minillm.memory.quantization)
+    Switch("kv_dtype", "kv_quantization", "store the KV cache as int8, int4 or fp8 with scales "
+           "(default: %(default)s, the model dtype)", choices=("auto", "int8", "int4", "fp8"), lossy=True),
+    Switch("kv_key_scales", "kv_quantization", "quantized keys share a scale per channel of a block, or per "
+           "token (default: %(default)s)", choices=("channel", "token"), lossy=True),
+    # eviction (minillm.memory.eviction)
+    Switch("eviction", "eviction", "drop KV entries beyond --kv-budget: h2o, sinks or window "
+           "(default: %(default)s)", choices=("none", "h2o", "sinks", "window"), lossy=True),
+    Switch("kv_budget", "eviction", "with --eviction: entries kept per sequence, as tokens (256) or a "
+           "fraction (0.2)", parse=parse_kv_budget, lossy=True),
+    Switch("eviction_trigger", "", choices=("always", "pressure"), lossy=True),
+    # tiers (minillm.memory.tiers)
+    Switch("host_cache_bytes", "tiers", "a host pool (MiB) for swapped-out and spilled KV blocks; 0 is none "
+           "(default: %(default)s)", minimum=0, flag="host_cache_mb", scale=2**20),
+    Switch("disk_cache_dir", "tiers",
+           "a folder for KV block files once the host pool is full (default: none)"),
+    Switch("preemption", "tiers", "when KV blocks run out: recompute the victim, swap its blocks out, or "
+           "pick by measured cost (default: %(default)s; recompute without a tier)",
+           choices=("recompute", "swap", "auto")),
+)}

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 console = Console()
+err_console = Console(stderr=True)  # what a command says about itself, beside its output
 
 
 def print_json(report: dict) -> None:

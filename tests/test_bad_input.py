@@ -191,7 +191,7 @@ def test_cli_info_reports_kv_bytes_from_formula_and_tensors(capsys, real_dir):
 
 def test_cli_chat_streams_replies_and_handles_commands(monkeypatch, capsys, real_dir):
     lines = iter(["/stats", "Say hello.", "/stats", "And goodbye?", "/stats", "/reset", "/exit"])
-    monkeypatch.setattr("minillm.cli.console.input", lambda prompt="": next(lines))
+    monkeypatch.setattr("minillm.report.console.input", lambda prompt="": next(lines))
     code, out, _ = run_cli(capsys, "chat", "--max-tokens", "8", "--model", str(real_dir))
     out = " ".join(out.split())  # the terminal wraps long lines
     assert code == 0

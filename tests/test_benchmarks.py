@@ -22,8 +22,9 @@ from minillm.benchmarks import cpu_model
 from minillm.benchmarks.all import BENCHMARKS, SIZES
 from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
 from minillm.benchmarks.tiers import percentile
-from minillm.cli import main, print_json
+from minillm.cli import main
 from minillm.config import ModelConfig
+from minillm.report import print_json
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-import minillm.chat_view
-from minillm.chat import Chat, first_difference
-from minillm.chat_view import STATES, state_counts, summary_lines
+import minillm.chat.view
+from minillm.chat import Chat
+from minillm.chat.compare import first_difference
+from minillm.chat.view import STATES, state_counts, summary_lines
 from minillm.engine import LLM, SamplingParams
 from minillm.memory import bytes_per_slot
 from minillm.tokenizer import Tokenizer
@@ -124,7 +125,7 @@ def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dty
                 filling_seen += device["filling"]
                 assert (host["private"] + host["shared"]) * 16 == stats.host_reserved_slots
                 assert host["cached"] == sum(manager.tier(b) == "host" for b in manager.prefix_cache.entries)
-                lines = summary_lines(engine, minillm.chat_view.ReplyMeter())
+                lines = summary_lines(engine, minillm.chat.view.ReplyMeter())
                 names = ", ".join(f"{device[s]:,} {name}" for s, (_, _, name) in STATES.items()
                                   if s != "filling" or device[s])
                 assert lines[0] == f"blocks: {names} of 12"
@@ -170,7 +171,7 @@ def test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal(chat_
 
 @pytest.mark.parametrize("columns", [80, 60])
 def test_the_live_panel_is_drawn_in_a_terminal_within_its_columns(chat_dir, parts, monkeypatch, columns):
-    monkeypatch.setattr(minillm.chat_view, "REDRAW_SECONDS", 0.0)  # draw on every token
+    monkeypatch.setattr(minillm.chat.view, "REDRAW_SECONDS", 0.0)  # draw on every token
     console = Console(file=io.StringIO(), width=columns, height=30, force_terminal=True)
     chat = new_chat(chat_dir, parts, console=console)
     chat.reply("Say hello " * 40)

@@ -24,7 +24,8 @@ from conftest import tiny_with_real_tokenizer
 from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
-from minillm.serve.app import build_app, parse_metrics
+from minillm.serve.app import build_app
+from minillm.serve.metrics import parse_metrics
 from minillm.serve.engine_loop import EngineLoop
 
 CONTEXT = 1024

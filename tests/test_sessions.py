@@ -80,7 +80,7 @@ def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp
 
 def chat(monkeypatch, capsys, real_dir, folder, lines, *flags):
     feed = iter(lines)
-    monkeypatch.setattr("minillm.cli.console.input", lambda prompt="": next(feed))
+    monkeypatch.setattr("minillm.report.console.input", lambda prompt="": next(feed))
     code = main(["chat", "--max-tokens", "6", "--model", str(real_dir), "--session", "notes",
                  "--sessions-dir", str(folder), *flags])
     out, err = capsys.readouterr()

@@ -27,7 +27,7 @@ QUESTION = "Explain in a few paragraphs how a KV cache makes text generation fas
 
 def bench_chat_view(model_dir: Path, rounds: int = 5, max_tokens: int = 128, dtype: str = "float32") -> dict:
     from minillm.chat import Chat
-    from minillm.chat_view import ReplyMeter, memory_panel
+    from minillm.chat.view import ReplyMeter, memory_panel
     from minillm.engine import LLM, SamplingParams
 
     llm = LLM(model_dir, dtype=dtype, prefix_caching=True)

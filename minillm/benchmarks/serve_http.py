@@ -100,7 +100,7 @@ def get(port: int, path: str) -> bytes:
 
 
 def metrics(port: int) -> dict:
-    from minillm.serve.app import parse_metrics
+    from minillm.serve.metrics import parse_metrics
     return parse_metrics(get(port, "/metrics").decode())
 
 

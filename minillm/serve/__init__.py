@@ -1,10 +1,13 @@
 """`minillm serve`: the engine behind an OpenAI-compatible HTTP server (vLLM's routes and shapes).
 
-protocol.py     request bodies -> Jobs (prompt ids, SamplingParams, stop strings), response and
-                stream-chunk bodies, OpenAI's error body; no web framework
+protocol.py     request bodies -> Jobs (prompt ids, SamplingParams, stop strings), OpenAI's error
+                body; no web framework
+responses.py    each choice's text as tokens arrive, response and stream-chunk bodies
 engine_loop.py  the engine in its own thread, fed by a command queue; Submission, one HTTP
                 request's side (outputs as they come, abort on close)
+commands.py     what crosses between the threads: Add, Abort, Call, Stop, and each request's Reply
 app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+metrics.py      /metrics: the snapshot and the loop's counters in Prometheus' text format
 
 FastAPI and uvicorn are an optional extra: pip install -e ".[serve]".
 """

@@ -9,14 +9,14 @@
 
 Every route runs on the event loop; the engine runs in a thread of its own (`engine_loop.py`). A
 request's body is checked first (`protocol.py`): a malformed or too long one gets a 400 with
-OpenAI's error body, an unknown model a 404, and nothing reaches the engine. A client that goes
+OpenAI's error body, an unknown model a 404, and nothing reaches the engine. The answer's shapes
+are `responses.py`'s, /metrics' are `metrics.py`'s. A client that goes
 away, while its request waits or streams, aborts it: its blocks are free before the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -24,9 +24,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from minillm.serve.engine_loop import EngineLoop, RequestRefused, Submission
-from minillm.serve.protocol import (DONE, APIError, ChoiceText, Job, chunk, delta_choice, error_body, parse_chat,
-                                    parse_completion, parse_json, response_body, sse, usage)
+from minillm.serve.commands import RequestRefused
+from minillm.serve.engine_loop import EngineLoop, Submission
+from minillm.serve.metrics import metric_values, prometheus
+from minillm.serve.protocol import APIError, Job, error_body, parse_chat, parse_completion, parse_json
+from minillm.serve.responses import DONE, ChoiceText, chunk, delta_choice, response_body, sse, usage
 
 
 def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = True) -> FastAPI:
@@ -42,8 +44,14 @@ def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = Tru
 
     app = FastAPI(title="minillm", description="An OpenAI-compatible server on the minillm engine.",
                   lifespan=lifespan)
-    engine = engine_loop.engine
-    vocab_size = engine.model.config.vocab_size
+    _add_error_handlers(app)
+    _add_completion_routes(app, engine_loop, model_name)
+    _add_status_routes(app, engine_loop, model_name)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, in OpenAI's error body."""
 
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
@@ -57,34 +65,22 @@ def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = Tru
     async def validation_error(_, err: RequestValidationError):
         return JSONResponse(error_body(400, str(err)), status_code=400)
 
-    def job_of(parse, raw: bytes) -> Job:
-        body = parse_json(raw)
-        model = body.get("model", model_name)
-        if model != model_name:
-            raise APIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.", "model")
-        return parse(body, engine.tokenizer, model_name, engine.context_len, vocab_size)
 
-    async def answer(request: Request, parse):
-        job = job_of(parse, await request.body())
-        submission = engine_loop.submit(job.prompts, job.params, job.id)
-        try:
-            await submission.start()
-        except RequestRefused as err:
-            raise APIError(400, str(err)) from None
-        except RuntimeError as err:
-            raise APIError(503, str(err)) from None
-        answer = Answer(job, submission, engine)
-        if job.stream:
-            return EventStream(answer.events(request), submission)
-        return await answer.whole(request)
+def _add_completion_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -> None:
+    """POST /v1/completions and /v1/chat/completions."""
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await answer(request, parse_completion)
+        return await _answer(request, parse_completion, engine_loop, model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await answer(request, parse_chat)
+        return await _answer(request, parse_chat, engine_loop, model_name)
+
+
+def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -> None:
+    """GET /v1/models, /health and /metrics."""
+    engine = engine_loop.engine
 
     @app.get("/v1/models")
     async def models():
@@ -95,17 +91,46 @@ def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = Tru
     @app.get("/health")
     async def health():
         if not engine_loop.alive:
-            return JSONResponse(error_body(503, engine_loop.error or "The engine loop is not running."), 503)
+            return _unavailable(engine_loop)
         return Response(status_code=200)
 
     @app.get("/metrics")
     async def metrics():
         if not engine_loop.alive:
-            return JSONResponse(error_body(503, engine_loop.error or "The engine loop is not running."), 503)
-        return PlainTextResponse(prometheus(await engine_loop.call(snapshot)),
+            return _unavailable(engine_loop)
+        return PlainTextResponse(prometheus(await engine_loop.call(metric_values)),
                                  media_type="text/plain; version=0.0.4")
 
-    return app
+
+def _unavailable(engine_loop: EngineLoop) -> JSONResponse:
+    return JSONResponse(error_body(503, engine_loop.error or "The engine loop is not running."), 503)
+
+
+def _job_of(parse, raw: bytes, engine, model_name: str) -> Job:
+    """The request body checked (`protocol.py`) into a Job; another model's name is a 404."""
+    body = parse_json(raw)
+    model = body.get("model", model_name)
+    if model != model_name:
+        raise APIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.",
+                       "model")
+    return parse(body, engine.tokenizer, model_name, engine.context_len, engine.model.config.vocab_size)
+
+
+async def _answer(request: Request, parse, engine_loop: EngineLoop, model_name: str):
+    """Run one request on the engine: a stream of events, or one body at the end."""
+    engine = engine_loop.engine
+    job = _job_of(parse, await request.body(), engine, model_name)
+    submission = engine_loop.submit(job.prompts, job.params, job.id)
+    try:
+        await submission.start()
+    except RequestRefused as err:
+        raise APIError(400, str(err)) from None
+    except RuntimeError as err:
+        raise APIError(503, str(err)) from None
+    answer = Answer(job, submission, engine)
+    if job.stream:
+        return EventStream(answer.events(request), submission)
+    return await answer.whole(request)
 
 
 class EventStream(StreamingResponse):
@@ -198,97 +223,3 @@ async def watch_disconnect(request: Request, submission: Submission) -> None:
         if message["type"] == "http.disconnect":
             submission.close()
             return
-
-
-# ----------------------------------------------------------------------------- /metrics
-
-def snapshot(engine_loop: EngineLoop) -> dict:
-    """What /metrics shows, read on the engine thread between two steps."""
-    engine = engine_loop.engine
-    manager, scheduler = engine.block_manager, engine.scheduler
-    states = Counter(manager.block_state(block) for block in range(manager.num_blocks))
-    memory = engine.memory_stats()
-    cache = manager.prefix_cache
-    finished = Counter()
-    for reason, count in engine_loop.finished.items():
-        finished[{"eos": "stop"}.get(reason, reason)] += count
-    return {
-        "num_requests_running": len({seq.request_id for seq in scheduler.running}),
-        "num_requests_waiting": len({seq.request_id for seq in scheduler.waiting}),
-        "kv_blocks_total": manager.num_blocks,
-        "kv_blocks": {state: states.get(state, 0) for state in ("free", "cached", "private", "shared")},
-        "kv_cache_usage_perc": (manager.num_blocks - manager.num_free_blocks) / manager.num_blocks,
-        "kv_utilization": memory.utilization,
-        "kv_bytes_per_token": memory.bytes_per_slot,
-        "kv_block_size": manager.block_size,
-        "host_blocks_total": manager.num_host_blocks,
-        "host_blocks_used": manager.blocks_in_use("host"),
-        "disk_blocks_used": manager.blocks_in_use("disk"),
-        "prefix_cache_queries_total": cache.queried_blocks * cache.block_size if cache else 0,
-        "prefix_cache_hits_total": cache.hit_blocks * cache.block_size if cache else 0,
-        "prefix_cache_hit_rate": cache.hit_rate if cache else 0.0,
-        "prompt_tokens_total": engine_loop.prompt_tokens,
-        "generation_tokens_total": engine.stats.tokens_generated,
-        "generation_tokens_per_second": engine_loop.tokens_per_second(),
-        "num_preemptions_total": engine.num_preemptions,
-        "request_success_total": dict(finished),
-        "requests_aborted_total": engine_loop.aborted,
-        "engine_steps_total": engine.stats.steps,
-    }
-
-
-METRIC_HELP = {
-    "num_requests_running": ("gauge", "Requests with sequences in the running batch."),
-    "num_requests_waiting": ("gauge", "Requests waiting to be scheduled (the queue)."),
-    "kv_blocks_total": ("gauge", "KV blocks in the device pool."),
-    "kv_blocks": ("gauge", "Device KV blocks by state: free, cached (free, findable by prefix), private, shared."),
-    "kv_cache_usage_perc": ("gauge", "Fraction of device KV blocks held by sequences (1 = full)."),
-    "kv_utilization": ("gauge", "Live token slots / slots in held blocks (the rest is the last blocks' tails)."),
-    "kv_bytes_per_token": ("gauge", "Bytes of KV per token slot, all layers, K and V, scales included."),
-    "kv_block_size": ("gauge", "Token slots per KV block."),
-    "host_blocks_total": ("gauge", "Blocks in the host tier (0: no host tier)."),
-    "host_blocks_used": ("gauge", "Host-tier blocks in use (swapped-out sequences, spilled prefixes)."),
-    "disk_blocks_used": ("gauge", "Disk-tier blocks in use."),
-    "prefix_cache_queries_total": ("counter", "Prompt tokens in full blocks looked up in the prefix cache."),
-    "prefix_cache_hits_total": ("counter", "Of those, tokens found (not computed again)."),
-    "prefix_cache_hit_rate": ("gauge", "prefix_cache_hits_total / prefix_cache_queries_total."),
-    "prompt_tokens_total": ("counter", "Prompt tokens of the requests accepted."),
-    "generation_tokens_total": ("counter", "Tokens generated."),
-    "generation_tokens_per_second": ("gauge", "Tokens generated per second over the last 10 s."),
-    "num_preemptions_total": ("counter", "Sequences preempted when KV blocks ran out."),
-    "request_success_total": ("counter", "Requests finished, by finish reason."),
-    "requests_aborted_total": ("counter", "Requests aborted because their client disconnected."),
-    "engine_steps_total": ("counter", "Engine steps (one batched forward pass each)."),
-}
-LABELS = {"kv_blocks": "state", "request_success_total": "finished_reason"}
-
-
-def prometheus(values: dict) -> str:
-    """The snapshot in Prometheus' text format, every name prefixed `minillm:` (vLLM's are `vllm:`)."""
-    lines = []
-    for name, value in values.items():
-        kind, help_text = METRIC_HELP[name]
-        lines += [f"# HELP minillm:{name} {help_text}", f"# TYPE minillm:{name} {kind}"]
-        if isinstance(value, dict):
-            lines += [f'minillm:{name}{{{LABELS[name]}="{label}"}} {number}' for label, number in value.items()]
-        else:
-            lines.append(f"minillm:{name} {float(value) if isinstance(value, float) else value}")
-    return "\n".join(lines) + "\n"
-
-
-def parse_metrics(text: str) -> dict:
-    """The other way, for tests and the benchmark: {"kv_blocks": {"free": 12, ...}, "kv_blocks_total": 16, ...}."""
-    values: dict = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        key, number = line.rsplit(" ", 1)
-        key = key.removeprefix("minillm:")
-        value = float(number) if any(c in number for c in ".en") else int(number)
-        if "{" in key:
-            name, label = key[:-1].split("{", 1)
-            values.setdefault(name, {})[label.split("=", 1)[1].strip('"')] = value
-        else:
-            values[key] = value
-    return values
-

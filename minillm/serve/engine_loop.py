@@ -4,15 +4,17 @@ The engine is not thread-safe and need not be: only the engine thread touches it
 thread under `minillm serve`, the one that loaded the model (with OpenMP, torch's parallel
 regions ran ~20% slower, small ones 2x, in a thread started after another had run them; the
 HTTP server gets a thread instead), a thread of its own in the tests. Everything else talks to it
-through one queue of commands, read between steps:
-    add     queue a request (its prompt ids and SamplingParams); the answer, accepted or refused
+through one queue of commands (`commands.py`), read between steps:
+    Add     queue a request (its prompt ids and SamplingParams); the answer, accepted or refused
             with the engine's reason (a KV budget it can never fit, ...), goes back to the caller;
-    abort   stop a request now (its client went away, or every choice met a stop string): its
+    Abort   stop a request now (its client went away, or every choice met a stop string): its
             blocks go back to the pool at once;
-    call    run a function on the engine and hand back its result (what /metrics reads).
-When requests are running the thread steps the engine and sends each output to the asyncio queue
-of the request it belongs to, one `call_soon_threadsafe` per step for all of them; when none are,
-it sleeps on the command queue.
+    Call    run a function on the engine and hand back its result (what /metrics reads);
+    Stop    return from run().
+Each request's outputs go to its `Reply`: an asyncio queue on the caller's event loop. When requests
+are running the thread steps the engine and sends each output to its request's Reply, one
+`call_soon_threadsafe` per event loop per step for all of them; when none are, it sleeps on the
+command queue.
 
 `Submission` is one HTTP request's side: it queues its prompts, waits until the engine has
 accepted them, yields (prompt index, RequestOutput) as they arrive, and aborts whatever is still
@@ -27,26 +29,30 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, NamedTuple
 
 import torch
 
 from minillm.engine import LLMEngine, RequestOutput
-from minillm.engine.sequence import Status
 from minillm.sampling import SamplingParams
+from minillm.serve.commands import Abort, Add, Call, Reply, RequestRefused, Stop, deliver
 
 RATE_WINDOW_S = 10.0  # generation tokens/s is measured over the steps of the last 10 s
 
 
-class RequestRefused(Exception):
-    """The engine refused a request at admission; the message says why (the client's 400)."""
+class StepTime(NamedTuple):
+    """One engine step, for the tokens/s of /metrics."""
+
+    start: float
+    end: float
+    tokens: int  # tokens generated
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, threads: int | None = None):
         self.engine, self.threads = engine, threads
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
-        self.sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, int]] = {}
+        self.replies: dict[str, Reply] = {}  # request id -> where its outputs go
         self.thread: threading.Thread | None = None  # set by start(); None when a caller runs run() itself
         self.running = False
         self.error: str | None = None  # set if the loop itself broke (a bug): /health reports it
@@ -54,7 +60,7 @@ class EngineLoop:
         self.prompt_tokens = 0
         self.finished = Counter()  # finish reason -> requests
         self.aborted = 0  # requests aborted because their client went away
-        self.recent_steps: deque[tuple[float, float, int]] = deque()  # (start, end, tokens generated)
+        self.recent_steps: deque[StepTime] = deque()
         self.started_at = time.time()
 
     # ------------------------------------------------------------------ lifetime (any thread)
@@ -67,7 +73,7 @@ class EngineLoop:
 
     def stop(self) -> None:
         """Make run() return after the command it is on; wait for it when it runs in our thread."""
-        self.commands.put(("stop",))
+        self.commands.put(Stop())
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
 
@@ -98,19 +104,18 @@ class EngineLoop:
 
     def fail_all(self, error: str) -> None:
         """End every request still answered, and every command still waiting, with `error`."""
-        for loop, out_queue, index in self.sinks.values():
-            deliver_soon(loop, out_queue, index, RuntimeError(error))
-        self.sinks.clear()
+        for reply in self.replies.values():
+            reply.send_soon(RuntimeError(error))
+        self.replies.clear()
         while True:
             try:
                 command = self.commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                loop, out_queue, index = command[5]
-                deliver_soon(loop, out_queue, index, RuntimeError(error))
-            elif command[0] == "call":
-                command[2].set_exception(RuntimeError(error))
+            if isinstance(command, Add):
+                command.reply.send_soon(RuntimeError(error))
+            elif isinstance(command, Call):
+                command.future.set_exception(RuntimeError(error))
 
     def serve_commands(self) -> bool:
         """Carry out every command waiting (when idle, wait up to 1 s for one); False on stop."""
@@ -126,75 +131,73 @@ class EngineLoop:
             except queue.Empty:
                 break
         for command in commands:
-            if command[0] != "stop":
-                self.obey(command)
-        return not any(command[0] == "stop" for command in commands)
+            match command:
+                case Add():
+                    self.add(command)
+                case Abort():
+                    self.abort(command)
+                case Call():
+                    self.call_now(command)
+        return not any(isinstance(command, Stop) for command in commands)
 
-    def obey(self, command: tuple) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, request_id, prompt_ids, params, arrival, sink = command
-            self.add(request_id, prompt_ids, params, arrival, sink)
-        elif kind == "abort":
-            _, request_id, reason = command
-            self.sinks.pop(request_id, None)
-            if request_id in self.engine.requests:
-                self.engine.abort(request_id)
-                if reason == "disconnect":
-                    self.aborted += 1
-                elif reason == "stop":  # every choice met a stop string: a request answered
-                    self.finished[reason] += 1
-        elif kind == "call":
-            _, fn, future = command
-            try:
-                future.set_result(fn(self))
-            except Exception as err:
-                future.set_exception(err)
-
-    def add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float, sink) -> None:
-        loop, out_queue, index = sink
+    def add(self, command: Add) -> None:
         try:
-            self.engine.add_request(prompt_ids, params, request_id=request_id, arrival_time=arrival)
+            self.engine.add_request(command.prompt_ids, command.params, request_id=command.request_id,
+                                    arrival_time=command.arrival)
         except ValueError as err:
-            deliver_soon(loop, out_queue, index, RequestRefused(str(err)))
+            command.reply.send_soon(RequestRefused(str(err)))
             return
-        seq = self.engine.requests[request_id][0]
-        if seq.status is Status.FINISHED:  # refused at admission (its reason is the sequence's error)
-            self.engine.abort(request_id)
-            deliver_soon(loop, out_queue, index, RequestRefused(seq.error))
+        refusal = self.engine.refusal(command.request_id)
+        if refusal is not None:  # refused at admission: it never runs
+            self.engine.abort(command.request_id)
+            command.reply.send_soon(RequestRefused(refusal))
             return
-        self.prompt_tokens += len(prompt_ids)
-        self.sinks[request_id] = sink
-        deliver_soon(loop, out_queue, index, None)  # accepted
+        self.prompt_tokens += len(command.prompt_ids)
+        self.replies[command.request_id] = command.reply
+        command.reply.send_soon(None)  # accepted
+
+    def abort(self, command: Abort) -> None:
+        self.replies.pop(command.request_id, None)
+        if self.engine.has_request(command.request_id):
+            self.engine.abort(command.request_id)
+            if command.reason == "disconnect":
+                self.aborted += 1
+            elif command.reason == "stop":  # every choice met a stop string: a request answered
+                self.finished[command.reason] += 1
+
+    def call_now(self, command: Call) -> None:
+        try:
+            command.future.set_result(command.fn(self))
+        except Exception as err:
+            command.future.set_exception(err)
 
     def step(self) -> None:
         start, generated = time.perf_counter(), self.engine.stats.tokens_generated
         outputs = self.engine.step()
         end = time.perf_counter()
-        self.recent_steps.append((start, end, self.engine.stats.tokens_generated - generated))
-        while self.recent_steps and self.recent_steps[0][1] < end - RATE_WINDOW_S:
+        self.recent_steps.append(StepTime(start, end, self.engine.stats.tokens_generated - generated))
+        while self.recent_steps and self.recent_steps[0].end < end - RATE_WINDOW_S:
             self.recent_steps.popleft()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Reply, RequestOutput]]] = {}
         for out in outputs:
-            sink = self.sinks.pop(out.request_id, None) if out.finished else self.sinks.get(out.request_id)
+            replies = self.replies
+            reply = replies.pop(out.request_id, None) if out.finished else replies.get(out.request_id)
             if out.finished:
                 self.finished[out.finish_reason] += 1
-            if sink is not None:
-                loop, out_queue, index = sink
-                by_loop.setdefault(loop, []).append((out_queue, index, out))
+            if reply is not None:
+                by_loop.setdefault(reply.loop, []).append((reply, out))
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(deliver, items)
             except RuntimeError:  # that event loop has closed: nobody is listening
                 pass
 
-
     def tokens_per_second(self) -> float:
         """Tokens generated over the steps of the last RATE_WINDOW_S seconds, per second of wall time
         from the first of them to now (0 when idle that long)."""
         now = time.perf_counter()
-        steps = [s for s in self.recent_steps if s[1] >= now - RATE_WINDOW_S]
-        return sum(s[2] for s in steps) / (now - steps[0][0]) if steps else 0.0
+        steps = [step for step in self.recent_steps if step.end >= now - RATE_WINDOW_S]
+        return sum(step.tokens for step in steps) / (now - steps[0].start) if steps else 0.0
 
     # ------------------------------------------------------------------ callers (the event loop)
     async def call(self, fn: Callable[["EngineLoop"], object]):
@@ -202,23 +205,11 @@ class EngineLoop:
         if not self.alive:
             raise RuntimeError(self.error or "The engine loop is not running.")
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self.commands.put(("call", fn, future))
+        self.commands.put(Call(fn, future))
         return await asyncio.wrap_future(future)
 
     def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> "Submission":
         return Submission(self, prompts, params, request_id)
-
-
-def deliver_soon(loop: asyncio.AbstractEventLoop, out_queue: asyncio.Queue, index: int, item) -> None:
-    try:
-        loop.call_soon_threadsafe(out_queue.put_nowait, (index, item))
-    except RuntimeError:  # that event loop has closed already: nobody is listening
-        pass
-
-
-def deliver(items: list[tuple[asyncio.Queue, int, RequestOutput]]) -> None:
-    for out_queue, index, out in items:
-        out_queue.put_nowait((index, out))
 
 
 class Submission:
@@ -238,7 +229,8 @@ class Submission:
             raise RuntimeError(self.engine_loop.error or "The engine loop is not running.")
         loop, arrival = asyncio.get_running_loop(), time.perf_counter()
         for index, (request_id, prompt) in enumerate(zip(self.ids, self.prompts)):
-            self.engine_loop.commands.put(("add", request_id, prompt, self.params, arrival, (loop, self.queue, index)))
+            reply = Reply(loop, self.queue, index)
+            self.engine_loop.commands.put(Add(request_id, prompt, self.params, arrival, reply))
         refused = None
         for _ in self.ids:
             index, answer = await self.queue.get()
@@ -267,7 +259,7 @@ class Submission:
         """Stop prompt `index`'s engine request (e.g. all its choices met a stop string)."""
         if index in self.running:
             self.running.discard(index)
-            self.engine_loop.commands.put(("abort", self.ids[index], reason))
+            self.engine_loop.commands.put(Abort(self.ids[index], reason))
 
     def close(self, reason: str = "disconnect") -> None:
         """Abort every request still running; wake a reader waiting in outputs()."""

@@ -9,31 +9,27 @@
     minillm eval ppl --eviction h2o --kv-budget 0.2
 
 Each command is a pair: `add_X(subparsers)` declares its flags, `cmd_X(args)` runs it. The flags
-several commands share live in `cli_flags`; the commands that measure (bench, eval) in
-`cli_measure`. Every error a user can cause (missing weights, a bad switch, a prompt too long) ends
-in one line on stderr that says what to do, and exit status 2. Every command that measures takes
---json and prints one JSON object.
+several commands share live in `flags.py`; serve in `serve.py`; the commands that measure (bench,
+eval) in `measure.py` and `measure_memory.py`. Every error a user can cause (missing weights, a bad
+switch, a prompt too long) ends in one line on stderr that says what to do, and exit status 2.
+Every command that measures takes --json and prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 from pathlib import Path
 
-from rich.console import Console
-
 from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
-from minillm.cli_flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
-                               add_sampling_args, add_tier_args, engine_switches, positive_int, sampling_from,
-                               tier_switches, whole_number)
-from minillm.cli_measure import add_bench, add_eval
+from minillm.cli.flags import (add_kv_quantization_args, add_model_args, add_sampling_args, add_switch,
+                               add_tier_args, engine_switches, sampling_from)
+from minillm.cli.measure import add_bench
+from minillm.cli.measure_memory import add_eval
+from minillm.cli.serve import add_serve
 from minillm.config import DTYPES, ConfigError, EngineConfig
-from minillm.report import console, print_json
+from minillm.report import console, err_console, print_json
 from minillm.runtime import Runtime
-
-err_console = Console(stderr=True)
 
 
 def runtime_from(args) -> Runtime:
@@ -51,8 +47,8 @@ def add_generate(subparsers) -> None:
     gen.add_argument("--decoder", choices=["naive", "cached", "paged"], default="cached",
                      help="naive recomputes everything per token (the oracle); cached keeps a KV cache; paged "
                           "runs the serving engine (paged KV, tiers) and --json reports its memory per tier")
-    gen.add_argument("--kv-cache-mb", type=positive_int, default=512,
-                     help="with --decoder paged: the device KV pool in MiB (default: 512)")
+    add_switch(gen, "kv_cache_bytes",
+               help="with --decoder paged: the device KV pool in MiB (default: %(default)s)")
     add_sampling_args(gen, max_tokens=128)
     add_tier_args(gen)
     add_model_args(gen)
@@ -88,32 +84,34 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
     """The same request on the serving engine; --json adds its memory per tier and its preemptions."""
     from minillm.engine import LLM
 
-    llm = LLM(args.model, model=runtime.model, tokenizer=runtime.tokenizer, dtype=args.dtype, device=args.device,
-              kv_cache_bytes=args.kv_cache_mb * 2**20, **tier_switches(args))
+    llm = LLM(model=runtime.model, tokenizer=runtime.tokenizer, **engine_switches(args))
     out, text = None, runtime.tokenizer.stream_decoder()
     for out in llm.stream(prompt_ids, params):
         if not args.json and out.token_ids and out.token_ids[-1] != runtime.tokenizer.eos_token_id:
             console.print(text.feed(out.token_ids[-1]), end="", markup=False, highlight=False)
     if out.error:
         raise ValueError(out.error)
-    engine = llm.engine
     if not args.json:
         console.print(text.flush())
         return
-    snapshots = engine.stats.memory
-    scheduler = engine.scheduler
     print_json({"prompt": args.prompt, "prompt_ids": out.prompt_token_ids, "generated_ids": out.token_ids,
                 "text": out.text, "finish_reason": out.finish_reason, "decoder": "paged",
-                "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot},
-                "memory": snapshots[-1].as_dict(),
-                "memory_peak": {"device_reserved_bytes": max(m.as_dict()["reserved_bytes"] for m in snapshots),
-                                "host_reserved_bytes": max(m.as_dict()["host_reserved_bytes"] for m in snapshots),
-                                "disk_reserved_bytes": max(m.as_dict()["disk_reserved_bytes"] for m in snapshots)},
-                "ladder": dict(engine.stats.rungs),
-                "preemption": {"mode": engine.pressure.preemption, "preemptions": scheduler.num_preemptions,
-                               "swapped_out": scheduler.num_swapped_out, "swapped_in": scheduler.num_swapped_in,
-                               "prefetched": scheduler.num_prefetched,
-                               "tokens_recomputed": scheduler.num_recomputed_tokens}})
+                "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot}, **_engine_memory(llm.engine)})
+
+
+def _engine_memory(engine) -> dict:
+    """generate --json's memory report: per tier now and at the peak, the ladder's rungs, preemptions."""
+    steps, memory = [stats.as_dict() for stats in engine.stats.memory], engine.snapshot()
+    counters = memory.counters
+    return {"memory": steps[-1],
+            "memory_peak": {"device_reserved_bytes": max(step["reserved_bytes"] for step in steps),
+                            "host_reserved_bytes": max(step["host_reserved_bytes"] for step in steps),
+                            "disk_reserved_bytes": max(step["disk_reserved_bytes"] for step in steps)},
+            "ladder": dict(engine.stats.rungs),
+            "preemption": {"mode": memory.preemption, "preemptions": counters["preemptions"],
+                           "swapped_out": counters["swapped_out"], "swapped_in": counters["swapped_in"],
+                           "prefetched": counters["prefetched"],
+                           "tokens_recomputed": counters["recomputed_tokens"]}}
 
 
 # ----------------------------------------------------------------------------- chat
@@ -140,96 +138,9 @@ def cmd_chat(args) -> None:
     from minillm.engine import LLM
 
     session = session_path(args.sessions_dir, args.session) if args.session is not None else None
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, prefix_caching=True, kv_dtype=args.kv_dtype,
-              kv_key_scales=args.kv_key_scales)
+    llm = LLM(prefix_caching=True, **engine_switches(args))
     chat = Chat(llm, sampling_from(args), args.system, session, args.sessions_dir, live=not args.no_live)
     chat.run(args.model.name)
-
-
-# ----------------------------------------------------------------------------- serve
-
-SERVE_EXAMPLES = """\
-examples:
-  minillm serve                                   # http://127.0.0.1:8000/v1, the default model
-  minillm serve --prefix-caching --kv-dtype int8  # engine switches are the other commands' flags
-  curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
-       -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 16}'
-  curl http://127.0.0.1:8000/metrics              # KV blocks per state, hit rate, queue, tokens/s
-
-Sampling defaults are the OpenAI API's (temperature 1; 0 is greedy), set per request. What minillm
-does not implement (logprobs, echo, penalties, tools, ...) gets a 400 that names it.
-"""
-
-
-def add_serve(subparsers) -> None:
-    serve = subparsers.add_parser(
-        "serve", help="an OpenAI-compatible HTTP server on the engine (vLLM's routes)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EXAMPLES,
-        description=textwrap.fill("Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
-                    "/v1/chat/completions (\"stream\": true sends server-sent events), GET /v1/models, /health and "
-                    "/metrics (Prometheus text). One engine loop (the main thread; HTTP runs in another) batches "
-                    "every request in flight; a client that disconnects aborts its request and its KV blocks go "
-                    "back at once. "
-                    "Needs the serve extra: pip install -e \".[serve]\".", 100))
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)")
-    serve.add_argument("--port", type=whole_number(0, "a port number"), default=8000, help="(default: 8000)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the name clients pass as \"model\" (default: the model folder's name, e.g. "
-                            "SmolLM2-135M-Instruct); any other name gets a 404")
-    serve.add_argument("--threads", type=positive_int, default=None,
-                       help="torch threads for the engine (default: torch's, one per core; fewer are steadier "
-                            "on a CPU shared with other work)")
-    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
-                       help="uvicorn's log level; info logs every request (default: info)")
-    add_engine_args(serve)
-    add_kv_quantization_args(serve)
-    add_eviction_args(serve)
-    add_tier_args(serve)
-    add_model_args(serve)
-    serve.set_defaults(func=cmd_serve)
-
-
-def cmd_serve(args) -> None:
-    """HTTP in a thread, the engine in the main thread, which loaded the model: torch's parallel
-    regions ran ~20% slower in a thread started after another had run them (OpenMP, measured on
-    the 2-core development CPU), and the engine is where the time goes."""
-    import socket
-    import threading
-
-    from minillm.serve import missing_server_packages
-
-    problem = missing_server_packages()
-    if problem:
-        raise ConfigError(problem)
-    import uvicorn
-
-    from minillm.engine import LLMEngine
-    from minillm.serve.app import build_app
-    from minillm.serve.engine_loop import EngineLoop
-
-    try:  # the address first: a port in use is one line before the weights are loaded
-        sock = socket.create_server((args.host, args.port))
-    except OSError as err:
-        raise ConfigError(f"Cannot listen on {args.host}:{args.port} ({err.strerror or err}); "
-                          "choose another --port or --host.") from None
-    engine = LLMEngine(EngineConfig(**engine_switches(args)))
-    name = args.served_model_name or Path(args.model).name
-    host, port = sock.getsockname()[:2]
-    engine_loop = EngineLoop(engine, args.threads)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine_loop, name, start_engine=False), log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
-    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
-    err_console.print(f"minillm serve: {name} on http://{host}:{port}/v1 ({engine.block_manager.num_blocks} KV "
-                      f"blocks of {engine.config.block_size} tokens); Ctrl-C stops", soft_wrap=True)
-    http.start()
-    try:
-        engine_loop.run(while_true=http.is_alive)  # until the server's shutdown stops it, or Ctrl-C
-    finally:
-        server.should_exit = True
-        http.join()
-    if engine_loop.error:  # a bug: say so, and exit with a status that says it too
-        raise SystemExit(f"error: {engine_loop.error}")
 
 
 # ----------------------------------------------------------------------------- info

@@ -4,42 +4,34 @@ A chat model has no memory between turns: every turn's prompt is the whole conve
 rendered by the chat template, so the prompt grows with each turn. Run on the serving engine with
 the prefix cache on, the KV blocks an earlier turn computed are found in the cache, and only the
 newest turn is prefilled. While a reply streams, a panel below it draws the KV pool block by
-block (`chat_view.py`): which blocks this conversation holds, which are shared with the prefix
+block (`view.py`): which blocks this conversation holds, which are shared with the prefix
 cache, which wait cached for a later prompt, which are free; bytes per token, prefix tokens
 reused, time to first token and tokens per second. Without a terminal the same numbers come as
 plain lines after each reply.
 
-Commands change the engine while the conversation stays: `/set kv_dtype int8` rebuilds the
-engine with int8 KV (the next reply prefills the conversation again into the new pool);
-`/compare kv_dtype int4` answers the last prompt twice, on fresh engines, as now and with the
-switch changed, and shows both side by side with the first token where they part
-(`chat_switches.py` lists the switches). `/memory` draws every block and the engine's accounting.
-
-Sessions: `/save NAME` parks the conversation's KV blocks and messages in one file
-(`memory/sessions.py`), `/load NAME` loads them back as cached prefix blocks, so the next reply
-prefills only the new turn. With `--session NAME` the chat starts from that session, if it
-exists, and parks itself there when it ends.
+Commands change the engine while the conversation stays: `/set kv_dtype int8` rebuilds it with
+int8 KV (the next reply prefills the conversation again into the new pool); `/compare kv_dtype
+int4` answers the last prompt on two fresh engines, as now and changed (`compare.py`; the switches
+are `switches.py`'s); `/memory` draws every block; `/save` and `/load` park and resume the
+conversation (`sessions.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
-from safetensors import safe_open
 
-from minillm.chat_switches import SWITCHES, Switch, parse_switch
-from minillm.chat_view import LiveView, ReplyMeter, full_map, summary_lines
+from minillm.chat.compare import Answer, answer, comparison_table, difference_line
+from minillm.chat.sessions import DEFAULT_SESSIONS_DIR, chat_messages, session_path, session_rows
+from minillm.chat.switches import SETTINGS, Setting, parse_setting
+from minillm.chat.view import LiveView, ReplyMeter, full_map, stats_line, summary_lines
 from minillm.config import ConfigError
-from minillm.memory import SessionError
 from minillm.report import console as default_console, print_table
 
 COMMANDS = {  # command -> (its arguments, what it does); /help prints them in this order
@@ -56,60 +48,6 @@ COMMANDS = {  # command -> (its arguments, what it does); /help prints them in t
 }
 CHAT_HELP = ("Commands: /set, /compare, /memory, /stats, /save, /load, /sessions, /reset, /help, /exit; "
              "a panel shows the KV pool while a reply streams.")
-SESSION_NAME = re.compile(r"\w[\w.-]*")
-DEFAULT_SESSIONS_DIR = Path.home() / ".cache" / "minillm" / "sessions"
-
-
-def session_path(sessions_dir: Path, name: str) -> Path:
-    """The file of session `name`; a name is a plain word, so the file stays inside the folder."""
-    if not SESSION_NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(f"Session name {name!r} must be letters, digits, '_', '-' or '.', like 'work-notes'.")
-    return Path(sessions_dir) / f"{name}.safetensors"
-
-
-def list_sessions(sessions_dir: Path) -> list[tuple[str, int, int]]:
-    """(name, tokens of KV, bytes on disk) of each parked session, by name."""
-    found = []
-    for path in sorted(Path(sessions_dir).glob("*.safetensors")):
-        try:
-            with safe_open(path, "pt") as f:
-                tokens = f.get_slice("token_ids").get_shape()[0]
-        except Exception:  # a damaged file is still listed, so the user can find and delete it
-            tokens = -1
-        found.append((path.stem, tokens, path.stat().st_size))
-    return found
-
-
-# ----------------------------------------------------------------------------- /compare
-@dataclass
-class Answer:
-    """One prompt answered on a fresh engine, for /compare."""
-
-    token_ids: list[int]
-    text: str
-    seconds: float  # prefill and decode, by the wall clock
-    ttft: float
-    kv_bytes: int  # the most KV the request held at once (whole blocks, scales included)
-    bytes_per_token: int
-
-
-def answer(llm, prompt_ids: list[int], params) -> Answer:
-    start = time.perf_counter()
-    out = llm.generate([prompt_ids], params)[0]
-    seconds = time.perf_counter() - start
-    if out.error:
-        raise ValueError(out.error)
-    engine = llm.engine
-    peak = max(snapshot.reserved_slots for snapshot in engine.stats.memory)
-    return Answer(out.token_ids, out.text, seconds, out.ttft, peak * engine.pool.bytes_per_slot,
-                  engine.pool.bytes_per_slot)
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """Index of the first token where a and b differ (or where the shorter one ends); None if equal."""
-    if a == b:
-        return None
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 # ----------------------------------------------------------------------------- the chat
@@ -191,7 +129,7 @@ class Chat:
         """After the first reply of a resumed session: the prefill the session saved, and what
         recomputing it would have cost at the prefill rate this run measured."""
         out, meter = self.last
-        rate = self.engine.swap_cost.prefill_rate()
+        rate = self.engine.snapshot().prefill_rate
         estimate = f"; recomputing them would take ~{meter.reused_tokens / rate * 1000:.0f} ms here" if rate else ""
         self.say(f"{meter.reused_tokens:,} of {len(out.prompt_token_ids):,} prompt tokens came from the session, "
                  f"first token in {out.ttft * 1000:.0f} ms{estimate}")
@@ -201,16 +139,7 @@ class Chat:
         if self.last is None:
             return "no reply yet"
         out, meter = self.last
-        engine = self.engine
-        per_token = engine.pool.bytes_per_slot
-        held = len(out.prompt_token_ids) + len(out.token_ids)
-        decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
-        cache = engine.block_manager.prefix_cache
-        return (f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
-                f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
-                f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
-                f"{len(cache.entries) if cache else 0} blocks cached, "
-                f"{engine.block_manager.num_free_blocks} of {engine.block_manager.num_blocks} blocks free")
+        return stats_line(self.engine.snapshot(), out, meter)
 
     # ------------------------------------------------------------------ /set and /compare
     def engine_with(self, fields: dict):
@@ -223,12 +152,12 @@ class Chat:
         model = engine.model if switches["dtype"] == config.dtype else None
         return LLM(config.model_dir, model=model, tokenizer=engine.tokenizer, **switches)
 
-    def current(self, switch: Switch, fields: dict) -> str:
+    def current(self, switch: Setting, fields: dict) -> str:
         owner = self.params if switch.where == "sampling" else self.engine.config
         return " ".join(f"{name}={getattr(owner, name)}" for name in fields)
 
     def do_set(self, words: str) -> None:
-        switch, fields = parse_switch(words)
+        switch, fields = parse_setting(words)
         if switch.where == "view":
             self.live = fields["live"]
             terminal = "" if self.console.is_terminal else " (stdout is not a terminal: plain lines stay)"
@@ -245,7 +174,7 @@ class Chat:
             self.say(f"engine rebuilt with {self.current(switch, fields)}{carried}")
 
     def do_compare(self, words: str) -> None:
-        switch, fields = parse_switch(words)
+        switch, fields = parse_setting(words)
         if switch.where == "view":
             raise ValueError("live changes only the drawing; /compare an engine or sampling switch")
         if self.last is None:
@@ -259,36 +188,16 @@ class Chat:
         after = answer(changed, prompt_ids, changed_params)
         self.show_comparison(switch, f"now: {self.current(switch, fields)}", f"with {words}", before, after)
 
-    def show_comparison(self, switch: Switch, name_a: str, name_b: str, a: Answer, b: Answer) -> None:
-        table = Table(title=f"/compare {switch.name} ({'lossy' if switch.lossy else 'lossless'})")
-        table.add_column("")
-        table.add_column(name_a, overflow="fold")
-        table.add_column(name_b, overflow="fold")
-        rows = [("text", a.text, b.text), ("tokens", f"{len(a.token_ids):,}", f"{len(b.token_ids):,}"),
-                ("time", f"{a.seconds:.2f} s", f"{b.seconds:.2f} s"),
-                ("first token", f"{a.ttft * 1000:,.0f} ms", f"{b.ttft * 1000:,.0f} ms"),
-                ("KV held", f"{a.kv_bytes / 2**20:,.2f} MiB", f"{b.kv_bytes / 2**20:,.2f} MiB"),
-                ("KV B/token", f"{a.bytes_per_token:,}", f"{b.bytes_per_token:,}")]
-        for row in rows:
-            table.add_row(*row)
-        self.console.print(table)
-        index = first_difference(a.token_ids, b.token_ids)
-        if index is None:
-            self.say(f"identical: all {len(a.token_ids):,} tokens are the same", style="bold")
-        else:
-            decode = self.engine.tokenizer.decode
-            token = lambda ids: repr(decode(ids[index:index + 1])) if index < len(ids) else "(ended)"
-            self.say(f"first differs at token {index}: {token(a.token_ids)} vs {token(b.token_ids)}", style="bold")
+    def show_comparison(self, switch: Setting, name_a: str, name_b: str, a: Answer, b: Answer) -> None:
+        title = f"/compare {switch.name} ({'lossy' if switch.lossy else 'lossless'})"
+        self.console.print(comparison_table(title, name_a, name_b, a, b))
+        self.say(difference_line(a, b, self.engine.tokenizer.decode), style="bold")
 
     # ------------------------------------------------------------------ sessions
     def resume(self) -> None:
         """Load the parked session: its messages become the history, its KV the prefix cache's."""
         token_ids, extra = self.engine.load_session(self.session)
-        messages = extra.get("messages")
-        if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                   and isinstance(m.get("content"), str) for m in messages)):
-            raise SessionError(f"Session {self.session.stem} holds no chat messages; start a new session.")
-        self.history = messages
+        self.history = chat_messages(extra, self.session.stem)
         self.last = None
         self.resumed_tokens = len(token_ids)
         self.say(f"resumed session {self.session.stem}: {len(self.history)} messages, "
@@ -330,8 +239,7 @@ class Chat:
         self.resume()
 
     def do_sessions(self, _: str) -> None:
-        rows = [[name, f"{tokens:,}" if tokens >= 0 else "damaged", f"{size / 2**20:.1f} MiB"]
-                for name, tokens, size in list_sessions(self.sessions_dir)]
+        rows = session_rows(self.sessions_dir)
         if rows:
             print_table(self.console, f"sessions in {self.sessions_dir}", ["name", "KV tokens", "on disk"], rows)
         else:
@@ -343,7 +251,7 @@ class Chat:
         for command, (arguments, what) in COMMANDS.items():
             commands.add_row(f"{command} {arguments}", what)
         switches = Table.grid(padding=(0, 2))
-        for switch in SWITCHES.values():
+        for switch in SETTINGS.values():
             kind = "view" if switch.where == "view" else "lossy" if switch.lossy else "lossless"
             switches.add_row(switch.name, switch.accepts, kind)
         self.console.print(commands, "switches of /set and /compare:", switches)

@@ -16,10 +16,11 @@ panel's title names the format, and its bytes per token include the scales. Besi
 bytes per token and in total, the prompt tokens the prefix cache saved, time to first token and
 decode speed.
 
-The states come from the engine (`LLMEngine.block_states`, which asks the block manager), so the
-map's counts are the engine's own accounting. Drawing costs time the reply does not get, so the
-live panel is redrawn at most four times a second, not on every token. Without a terminal (a pipe,
-CI) there is no live panel: the same numbers come as plain lines after each reply.
+The states come from the engine's snapshot (`LLMEngine.snapshot`, `memory/accounting.py`), taken
+once per drawing, so the map's counts are the engine's own accounting. Drawing costs time the
+reply does not get, so the live panel is redrawn at most four times a second, not on every token.
+Without a terminal (a pipe, CI) there is no live panel: the same numbers come as plain lines after
+each reply.
 """
 
 from __future__ import annotations
@@ -114,19 +115,19 @@ def legend(counts: dict[str, int]) -> Text:
     return line
 
 
-def pool_title(engine) -> str:
-    config, manager = engine.config, engine.block_manager
+def pool_title(config, memory) -> str:
+    """`config`: the EngineConfig; `memory`: the engine's MemorySnapshot."""
     stored = config.dtype if config.kv_dtype == "auto" else f"{config.kv_dtype} (scales per {config.kv_key_scales})"
-    return f"KV pool: {manager.num_blocks:,} blocks x {manager.block_size} tokens, {stored}"
+    return f"KV pool: {memory.num_blocks:,} blocks x {memory.block_size} tokens, {stored}"
 
 
-def bytes_line(engine, counts: dict[str, int]) -> str:
+def bytes_line(memory, counts: dict[str, int]) -> str:
     """Bytes per token, what the conversation holds (its blocks and the shared ones), the pool."""
-    per_token, block_size = engine.pool.bytes_per_slot, engine.block_manager.block_size
-    held = (counts["private"] + counts["filling"] + counts["shared"]) * block_size * per_token
-    staged = engine.pool.staged_bytes
+    per_token = memory.bytes_per_token
+    held = (counts["private"] + counts["filling"] + counts["shared"]) * memory.block_size * per_token
+    staged = memory.staged_bytes
     staging = f" + {staged / 2**10:,.0f} KiB keys staging" if staged else ""
-    return f"{per_token:,} B/token; held {mib(held)}{staging}; pool {mib(engine.pool.nbytes)}"
+    return f"{per_token:,} B/token; held {mib(held)}{staging}; pool {mib(memory.pool_bytes)}"
 
 
 def reply_line(meter: ReplyMeter) -> str:
@@ -135,7 +136,7 @@ def reply_line(meter: ReplyMeter) -> str:
     return f"prefix reused {meter.reused_tokens:,} tokens; first token {ttft}; {speed}; {meter.tokens:,} tokens"
 
 
-def tier_lines(tiers: dict[str, list[str]]) -> list[str]:
+def tier_lines(tiers: dict[str, tuple[str, ...]]) -> list[str]:
     """One line for the host pool and one for disk, when the engine has them."""
     lines = []
     if "host" in tiers:
@@ -150,7 +151,8 @@ def tier_lines(tiers: dict[str, list[str]]) -> list[str]:
 def memory_panel(engine, meter: ReplyMeter, rows: int = LIVE_ROWS, width: int = MAP_WIDTH) -> Panel:
     """The panel: the device map, its legend, the other tiers, bytes, and the reply's speed;
     `width` cells a row (the panel is 4 columns wider)."""
-    tiers = engine.block_states()
+    memory = engine.snapshot()
+    tiers = memory.blocks
     picture, per_cell = block_map(tiers["device"], rows, width)
     counts = state_counts(tiers["device"])
     scale = f" (1 cell = {per_cell} blocks)" if per_cell > 1 else ""
@@ -159,49 +161,68 @@ def memory_panel(engine, meter: ReplyMeter, rows: int = LIVE_ROWS, width: int = 
         if tiers[tier]:
             body.append(block_map(tiers[tier], TIER_ROWS, width)[0])
         body.append(Text(line))
-    body += [Text(bytes_line(engine, counts)), Text(reply_line(meter))]
-    return Panel(Group(*body), title=pool_title(engine) + scale, title_align="left", width=width + 4)
+    body += [Text(bytes_line(memory, counts)), Text(reply_line(meter))]
+    title = pool_title(engine.config, memory) + scale
+    return Panel(Group(*body), title=title, title_align="left", width=width + 4)
 
 
 def summary_lines(engine, meter: ReplyMeter) -> list[str]:
     """The panel's numbers as plain lines: what a pipe gets after each reply, and the terminal too."""
-    tiers = engine.block_states()
+    memory = engine.snapshot()
+    tiers = memory.blocks
     counts = state_counts(tiers["device"])
     blocks = ", ".join(f"{counts[state]:,} {STATES[state][2]}" for state in shown(counts))
     return [f"blocks: {blocks} of {len(tiers['device']):,}",
-            *tier_lines(tiers), bytes_line(engine, counts), reply_line(meter)]
+            *tier_lines(tiers), bytes_line(memory, counts), reply_line(meter)]
+
+
+def stats_line(memory, out, meter: ReplyMeter) -> str:
+    """`/stats`: the last reply (`out`, a RequestOutput) and the KV it held, in one line."""
+    per_token = memory.bytes_per_token
+    held = len(out.prompt_token_ids) + len(out.token_ids)
+    decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
+    cached = memory.prefix_cache["cached_blocks"] if memory.prefix_cache else 0
+    return (f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
+            f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
+            f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
+            f"{cached} blocks cached, {memory.num_free_blocks} of {memory.num_blocks} blocks free")
 
 
 def full_map(engine, console: Console) -> None:
     """`/memory`: every block a cell, per tier, and the engine's accounting."""
     from minillm.report import print_table
 
-    tiers = engine.block_states()
-    console.print(f"[bold]{pool_title(engine)}[/bold]")
-    for tier, states in tiers.items():
+    memory = engine.snapshot()
+    console.print(f"[bold]{pool_title(engine.config, memory)}[/bold]")
+    for tier, states in memory.blocks.items():
         if states:
             picture, per_cell = block_map(states, FULL_ROWS)
             shared_cells = f" (1 cell = {per_cell} blocks, the busiest state among them)" if per_cell > 1 else ""
             console.print(f"{tier}:{shared_cells}")
             console.print(picture)
-    console.print(legend(state_counts(tiers["device"])))
-    for line in tier_lines(tiers):
+    console.print(legend(state_counts(memory.blocks["device"])))
+    for line in tier_lines(memory.blocks):
         console.print(line)
-    stats, per_token = engine.memory_stats(), engine.pool.bytes_per_slot
-    cache = engine.block_manager.prefix_cache
+    print_table(console, "accounting (memory/accounting.py)", ["", "now"], _accounting_rows(memory))
+
+
+def _accounting_rows(memory) -> list[list[str]]:
+    """/memory's table: the snapshot's bytes, slots, prefix-cache hits and copies between tiers."""
+    stats, per_token = memory.stats, memory.bytes_per_token
     rows = [["bytes per token", f"{per_token:,} (K and V, all layers, scales)"],
             ["reserved (blocks held)", f"{stats.reserved_slots:,} tokens, {mib(stats.reserved_slots * per_token)}"],
             ["live (tokens stored)", f"{stats.live_slots:,} tokens, {mib(stats.live_slots * per_token)}"],
             ["saved by sharing", f"{stats.shared_slots:,} tokens"],
-            ["pool", f"{stats.total_slots:,} tokens, {mib(engine.pool.nbytes)}"],
-            ["keys staging", f"{engine.pool.staged_bytes / 2**10:,.1f} KiB in full precision"]]
+            ["pool", f"{stats.total_slots:,} tokens, {mib(memory.pool_bytes)}"],
+            ["keys staging", f"{memory.staged_bytes / 2**10:,.1f} KiB in full precision"]]
+    cache = memory.prefix_cache
     if cache is not None:
-        rows += [["prefix cache", f"{len(cache.entries):,} blocks, {cache.hit_rate:.0%} hit, "
-                                  f"{engine.prefix_hit_tokens():,} tokens saved"]]
-    if "host" in tiers:
+        rows += [["prefix cache", f"{cache['cached_blocks']:,} blocks, {cache['hit_rate']:.0%} hit, "
+                                  f"{cache['prefill_tokens_saved']:,} tokens saved"]]
+    if "host" in memory.blocks:
         rows += [["host pool", f"{stats.host_reserved_slots:,} of {stats.host_total_slots:,} tokens held"]]
     rows += [[f"moved {direction}", mib(moved)] for direction, moved in stats.bytes_moved.items()]
-    print_table(console, "accounting (memory/accounting.py)", ["", "now"], rows)
+    return rows
 
 
 class LiveView:

@@ -1,0 +1,138 @@
+"""The flags several `minillm` commands share: which model, how to sample, the engine's switches.
+
+Every engine flag is made from its entry in `config.SWITCHES` (name, choices, default, help), in
+groups a command adds beside its own flags: model, engine, KV quantization, eviction, tiers.
+`engine_switches` reads them back as EngineConfig fields, and `engine_argv` writes them out again
+as flags for a child `minillm serve`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from minillm.config import SWITCHES, Switch
+
+
+def whole_number(minimum: int, name: str):
+    """An argparse type: a whole number >= `minimum`; anything else is argparse's one-line error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give {minimum} or more") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not {name}; give {minimum} or more")
+        return value
+    parse.__name__ = name.replace(" ", "_")
+    return parse
+
+
+positive_int = whole_number(1, "a positive count")  # every count flag: tokens, requests, segments...
+non_negative_int = whole_number(0, "a size >= 0")  # a size that may be 0 (off)
+
+
+def positive_float(text: str) -> float:
+    """The type of every rate or fraction flag that must be a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one above 0") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0; give one above 0")
+    return value
+
+
+# the type of a whole-number switch, by its minimum
+COUNT_TYPES = {0: non_negative_int, 1: positive_int, 2: whole_number(2, "a context of 2 tokens or more")}
+
+
+def _argparse_type(parse):
+    """A switch's parser as an argparse type: its ValueError becomes argparse's one-line error."""
+    def parse_flag(text: str):
+        try:
+            return parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    parse_flag.__name__ = parse.__name__
+    return parse_flag
+
+
+def add_switch(parser, name: str, **overrides) -> None:
+    """The flag of EngineConfig switch `name`, as `SWITCHES` declares it; a command may narrow its
+    choices or give it its own help, default or nargs."""
+    switch = SWITCHES[name]
+    spec = {"default": switch.default, "help": switch.help}
+    if switch.on_off:
+        spec["action"] = "store_true"
+    elif switch.choices:
+        spec["choices"] = switch.choices
+    elif switch.minimum is not None:
+        spec["type"] = COUNT_TYPES[switch.minimum]
+    elif switch.parse is not None:
+        spec["type"] = _argparse_type(switch.parse)
+    parser.add_argument(switch.option, **{**spec, **overrides})
+
+
+def _add_group(parser, group: str) -> None:
+    for switch in SWITCHES.values():
+        if switch.group == group:
+            add_switch(parser, switch.name)
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    _add_group(parser, "model")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
+    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off (default: 1)")
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+
+
+def sampling_from(args):
+    from minillm.sampling import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, seed=args.seed)
+
+
+def add_kv_quantization_args(parser: argparse.ArgumentParser) -> None:
+    _add_group(parser, "kv_quantization")
+
+
+def add_eviction_args(parser: argparse.ArgumentParser) -> None:
+    _add_group(parser, "eviction")
+
+
+def add_tier_args(parser: argparse.ArgumentParser) -> None:
+    _add_group(parser, "tiers")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The serving engine's own switches, for the commands that run one engine for many requests
+    (serve, bench serve-http)."""
+    _add_group(parser.add_argument_group("engine (EngineConfig switches)"), "engine")
+
+
+def _declared(args) -> list[Switch]:
+    """The switches whose flags the command of `args` declared."""
+    return [switch for switch in SWITCHES.values() if switch.group and hasattr(args, switch.dest)]
+
+
+def engine_switches(args) -> dict:
+    """The EngineConfig fields that the flags in `args` set (every switch the command declared)."""
+    return {switch.name: switch.field_value(getattr(args, switch.dest)) for switch in _declared(args)}
+
+
+def engine_argv(args) -> list[str]:
+    """engine_switches(args) as flags again, for a child `minillm serve` run with the same engine."""
+    argv = []
+    for switch in _declared(args):
+        value = getattr(args, switch.dest)
+        if switch.on_off:
+            argv += [switch.option] if value else []
+        elif value is not None:
+            argv += [switch.option, str(value)]
+    return argv

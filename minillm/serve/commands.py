@@ -1,0 +1,69 @@
+"""What crosses between the event loop and the engine thread: the commands, and where answers go.
+
+The event loop puts commands on the engine loop's queue (`Add`, `Abort`, `Call`, `Stop`); the
+engine thread sends each request's answers back to its `Reply`, an asyncio queue on the event loop
+that asked, through `call_soon_threadsafe`: the only safe way into another thread's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Callable
+
+from minillm.engine import RequestOutput
+from minillm.sampling import SamplingParams
+
+
+class RequestRefused(Exception):
+    """The engine refused a request at admission; the message says why (the client's 400)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """Where one engine request's answers go: (prompt index, item) onto an asyncio queue that the
+    caller's event loop reads. Items: None (accepted), a RequestOutput, or an exception."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    index: int  # the prompt's place in its HTTP request
+
+    def send_soon(self, item) -> None:
+        """From the engine thread: queue `item` on the caller's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+        except RuntimeError:  # that event loop has closed already: nobody is listening
+            pass
+
+
+@dataclass(frozen=True)
+class Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float  # time.perf_counter() when the HTTP request came
+    reply: Reply
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    reason: str  # "disconnect" (its client went away), "stop" (every choice met a stop string), "refused"
+
+
+@dataclass(frozen=True)
+class Call:
+    fn: Callable  # fn(engine_loop), run on the engine thread; its result or exception goes to `future`
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+def deliver(items: list[tuple[Reply, RequestOutput]]) -> None:
+    """On the caller's event loop: one step's outputs onto their replies' queues."""
+    for reply, out in items:
+        reply.queue.put_nowait((reply.index, out))

@@ -1,0 +1,119 @@
+"""The OpenAI API as vLLM serves it, the way out: each choice's text as its tokens arrive, and the
+response bodies and stream chunks that carry it.
+
+`ChoiceText` follows one choice's tokens as they arrive: text decoded a token at a time (a
+character split across tokens waits for its last byte), stop strings found and cut off (text that
+may be the start of one is held back), and the choice's finish reason. The `*_body` and `chunk`
+functions build the JSON shapes of vLLM's OpenAI server, so a client written against minillm
+moves to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+
+from minillm.serve.protocol import Job
+from minillm.tokenizer import Tokenizer
+
+FINISH_REASONS = {"eos": "stop", "length": "length", "abort": "abort", "error": "error"}
+
+
+class ChoiceText:
+    """One choice (one sample of one prompt) as its tokens arrive: its text, the part of it the
+    client has been sent, and why it ended. Text that could be the start of a stop string is held
+    back until it is not; a stop string found ends the choice, cut before it (vLLM's default)."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], eos_token_id: int | None, max_new_tokens: int,
+                 ignore_eos: bool):
+        self.decoder = tokenizer.stream_decoder()
+        self.stop, self.eos, self.max_new, self.ignore_eos = stop, eos_token_id, max_new_tokens, ignore_eos
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.text, self.sent, self.num_tokens = "", 0, 0
+        self.finish_reason: str | None = None
+        self.stop_reason: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def update(self, token_ids: list[int], engine_finish: str | None = None) -> str:
+        """Take the choice's tokens so far; return the new text to send (may be ""). `engine_finish`
+        is the engine's finish reason once the whole request has finished."""
+        if self.done:
+            return ""
+        searched_from = max(0, len(self.text) - self.hold)
+        for token in token_ids[self.num_tokens:]:
+            if token != self.eos:  # never text, as in RequestOutput.text (even with ignore_eos)
+                self.text += self.decoder.feed(token)
+        self.num_tokens = len(token_ids)
+        ended_by_engine = self.ended(token_ids)
+        if engine_finish is not None and not ended_by_engine:
+            ended_by_engine = FINISH_REASONS.get(engine_finish, engine_finish)
+        if ended_by_engine:
+            self.text += self.decoder.flush()
+        found = [(self.text.find(s, searched_from), s) for s in self.stop]
+        found = [(at, s) for at, s in found if at >= 0]
+        if found:
+            at, self.stop_reason = min(found)
+            self.text, self.finish_reason = self.text[:at], "stop"
+        elif ended_by_engine:
+            self.finish_reason = ended_by_engine
+        safe = len(self.text) if self.done else len(self.text) - self.hold
+        delta = self.text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return delta
+
+    def ended(self, token_ids: list[int]) -> str | None:
+        """Whether this sample has ended by the engine's rules (it may end before its request does,
+        when the request has n samples): EOS, or max_tokens (or the context) reached."""
+        if token_ids and token_ids[-1] == self.eos and not self.ignore_eos:
+            return "stop"
+        return "length" if len(token_ids) >= self.max_new else None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
+            "completion_tokens": completion_tokens}
+
+
+def choice_body(job: Job, index: int, choice: ChoiceText) -> dict:
+    if job.kind == "chat":
+        return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None,
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+    return {"index": index, "text": choice.text, "logprobs": None, "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason}
+
+
+def response_body(job: Job, choices: list[ChoiceText], usage_: dict) -> dict:
+    """The whole answer of a request that did not stream."""
+    return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model,
+            "choices": [choice_body(job, i, c) for i, c in enumerate(choices)],
+            "usage": usage_}
+
+
+def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> str:
+    """One server-sent event of a stream."""
+    body = {"id": job.id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+            "created": job.created, "model": job.model, "choices": choices}
+    if usage_ is not None:
+        body["usage"] = usage_
+    return sse(body)
+
+
+def delta_choice(job: Job, index: int, text: str, choice: ChoiceText | None = None, first: bool = False) -> dict:
+    """A stream chunk's choice: new text, and the finish reason on the choice's last chunk."""
+    finish = choice.finish_reason if choice is not None else None
+    stop_reason = choice.stop_reason if choice is not None else None
+    if job.kind == "chat":
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+
+
+def sse(body: dict | str) -> str:
+    data = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+DONE = sse("[DONE]")
