@@ -68,7 +68,8 @@ class KVCacheManager:
         "always" or "pressure"."""
         self.block_manager, self.tiers, self.evictor = block_manager, tiers, evictor
         self.pool = tiers.device if tiers else None  # what attention reads and writes
-        self.swap_cost = SwapCost(tiers) if tiers else None
+        # swap or recompute is only a question with somewhere to swap to: without, nothing is timed
+        self.swap_cost = SwapCost(tiers) if tiers and (tiers.host or tiers.disk) else None
         self.ladder = PressureLadder(block_manager, preemption, self.swap_cost, eviction_trigger)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
 
@@ -242,14 +243,17 @@ class KVCacheManager:
         if copies:
             self.tiers.copy(copies)
         self.pool.forget_free_blocks(self.block_manager.is_free)
-        self.tiers.start_prefetch(list(prefetch))
+        if prefetch:
+            self.tiers.start_prefetch(list(prefetch))
 
     def finish_prefetch(self) -> None:
-        self.tiers.finish_prefetch()
+        if self.swap_cost:  # a prefetch needs a tier to come back from
+            self.tiers.finish_prefetch()
 
     def record_forward(self, tokens: int, sequences: int, seconds: float) -> None:
         """A forward pass's timing: the cost model learns the prefill rate from it."""
-        self.swap_cost.record_forward(tokens, sequences, seconds)
+        if self.swap_cost:
+            self.swap_cost.record_forward(tokens, sequences, seconds)
 
     # ---------------------------------------------------------------- what attention reads
     def table(self, seq_id: int) -> list[int]:
@@ -318,7 +322,8 @@ class KVCacheManager:
     def snapshot(self, sequences: list[tuple], counters: dict[str, int]) -> MemorySnapshot:
         """The picture. `sequences`: (seq_id, request_id, status, num_computed, num_cached, max_len)
         of every unfinished sequence, running ones first; `counters`: the scheduler's own (preemptions)."""
-        every_counter, rate = {**counters, **self.counters}, self.swap_cost.prefill_rate()
+        every_counter = {**counters, **self.counters}
+        rate = self.swap_cost.prefill_rate() if self.swap_cost else None
         return take_snapshot(
             self.block_manager, self.tiers, sequences, every_counter, self.ladder.preemption, rate
         )
