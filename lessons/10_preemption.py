@@ -257,7 +257,6 @@ def main():
     plot(costs, runs, args.out)
 
     lengths, auto = costs["lengths"], runs["auto"]
-    ratios = {size: [r / s for r, s in zip(costs["recompute"], costs["swap"][size])] for size in BLOCK_SIZES}
     auto_swaps = sum(d["swap"] for d in auto["decisions"])
     numbers = {
         "lengths": lengths, "identical_outputs": identical, "copy_roof_bytes_per_s": roof,
