@@ -44,14 +44,8 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * resource.getpagesize()
 
 
-def main():
-    args = lesson_args(__doc__)
-    model_dir = require_model()
-    smol = ModelConfig.from_dir(model_dir)
-    configs = {"SmolLM2-135M (GQA)": (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim, 135e6),
-               **ARCHITECTURES}
-
-    console.rule("1. The formula, in fp16 (2 bytes per number)")
+def show_sizes(configs: dict) -> None:
+    """Each architecture's KV bytes per token, at 4k tokens, at 4k x 32 sequences, and against its weights."""
     rows = []
     for name, (layers, heads, kv_heads, head_dim, params) in configs.items():
         per_token = kv_bytes_per_token(layers, kv_heads, head_dim, 2)
@@ -61,18 +55,14 @@ def main():
     table("KV cache size", ["model", "layers", "q/kv heads", "head_dim", "per token", "GiB @ 4k tokens",
                             "GiB @ 4k x 32 seqs", "vs fp16 weights"], rows)
 
-    console.rule("2. What grouped-query attention saves")
-    mha = kv_bytes_per_token(smol.num_layers, smol.num_heads, smol.head_dim, 4)
-    gqa = kv_bytes_per_token(smol.num_layers, smol.num_kv_heads, smol.head_dim, 4)
-    console.print(f"SmolLM2 in fp32: {mha:,} B/token if every query head had its own K/V (MHA), "
-                  f"{gqa:,} B/token with {smol.num_kv_heads} shared KV heads: {mha / gqa:.0f}x smaller.")
 
-    console.rule("3. The formula against tensors allocated now")
+def measure_allocation(model_dir, smol: ModelConfig, quick: bool) -> list[tuple[int, int, int, int]]:
+    """(tokens, formula bytes, tensor bytes, bytes the process grew) of SmolLM2 fp32 caches allocated now."""
     model = load_model(model_dir)
     rows = []
     measured = []
     # large enough that the allocator asks the OS for fresh pages
-    for tokens in (4096,) if args.quick else (4096, 16384):
+    for tokens in (4096,) if quick else (4096, 16384):
         before = rss_bytes()
         cache = ContiguousKVCache(model, tokens)  # torch.zeros touches every page
         grown = rss_bytes() - before
@@ -80,17 +70,42 @@ def main():
         rows.append([tokens, f"{formula:,}", f"{cache.nbytes:,}", f"{grown:,}", f"{grown / formula:.3f}"])
         measured.append((tokens, formula, cache.nbytes, grown))
         del cache
-    table("SmolLM2 fp32 cache", ["tokens", "formula bytes", "tensor bytes", "process memory grew", "grew / formula"], rows)
+    table("SmolLM2 fp32 cache", ["tokens", "formula bytes", "tensor bytes", "process memory grew",
+                                 "grew / formula"], rows)
+    return measured
 
+
+def plot_growth(configs: dict, out) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     contexts = [512, 1024, 2048, 4096, 8192, 16384, 32768]
     for name, (layers, _, kv_heads, head_dim, _) in configs.items():
         ax.plot(contexts, [kv_bytes_per_token(layers, kv_heads, head_dim, 2) * c / GiB for c in contexts],
                 marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)", ylabel="KV cache of one sequence, fp16 (GiB)",
-           title="KV cache grows linearly with context")
+    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
+           ylabel="KV cache of one sequence, fp16 (GiB)", title="KV cache grows linearly with context")
     ax.legend()
-    save_plot(fig, args.out, "01_kv_cache_math.png")
+    save_plot(fig, out, "01_kv_cache_math.png")
+
+
+def main():
+    args = lesson_args(__doc__)
+    model_dir = require_model()
+    smol = ModelConfig.from_dir(model_dir)
+    smol_shape = (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim, 135e6)
+    configs = {"SmolLM2-135M (GQA)": smol_shape, **ARCHITECTURES}
+
+    console.rule("1. The formula, in fp16 (2 bytes per number)")
+    show_sizes(configs)
+
+    console.rule("2. What grouped-query attention saves")
+    mha = kv_bytes_per_token(smol.num_layers, smol.num_heads, smol.head_dim, 4)
+    gqa = kv_bytes_per_token(smol.num_layers, smol.num_kv_heads, smol.head_dim, 4)
+    console.print(f"SmolLM2 in fp32: {mha:,} B/token if every query head had its own K/V (MHA), "
+                  f"{gqa:,} B/token with {smol.num_kv_heads} shared KV heads: {mha / gqa:.0f}x smaller.")
+
+    console.rule("3. The formula against tensors allocated now")
+    measured = measure_allocation(model_dir, smol, args.quick)
+    plot_growth(configs, args.out)
 
     tokens, formula, tensor_bytes, grown = measured[-1]
     layers, _, kv_heads, head_dim, params = ARCHITECTURES["Llama-2-7B (MHA)"]
@@ -99,11 +114,11 @@ def main():
         "llama2_7b_cache_4k_x_32_over_weights": over_weights, "smol_gqa_saving": mha / gqa,
         "smol_query_heads_per_kv_head": smol.num_heads / smol.num_kv_heads, "tokens": tokens,
         "formula_bytes": formula, "tensor_bytes": tensor_bytes, "process_grew_bytes": grown})
-    console.print(f"\n[bold]What it means:[/bold] the cache is a per-token tax that, at long contexts and large "
-                  f"batches, outgrows the weights themselves (Llama-2-7B, 4k tokens x 32 sequences: "
+    console.print(f"\n[bold]What it means:[/bold] the cache is a per-token tax that, at long contexts and "
+                  f"large batches, outgrows the weights themselves (Llama-2-7B, 4k tokens x 32 sequences: "
                   f"{over_weights:.1f}x its weights); GQA cuts it by the ratio of query to KV heads "
-                  f"({mha / gqa:.0f}x for SmolLM2), and the tensors we allocate cost exactly what the formula "
-                  f"says ({tensor_bytes:,} bytes for {tokens:,} tokens; the process grew by "
+                  f"({mha / gqa:.0f}x for SmolLM2), and the tensors we allocate cost exactly what the "
+                  f"formula says ({tensor_bytes:,} bytes for {tokens:,} tokens; the process grew by "
                   f"{grown / formula:.3f}x that).")
 
 

@@ -27,36 +27,35 @@ from minillm.weights import load_model  # noqa: E402
 PROMPTS = ["The history of the printing press", "def quicksort(items):", "Ten facts about octopuses:"]
 
 
-def draw_tables(engine) -> None:
-    """Each running sequence: its block table, and how full each block is."""
-    manager = engine.block_manager
-    for seq in engine.scheduler.running:
-        blocks = manager.table(seq.seq_id)
+def draw_tables(memory) -> None:
+    """Each running sequence of a `MemorySnapshot`: its block table, and how full each block is."""
+    size = memory.block_size
+    for seq in memory.running():
         cells = []
-        for i, block in enumerate(blocks):
-            used = min(manager.block_size, seq.num_computed - i * manager.block_size)
-            cells.append(f"[{block:>3}] {'#' * (used * 8 // manager.block_size):<8}")
+        for i, block in enumerate(seq.table):
+            used = min(size, seq.num_computed - i * size)
+            cells.append(f"[{block:>3}] {'#' * (used * 8 // size):<8}")
         console.print(f"request {seq.request_id} ({seq.num_computed:>3} tokens): " + " ".join(cells))
 
 
-def main():
-    args = lesson_args(__doc__)
-    new_tokens, speed_tokens = (16, 8) if args.quick else (40, 32)
-    model_dir = require_model()
-    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
-    console.rule("1. Block tables of live sequences (block size 16)")
-    llm = LLM(model=model, tokenizer=tokenizer, block_size=16, kv_cache_bytes=64 * 16 * model.config.kv_bytes_per_token(model.dtype))
+def show_block_tables(model, tokenizer) -> None:
+    """Three requests on a 64-block pool: their block tables after 25 steps."""
+    bytes_per_token = model.config.kv_bytes_per_token(model.dtype)
+    llm = LLM(model=model, tokenizer=tokenizer, block_size=16, kv_cache_bytes=64 * 16 * bytes_per_token)
     for prompt in PROMPTS:
         llm.engine.add_request(prompt, SamplingParams(max_tokens=40))
     for step in range(25):
         llm.engine.step()
-    console.print(f"after 25 steps: {llm.engine.block_manager.num_free_blocks} of "
-                  f"{llm.engine.block_manager.num_blocks} blocks free; \\[n] = physical block, # = filled slots")
-    draw_tables(llm.engine)
+    memory = llm.engine.snapshot()
+    console.print(f"after 25 steps: {memory.num_free_blocks} of {memory.num_blocks} blocks free; "
+                  "\\[n] = physical block, # = filled slots")
+    draw_tables(memory)
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
 
-    console.rule("2. Same tokens as the naive decoder")
+
+def same_as_naive(model, tokenizer, new_tokens: int) -> list[bool]:
+    """Per prompt: does the paged engine give the naive decoder's greedy tokens?"""
     params = SamplingParams(max_tokens=new_tokens)
     outputs = LLM(model=model, tokenizer=tokenizer, block_size=16).generate(PROMPTS, params)
     rows, identical = [], []
@@ -65,21 +64,32 @@ def main():
         identical.append(out.token_ids == naive.token_ids)
         rows.append([prompt, len(out.token_ids), str(identical[-1])])
     table("paged engine vs naive decoding (greedy)", ["prompt", "tokens", "identical"], rows)
+    return identical
 
-    console.rule("3. The block-size trade-off")
+
+def block_size_tradeoff(out) -> tuple[list[int], list[float], list[float]]:
+    """Block sizes, the share of slots they waste and their table entries per sequence, over 1,000
+    sequences shaped like bench serve's trace; plotted."""
     rng = random.Random(0)
     lengths = [rng.randint(16, 320) + rng.randint(8, 160) for _ in range(1000)]  # bench serve's trace shape
     sizes = [1, 4, 8, 16, 32, 64, 128, 256]
-    waste = [sum(math.ceil(n / b) * b - n for n in lengths) / sum(math.ceil(n / b) * b for n in lengths) for b in sizes]
+    waste = [sum(math.ceil(n / b) * b - n for n in lengths) / sum(math.ceil(n / b) * b for n in lengths)
+             for b in sizes]
     entries = [sum(math.ceil(n / b) for n in lengths) / len(lengths) for b in sizes]
     table("1,000 finished sequences of 24..480 tokens", ["block size", "slots wasted", "table entries / seq"],
           [[b, f"{w:.1%}", f"{e:.1f}"] for b, w, e in zip(sizes, waste, entries)])
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(sizes, [w * 100 for w in waste], marker="o", label="slots wasted (%)")
     ax.plot(sizes, entries, marker="s", label="block-table entries per sequence")
-    ax.set(xscale="log", xlabel="block size (tokens)", title="Small blocks waste less, large blocks index less")
+    ax.set(xscale="log", xlabel="block size (tokens)",
+           title="Small blocks waste less, large blocks index less")
     ax.legend()
-    save_plot(fig, args.out, "05_paged_attention.png")
+    save_plot(fig, out, "05_paged_attention.png")
+    return sizes, waste, entries
+
+
+def engine_speed(model, tokenizer, speed_tokens: int) -> dict[int, float]:
+    """Output tokens per second of nine requests at block sizes 1, 16 and 128."""
     rows, speed = [], {}
     for size in (1, 16, 128):
         speed_llm = LLM(model=model, tokenizer=tokenizer, block_size=size)
@@ -88,6 +98,23 @@ def main():
         speed[size] = sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start)
         rows.append([size, f"{speed[size]:.1f}"])
     table(f"engine speed, 9 requests x {speed_tokens} tokens", ["block size", "output tok/s"], rows)
+    return speed
+
+
+def main():
+    args = lesson_args(__doc__)
+    new_tokens, speed_tokens = (16, 8) if args.quick else (40, 32)
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    console.rule("1. Block tables of live sequences (block size 16)")
+    show_block_tables(model, tokenizer)
+
+    console.rule("2. Same tokens as the naive decoder")
+    identical = same_as_naive(model, tokenizer, new_tokens)
+
+    console.rule("3. The block-size trade-off")
+    sizes, waste, entries = block_size_tradeoff(args.out)
+    speed = engine_speed(model, tokenizer, speed_tokens)
     i16 = sizes.index(16)
     save_numbers(args.out, "05_paged_attention.json", {
         "identical_to_naive": all(identical), "prompts_compared": len(identical),
@@ -95,12 +122,13 @@ def main():
         **{f"table_entries_block_{b}": e for b, e in zip(sizes, entries)},
         **{f"tokens_per_s_block_{size}": tps for size, tps in speed.items()}})
     console.print(f"\n[bold]What it means:[/bold] the block table is the only indirection paging adds; with "
-                  f"16-token blocks the sequences above waste {waste[i16]:.1%} of their slots (half a block each) "
-                  f"with tables of {entries[i16]:.0f} entries, and the tokens are "
+                  f"16-token blocks the sequences above waste {waste[i16]:.1%} of their slots (half a block "
+                  f"each) with tables of {entries[i16]:.0f} entries, and the tokens are "
                   f"{'exactly' if all(identical) else '[red]NOT[/red]'} the naive decoder's. In this torch "
                   f"reference the block size barely changes speed ({speed[1]:.0f} / {speed[16]:.0f} / "
-                  f"{speed[128]:.0f} tok/s at blocks of 1 / 16 / 128): the gather through the table costs the "
-                  "same per token whatever the block size.")
+                  f"{speed[128]:.0f} tok/s at blocks of 1 / 16 / 128): the gather through the table costs "
+                  "the same per token whatever the block size.")
+
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ the volatile part is moved out of the shared prefix.
 """
 
 import datetime
+from collections import Counter
 
 from _common import console, lesson_args, require_model, save_numbers, table  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
@@ -23,13 +24,14 @@ QUESTIONS = ["When do you open on Saturday?", "How many books can I borrow?", "H
              "Are you open on Sunday?"]
 
 
-def draw_tables(engine, names):
-    cache = engine.block_manager.prefix_cache
-    for seq in engine.scheduler.running:
-        cells = [f"[{b:>3}]{'*' if engine.block_manager.refcount(b) > 1 else ' '}"
-                 for b in engine.block_manager.table(seq.seq_id)]
+def draw_tables(memory, names):
+    """The running sequences' block tables in a `MemorySnapshot`, a block marked where several hold it."""
+    holders = Counter(block for seq in memory.sequences for block in seq.table)
+    for seq in memory.running():
+        cells = [f"[{b:>3}]{'*' if holders[b] > 1 else ' '}" for b in seq.table]
         console.print(f"{names[seq.request_id]:<34} " + "".join(cells))
-    console.print(f"\\[n] = physical block, * = held by several requests now; {len(cache.entries)} blocks cached")
+    console.print(f"\\[n] = physical block, * = held by several requests now; "
+                  f"{memory.prefix_cache['cached_blocks']} blocks cached")
 
 
 def serve(model, tokenizer, prompts, title, new_tokens, draw=False):
@@ -43,10 +45,10 @@ def serve(model, tokenizer, prompts, title, new_tokens, draw=False):
              for i, p in enumerate(prompts) if i}  # ... the others arrive together
     engine.step()
     if draw:
-        draw_tables(engine, names)
+        draw_tables(engine.snapshot(), names)
     while engine.has_unfinished_requests():
         engine.step()
-    stats = engine.block_manager.prefix_cache.stats()
+    stats = engine.snapshot().prefix_cache
     shared = max(m.shared_slots * m.bytes_per_slot for m in engine.stats.memory)
     return [title, sum(len(p) for p in prompts), engine.stats.tokens_computed - engine.stats.tokens_generated
             + len(prompts), stats["prefill_tokens_saved"], f"{stats['block_hit_rate']:.0%}", f"{shared / 2**20:.2f} MiB"]

@@ -65,19 +65,15 @@ def look_at_keys(model, token_ids):
           ["format", "one scale per token", "one scale per channel"], rows)
 
 
-def main():
-    args, model_dir, model, tokenizer, token_ids = perplexity_setup(
-        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 8, "segment_len": 64})
-
-    console.rule("1. Real keys: a few channels are large for every token")
-    look_at_keys(model, token_ids[:64])
-
-    console.rule(f"2. Perplexity through the cache: {args.segments} x {args.segment_len} tokens of Alice")
+def measure_formats(model_dir, model, tokenizer, token_ids: list[int], segment_len: int,
+                    segments: int) -> dict:
+    """(kv_dtype, key_scales) -> the perplexity through such a cache, beside what the default pool holds."""
     results, capacity = {}, {}
     for kv_dtype, key_scales in RUNS:
         llm = LLM(model_dir, model=model, tokenizer=tokenizer, kv_dtype=kv_dtype, kv_key_scales=key_scales)
-        capacity[(kv_dtype, key_scales)] = llm.engine.block_manager.num_blocks * llm.engine.config.block_size
-        results[(kv_dtype, key_scales)] = perplexity(llm, token_ids, args.segment_len, args.segments, progress=True)
+        memory = llm.engine.snapshot()
+        capacity[(kv_dtype, key_scales)] = memory.num_blocks * memory.block_size
+        results[(kv_dtype, key_scales)] = perplexity(llm, token_ids, segment_len, segments, progress=True)
     full = results[("auto", "channel")]
     rows = []
     for (kv_dtype, key_scales), r in results.items():
@@ -90,12 +86,17 @@ def main():
     table("KV formats, one run side by side (B/token includes scales; tokens = what the default 512 MiB pool "
           "holds; tok/s = the harness's batched decode)",
           ["KV", "keys", "B/token", "tokens", "ppl", "delta", "target", "tok/s"], rows)
+    return results
 
+
+def plot_formats(results: dict, out) -> None:
+    full = results[("auto", "channel")]
     fig, ax = plt.subplots(figsize=(7, 4))
     formats = list(FORMATS)  # int8, int4, fp8
     for offset, key_scales in ((-0.2, "channel"), (0.2, "token")):
         deltas = [max(results[(f, key_scales)].perplexity - full.perplexity, 1e-3) for f in formats]
-        bars = ax.bar([i + offset for i in range(len(formats))], deltas, width=0.4, label=f"keys per {key_scales}")
+        bars = ax.bar([i + offset for i in range(len(formats))], deltas, width=0.4,
+                      label=f"keys per {key_scales}")
         labels = [f"{results[(f, key_scales)].kv_bytes_per_token:,} B" for f in formats]
         ax.bar_label(bars, labels, fontsize=8)
     for name, target in TARGETS.items():
@@ -107,10 +108,40 @@ def main():
     ax.set_title(f"KV quantization on SmolLM2-135M (fp32 cache: {full.kv_bytes_per_token:,} B/token); "
                  "dotted: targets", fontsize=9)
     ax.legend()
-    save_plot(fig, args.out, "07_kv_quantization.png")
+    save_plot(fig, out, "07_kv_quantization.png")
 
-    int8, int4 = results[("int8", "channel")], results[("int4", "channel")]
-    int4_token = results[("int4", "token")]
+
+def meaning(results: dict) -> str:
+    """The closing paragraph, every claim in it read off this run's numbers."""
+    full, int8 = results[("auto", "channel")], results[("int8", "channel")]
+    int4, int4_token = results[("int4", "channel")], results[("int4", "token")]
+    per_token_worse = int4_token.perplexity > int4.perplexity
+    return (
+        f"int8 stores a token in {int8.kv_bytes_per_token:,} bytes instead of "
+        f"{full.kv_bytes_per_token:,} for {int8.perplexity - full.perplexity:+.3f} perplexity. "
+        f"int4 goes to {int4.kv_bytes_per_token:,} bytes for {int4.perplexity - full.perplexity:+.3f} with "
+        f"keys scaled per channel, {'but' if per_token_worse else 'and'} "
+        f"{int4_token.perplexity - full.perplexity:+.3f} with keys scaled per token"
+        + (": at 4 bits the outlier channels swamp a per-token scale. " if per_token_worse else
+           " (on this short text the outlier channels did not hurt a per-token scale). ")
+        + f"Values are scaled per token, as KIVI does. Decode ran at {int8.tokens_scored / int8.seconds:.0f} "
+        f"tok/s with int8 against {full.tokens_scored / full.seconds:.0f} with fp32: this torch reference "
+        f"dequantizes a full-precision copy before attending, so it saves memory, not time; a fused kernel "
+        f"would instead read {full.kv_bytes_per_token / int8.kv_bytes_per_token:.1f}-"
+        f"{full.kv_bytes_per_token / int4.kv_bytes_per_token:.1f}x fewer bytes.")
+
+
+def main():
+    args, model_dir, model, tokenizer, token_ids = perplexity_setup(
+        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 8, "segment_len": 64})
+
+    console.rule("1. Real keys: a few channels are large for every token")
+    look_at_keys(model, token_ids[:64])
+
+    console.rule(f"2. Perplexity through the cache: {args.segments} x {args.segment_len} tokens of Alice")
+    results = measure_formats(model_dir, model, tokenizer, token_ids, args.segment_len, args.segments)
+    plot_formats(results, args.out)
+    full = results[("auto", "channel")]
     save_numbers(args.out, "07_kv_quantization.json", {
         "tokens_scored": full.tokens_scored, "fp32_perplexity": full.perplexity,
         **{f"{'fp32' if kv_dtype == 'auto' else kv_dtype}_{key_scales}_{measure}": value
@@ -118,20 +149,7 @@ def main():
            for measure, value in (("perplexity_delta", r.perplexity - full.perplexity),
                                   ("bytes_per_token", r.kv_bytes_per_token),
                                   ("tokens_per_s", r.tokens_scored / r.seconds))}})
-    per_token_worse = int4_token.perplexity > int4.perplexity
-    console.print(
-        f"\n[bold]What it means:[/bold] int8 stores a token in {int8.kv_bytes_per_token:,} bytes instead of "
-        f"{full.kv_bytes_per_token:,} for {int8.perplexity - full.perplexity:+.3f} perplexity. "
-        f"int4 goes to {int4.kv_bytes_per_token:,} bytes for {int4.perplexity - full.perplexity:+.3f} with keys "
-        f"scaled per channel, {'but' if per_token_worse else 'and'} {int4_token.perplexity - full.perplexity:+.3f} "
-        f"with keys scaled per token"
-        + (": at 4 bits the outlier channels swamp a per-token scale. " if per_token_worse else
-           " (on this short text the outlier channels did not hurt a per-token scale). ")
-        + f"Values are scaled per token, as KIVI does. Decode ran at {int8.tokens_scored / int8.seconds:.0f} "
-        f"tok/s with int8 against {full.tokens_scored / full.seconds:.0f} with fp32: this torch reference "
-        f"dequantizes a full-precision copy before attending, so it saves memory, not time; a fused kernel would "
-        f"instead read {full.kv_bytes_per_token / int8.kv_bytes_per_token:.1f}-"
-        f"{full.kv_bytes_per_token / int4.kv_bytes_per_token:.1f}x fewer bytes.")
+    console.print(f"\n[bold]What it means:[/bold] {meaning(results)}")
 
 
 if __name__ == "__main__":

@@ -7,11 +7,11 @@ and gives its blocks back. Two ways, two costs:
   - swap: copy the blocks to the host pool now and back before it runs again. The cost is two
     copies of its KV bytes, plus a fixed cost per block (a `read_block` / `write_block` call
     each way, Python included), so the same tokens in smaller blocks swap dearer.
-We measure both with the real model and the engine's own paths — a prefill through the engine;
-the block manager's `swap_out` / `swap_in`, performed by `TieredKV.copy` — against sequence
-length and block size. Then `preemption="auto"` serves a trace on a tight KV budget, beside
-"recompute" and "swap", and we read what it chose and the measured cost model behind each
-choice (`memory/tiers.py`, `SwapCost`).
+We measure both with the real model and the engine's own parts — a prefill through the engine;
+the block manager's `swap_out` / `swap_in`, performed by `TieredKV.copy`, on a device and a host
+pool built here as the engine builds them — against sequence length and block size. Then
+`preemption="auto"` serves a trace on a tight KV budget, beside "recompute" and "swap", and we
+read what it chose and the measured cost model behind each choice (`memory/tiers.py`, `SwapCost`).
 
 On a CPU-only machine the device pool and the host pool are the same RAM: a swap is still real
 memory traffic (every byte read and written, out and back), but it crosses no bus, while a
@@ -35,13 +35,14 @@ from _common import console, lesson_args, require_model, save_numbers, save_plot
 from minillm.benchmarks import copy_bandwidth  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
+from minillm.memory import BlockManager, TieredKV, make_pool  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 BLOCK_SIZES = [4, 16, 64]
 TRACE_BLOCK = 16
 RECOMPUTE_BLOCK = 16  # prefill's math does not depend on the block size, only where K/V is written
-VICTIM = 10**9  # a sequence id no request uses: the swapped "victim" of part 1
+VICTIM = 0  # the sequence id of part 1's swapped "victim", alone in its block manager
 POLICIES = ["recompute", "swap", "auto"]
 SETTINGS = {  # part 1: victim lengths, timing repeats; part 2: the trace and the device pool it shares
     "default": {"lengths": [64, 128, 256, 512, 1024], "prefill_repeats": 2, "swap_repeats": 5,
@@ -57,25 +58,27 @@ def tokens_to_bytes(model, tokens: int, block_size: int) -> int:
 
 
 # ---------------------------------------------------------------- part 1: the two costs, measured
-def recompute_seconds(engine, prompt: list[int], repeats: int) -> float:
-    """A victim's recompute: its tokens prefilled again, timed by the engine's own forward clock
-    (the one `SwapCost` learns its prefill rate from). Best of `repeats`: the machine is shared,
-    and the best run is the least disturbed one."""
-    best = float("inf")
-    for _ in range(repeats):
-        before = engine.swap_cost.prefill_seconds
-        engine.add_request(prompt, SamplingParams(max_tokens=1))
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                assert out.error is None, out.error
-        best = min(best, engine.swap_cost.prefill_seconds - before)
-    return best
+def recompute_seconds(llm, prompt: list[int], repeats: int) -> float:
+    """A victim's recompute: its tokens prefilled again, timed as the time to first token of a
+    request alone in the engine (a prefill, and one token sampled). Best of `repeats`: the
+    machine is shared, and the best run is the least disturbed one."""
+    params = SamplingParams(max_tokens=1)
+    return min(llm.generate([prompt], params)[0].ttft for _ in range(repeats))
 
 
-def swap_seconds(engine, num_tokens: int, repeats: int) -> float:
+def swap_memory(model, block_size: int, num_tokens: int) -> tuple[BlockManager, TieredKV]:
+    """A device pool and a host pool of `num_tokens` tokens each, the block manager over both, and
+    the tiers that copy between them: the parts the engine builds (`LLMEngine.build_memory`)."""
+    budget = tokens_to_bytes(model, num_tokens, block_size)
+    device = make_pool(model.config, budget, block_size, "auto", "channel", model.dtype, model.device)
+    host = make_pool(model.config, budget, block_size, "auto", "channel", model.dtype, "cpu",
+                     pin=device.device.type == "cuda", budget_name="host_cache_bytes")
+    return BlockManager(device.num_blocks, block_size, host_blocks=host.num_blocks), TieredKV(device, host)
+
+
+def swap_seconds(manager: BlockManager, tiers: TieredKV, num_tokens: int, repeats: int) -> float:
     """A victim's swap, out and back: the block manager decides which blocks go where, and
     `TieredKV.copy` copies them one block at a time, as the engine's step does. Best of `repeats`."""
-    manager, tiers = engine.block_manager, engine.tiers
     best = float("inf")
     for _ in range(repeats):
         manager.grow(VICTIM, num_tokens)
@@ -103,13 +106,13 @@ def crossover(lengths: list[int], recompute: list[float], swap: list[float]) -> 
 def measure_costs(model, tokenizer, text: list[int], settings: dict) -> dict:
     lengths = settings["lengths"]
     longest = max(lengths) + 1  # the prompt and the one token a prefill samples
-    engines = {size: LLM(model=model, tokenizer=tokenizer, block_size=size, preemption="swap",
-                         kv_cache_bytes=tokens_to_bytes(model, longest, size),
-                         host_cache_bytes=tokens_to_bytes(model, longest, size)).engine for size in BLOCK_SIZES}
-    recompute_engine = engines[RECOMPUTE_BLOCK]
-    recompute_seconds(recompute_engine, text[:32], 1)  # warm-up: the first forward pays one-off costs
-    recompute = [recompute_seconds(recompute_engine, text[:n], settings["prefill_repeats"]) for n in lengths]
-    swap = {size: [swap_seconds(engines[size], n, settings["swap_repeats"]) for n in lengths] for size in BLOCK_SIZES}
+    llm = LLM(model=model, tokenizer=tokenizer, block_size=RECOMPUTE_BLOCK,
+              kv_cache_bytes=tokens_to_bytes(model, longest, RECOMPUTE_BLOCK))
+    recompute_seconds(llm, text[:32], 1)  # warm-up: the first forward pays one-off costs
+    recompute = [recompute_seconds(llm, text[:n], settings["prefill_repeats"]) for n in lengths]
+    memories = {size: swap_memory(model, size, longest) for size in BLOCK_SIZES}
+    swap = {size: [swap_seconds(*memories[size], n, settings["swap_repeats"]) for n in lengths]
+            for size in BLOCK_SIZES}
     return {"lengths": lengths, "recompute": recompute, "swap": swap,
             "crossover": {size: crossover(lengths, recompute, swap[size]) for size in BLOCK_SIZES},
             "kv_bytes_per_token": model.config.kv_bytes_per_token(model.dtype)}
@@ -171,14 +174,14 @@ def run_trace(model, tokenizer, policy: str, prompts, params, settings: dict) ->
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-    scheduler, cost = engine.scheduler, engine.swap_cost
+    memory = engine.snapshot()
+    counters = memory.counters
     return {"policy": policy, "seconds": seconds, "token_ids": [out.token_ids for out in outputs],
-            "preemptions": scheduler.num_preemptions, "swapped_out": scheduler.num_swapped_out,
-            "swapped_in": scheduler.num_swapped_in, "prefetched": scheduler.num_prefetched,
-            "recomputed_tokens": scheduler.num_recomputed_tokens, "steps": engine.stats.steps,
-            "bytes_moved": sum(engine.tiers.moved().values()),
-            "decisions": decisions, "prefill_tokens_per_s": cost.prefill_tokens / cost.prefill_seconds,
-            "copy_bytes_per_s": engine.tiers.copy_rate("host")}
+            "preemptions": counters["preemptions"], "swapped_out": counters["swapped_out"],
+            "swapped_in": counters["swapped_in"], "prefetched": counters["prefetched"],
+            "recomputed_tokens": counters["recomputed_tokens"], "steps": engine.stats.steps,
+            "bytes_moved": sum(memory.stats.bytes_moved.values()), "decisions": decisions,
+            "prefill_tokens_per_s": memory.prefill_rate, "copy_bytes_per_s": memory.copy_rates.get("host")}
 
 
 def show_trace(runs: dict, settings: dict) -> None:
@@ -254,7 +257,6 @@ def main():
     plot(costs, runs, args.out)
 
     lengths, auto = costs["lengths"], runs["auto"]
-    ratios = {size: [r / s for r, s in zip(costs["recompute"], costs["swap"][size])] for size in BLOCK_SIZES}
     auto_swaps = sum(d["swap"] for d in auto["decisions"])
     numbers = {
         "lengths": lengths, "identical_outputs": identical, "copy_roof_bytes_per_s": roof,

@@ -87,29 +87,31 @@ def serve_chats(model, tokenizer, messages, order, settings: dict, host_blocks: 
     llm = LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, prefix_caching=True,
               kv_cache_bytes=kv_bytes(model, settings["device_blocks"] * BLOCK),
               host_cache_bytes=kv_bytes(model, host_blocks * BLOCK))
-    engine, cache = llm.engine, llm.engine.block_manager.prefix_cache
+    engine = llm.engine
     params = SamplingParams(max_tokens=settings["reply_tokens"], ignore_eos=True)
     history = {c: [] for c in range(len(messages))}
     turn_of, last_seen, traffic, returns = {c: 0 for c in history}, {}, 0, []
     start = time.perf_counter()
     for conv in order:
         prompt = history[conv] + user_turn(tokenizer, messages[conv][turn_of[conv]])
-        hits_before = cache.hit_blocks
+        hits_before = engine.prefix_hit_tokens()
         out = llm.generate([prompt], params)[0]
         if history[conv]:
             findable = max(1, (len(history[conv]) - 1) // BLOCK)  # full blocks the history can supply
-            found = cache.hit_blocks - hits_before
+            found = (engine.prefix_hit_tokens() - hits_before) // BLOCK
             returns.append({"gap": traffic - last_seen[conv], "found": found / findable, "ttft": out.ttft})
         history[conv] = prompt + out.token_ids + closing(tokenizer)
         turn_of[conv] += 1
         traffic += len(prompt)
         last_seen[conv] = traffic
-    stats, manager = cache.stats(), engine.block_manager
+    memory = engine.snapshot()
+    stats, counters = memory.prefix_cache, memory.counters
     return {"host_blocks": host_blocks, "seconds": time.perf_counter() - start, "returns": returns,
             "resumed_turns": sum(r["found"] == 1 for r in returns), "returning_turns": len(returns),
             "prompt_tokens": stats["prompt_tokens"], "prefill_saved": stats["prefill_tokens_saved"],
-            "token_hit_rate": stats["token_hit_rate"], "spilled": manager.num_spilled,
-            "spill_hits": manager.num_spill_hits, "bytes_host_to_device": engine.tiers.moved().get("host->device", 0)}
+            "token_hit_rate": stats["token_hit_rate"], "spilled": counters["spilled"],
+            "spill_hits": counters["spill_hits"],
+            "bytes_host_to_device": memory.stats.bytes_moved.get("host->device", 0)}
 
 
 def show_chats(runs: dict, settings: dict) -> None:
@@ -144,11 +146,12 @@ def serve_swapping(model, tokenizer, text_ids: list[int], settings: dict) -> dic
               kv_cache_bytes=kv_bytes(model, settings["swap_device_tokens"]), host_cache_bytes=kv_bytes(model, roomy))
     start = time.perf_counter()
     llm.generate(prompts, params)
-    scheduler, tiers = llm.engine.scheduler, llm.engine.tiers
-    return {"seconds": time.perf_counter() - start, "swapped_out": scheduler.num_swapped_out,
-            "swapped_in": scheduler.num_swapped_in, "prefetched": scheduler.num_prefetched,
-            "prefetch_seconds": tiers.prefetch_seconds, "prefetch_waited": tiers.prefetch_waited,
-            "hidden_share": 1 - tiers.prefetch_waited / tiers.prefetch_seconds if tiers.prefetch_seconds else 0.0}
+    seconds, memory = time.perf_counter() - start, llm.engine.snapshot()
+    counters, copied, waited = memory.counters, memory.prefetch_seconds, memory.prefetch_waited
+    return {"seconds": seconds, "swapped_out": counters["swapped_out"],
+            "swapped_in": counters["swapped_in"], "prefetched": counters["prefetched"],
+            "prefetch_seconds": copied, "prefetch_waited": waited,
+            "hidden_share": 1 - waited / copied if copied else 0.0}
 
 
 def show_swapping(run: dict, settings: dict) -> None:

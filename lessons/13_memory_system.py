@@ -84,26 +84,26 @@ def busy_engine(model, tokenizer, text_ids: list[int], settings: dict) -> LLM:
                preemption="swap", eviction="h2o", kv_budget=24, admission="memory")
 
 
-def snapshot(engine) -> dict:
-    """Where the KV bytes are now: each device and host block's state, and bytes per category."""
-    manager, pool = engine.block_manager, engine.pool
-    per_block = pool.bytes_per_slot * BLOCK
-    device = [manager.block_state(b) for b in range(manager.num_blocks)]
-    host_ids = range(manager.num_blocks, manager.num_blocks + manager.num_host_blocks)
-    host = ["host: swapped" if manager.block_state(b) in ("shared", "private") else
-            "host: spilled" if manager.block_state(b) == "cached" else "free" for b in host_ids]
-    running = engine.scheduler.running
+def placement(memory) -> dict:
+    """Where the KV bytes are in a `MemorySnapshot`: each device and host block's state, and bytes
+    per category. A filling block is a private one (its full-precision keys are counted apart)."""
+    per_block = memory.bytes_per_token * memory.block_size
+    device = ["private" if state == "filling" else state for state in memory.blocks["device"]]
+    host = ["host: swapped" if state in ("shared", "private") else "host: spilled" if state == "cached"
+            else "free" for state in memory.blocks.get("host", ())]
+    running = memory.running()
+    evicted = sum(seq.num_computed - seq.num_cached for seq in running)
     return {"device": device, "host": host,
             "bytes": {**{f"device {state}": device.count(state) * per_block for state in STATES[1:4]},
                       "host swapped": host.count("host: swapped") * per_block,
                       "host spilled": host.count("host: spilled") * per_block,
-                      "full precision (filling blocks' keys)": pool.staged_bytes,
-                      "evicted (no longer stored)": sum(seq.num_evicted for seq in running) * pool.bytes_per_slot},
-            "running": len(running), "waiting": len(engine.scheduler.waiting)}
+                      "full precision (filling blocks' keys)": memory.staged_bytes,
+                      "evicted (no longer stored)": evicted * memory.bytes_per_token},
+            "running": len(running), "waiting": len(memory.waiting())}
 
 
 def busiest_step(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
-    """Serve the chats and keep the snapshot of the step with the most KV held."""
+    """Serve the chats and keep the placement of the step with the most KV held."""
     llm = busy_engine(model, tokenizer, text_ids, settings)
     engine, rng = llm.engine, random.Random(3)
     systems = [text_ids[i * 2000:i * 2000 + settings["busy_system_tokens"]] for i in range(2)]
@@ -114,11 +114,11 @@ def busiest_step(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
     best, held = None, -1
     while engine.has_unfinished_requests():
         engine.step()
-        now = snapshot(engine)
+        now = placement(engine.snapshot())
         if sum(now["bytes"].values()) - now["bytes"]["device cached"] > held:
             best, held = now, sum(now["bytes"].values()) - now["bytes"]["device cached"]
     best["rungs"] = dict(engine.stats.rungs)
-    best["bytes_per_token"] = engine.pool.bytes_per_slot
+    best["bytes_per_token"] = engine.snapshot().bytes_per_token
     return best
 
 
@@ -153,9 +153,8 @@ def answer_with(model, tokenizer, prompt: list[int], **switches) -> tuple[torch.
     eviction drops is really gone when the question is read; and the seconds it took."""
     llm = LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, max_num_batched_tokens=64, **switches)
     engine = llm.engine
-    request_id = engine.add_request(prompt, SamplingParams(max_tokens=1))
     recorder = LastLogits()
-    engine.requests[request_id][0].sampler = recorder
+    engine.add_request(prompt, SamplingParams(max_tokens=1), sampler=recorder)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()

@@ -10,8 +10,9 @@ query whose attention reads all earlier tokens from the cache, stored however th
 There is no other path in this module.
 
 The text is cut into segments of `segment_len` tokens. Each segment is one engine request whose
-prompt is the segment's first token and whose sampler is replaced by `TeacherForcing`: it records
-log p(the text's next token) and then "samples" that token, so the sequence follows the text.
+prompt is the segment's first token and whose sampler is a `TeacherForcing` (given to
+`add_request` as its `sampler`): it records log p(the text's next token) and then "samples" that
+token, so the sequence follows the text.
 All segments decode side by side, one token per step each.
 
 The default text is Lewis Carroll's "Alice's Adventures in Wonderland" (public domain, Project
@@ -111,13 +112,14 @@ def perplexities(llm, texts: dict[str, list[int]], segment_len: int = 512, num_s
 
     engine = llm.engine
     if segment_len > engine.context_len:
-        raise ConfigError(f"segment_len={segment_len} is longer than the context ({engine.context_len}); lower it.")
+        raise ConfigError(f"segment_len={segment_len} is longer than the context ({engine.context_len}); "
+                          "lower it.")
     scorers: dict[str, list[TeacherForcing]] = {name: [] for name in texts}
+    params = SamplingParams(max_tokens=segment_len - 1, ignore_eos=True)
     for name, token_ids in texts.items():
         for segment in segments_of(token_ids, segment_len, num_segments):
-            request_id = engine.add_request(segment[:1], SamplingParams(max_tokens=segment_len - 1, ignore_eos=True))
             scorer = TeacherForcing(segment[1:])
-            engine.requests[request_id][0].sampler = scorer
+            engine.add_request(segment[:1], params, sampler=scorer)
             scorers[name].append(scorer)
     start = time.perf_counter()
     with progress_bar("scoring through the cache", segment_len - 1, enabled=progress) as advance:
@@ -127,10 +129,11 @@ def perplexities(llm, texts: dict[str, list[int]], segment_len: int = 512, num_s
                     raise ConfigError(out.error)
             advance()
     seconds = time.perf_counter() - start
+    bytes_per_token = engine.snapshot().bytes_per_token
     results = {}
     for name, text_scorers in scorers.items():
         logprobs = [lp for scorer in text_scorers for lp in scorer.logprobs]
         nll = -sum(logprobs) / len(logprobs)
-        results[name] = PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len, seconds,
-                                         engine.pool.bytes_per_slot, engine.stats.tokens_evicted)
+        results[name] = PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len,
+                                         seconds, bytes_per_token, engine.stats.tokens_evicted)
     return results

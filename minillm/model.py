@@ -2,8 +2,9 @@
 
 The model knows nothing about memory. Each attention layer projects q, k, v, rotates q and k by
 their positions, and hands them to `ctx.attend(layer_idx, q, k, v)`. The context object owns the
-KV cache — none at all (naive decoding), one contiguous tensor (cached decoding), or paged blocks
-in later chapters — so new memory systems plug in without touching this file.
+KV cache — none at all (naive decoding), one contiguous tensor (cached decoding), or blocks of a
+paged pool, quantized or not (the engine's `attention/paged.py`) — so new memory systems plug in
+without touching this file.
 
 Tokens are a flat list, not a (batch, time) grid: `forward(token_ids (N,), positions (N,), ctx)`.
 A batch of ragged sequences is just their tokens laid end to end, and the context knows which

@@ -49,7 +49,7 @@ def bench_chat_view(model_dir: Path, rounds: int = 5, max_tokens: int = 128, dty
             draw_ms.append((time.perf_counter() - start) * 1000)
     live, plain = summarize(speeds["live"]), summarize(speeds["plain"])
     return {"model": str(model_dir), "dtype": dtype, "rounds": rounds, "max_tokens": max_tokens,
-            "blocks": llm.engine.block_manager.num_blocks, "live": live, "plain": plain,
+            "blocks": llm.engine.snapshot().num_blocks, "live": live, "plain": plain,
             "slowdown": 1 - live["tok_s"] / plain["tok_s"], "panel_draw_ms": statistics.median(draw_ms)}
 
 

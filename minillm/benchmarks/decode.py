@@ -75,28 +75,56 @@ def summarize(samples: list[float]) -> dict:
             "samples_tok_s": samples}
 
 
-def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 128, naive_tokens: int = 16,
-                 include_hf: bool = True, dtype: str = "float32", repeats: int = 5) -> dict:
-    from minillm.config import DTYPES, ConfigError
+def decoder_models(model_dir: Path, dtype: str, include_hf: bool) -> tuple[dict, object]:
+    """name -> the model each minillm decoder runs (naive and cached share one); HF's model or None."""
+    from minillm.config import DTYPES
 
-    if new_tokens < 1 or naive_tokens < 1:  # a rate needs at least one timed decode step
-        raise ConfigError(f"bench decode times at least 1 new token per decoder (--tokens {new_tokens}, "
-                          f"--naive-tokens {naive_tokens}); raise them.")
     model = load_model(model_dir, DTYPES[dtype])
     models = {"naive": model, "cached": model}
     if other_dtype(dtype):
         models[f"cached_{other_dtype(dtype)}"] = load_model(model_dir, DTYPES[other_dtype(dtype)])
+    if not include_hf:
+        return models, None
+    from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+    return models, LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+
+
+def tok_s_by_threads(run_cached) -> dict[int, float]:
+    """Cached decode speed (median of 3) at every torch thread count up to the CPUs (restored after)."""
+    threads, default_threads = {}, torch.get_num_threads()
+    for n in range(1, (os.cpu_count() or 1) + 1):
+        torch.set_num_threads(n)
+        threads[n] = statistics.median(run_cached() for _ in range(3))
+    torch.set_num_threads(default_threads)
+    return threads
+
+
+def decoder_row(samples: list[float], model, prompt_len: int, new_tokens: int, naive: bool,
+                roof: float) -> dict:
+    """One decoder's speed beside the bytes its steps read and the copy roof."""
+    row = summarize(samples)
+    step_bytes = bytes_per_step(model, prompt_len, new_tokens, with_kv=not naive)
+    return {"dtype": str(model.dtype).removeprefix("torch."), **row, "ms_per_token": 1000 / row["tok_s"],
+            "bytes_per_step": step_bytes, "bandwidth_GBs": step_bytes * row["tok_s"] / 1e9,
+            "roof_fraction": step_bytes * row["tok_s"] / roof,
+            "best_roof_fraction": step_bytes * row["best_tok_s"] / roof}
+
+
+def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 128, naive_tokens: int = 16,
+                 include_hf: bool = True, dtype: str = "float32", repeats: int = 5) -> dict:
+    from minillm.config import ConfigError
+
+    if new_tokens < 1 or naive_tokens < 1:  # a rate needs at least one timed decode step
+        raise ConfigError(f"bench decode times at least 1 new token per decoder (--tokens {new_tokens}, "
+                          f"--naive-tokens {naive_tokens}); raise them.")
+    models, hf_model = decoder_models(model_dir, dtype, include_hf)
     prompt_ids = bench_prompt(model_dir, prompt_len)
-    hf_model = None
-    if include_hf:
-        from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
-        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    tokens = {name: naive_tokens if name == "naive" else new_tokens for name in models}
 
     def run_once(name: str) -> float:
         if name == "hf_transformers":
             return time_hf(hf_model, prompt_ids, new_tokens)
-        decoder = "naive" if name == "naive" else "cached"
-        return time_minillm(models[name], prompt_ids, naive_tokens if name == "naive" else new_tokens, decoder)
+        return time_minillm(models[name], prompt_ids, tokens[name], "naive" if name == "naive" else "cached")
 
     names = list(models) + (["hf_transformers"] if hf_model is not None else [])
     runs: dict[str, list[float]] = {name: [] for name in names}
@@ -107,31 +135,17 @@ def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 128, n
         for _ in range(repeats):  # interleaved, so machine drift hits every decoder alike
             for name in names:
                 runs[name].append(run_once(name))
-
-        threads = {}
-        default_threads = torch.get_num_threads()
-        for n in range(1, (os.cpu_count() or 1) + 1):
-            torch.set_num_threads(n)
-            threads[n] = statistics.median(run_once("cached") for _ in range(3))
-        torch.set_num_threads(default_threads)
-
+        threads = tok_s_by_threads(lambda: run_once("cached"))
     roof = copy_bandwidth()
-    decoders = {}
-    for name, samples in runs.items():
-        row = summarize(samples)
-        row_model = models.get(name, model)
-        step_bytes = bytes_per_step(row_model, prompt_len, naive_tokens if name == "naive" else new_tokens,
-                                    with_kv=name != "naive")
-        decoders[name] = {"dtype": str(row_model.dtype).removeprefix("torch."), **row,
-                          "ms_per_token": 1000 / row["tok_s"], "bytes_per_step": step_bytes,
-                          "bandwidth_GBs": step_bytes * row["tok_s"] / 1e9, "roof_fraction": step_bytes * row["tok_s"] / roof,
-                          "best_roof_fraction": step_bytes * row["best_tok_s"] / roof}
+    decoders = {name: decoder_row(samples, models.get(name, models["cached"]), prompt_len,
+                                  tokens.get(name, new_tokens), name == "naive", roof)
+                for name, samples in runs.items()}
     report = {
-        "machine": {"cpus": os.cpu_count(), "torch_threads": default_threads, "torch": torch.__version__,
-                    "processor": cpu_model()},
+        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                    "torch": torch.__version__, "processor": cpu_model()},
         "model_dir": str(model_dir), "dtype": dtype, "prompt_len": len(prompt_ids), "new_tokens": new_tokens,
-        "naive_tokens": naive_tokens, "repeats": repeats, "copy_bandwidth_GBs": roof / 1e9, "decoders": decoders,
-        "cached_tok_s_by_threads": threads,
+        "naive_tokens": naive_tokens, "repeats": repeats, "copy_bandwidth_GBs": roof / 1e9,
+        "decoders": decoders, "cached_tok_s_by_threads": threads,
         "cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"],
     }
     if other_dtype(dtype):

@@ -40,7 +40,7 @@ def run(model, tokenizer, prompts, prefix_caching: bool, attention_backend: str)
               "prefill_tokens_computed": stats.tokens_computed - stats.tokens_generated + len(prompts),
               "max_shared_bytes": max(m.shared_slots * m.bytes_per_slot for m in stats.memory)}
     if prefix_caching:
-        report["prefix_cache"] = llm.engine.block_manager.prefix_cache.stats()
+        report["prefix_cache"] = llm.engine.snapshot().prefix_cache
     return report
 
 
@@ -55,7 +55,8 @@ def sharing_memory(model, tokenizer, prompt: list[int], params: SamplingParams, 
     unshared = sum(m.reserved_slots + m.shared_slots for m in steps)
     return {"mean_reserved_bytes_shared": shared / len(steps) * steps[0].bytes_per_slot,
             "mean_reserved_bytes_unshared": unshared / len(steps) * steps[0].bytes_per_slot,
-            "memory_saved": 1 - shared / unshared, "copy_on_write_copies": llm.engine.block_manager.num_copies}
+            "memory_saved": 1 - shared / unshared,
+            "copy_on_write_copies": llm.engine.snapshot().counters["copy_on_write"]}
 
 
 def bench_prefix(model_dir: Path, num_requests: int = 32, system_tokens: int = 500,

@@ -106,9 +106,8 @@ def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_n
     finished = []
     while engine.has_unfinished_requests():
         finished += [out for out in engine.step() if out.finished]
-        running = engine.scheduler.running  # static batching holds members whose prefill has not begun
-        manager = engine.block_manager
-        tables = [manager.table(seq.seq_id) if manager.has_table(seq.seq_id) else [] for seq in running]
+        running = engine.snapshot().running()  # static batching holds members whose prefill has not begun
+        tables = [seq.table for seq in running]
         live += sum(seq.num_computed for seq in running)
         paged += sum(map(len, tables)) * block_size
         arena += sum(seq.max_len for seq in running)  # a contiguous allocator reserves the maximum

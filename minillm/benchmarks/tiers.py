@@ -115,16 +115,17 @@ def percentile(values: list[float], pct: int) -> float:
 
 
 def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
-    scheduler, tiers = engine.scheduler, engine.tiers
+    memory = engine.snapshot()
+    counters = memory.counters
     ttft = [out.ttft for out in outputs if out.ttft is not None]
-    hidden = 1 - tiers.prefetch_waited / tiers.prefetch_seconds if tiers.prefetch_seconds else None
+    hidden = 1 - memory.prefetch_waited / memory.prefetch_seconds if memory.prefetch_seconds else None
     return {"output_tok_s": sum(len(out.token_ids) for out in outputs) / elapsed, "elapsed_s": elapsed,
             "cpu_s": cpu_s, "steps": engine.stats.steps, "errors": sum(out.error is not None for out in outputs),
             "ttft_p50_s": percentile(ttft, 50), "ttft_p99_s": percentile(ttft, 99),
-            "preemptions": scheduler.num_preemptions, "recomputed_tokens": scheduler.num_recomputed_tokens,
-            "swapped_out": scheduler.num_swapped_out, "swapped_in": scheduler.num_swapped_in,
-            "bytes_moved": tiers.moved(), "prefetched": scheduler.num_prefetched,
-            "prefetch_copy_s": tiers.prefetch_seconds, "prefetch_waited_s": tiers.prefetch_waited,
+            "preemptions": counters["preemptions"], "recomputed_tokens": counters["recomputed_tokens"],
+            "swapped_out": counters["swapped_out"], "swapped_in": counters["swapped_in"],
+            "bytes_moved": memory.stats.bytes_moved, "prefetched": counters["prefetched"],
+            "prefetch_copy_s": memory.prefetch_seconds, "prefetch_waited_s": memory.prefetch_waited,
             "prefetch_hidden": hidden}
 
 
@@ -248,12 +249,11 @@ def spill_row(model, tokenizer, prompts: list[list[int]], device_bytes: int, hos
         for prompt in prompts:
             outputs += llm.generate([prompt], params)
             advance()
-    engine = llm.engine
-    stats, manager = engine.stats, engine.block_manager
+    stats, memory = llm.engine.stats, llm.engine.snapshot()
     row = {"ttft_mean_s": statistics.fmean(out.ttft for out in outputs),
            "prefill_tokens_computed": stats.tokens_computed - stats.tokens_generated + len(prompts),
-           "spilled": manager.num_spilled, "spill_hits": manager.num_spill_hits, "bytes_moved": engine.tiers.moved(),
-           "prefix_cache": manager.prefix_cache.stats()}
+           "spilled": memory.counters["spilled"], "spill_hits": memory.counters["spill_hits"],
+           "bytes_moved": memory.stats.bytes_moved, "prefix_cache": memory.prefix_cache}
     return row, [out.token_ids for out in outputs]
 
 

@@ -1,0 +1,61 @@
+"""`minillm bench memory`: the memory system built up one layer at a time, on one trace and one budget.
+
+The seeds' claim: from the same KV bytes, paging, sharing, compression, tiers, memory-aware
+admission and a pressure ladder serve more requests at once, faster and within latency targets,
+than reserving each request's maximum length; and the lossy layers say what they cost.
+
+The trace (seeded, so every run and commit sees the same one): N requests (default 24) arriving
+over time (exponential gaps, --rate per second), of four kinds in fixed shares (40% questions, 35%
+chats, 15% documents, 10% long answers) in a seeded order, cut from real prose:
+  question     a short question, U[16, 48] tokens, 16 tokens out (max_tokens 128);
+  chat         one of 3 system prompts (96 tokens of a second text) and a user turn of U[8, 24]
+               tokens, in the chat template, 24 out (max_tokens 128): the prefix cache can share
+               the system prompt;
+  document     a long document, U[192, 384] tokens, 16 out (max_tokens 64);
+  long answer  a short prompt, U[16, 32] tokens, and a long answer, 128 out (max_tokens 256).
+Like a client, each request declares a max_tokens larger than what it turns out to need, and
+nobody but the trace knows its length: it is decoded greedily and ends with EOS at exactly its
+output length (`ScriptedStop`; no EOS before), so every row does the same work and the engine
+learns lengths only as requests finish. --quick quarters every length and runs fewer requests.
+
+The budget: one device pool of --kv-tokens tokens of float32 KV (default 640: 40 blocks, under two
+documents), given to every row in bytes, so an int8 pool cuts the same bytes into ~3.5x more
+blocks. It is short for the float32 rows (first come first served preempts and recomputes); the
+int8 rows get enough blocks that memory is barely short, and what limits them is the decode
+step (measured 2026-11-30: 0-1 preemptions in rows 4-7). The rows add one layer at a time:
+  (1) max-length reservation: each request holds prompt + max_tokens from admission on (the
+      contiguous baseline, played on the paged pool, `admission="reserve"`);
+  (2) paged: blocks as tokens come, first come first served, preemption by recompute;
+  (3) + prefix cache;  (4) + int8 KV;  (5) + a host tier holding the whole trace, preemption
+      "auto" (swap or recompute by measured cost);  (6) + memory-aware admission;
+  (7) + the pressure ladder's lossy rung: H2O eviction to half of each sequence's length, only
+      after a step that had to preempt (a shared prompt prefix stays whole: each sequence evicts
+      only from its private part);
+  (L) the lossless system: (6) with float32 KV, to compare with (1).
+Lossless rows must give row (2)'s greedy tokens: checked and reported, not asserted.
+
+Goodput is the fraction of requests meeting a time-to-first-token and a time-per-output-token
+target, both derived from a calibration measured in this run on an idle engine: TTFT within
+TTFT_TIMES x the time to prefill the trace's longest prompt alone, TPOT within TPOT_TIMES x a
+batch-1 decode step. Quality for the lossy rows is perplexity through the row's cache over the
+exact cache, on two public-domain texts of different kinds (a novel, a workshop report).
+
+Two load tests (rows (1), (2), (L), (6)): closed loop, C clients each sending a chat request
+when its previous one has answered. (a) At --clients C: p50/p99 latency. (b) The largest C on a
+doubling grid whose p99 TTFT meets a target (LOAD_TTFT_TIMES x one such request prefilled alone);
+the sweep stops at the first C that misses it.
+
+As in `bench tiers`: idle time in the trace is skipped (the clock jumps to the next arrival), so
+tok/s is over busy time, CPU seconds are reported beside wall time, and targets are printed
+beside the numbers, never asserted.
+
+The package, in the order a run reads it:
+  trace.py   the seeded trace: request kinds, prompts cut from prose, `ScriptedStop`
+  run.py     the rows, calibration, quality, load tests and targets: `bench_memory`
+  report.py  the tables: `print_memory_report`
+"""
+
+from minillm.benchmarks.memory.report import print_memory_report
+from minillm.benchmarks.memory.run import SIZES, bench_memory
+
+__all__ = ["SIZES", "bench_memory", "print_memory_report"]
