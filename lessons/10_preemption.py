@@ -149,28 +149,12 @@ def make_trace(text: list[int], settings: dict) -> tuple[list[list[int]], Sampli
     return prompts, SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
 
 
-def record_decisions(cost) -> list[dict]:
-    """Wrap the engine's cost model so every swap-or-recompute decision is kept with its numbers
-    (a recorder, as the lessons use: the engine runs unchanged)."""
-    decisions, decide = [], cost.prefers_swap
-
-    def recorded(tokens: int, num_blocks: int, tier: str) -> bool:
-        swap = decide(tokens, num_blocks, tier)
-        decisions.append({"tokens": tokens, "blocks": num_blocks, "costs": cost.seconds(tokens, num_blocks, tier),
-                          "swap": swap})
-        return swap
-
-    cost.prefers_swap = recorded
-    return decisions
-
-
 def run_trace(model, tokenizer, policy: str, prompts, params, settings: dict) -> dict:
     """Serve the trace on a device pool of `device_tokens` tokens (the host pool holds them all)."""
     roomy = tokens_to_bytes(model, sum(len(p) for p in prompts) + len(prompts) * params.max_tokens, TRACE_BLOCK)
     llm = LLM(model=model, tokenizer=tokenizer, block_size=TRACE_BLOCK, preemption=policy,
               kv_cache_bytes=tokens_to_bytes(model, settings["device_tokens"], TRACE_BLOCK), host_cache_bytes=roomy)
     engine = llm.engine
-    decisions = record_decisions(engine.swap_cost) if policy == "auto" else []
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -180,7 +164,7 @@ def run_trace(model, tokenizer, policy: str, prompts, params, settings: dict) ->
             "preemptions": counters["preemptions"], "swapped_out": counters["swapped_out"],
             "swapped_in": counters["swapped_in"], "prefetched": counters["prefetched"],
             "recomputed_tokens": counters["recomputed_tokens"], "steps": engine.stats.steps,
-            "bytes_moved": sum(memory.stats.bytes_moved.values()), "decisions": decisions,
+            "bytes_moved": sum(memory.stats.bytes_moved.values()), "decisions": list(memory.swap_decisions),
             "prefill_tokens_per_s": memory.prefill_rate, "copy_bytes_per_s": memory.copy_rates.get("host")}
 
 

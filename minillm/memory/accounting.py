@@ -134,6 +134,8 @@ class MemorySnapshot:
     prefetch_waited: float = 0.0  # ...of which the engine still waited for
     copy_rates: dict[str, float] = field(default_factory=dict)  # tier -> round-trip bytes/s measured so far
     prefill_rate: float | None = None  # prefill tokens/s measured so far (the cost model's other rate)
+    # preemption="auto": its latest swap-or-recompute decisions (tokens, blocks, (recompute s, swap s), swap)
+    swap_decisions: tuple[dict, ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -180,10 +182,11 @@ def take_snapshot(
     sequences: list[tuple],
     counters: dict[str, int],
     preemption: str,
-    prefill_rate: float | None,
+    swap_cost,
 ) -> MemorySnapshot:
-    """The `MemorySnapshot` of a block manager and its tiers (`TieredKV`: the device pool first).
-    `sequences`: (seq_id, request_id, status, num_computed, num_cached, max_len) of each unfinished one."""
+    """The `MemorySnapshot` of a block manager, its tiers (`TieredKV`: the device pool first) and
+    its cost model (`SwapCost`, or None without a tier to swap to). `sequences`: (seq_id,
+    request_id, status, num_computed, num_cached, max_len) of each unfinished one."""
     pool, cache = tiers.device, manager.prefix_cache
     views = tuple(
         SequenceView(*seq, tuple(manager.table(seq[0])) if manager.has_table(seq[0]) else ())
@@ -212,5 +215,6 @@ def take_snapshot(
         prefetch_seconds=tiers.prefetch_seconds,
         prefetch_waited=tiers.prefetch_waited,
         copy_rates=rates,
-        prefill_rate=prefill_rate,
+        prefill_rate=swap_cost.prefill_rate() if swap_cost else None,
+        swap_decisions=tuple(swap_cost.decisions) if swap_cost else (),
     )

@@ -322,8 +322,7 @@ class KVCacheManager:
     def snapshot(self, sequences: list[tuple], counters: dict[str, int]) -> MemorySnapshot:
         """The picture. `sequences`: (seq_id, request_id, status, num_computed, num_cached, max_len)
         of every unfinished sequence, running ones first; `counters`: the scheduler's own (preemptions)."""
-        every_counter = {**counters, **self.counters}
-        rate = self.swap_cost.prefill_rate() if self.swap_cost else None
+        every_counter, preemption = {**counters, **self.counters}, self.ladder.preemption
         return take_snapshot(
-            self.block_manager, self.tiers, sequences, every_counter, self.ladder.preemption, rate
+            self.block_manager, self.tiers, sequences, every_counter, preemption, self.swap_cost
         )

@@ -41,6 +41,7 @@ import tempfile
 import threading
 import time
 import weakref
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -224,6 +225,7 @@ class SwapCost:
         self.tiers = tiers
         self.prefill_tokens = 0
         self.prefill_seconds = 0.0
+        self.decisions: deque[dict] = deque(maxlen=1024)  # the latest: tokens, blocks, costs, swap
 
     def record_forward(self, tokens: int, sequences: int, seconds: float) -> None:
         """A forward pass that prefilled (more tokens than sequences) tells the prefill rate."""
@@ -246,4 +248,6 @@ class SwapCost:
 
     def prefers_swap(self, tokens: int, num_blocks: int, tier: str) -> bool:
         costs = self.seconds(tokens, num_blocks, tier)
-        return costs is None or costs[1] < costs[0]  # unmeasured: swap, which never loses work
+        swap = costs is None or costs[1] < costs[0]  # unmeasured: swap, which never loses work
+        self.decisions.append({"tokens": tokens, "blocks": num_blocks, "costs": costs, "swap": swap})
+        return swap
