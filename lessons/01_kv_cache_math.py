@@ -19,8 +19,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.config import ModelConfig  # noqa: E402
 from minillm.decoding.cached import ContiguousKVCache  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
@@ -49,11 +49,32 @@ def show_sizes(configs: dict) -> None:
     rows = []
     for name, (layers, heads, kv_heads, head_dim, params) in configs.items():
         per_token = kv_bytes_per_token(layers, kv_heads, head_dim, 2)
-        rows.append([name, layers, f"{heads}/{kv_heads}", head_dim, f"{per_token / 1024:.0f} KiB",
-                     f"{per_token * 4096 / GiB:.2f}", f"{per_token * 4096 * 32 / GiB:.1f}",
-                     f"{per_token * 4096 * 32 / (params * 2):.1f}x"])
-    table("KV cache size", ["model", "layers", "q/kv heads", "head_dim", "per token", "GiB @ 4k tokens",
-                            "GiB @ 4k x 32 seqs", "vs fp16 weights"], rows)
+        rows.append(
+            [
+                name,
+                layers,
+                f"{heads}/{kv_heads}",
+                head_dim,
+                f"{per_token / 1024:.0f} KiB",
+                f"{per_token * 4096 / GiB:.2f}",
+                f"{per_token * 4096 * 32 / GiB:.1f}",
+                f"{per_token * 4096 * 32 / (params * 2):.1f}x",
+            ]
+        )
+    table(
+        "KV cache size",
+        [
+            "model",
+            "layers",
+            "q/kv heads",
+            "head_dim",
+            "per token",
+            "GiB @ 4k tokens",
+            "GiB @ 4k x 32 seqs",
+            "vs fp16 weights",
+        ],
+        rows,
+    )
 
 
 def measure_allocation(model_dir, smol: ModelConfig, quick: bool) -> list[tuple[int, int, int, int]]:
@@ -70,8 +91,11 @@ def measure_allocation(model_dir, smol: ModelConfig, quick: bool) -> list[tuple[
         rows.append([tokens, f"{formula:,}", f"{cache.nbytes:,}", f"{grown:,}", f"{grown / formula:.3f}"])
         measured.append((tokens, formula, cache.nbytes, grown))
         del cache
-    table("SmolLM2 fp32 cache", ["tokens", "formula bytes", "tensor bytes", "process memory grew",
-                                 "grew / formula"], rows)
+    table(
+        "SmolLM2 fp32 cache",
+        ["tokens", "formula bytes", "tensor bytes", "process memory grew", "grew / formula"],
+        rows,
+    )
     return measured
 
 
@@ -79,10 +103,19 @@ def plot_growth(configs: dict, out) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     contexts = [512, 1024, 2048, 4096, 8192, 16384, 32768]
     for name, (layers, _, kv_heads, head_dim, _) in configs.items():
-        ax.plot(contexts, [kv_bytes_per_token(layers, kv_heads, head_dim, 2) * c / GiB for c in contexts],
-                marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
-           ylabel="KV cache of one sequence, fp16 (GiB)", title="KV cache grows linearly with context")
+        ax.plot(
+            contexts,
+            [kv_bytes_per_token(layers, kv_heads, head_dim, 2) * c / GiB for c in contexts],
+            marker="o",
+            label=name,
+        )
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="context length (tokens)",
+        ylabel="KV cache of one sequence, fp16 (GiB)",
+        title="KV cache grows linearly with context",
+    )
     ax.legend()
     save_plot(fig, out, "01_kv_cache_math.png")
 
@@ -100,8 +133,10 @@ def main():
     console.rule("2. What grouped-query attention saves")
     mha = kv_bytes_per_token(smol.num_layers, smol.num_heads, smol.head_dim, 4)
     gqa = kv_bytes_per_token(smol.num_layers, smol.num_kv_heads, smol.head_dim, 4)
-    console.print(f"SmolLM2 in fp32: {mha:,} B/token if every query head had its own K/V (MHA), "
-                  f"{gqa:,} B/token with {smol.num_kv_heads} shared KV heads: {mha / gqa:.0f}x smaller.")
+    console.print(
+        f"SmolLM2 in fp32: {mha:,} B/token if every query head had its own K/V (MHA), "
+        f"{gqa:,} B/token with {smol.num_kv_heads} shared KV heads: {mha / gqa:.0f}x smaller."
+    )
 
     console.rule("3. The formula against tensors allocated now")
     measured = measure_allocation(model_dir, smol, args.quick)
@@ -110,16 +145,27 @@ def main():
     tokens, formula, tensor_bytes, grown = measured[-1]
     layers, _, kv_heads, head_dim, params = ARCHITECTURES["Llama-2-7B (MHA)"]
     over_weights = kv_bytes_per_token(layers, kv_heads, head_dim, 2) * 4096 * 32 / (params * 2)
-    save_numbers(args.out, "01_kv_cache_math.json", {
-        "llama2_7b_cache_4k_x_32_over_weights": over_weights, "smol_gqa_saving": mha / gqa,
-        "smol_query_heads_per_kv_head": smol.num_heads / smol.num_kv_heads, "tokens": tokens,
-        "formula_bytes": formula, "tensor_bytes": tensor_bytes, "process_grew_bytes": grown})
-    console.print(f"\n[bold]What it means:[/bold] the cache is a per-token tax that, at long contexts and "
-                  f"large batches, outgrows the weights themselves (Llama-2-7B, 4k tokens x 32 sequences: "
-                  f"{over_weights:.1f}x its weights); GQA cuts it by the ratio of query to KV heads "
-                  f"({mha / gqa:.0f}x for SmolLM2), and the tensors we allocate cost exactly what the "
-                  f"formula says ({tensor_bytes:,} bytes for {tokens:,} tokens; the process grew by "
-                  f"{grown / formula:.3f}x that).")
+    save_numbers(
+        args.out,
+        "01_kv_cache_math.json",
+        {
+            "llama2_7b_cache_4k_x_32_over_weights": over_weights,
+            "smol_gqa_saving": mha / gqa,
+            "smol_query_heads_per_kv_head": smol.num_heads / smol.num_kv_heads,
+            "tokens": tokens,
+            "formula_bytes": formula,
+            "tensor_bytes": tensor_bytes,
+            "process_grew_bytes": grown,
+        },
+    )
+    console.print(
+        f"\n[bold]What it means:[/bold] the cache is a per-token tax that, at long contexts and "
+        f"large batches, outgrows the weights themselves (Llama-2-7B, 4k tokens x 32 sequences: "
+        f"{over_weights:.1f}x its weights); GQA cuts it by the ratio of query to KV heads "
+        f"({mha / gqa:.0f}x for SmolLM2), and the tensors we allocate cost exactly what the "
+        f"formula says ({tensor_bytes:,} bytes for {tokens:,} tokens; the process grew by "
+        f"{grown / formula:.3f}x that)."
+    )
 
 
 if __name__ == "__main__":

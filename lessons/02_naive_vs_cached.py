@@ -15,8 +15,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.decoding import stream  # noqa: E402
 from minillm.sampling import SamplingParams  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
@@ -27,7 +27,9 @@ def step_times(model, prompt_ids, new_tokens, decoder):
     """Seconds spent producing each new token (the first one includes the prompt's prefill)."""
     tokens, times = [], []
     last = time.perf_counter()
-    for token, _ in stream(model, prompt_ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True), decoder):
+    for token, _ in stream(
+        model, prompt_ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True), decoder
+    ):
         now = time.perf_counter()
         tokens.append(token)
         times.append(now - last)
@@ -36,13 +38,22 @@ def step_times(model, prompt_ids, new_tokens, decoder):
 
 
 def main():
-    args = lesson_args(__doc__, lambda parser: parser.add_argument(
-        "--tokens", type=int, default=200, help="new tokens to generate (default: 200)"), quick={"tokens": 40})
+    args = lesson_args(
+        __doc__,
+        lambda parser: parser.add_argument(
+            "--tokens", type=int, default=200, help="new tokens to generate (default: 200)"
+        ),
+        quick={"tokens": 40},
+    )
 
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
-    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": "Tell me a long story about a lighthouse."}])
-    console.print(f"prompt: {len(prompt_ids)} tokens; generating {args.tokens} greedy tokens with each decoder")
+    prompt_ids = tokenizer.encode_chat(
+        [{"role": "user", "content": "Tell me a long story about a lighthouse."}]
+    )
+    console.print(
+        f"prompt: {len(prompt_ids)} tokens; generating {args.tokens} greedy tokens with each decoder"
+    )
 
     step_times(model, prompt_ids, 4, "cached")  # warm-up
     cached_tokens, cached = step_times(model, prompt_ids, args.tokens, "cached")
@@ -52,11 +63,18 @@ def main():
 
     positions = [len(prompt_ids) + i for i in range(args.tokens)]
     marks = sorted({1, args.tokens // 4, args.tokens // 2, 3 * args.tokens // 4, args.tokens - 1})
-    table("milliseconds per new token", ["position", "naive", "cached", "naive / cached"],
-          [[positions[i], f"{naive[i] * 1e3:.0f}", f"{cached[i] * 1e3:.0f}", f"{naive[i] / cached[i]:.1f}x"]
-           for i in marks])
-    console.print(f"total: naive {sum(naive):.1f} s, cached {sum(cached):.1f} s "
-                  f"({sum(naive) / sum(cached):.1f}x) for {args.tokens} tokens")
+    table(
+        "milliseconds per new token",
+        ["position", "naive", "cached", "naive / cached"],
+        [
+            [positions[i], f"{naive[i] * 1e3:.0f}", f"{cached[i] * 1e3:.0f}", f"{naive[i] / cached[i]:.1f}x"]
+            for i in marks
+        ],
+    )
+    console.print(
+        f"total: naive {sum(naive):.1f} s, cached {sum(cached):.1f} s "
+        f"({sum(naive) / sum(cached):.1f}x) for {args.tokens} tokens"
+    )
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(positions[1:], [t * 1e3 for t in naive[1:]], label="naive (recompute all)")
@@ -67,15 +85,26 @@ def main():
 
     def growth(times):  # median step of the last quarter over the first quarter (prefill step excluded)
         quarter = max(1, (len(times) - 1) // 4)
-        return statistics.median(times[-quarter:]) / statistics.median(times[1:1 + quarter])
+        return statistics.median(times[-quarter:]) / statistics.median(times[1 : 1 + quarter])
 
-    save_numbers(args.out, "02_naive_vs_cached.json", {
-        "tokens": args.tokens, "identical_tokens": same, "naive_seconds": sum(naive), "cached_seconds": sum(cached),
-        "naive_step_growth": growth(naive), "cached_step_growth": growth(cached)})
-    console.print(f"\n[bold]What it means:[/bold] the naive step grows with the sequence ({growth(naive):.1f}x "
-                  f"from the first to the last quarter here, so a whole generation is quadratic), the cached "
-                  f"step stays nearly flat ({growth(cached):.1f}x) — {sum(naive) / sum(cached):.1f}x faster "
-                  f"in total for the same tokens, bought with the memory of lesson 01.")
+    save_numbers(
+        args.out,
+        "02_naive_vs_cached.json",
+        {
+            "tokens": args.tokens,
+            "identical_tokens": same,
+            "naive_seconds": sum(naive),
+            "cached_seconds": sum(cached),
+            "naive_step_growth": growth(naive),
+            "cached_step_growth": growth(cached),
+        },
+    )
+    console.print(
+        f"\n[bold]What it means:[/bold] the naive step grows with the sequence ({growth(naive):.1f}x "
+        f"from the first to the last quarter here, so a whole generation is quadratic), the cached "
+        f"step stays nearly flat ({growth(cached):.1f}x) — {sum(naive) / sum(cached):.1f}x faster "
+        f"in total for the same tokens, bought with the memory of lesson 01."
+    )
     if not same:
         raise SystemExit("naive and cached decoding disagree — that is a bug")
 

@@ -17,8 +17,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.benchmarks import copy_bandwidth  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
@@ -40,8 +40,10 @@ def decode_step_time(model, batch: int, timed_steps: int) -> float:
     llm = LLM(model=model, max_num_seqs=batch, max_num_batched_tokens=batch * PROMPT_LEN)
     engine = llm.engine
     for i in range(batch):
-        engine.add_request([(7 * i + j) % 1000 + 100 for j in range(PROMPT_LEN)],
-                           SamplingParams(max_tokens=timed_steps + 2, ignore_eos=True))
+        engine.add_request(
+            [(7 * i + j) % 1000 + 100 for j in range(PROMPT_LEN)],
+            SamplingParams(max_tokens=timed_steps + 2, ignore_eos=True),
+        )
     engine.step()  # every prompt in one prefill step
     start = time.perf_counter()
     for _ in range(timed_steps):
@@ -57,8 +59,10 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     kv_per_token = model.config.kv_bytes_per_token(model.dtype)
     bandwidth, flops = copy_bandwidth(), matmul_flops()
-    console.print(f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s; "
-                  f"weights {weight_bytes / 1e6:.0f} MB")
+    console.print(
+        f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s; "
+        f"weights {weight_bytes / 1e6:.0f} MB"
+    )
 
     rows, throughput, bw_fraction, flop_fraction = [], [], [], []
     for batch in batches:
@@ -69,10 +73,22 @@ def main():
         throughput.append(batch / step)
         bw_fraction.append(step_bytes / step / bandwidth)
         flop_fraction.append(step_flops / step / flops)
-        rows.append([batch, f"{step * 1e3:.0f}", f"{batch / step:.0f}", f"{step_bytes / step / 1e9:.1f}",
-                     f"{bw_fraction[-1]:.0%}", f"{step_flops / step / 1e9:.1f}", f"{flop_fraction[-1]:.0%}"])
-    table("decode, one step = one token for every sequence", ["batch", "ms/step", "tok/s", "GB/s read",
-          "of copy roof", "GFLOP/s", "of matmul roof"], rows)
+        rows.append(
+            [
+                batch,
+                f"{step * 1e3:.0f}",
+                f"{batch / step:.0f}",
+                f"{step_bytes / step / 1e9:.1f}",
+                f"{bw_fraction[-1]:.0%}",
+                f"{step_flops / step / 1e9:.1f}",
+                f"{flop_fraction[-1]:.0%}",
+            ]
+        )
+    table(
+        "decode, one step = one token for every sequence",
+        ["batch", "ms/step", "tok/s", "GB/s read", "of copy roof", "GFLOP/s", "of matmul roof"],
+        rows,
+    )
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     left.plot(batches, throughput, marker="o")
@@ -84,18 +100,30 @@ def main():
     right.set(xscale="log", xlabel="batch size", ylabel="% of measured roof", title="Which roof binds")
     right.legend()
     save_plot(fig, args.out, "03_bandwidth_wall.png")
-    save_numbers(args.out, "03_bandwidth_wall.json", {
-        "largest_batch": batches[-1], "tokens_per_s_batch_1": throughput[0],
-        "tokens_per_s_largest_batch": throughput[-1], "speedup_largest_batch": throughput[-1] / throughput[0],
-        "copy_roof_fraction_batch_1": bw_fraction[0], "matmul_roof_fraction_batch_1": flop_fraction[0],
-        "copy_roof_fraction_largest_batch": bw_fraction[-1], "matmul_roof_fraction_largest_batch": flop_fraction[-1]})
-    console.print(f"\n[bold]What it means:[/bold] batch 1 is a weight read with little math "
-                  f"({bw_fraction[0]:.0%} of the copy roof, {flop_fraction[0]:.0%} of the matmul roof); batching "
-                  f"shares that read, {throughput[-1] / throughput[0]:.1f}x the tokens/s at batch {batches[-1]}. "
-                  f"It scales sublinearly long before either roof ({bw_fraction[-1]:.0%} / {flop_fraction[-1]:.0%} "
-                  "at the largest batch): the per-sequence work grows instead — the torch reference attention "
-                  "loops over sequences and copies each one's K/V out of the pool — which is what the "
-                  "paged-attention kernels remove.")
+    save_numbers(
+        args.out,
+        "03_bandwidth_wall.json",
+        {
+            "largest_batch": batches[-1],
+            "tokens_per_s_batch_1": throughput[0],
+            "tokens_per_s_largest_batch": throughput[-1],
+            "speedup_largest_batch": throughput[-1] / throughput[0],
+            "copy_roof_fraction_batch_1": bw_fraction[0],
+            "matmul_roof_fraction_batch_1": flop_fraction[0],
+            "copy_roof_fraction_largest_batch": bw_fraction[-1],
+            "matmul_roof_fraction_largest_batch": flop_fraction[-1],
+        },
+    )
+    console.print(
+        f"\n[bold]What it means:[/bold] batch 1 is a weight read with little math "
+        f"({bw_fraction[0]:.0%} of the copy roof, {flop_fraction[0]:.0%} of the matmul roof); batching "
+        f"shares that read, {throughput[-1] / throughput[0]:.1f}x the tokens/s at batch {batches[-1]}. "
+        f"It scales sublinearly long before either roof ({bw_fraction[-1]:.0%} / {flop_fraction[-1]:.0%} "
+        "at the largest batch): the per-sequence work grows instead — the torch reference attention "
+        "loops over sequences and copies each one's K/V out of the pool — which is what the "
+        "paged-attention kernels remove."
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -18,11 +18,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from _common import console, lesson_args, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.memory.accounting import arena_stats, paged_stats  # noqa: E402
-from minillm.memory.block_manager import BlockManager  # noqa: E402
 from minillm.memory.arena import ContiguousArena  # noqa: E402
+from minillm.memory.block_manager import BlockManager  # noqa: E402
 
 SLOTS = 1024  # token slots of KV memory, the same for both allocators
 BLOCK = 16
@@ -51,15 +51,26 @@ def part1_refusal() -> dict:
         paged.free(seq_id)
     console.print(f"B and D finished:          {draw_arena(arena)}")
     new_request = 260
-    console.print(f"a new request needs {new_request} slots. Free: {arena.num_free_slots} in total, "
-                  f"largest contiguous hole {arena.largest_hole}.")
-    console.print(f"  contiguous arena: {'fits' if arena.can_allocate(new_request) else '[red]REFUSED[/red]'}")
+    console.print(
+        f"a new request needs {new_request} slots. Free: {arena.num_free_slots} in total, "
+        f"largest contiguous hole {arena.largest_hole}."
+    )
+    console.print(
+        f"  contiguous arena: {'fits' if arena.can_allocate(new_request) else '[red]REFUSED[/red]'}"
+    )
     fits = paged.can_grow(99, new_request)
-    console.print(f"  paged ({BLOCK}-slot blocks, {paged.num_free_blocks} free): "
-                  f"{'[green]fits[/green]' if fits else 'refused'} in {paged.blocks_for(new_request)} blocks, "
-                  "wherever they are")
-    return {"new_request_slots": new_request, "free_slots": arena.num_free_slots,
-            "largest_hole": arena.largest_hole, "arena_fits": arena.can_allocate(new_request), "paged_fits": fits}
+    console.print(
+        f"  paged ({BLOCK}-slot blocks, {paged.num_free_blocks} free): "
+        f"{'[green]fits[/green]' if fits else 'refused'} in {paged.blocks_for(new_request)} blocks, "
+        "wherever they are"
+    )
+    return {
+        "new_request_slots": new_request,
+        "free_slots": arena.num_free_slots,
+        "largest_hole": arena.largest_hole,
+        "arena_fits": arena.can_allocate(new_request),
+        "paged_fits": fits,
+    }
 
 
 def part2_trace(out_dir, seed: int = 0, steps: int = 400) -> dict:
@@ -92,18 +103,28 @@ def part2_trace(out_dir, seed: int = 0, steps: int = 400) -> dict:
         tokens = {seq_id: state[0] for seq_id, state in live.items()}
         arena_util.append(arena_stats(arena, tokens, 1).utilization)
         paged_util.append(paged_stats(paged, tokens, 1).utilization)
-    table("utilization = live tokens / reserved slots, mean over the trace",
-          ["allocator", "utilization", "arrivals refused"],
-          [["contiguous (max length)", f"{sum(arena_util) / steps:.1%}", refused["arena"]],
-           [f"paged ({BLOCK}-slot blocks)", f"{sum(paged_util) / steps:.1%}", refused["paged"]]])
+    table(
+        "utilization = live tokens / reserved slots, mean over the trace",
+        ["allocator", "utilization", "arrivals refused"],
+        [
+            ["contiguous (max length)", f"{sum(arena_util) / steps:.1%}", refused["arena"]],
+            [f"paged ({BLOCK}-slot blocks)", f"{sum(paged_util) / steps:.1%}", refused["paged"]],
+        ],
+    )
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(arena_util, label="contiguous arena")
     ax.plot(paged_util, label=f"paged, block {BLOCK}")
-    ax.set(xlabel="step", ylabel="live / reserved", ylim=(0, 1.05), title="KV memory utilization on one trace")
+    ax.set(
+        xlabel="step", ylabel="live / reserved", ylim=(0, 1.05), title="KV memory utilization on one trace"
+    )
     ax.legend()
     save_plot(fig, out_dir, "04_fragmentation.png")
-    return {"arena_utilization": sum(arena_util) / steps, "paged_utilization": sum(paged_util) / steps,
-            "arena_refused": refused["arena"], "paged_refused": refused["paged"]}
+    return {
+        "arena_utilization": sum(arena_util) / steps,
+        "paged_utilization": sum(paged_util) / steps,
+        "arena_refused": refused["arena"],
+        "paged_refused": refused["paged"],
+    }
 
 
 def main():
@@ -111,12 +132,14 @@ def main():
     refusal = part1_refusal()
     trace = part2_trace(args.out)
     save_numbers(args.out, "04_fragmentation.json", refusal | trace)
-    console.print(f"\n[bold]What it means:[/bold] reserving for the worst case wastes much of the memory "
-                  f"(the arena's slots held {trace['arena_utilization']:.0%} live tokens on average, the blocks "
-                  f"{trace['paged_utilization']:.0%}) and scatters the rest into unusable holes (a request for "
-                  f"{refusal['new_request_slots']} slots refused with {refusal['free_slots']} free); blocks remove "
-                  f"both, so the same KV budget holds more live tokens and turns away fewer requests "
-                  f"({trace['paged_refused']} arrivals refused against the arena's {trace['arena_refused']}).")
+    console.print(
+        f"\n[bold]What it means:[/bold] reserving for the worst case wastes much of the memory "
+        f"(the arena's slots held {trace['arena_utilization']:.0%} live tokens on average, the blocks "
+        f"{trace['paged_utilization']:.0%}) and scatters the rest into unusable holes (a request for "
+        f"{refusal['new_request_slots']} slots refused with {refusal['free_slots']} free); blocks remove "
+        f"both, so the same KV budget holds more live tokens and turns away fewer requests "
+        f"({trace['paged_refused']} arrivals refused against the arena's {trace['arena_refused']})."
+    )
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.decoding import generate  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
@@ -47,8 +47,10 @@ def show_block_tables(model, tokenizer) -> None:
     for step in range(25):
         llm.engine.step()
     memory = llm.engine.snapshot()
-    console.print(f"after 25 steps: {memory.num_free_blocks} of {memory.num_blocks} blocks free; "
-                  "\\[n] = physical block, # = filled slots")
+    console.print(
+        f"after 25 steps: {memory.num_free_blocks} of {memory.num_blocks} blocks free; "
+        "\\[n] = physical block, # = filled slots"
+    )
     draw_tables(memory)
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
@@ -73,16 +75,22 @@ def block_size_tradeoff(out) -> tuple[list[int], list[float], list[float]]:
     rng = random.Random(0)
     lengths = [rng.randint(16, 320) + rng.randint(8, 160) for _ in range(1000)]  # bench serve's trace shape
     sizes = [1, 4, 8, 16, 32, 64, 128, 256]
-    waste = [sum(math.ceil(n / b) * b - n for n in lengths) / sum(math.ceil(n / b) * b for n in lengths)
-             for b in sizes]
+    waste = [
+        sum(math.ceil(n / b) * b - n for n in lengths) / sum(math.ceil(n / b) * b for n in lengths)
+        for b in sizes
+    ]
     entries = [sum(math.ceil(n / b) for n in lengths) / len(lengths) for b in sizes]
-    table("1,000 finished sequences of 24..480 tokens", ["block size", "slots wasted", "table entries / seq"],
-          [[b, f"{w:.1%}", f"{e:.1f}"] for b, w, e in zip(sizes, waste, entries)])
+    table(
+        "1,000 finished sequences of 24..480 tokens",
+        ["block size", "slots wasted", "table entries / seq"],
+        [[b, f"{w:.1%}", f"{e:.1f}"] for b, w, e in zip(sizes, waste, entries)],
+    )
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(sizes, [w * 100 for w in waste], marker="o", label="slots wasted (%)")
     ax.plot(sizes, entries, marker="s", label="block-table entries per sequence")
-    ax.set(xscale="log", xlabel="block size (tokens)",
-           title="Small blocks waste less, large blocks index less")
+    ax.set(
+        xscale="log", xlabel="block size (tokens)", title="Small blocks waste less, large blocks index less"
+    )
     ax.legend()
     save_plot(fig, out, "05_paged_attention.png")
     return sizes, waste, entries
@@ -116,18 +124,26 @@ def main():
     sizes, waste, entries = block_size_tradeoff(args.out)
     speed = engine_speed(model, tokenizer, speed_tokens)
     i16 = sizes.index(16)
-    save_numbers(args.out, "05_paged_attention.json", {
-        "identical_to_naive": all(identical), "prompts_compared": len(identical),
-        **{f"waste_block_{b}": w for b, w in zip(sizes, waste)},
-        **{f"table_entries_block_{b}": e for b, e in zip(sizes, entries)},
-        **{f"tokens_per_s_block_{size}": tps for size, tps in speed.items()}})
-    console.print(f"\n[bold]What it means:[/bold] the block table is the only indirection paging adds; with "
-                  f"16-token blocks the sequences above waste {waste[i16]:.1%} of their slots (half a block "
-                  f"each) with tables of {entries[i16]:.0f} entries, and the tokens are "
-                  f"{'exactly' if all(identical) else '[red]NOT[/red]'} the naive decoder's. In this torch "
-                  f"reference the block size barely changes speed ({speed[1]:.0f} / {speed[16]:.0f} / "
-                  f"{speed[128]:.0f} tok/s at blocks of 1 / 16 / 128): the gather through the table costs "
-                  "the same per token whatever the block size.")
+    save_numbers(
+        args.out,
+        "05_paged_attention.json",
+        {
+            "identical_to_naive": all(identical),
+            "prompts_compared": len(identical),
+            **{f"waste_block_{b}": w for b, w in zip(sizes, waste)},
+            **{f"table_entries_block_{b}": e for b, e in zip(sizes, entries)},
+            **{f"tokens_per_s_block_{size}": tps for size, tps in speed.items()},
+        },
+    )
+    console.print(
+        f"\n[bold]What it means:[/bold] the block table is the only indirection paging adds; with "
+        f"16-token blocks the sequences above waste {waste[i16]:.1%} of their slots (half a block "
+        f"each) with tables of {entries[i16]:.0f} entries, and the tokens are "
+        f"{'exactly' if all(identical) else '[red]NOT[/red]'} the naive decoder's. In this torch "
+        f"reference the block size barely changes speed ({speed[1]:.0f} / {speed[16]:.0f} / "
+        f"{speed[128]:.0f} tok/s at blocks of 1 / 16 / 128): the gather through the table costs "
+        "the same per token whatever the block size."
+    )
 
 
 if __name__ == "__main__":

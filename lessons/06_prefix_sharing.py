@@ -14,14 +14,21 @@ import datetime
 from collections import Counter
 
 from _common import console, lesson_args, require_model, save_numbers, table  # noqa: E402
+
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
-SYSTEM = ("You are a support assistant for a library. Answer briefly and politely. Opening hours are 9 to 17 on "
-          "weekdays and 10 to 14 on Saturdays. Members may borrow up to ten books for three weeks.")
-QUESTIONS = ["When do you open on Saturday?", "How many books can I borrow?", "How long can I keep a book?",
-             "Are you open on Sunday?"]
+SYSTEM = (
+    "You are a support assistant for a library. Answer briefly and politely. Opening hours are 9 to 17 on "
+    "weekdays and 10 to 14 on Saturdays. Members may borrow up to ten books for three weeks."
+)
+QUESTIONS = [
+    "When do you open on Saturday?",
+    "How many books can I borrow?",
+    "How long can I keep a book?",
+    "Are you open on Sunday?",
+]
 
 
 def draw_tables(memory, names):
@@ -30,8 +37,10 @@ def draw_tables(memory, names):
     for seq in memory.running():
         cells = [f"[{b:>3}]{'*' if holders[b] > 1 else ' '}" for b in seq.table]
         console.print(f"{names[seq.request_id]:<34} " + "".join(cells))
-    console.print(f"\\[n] = physical block, * = held by several requests now; "
-                  f"{memory.prefix_cache['cached_blocks']} blocks cached")
+    console.print(
+        f"\\[n] = physical block, * = held by several requests now; "
+        f"{memory.prefix_cache['cached_blocks']} blocks cached"
+    )
 
 
 def serve(model, tokenizer, prompts, title, new_tokens, draw=False):
@@ -41,8 +50,11 @@ def serve(model, tokenizer, prompts, title, new_tokens, draw=False):
     engine.add_request(prompts[0], params)  # the first request fills the cache ...
     while engine.has_unfinished_requests():
         engine.step()
-    names = {engine.add_request(p, params): f"request {i}: {QUESTIONS[i % len(QUESTIONS)][:22]}"
-             for i, p in enumerate(prompts) if i}  # ... the others arrive together
+    names = {
+        engine.add_request(p, params): f"request {i}: {QUESTIONS[i % len(QUESTIONS)][:22]}"
+        for i, p in enumerate(prompts)
+        if i
+    }  # ... the others arrive together
     engine.step()
     if draw:
         draw_tables(engine.snapshot(), names)
@@ -50,12 +62,20 @@ def serve(model, tokenizer, prompts, title, new_tokens, draw=False):
         engine.step()
     stats = engine.snapshot().prefix_cache
     shared = max(m.shared_slots * m.bytes_per_slot for m in engine.stats.memory)
-    return [title, sum(len(p) for p in prompts), engine.stats.tokens_computed - engine.stats.tokens_generated
-            + len(prompts), stats["prefill_tokens_saved"], f"{stats['block_hit_rate']:.0%}", f"{shared / 2**20:.2f} MiB"]
+    return [
+        title,
+        sum(len(p) for p in prompts),
+        engine.stats.tokens_computed - engine.stats.tokens_generated + len(prompts),
+        stats["prefill_tokens_saved"],
+        f"{stats['block_hit_rate']:.0%}",
+        f"{shared / 2**20:.2f} MiB",
+    ]
 
 
 def chat(tokenizer, system, question):
-    return tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": question}])
+    return tokenizer.encode_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    )
 
 
 def main():
@@ -69,23 +89,47 @@ def main():
 
     console.rule("2. The pitfall: a timestamp at the start of the system prompt")
     start = datetime.datetime(2026, 11, 29, 9, 0, 0)
-    stamped = [chat(tokenizer, f"Current time: {start + datetime.timedelta(seconds=7 * i)}. {SYSTEM}", q)
-               for i, q in enumerate(QUESTIONS + QUESTIONS[:1])]
+    stamped = [
+        chat(tokenizer, f"Current time: {start + datetime.timedelta(seconds=7 * i)}. {SYSTEM}", q)
+        for i, q in enumerate(QUESTIONS + QUESTIONS[:1])
+    ]
     stamped_row = serve(model, tokenizer, stamped, "timestamp first", new_tokens)
-    fixed = [chat(tokenizer, SYSTEM, f"(current time: {start + datetime.timedelta(seconds=7 * i)}) {q}")
-             for i, q in enumerate(QUESTIONS + QUESTIONS[:1])]
+    fixed = [
+        chat(tokenizer, SYSTEM, f"(current time: {start + datetime.timedelta(seconds=7 * i)}) {q}")
+        for i, q in enumerate(QUESTIONS + QUESTIONS[:1])
+    ]
     fixed_row = serve(model, tokenizer, fixed, "timestamp in the turn", new_tokens)
-    table("5 requests, the first alone, then 4 together", ["system prompt", "prompt tokens", "prefill computed",
-          "prefill saved", "block hit rate", "KV shared (peak)"], [shared_row, stamped_row, fixed_row])
-    save_numbers(args.out, "06_prefix_sharing.json", {
-        "prompt_tokens": shared_row[1], "same_prompt_prefill_computed": shared_row[2],
-        "same_prompt_prefill_saved": shared_row[3], "timestamp_first_prefill_computed": stamped_row[2],
-        "timestamp_first_prefill_saved": stamped_row[3], "timestamp_in_turn_prefill_computed": fixed_row[2],
-        "timestamp_in_turn_prefill_saved": fixed_row[3]})
-    console.print(f"\n[bold]What it means:[/bold] a shared prefix is computed once and stored once "
-                  f"({shared_row[3]} of {shared_row[1]} prompt tokens not recomputed here); one changing byte "
-                  f"near the start breaks the hash chain for everything after it (saved: {stamped_row[3]}), so "
-                  f"keep volatile text out of the shared prefix (saved again: {fixed_row[3]}).")
+    table(
+        "5 requests, the first alone, then 4 together",
+        [
+            "system prompt",
+            "prompt tokens",
+            "prefill computed",
+            "prefill saved",
+            "block hit rate",
+            "KV shared (peak)",
+        ],
+        [shared_row, stamped_row, fixed_row],
+    )
+    save_numbers(
+        args.out,
+        "06_prefix_sharing.json",
+        {
+            "prompt_tokens": shared_row[1],
+            "same_prompt_prefill_computed": shared_row[2],
+            "same_prompt_prefill_saved": shared_row[3],
+            "timestamp_first_prefill_computed": stamped_row[2],
+            "timestamp_first_prefill_saved": stamped_row[3],
+            "timestamp_in_turn_prefill_computed": fixed_row[2],
+            "timestamp_in_turn_prefill_saved": fixed_row[3],
+        },
+    )
+    console.print(
+        f"\n[bold]What it means:[/bold] a shared prefix is computed once and stored once "
+        f"({shared_row[3]} of {shared_row[1]} prompt tokens not recomputed here); one changing byte "
+        f"near the start breaks the hash chain for everything after it (saved: {stamped_row[3]}), so "
+        f"keep volatile text out of the shared prefix (saved again: {fixed_row[3]})."
+    )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-
 from _common import console, perplexity_setup, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.attention.reference import causal_attention  # noqa: E402
 from minillm.engine import LLM  # noqa: E402
 from minillm.evaluation import perplexity  # noqa: E402
@@ -26,8 +26,15 @@ TARGETS = {"int8": 0.05, "int4": 0.5}  # perplexity increase we aim to stay unde
 # The text scored by default: every scored token is one decode step (~65 ms on the 2-core development VM), so
 # 4 x 160 tokens keep a run near 10-14 s (`minillm eval ppl` scores 4 x 512: the README's numbers).
 SEGMENTS, SEGMENT_LEN = 4, 160
-RUNS = [("auto", "channel"), ("int8", "channel"), ("int8", "token"), ("fp8", "channel"), ("fp8", "token"),
-        ("int4", "channel"), ("int4", "token")]
+RUNS = [
+    ("auto", "channel"),
+    ("int8", "channel"),
+    ("int8", "token"),
+    ("fp8", "channel"),
+    ("fp8", "token"),
+    ("int4", "channel"),
+    ("int4", "token"),
+]
 
 
 class RecordKeys:
@@ -53,20 +60,26 @@ def look_at_keys(model, token_ids):
     model(torch.tensor(token_ids), positions, ctx)
     keys = ctx.keys[len(ctx.keys) // 2][:16]  # a middle layer, one block of 16 tokens
     magnitude = keys.abs().amax(dim=0)  # (kv_heads, head_dim): the largest value of each channel
-    console.print(f"Layer {len(ctx.keys) // 2}, KV head 0, one block of 16 tokens: the largest |key| per channel "
-                  f"ranges from {magnitude[0].min():.2f} to {magnitude[0].max():.2f} "
-                  f"(median {magnitude[0].median():.2f}). A few channels dominate every token.")
+    console.print(
+        f"Layer {len(ctx.keys) // 2}, KV head 0, one block of 16 tokens: the largest |key| per channel "
+        f"ranges from {magnitude[0].min():.2f} to {magnitude[0].max():.2f} "
+        f"(median {magnitude[0].median():.2f}). A few channels dominate every token."
+    )
     rows = []
     for name, fmt in FORMATS.items():
         per_token = sum(relative_error(k[:16], fmt, -1) for k in ctx.keys) / len(ctx.keys)
         per_channel = sum(relative_error(k[:16], fmt, 0) for k in ctx.keys) / len(ctx.keys)
         rows.append([name, f"{per_token:.2%}", f"{per_channel:.2%}"])
-    table("Relative error of the keys after a round trip (mean over layers)",
-          ["format", "one scale per token", "one scale per channel"], rows)
+    table(
+        "Relative error of the keys after a round trip (mean over layers)",
+        ["format", "one scale per token", "one scale per channel"],
+        rows,
+    )
 
 
-def measure_formats(model_dir, model, tokenizer, token_ids: list[int], segment_len: int,
-                    segments: int) -> dict:
+def measure_formats(
+    model_dir, model, tokenizer, token_ids: list[int], segment_len: int, segments: int
+) -> dict:
     """(kv_dtype, key_scales) -> the perplexity through such a cache, beside what the default pool holds."""
     results, capacity = {}, {}
     for kv_dtype, key_scales in RUNS:
@@ -80,12 +93,24 @@ def measure_formats(model_dir, model, tokenizer, token_ids: list[int], segment_l
         delta = r.perplexity - full.perplexity
         target = TARGETS.get(kv_dtype) if key_scales == "channel" else None
         verdict = f"+{target} {'met' if delta <= target else 'MISSED'}" if target else ""
-        rows.append(["fp32" if kv_dtype == "auto" else kv_dtype, "-" if kv_dtype == "auto" else key_scales,
-                     f"{r.kv_bytes_per_token:,}", f"{capacity[(kv_dtype, key_scales)]:,}",
-                     f"{r.perplexity:.3f}", f"{delta:+.3f}", verdict, f"{r.tokens_scored / r.seconds:.1f}"])
-    table("KV formats, one run side by side (B/token includes scales; tokens = what the default 512 MiB pool "
-          "holds; tok/s = the harness's batched decode)",
-          ["KV", "keys", "B/token", "tokens", "ppl", "delta", "target", "tok/s"], rows)
+        rows.append(
+            [
+                "fp32" if kv_dtype == "auto" else kv_dtype,
+                "-" if kv_dtype == "auto" else key_scales,
+                f"{r.kv_bytes_per_token:,}",
+                f"{capacity[(kv_dtype, key_scales)]:,}",
+                f"{r.perplexity:.3f}",
+                f"{delta:+.3f}",
+                verdict,
+                f"{r.tokens_scored / r.seconds:.1f}",
+            ]
+        )
+    table(
+        "KV formats, one run side by side (B/token includes scales; tokens = what the default 512 MiB pool "
+        "holds; tok/s = the harness's batched decode)",
+        ["KV", "keys", "B/token", "tokens", "ppl", "delta", "target", "tok/s"],
+        rows,
+    )
     return results
 
 
@@ -95,8 +120,9 @@ def plot_formats(results: dict, out) -> None:
     formats = list(FORMATS)  # int8, int4, fp8
     for offset, key_scales in ((-0.2, "channel"), (0.2, "token")):
         deltas = [max(results[(f, key_scales)].perplexity - full.perplexity, 1e-3) for f in formats]
-        bars = ax.bar([i + offset for i in range(len(formats))], deltas, width=0.4,
-                      label=f"keys per {key_scales}")
+        bars = ax.bar(
+            [i + offset for i in range(len(formats))], deltas, width=0.4, label=f"keys per {key_scales}"
+        )
         labels = [f"{results[(f, key_scales)].kv_bytes_per_token:,} B" for f in formats]
         ax.bar_label(bars, labels, fontsize=8)
     for name, target in TARGETS.items():
@@ -105,8 +131,10 @@ def plot_formats(results: dict, out) -> None:
     ax.set_xticks(range(len(formats)), formats)
     ax.set_yscale("log")
     ax.set_ylabel("perplexity - fp32 perplexity (log)")
-    ax.set_title(f"KV quantization on SmolLM2-135M (fp32 cache: {full.kv_bytes_per_token:,} B/token); "
-                 "dotted: targets", fontsize=9)
+    ax.set_title(
+        f"KV quantization on SmolLM2-135M (fp32 cache: {full.kv_bytes_per_token:,} B/token); dotted: targets",
+        fontsize=9,
+    )
     ax.legend()
     save_plot(fig, out, "07_kv_quantization.png")
 
@@ -122,18 +150,23 @@ def meaning(results: dict) -> str:
         f"int4 goes to {int4.kv_bytes_per_token:,} bytes for {int4.perplexity - full.perplexity:+.3f} with "
         f"keys scaled per channel, {'but' if per_token_worse else 'and'} "
         f"{int4_token.perplexity - full.perplexity:+.3f} with keys scaled per token"
-        + (": at 4 bits the outlier channels swamp a per-token scale. " if per_token_worse else
-           " (on this short text the outlier channels did not hurt a per-token scale). ")
+        + (
+            ": at 4 bits the outlier channels swamp a per-token scale. "
+            if per_token_worse
+            else " (on this short text the outlier channels did not hurt a per-token scale). "
+        )
         + f"Values are scaled per token, as KIVI does. Decode ran at {int8.tokens_scored / int8.seconds:.0f} "
         f"tok/s with int8 against {full.tokens_scored / full.seconds:.0f} with fp32: this torch reference "
         f"dequantizes a full-precision copy before attending, so it saves memory, not time; a fused kernel "
         f"would instead read {full.kv_bytes_per_token / int8.kv_bytes_per_token:.1f}-"
-        f"{full.kv_bytes_per_token / int4.kv_bytes_per_token:.1f}x fewer bytes.")
+        f"{full.kv_bytes_per_token / int4.kv_bytes_per_token:.1f}x fewer bytes."
+    )
 
 
 def main():
     args, model_dir, model, tokenizer, token_ids = perplexity_setup(
-        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 8, "segment_len": 64})
+        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 8, "segment_len": 64}
+    )
 
     console.rule("1. Real keys: a few channels are large for every token")
     look_at_keys(model, token_ids[:64])
@@ -142,13 +175,24 @@ def main():
     results = measure_formats(model_dir, model, tokenizer, token_ids, args.segment_len, args.segments)
     plot_formats(results, args.out)
     full = results[("auto", "channel")]
-    save_numbers(args.out, "07_kv_quantization.json", {
-        "tokens_scored": full.tokens_scored, "fp32_perplexity": full.perplexity,
-        **{f"{'fp32' if kv_dtype == 'auto' else kv_dtype}_{key_scales}_{measure}": value
-           for (kv_dtype, key_scales), r in results.items() if kv_dtype != "auto" or key_scales == "channel"
-           for measure, value in (("perplexity_delta", r.perplexity - full.perplexity),
-                                  ("bytes_per_token", r.kv_bytes_per_token),
-                                  ("tokens_per_s", r.tokens_scored / r.seconds))}})
+    save_numbers(
+        args.out,
+        "07_kv_quantization.json",
+        {
+            "tokens_scored": full.tokens_scored,
+            "fp32_perplexity": full.perplexity,
+            **{
+                f"{'fp32' if kv_dtype == 'auto' else kv_dtype}_{key_scales}_{measure}": value
+                for (kv_dtype, key_scales), r in results.items()
+                if kv_dtype != "auto" or key_scales == "channel"
+                for measure, value in (
+                    ("perplexity_delta", r.perplexity - full.perplexity),
+                    ("bytes_per_token", r.kv_bytes_per_token),
+                    ("tokens_per_s", r.tokens_scored / r.seconds),
+                )
+            },
+        },
+    )
     console.print(f"\n[bold]What it means:[/bold] {meaning(results)}")
 
 

@@ -19,8 +19,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from _common import console, perplexity_setup, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.engine import LLM  # noqa: E402
 from minillm.evaluation import TECHNICAL_TEXT, perplexities, read_text  # noqa: E402
 from minillm.memory.eviction import budget_for  # noqa: E402
@@ -37,7 +37,8 @@ SEGMENTS, SEGMENT_LEN = 3, 160
 
 def main():
     args, model_dir, model, tokenizer, alice = perplexity_setup(
-        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 2, "segment_len": 64})
+        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 2, "segment_len": 64}
+    )
     texts = {"Alice": alice, "lcet10": tokenizer.encode(read_text(TECHNICAL_TEXT))}
 
     def score(**switches) -> dict[str, float]:
@@ -47,18 +48,31 @@ def main():
 
     console.rule(f"Perplexity vs KV budget: {args.segments} x {args.segment_len} tokens of each text")
     full = score()
-    runs = {(policy, budget): score(eviction=policy, kv_budget=budget) for policy in POLICIES for budget in BUDGETS}
-    rows = [[LABELS[policy], f"{budget:.0%}"] + [f"{ppl[t]:.2f} ({ppl[t] / full[t]:.2f}x)" for t in texts]
-            for (policy, budget), ppl in runs.items()]
+    runs = {
+        (policy, budget): score(eviction=policy, kv_budget=budget)
+        for policy in POLICIES
+        for budget in BUDGETS
+    }
+    rows = [
+        [LABELS[policy], f"{budget:.0%}"] + [f"{ppl[t]:.2f} ({ppl[t] / full[t]:.2f}x)" for t in texts]
+        for (policy, budget), ppl in runs.items()
+    ]
     rows.append(["full cache", "100%"] + [f"{full[t]:.2f} (1.00x)" for t in texts])
-    table("Perplexity (ratio to the full cache) by policy and budget, a fraction of each segment's length",
-          ["policy", "budget"] + list(texts), rows)
+    table(
+        "Perplexity (ratio to the full cache) by policy and budget, a fraction of each segment's length",
+        ["policy", "budget"] + list(texts),
+        rows,
+    )
 
     fig, axes = plt.subplots(1, len(texts), figsize=(11, 4), sharey=True)
     for ax, text in zip(axes, texts):
         for policy in POLICIES:
-            ax.plot(BUDGETS + [1.0], [runs[policy, b][text] / full[text] for b in BUDGETS] + [1.0], marker="o",
-                    label=LABELS[policy])
+            ax.plot(
+                BUDGETS + [1.0],
+                [runs[policy, b][text] / full[text] for b in BUDGETS] + [1.0],
+                marker="o",
+                label=LABELS[policy],
+            )
         ax.axhline(TARGET_RATIO, color="gray", linestyle=":", label="full cache + 10%")
         ax.set_yscale("log")
         ax.set_xlabel("KV budget (fraction of tokens kept)")
@@ -68,33 +82,55 @@ def main():
     fig.suptitle("KV eviction on SmolLM2-135M: prose and a technical text")
     save_plot(fig, args.out, "08_eviction.png")
     key = "{policy}_{budget:.0%}_perplexity"  # Alice's unprefixed, as before; lcet10's prefixed
-    save_numbers(args.out, "08_eviction.json", {
-        "tokens_per_segment": args.segment_len, "full_perplexity": full["Alice"],
-        "lcet10_full_perplexity": full["lcet10"],
-        **{prefix + key.format(policy=policy, budget=budget).replace("%", "pct"): runs[policy, budget][text]
-           for prefix, text in [("", "Alice"), ("lcet10_", "lcet10")] for policy in POLICIES for budget in BUDGETS}})
+    save_numbers(
+        args.out,
+        "08_eviction.json",
+        {
+            "tokens_per_segment": args.segment_len,
+            "full_perplexity": full["Alice"],
+            "lcet10_full_perplexity": full["lcet10"],
+            **{
+                prefix + key.format(policy=policy, budget=budget).replace("%", "pct"): runs[policy, budget][
+                    text
+                ]
+                for prefix, text in [("", "Alice"), ("lcet10_", "lcet10")]
+                for policy in POLICIES
+                for budget in BUDGETS
+            },
+        },
+    )
 
     ratios = {policy: {t: runs[policy, TARGET_BUDGET][t] / full[t] for t in texts} for policy in POLICIES}
     h2o = ratios["h2o"]
     met = all(ratio <= TARGET_RATIO for ratio in h2o.values())
-    verdict = "met on both" if met else (
-        f"missed; the target is set for `minillm eval ppl`'s 512-token segments, where 20% keeps "
-        f"{budget_for(TARGET_BUDGET, 512)} tokens, here {budget_for(TARGET_BUDGET, args.segment_len)}")
+    verdict = (
+        "met on both"
+        if met
+        else (
+            f"missed; the target is set for `minillm eval ppl`'s 512-token segments, where 20% keeps "
+            f"{budget_for(TARGET_BUDGET, 512)} tokens, here {budget_for(TARGET_BUDGET, args.segment_len)}"
+        )
+    )
     usual_order = all(ratios["h2o"][t] <= ratios["sinks"][t] <= ratios["window"][t] for t in texts)
     console.print(
-        f"\n[bold]What it means:[/bold] keeping 20% of the tokens, H2O costs "
+        "\n[bold]What it means:[/bold] keeping 20% of the tokens, H2O costs "
         + " and ".join(f"{h2o[t]:.2f}x on {t}" for t in texts)
         + f" the full cache's perplexity (target within 1.10x: {verdict}); sinks + window "
-        + " and ".join(f"{ratios['sinks'][t]:.2f}x" for t in texts) + ", window only "
-        + " and ".join(f"{ratios['window'][t]:.2f}x" for t in texts) + ". "
-        + ("A window alone throws away the first tokens, where attention parks its spare mass, and the model "
-           "falls apart; keeping 4 sinks repairs most of that; choosing by attention per query keeps the few "
-           "tokens each text keeps returning to, names in prose as well as terms and numbers in a report. "
-           if usual_order else
-           "On these texts the policies do not rank H2O <= sinks + window <= window on both: score more text "
-           "(--segments, --segment-len) before drawing a conclusion. ")
+        + " and ".join(f"{ratios['sinks'][t]:.2f}x" for t in texts)
+        + ", window only "
+        + " and ".join(f"{ratios['window'][t]:.2f}x" for t in texts)
+        + ". "
+        + (
+            "A window alone throws away the first tokens, where attention parks its spare mass, and the model "
+            "falls apart; keeping 4 sinks repairs most of that; choosing by attention per query keeps the few "
+            "tokens each text keeps returning to, names in prose as well as terms and numbers in a report. "
+            if usual_order
+            else "On these texts the policies do not rank H2O <= sinks + window <= window on both: score more text "
+            "(--segments, --segment-len) before drawing a conclusion. "
+        )
         + "Positions stay true after eviction: kept keys carry their original rotation and new tokens their "
-        "true position.")
+        "true position."
+    )
 
 
 if __name__ == "__main__":

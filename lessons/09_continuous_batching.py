@@ -14,8 +14,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
@@ -60,22 +60,41 @@ def main():
     for _ in range(num_requests):
         length = rng.randint(16, 64)
         start = int(rng.random() * (len(text) - length))  # one draw at any text length: the mix stays put
-        prompts.append(text[start:start + length])
-        params.append(SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True))  # some short, some long
-    console.print(f"{num_requests} requests, batch size {BATCH}, outputs of {lengths[0]}, {lengths[1]} or "
-                  f"{lengths[2]} tokens")
+        prompts.append(text[start : start + length])
+        params.append(
+            SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True)
+        )  # some short, some long
+    console.print(
+        f"{num_requests} requests, batch size {BATCH}, outputs of {lengths[0]}, {lengths[1]} or "
+        f"{lengths[2]} tokens"
+    )
 
     results = {policy: run(model, tokenizer, policy, prompts, params) for policy in ("static", "continuous")}
     rows, numbers = [], {}
     for policy, (stats, outputs, elapsed) in results.items():
         ttft = sum(o.ttft for o in outputs) / len(outputs)
         start_step = sum(start_steps(stats).values()) / len(outputs)
-        rows.append([policy, stats.steps, f"{stats.tokens_generated / elapsed:.1f}", f"{ttft:.2f} s",
-                     f"{start_step:.1f}", f"{sum(len(b) for b in stats.batches) / stats.steps:.1f}"])
-        numbers |= {f"{policy}_steps": stats.steps, f"{policy}_mean_start_step": start_step,
-                    f"{policy}_mean_ttft_s": ttft, f"{policy}_tokens_per_s": stats.tokens_generated / elapsed}
-    table("same requests, same engine", ["scheduling", "steps", "output tok/s", "mean TTFT", "mean start step",
-          "sequences per step"], rows)
+        rows.append(
+            [
+                policy,
+                stats.steps,
+                f"{stats.tokens_generated / elapsed:.1f}",
+                f"{ttft:.2f} s",
+                f"{start_step:.1f}",
+                f"{sum(len(b) for b in stats.batches) / stats.steps:.1f}",
+            ]
+        )
+        numbers |= {
+            f"{policy}_steps": stats.steps,
+            f"{policy}_mean_start_step": start_step,
+            f"{policy}_mean_ttft_s": ttft,
+            f"{policy}_tokens_per_s": stats.tokens_generated / elapsed,
+        }
+    table(
+        "same requests, same engine",
+        ["scheduling", "steps", "output tok/s", "mean TTFT", "mean start step", "sequences per step"],
+        rows,
+    )
     same = [o.token_ids for o in results["static"][1]] == [o.token_ids for o in results["continuous"][1]]
     console.print(f"identical outputs under both policies: [bold]{same}[/bold]")
 
@@ -85,14 +104,19 @@ def main():
     axes[-1].set_xlabel("engine step")
     fig.tight_layout()
     save_plot(fig, args.out, "09_continuous_batching.png")
-    save_numbers(args.out, "09_continuous_batching.json",
-                 {"requests": num_requests, "identical_outputs": same, **numbers})
-    console.print(f"\n[bold]What it means:[/bold] under static batching short requests finish and leave "
-                  f"empty slots until the longest one ends; continuous batching fills them at once, so the "
-                  f"same work takes fewer steps ({numbers['continuous_steps']} against {numbers['static_steps']}) "
-                  f"and waiting requests start sooner (at step {numbers['continuous_mean_start_step']:.1f} on "
-                  f"average against {numbers['static_mean_start_step']:.1f}), "
-                  f"{'with the very same outputs' if same else '[red]but the outputs differ: a bug[/red]'}.")
+    save_numbers(
+        args.out,
+        "09_continuous_batching.json",
+        {"requests": num_requests, "identical_outputs": same, **numbers},
+    )
+    console.print(
+        f"\n[bold]What it means:[/bold] under static batching short requests finish and leave "
+        f"empty slots until the longest one ends; continuous batching fills them at once, so the "
+        f"same work takes fewer steps ({numbers['continuous_steps']} against {numbers['static_steps']}) "
+        f"and waiting requests start sooner (at step {numbers['continuous_mean_start_step']:.1f} on "
+        f"average against {numbers['static_mean_start_step']:.1f}), "
+        f"{'with the very same outputs' if same else '[red]but the outputs differ: a bug[/red]'}."
+    )
 
 
 if __name__ == "__main__":

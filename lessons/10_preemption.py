@@ -30,8 +30,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.benchmarks import copy_bandwidth  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
@@ -45,10 +45,24 @@ RECOMPUTE_BLOCK = 16  # prefill's math does not depend on the block size, only w
 VICTIM = 0  # the sequence id of part 1's swapped "victim", alone in its block manager
 POLICIES = ["recompute", "swap", "auto"]
 SETTINGS = {  # part 1: victim lengths, timing repeats; part 2: the trace and the device pool it shares
-    "default": {"lengths": [64, 128, 256, 512, 1024], "prefill_repeats": 2, "swap_repeats": 5,
-                "requests": 8, "prompt_lens": (24, 48), "max_tokens": 48, "device_tokens": 192},
-    "quick": {"lengths": [32, 64, 128], "prefill_repeats": 1, "swap_repeats": 3,
-              "requests": 4, "prompt_lens": (24, 48), "max_tokens": 16, "device_tokens": 96},
+    "default": {
+        "lengths": [64, 128, 256, 512, 1024],
+        "prefill_repeats": 2,
+        "swap_repeats": 5,
+        "requests": 8,
+        "prompt_lens": (24, 48),
+        "max_tokens": 48,
+        "device_tokens": 192,
+    },
+    "quick": {
+        "lengths": [32, 64, 128],
+        "prefill_repeats": 1,
+        "swap_repeats": 3,
+        "requests": 4,
+        "prompt_lens": (24, 48),
+        "max_tokens": 16,
+        "device_tokens": 96,
+    },
 }
 
 
@@ -71,8 +85,17 @@ def swap_memory(model, block_size: int, num_tokens: int) -> tuple[BlockManager, 
     the tiers that copy between them: the parts the engine builds (`LLMEngine.build_memory`)."""
     budget = tokens_to_bytes(model, num_tokens, block_size)
     device = make_pool(model.config, budget, block_size, "auto", "channel", model.dtype, model.device)
-    host = make_pool(model.config, budget, block_size, "auto", "channel", model.dtype, "cpu",
-                     pin=device.device.type == "cuda", budget_name="host_cache_bytes")
+    host = make_pool(
+        model.config,
+        budget,
+        block_size,
+        "auto",
+        "channel",
+        model.dtype,
+        "cpu",
+        pin=device.device.type == "cuda",
+        budget_name="host_cache_bytes",
+    )
     return BlockManager(device.num_blocks, block_size, host_blocks=host.num_blocks), TieredKV(device, host)
 
 
@@ -106,35 +129,66 @@ def crossover(lengths: list[int], recompute: list[float], swap: list[float]) -> 
 def measure_costs(model, tokenizer, text: list[int], settings: dict) -> dict:
     lengths = settings["lengths"]
     longest = max(lengths) + 1  # the prompt and the one token a prefill samples
-    llm = LLM(model=model, tokenizer=tokenizer, block_size=RECOMPUTE_BLOCK,
-              kv_cache_bytes=tokens_to_bytes(model, longest, RECOMPUTE_BLOCK))
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=RECOMPUTE_BLOCK,
+        kv_cache_bytes=tokens_to_bytes(model, longest, RECOMPUTE_BLOCK),
+    )
     recompute_seconds(llm, text[:32], 1)  # warm-up: the first forward pays one-off costs
     recompute = [recompute_seconds(llm, text[:n], settings["prefill_repeats"]) for n in lengths]
     memories = {size: swap_memory(model, size, longest) for size in BLOCK_SIZES}
-    swap = {size: [swap_seconds(*memories[size], n, settings["swap_repeats"]) for n in lengths]
-            for size in BLOCK_SIZES}
-    return {"lengths": lengths, "recompute": recompute, "swap": swap,
-            "crossover": {size: crossover(lengths, recompute, swap[size]) for size in BLOCK_SIZES},
-            "kv_bytes_per_token": model.config.kv_bytes_per_token(model.dtype)}
+    swap = {
+        size: [swap_seconds(*memories[size], n, settings["swap_repeats"]) for n in lengths]
+        for size in BLOCK_SIZES
+    }
+    return {
+        "lengths": lengths,
+        "recompute": recompute,
+        "swap": swap,
+        "crossover": {size: crossover(lengths, recompute, swap[size]) for size in BLOCK_SIZES},
+        "kv_bytes_per_token": model.config.kv_bytes_per_token(model.dtype),
+    }
 
 
 def show_costs(costs: dict, roof: float) -> None:
     lengths, recompute, swap = costs["lengths"], costs["recompute"], costs["swap"]
-    rows = [[n, f"{recompute[i] * 1e3:.0f}", *[f"{swap[size][i] * 1e3:.2f}" for size in BLOCK_SIZES],
-             f"{recompute[i] / max(swap[size][i] for size in BLOCK_SIZES):.0f}x"] for i, n in enumerate(lengths)]
-    table("one victim, ms: recompute (prefill its tokens) vs swap (its blocks out and back) by block size",
-          ["tokens", "recompute", *[f"swap {size}" for size in BLOCK_SIZES], "recompute / dearest"], rows)
+    rows = [
+        [
+            n,
+            f"{recompute[i] * 1e3:.0f}",
+            *[f"{swap[size][i] * 1e3:.2f}" for size in BLOCK_SIZES],
+            f"{recompute[i] / max(swap[size][i] for size in BLOCK_SIZES):.0f}x",
+        ]
+        for i, n in enumerate(lengths)
+    ]
+    table(
+        "one victim, ms: recompute (prefill its tokens) vs swap (its blocks out and back) by block size",
+        ["tokens", "recompute", *[f"swap {size}" for size in BLOCK_SIZES], "recompute / dearest"],
+        rows,
+    )
     longest, per_token = lengths[-1], costs["kv_bytes_per_token"]
     moved = 2 * longest * per_token  # out and back
     rows = []
     for size in BLOCK_SIZES:
         seconds, blocks = swap[size][-1], -(-longest // size)
         cross = costs["crossover"][size]
-        rows.append([size, 2 * blocks, f"{seconds / (2 * blocks) * 1e6:.1f}", f"{moved / seconds / 1e9:.2f}",
-                     f"{2 * moved / seconds / roof:.0%}", "none" if cross is None else f"{cross:.0f} tokens"])
-    table(f"swapping {longest} tokens ({moved / 2**20:.0f} MiB out and back); the roof, the same bytes in one "
-          f"tensor copy: {roof / 1e9:.1f} GB/s read + write",
-          ["block size", "copies", "µs each", "GB/s", "of roof", "crossover"], rows)
+        rows.append(
+            [
+                size,
+                2 * blocks,
+                f"{seconds / (2 * blocks) * 1e6:.1f}",
+                f"{moved / seconds / 1e9:.2f}",
+                f"{2 * moved / seconds / roof:.0%}",
+                "none" if cross is None else f"{cross:.0f} tokens",
+            ]
+        )
+    table(
+        f"swapping {longest} tokens ({moved / 2**20:.0f} MiB out and back); the roof, the same bytes in one "
+        f"tensor copy: {roof / 1e9:.1f} GB/s read + write",
+        ["block size", "copies", "µs each", "GB/s", "of roof", "crossover"],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- part 2: what auto chooses on a trace
@@ -145,75 +199,122 @@ def make_trace(text: list[int], settings: dict) -> tuple[list[list[int]], Sampli
     for _ in range(settings["requests"]):
         length = rng.randint(low, high)
         start = rng.randrange(len(text) - length)
-        prompts.append(text[start:start + length])
+        prompts.append(text[start : start + length])
     return prompts, SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
 
 
 def run_trace(model, tokenizer, policy: str, prompts, params, settings: dict) -> dict:
     """Serve the trace on a device pool of `device_tokens` tokens (the host pool holds them all)."""
-    roomy = tokens_to_bytes(model, sum(len(p) for p in prompts) + len(prompts) * params.max_tokens, TRACE_BLOCK)
-    llm = LLM(model=model, tokenizer=tokenizer, block_size=TRACE_BLOCK, preemption=policy,
-              kv_cache_bytes=tokens_to_bytes(model, settings["device_tokens"], TRACE_BLOCK), host_cache_bytes=roomy)
+    roomy = tokens_to_bytes(
+        model, sum(len(p) for p in prompts) + len(prompts) * params.max_tokens, TRACE_BLOCK
+    )
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=TRACE_BLOCK,
+        preemption=policy,
+        kv_cache_bytes=tokens_to_bytes(model, settings["device_tokens"], TRACE_BLOCK),
+        host_cache_bytes=roomy,
+    )
     engine = llm.engine
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     memory = engine.snapshot()
     counters = memory.counters
-    return {"policy": policy, "seconds": seconds, "token_ids": [out.token_ids for out in outputs],
-            "preemptions": counters["preemptions"], "swapped_out": counters["swapped_out"],
-            "swapped_in": counters["swapped_in"], "prefetched": counters["prefetched"],
-            "recomputed_tokens": counters["recomputed_tokens"], "steps": engine.stats.steps,
-            "bytes_moved": sum(memory.stats.bytes_moved.values()), "decisions": list(memory.swap_decisions),
-            "prefill_tokens_per_s": memory.prefill_rate, "copy_bytes_per_s": memory.copy_rates.get("host")}
+    return {
+        "policy": policy,
+        "seconds": seconds,
+        "token_ids": [out.token_ids for out in outputs],
+        "preemptions": counters["preemptions"],
+        "swapped_out": counters["swapped_out"],
+        "swapped_in": counters["swapped_in"],
+        "prefetched": counters["prefetched"],
+        "recomputed_tokens": counters["recomputed_tokens"],
+        "steps": engine.stats.steps,
+        "bytes_moved": sum(memory.stats.bytes_moved.values()),
+        "decisions": list(memory.swap_decisions),
+        "prefill_tokens_per_s": memory.prefill_rate,
+        "copy_bytes_per_s": memory.copy_rates.get("host"),
+    }
 
 
 def show_trace(runs: dict, settings: dict) -> None:
-    rows = [[label, *[fmt(runs[p][key]) for p in POLICIES]] for label, key, fmt in (
-        ("engine steps", "steps", str), ("preemptions", "preemptions", str),
-        ("sequences swapped out", "swapped_out", str),
-        ("sequences swapped in", "swapped_in", str), ("...of them prefetched", "prefetched", str),
-        ("tokens recomputed", "recomputed_tokens", str), ("MiB moved between pools", "bytes_moved",
-                                                          lambda b: f"{b / 2**20:.1f}"),
-        ("seconds", "seconds", lambda s: f"{s:.1f}"))]
-    table(f"the same {settings['requests']} requests on a {settings['device_tokens']}-token device pool",
-          ["preemption =", *POLICIES], rows)
+    rows = [
+        [label, *[fmt(runs[p][key]) for p in POLICIES]]
+        for label, key, fmt in (
+            ("engine steps", "steps", str),
+            ("preemptions", "preemptions", str),
+            ("sequences swapped out", "swapped_out", str),
+            ("sequences swapped in", "swapped_in", str),
+            ("...of them prefetched", "prefetched", str),
+            ("tokens recomputed", "recomputed_tokens", str),
+            ("MiB moved between pools", "bytes_moved", lambda b: f"{b / 2**20:.1f}"),
+            ("seconds", "seconds", lambda s: f"{s:.1f}"),
+        )
+    ]
+    table(
+        f"the same {settings['requests']} requests on a {settings['device_tokens']}-token device pool",
+        ["preemption =", *POLICIES],
+        rows,
+    )
     auto, shown = runs["auto"], 8
     rows = []
     for i, d in enumerate(auto["decisions"][:shown]):
-        estimate = ["(none timed yet)", ""] if d["costs"] is None else \
-            [f"{d['costs'][0] * 1e3:.0f}", f"{d['costs'][1] * 1e3:.2f}"]
+        estimate = (
+            ["(none timed yet)", ""]
+            if d["costs"] is None
+            else [f"{d['costs'][0] * 1e3:.0f}", f"{d['costs'][1] * 1e3:.2f}"]
+        )
         rows.append([i + 1, d["tokens"], d["blocks"], *estimate, "swap" if d["swap"] else "recompute"])
     if len(auto["decisions"]) > shown:
         rest = auto["decisions"][shown:]
         rows.append(["...", f"{len(rest)} more", "", "", "", f"{sum(d['swap'] for d in rest)} swap"])
-    table(f"auto's decisions: prefill measured at {auto['prefill_tokens_per_s']:.0f} tokens/s, copies at "
-          f"{(auto['copy_bytes_per_s'] or 0) / 1e9:.2f} GB/s (out and back)",
-          ["#", "victim tokens", "blocks", "recompute est. ms", "swap est. ms", "chosen"], rows)
+    table(
+        f"auto's decisions: prefill measured at {auto['prefill_tokens_per_s']:.0f} tokens/s, copies at "
+        f"{(auto['copy_bytes_per_s'] or 0) / 1e9:.2f} GB/s (out and back)",
+        ["#", "victim tokens", "blocks", "recompute est. ms", "swap est. ms", "chosen"],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- the story
 def plot(costs: dict, runs: dict, out) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     lengths = costs["lengths"]
-    left.plot(lengths, [s * 1e3 for s in costs["recompute"]], marker="o", color="black", label="recompute (prefill)")
+    left.plot(
+        lengths, [s * 1e3 for s in costs["recompute"]], marker="o", color="black", label="recompute (prefill)"
+    )
     for size in BLOCK_SIZES:
         left.plot(lengths, [s * 1e3 for s in costs["swap"][size]], marker="s", label=f"swap, block {size}")
         cross = costs["crossover"][size]
         if cross is not None:
             left.axvline(cross, linestyle=":", color=left.lines[-1].get_color())
     if all(cross is None for cross in costs["crossover"].values()):
-        left.text(0.03, 0.55, "no crossover in range:\nswap is cheaper at every length", transform=left.transAxes)
-    left.set(xscale="log", yscale="log", xlabel="victim length (tokens)", ylabel="ms (log)",
-             title="Cost of one preemption on this machine")
+        left.text(
+            0.03, 0.55, "no crossover in range:\nswap is cheaper at every length", transform=left.transAxes
+        )
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="victim length (tokens)",
+        ylabel="ms (log)",
+        title="Cost of one preemption on this machine",
+    )
     left.set_xticks(lengths, [str(n) for n in lengths])
     left.minorticks_off()
     left.legend(fontsize=8)
     names = list(runs)
     right.bar(names, [runs[p]["seconds"] for p in names], color=["tab:gray", "tab:blue", "tab:green"])
     for i, p in enumerate(names):
-        right.text(i, runs[p]["seconds"], f"{runs[p]['recomputed_tokens']} recomputed\n"
-                   f"{runs[p]['bytes_moved'] / 2**20:.0f} MiB moved", ha="center", va="bottom", fontsize=8)
+        right.text(
+            i,
+            runs[p]["seconds"],
+            f"{runs[p]['recomputed_tokens']} recomputed\n{runs[p]['bytes_moved'] / 2**20:.0f} MiB moved",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     right.set(ylabel="seconds", title="The same trace on a tight KV budget")
     right.margins(y=0.25)
     fig.tight_layout()
@@ -229,7 +330,9 @@ def main():
 
     console.rule("1. One victim: recompute vs swap, by length and block size")
     costs = measure_costs(model, tokenizer, text, settings)
-    roof = copy_bandwidth(nbytes=max(costs["lengths"]) * costs["kv_bytes_per_token"])  # the same bytes, one copy
+    roof = copy_bandwidth(
+        nbytes=max(costs["lengths"]) * costs["kv_bytes_per_token"]
+    )  # the same bytes, one copy
     show_costs(costs, roof)
 
     console.rule("2. A trace on a tight KV budget: what preemption='auto' chose")
@@ -243,16 +346,32 @@ def main():
     lengths, auto = costs["lengths"], runs["auto"]
     auto_swaps = sum(d["swap"] for d in auto["decisions"])
     numbers = {
-        "lengths": lengths, "identical_outputs": identical, "copy_roof_bytes_per_s": roof,
+        "lengths": lengths,
+        "identical_outputs": identical,
+        "copy_roof_bytes_per_s": roof,
         "cost_recompute_seconds": costs["recompute"],
         **{f"cost_swap_seconds_block_{size}": costs["swap"][size] for size in BLOCK_SIZES},
         **{f"crossover_tokens_block_{size}": costs["crossover"][size] for size in BLOCK_SIZES},
-        **{f"{p}_{key}": runs[p][key] for p in POLICIES
-           for key in ("steps", "preemptions", "swapped_out", "swapped_in", "prefetched", "recomputed_tokens",
-                       "bytes_moved", "seconds")},
-        "auto_decisions": len(auto["decisions"]), "auto_chose_swap": auto_swaps,
+        **{
+            f"{p}_{key}": runs[p][key]
+            for p in POLICIES
+            for key in (
+                "steps",
+                "preemptions",
+                "swapped_out",
+                "swapped_in",
+                "prefetched",
+                "recomputed_tokens",
+                "bytes_moved",
+                "seconds",
+            )
+        },
+        "auto_decisions": len(auto["decisions"]),
+        "auto_chose_swap": auto_swaps,
         "auto_chose_recompute": len(auto["decisions"]) - auto_swaps,
-        "auto_prefill_tokens_per_s": auto["prefill_tokens_per_s"], "auto_copy_bytes_per_s": auto["copy_bytes_per_s"]}
+        "auto_prefill_tokens_per_s": auto["prefill_tokens_per_s"],
+        "auto_copy_bytes_per_s": auto["copy_bytes_per_s"],
+    }
     save_numbers(args.out, "10_preemption.json", numbers)
 
     console.print(f"\n[bold]What it means:[/bold] {meaning(costs, runs, identical)}")
@@ -264,17 +383,23 @@ def meaning(costs: dict, runs: dict, identical: bool) -> str:
     ratios = [r / s for size in BLOCK_SIZES for r, s in zip(costs["recompute"], costs["swap"][size])]
     crossings = {size: c for size, c in costs["crossover"].items() if c is not None}
     if not crossings:
-        where = (f"swap was the cheaper way at every length and block size measured: recompute cost "
-                 f"{min(ratios):.0f}x to {max(ratios):.0f}x as much")
+        where = (
+            f"swap was the cheaper way at every length and block size measured: recompute cost "
+            f"{min(ratios):.0f}x to {max(ratios):.0f}x as much"
+        )
     else:
-        where = "the curves cross at " + ", ".join(f"{c:.0f} tokens (block {size})" for size, c in crossings.items())
+        where = "the curves cross at " + ", ".join(
+            f"{c:.0f} tokens (block {size})" for size, c in crossings.items()
+        )
     small, large = BLOCK_SIZES[0], BLOCK_SIZES[-1]
     penalty = costs["swap"][small][-1] / costs["swap"][large][-1]
-    blocks = (f"swapping {lengths[-1]} tokens in blocks of {small} took {penalty:.1f}x as long as in blocks of "
-              f"{large} ({-(-lengths[-1] // small)} block copies each way against {-(-lengths[-1] // large)})"
-              if penalty > 1 else
-              f"blocks of {small} were not dearer to swap than blocks of {large} on this run ({penalty:.2f}x the "
-              "time): the per-block cost stayed below the timing noise")
+    blocks = (
+        f"swapping {lengths[-1]} tokens in blocks of {small} took {penalty:.1f}x as long as in blocks of "
+        f"{large} ({-(-lengths[-1] // small)} block copies each way against {-(-lengths[-1] // large)})"
+        if penalty > 1
+        else f"blocks of {small} were not dearer to swap than blocks of {large} on this run ({penalty:.2f}x the "
+        "time): the per-block cost stayed below the timing noise"
+    )
     swaps = sum(d["swap"] for d in auto["decisions"])
     # what the recomputed tokens should have cost at the measured prefill rate: a wall-time gap between
     # the runs much larger than this is the shared machine, not the policy
@@ -291,13 +416,17 @@ def meaning(costs: dict, runs: dict, identical: bool) -> str:
         f"{'with identical outputs' if identical else '[red]but the outputs differ: a bug[/red]'}. Those "
         f"{recompute['recomputed_tokens']} tokens are worth about {expected:.1f} s of prefill at the measured rate; "
         f"the runs took {recompute['seconds']:.1f} s (recompute) and {runs['swap']['seconds']:.1f} s (swap), "
-        + ("a gap within a second of that." if abs(gap - expected) < 1 else
-           f"a gap of {gap:+.1f} s that the recomputed tokens do not explain (the runs took {recompute['steps']} "
-           f"and {runs['swap']['steps']} steps): read it as the noise of other work on this shared machine, not "
-           "as the policy's effect.")
+        + (
+            "a gap within a second of that."
+            if abs(gap - expected) < 1
+            else f"a gap of {gap:+.1f} s that the recomputed tokens do not explain (the runs took {recompute['steps']} "
+            f"and {runs['swap']['steps']} steps): read it as the noise of other work on this shared machine, not "
+            "as the policy's effect."
+        )
         + " On a GPU the "
         "copy crosses PCIe while prefill runs at GPU speed, so the two rates, and the choice, can come out the other "
-        "way: that is why auto measures them where it runs.")
+        "way: that is why auto measures them where it runs."
+    )
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
@@ -37,13 +37,31 @@ from minillm.weights import load_model  # noqa: E402
 BLOCK = 16
 SETTINGS = {
     "default": {  # (a) chats, and the device and host pools in blocks; (b) a swap-heavy trace; (c) the parked chat
-        "conversations": 10, "turns": 3, "message_tokens": 40, "reply_tokens": 4, "device_blocks": 24,
-        "host_blocks": 160, "swap_requests": 8, "swap_prompt_lens": (24, 48), "swap_max_tokens": 48,
-        "swap_device_tokens": 192, "history_tokens": 512},
+        "conversations": 10,
+        "turns": 3,
+        "message_tokens": 40,
+        "reply_tokens": 4,
+        "device_blocks": 24,
+        "host_blocks": 160,
+        "swap_requests": 8,
+        "swap_prompt_lens": (24, 48),
+        "swap_max_tokens": 48,
+        "swap_device_tokens": 192,
+        "history_tokens": 512,
+    },
     "quick": {
-        "conversations": 4, "turns": 2, "message_tokens": 32, "reply_tokens": 2, "device_blocks": 6,
-        "host_blocks": 32, "swap_requests": 5, "swap_prompt_lens": (16, 40), "swap_max_tokens": 20,
-        "swap_device_tokens": 128, "history_tokens": 256},
+        "conversations": 4,
+        "turns": 2,
+        "message_tokens": 32,
+        "reply_tokens": 2,
+        "device_blocks": 6,
+        "host_blocks": 32,
+        "swap_requests": 5,
+        "swap_prompt_lens": (16, 40),
+        "swap_max_tokens": 20,
+        "swap_device_tokens": 128,
+        "history_tokens": 256,
+    },
 }
 
 
@@ -55,8 +73,14 @@ def kv_bytes(model, tokens: int) -> int:
 def user_turn(tokenizer, message: str) -> list[int]:
     """One ChatML user turn and the assistant's header: <|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"""
     start, end = tokenizer.special_tokens["<|im_start|>"], tokenizer.special_tokens["<|im_end|>"]
-    return [start, *tokenizer.encode(f"user\n{message}"), end, *tokenizer.encode("\n"), start,
-            *tokenizer.encode("assistant\n")]
+    return [
+        start,
+        *tokenizer.encode(f"user\n{message}"),
+        end,
+        *tokenizer.encode("\n"),
+        start,
+        *tokenizer.encode("assistant\n"),
+    ]
 
 
 def closing(tokenizer) -> list[int]:
@@ -68,8 +92,13 @@ def closing(tokenizer) -> list[int]:
 def chat_messages(tokenizer, text_ids: list[int], settings: dict) -> list[list[str]]:
     """conversation -> its users' messages, each a different stretch of Alice."""
     length, rng = settings["message_tokens"], random.Random(1)
-    return [[tokenizer.decode(text_ids[(s := rng.randrange(len(text_ids) - length)):s + length])
-             for _ in range(settings["turns"])] for _ in range(settings["conversations"])]
+    return [
+        [
+            tokenizer.decode(text_ids[(s := rng.randrange(len(text_ids) - length)) : s + length])
+            for _ in range(settings["turns"])
+        ]
+        for _ in range(settings["conversations"])
+    ]
 
 
 def interleaving(settings: dict) -> list[int]:
@@ -84,9 +113,14 @@ def serve_chats(model, tokenizer, messages, order, settings: dict, host_blocks: 
     """Serve the turns one after another on a small device pool (and a host tier of `host_blocks`).
     For every returning turn, log its idle gap (tokens other chats computed since its last turn)
     and how much of its history the prefix cache still held."""
-    llm = LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, prefix_caching=True,
-              kv_cache_bytes=kv_bytes(model, settings["device_blocks"] * BLOCK),
-              host_cache_bytes=kv_bytes(model, host_blocks * BLOCK))
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=BLOCK,
+        prefix_caching=True,
+        kv_cache_bytes=kv_bytes(model, settings["device_blocks"] * BLOCK),
+        host_cache_bytes=kv_bytes(model, host_blocks * BLOCK),
+    )
     engine = llm.engine
     params = SamplingParams(max_tokens=settings["reply_tokens"], ignore_eos=True)
     history = {c: [] for c in range(len(messages))}
@@ -106,29 +140,48 @@ def serve_chats(model, tokenizer, messages, order, settings: dict, host_blocks: 
         last_seen[conv] = traffic
     memory = engine.snapshot()
     stats, counters = memory.prefix_cache, memory.counters
-    return {"host_blocks": host_blocks, "seconds": time.perf_counter() - start, "returns": returns,
-            "resumed_turns": sum(r["found"] == 1 for r in returns), "returning_turns": len(returns),
-            "prompt_tokens": stats["prompt_tokens"], "prefill_saved": stats["prefill_tokens_saved"],
-            "token_hit_rate": stats["token_hit_rate"], "spilled": counters["spilled"],
-            "spill_hits": counters["spill_hits"],
-            "bytes_host_to_device": memory.stats.bytes_moved.get("host->device", 0)}
+    return {
+        "host_blocks": host_blocks,
+        "seconds": time.perf_counter() - start,
+        "returns": returns,
+        "resumed_turns": sum(r["found"] == 1 for r in returns),
+        "returning_turns": len(returns),
+        "prompt_tokens": stats["prompt_tokens"],
+        "prefill_saved": stats["prefill_tokens_saved"],
+        "token_hit_rate": stats["token_hit_rate"],
+        "spilled": counters["spilled"],
+        "spill_hits": counters["spill_hits"],
+        "bytes_host_to_device": memory.stats.bytes_moved.get("host->device", 0),
+    }
 
 
 def show_chats(runs: dict, settings: dict) -> None:
-    rows = [[label, *[fmt(run) for run in runs.values()]] for label, fmt in (
-        ("returning turns that found their whole history", lambda r: f"{r['resumed_turns']} / {r['returning_turns']}"),
-        ("prompt tokens", lambda r: r["prompt_tokens"]),
-        ("...prefilled", lambda r: r["prompt_tokens"] - r["prefill_saved"]),
-        ("...found in the prefix cache", lambda r: r["prefill_saved"]),
-        ("prefix-cache hit rate (tokens)", lambda r: f"{r['token_hit_rate']:.0%}"),
-        ("cached blocks spilled to host", lambda r: r["spilled"]),
-        ("...copied back for a later prompt", lambda r: r["spill_hits"]),
-        ("mean TTFT of returning turns, ms",
-         lambda r: f"{sum(x['ttft'] for x in r['returns']) / len(r['returns']) * 1e3:.0f}"),
-        ("seconds", lambda r: f"{r['seconds']:.1f}"))]
-    table(f"(a) {settings['conversations']} chats x {settings['turns']} turns, interleaved; device pool "
-          f"{settings['device_blocks'] * BLOCK} tokens, host tier {settings['host_blocks'] * BLOCK}",
-          ["", *runs], rows)
+    rows = [
+        [label, *[fmt(run) for run in runs.values()]]
+        for label, fmt in (
+            (
+                "returning turns that found their whole history",
+                lambda r: f"{r['resumed_turns']} / {r['returning_turns']}",
+            ),
+            ("prompt tokens", lambda r: r["prompt_tokens"]),
+            ("...prefilled", lambda r: r["prompt_tokens"] - r["prefill_saved"]),
+            ("...found in the prefix cache", lambda r: r["prefill_saved"]),
+            ("prefix-cache hit rate (tokens)", lambda r: f"{r['token_hit_rate']:.0%}"),
+            ("cached blocks spilled to host", lambda r: r["spilled"]),
+            ("...copied back for a later prompt", lambda r: r["spill_hits"]),
+            (
+                "mean TTFT of returning turns, ms",
+                lambda r: f"{sum(x['ttft'] for x in r['returns']) / len(r['returns']) * 1e3:.0f}",
+            ),
+            ("seconds", lambda r: f"{r['seconds']:.1f}"),
+        )
+    ]
+    table(
+        f"(a) {settings['conversations']} chats x {settings['turns']} turns, interleaved; device pool "
+        f"{settings['device_blocks'] * BLOCK} tokens, host tier {settings['host_blocks'] * BLOCK}",
+        ["", *runs],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- (b) prefetch: copies behind compute
@@ -139,27 +192,48 @@ def serve_swapping(model, tokenizer, text_ids: list[int], settings: dict) -> dic
     for _ in range(settings["swap_requests"]):
         length = rng.randint(*settings["swap_prompt_lens"])
         start = rng.randrange(len(text_ids) - length)
-        prompts.append(text_ids[start:start + length])
+        prompts.append(text_ids[start : start + length])
     params = SamplingParams(max_tokens=settings["swap_max_tokens"], ignore_eos=True)
     roomy = sum(map(len, prompts)) + len(prompts) * (params.max_tokens + BLOCK)
-    llm = LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, preemption="swap",
-              kv_cache_bytes=kv_bytes(model, settings["swap_device_tokens"]), host_cache_bytes=kv_bytes(model, roomy))
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=BLOCK,
+        preemption="swap",
+        kv_cache_bytes=kv_bytes(model, settings["swap_device_tokens"]),
+        host_cache_bytes=kv_bytes(model, roomy),
+    )
     start = time.perf_counter()
     llm.generate(prompts, params)
     seconds, memory = time.perf_counter() - start, llm.engine.snapshot()
     counters, copied, waited = memory.counters, memory.prefetch_seconds, memory.prefetch_waited
-    return {"seconds": seconds, "swapped_out": counters["swapped_out"],
-            "swapped_in": counters["swapped_in"], "prefetched": counters["prefetched"],
-            "prefetch_seconds": copied, "prefetch_waited": waited,
-            "hidden_share": 1 - waited / copied if copied else 0.0}
+    return {
+        "seconds": seconds,
+        "swapped_out": counters["swapped_out"],
+        "swapped_in": counters["swapped_in"],
+        "prefetched": counters["prefetched"],
+        "prefetch_seconds": copied,
+        "prefetch_waited": waited,
+        "hidden_share": 1 - waited / copied if copied else 0.0,
+    }
 
 
 def show_swapping(run: dict, settings: dict) -> None:
-    table(f"(b) {settings['swap_requests']} requests on a {settings['swap_device_tokens']}-token device pool, "
-          "preemption by swap",
-          ["swapped out", "swapped in", "of them prefetched", "prefetch copy ms", "engine waited ms", "hidden"],
-          [[run["swapped_out"], run["swapped_in"], run["prefetched"], f"{run['prefetch_seconds'] * 1e3:.1f}",
-            f"{run['prefetch_waited'] * 1e3:.1f}", f"{run['hidden_share']:.0%}"]])
+    table(
+        f"(b) {settings['swap_requests']} requests on a {settings['swap_device_tokens']}-token device pool, "
+        "preemption by swap",
+        ["swapped out", "swapped in", "of them prefetched", "prefetch copy ms", "engine waited ms", "hidden"],
+        [
+            [
+                run["swapped_out"],
+                run["swapped_in"],
+                run["prefetched"],
+                f"{run['prefetch_seconds'] * 1e3:.1f}",
+                f"{run['prefetch_waited'] * 1e3:.1f}",
+                f"{run['hidden_share']:.0%}",
+            ]
+        ],
+    )
 
 
 # ---------------------------------------------------------------- (c) cold: a session in a file
@@ -173,10 +247,11 @@ def first_token(llm, prompt: list[int]) -> tuple[float, int]:
 def park_and_resume(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
     """Chat once, park the conversation in a file, then answer its next turn from a fresh engine:
     once resuming from the file, once recomputing the history."""
+
     def fresh():
         return LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, prefix_caching=True)
 
-    opening = user_turn(tokenizer, tokenizer.decode(text_ids[:settings["history_tokens"]]))
+    opening = user_turn(tokenizer, tokenizer.decode(text_ids[: settings["history_tokens"]]))
     first = fresh()
     reply = first.generate([opening], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
     history = opening + reply + closing(tokenizer)
@@ -192,33 +267,62 @@ def park_and_resume(model, tokenizer, text_ids: list[int], settings: dict) -> di
         load_seconds = time.perf_counter() - start
         resumed_ttft, resumed_computed = first_token(resumed, next_turn)
     recomputed_ttft, recomputed_computed = first_token(fresh(), next_turn)
-    return {"history_tokens": len(history), "prompt_tokens": len(next_turn), "session_tokens": kept,
-            "file_bytes": file_bytes, "save_seconds": save_seconds, "load_seconds": load_seconds,
-            "resumed_ttft": load_seconds + resumed_ttft, "resumed_computed": resumed_computed,
-            "recomputed_ttft": recomputed_ttft, "recomputed_computed": recomputed_computed}
+    return {
+        "history_tokens": len(history),
+        "prompt_tokens": len(next_turn),
+        "session_tokens": kept,
+        "file_bytes": file_bytes,
+        "save_seconds": save_seconds,
+        "load_seconds": load_seconds,
+        "resumed_ttft": load_seconds + resumed_ttft,
+        "resumed_computed": resumed_computed,
+        "recomputed_ttft": recomputed_ttft,
+        "recomputed_computed": recomputed_computed,
+    }
 
 
 def show_session(run: dict) -> None:
-    table(f"(c) the next turn of a {run['history_tokens']}-token conversation, in a fresh engine "
-          f"(session file {run['file_bytes'] / 2**20:.1f} MiB, {run['session_tokens']} tokens, "
-          f"saved in {run['save_seconds'] * 1e3:.0f} ms)",
-          ["start from", "tokens prefilled", "time to first token ms"],
-          [[f"the session file (load {run['load_seconds'] * 1e3:.0f} ms included)", run["resumed_computed"],
-            f"{run['resumed_ttft'] * 1e3:.0f}"],
-           ["nothing: recompute the history", run["recomputed_computed"], f"{run['recomputed_ttft'] * 1e3:.0f}"]])
+    table(
+        f"(c) the next turn of a {run['history_tokens']}-token conversation, in a fresh engine "
+        f"(session file {run['file_bytes'] / 2**20:.1f} MiB, {run['session_tokens']} tokens, "
+        f"saved in {run['save_seconds'] * 1e3:.0f} ms)",
+        ["start from", "tokens prefilled", "time to first token ms"],
+        [
+            [
+                f"the session file (load {run['load_seconds'] * 1e3:.0f} ms included)",
+                run["resumed_computed"],
+                f"{run['resumed_ttft'] * 1e3:.0f}",
+            ],
+            [
+                "nothing: recompute the history",
+                run["recomputed_computed"],
+                f"{run['recomputed_ttft'] * 1e3:.0f}",
+            ],
+        ],
+    )
 
 
 # ---------------------------------------------------------------- the story
 def plot(chats: dict, swapping: dict, session: dict, settings: dict, out) -> None:
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(14, 4), gridspec_kw={"width_ratios": [2, 1, 1]})
     for (name, run), marker in zip(chats.items(), ("x", "o")):
-        left.scatter([r["gap"] for r in run["returns"]], [r["found"] * 100 for r in run["returns"]],
-                     marker=marker, label=name, alpha=0.8)
+        left.scatter(
+            [r["gap"] for r in run["returns"]],
+            [r["found"] * 100 for r in run["returns"]],
+            marker=marker,
+            label=name,
+            alpha=0.8,
+        )
     device, host = settings["device_blocks"] * BLOCK, settings["host_blocks"] * BLOCK
     left.axvline(device, color="tab:blue", linestyle=":", label=f"device pool ({device} tokens)")
-    left.axvline(device + host, color="tab:orange", linestyle=":", label=f"device + host ({device + host} tokens)")
-    left.set(xlabel="idle gap: prompt tokens of other chats since its last turn", ylabel="% of history found",
-             title="(a) Does a returning chat find its KV?")
+    left.axvline(
+        device + host, color="tab:orange", linestyle=":", label=f"device + host ({device + host} tokens)"
+    )
+    left.set(
+        xlabel="idle gap: prompt tokens of other chats since its last turn",
+        ylabel="% of history found",
+        title="(a) Does a returning chat find its KV?",
+    )
     left.legend(fontsize=8)
     waited = swapping["prefetch_waited"] * 1e3
     hidden = swapping["prefetch_seconds"] * 1e3 - waited
@@ -228,8 +332,11 @@ def plot(chats: dict, swapping: dict, session: dict, settings: dict, out) -> Non
     middle.legend(fontsize=8)
     if not swapping["prefetched"]:
         middle.text(0, 0, "no prefetch in this run", ha="center")
-    right.bar(["resume\nfrom file", "recompute\nhistory"],
-              [session["resumed_ttft"] * 1e3, session["recomputed_ttft"] * 1e3], color=["tab:blue", "tab:gray"])
+    right.bar(
+        ["resume\nfrom file", "recompute\nhistory"],
+        [session["resumed_ttft"] * 1e3, session["recomputed_ttft"] * 1e3],
+        color=["tab:blue", "tab:gray"],
+    )
     right.set(ylabel="time to first token, ms", title=f"(c) A {session['history_tokens']}-token chat, cold")
     fig.tight_layout()
     save_plot(fig, out, "11_tiers.png")
@@ -244,8 +351,10 @@ def main():
 
     console.rule("(a) Warm: idle chats, with and without a host tier")
     messages, order = chat_messages(tokenizer, text_ids, settings), interleaving(settings)
-    chats = {"device only": serve_chats(model, tokenizer, messages, order, settings, host_blocks=0),
-             "device + host": serve_chats(model, tokenizer, messages, order, settings, settings["host_blocks"])}
+    chats = {
+        "device only": serve_chats(model, tokenizer, messages, order, settings, host_blocks=0),
+        "device + host": serve_chats(model, tokenizer, messages, order, settings, settings["host_blocks"]),
+    }
     show_chats(chats, settings)
 
     console.rule("(b) Prefetch: swap-ins copied behind the forward pass")
@@ -259,13 +368,28 @@ def main():
 
     none, host = chats["device only"], chats["device + host"]
     numbers = {
-        "conversations": settings["conversations"], "turns": settings["turns"],
-        "device_tokens": settings["device_blocks"] * BLOCK, "host_tokens": settings["host_blocks"] * BLOCK,
-        **{f"{key}_{name}": run[name] for key, run in (("none", none), ("host", host))
-           for name in ("resumed_turns", "returning_turns", "prompt_tokens", "prefill_saved", "token_hit_rate",
-                        "spilled", "spill_hits", "bytes_host_to_device", "seconds")},
+        "conversations": settings["conversations"],
+        "turns": settings["turns"],
+        "device_tokens": settings["device_blocks"] * BLOCK,
+        "host_tokens": settings["host_blocks"] * BLOCK,
+        **{
+            f"{key}_{name}": run[name]
+            for key, run in (("none", none), ("host", host))
+            for name in (
+                "resumed_turns",
+                "returning_turns",
+                "prompt_tokens",
+                "prefill_saved",
+                "token_hit_rate",
+                "spilled",
+                "spill_hits",
+                "bytes_host_to_device",
+                "seconds",
+            )
+        },
         **{f"swap_{name}": value for name, value in swapping.items()},
-        **{f"session_{name}": value for name, value in session.items()}}
+        **{f"session_{name}": value for name, value in session.items()},
+    }
     save_numbers(args.out, "11_tiers.json", numbers)
 
     console.print(f"\n[bold]What it means:[/bold] {meaning(chats, swapping, session, settings)}")
@@ -274,25 +398,33 @@ def main():
 def meaning(chats: dict, swapping: dict, session: dict, settings: dict) -> str:
     """The closing paragraph, every claim in it read off this run's numbers."""
     none, host = chats["device only"], chats["device + host"]
-    warm = (f"(a) With the device pool alone ({settings['device_blocks'] * BLOCK} tokens), {none['resumed_turns']} "
-            f"of {none['returning_turns']} returning turns found their whole history; with a host tier of "
-            f"{settings['host_blocks'] * BLOCK} tokens behind it, {host['resumed_turns']} did "
-            f"({host['spill_hits']} spilled blocks copied back instead of recomputed), and prefill fell from "
-            f"{none['prompt_tokens'] - none['prefill_saved']} to {host['prompt_tokens'] - host['prefill_saved']} "
-            f"tokens (prefix hit rate {none['token_hit_rate']:.0%} -> {host['token_hit_rate']:.0%}).")
+    warm = (
+        f"(a) With the device pool alone ({settings['device_blocks'] * BLOCK} tokens), {none['resumed_turns']} "
+        f"of {none['returning_turns']} returning turns found their whole history; with a host tier of "
+        f"{settings['host_blocks'] * BLOCK} tokens behind it, {host['resumed_turns']} did "
+        f"({host['spill_hits']} spilled blocks copied back instead of recomputed), and prefill fell from "
+        f"{none['prompt_tokens'] - none['prefill_saved']} to {host['prompt_tokens'] - host['prefill_saved']} "
+        f"tokens (prefix hit rate {none['token_hit_rate']:.0%} -> {host['token_hit_rate']:.0%})."
+    )
     if swapping["prefetched"]:
-        prefetch = (f"(b) Of {swapping['swapped_in']} swap-ins, {swapping['prefetched']} were prefetched; the "
-                    f"engine waited {swapping['prefetch_waited'] * 1e3:.1f} ms of their "
-                    f"{swapping['prefetch_seconds'] * 1e3:.1f} ms of copying, so {swapping['hidden_share']:.0%} ran "
-                    "behind the forward pass (on a CPU-only machine the copy thread shares the forward pass's cores "
-                    "and memory, so hidden is not free).")
+        prefetch = (
+            f"(b) Of {swapping['swapped_in']} swap-ins, {swapping['prefetched']} were prefetched; the "
+            f"engine waited {swapping['prefetch_waited'] * 1e3:.1f} ms of their "
+            f"{swapping['prefetch_seconds'] * 1e3:.1f} ms of copying, so {swapping['hidden_share']:.0%} ran "
+            "behind the forward pass (on a CPU-only machine the copy thread shares the forward pass's cores "
+            "and memory, so hidden is not free)."
+        )
     else:
-        prefetch = f"(b) None of the {swapping['swapped_in']} swap-ins was prefetched in this run: nothing to hide."
-    cold = (f"(c) A fresh engine answered the next turn of a {session['history_tokens']}-token chat in "
-            f"{session['resumed_ttft'] * 1e3:.0f} ms from its {session['file_bytes'] / 2**20:.1f} MiB session file "
-            f"(load included, {session['resumed_computed']} tokens prefilled), against "
-            f"{session['recomputed_ttft'] * 1e3:.0f} ms recomputing all {session['recomputed_computed']} "
-            f"({session['recomputed_ttft'] / session['resumed_ttft']:.1f}x).")
+        prefetch = (
+            f"(b) None of the {swapping['swapped_in']} swap-ins was prefetched in this run: nothing to hide."
+        )
+    cold = (
+        f"(c) A fresh engine answered the next turn of a {session['history_tokens']}-token chat in "
+        f"{session['resumed_ttft'] * 1e3:.0f} ms from its {session['file_bytes'] / 2**20:.1f} MiB session file "
+        f"(load included, {session['resumed_computed']} tokens prefilled), against "
+        f"{session['recomputed_ttft'] * 1e3:.0f} ms recomputing all {session['recomputed_computed']} "
+        f"({session['recomputed_ttft'] / session['resumed_ttft']:.1f}x)."
+    )
     return f"{warm} {prefetch} {cold}"
 
 

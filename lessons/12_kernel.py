@@ -20,8 +20,8 @@ a warp per position stripe, lanes across head_dim.
 """
 
 import torch
-
 from _common import console, lesson_args, save_numbers, table  # noqa: E402
+
 from minillm.attention.kernels import decode_backend  # noqa: E402
 from minillm.attention.reference import paged_decode_attention  # noqa: E402
 from minillm.benchmarks.attention import bench_attention, make_case  # noqa: E402
@@ -40,10 +40,16 @@ def online_softmax_demo() -> float:
         p = torch.exp(scores[t] - m_new).item()
         l, acc, m = l * correction + p, acc * correction + p * values[t], m_new
         rows.append([t, f"{scores[t]:.2f}", f"{m:.2f}", f"{correction:.3f}", f"{l:.3f}"])
-    table("position by position", ["t", "score", "running max m", "rescale exp(m_old - m)", "running sum l"], rows)
+    table(
+        "position by position",
+        ["t", "score", "running max m", "rescale exp(m_old - m)", "running sum l"],
+        rows,
+    )
     exact = torch.softmax(scores, 0) @ values
-    console.print(f"online acc / l = {(acc / l).numpy().round(4)}\n"
-                  f"softmax @ V    = {exact.numpy().round(4)}  (max difference {(acc / l - exact).abs().max():.1e})")
+    console.print(
+        f"online acc / l = {(acc / l).numpy().round(4)}\n"
+        f"softmax @ V    = {exact.numpy().round(4)}  (max difference {(acc / l - exact).abs().max():.1e})"
+    )
     return (acc / l - exact).abs().max().item()
 
 
@@ -57,27 +63,51 @@ def check_kernels() -> float:
             for batch, context in ((1, 37), (8, 300), (32, 1024)):
                 case = make_case(batch, context, device, torch.float32, kv_dtype, seed=batch)
                 error = (kernel(**case)[0] - paged_decode_attention(**case)[0]).abs().max().item()
-                rows.append([f"{device} kernel", kv_dtype, batch, context, f"{error:.1e}",
-                             "yes" if error <= 1e-5 else "NO"])
+                rows.append(
+                    [
+                        f"{device} kernel",
+                        kv_dtype,
+                        batch,
+                        context,
+                        f"{error:.1e}",
+                        "yes" if error <= 1e-5 else "NO",
+                    ]
+                )
                 worst = max(worst, error)
-    table("max |kernel - reference|, fp32 model (kv: how the pool stores K and V)",
-          ["backend", "kv", "batch", "context", "error", "within 1e-5"], rows)
+    table(
+        "max |kernel - reference|, fp32 model (kv: how the pool stores K and V)",
+        ["backend", "kv", "batch", "context", "error", "within 1e-5"],
+        rows,
+    )
     if len(devices) == 1:
-        console.print("no CUDA GPU here: the CUDA kernel is compiled by the tests (nvcc) and run by scripts/gpu_check.sh")
+        console.print(
+            "no CUDA GPU here: the CUDA kernel is compiled by the tests (nvcc) and run by scripts/gpu_check.sh"
+        )
     return worst
 
 
 def time_kernels(quick: bool):
     console.rule("3. Time and bandwidth")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    report = bench_attention(batches=(1, 16), contexts=(512,) if quick else (512, 4096), device=device,
-                             kv_dtypes=("auto", "int8"))
+    report = bench_attention(
+        batches=(1, 16), contexts=(512,) if quick else (512, 4096), device=device, kv_dtypes=("auto", "int8")
+    )
     names = report["backends"][:2]
-    table(f"one layer of decode attention on {report['device']} (copy roof {report['copy_bandwidth_GBs']:.0f} GB/s)",
-          ["kv", "batch", "context", "MB read", *[f"{n} µs" for n in names], *[f"{n} of roof" for n in names]],
-          [[r["kv_dtype"], r["batch"], r["context"], f"{r['kv_bytes'] / 1e6:.1f}",
-            *[f"{r[f'{n}_us']:.0f}" for n in names], *[f"{r[f'{n}_roof_fraction']:.0%}" for n in names]]
-           for r in report["rows"]])
+    table(
+        f"one layer of decode attention on {report['device']} (copy roof {report['copy_bandwidth_GBs']:.0f} GB/s)",
+        ["kv", "batch", "context", "MB read", *[f"{n} µs" for n in names], *[f"{n} of roof" for n in names]],
+        [
+            [
+                r["kv_dtype"],
+                r["batch"],
+                r["context"],
+                f"{r['kv_bytes'] / 1e6:.1f}",
+                *[f"{r[f'{n}_us']:.0f}" for n in names],
+                *[f"{r[f'{n}_roof_fraction']:.0%}" for n in names],
+            ]
+            for r in report["rows"]
+        ],
+    )
     return report
 
 
@@ -87,22 +117,34 @@ def main():
     kernel_error = check_kernels()
     report = time_kernels(args.quick)
     kernel, reference = report["kernel"], report["backends"][0]
-    best = max((r for r in report["rows"] if r["kv_dtype"] == "auto"), key=lambda r: r[f"{kernel}_roof_fraction"])
+    best = max(
+        (r for r in report["rows"] if r["kv_dtype"] == "auto"), key=lambda r: r[f"{kernel}_roof_fraction"]
+    )
     int8 = max(report["speedups"], key=lambda r: r["batch"] * r["context"])  # the largest shape
-    save_numbers(args.out, "12_kernel.json", {
-        "online_softmax_max_error": softmax_error, "kernel_max_error": kernel_error,
-        "kernel_best_roof_fraction": best[f"{kernel}_roof_fraction"],
-        "reference_roof_fraction_same_case": best[f"{reference}_roof_fraction"],
-        "best_case_batch": best["batch"], "best_case_context": best["context"],
-        "int8_speedup_largest_shape": int8["speedup"], "int8_bytes_ratio": int8["bytes_ratio"]})
-    console.print(f"\n[bold]What it means:[/bold] reading K and V in place, once, with a running softmax "
-                  f"makes decode attention a pure stream over the cache: here the {kernel} peaks at "
-                  f"{best[kernel + '_roof_fraction']:.0%} of the copy bandwidth (the torch reference: "
-                  f"{best[reference + '_roof_fraction']:.0%}; batch {best['batch']}, context {best['context']}). "
-                  f"Reading int8 blocks in place it is {int8['speedup']:.1f}x faster than in fp32 at "
-                  f"{int8['batch']} x {int8['context']}, for {int8['bytes_ratio']:.1f}x fewer bytes; "
-                  f"and the outputs {'match' if kernel_error <= 1e-5 else '[red]do NOT match[/red]'} the "
-                  f"reference (max difference {kernel_error:.1e}).")
+    save_numbers(
+        args.out,
+        "12_kernel.json",
+        {
+            "online_softmax_max_error": softmax_error,
+            "kernel_max_error": kernel_error,
+            "kernel_best_roof_fraction": best[f"{kernel}_roof_fraction"],
+            "reference_roof_fraction_same_case": best[f"{reference}_roof_fraction"],
+            "best_case_batch": best["batch"],
+            "best_case_context": best["context"],
+            "int8_speedup_largest_shape": int8["speedup"],
+            "int8_bytes_ratio": int8["bytes_ratio"],
+        },
+    )
+    console.print(
+        f"\n[bold]What it means:[/bold] reading K and V in place, once, with a running softmax "
+        f"makes decode attention a pure stream over the cache: here the {kernel} peaks at "
+        f"{best[kernel + '_roof_fraction']:.0%} of the copy bandwidth (the torch reference: "
+        f"{best[reference + '_roof_fraction']:.0%}; batch {best['batch']}, context {best['context']}). "
+        f"Reading int8 blocks in place it is {int8['speedup']:.1f}x faster than in fp32 at "
+        f"{int8['batch']} x {int8['context']}, for {int8['bytes_ratio']:.1f}x fewer bytes; "
+        f"and the outputs {'match' if kernel_error <= 1e-5 else '[red]do NOT match[/red]'} the "
+        f"reference (max difference {kernel_error:.1e})."
+    )
 
 
 if __name__ == "__main__":

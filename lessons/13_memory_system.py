@@ -25,9 +25,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
+from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 
-from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 from minillm.benchmarks.memory import bench_memory  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
@@ -36,10 +36,24 @@ from minillm.weights import load_model  # noqa: E402
 
 BLOCK = 16
 SETTINGS = {  # (a) the bench trace: its --quick size, and how many requests; (b) the busy step; (c) the prompt
-    "default": {"bench_quick": False, "bench_requests": 10, "busy_requests": 12, "busy_system_tokens": 96,
-                "busy_device_blocks": 40, "busy_host_blocks": 40, "filler_tokens": 400},
-    "quick": {"bench_quick": True, "bench_requests": 8, "busy_requests": 6, "busy_system_tokens": 48,
-              "busy_device_blocks": 16, "busy_host_blocks": 16, "filler_tokens": 120},
+    "default": {
+        "bench_quick": False,
+        "bench_requests": 10,
+        "busy_requests": 12,
+        "busy_system_tokens": 96,
+        "busy_device_blocks": 40,
+        "busy_host_blocks": 40,
+        "filler_tokens": 400,
+    },
+    "quick": {
+        "bench_quick": True,
+        "bench_requests": 8,
+        "busy_requests": 6,
+        "busy_system_tokens": 48,
+        "busy_device_blocks": 16,
+        "busy_host_blocks": 16,
+        "filler_tokens": 120,
+    },
 }
 STATES = ["free", "cached", "shared", "private", "host: swapped", "host: spilled"]
 COLORS = ["#eeeeee", "#9ecae1", "#31a354", "#fd8d3c", "#756bb1", "#bcbddc"]
@@ -49,27 +63,51 @@ COLORS = ["#eeeeee", "#9ecae1", "#31a354", "#fd8d3c", "#756bb1", "#bcbddc"]
 def three_problems(model_dir, settings: dict) -> dict:
     """`minillm bench memory` on a shortened trace (no load tests); the rows each problem compares
     (scheduling: (3) first come first served against (L), memory-aware with a host tier, both fp32)."""
-    report = bench_memory(model_dir, quick=settings["bench_quick"], num_requests=settings["bench_requests"],
-                          load=False)
+    report = bench_memory(
+        model_dir, quick=settings["bench_quick"], num_requests=settings["bench_requests"], load=False
+    )
     rows = report["rows"]
-    return {"rows": rows, "budget_blocks": rows["paged"]["device_blocks"], "trace": report["trace"],
-            "capacity": (rows["reserve"], rows["paged"]), "bandwidth": (rows["prefix"], rows["int8"]),
-            "scheduling": (rows["prefix"], rows["lossless"])}
+    return {
+        "rows": rows,
+        "budget_blocks": rows["paged"]["device_blocks"],
+        "trace": report["trace"],
+        "capacity": (rows["reserve"], rows["paged"]),
+        "bandwidth": (rows["prefix"], rows["int8"]),
+        "scheduling": (rows["prefix"], rows["lossless"]),
+    }
 
 
 def show_problems(problems: dict) -> None:
-    (reserve, paged), (fp32, int8), (fcfs, memory) = (problems[k] for k in ("capacity", "bandwidth", "scheduling"))
-    rows = [["capacity: requests at once", f"{reserve['label']}: {reserve['peak_seqs']}",
-             f"{paged['label']}: {paged['peak_seqs']}", f"{paged['output_tok_s']:.1f} vs {reserve['output_tok_s']:.1f} tok/s"],
-            ["bandwidth: KV bytes per token read", f"{fp32['label']}: {fp32['kv_bytes_per_token']:,}",
-             f"{int8['label']}: {int8['kv_bytes_per_token']:,}",
-             f"{int8['device_blocks']} vs {fp32['device_blocks']} blocks; TPOT {int8['tpot_p50_s'] * 1e3:.0f} vs "
-             f"{fp32['tpot_p50_s'] * 1e3:.0f} ms"],
-            ["scheduling: TTFT p50 / p99", f"{fcfs['label']}: {fcfs['ttft_p50_s']:.2f} / {fcfs['ttft_p99_s']:.2f} s",
-             f"{memory['label']}: {memory['ttft_p50_s']:.2f} / {memory['ttft_p99_s']:.2f} s",
-             f"goodput {memory['goodput']:.0%} vs {fcfs['goodput']:.0%}"]]
-    table(f"(a) {problems['trace']['requests']} requests on one KV budget ({problems['budget_blocks']} fp32 blocks): "
-          "each problem, the row before and after its fix", ["problem", "before", "after", "beside it"], rows)
+    (reserve, paged), (fp32, int8), (fcfs, memory) = (
+        problems[k] for k in ("capacity", "bandwidth", "scheduling")
+    )
+    rows = [
+        [
+            "capacity: requests at once",
+            f"{reserve['label']}: {reserve['peak_seqs']}",
+            f"{paged['label']}: {paged['peak_seqs']}",
+            f"{paged['output_tok_s']:.1f} vs {reserve['output_tok_s']:.1f} tok/s",
+        ],
+        [
+            "bandwidth: KV bytes per token read",
+            f"{fp32['label']}: {fp32['kv_bytes_per_token']:,}",
+            f"{int8['label']}: {int8['kv_bytes_per_token']:,}",
+            f"{int8['device_blocks']} vs {fp32['device_blocks']} blocks; TPOT {int8['tpot_p50_s'] * 1e3:.0f} vs "
+            f"{fp32['tpot_p50_s'] * 1e3:.0f} ms",
+        ],
+        [
+            "scheduling: TTFT p50 / p99",
+            f"{fcfs['label']}: {fcfs['ttft_p50_s']:.2f} / {fcfs['ttft_p99_s']:.2f} s",
+            f"{memory['label']}: {memory['ttft_p50_s']:.2f} / {memory['ttft_p99_s']:.2f} s",
+            f"goodput {memory['goodput']:.0%} vs {fcfs['goodput']:.0%}",
+        ],
+    ]
+    table(
+        f"(a) {problems['trace']['requests']} requests on one KV budget ({problems['budget_blocks']} fp32 blocks): "
+        "each problem, the row before and after its fix",
+        ["problem", "before", "after", "beside it"],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- (b) one busy step, every byte placed
@@ -78,10 +116,19 @@ def busy_engine(model, tokenizer, text_ids: list[int], settings: dict) -> LLM:
     host tier behind it, the prefix cache on, and H2O keeping 24 private entries per sequence
     beside its shared prompt blocks (every step, so that the picture has evicted entries in it)."""
     bytes_per_token = model.config.kv_bytes_per_token(model.dtype)
-    return LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, prefix_caching=True, kv_dtype="int8",
-               kv_cache_bytes=settings["busy_device_blocks"] * BLOCK * bytes_per_token // 3,  # int8 is ~3.5x smaller
-               host_cache_bytes=settings["busy_host_blocks"] * BLOCK * bytes_per_token // 3,
-               preemption="swap", eviction="h2o", kv_budget=24, admission="memory")
+    return LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=BLOCK,
+        prefix_caching=True,
+        kv_dtype="int8",
+        kv_cache_bytes=settings["busy_device_blocks"] * BLOCK * bytes_per_token // 3,  # int8 is ~3.5x smaller
+        host_cache_bytes=settings["busy_host_blocks"] * BLOCK * bytes_per_token // 3,
+        preemption="swap",
+        eviction="h2o",
+        kv_budget=24,
+        admission="memory",
+    )
 
 
 def placement(memory) -> dict:
@@ -89,28 +136,42 @@ def placement(memory) -> dict:
     per category. A filling block is a private one (its full-precision keys are counted apart)."""
     per_block = memory.bytes_per_token * memory.block_size
     device = ["private" if state == "filling" else state for state in memory.blocks["device"]]
-    host = ["host: swapped" if state in ("shared", "private") else "host: spilled" if state == "cached"
-            else "free" for state in memory.blocks.get("host", ())]
+    host = [
+        "host: swapped"
+        if state in ("shared", "private")
+        else "host: spilled"
+        if state == "cached"
+        else "free"
+        for state in memory.blocks.get("host", ())
+    ]
     running = memory.running()
     evicted = sum(seq.num_computed - seq.num_cached for seq in running)
-    return {"device": device, "host": host,
-            "bytes": {**{f"device {state}": device.count(state) * per_block for state in STATES[1:4]},
-                      "host swapped": host.count("host: swapped") * per_block,
-                      "host spilled": host.count("host: spilled") * per_block,
-                      "full precision (filling blocks' keys)": memory.staged_bytes,
-                      "evicted (no longer stored)": evicted * memory.bytes_per_token},
-            "running": len(running), "waiting": len(memory.waiting())}
+    return {
+        "device": device,
+        "host": host,
+        "bytes": {
+            **{f"device {state}": device.count(state) * per_block for state in STATES[1:4]},
+            "host swapped": host.count("host: swapped") * per_block,
+            "host spilled": host.count("host: spilled") * per_block,
+            "full precision (filling blocks' keys)": memory.staged_bytes,
+            "evicted (no longer stored)": evicted * memory.bytes_per_token,
+        },
+        "running": len(running),
+        "waiting": len(memory.waiting()),
+    }
 
 
 def busiest_step(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
     """Serve the chats and keep the placement of the step with the most KV held."""
     llm = busy_engine(model, tokenizer, text_ids, settings)
     engine, rng = llm.engine, random.Random(3)
-    systems = [text_ids[i * 2000:i * 2000 + settings["busy_system_tokens"]] for i in range(2)]
+    systems = [text_ids[i * 2000 : i * 2000 + settings["busy_system_tokens"]] for i in range(2)]
     for _ in range(settings["busy_requests"]):
         start = rng.randrange(len(text_ids) - 64)
-        engine.add_request(rng.choice(systems) + text_ids[start:start + rng.randint(16, 64)],
-                           SamplingParams(max_tokens=rng.randint(24, 64), ignore_eos=True))
+        engine.add_request(
+            rng.choice(systems) + text_ids[start : start + rng.randint(16, 64)],
+            SamplingParams(max_tokens=rng.randint(24, 64), ignore_eos=True),
+        )
     best, held = None, -1
     while engine.has_unfinished_requests():
         engine.step()
@@ -124,9 +185,12 @@ def busiest_step(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
 
 def show_busy(busy: dict) -> None:
     rows = [[name, f"{value / 2**20:.2f}"] for name, value in busy["bytes"].items()]
-    table(f"(b) the busiest step: {busy['running']} running, {busy['waiting']} waiting "
-          f"(int8 KV, {busy['bytes_per_token']:,} B per token; ladder so far: {busy['rungs']})",
-          ["where", "MiB"], rows)
+    table(
+        f"(b) the busiest step: {busy['running']} running, {busy['waiting']} waiting "
+        f"(int8 KV, {busy['bytes_per_token']:,} B per token; ladder so far: {busy['rungs']})",
+        ["where", "MiB"],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- (c) an old token needed again
@@ -143,8 +207,11 @@ class LastLogits:
 
 def password_prompt(tokenizer, text_ids: list[int], settings: dict) -> tuple[list[int], int]:
     """A password early in the prompt, a stretch of Alice, then the question; the answer's first token."""
-    prompt = (tokenizer.encode("Alice wrote a note. The password is Pumpkin. Remember it.\n")
-              + text_ids[5000:5000 + settings["filler_tokens"]] + tokenizer.encode("\nThe password is"))
+    prompt = (
+        tokenizer.encode("Alice wrote a note. The password is Pumpkin. Remember it.\n")
+        + text_ids[5000 : 5000 + settings["filler_tokens"]]
+        + tokenizer.encode("\nThe password is")
+    )
     return prompt, tokenizer.encode(" Pumpkin")[0]
 
 
@@ -176,43 +243,79 @@ def old_token(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
     prompt, answer = password_prompt(tokenizer, text_ids, settings)
     exact, prefill_seconds = answer_with(model, tokenizer, prompt)
     fp32_bytes = model.config.kv_bytes_per_token(model.dtype) * len(prompt)
-    cases = {"paged": ("paged, fp32 (exact)", {}, "found through the block table: no copy, no loss"),
-             "int8": ("int8 KV", {"kv_dtype": "int8"}, "stored with error: nothing to get back"),
-             "int4": ("int4 KV", {"kv_dtype": "int4"}, "stored with error: nothing to get back"),
-             "h2o": ("H2O keeps 20%", {"eviction": "h2o", "kv_budget": 0.2}, "gone: recompute the prompt"),
-             "sinks": ("sinks + window 20%", {"eviction": "sinks", "kv_budget": 0.2}, "gone: recompute the prompt"),
-             "window": ("window 20%", {"eviction": "window", "kv_budget": 0.2}, "gone: recompute the prompt")}
+    cases = {
+        "paged": ("paged, fp32 (exact)", {}, "found through the block table: no copy, no loss"),
+        "int8": ("int8 KV", {"kv_dtype": "int8"}, "stored with error: nothing to get back"),
+        "int4": ("int4 KV", {"kv_dtype": "int4"}, "stored with error: nothing to get back"),
+        "h2o": ("H2O keeps 20%", {"eviction": "h2o", "kv_budget": 0.2}, "gone: recompute the prompt"),
+        "sinks": (
+            "sinks + window 20%",
+            {"eviction": "sinks", "kv_budget": 0.2},
+            "gone: recompute the prompt",
+        ),
+        "window": ("window 20%", {"eviction": "window", "kv_budget": 0.2}, "gone: recompute the prompt"),
+    }
     rows = {}
     for key, (label, switches, remedy) in cases.items():
         logprobs = exact if not switches else answer_with(model, tokenizer, prompt, **switches)[0]
-        rows[key] = {"label": label, "p_answer": logprobs[answer].exp().item(),
-                     "top1_is_answer": int(logprobs.argmax()) == answer,
-                     "kl": float((exact.exp() * (exact - logprobs)).sum()), "remedy": remedy,
-                     "remedy_seconds": prefill_seconds if "recompute" in remedy else 0.0}
-    rows["swapped"] = {**rows["paged"], "label": "swapped to host, fp32", "remedy": "on the host: copy its blocks back",
-                       "remedy_seconds": copy_seconds(fp32_bytes)}
-    return {"rows": rows, "prompt_tokens": len(prompt), "prefill_seconds": prefill_seconds,
-            "answer": tokenizer.decode([answer])}
+        rows[key] = {
+            "label": label,
+            "p_answer": logprobs[answer].exp().item(),
+            "top1_is_answer": int(logprobs.argmax()) == answer,
+            "kl": float((exact.exp() * (exact - logprobs)).sum()),
+            "remedy": remedy,
+            "remedy_seconds": prefill_seconds if "recompute" in remedy else 0.0,
+        }
+    rows["swapped"] = {
+        **rows["paged"],
+        "label": "swapped to host, fp32",
+        "remedy": "on the host: copy its blocks back",
+        "remedy_seconds": copy_seconds(fp32_bytes),
+    }
+    return {
+        "rows": rows,
+        "prompt_tokens": len(prompt),
+        "prefill_seconds": prefill_seconds,
+        "answer": tokenizer.decode([answer]),
+    }
 
 
 def show_old_token(old: dict) -> None:
-    rows = [[r["label"], f"{r['p_answer']:.3f}", "yes" if r["top1_is_answer"] else "no", f"{r['kl']:.3f}", r["remedy"],
-             f"{r['remedy_seconds'] * 1e3:.1f}"] for r in old["rows"].values()]
-    table(f"(c) a {old['prompt_tokens']}-token prompt asks for the password given in its first line "
-          f"(answer starts {old['answer']!r})",
-          ["KV", "p(answer)", "top-1 right", "KL vs exact", "to get the old token back", "ms"], rows)
+    rows = [
+        [
+            r["label"],
+            f"{r['p_answer']:.3f}",
+            "yes" if r["top1_is_answer"] else "no",
+            f"{r['kl']:.3f}",
+            r["remedy"],
+            f"{r['remedy_seconds'] * 1e3:.1f}",
+        ]
+        for r in old["rows"].values()
+    ]
+    table(
+        f"(c) a {old['prompt_tokens']}-token prompt asks for the password given in its first line "
+        f"(answer starts {old['answer']!r})",
+        ["KV", "p(answer)", "top-1 right", "KL vs exact", "to get the old token back", "ms"],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------- plot, numbers, meaning
 def plot(busy: dict, old: dict, out_dir) -> None:
-    fig, (ax_map, ax_bytes, ax_old) = plt.subplots(1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1.2, 1, 1]})
+    fig, (ax_map, ax_bytes, ax_old) = plt.subplots(
+        1, 3, figsize=(17, 4.8), gridspec_kw={"width_ratios": [1.2, 1, 1]}
+    )
     width, blank = 16, len(STATES)  # cells per row; the colour of the padding after each tier's last block
     rows_of = lambda states: [STATES.index(s) for s in states] + [blank] * (-len(states) % width)  # noqa: E731
     grid = rows_of(busy["device"]) + rows_of(busy["host"])
-    ax_map.imshow(torch.tensor(grid).reshape(-1, width), cmap=ListedColormap(COLORS + ["white"]), vmin=0, vmax=blank)
+    ax_map.imshow(
+        torch.tensor(grid).reshape(-1, width), cmap=ListedColormap(COLORS + ["white"]), vmin=0, vmax=blank
+    )
     ax_map.axhline(-(-len(busy["device"]) // width) - 0.5, color="black", linewidth=2)
-    ax_map.set_title(f"(b) every block at the busiest step\n(above the line: device, {len(busy['device'])} blocks; "
-                     f"below: host, {len(busy['host'])})")
+    ax_map.set_title(
+        f"(b) every block at the busiest step\n(above the line: device, {len(busy['device'])} blocks; "
+        f"below: host, {len(busy['host'])})"
+    )
     ax_map.set_xticks([])
     ax_map.set_yticks([])
     for state, color in zip(STATES, COLORS):
@@ -222,8 +325,11 @@ def plot(busy: dict, old: dict, out_dir) -> None:
     ax_bytes.barh(names, [v / 2**20 for v in values], color="#4c72b0")
     ax_bytes.set_xlabel("MiB")
     ax_bytes.set_title("(b) bytes by where they live and in what form")
-    ax_old.barh([r["label"] for r in old["rows"].values()], [r["p_answer"] for r in old["rows"].values()],
-                color="#dd8452")
+    ax_old.barh(
+        [r["label"] for r in old["rows"].values()],
+        [r["p_answer"] for r in old["rows"].values()],
+        color="#dd8452",
+    )
     ax_old.set_xlabel("p(the password's first token)")
     ax_old.set_title("(c) the old token, read again")
     ax_old.invert_yaxis()
@@ -232,35 +338,49 @@ def plot(busy: dict, old: dict, out_dir) -> None:
 
 
 def meaning(problems: dict, busy: dict, old: dict) -> str:
-    (reserve, paged), (fp32, int8), (fcfs, memory) = (problems[k] for k in ("capacity", "bandwidth", "scheduling"))
+    (reserve, paged), (fp32, int8), (fcfs, memory) = (
+        problems[k] for k in ("capacity", "bandwidth", "scheduling")
+    )
     slower = int8["tpot_p50_s"] > fp32["tpot_p50_s"]
-    speed = (f"yet its decode steps here took {int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms "
-             "(per token, at the larger batch it allows): on this CPU the torch path dequantizes into a "
-             "full-precision copy, so the bytes saved are room, not yet speed" if slower else
-             f"and its decode steps took {int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms")
-    tail = ("the longest prompts now wait their turn" if memory["ttft_p99_s"] > fcfs["ttft_p99_s"] else
-            "no request paid for it at the tail")
-    three = (f"(a) Capacity: reserving each request's declared maximum ran {reserve['peak_seqs']} requests at once "
-             f"where paging ran {paged['peak_seqs']} on the same bytes. Bandwidth: int8 stores a token in "
-             f"{int8['kv_bytes_per_token']:,} B instead of {fp32['kv_bytes_per_token']:,}, "
-             f"{fp32['kv_bytes_per_token'] / int8['kv_bytes_per_token']:.1f}x fewer bytes to hold and read, {speed}. "
-             f"Scheduling: admitting by memory cost (with a host tier to swap to) instead of by arrival moved the "
-             f"median time to first token from {fcfs['ttft_p50_s']:.2f} s to {memory['ttft_p50_s']:.2f} s (goodput "
-             f"{fcfs['goodput']:.0%} -> {memory['goodput']:.0%}; p99 {fcfs['ttft_p99_s']:.2f} -> "
-             f"{memory['ttft_p99_s']:.2f} s: {tail}).")
+    speed = (
+        f"yet its decode steps here took {int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms "
+        "(per token, at the larger batch it allows): on this CPU the torch path dequantizes into a "
+        "full-precision copy, so the bytes saved are room, not yet speed"
+        if slower
+        else f"and its decode steps took {int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms"
+    )
+    tail = (
+        "the longest prompts now wait their turn"
+        if memory["ttft_p99_s"] > fcfs["ttft_p99_s"]
+        else "no request paid for it at the tail"
+    )
+    three = (
+        f"(a) Capacity: reserving each request's declared maximum ran {reserve['peak_seqs']} requests at once "
+        f"where paging ran {paged['peak_seqs']} on the same bytes. Bandwidth: int8 stores a token in "
+        f"{int8['kv_bytes_per_token']:,} B instead of {fp32['kv_bytes_per_token']:,}, "
+        f"{fp32['kv_bytes_per_token'] / int8['kv_bytes_per_token']:.1f}x fewer bytes to hold and read, {speed}. "
+        f"Scheduling: admitting by memory cost (with a host tier to swap to) instead of by arrival moved the "
+        f"median time to first token from {fcfs['ttft_p50_s']:.2f} s to {memory['ttft_p50_s']:.2f} s (goodput "
+        f"{fcfs['goodput']:.0%} -> {memory['goodput']:.0%}; p99 {fcfs['ttft_p99_s']:.2f} -> "
+        f"{memory['ttft_p99_s']:.2f} s: {tail})."
+    )
     rows = old["rows"]
     exact, int8, h2o, window = rows["paged"], rows["int8"], rows["h2o"], rows["window"]
     places = [name for name, value in busy["bytes"].items() if value]
-    placed = (f"(b) At the busiest step, with {busy['running']} requests running and {busy['waiting']} waiting, "
-              f"their KV lay in {len(places)} kinds of place at once ({'; '.join(places)}): no single switch "
-              "explains where a byte is; the ladder and the admission policy decided it together.")
-    reread = (f"(c) Reading an old token again is free when it is only paged ({exact['p_answer']:.3f} for the right "
-              f"answer), nearly free in int8 (p {int8['p_answer']:.3f}, KL {int8['kl']:.4f}), and decided by "
-              f"what the policy kept once it is evicted: H2O p {h2o['p_answer']:.3f}, a recent window "
-              f"p {window['p_answer']:.3f}. An evicted token comes back only by recomputing the prompt "
-              f"({old['prefill_seconds'] * 1e3:.0f} ms here), a swapped one by copying it "
-              f"({rows['swapped']['remedy_seconds'] * 1e3:.1f} ms): that is why the pressure ladder "
-              "swaps before it evicts, and evicts only when allowed.")
+    placed = (
+        f"(b) At the busiest step, with {busy['running']} requests running and {busy['waiting']} waiting, "
+        f"their KV lay in {len(places)} kinds of place at once ({'; '.join(places)}): no single switch "
+        "explains where a byte is; the ladder and the admission policy decided it together."
+    )
+    reread = (
+        f"(c) Reading an old token again is free when it is only paged ({exact['p_answer']:.3f} for the right "
+        f"answer), nearly free in int8 (p {int8['p_answer']:.3f}, KL {int8['kl']:.4f}), and decided by "
+        f"what the policy kept once it is evicted: H2O p {h2o['p_answer']:.3f}, a recent window "
+        f"p {window['p_answer']:.3f}. An evicted token comes back only by recomputing the prompt "
+        f"({old['prefill_seconds'] * 1e3:.0f} ms here), a swapped one by copying it "
+        f"({rows['swapped']['remedy_seconds'] * 1e3:.1f} ms): that is why the pressure ladder "
+        "swaps before it evicts, and evicts only when allowed."
+    )
     return f"{three} {placed} {reread}"
 
 
@@ -285,15 +405,27 @@ def main() -> None:
     show_old_token(old)
     plot(busy, old, args.out)
 
-    (reserve, paged), (fp32, int8), (fcfs, memory) = (problems[k] for k in ("capacity", "bandwidth", "scheduling"))
-    numbers = {"reserve_peak_seqs": reserve["peak_seqs"], "paged_peak_seqs": paged["peak_seqs"],
-               "fp32_bytes_per_token": fp32["kv_bytes_per_token"], "int8_bytes_per_token": int8["kv_bytes_per_token"],
-               "fcfs_ttft_p50_s": fcfs["ttft_p50_s"], "memory_ttft_p50_s": memory["ttft_p50_s"],
-               "fcfs_goodput": fcfs["goodput"], "memory_goodput": memory["goodput"],
-               **{f"busy_{k.split(' (')[0].replace(' ', '_')}_bytes": v for k, v in busy["bytes"].items()},
-               "busy_running": busy["running"],
-               **{f"old_{case}_{key}": value for case, row in old["rows"].items() for key, value in row.items()
-                  if key not in ("label", "remedy")}}
+    (reserve, paged), (fp32, int8), (fcfs, memory) = (
+        problems[k] for k in ("capacity", "bandwidth", "scheduling")
+    )
+    numbers = {
+        "reserve_peak_seqs": reserve["peak_seqs"],
+        "paged_peak_seqs": paged["peak_seqs"],
+        "fp32_bytes_per_token": fp32["kv_bytes_per_token"],
+        "int8_bytes_per_token": int8["kv_bytes_per_token"],
+        "fcfs_ttft_p50_s": fcfs["ttft_p50_s"],
+        "memory_ttft_p50_s": memory["ttft_p50_s"],
+        "fcfs_goodput": fcfs["goodput"],
+        "memory_goodput": memory["goodput"],
+        **{f"busy_{k.split(' (')[0].replace(' ', '_')}_bytes": v for k, v in busy["bytes"].items()},
+        "busy_running": busy["running"],
+        **{
+            f"old_{case}_{key}": value
+            for case, row in old["rows"].items()
+            for key, value in row.items()
+            if key not in ("label", "remedy")
+        },
+    }
     save_numbers(args.out, "13_memory_system.json", numbers)
     console.print(f"\n[bold]What it means:[/bold] {meaning(problems, busy, old)}")
 

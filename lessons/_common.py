@@ -18,8 +18,13 @@ def lesson_args(lesson_doc: str, options=None, quick: dict | None = None) -> arg
     setting that finishes in seconds; the tests run it). `options(parser)` adds a lesson's own
     options; `quick` holds their small values, which --quick uses unless the option is given."""
     parser = argparse.ArgumentParser(description=lesson_doc.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=OUT_DIR, metavar="DIR",
-                        help="folder for the plot and the JSON of headline numbers (default: lessons/out)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=OUT_DIR,
+        metavar="DIR",
+        help="folder for the plot and the JSON of headline numbers (default: lessons/out)",
+    )
     parser.add_argument("--quick", action="store_true", help="a small setting that finishes in seconds")
     if options:
         options(parser)
@@ -51,10 +56,18 @@ def perplexity_setup(lesson_doc: str, segments: int, segment_len: int, quick: di
     from minillm.weights import load_model
 
     def options(parser):
-        parser.add_argument("--segments", type=int, default=segments,
-                            help=f"text segments scored side by side (default: {segments})")
-        parser.add_argument("--segment-len", type=int, default=segment_len,
-                            help=f"tokens per segment (default: {segment_len})")
+        parser.add_argument(
+            "--segments",
+            type=int,
+            default=segments,
+            help=f"text segments scored side by side (default: {segments})",
+        )
+        parser.add_argument(
+            "--segment-len",
+            type=int,
+            default=segment_len,
+            help=f"tokens per segment (default: {segment_len})",
+        )
 
     args = lesson_args(lesson_doc, options, quick)
     model_dir = require_model()

@@ -23,8 +23,16 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 DEFAULT_MODEL_DIR = Path("weights") / "SmolLM2-135M-Instruct"
 FETCH_HINT = "run: python weights_fetch.py"
 # config.json fields that size a tensor: each must be a positive integer where present
-SIZE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings")
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 
 
 class ConfigError(ValueError):
@@ -38,11 +46,15 @@ def prompt_problem(prompt_ids: list, context_len: int, vocab_size: int) -> str |
         return "The prompt is empty; give at least one token."
     for index, token in enumerate(prompt_ids):
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < vocab_size:
-            return (f"Token {index} of the prompt is {token!r}; token ids are integers in [0, {vocab_size}) "
-                    "for this model's vocabulary.")
+            return (
+                f"Token {index} of the prompt is {token!r}; token ids are integers in [0, {vocab_size}) "
+                "for this model's vocabulary."
+            )
     if len(prompt_ids) >= context_len:
-        return (f"The prompt has {len(prompt_ids)} tokens but the context holds {context_len} "
-                "(and needs room for one new token); shorten the prompt.")
+        return (
+            f"The prompt has {len(prompt_ids)} tokens but the context holds {context_len} "
+            "(and needs room for one new token); shorten the prompt."
+        )
     return None
 
 
@@ -72,16 +84,22 @@ class ModelConfig:
             )
         for name in SIZE_FIELDS:  # a 0 or a quoted "49152" would otherwise fail far from config.json
             if name in raw and not (type(raw[name]) is int and raw[name] >= 1):  # bool is not a size
-                raise ConfigError(f"{name}={raw[name]!r} in config.json must be a positive integer; fix config.json or "
-                                  f"{FETCH_HINT}")
+                raise ConfigError(
+                    f"{name}={raw[name]!r} in config.json must be a positive integer; fix config.json or "
+                    f"{FETCH_HINT}"
+                )
         if raw.get("rope_scaling"):
-            raise ConfigError("config.json asks for rope_scaling, which minillm does not implement; "
-                              "use a Llama checkpoint with plain RoPE.")
+            raise ConfigError(
+                "config.json asks for rope_scaling, which minillm does not implement; "
+                "use a Llama checkpoint with plain RoPE."
+            )
         num_heads = raw["num_attention_heads"]
         num_kv_heads = raw.get("num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
-            raise ConfigError(f"num_attention_heads={num_heads} is not a multiple of "
-                              f"num_key_value_heads={num_kv_heads} in config.json.")
+            raise ConfigError(
+                f"num_attention_heads={num_heads} is not a multiple of "
+                f"num_key_value_heads={num_kv_heads} in config.json."
+            )
         eos = raw.get("eos_token_id")
         return cls(
             vocab_size=raw["vocab_size"],
@@ -109,7 +127,9 @@ class ModelConfig:
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
             raise ConfigError(f"{path} is not valid JSON ({err}) — delete it and {FETCH_HINT}") from err
         if not isinstance(raw, dict):
-            raise ConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object — delete it and {FETCH_HINT}")
+            raise ConfigError(
+                f"{path} holds a JSON {type(raw).__name__}, not an object — delete it and {FETCH_HINT}"
+            )
         try:
             return cls.from_dict(raw)
         except KeyError as err:
@@ -146,8 +166,10 @@ class ModelConfig:
         if max_seq_len is None:
             return self.max_position_embeddings
         if max_seq_len > self.max_position_embeddings:
-            raise ConfigError(f"max_seq_len={max_seq_len} is longer than the model's context "
-                              f"({self.max_position_embeddings} tokens, max_position_embeddings); lower it.")
+            raise ConfigError(
+                f"max_seq_len={max_seq_len} is longer than the model's context "
+                f"({self.max_position_embeddings} tokens, max_position_embeddings); lower it."
+            )
         return max_seq_len
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -198,16 +220,22 @@ class EngineConfig:
             if not (isinstance(value, int) and value >= 1):
                 raise ConfigError(f"{name} must be a positive integer, not {value!r}.")
         if self.max_seq_len is not None and not (type(self.max_seq_len) is int and self.max_seq_len >= 2):
-            raise ConfigError(f"max_seq_len must be a whole number of tokens >= 2 (a prompt token and a new one), "
-                              f"or None for the model's context, not {self.max_seq_len!r}.")
+            raise ConfigError(
+                f"max_seq_len must be a whole number of tokens >= 2 (a prompt token and a new one), "
+                f"or None for the model's context, not {self.max_seq_len!r}."
+            )
         if self.admission != "fcfs" and self.scheduling == "static":
-            raise ConfigError(f"admission={self.admission!r} chooses who joins a running batch; static batching "
-                              "admits a whole batch at a time, in order. Use scheduling='continuous'.")
+            raise ConfigError(
+                f"admission={self.admission!r} chooses who joins a running batch; static batching "
+                "admits a whole batch at a time, in order. Use scheduling='continuous'."
+            )
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {self.device!r}.")
         if self.attention_backend != "torch" and self.attention_backend != self.device.split(":")[0]:
-            raise ConfigError(f"attention_backend={self.attention_backend!r} cannot read a KV cache on "
-                              f"device={self.device!r}; use the matching device or attention_backend='torch'.")
+            raise ConfigError(
+                f"attention_backend={self.attention_backend!r} cannot read a KV cache on "
+                f"device={self.device!r}; use the matching device or attention_backend='torch'."
+            )
         self.check_kv_compression()
         self.check_tiers()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -225,23 +253,33 @@ class EngineConfig:
         if self.eviction == "none" and budget is not None:
             raise ConfigError("kv_budget only applies with eviction; choose --eviction h2o, sinks or window.")
         if self.eviction == "none" and self.eviction_trigger != "always":
-            raise ConfigError("eviction_trigger only applies with eviction; choose --eviction h2o, sinks or window.")
+            raise ConfigError(
+                "eviction_trigger only applies with eviction; choose --eviction h2o, sinks or window."
+            )
         if self.eviction != "none":
             if budget is None:
-                raise ConfigError(f"eviction={self.eviction!r} needs kv_budget: tokens kept (e.g. 256) or a fraction (e.g. 0.2).")
+                raise ConfigError(
+                    f"eviction={self.eviction!r} needs kv_budget: tokens kept (e.g. 256) or a fraction (e.g. 0.2)."
+                )
             fraction_ok = isinstance(budget, float) and 0 < budget <= 1
             tokens_ok = isinstance(budget, int) and not isinstance(budget, bool) and budget >= 1
             if not (fraction_ok or tokens_ok):
-                raise ConfigError(f"kv_budget must be a token count >= 1 or a fraction in (0, 1], not {budget!r}.")
+                raise ConfigError(
+                    f"kv_budget must be a token count >= 1 or a fraction in (0, 1], not {budget!r}."
+                )
 
     def check_tiers(self) -> None:
         if not (type(self.host_cache_bytes) is int and self.host_cache_bytes >= 0):
-            raise ConfigError(f"host_cache_bytes must be a whole number of bytes >= 0 (0: no host tier), "
-                              f"not {self.host_cache_bytes!r}.")
+            raise ConfigError(
+                f"host_cache_bytes must be a whole number of bytes >= 0 (0: no host tier), "
+                f"not {self.host_cache_bytes!r}."
+            )
         if self.disk_cache_dir is not None and not isinstance(self.disk_cache_dir, (str, Path)):
             raise ConfigError(f"disk_cache_dir must be a folder path or None, not {self.disk_cache_dir!r}.")
         if self.preemption == "swap" and not self.has_tiers:
-            raise ConfigError("preemption='swap' needs somewhere to swap to: set host_cache_bytes or disk_cache_dir.")
+            raise ConfigError(
+                "preemption='swap' needs somewhere to swap to: set host_cache_bytes or disk_cache_dir."
+            )
 
     @property
     def has_tiers(self) -> bool:
@@ -267,6 +305,7 @@ def parse_kv_budget(text: str) -> int | float:
 
 
 # ----------------------------------------------------------------------------- the switches, declared once
+
 
 @dataclass(frozen=True)
 class Switch:
@@ -310,48 +349,116 @@ class Switch:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
-SWITCHES = {switch.name: switch for switch in (
-    # model: which checkpoint, in which precision, where
-    Switch("model_dir", "model", "checkpoint folder written by weights_fetch.py (default: %(default)s)",
-           parse=Path, flag="model"),
-    Switch("dtype", "model", "weights and KV dtype (default: %(default)s)", choices=tuple(DTYPES),
-           lossy=True),
-    Switch("device", "model", "cpu or cuda (default: %(default)s)"),
-    # engine: paged KV memory and scheduling
-    Switch("kv_cache_bytes", "engine", "the device KV pool in MiB (default: %(default)s)", minimum=1,
-           flag="kv_cache_mb", scale=2**20),
-    Switch("block_size", "engine", "token slots per KV block (default: %(default)s)", minimum=1),
-    Switch("max_num_seqs", "engine", "sequences running at once (default: %(default)s)", minimum=1),
-    Switch("max_num_batched_tokens", "engine",
-           "tokens computed per step; a longer prefill is chunked (default: %(default)s)", minimum=1),
-    Switch("max_seq_len", "engine", "tokens one sequence may hold (default: the model's context)", minimum=2),
-    Switch("prefix_caching", "engine",
-           "share the KV of full prompt blocks computed for earlier requests (default: off)"),
-    Switch("attention_backend", "engine",
-           "decode attention: torch reference, C++ or CUDA kernel (default: %(default)s)",
-           choices=("torch", "cpu", "cuda")),
-    Switch("scheduling", "engine", "iteration-level batching, or a new batch only when the last has "
-           "finished (default: %(default)s)", choices=("continuous", "static")),
-    Switch("admission", "engine", "who joins the batch first: arrival order, benefit per KV cost, or fcfs "
-           "reserving each request's maximum length (default: %(default)s)",
-           choices=("fcfs", "memory", "reserve")),
-    # KV quantization (minillm.memory.quantization)
-    Switch("kv_dtype", "kv_quantization", "store the KV cache as int8, int4 or fp8 with scales "
-           "(default: %(default)s, the model dtype)", choices=("auto", "int8", "int4", "fp8"), lossy=True),
-    Switch("kv_key_scales", "kv_quantization", "quantized keys share a scale per channel of a block, or per "
-           "token (default: %(default)s)", choices=("channel", "token"), lossy=True),
-    # eviction (minillm.memory.eviction)
-    Switch("eviction", "eviction", "drop KV entries beyond --kv-budget: h2o, sinks or window "
-           "(default: %(default)s)", choices=("none", "h2o", "sinks", "window"), lossy=True),
-    Switch("kv_budget", "eviction", "with --eviction: entries kept per sequence, as tokens (256) or a "
-           "fraction (0.2)", parse=parse_kv_budget, lossy=True),
-    Switch("eviction_trigger", "", choices=("always", "pressure"), lossy=True),
-    # tiers (minillm.memory.tiers)
-    Switch("host_cache_bytes", "tiers", "a host pool (MiB) for swapped-out and spilled KV blocks; 0 is none "
-           "(default: %(default)s)", minimum=0, flag="host_cache_mb", scale=2**20),
-    Switch("disk_cache_dir", "tiers",
-           "a folder for KV block files once the host pool is full (default: none)"),
-    Switch("preemption", "tiers", "when KV blocks run out: recompute the victim, swap its blocks out, or "
-           "pick by measured cost (default: %(default)s; recompute without a tier)",
-           choices=("recompute", "swap", "auto")),
-)}
+SWITCHES = {
+    switch.name: switch
+    for switch in (
+        # model: which checkpoint, in which precision, where
+        Switch(
+            "model_dir",
+            "model",
+            "checkpoint folder written by weights_fetch.py (default: %(default)s)",
+            parse=Path,
+            flag="model",
+        ),
+        Switch(
+            "dtype", "model", "weights and KV dtype (default: %(default)s)", choices=tuple(DTYPES), lossy=True
+        ),
+        Switch("device", "model", "cpu or cuda (default: %(default)s)"),
+        # engine: paged KV memory and scheduling
+        Switch(
+            "kv_cache_bytes",
+            "engine",
+            "the device KV pool in MiB (default: %(default)s)",
+            minimum=1,
+            flag="kv_cache_mb",
+            scale=2**20,
+        ),
+        Switch("block_size", "engine", "token slots per KV block (default: %(default)s)", minimum=1),
+        Switch("max_num_seqs", "engine", "sequences running at once (default: %(default)s)", minimum=1),
+        Switch(
+            "max_num_batched_tokens",
+            "engine",
+            "tokens computed per step; a longer prefill is chunked (default: %(default)s)",
+            minimum=1,
+        ),
+        Switch(
+            "max_seq_len", "engine", "tokens one sequence may hold (default: the model's context)", minimum=2
+        ),
+        Switch(
+            "prefix_caching",
+            "engine",
+            "share the KV of full prompt blocks computed for earlier requests (default: off)",
+        ),
+        Switch(
+            "attention_backend",
+            "engine",
+            "decode attention: torch reference, C++ or CUDA kernel (default: %(default)s)",
+            choices=("torch", "cpu", "cuda"),
+        ),
+        Switch(
+            "scheduling",
+            "engine",
+            "iteration-level batching, or a new batch only when the last has finished (default: %(default)s)",
+            choices=("continuous", "static"),
+        ),
+        Switch(
+            "admission",
+            "engine",
+            "who joins the batch first: arrival order, benefit per KV cost, or fcfs "
+            "reserving each request's maximum length (default: %(default)s)",
+            choices=("fcfs", "memory", "reserve"),
+        ),
+        # KV quantization (minillm.memory.quantization)
+        Switch(
+            "kv_dtype",
+            "kv_quantization",
+            "store the KV cache as int8, int4 or fp8 with scales (default: %(default)s, the model dtype)",
+            choices=("auto", "int8", "int4", "fp8"),
+            lossy=True,
+        ),
+        Switch(
+            "kv_key_scales",
+            "kv_quantization",
+            "quantized keys share a scale per channel of a block, or per token (default: %(default)s)",
+            choices=("channel", "token"),
+            lossy=True,
+        ),
+        # eviction (minillm.memory.eviction)
+        Switch(
+            "eviction",
+            "eviction",
+            "drop KV entries beyond --kv-budget: h2o, sinks or window (default: %(default)s)",
+            choices=("none", "h2o", "sinks", "window"),
+            lossy=True,
+        ),
+        Switch(
+            "kv_budget",
+            "eviction",
+            "with --eviction: entries kept per sequence, as tokens (256) or a fraction (0.2)",
+            parse=parse_kv_budget,
+            lossy=True,
+        ),
+        Switch("eviction_trigger", "", choices=("always", "pressure"), lossy=True),
+        # tiers (minillm.memory.tiers)
+        Switch(
+            "host_cache_bytes",
+            "tiers",
+            "a host pool (MiB) for swapped-out and spilled KV blocks; 0 is none (default: %(default)s)",
+            minimum=0,
+            flag="host_cache_mb",
+            scale=2**20,
+        ),
+        Switch(
+            "disk_cache_dir",
+            "tiers",
+            "a folder for KV block files once the host pool is full (default: none)",
+        ),
+        Switch(
+            "preemption",
+            "tiers",
+            "when KV blocks run out: recompute the victim, swap its blocks out, or "
+            "pick by measured cost (default: %(default)s; recompute without a tier)",
+            choices=("recompute", "swap", "auto"),
+        ),
+    )
+}

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.config import ConfigError, FETCH_HINT
+from minillm.config import FETCH_HINT, ConfigError
 from minillm.progress import progress_bar
 
 DEFAULT_TEXT = Path("weights") / "texts" / "alice29.txt"  # prose
@@ -46,8 +46,9 @@ def read_text(path: Path = DEFAULT_TEXT) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as err:
-        raise ConfigError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); "
-                          "give a UTF-8 text file.") from None
+        raise ConfigError(
+            f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); give a UTF-8 text file."
+        ) from None
 
 
 class TeacherForcing:
@@ -81,19 +82,30 @@ class PerplexityResult:
 def segments_of(token_ids: list[int], segment_len: int, num_segments: int) -> list[list[int]]:
     available = len(token_ids) // segment_len
     if segment_len < 2 or available < num_segments:
-        raise ConfigError(f"The text has {len(token_ids)} tokens: not enough for {num_segments} segments of "
-                          f"{segment_len} (each needs at least 2); ask for fewer or shorter segments.")
-    return [token_ids[i * segment_len:(i + 1) * segment_len] for i in range(num_segments)]
+        raise ConfigError(
+            f"The text has {len(token_ids)} tokens: not enough for {num_segments} segments of "
+            f"{segment_len} (each needs at least 2); ask for fewer or shorter segments."
+        )
+    return [token_ids[i * segment_len : (i + 1) * segment_len] for i in range(num_segments)]
 
 
-def perplexity(llm, token_ids: list[int], segment_len: int = 512, num_segments: int = 4,
-               progress: bool = False) -> PerplexityResult:
+def perplexity(
+    llm, token_ids: list[int], segment_len: int = 512, num_segments: int = 4, progress: bool = False
+) -> PerplexityResult:
     """Score `num_segments` segments of `segment_len` tokens through `llm`'s cache (see above)."""
     return perplexities(llm, {"text": token_ids}, segment_len, num_segments, progress)["text"]
 
 
-def eval_ppl(model_dir: Path, text: Path = DEFAULT_TEXT, segment_len: int = 512, num_segments: int = 4,
-             dtype: str = "float32", device: str = "cpu", progress: bool = False, **switches) -> dict:
+def eval_ppl(
+    model_dir: Path,
+    text: Path = DEFAULT_TEXT,
+    segment_len: int = 512,
+    num_segments: int = 4,
+    dtype: str = "float32",
+    device: str = "cpu",
+    progress: bool = False,
+    **switches,
+) -> dict:
     """`minillm eval ppl`: `text`'s perplexity through an engine whose cache the `switches` set
     (kv_dtype, kv_key_scales, eviction, kv_budget, attention_backend), as one report."""
     from minillm.engine import LLM
@@ -104,16 +116,18 @@ def eval_ppl(model_dir: Path, text: Path = DEFAULT_TEXT, segment_len: int = 512,
     return {"text": str(text), **switches, **result.as_dict()}
 
 
-def perplexities(llm, texts: dict[str, list[int]], segment_len: int = 512, num_segments: int = 4,
-                 progress: bool = False) -> dict[str, PerplexityResult]:
+def perplexities(
+    llm, texts: dict[str, list[int]], segment_len: int = 512, num_segments: int = 4, progress: bool = False
+) -> dict[str, PerplexityResult]:
     """Each text's perplexity, all texts' segments scored side by side in one run (a decode step
     costs about the same for a few sequences as for one). `seconds` is the whole run's."""
     from minillm.sampling import SamplingParams
 
     engine = llm.engine
     if segment_len > engine.context_len:
-        raise ConfigError(f"segment_len={segment_len} is longer than the context ({engine.context_len}); "
-                          "lower it.")
+        raise ConfigError(
+            f"segment_len={segment_len} is longer than the context ({engine.context_len}); lower it."
+        )
     scorers: dict[str, list[TeacherForcing]] = {name: [] for name in texts}
     params = SamplingParams(max_tokens=segment_len - 1, ignore_eos=True)
     for name, token_ids in texts.items():
@@ -134,6 +148,14 @@ def perplexities(llm, texts: dict[str, list[int]], segment_len: int = 512, num_s
     for name, text_scorers in scorers.items():
         logprobs = [lp for scorer in text_scorers for lp in scorer.logprobs]
         nll = -sum(logprobs) / len(logprobs)
-        results[name] = PerplexityResult(math.exp(nll), nll, len(logprobs), num_segments, segment_len,
-                                         seconds, bytes_per_token, engine.stats.tokens_evicted)
+        results[name] = PerplexityResult(
+            math.exp(nll),
+            nll,
+            len(logprobs),
+            num_segments,
+            segment_len,
+            seconds,
+            bytes_per_token,
+            engine.stats.tokens_evicted,
+        )
     return results

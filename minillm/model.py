@@ -46,7 +46,11 @@ def onednn_packs(weight: torch.Tensor) -> bool:
     1.4-2x slower than oneDNN on this CPU), but its sums would come out in another order and the
     fp32 logits would no longer equal HF transformers' bit for bit: fp32 stays the exact reference.
     """
-    return weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+    )
 
 
 PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed copy; prefill chunks, F.linear
@@ -123,13 +127,19 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+        )
         self.kv_width = self.num_kv_heads * self.head_dim
         self.qk_width = self.num_heads * self.head_dim + self.kv_width
         self.wqkv = Linear(config.hidden_size, self.qk_width + self.kv_width)
         self.wo = Linear(self.num_heads * self.head_dim, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
         n_tokens = x.shape[0]
         qk, v = self.wqkv(x).split([self.qk_width, self.kv_width], dim=-1)
         # q and k heads turn by the same angles: one RoPE call rotates both
@@ -182,7 +192,9 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
         """token_ids, positions: (N,). Returns the final hidden states (N, hidden_size);
         `logits` turns the ones you need into scores, so prefill can skip all but the last."""
         dtype = self.embed.weight.dtype

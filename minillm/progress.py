@@ -15,8 +15,9 @@ from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
-def progress_bar(description: str, total: int | None, enabled: bool = True,
-                 download: bool = False) -> Iterator[Callable[..., None]]:
+def progress_bar(
+    description: str, total: int | None, enabled: bool = True, download: bool = False
+) -> Iterator[Callable[..., None]]:
     """Yields `advance(n=1)`. `download=True` shows bytes and time left; `total=None` means unknown."""
     if not enabled:
         yield lambda n=1: None
@@ -25,7 +26,11 @@ def progress_bar(description: str, total: int | None, enabled: bool = True,
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     columns = [TextColumn("{task.description}"), BarColumn()]
-    columns += [DownloadColumn(), TimeRemainingColumn()] if download else [TextColumn("{task.completed}/{task.total}")]
+    columns += (
+        [DownloadColumn(), TimeRemainingColumn()]
+        if download
+        else [TextColumn("{task.completed}/{task.total}")]
+    )
     with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(description, total=total)
         yield lambda n=1: bar.advance(task, n)

@@ -23,8 +23,9 @@ def print_json(report: dict) -> None:
     try:
         line = json.dumps(report, allow_nan=False)
     except ValueError as err:  # a bug in the command, not a user's error (main turns ValueError into one)
-        raise RuntimeError(f"--json output is not strict JSON ({err}); a rate with nothing to measure "
-                           f"must be None") from err
+        raise RuntimeError(
+            f"--json output is not strict JSON ({err}); a rate with nothing to measure must be None"
+        ) from err
     print(line)
 
 

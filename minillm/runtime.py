@@ -28,19 +28,26 @@ class Runtime:
         return self.model.config.kv_bytes_per_token(self.model.dtype)
 
     def prompt_ids(self, prompt: str, chat: bool = False) -> list[int]:
-        return self.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenizer.encode(prompt)
+        return (
+            self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+            if chat
+            else self.tokenizer.encode(prompt)
+        )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached") -> Generation:
-        return generate(self.model, prompt_ids, params, decoder,
-                        self.tokenizer.eos_token_id, self.context_len)
+        return generate(
+            self.model, prompt_ids, params, decoder, self.tokenizer.eos_token_id, self.context_len
+        )
 
-    def stream_text(self, prompt_ids: list[int], params: SamplingParams,
-                    decoder: str = "cached") -> Iterator[tuple[str, Generation]]:
+    def stream_text(
+        self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached"
+    ) -> Iterator[tuple[str, Generation]]:
         """Yield (new text, generation so far) per token; the EOS token itself prints nothing."""
         text = self.tokenizer.stream_decoder()
         gen = None
-        for token, gen in stream(self.model, prompt_ids, params, decoder,
-                                 self.tokenizer.eos_token_id, self.context_len):
+        for token, gen in stream(
+            self.model, prompt_ids, params, decoder, self.tokenizer.eos_token_id, self.context_len
+        ):
             if token != self.tokenizer.eos_token_id:
                 yield text.feed(token), gen
         if gen is not None:

@@ -31,8 +31,11 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
 
     def __post_init__(self):
-        problems = [problem for problem in (self.number_problem(), self.count_problem(), self.seed_problem())
-                    if problem]
+        problems = [
+            problem
+            for problem in (self.number_problem(), self.count_problem(), self.seed_problem())
+            if problem
+        ]
         if not problems and self.beam_width > 1 and (self.temperature != 0 or self.n != 1):
             problems.append("beam search is deterministic: use it with temperature=0 and n=1")
         if problems:
@@ -46,8 +49,12 @@ class SamplingParams:
         return None
 
     def count_problem(self) -> str | None:
-        for name, minimum, meaning in (("top_k", 0, " (0 turns it off)"), ("n", 1, ""), ("beam_width", 1, ""),
-                                       ("max_tokens", 1, "")):
+        for name, minimum, meaning in (
+            ("top_k", 0, " (0 turns it off)"),
+            ("n", 1, ""),
+            ("beam_width", 1, ""),
+            ("max_tokens", 1, ""),
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
                 return f"{name} must be an integer >= {minimum}{meaning}, got {value!r}"

@@ -33,7 +33,9 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
         if not (model_dir / RANKS_FILE).is_file() or not (model_dir / CONFIG_FILE).is_file():
-            raise ConfigError(f"Tokenizer files missing in {model_dir} ({RANKS_FILE}, {CONFIG_FILE}) — {FETCH_HINT}")
+            raise ConfigError(
+                f"Tokenizer files missing in {model_dir} ({RANKS_FILE}, {CONFIG_FILE}) — {FETCH_HINT}"
+            )
         spec = json.loads((model_dir / CONFIG_FILE).read_text())
         ranks = load_tiktoken_bpe(str(model_dir / RANKS_FILE))
         self.vocab_size: int = spec["vocab_size"]
@@ -43,8 +45,12 @@ class Tokenizer:
         self.default_system_prompt: str | None = spec.get("default_system_prompt")
         for byte in range(256):  # bytes without a token: ranks past the vocabulary, dropped by encode
             ranks.setdefault(bytes([byte]), self.vocab_size + byte)
-        self.encoding = tiktoken.Encoding(name=model_dir.name, pat_str=spec["pattern"],
-                                          mergeable_ranks=ranks, special_tokens=self.special_tokens)
+        self.encoding = tiktoken.Encoding(
+            name=model_dir.name,
+            pat_str=spec["pattern"],
+            mergeable_ranks=ranks,
+            special_tokens=self.special_tokens,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids. Special-token strings in the text are encoded as text, never as
@@ -63,7 +69,9 @@ class Tokenizer:
         Like the checkpoint's template, a conversation that does not open with a system message
         gets the default system prompt ("You are a helpful AI assistant named SmolLM, ...")."""
         if self.chat_format != "chatml":
-            raise ConfigError("This checkpoint has no ChatML chat template; use `minillm generate` without --chat.")
+            raise ConfigError(
+                "This checkpoint has no ChatML chat template; use `minillm generate` without --chat."
+            )
         if self.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
             messages = [{"role": "system", "content": self.default_system_prompt}, *messages]
         start, end = self.special_tokens["<|im_start|>"], self.special_tokens["<|im_end|>"]

@@ -14,17 +14,32 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-REAL_MODEL_DIR = Path(os.environ.get("MINILLM_MODEL_DIR", Path(__file__).parent.parent / "weights" / "SmolLM2-135M-Instruct"))
+REAL_MODEL_DIR = Path(
+    os.environ.get("MINILLM_MODEL_DIR", Path(__file__).parent.parent / "weights" / "SmolLM2-135M-Instruct")
+)
 GGUF_CACHE = REAL_MODEL_DIR.parent / ".downloads" / REAL_MODEL_DIR.name
 TEXTS_DIR = REAL_MODEL_DIR.parent / "texts"  # alice29.txt, lcet10.txt (see minillm/fetch/texts.py)
 
 TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-    "vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 256, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "torch_dtype": "float32",
 }
 
 
@@ -38,8 +53,10 @@ def random_llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]
         scale = scale if scale is not None else shape[-1] ** -0.5
         return torch.randn(*shape, generator=gen) * scale
 
-    tensors = {"model.embed_tokens.weight": rand(config["vocab_size"], d, scale=1.0),
-               "model.norm.weight": 1 + rand(d, scale=0.1)}
+    tensors = {
+        "model.embed_tokens.weight": rand(config["vocab_size"], d, scale=1.0),
+        "model.norm.weight": 1 + rand(d, scale=0.1),
+    }
     if not config["tie_word_embeddings"]:
         tensors["lm_head.weight"] = rand(config["vocab_size"], d)
     for i in range(config["num_hidden_layers"]):
@@ -47,9 +64,12 @@ def random_llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]
         tensors |= {
             p + "input_layernorm.weight": 1 + rand(d, scale=0.1),
             p + "post_attention_layernorm.weight": 1 + rand(d, scale=0.1),
-            p + "self_attn.q_proj.weight": rand(nh * hd, d), p + "self_attn.k_proj.weight": rand(nkv * hd, d),
-            p + "self_attn.v_proj.weight": rand(nkv * hd, d), p + "self_attn.o_proj.weight": rand(d, nh * hd),
-            p + "mlp.gate_proj.weight": rand(inter, d), p + "mlp.up_proj.weight": rand(inter, d),
+            p + "self_attn.q_proj.weight": rand(nh * hd, d),
+            p + "self_attn.k_proj.weight": rand(nkv * hd, d),
+            p + "self_attn.v_proj.weight": rand(nkv * hd, d),
+            p + "self_attn.o_proj.weight": rand(d, nh * hd),
+            p + "mlp.gate_proj.weight": rand(inter, d),
+            p + "mlp.up_proj.weight": rand(inter, d),
             p + "mlp.down_proj.weight": rand(d, inter),
         }
     return tensors
@@ -81,32 +101,38 @@ def tiny_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_dir):
     from minillm.weights import load_model
+
     return load_model(tiny_dir)
 
 
 @pytest.fixture(scope="session")
 def real_dir() -> Path:
     if not (REAL_MODEL_DIR / "manifest.json").is_file():
-        pytest.fail(f"The real checkpoint is missing in {REAL_MODEL_DIR}: run `python weights_fetch.py` first "
-                    "(the README's first command does).")
+        pytest.fail(
+            f"The real checkpoint is missing in {REAL_MODEL_DIR}: run `python weights_fetch.py` first "
+            "(the README's first command does)."
+        )
     return REAL_MODEL_DIR
 
 
 @pytest.fixture(scope="session")
 def real_model(real_dir):
     from minillm.weights import load_model
+
     return load_model(real_dir)
 
 
 @pytest.fixture(scope="session")
 def real_tokenizer(real_dir):
     from minillm.tokenizer import Tokenizer
+
     return Tokenizer(real_dir)
 
 
 @pytest.fixture(scope="session")
 def hf_model(real_dir):
     from transformers import LlamaForCausalLM
+
     return LlamaForCausalLM.from_pretrained(real_dir, dtype=torch.float32).eval()
 
 
@@ -114,4 +140,5 @@ def hf_model(real_dir):
 def real_text_ids(real_tokenizer) -> list[int]:
     """Tokens of real prose from outside the project: "Alice's Adventures in Wonderland"."""
     from minillm.evaluation import read_text
+
     return real_tokenizer.encode(read_text(TEXTS_DIR / "alice29.txt"))

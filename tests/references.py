@@ -31,7 +31,9 @@ class Chunk:
     start: int  # the sequence's first token computed in this chunk
     num_tokens: int
     samples: bool  # the chunk reached the sequence's last token, so its logits chose the next one
-    cached_after: int | None = None  # cache entries after the step: did eviction run (or wait for a free block)?
+    cached_after: int | None = (
+        None  # cache entries after the step: did eviction run (or wait for a free block)?
+    )
 
     @property
     def end(self) -> int:
@@ -53,8 +55,12 @@ class ScheduleRecorder:
         def recording_forward(scheduled):
             for item in scheduled:
                 seq = item.seq
-                chunk = Chunk(self.step, seq.num_computed, item.num_tokens,
-                              seq.num_computed + item.num_tokens == seq.num_tokens)
+                chunk = Chunk(
+                    self.step,
+                    seq.num_computed,
+                    item.num_tokens,
+                    seq.num_computed + item.num_tokens == seq.num_tokens,
+                )
                 self.chunks[seq.seq_id].append(chunk)
                 self.this_step.append((seq, chunk))
             return forward(scheduled)
@@ -68,7 +74,9 @@ class ScheduleRecorder:
             return outputs
 
         kv_cache, free = engine.kv_cache, engine.kv_cache.free
-        self.freed_state: dict[int, tuple] = {}  # seq_id -> (attention mass, entry positions) at its last free
+        self.freed_state: dict[
+            int, tuple
+        ] = {}  # seq_id -> (attention mass, entry positions) at its last free
 
         def recording_free(seq_id):
             self.freed_state[seq_id] = (kv_cache.attention_mass(seq_id), kv_cache.kv_positions(seq_id))
@@ -130,7 +138,7 @@ class ReplayAttention:
             mask = self.mask_of(layer, start, end)
             for head in range(num_heads):  # head by head: no grouping trick to get wrong
                 kv_head = head // group
-                scores = q[start:end, head] @ keys[:, kv_head].T * head_dim ** -0.5
+                scores = q[start:end, head] @ keys[:, kv_head].T * head_dim**-0.5
                 probs = scores.masked_fill(~mask[kv_head], float("-inf")).softmax(dim=-1)
                 out[start:end, head] = probs @ values[:, kv_head]
                 if (start, end) == self.spans[-1]:
@@ -154,17 +162,26 @@ def keep_by_policy(policy: str, held: list[int], keep: int, mass: dict[int, floa
         return held[-keep:]
     if policy == "sinks":
         sinks = min(NUM_SINKS, keep - 1)
-        return held[:sinks] + held[-(keep - sinks):]
+        return held[:sinks] + held[-(keep - sinks) :]
     recent = keep // 2  # H2O: half the budget for the most recent tokens, half for heavy hitters
     older, window = held[:-recent], held[-recent:]
     newest = held[-1]  # every token from a position to the newest attended to it
-    heavy = sorted(older, key=lambda position: -mass[position] / (newest + 1 - position))[:keep - recent]  # per query
+    heavy = sorted(older, key=lambda position: -mass[position] / (newest + 1 - position))[
+        : keep - recent
+    ]  # per query
     return sorted(heavy) + window
 
 
 @torch.inference_mode()
-def replay_eviction(model, token_ids: list[int], history: list[Chunk], policy: str, keep: int,
-                    owned_from_step: int = 0, protected: int = 0) -> Replayed:
+def replay_eviction(
+    model,
+    token_ids: list[int],
+    history: list[Chunk],
+    policy: str,
+    keep: int,
+    owned_from_step: int = 0,
+    protected: int = 0,
+) -> Replayed:
     """The sequence under eviction: after each chunk, every (layer, KV head) keeps its first
     `protected` positions (with the prefix cache: the prompt's full blocks) and `keep` of the
     others, chosen by `policy`; later queries see only those plus their own chunk (causally). The
@@ -194,21 +211,23 @@ def replay_eviction(model, token_ids: list[int], history: list[Chunk], policy: s
                 rows[:, held[layer][kv_head]] = True
                 rows[:, start:end] |= torch.ones(end - start, end - start, dtype=torch.bool).tril()
         spans.append((start, end))
-        ctx = ReplayAttention(spans, lambda layer, s, e: allowed[layer, :, s:e, :e],
-                              lambda layer, k, v, e: (k[:e], v[:e]))
+        ctx = ReplayAttention(
+            spans, lambda layer, s, e: allowed[layer, :, s:e, :e], lambda layer, k, v, e: (k[:e], v[:e])
+        )
         hidden = model(torch.tensor(token_ids[:end]), torch.arange(end), ctx)
         if chunk.samples:
-            logits.append(model.logits(hidden[end - 1:end])[0])
+            logits.append(model.logits(hidden[end - 1 : end])[0])
         for layer in range(layers):
             for kv_head in range(kv_heads):
                 positions = held[layer][kv_head] + list(range(start, end))
                 for position in positions:
                     mass[layer][kv_head][position] += float(ctx.mass[layer][kv_head, position])
                 shared = [position for position in positions if position < protected]
-                private = positions[len(shared):]
+                private = positions[len(shared) :]
                 if len(private) > keep and chunk.cached_after != len(positions):
-                    assert chunk.cached_after == len(shared) + keep, \
+                    assert chunk.cached_after == len(shared) + keep, (
                         f"step {chunk.step}: {chunk.cached_after} entries, {len(shared)} protected, budget {keep}"
+                    )
                     positions = shared + keep_by_policy(policy, private, keep, mass[layer][kv_head])
                     if layer == kv_head == 0 and chunk.step >= owned_from_step:
                         dropped += len(private) - keep
@@ -220,6 +239,7 @@ def fake_quantized_view(fmt, key_scales: str, block_size: int):
     """K/V as a quantized pool returns them once the first `end` tokens are written: values
     rounded per token; keys per token, or per channel over each *full* block (a block still
     filling is read exact). `fmt=None` rounds nothing: the same replay, unquantized."""
+
     def view(layer, k, v, end):
         if fmt is None:
             return k[:end], v[:end]
@@ -228,14 +248,18 @@ def fake_quantized_view(fmt, key_scales: str, block_size: int):
             return dequantize(*quantize(k[:end], fmt, dim=-1), fmt), values
         keys = k[:end].clone()
         for first in range(0, end - end % block_size, block_size):
-            keys[first:first + block_size] = dequantize(*quantize(k[first:first + block_size], fmt, dim=0), fmt)
+            keys[first : first + block_size] = dequantize(
+                *quantize(k[first : first + block_size], fmt, dim=0), fmt
+            )
         return keys, values
+
     return view
 
 
 @torch.inference_mode()
-def replay_quantized(model, token_ids: list[int], history: list[Chunk], fmt, key_scales: str,
-                     block_size: int) -> Replayed:
+def replay_quantized(
+    model, token_ids: list[int], history: list[Chunk], fmt, key_scales: str, block_size: int
+) -> Replayed:
     """The sequence through a quantized pool: each chunk's queries read every earlier key and
     value rounded as the pool holds them when the chunk has been written."""
     view = fake_quantized_view(fmt, key_scales, block_size)
@@ -244,9 +268,10 @@ def replay_quantized(model, token_ids: list[int], history: list[Chunk], fmt, key
         spans = [] if chunk.start == 0 else spans
         spans.append((chunk.start, chunk.end))
         causal = torch.ones(chunk.end, chunk.end, dtype=torch.bool).tril()
-        ctx = ReplayAttention(spans, lambda layer, s, e: causal[s:e, :e].expand(model.config.num_kv_heads, -1, -1),
-                              view)
-        hidden = model(torch.tensor(token_ids[:chunk.end]), torch.arange(chunk.end), ctx)
+        ctx = ReplayAttention(
+            spans, lambda layer, s, e: causal[s:e, :e].expand(model.config.num_kv_heads, -1, -1), view
+        )
+        hidden = model(torch.tensor(token_ids[: chunk.end]), torch.arange(chunk.end), ctx)
         if chunk.samples:
-            logits.append(model.logits(hidden[chunk.end - 1:chunk.end])[0])
+            logits.append(model.logits(hidden[chunk.end - 1 : chunk.end])[0])
     return Replayed(logits, 0)

@@ -30,8 +30,13 @@ def mixed_prompts(count, seed, vocab=97):
 
 def tight(tiny_dir, tiny_model, blocks=14, **switches):
     switches = {"admission": "memory", **switches}
-    return LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=blocks * BLOCK * KV_BYTES_PER_TOKEN,
-               **switches)
+    return LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=BLOCK,
+        kv_cache_bytes=blocks * BLOCK * KV_BYTES_PER_TOKEN,
+        **switches,
+    )
 
 
 def assert_drained(llm):
@@ -42,14 +47,27 @@ def assert_drained(llm):
 
 # ---------------------------------------------------------------- the scheduler alone
 
+
 def scheduler(admission, num_blocks=10):
-    return Scheduler(KVCacheManager(BlockManager(num_blocks=num_blocks, block_size=BLOCK)), "continuous", max_num_seqs=16,
-                     max_num_batched_tokens=64, context_len=128, vocab_size=97, admission=admission)
+    return Scheduler(
+        KVCacheManager(BlockManager(num_blocks=num_blocks, block_size=BLOCK)),
+        "continuous",
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        context_len=128,
+        vocab_size=97,
+        admission=admission,
+    )
 
 
 def request(seq_id, prompt_len, max_tokens, priority=0):
-    seq = Sequence(seq_id, str(seq_id), [1] * prompt_len, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                   max_len=prompt_len + max_tokens)
+    seq = Sequence(
+        seq_id,
+        str(seq_id),
+        [1] * prompt_len,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_len=prompt_len + max_tokens,
+    )
     seq.priority = priority
     return seq
 
@@ -95,6 +113,7 @@ def test_a_large_request_is_admitted_within_the_stated_bound_under_a_stream_of_s
     """Two small requests arrive every step, each cheaper than the large one: by benefit / cost
     alone the large one would wait forever. Once it has waited MAX_WAIT_STEPS it is due, nobody
     overtakes it, and it starts as soon as the small ones running then have finished."""
+
     def first_step_of_the_large_one(max_wait):
         monkeypatch.setattr("minillm.engine.admission.MAX_WAIT_STEPS", max_wait)
         sched = scheduler("memory", num_blocks=16)
@@ -127,8 +146,16 @@ def test_the_expected_output_is_learned_from_finished_requests():
 
 # ---------------------------------------------------------------- only the order changes
 
-@pytest.mark.parametrize("switches", [{}, {"prefix_caching": True}, {"max_num_batched_tokens": 7},
-                                      {"host_cache_bytes": 400 * BLOCK * KV_BYTES_PER_TOKEN, "preemption": "swap"}])
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {},
+        {"prefix_caching": True},
+        {"max_num_batched_tokens": 7},
+        {"host_cache_bytes": 400 * BLOCK * KV_BYTES_PER_TOKEN, "preemption": "swap"},
+    ],
+)
 def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, switches):
     rng = random.Random(5)
     system = [rng.randrange(97) for _ in range(2 * BLOCK + 1)]
@@ -151,8 +178,14 @@ def test_memory_admission_with_samples_and_beams_equals_the_references(tiny_dir,
     outputs = llm.generate(prompts, [sampled if i % 2 else beams for i in range(len(prompts))])
     for i, (prompt, out) in enumerate(zip(prompts, outputs)):
         if i % 2:
-            assert out.samples == [naive(tiny_model, prompt, SamplingParams(temperature=1.0, seed=3 + k, max_tokens=10,
-                                                                            ignore_eos=True)) for k in range(3)]
+            assert out.samples == [
+                naive(
+                    tiny_model,
+                    prompt,
+                    SamplingParams(temperature=1.0, seed=3 + k, max_tokens=10, ignore_eos=True),
+                )
+                for k in range(3)
+            ]
         else:
             assert out.samples == reference_beam_search(tiny_model, prompt, 2, 8, None)
     assert_drained(llm)
@@ -181,6 +214,7 @@ def test_max_length_reservation_never_preempts_and_holds_fewer(tiny_dir, tiny_mo
 
 # ---------------------------------------------------------------- the pressure ladder
 
+
 def test_the_ladder_reclaims_cached_blocks_before_it_preempts_and_never_evicts_unasked(tiny_dir, tiny_model):
     """Warm requests leave their prompts' blocks cached and unheld; a burst then needs the whole
     pool. The cached blocks go first (reclaim), a preemption only after, no eviction at all."""
@@ -192,7 +226,9 @@ def test_the_ladder_reclaims_cached_blocks_before_it_preempts_and_never_evicts_u
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in burst]
     ladder = list(llm.engine.stats.ladder)
     assert all(set(rungs) <= set(RUNGS) - {"evict"} for rungs in ladder)
-    first = {rung: next(i for i, rungs in enumerate(ladder) if rung in rungs) for rung in ("reclaim", "preempt")}
+    first = {
+        rung: next(i for i, rungs in enumerate(ladder) if rung in rungs) for rung in ("reclaim", "preempt")
+    }
     assert first["reclaim"] <= first["preempt"]
     assert llm.engine.stats.rungs["reclaim"] > 0 and llm.engine.stats.rungs["preempt"] > 0
     assert_drained(llm)
@@ -204,8 +240,9 @@ def test_eviction_under_pressure_waits_for_a_shortage(tiny_dir, tiny_model):
     prompts, params = mixed_prompts(10, seed=9), SamplingParams(max_tokens=20, ignore_eos=True)
     switches = dict(eviction="h2o", kv_budget=12, eviction_trigger="pressure")
     roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **switches)
-    assert [out.token_ids for out in roomy.generate(prompts, params)] == \
-        [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert [out.token_ids for out in roomy.generate(prompts, params)] == [
+        naive(tiny_model, prompt, params) for prompt in prompts
+    ]
     assert roomy.engine.stats.tokens_evicted == 0
     short = tight(tiny_dir, tiny_model, blocks=14, **switches)
     short.generate(prompts, params)
@@ -215,13 +252,16 @@ def test_eviction_under_pressure_waits_for_a_shortage(tiny_dir, tiny_model):
     assert_drained(short)
 
 
-@pytest.mark.parametrize("switches, message", [
-    ({"admission": "sjf"}, "admission must be"),
-    ({"admission": "memory", "scheduling": "static"}, "scheduling='continuous'"),
-    ({"admission": "reserve", "scheduling": "static"}, "scheduling='continuous'"),
-    ({"eviction_trigger": "pressure"}, "only applies with eviction"),
-    ({"eviction": "h2o", "kv_budget": 8, "eviction_trigger": "later"}, "eviction_trigger must be"),
-])
+@pytest.mark.parametrize(
+    "switches, message",
+    [
+        ({"admission": "sjf"}, "admission must be"),
+        ({"admission": "memory", "scheduling": "static"}, "scheduling='continuous'"),
+        ({"admission": "reserve", "scheduling": "static"}, "scheduling='continuous'"),
+        ({"eviction_trigger": "pressure"}, "only applies with eviction"),
+        ({"eviction": "h2o", "kv_budget": 8, "eviction_trigger": "later"}, "eviction_trigger must be"),
+    ],
+)
 def test_admission_and_ladder_switches_are_checked(tiny_dir, tiny_model, switches, message):
     with pytest.raises(ConfigError, match=message):
         LLM(tiny_dir, model=tiny_model, **switches)

@@ -5,8 +5,8 @@ import re
 import shutil
 
 import pytest
-
 from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+
 from minillm.cli import main
 from minillm.config import ConfigError, EngineConfig, ModelConfig
 from minillm.decoding import PromptError, generate
@@ -41,7 +41,9 @@ def test_damaged_safetensors_is_reported_as_corrupt(tiny_copy, damage):
 
 
 def test_unsupported_architecture_is_named(tmp_path):
-    write_checkpoint(tmp_path, {**TINY_CONFIG, "architectures": ["GPT2LMHeadModel"]}, random_llama_tensors(TINY_CONFIG))
+    write_checkpoint(
+        tmp_path, {**TINY_CONFIG, "architectures": ["GPT2LMHeadModel"]}, random_llama_tensors(TINY_CONFIG)
+    )
     with pytest.raises(ConfigError, match="Unsupported architecture 'GPT2LMHeadModel'"):
         load_model(tmp_path)
 
@@ -66,8 +68,10 @@ def test_config_json_that_is_a_list_is_refused(tiny_copy):
         load_model(tiny_copy)
 
 
-@pytest.mark.parametrize("field, value", [("num_key_value_heads", 0), ("vocab_size", "49152"),
-                                          ("num_hidden_layers", True), ("head_dim", -16)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("num_key_value_heads", 0), ("vocab_size", "49152"), ("num_hidden_layers", True), ("head_dim", -16)],
+)
 def test_size_field_that_is_not_a_positive_integer_is_named(field, value):
     with pytest.raises(ConfigError, match=f"{field}={value!r} in config.json must be a positive integer"):
         ModelConfig.from_dict({**TINY_CONFIG, field: value})
@@ -112,11 +116,14 @@ def test_context_beyond_the_model_is_refused_before_decoding(tiny_model):
 
 
 def test_max_seq_len_beyond_the_model_is_refused_at_load(real_dir):
-    with pytest.raises(ConfigError, match="max_seq_len=8193 is longer than the model's context \\(8192 tokens"):
+    with pytest.raises(
+        ConfigError, match="max_seq_len=8193 is longer than the model's context \\(8192 tokens"
+    ):
         Runtime(EngineConfig(model_dir=real_dir, max_seq_len=8193))
 
 
 # ----------------------------------------------------------------------------- through the CLI
+
 
 def run_cli(capsys, *argv):
     code = main(list(argv))
@@ -154,16 +161,28 @@ def test_cli_binary_text_to_score_names_the_file(capsys, tmp_path, real_dir):
     text.write_bytes(b"plain start \xff\xfe binary after")
     code, out, err = run_cli(capsys, "eval", "ppl", "--text", str(text), "--model", str(real_dir))
     assert code == 2 and out == ""
-    assert err == f"error: {text} is not UTF-8 text (invalid start byte at byte 12); give a UTF-8 text file.\n"
+    assert (
+        err == f"error: {text} is not UTF-8 text (invalid start byte at byte 12); give a UTF-8 text file.\n"
+    )
 
 
-@pytest.mark.parametrize("argv", [["eval", "ppl", "--segments"], ["eval", "ppl", "--segment-len"],
-                                  ["bench", "decode", "--tokens"], ["bench", "serve", "--requests"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["eval", "ppl", "--segments"],
+        ["eval", "ppl", "--segment-len"],
+        ["bench", "decode", "--tokens"],
+        ["bench", "serve", "--requests"],
+    ],
+)
 def test_cli_zero_count_is_refused_by_argparse(capsys, tmp_path, argv):
-    code, out, err = run_cli(capsys, *argv, "0", "--model", str(tmp_path / "nowhere"))  # before any weights load
+    code, out, err = run_cli(
+        capsys, *argv, "0", "--model", str(tmp_path / "nowhere")
+    )  # before any weights load
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("error: minillm ") and err.strip().endswith(
-        f"argument {argv[2]}: 0 is not a positive count; give 1 or more")
+        f"argument {argv[2]}: 0 is not a positive count; give 1 or more"
+    )
 
 
 def test_cli_prompt_too_long_is_one_line(capsys, real_dir):
@@ -172,14 +191,26 @@ def test_cli_prompt_too_long_is_one_line(capsys, real_dir):
 
 
 def test_cli_generate_json_prints_ids_text_and_timings(capsys, real_dir, real_tokenizer):
-    code, out, _ = run_cli(capsys, "generate", "The capital of France is", "--max-tokens", "5", "--json",
-                           "--model", str(real_dir))
+    code, out, _ = run_cli(
+        capsys,
+        "generate",
+        "The capital of France is",
+        "--max-tokens",
+        "5",
+        "--json",
+        "--model",
+        str(real_dir),
+    )
     report = json.loads(out)
     assert code == 0
     assert report["prompt_ids"] == real_tokenizer.encode("The capital of France is")
-    assert len(report["generated_ids"]) == 5 and report["text"] == real_tokenizer.decode(report["generated_ids"])
+    assert len(report["generated_ids"]) == 5 and report["text"] == real_tokenizer.decode(
+        report["generated_ids"]
+    )
     assert report["timings"]["prefill_s"] > 0
-    assert report["kv_bytes_allocated"] == (len(report["prompt_ids"]) + 5) * 2 * 30 * 3 * 64 * 4  # cached decoder
+    assert (
+        report["kv_bytes_allocated"] == (len(report["prompt_ids"]) + 5) * 2 * 30 * 3 * 64 * 4
+    )  # cached decoder
 
 
 def test_cli_info_reports_kv_bytes_from_formula_and_tensors(capsys, real_dir):

@@ -22,13 +22,16 @@ def assert_serves_good_requests(model, llm):
     assert manager.num_free_blocks == manager.num_blocks
 
 
-@pytest.mark.parametrize("prompt, params, words", [
-    ([5, -1, 7], PARAMS, "Token 1 of the prompt is -1"),
-    ([5, 97], PARAMS, r"Token 1 of the prompt is 97; token ids are integers in \[0, 97\)"),
-    ([5, 2.0], PARAMS, "Token 1 of the prompt is 2.0"),
-    ([True, 5], PARAMS, "Token 0 of the prompt is True"),
-    ([5, 6], SamplingParams(beam_width=98, max_tokens=2), "beam_width=98 is more than the 97 tokens"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, words",
+    [
+        ([5, -1, 7], PARAMS, "Token 1 of the prompt is -1"),
+        ([5, 97], PARAMS, r"Token 1 of the prompt is 97; token ids are integers in \[0, 97\)"),
+        ([5, 2.0], PARAMS, "Token 1 of the prompt is 2.0"),
+        ([True, 5], PARAMS, "Token 0 of the prompt is True"),
+        ([5, 6], SamplingParams(beam_width=98, max_tokens=2), "beam_width=98 is more than the 97 tokens"),
+    ],
+)
 def test_a_bad_request_fails_alone_beside_good_ones(tiny_dir, tiny_model, prompt, params, words):
     llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20, max_num_seqs=128)
     outputs = llm.generate([GOOD[0], prompt, GOOD[1]], [PARAMS, params, PARAMS])
@@ -59,11 +62,15 @@ def test_a_step_that_raises_fails_its_batch_and_the_engine_goes_on(tiny_dir, tin
 
     llm.engine.runner.forward = failing_once
     outputs = llm.generate(GOOD, PARAMS)
-    assert all(out.finish_reason == "error" and "RuntimeError: injected fault" in out.error for out in outputs)
+    assert all(
+        out.finish_reason == "error" and "RuntimeError: injected fault" in out.error for out in outputs
+    )
     assert_serves_good_requests(tiny_model, llm)
 
 
-def test_a_scheduler_with_nothing_to_run_ends_the_requests_instead_of_spinning(tiny_dir, tiny_model, monkeypatch):
+def test_a_scheduler_with_nothing_to_run_ends_the_requests_instead_of_spinning(
+    tiny_dir, tiny_model, monkeypatch
+):
     llm = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=1 << 20)
     monkeypatch.setattr(llm.engine.scheduler, "schedule", lambda: Schedule())
     outputs = llm.generate(GOOD, PARAMS)

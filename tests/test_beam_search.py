@@ -1,12 +1,13 @@
 """Beam search in the engine gives the beams of a reference search that recomputes everything,
 while the beams share their history's blocks and dropped beams release theirs."""
 
-import pytest
-import torch
-from hypothesis import given, settings, strategies as st
-
 import itertools
 import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import BeamGroup, reference_beam_search, select
@@ -57,8 +58,11 @@ def test_beam_search_needs_greedy_settings():
 
 def brute_force_select(scores, logprobs, width):
     """Every (beam, token) pair with its total, best first."""
-    pairs = [(beam, token, scores[beam] + float(logprobs[beam, token]))
-             for beam in range(len(scores)) for token in range(logprobs.shape[1])]
+    pairs = [
+        (beam, token, scores[beam] + float(logprobs[beam, token]))
+        for beam in range(len(scores))
+        for token in range(logprobs.shape[1])
+    ]
     return sorted(pairs, key=lambda pair: -pair[2])[:width]
 
 
@@ -93,8 +97,14 @@ def test_a_beam_group_takes_only_logits_that_fit_its_beams():
     params = SamplingParams(beam_width=2, max_tokens=8, ignore_eos=True)
     beams = [Sequence(i, "r", [1, 2, 3], params, max_len=11, num_computed=3) for i in range(2)]
     group = BeamGroup(2, live=[(beams[0], 0.0), (beams[1], -10.0)])  # beam 0 far ahead: it is forked
-    scheduler = Scheduler(KVCacheManager(BlockManager(num_blocks=8, block_size=4)), "continuous", max_num_seqs=8,
-                          max_num_batched_tokens=64, context_len=64, vocab_size=97)
+    scheduler = Scheduler(
+        KVCacheManager(BlockManager(num_blocks=8, block_size=4)),
+        "continuous",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        context_len=64,
+        vocab_size=97,
+    )
     logits = torch.zeros(97)
     logits[5], logits[6] = 2.0, 1.0  # every beam's best two: tokens 5 and 6
     assert not group.offer(beams[0], logits) and group.offer(beams[1], logits)
@@ -114,10 +124,17 @@ def test_beams_with_prefix_caching_and_preemption_under_static_batching(tiny_dir
     rng = random.Random(0)
     prompt = [rng.randrange(97) for _ in range(225)]
     others = [[rng.randrange(97) for _ in range(rng.randint(3, 20))] for _ in range(2)]
-    params = [SamplingParams(beam_width=4, max_tokens=max_tokens, ignore_eos=True)] + \
-        [SamplingParams(max_tokens=12, ignore_eos=True)] * 2
-    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=62 * 4 * KV_BYTES_PER_TOKEN,
-              scheduling="static", prefix_caching=True)
+    params = [SamplingParams(beam_width=4, max_tokens=max_tokens, ignore_eos=True)] + [
+        SamplingParams(max_tokens=12, ignore_eos=True)
+    ] * 2
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=4,
+        kv_cache_bytes=62 * 4 * KV_BYTES_PER_TOKEN,
+        scheduling="static",
+        prefix_caching=True,
+    )
     out = llm.generate([prompt] + others, params)[0]
     assert llm.engine.num_preemptions > 0
     assert out.error is None and out.samples == reference_beam_search(tiny_model, prompt, 4, max_tokens, None)

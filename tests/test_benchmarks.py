@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REAL_MODEL_DIR, tiny_with_real_tokenizer
+
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.all import BENCHMARKS, SIZES
 from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
@@ -34,6 +34,7 @@ ALICE = REAL_MODEL_DIR.parent / "texts" / "alice29.txt"  # fetched by `python we
 def strict_json(text: str) -> dict:
     """json.loads, but refusing what Python's json accepts and JSON does not: NaN, Infinity, a
     number too large for a float (1e999 -> inf), and anything beside the one object."""
+
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
@@ -80,11 +81,16 @@ def one_torch_thread():
 def vocab_dir(real_dir, tmp_path_factory):
     """The tiny random Llama with the real tokenizer (and so the real vocabulary), and a context
     long enough for the serve trace (prompts up to 320 tokens, outputs up to 160)."""
-    return tiny_with_real_tokenizer(tmp_path_factory.mktemp("tiny-real-vocab"), real_dir,
-                                    max_position_embeddings=1024, tie_word_embeddings=True)
+    return tiny_with_real_tokenizer(
+        tmp_path_factory.mktemp("tiny-real-vocab"),
+        real_dir,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+    )
 
 
 # ----------------------------------------------------------------------------- the strict-JSON rule
+
 
 def test_strict_json_refuses_what_python_json_accepts():
     for text in ('{"rate": NaN}\n', '{"rate": Infinity}\n', '{"rate": 1e999}\n', '{"a": 1}\n{"b": 2}\n'):
@@ -104,8 +110,11 @@ def test_a_non_finite_number_in_json_output_is_a_bug_not_a_line_of_output(capsys
 
 # ----------------------------------------------------------------------------- generate, info, eval
 
+
 def test_generate_json_rate_is_tokens_after_the_first_over_decode_seconds(capsys, real_dir, real_tokenizer):
-    report = run_json(capsys, "generate", "The capital of France is", "--json", "--max-tokens", 4, "--model", real_dir)
+    report = run_json(
+        capsys, "generate", "The capital of France is", "--json", "--max-tokens", 4, "--model", real_dir
+    )
     generated, timings = report["generated_ids"], report["timings"]
     assert report["finish_reason"] == "length" and len(generated) == 4  # greedy: no EOS this early
     assert report["prompt_ids"] == real_tokenizer.encode("The capital of France is")
@@ -118,7 +127,9 @@ def test_generate_json_rate_is_tokens_after_the_first_over_decode_seconds(capsys
 
 def test_generate_json_with_one_token_reports_no_decode_rate(capsys, real_dir):
     """One token is all prefill: decode time 0, so the rate is null (it was NaN, which is not JSON)."""
-    report = run_json(capsys, "generate", "Hi", "--json", "--max-tokens", 1, "--decoder", "naive", "--model", real_dir)
+    report = run_json(
+        capsys, "generate", "Hi", "--json", "--max-tokens", 1, "--decoder", "naive", "--model", real_dir
+    )
     assert len(report["generated_ids"]) == 1 and report["decoder"] == "naive"
     assert report["timings"]["prefill_s"] > 0 and report["timings"]["decode_s"] == 0
     assert report["timings"]["decode_tok_s"] is None
@@ -138,8 +149,20 @@ def test_info_json_kv_bytes_formula_equals_the_allocated_cache(capsys, real_dir)
 
 
 def test_eval_ppl_json_perplexity_is_exp_of_the_scored_nll(capsys, real_dir):
-    report = run_json(capsys, "eval", "ppl", "--json", "--segments", 2, "--segment-len", 8, "--text", ALICE,
-                      "--model", real_dir)
+    report = run_json(
+        capsys,
+        "eval",
+        "ppl",
+        "--json",
+        "--segments",
+        2,
+        "--segment-len",
+        8,
+        "--text",
+        ALICE,
+        "--model",
+        real_dir,
+    )
     assert report["tokens_scored"] == report["segments"] * (report["segment_len"] - 1) == 2 * 7
     assert report["perplexity"] == approx(math.exp(report["nll"])) and report["nll"] > 0
     assert report["seconds"] > 0 and report["tokens_evicted"] == 0
@@ -148,6 +171,7 @@ def test_eval_ppl_json_perplexity_is_exp_of_the_scored_nll(capsys, real_dir):
 
 
 # ----------------------------------------------------------------------------- bench decode
+
 
 def check_decoder_rows(report: dict, weight_bytes: int, kv_per_token: int) -> None:
     roof_GBs = report["copy_bandwidth_GBs"]
@@ -159,46 +183,91 @@ def check_decoder_rows(report: dict, weight_bytes: int, kv_per_token: int) -> No
         assert row["bytes_per_step"] == approx((weight_bytes + kv_read) * scale), name
         samples = row["samples_tok_s"]
         assert len(samples) == report["repeats"] and row["tok_s"] == statistics.median(samples) > 0, name
-        assert row["best_tok_s"] == max(samples) and row["spread"] == approx((max(samples) - min(samples)) / row["tok_s"])
+        assert row["best_tok_s"] == max(samples) and row["spread"] == approx(
+            (max(samples) - min(samples)) / row["tok_s"]
+        )
         assert row["ms_per_token"] == approx(1000 / row["tok_s"]), name
         assert row["bandwidth_GBs"] == approx(row["bytes_per_step"] * row["tok_s"] / 1e9), name
-        assert row["roof_fraction"] == approx(row["bandwidth_GBs"] / roof_GBs) and row["roof_fraction"] > 0, name
+        assert row["roof_fraction"] == approx(row["bandwidth_GBs"] / roof_GBs) and row["roof_fraction"] > 0, (
+            name
+        )
     decoders = report["decoders"]
-    assert report["cached_bfloat16_vs_cached"] == approx(decoders["cached_bfloat16"]["tok_s"] / decoders["cached"]["tok_s"])
+    assert report["cached_bfloat16_vs_cached"] == approx(
+        decoders["cached_bfloat16"]["tok_s"] / decoders["cached"]["tok_s"]
+    )
     assert report["cached_vs_naive"] == approx(decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"])
     threads = report["cached_tok_s_by_threads"]  # JSON keys are strings
     assert list(threads) == [str(n) for n in range(1, os.cpu_count() + 1)] and min(threads.values()) > 0
-    assert report["machine"]["cpus"] == os.cpu_count() and report["machine"]["torch_threads"] == torch.get_num_threads()
+    assert (
+        report["machine"]["cpus"] == os.cpu_count()
+        and report["machine"]["torch_threads"] == torch.get_num_threads()
+    )
 
 
 def test_bench_decode_json_with_hf_rates_ratios_and_bandwidth_agree(capsys, vocab_dir):
-    report = run_json(capsys, "bench", "decode", "--json", "--tokens", 16, "--naive-tokens", 4, "--prompt-len", 8,
-                      "--model", vocab_dir)
+    report = run_json(
+        capsys,
+        "bench",
+        "decode",
+        "--json",
+        "--tokens",
+        16,
+        "--naive-tokens",
+        4,
+        "--prompt-len",
+        8,
+        "--model",
+        vocab_dir,
+    )
     assert (report["prompt_len"], report["new_tokens"], report["naive_tokens"]) == (8, 16, 4)
     assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16", "hf_transformers"}
     weight_bytes = sum(p.nbytes for p in load_model(vocab_dir).parameters())
     check_decoder_rows(report, weight_bytes, kv_bytes_per_token(vocab_dir))
     decoders = report["decoders"]
-    assert report["cached_vs_hf"] == approx(decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"])
+    assert report["cached_vs_hf"] == approx(
+        decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
+    )
 
 
 def test_bench_decode_json_on_the_real_model_without_hf(capsys, real_dir, real_model):
-    report = run_json(capsys, "bench", "decode", "--json", "--tokens", 2, "--naive-tokens", 1, "--prompt-len", 4,
-                      "--repeats", 2, "--no-hf", "--model", real_dir)
+    report = run_json(
+        capsys,
+        "bench",
+        "decode",
+        "--json",
+        "--tokens",
+        2,
+        "--naive-tokens",
+        1,
+        "--prompt-len",
+        4,
+        "--repeats",
+        2,
+        "--no-hf",
+        "--model",
+        real_dir,
+    )
     assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16"} and "cached_vs_hf" not in report
     check_decoder_rows(report, sum(p.nbytes for p in real_model.parameters()), 46080)
 
 
 # ----------------------------------------------------------------------------- bench serve
 
+
 def check_server(run: dict, output_tokens: int, report: dict) -> None:
     # every server decodes each request to exactly its trace length (EOS ignored)
     assert run["output_tok_s"] * run["elapsed_s"] == approx(output_tokens)
     # the same useful work for every server, over its own time, against the matmul measured in the run
     assert run["achieved_GFLOPs"] == approx(report["trace"]["model_GFLOP"] / run["elapsed_s"])
-    assert run["matmul_fraction"] == approx(run["achieved_GFLOPs"] / report["matmul_GFLOPs"]) and report["matmul_GFLOPs"] > 0
+    assert (
+        run["matmul_fraction"] == approx(run["achieved_GFLOPs"] / report["matmul_GFLOPs"])
+        and report["matmul_GFLOPs"] > 0
+    )
     for latency in ("ttft", "tpot"):
-        assert 0 < run[f"{latency}_mean_s"] <= run["elapsed_s"] and 0 < run[f"{latency}_p90_s"] <= run["elapsed_s"]
+        assert (
+            0 < run[f"{latency}_mean_s"] <= run["elapsed_s"]
+            and 0 < run[f"{latency}_p90_s"] <= run["elapsed_s"]
+        )
 
 
 def check_paged_memory(run: dict) -> None:
@@ -207,8 +276,21 @@ def check_paged_memory(run: dict) -> None:
 
 
 def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir):
-    report = run_json(capsys, "bench", "serve", "--json", "--requests", 3, "--max-num-seqs", 2,
-                      "--block-sizes", 8, 16, "--model", vocab_dir)
+    report = run_json(
+        capsys,
+        "bench",
+        "serve",
+        "--json",
+        "--requests",
+        3,
+        "--max-num-seqs",
+        2,
+        "--block-sizes",
+        8,
+        16,
+        "--model",
+        vocab_dir,
+    )
     trace = make_trace(Tokenizer(vocab_dir), 3)
     assert report["trace"]["requests"] == 3 and report["trace"]["max_num_seqs"] == 2
     assert report["trace"]["prompt_tokens"] == sum(len(prompt) for prompt, _ in trace)
@@ -222,8 +304,9 @@ def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir
         assert 0 < servers[name]["kv_utilization_contiguous"] <= 1
         # one decode step adds at most one token per request, so the longest output sets a floor
         assert servers[name]["steps"] >= max(n for _, n in trace) and servers[name]["preemptions"] >= 0
-    continuous, static, hf = (servers[name] for name in ("minillm_continuous", "minillm_static",
-                                                          "hf_transformers_static"))
+    continuous, static, hf = (
+        servers[name] for name in ("minillm_continuous", "minillm_static", "hf_transformers_static")
+    )
     assert report["continuous_vs_static"] == approx(continuous["output_tok_s"] / static["output_tok_s"])
     assert report["continuous_vs_hf"] == approx(continuous["output_tok_s"] / hf["output_tok_s"])
 
@@ -239,9 +322,24 @@ def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir
 
 
 def test_bench_serve_json_one_request_p90_is_that_request(capsys, vocab_dir):
-    report = run_json(capsys, "bench", "serve", "--json", "--requests", 1, "--max-num-seqs", 1, "--block-sizes",
-                      "--no-hf", "--model", vocab_dir)
-    assert set(report["servers"]) == {"minillm_continuous", "minillm_static"} and "continuous_vs_hf" not in report
+    report = run_json(
+        capsys,
+        "bench",
+        "serve",
+        "--json",
+        "--requests",
+        1,
+        "--max-num-seqs",
+        1,
+        "--block-sizes",
+        "--no-hf",
+        "--model",
+        vocab_dir,
+    )
+    assert (
+        set(report["servers"]) == {"minillm_continuous", "minillm_static"}
+        and "continuous_vs_hf" not in report
+    )
     assert report["block_size_sweep"] == {}
     for run in report["servers"].values():
         check_server(run, report["trace"]["output_tokens"], report)
@@ -253,9 +351,19 @@ def test_trace_flops_by_hand():
     4*(2+2)*2 (wqkv) + 4*4 (wo) + 3*4*8 (gate, up, down) = 144 weights. A 3-token prompt with 2
     outputs computes 4 tokens (288 FLOPs each), attends over 1+2+3+4 keys (16 FLOPs a key: q.k and
     p.v for 2 heads of dim 2), and computes 2 logits rows (80 FLOPs each)."""
-    config = ModelConfig(vocab_size=10, hidden_size=4, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
-                         head_dim=2, max_position_embeddings=16, rope_theta=1e4, rms_norm_eps=1e-5,
-                         tie_word_embeddings=True)
+    config = ModelConfig(
+        vocab_size=10,
+        hidden_size=4,
+        intermediate_size=8,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=2,
+        max_position_embeddings=16,
+        rope_theta=1e4,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    )
     assert trace_flops(config, [([1, 2, 3], 2)]) == 4 * 288 + 10 * 16 + 2 * 80
 
 
@@ -271,9 +379,11 @@ def test_latency_summary_mean_and_nearest_rank_p90_by_hand():
 
 # ----------------------------------------------------------------------------- bench prefix
 
+
 def test_bench_prefix_json_cached_and_computed_prefill_add_up(capsys, vocab_dir):
-    report = run_json(capsys, "bench", "prefix", "--json", "--requests", 3, "--system-tokens", 40,
-                      "--model", vocab_dir)
+    report = run_json(
+        capsys, "bench", "prefix", "--json", "--requests", 3, "--system-tokens", 40, "--model", vocab_dir
+    )
     without, with_cache = report["without_cache"], report["with_cache"]
     cache = with_cache["prefix_cache"]
     prompt_tokens = round(report["requests"] * report["prompt_tokens_mean"])
@@ -282,27 +392,52 @@ def test_bench_prefix_json_cached_and_computed_prefill_add_up(capsys, vocab_dir)
     assert with_cache["prefill_tokens_computed"] + cache["prefill_tokens_saved"] == prompt_tokens
     assert cache["hit_blocks"] >= 2 * 2  # requests 2 and 3 each find the 40-token system prompt's blocks
     assert cache["block_hit_rate"] == approx(cache["hit_blocks"] / cache["queried_blocks"])
-    assert report["prefill_tokens_ratio"] == approx(without["prefill_tokens_computed"]
-                                                    / with_cache["prefill_tokens_computed"])
+    assert report["prefill_tokens_ratio"] == approx(
+        without["prefill_tokens_computed"] / with_cache["prefill_tokens_computed"]
+    )
     assert report["prefill_tokens_ratio"] > 1
-    assert report["ttft_speedup_after_first"] == approx(without["ttft_rest_mean_s"] / with_cache["ttft_rest_mean_s"])
+    assert report["ttft_speedup_after_first"] == approx(
+        without["ttft_rest_mean_s"] / with_cache["ttft_rest_mean_s"]
+    )
     for run in (without, with_cache):
         assert run["ttft_first_s"] > 0 and run["ttft_rest_mean_s"] > 0 and run["max_shared_bytes"] >= 0
     for name in ("parallel_sampling_n4", "beam_search_width4"):
         sharing = report[name]
         shared, unshared = sharing["mean_reserved_bytes_shared"], sharing["mean_reserved_bytes_unshared"]
         assert 0 < shared < unshared, name  # four outputs over one prompt share at least its full blocks
-        assert sharing["memory_saved"] == approx(1 - shared / unshared) and sharing["copy_on_write_copies"] >= 0
+        assert (
+            sharing["memory_saved"] == approx(1 - shared / unshared) and sharing["copy_on_write_copies"] >= 0
+        )
 
 
 # ----------------------------------------------------------------------------- bench tiers
 
+
 def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, vocab_dir):
     """Exact facts only: a rate of 1e9/s puts the whole trace in the queue before the first step,
     so every row sees the same schedule pressure; a 160-token device pool forces preemption."""
-    report = run_json(capsys, "bench", "tiers", "--json", "--requests", 8, "--rate", "1e9", "--device-tokens", 160,
-                      "--history-tokens", 200, "--system-prompts", 4, "--system-tokens", 48, "--spill-requests", 12,
-                      "--model", vocab_dir)
+    report = run_json(
+        capsys,
+        "bench",
+        "tiers",
+        "--json",
+        "--requests",
+        8,
+        "--rate",
+        "1e9",
+        "--device-tokens",
+        160,
+        "--history-tokens",
+        200,
+        "--system-prompts",
+        4,
+        "--system-tokens",
+        48,
+        "--spill-requests",
+        12,
+        "--model",
+        vocab_dir,
+    )
     assert report["machine"]["cpu_model"] and report["machine"]["torch_threads"] == 1
 
     preemption = report["preemption"]
@@ -341,8 +476,13 @@ def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, voc
     assert with_host["prefix_cache"]["prefill_tokens_saved"] > without["prefix_cache"]["prefill_tokens_saved"]
 
     targets = report["targets"]
-    assert set(targets) == {"auto_vs_best_tok_s", "swap_recomputed_tokens", "swap_prefetch_hidden",
-                            "resume_ttft_ratio", "spill_prefill_saved_ratio"}
+    assert set(targets) == {
+        "auto_vs_best_tok_s",
+        "swap_recomputed_tokens",
+        "swap_prefetch_hidden",
+        "resume_ttft_ratio",
+        "spill_prefill_saved_ratio",
+    }
     assert targets["swap_recomputed_tokens"] == {"want": "0", "got": 0, "met": True}
 
 
@@ -355,12 +495,26 @@ def test_tiers_percentile_is_the_nearest_rank_by_hand():
 
 # ----------------------------------------------------------------------------- bench memory
 
+
 def test_bench_memory_json_rows_keep_their_promises(capsys, vocab_dir):
     """Facts that hold whatever the timings: lossless rows give the paged row's greedy tokens, a
     max-length reservation never preempts and runs no more sequences at once than paging, the ladder
     takes only the rungs it has, and every lossy row says what it costs."""
-    report = run_json(capsys, "bench", "memory", "--json", "--quick", "--requests", 16, "--rate", "1e9",
-                      "--kv-tokens", 128, "--model", vocab_dir)
+    report = run_json(
+        capsys,
+        "bench",
+        "memory",
+        "--json",
+        "--quick",
+        "--requests",
+        16,
+        "--rate",
+        "1e9",
+        "--kv-tokens",
+        128,
+        "--model",
+        vocab_dir,
+    )
     assert report["machine"]["cpu_model"] and report["machine"]["torch_threads"] == 1 and report["quick"]
     trace, budget, rows = report["trace"], report["budget"], report["rows"]
     assert list(rows) == ["reserve", "paged", "prefix", "int8", "host", "memory", "ladder", "lossless"]
@@ -373,7 +527,9 @@ def test_bench_memory_json_rows_keep_their_promises(capsys, vocab_dir):
         assert row["errors"] == 0, name
         assert row["output_tok_s"] * row["elapsed_s"] == approx(trace["output_tokens"]), name
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and row["cpu_s"] > 0, name
-        assert 0 <= row["goodput"] <= 1 and row["goodput"] * trace["requests"] == approx(row["goodput_requests"]), name
+        assert 0 <= row["goodput"] <= 1 and row["goodput"] * trace["requests"] == approx(
+            row["goodput_requests"]
+        ), name
         assert set(row["rungs"]) <= {"reclaim", "preempt", "evict"}, name
         assert row["bytes_moved_total"] == sum(row["bytes_moved"].values()), name
         assert row["kv_utilization"] > 0 and row["peak_seqs"] >= 1, name
@@ -395,33 +551,67 @@ def test_bench_memory_json_rows_keep_their_promises(capsys, vocab_dir):
     assert list(load["rows"]) == ["reserve", "paged", "lossless", "memory"]
     for name, row in load["rows"].items():
         swept = [run["clients"] for run in row["sweep"]]
-        assert swept == load["grid"][:len(swept)] and row["fixed"]["clients"] == load["clients"], name
+        assert swept == load["grid"][: len(swept)] and row["fixed"]["clients"] == load["clients"], name
         assert row["max_clients"] is None or row["max_clients"] in swept, name
         for run in row["sweep"]:
             assert run["errors"] == 0 and run["latency_p50_s"] <= run["latency_p99_s"], name
-    assert set(report["targets"]) == {"memory_vs_fcfs_goodput", "lossless_vs_reserve_peak_seqs",
-                                      "lossless_vs_reserve_tok_s", "int8_perplexity_ratio"}
+    assert set(report["targets"]) == {
+        "memory_vs_fcfs_goodput",
+        "lossless_vs_reserve_peak_seqs",
+        "lossless_vs_reserve_tok_s",
+        "int8_perplexity_ratio",
+    }
 
 
 # ----------------------------------------------------------------------------- bench attention
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU"))])
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+        ),
+    ],
+)
 def test_bench_attention_json_bandwidth_is_bytes_read_over_time(capsys, device):
-    report = run_json(capsys, "bench", "attention", "--json", "--batches", 1, 2, "--contexts", 16, 40,
-                      "--device", device, "--kv-dtype", "auto", "int8", "int4")
-    expected_backends = ["torch_reference", "cpu_kernel"] if device == "cpu" else \
-        ["torch_reference", "cuda_kernel", "sdpa_gathered"]
+    report = run_json(
+        capsys,
+        "bench",
+        "attention",
+        "--json",
+        "--batches",
+        1,
+        2,
+        "--contexts",
+        16,
+        40,
+        "--device",
+        device,
+        "--kv-dtype",
+        "auto",
+        "int8",
+        "int4",
+    )
+    expected_backends = (
+        ["torch_reference", "cpu_kernel"]
+        if device == "cpu"
+        else ["torch_reference", "cuda_kernel", "sdpa_gathered"]
+    )
     assert report["backends"] == expected_backends and report["dtype"] == "float32"
     shape = report["shape"]
     cases = [(1, 16), (1, 40), (2, 16), (2, 40)]
-    assert [(row["kv_dtype"], row["batch"], row["context"]) for row in report["rows"]] == \
-        [(kv, *case) for kv in ("auto", "int8", "int4") for case in cases]
+    assert [(row["kv_dtype"], row["batch"], row["context"]) for row in report["rows"]] == [
+        (kv, *case) for kv in ("auto", "int8", "int4") for case in cases
+    ]
     heads = shape["num_kv_heads"]
-    per_token = {"auto": 2 * heads * shape["head_dim"] * 4,  # K and V in fp32
-                 # int8: numbers, a (scale, center) fp16 pair per value row, one per key channel per 16-token block
-                 "int8": 2 * heads * shape["head_dim"] + heads * 4 + heads * shape["head_dim"] * 4 / 16,
-                 "int4": heads * shape["head_dim"] + heads * 4 + heads * shape["head_dim"] * 4 / 16}
+    per_token = {
+        "auto": 2 * heads * shape["head_dim"] * 4,  # K and V in fp32
+        # int8: numbers, a (scale, center) fp16 pair per value row, one per key channel per 16-token block
+        "int8": 2 * heads * shape["head_dim"] + heads * 4 + heads * shape["head_dim"] * 4 / 16,
+        "int4": heads * shape["head_dim"] + heads * 4 + heads * shape["head_dim"] * 4 / 16,
+    }
     for row in report["rows"]:
         assert row["kv_bytes"] == row["batch"] * row["context"] * math.ceil(per_token[row["kv_dtype"]])
         for name in report["backends"]:
@@ -435,8 +625,10 @@ def test_bench_attention_json_bandwidth_is_bytes_read_over_time(capsys, device):
     kernel = report["kernel"]
     by_case = {(row["kv_dtype"], row["batch"], row["context"]): row for row in report["rows"]}
     for speedup in report["speedups"]:
-        full, small = by_case[("auto", speedup["batch"], speedup["context"])], by_case[
-            (speedup["kv_dtype"], speedup["batch"], speedup["context"])]
+        full, small = (
+            by_case[("auto", speedup["batch"], speedup["context"])],
+            by_case[(speedup["kv_dtype"], speedup["batch"], speedup["context"])],
+        )
         assert speedup["speedup"] == approx(full[f"{kernel}_us"] / small[f"{kernel}_us"])
         assert speedup["bytes_ratio"] == approx(full["kv_bytes"] / small["kv_bytes"])
 
@@ -448,8 +640,15 @@ TINY_SIZES = {  # every benchmark at the sizes of its own test above, for the ti
     "attention": {"batches": (1,), "contexts": (16,), "kv_dtypes": ("auto", "int8")},
     "serve": {"num_requests": 2, "max_num_seqs": 2, "block_sizes": (), "include_hf": False},
     "prefix": {"num_requests": 2, "system_tokens": 40},
-    "tiers": {"num_requests": 8, "rate": 1e9, "device_tokens": 160, "history_tokens": 200, "system_prompts": 4,
-              "system_tokens": 48, "spill_requests": 12},
+    "tiers": {
+        "num_requests": 8,
+        "rate": 1e9,
+        "device_tokens": 160,
+        "history_tokens": 200,
+        "system_prompts": 4,
+        "system_tokens": 48,
+        "spill_requests": 12,
+    },
     "memory": {"quick": True, "num_requests": 16, "rate": 1e9, "kv_tokens": 128, "load": False},
     "ppl": {"kv_dtypes": ("auto", "int8"), "segment_len": 16, "num_segments": 1},
 }
@@ -461,8 +660,9 @@ def table_rows(markdown: str) -> list[list[str]]:
     return [[cell.strip() for cell in row] for row in rows[1:]]  # rows[0] is the header
 
 
-def test_bench_all_writes_every_report_a_plot_each_and_a_table_equal_to_the_json(capsys, monkeypatch, tmp_path,
-                                                                                   vocab_dir):
+def test_bench_all_writes_every_report_a_plot_each_and_a_table_equal_to_the_json(
+    capsys, monkeypatch, tmp_path, vocab_dir
+):
     monkeypatch.setitem(SIZES, "quick", TINY_SIZES)
     report = run_json(capsys, "bench", "all", "--quick", "--json", "--out", tmp_path, "--model", vocab_dir)
     assert json.loads((tmp_path / "results.json").read_text()) == report
@@ -477,17 +677,27 @@ def test_bench_all_writes_every_report_a_plot_each_and_a_table_equal_to_the_json
     assert list(benchmarks) == [bench.name for bench in BENCHMARKS] == list(TINY_SIZES)
     for name, result in benchmarks.items():
         assert result["status"] == "ok" and result["seconds"] > 0 and result["headlines"], name
-        assert result["plot"] == f"{name}.png" and (tmp_path / result["plot"]).read_bytes()[:4] == b"\x89PNG", name
+        assert (
+            result["plot"] == f"{name}.png" and (tmp_path / result["plot"]).read_bytes()[:4] == b"\x89PNG"
+        ), name
     # headlines are the reports' own numbers, rounded to 3 significant digits
     decode, ppl = benchmarks["decode"], benchmarks["ppl"]["report"]["kv_dtypes"]
-    assert decode["headlines"][1] == {"measurement": "cached (float32), median of 1", "unit": "tok/s",
-                                      "value": float(f"{decode['report']['decoders']['cached']['tok_s']:.3g}")}
-    int8_cost = next(h["value"] for h in benchmarks["ppl"]["headlines"]
-                     if h["measurement"] == "int8 KV: perplexity above the model's dtype")
+    assert decode["headlines"][1] == {
+        "measurement": "cached (float32), median of 1",
+        "unit": "tok/s",
+        "value": float(f"{decode['report']['decoders']['cached']['tok_s']:.3g}"),
+    }
+    int8_cost = next(
+        h["value"]
+        for h in benchmarks["ppl"]["headlines"]
+        if h["measurement"] == "int8 KV: perplexity above the model's dtype"
+    )
     assert int8_cost == float(f"{100 * (ppl['int8']['perplexity'] / ppl['auto']['perplexity'] - 1):.3g}")
 
     markdown = (tmp_path / "results.md").read_text()
-    assert machine["cpu_model"] in markdown.splitlines()[0] and report["date"][:10] in markdown.splitlines()[0]
+    assert (
+        machine["cpu_model"] in markdown.splitlines()[0] and report["date"][:10] in markdown.splitlines()[0]
+    )
     rows = table_rows(markdown)
     headlines = [(name, h) for name, result in benchmarks.items() for h in result["headlines"]]
     assert len(rows) == len(headlines)
@@ -501,9 +711,15 @@ def test_bench_all_writes_every_report_a_plot_each_and_a_table_equal_to_the_json
 
 def test_bench_all_records_a_failing_benchmark_and_runs_the_others(capsys, monkeypatch, tmp_path, vocab_dir):
     """One request is too few for bench prefix (a ConfigError); the benchmarks around it still run."""
-    monkeypatch.setitem(SIZES, "full", {"attention": TINY_SIZES["attention"],
-                                        "prefix": {**TINY_SIZES["prefix"], "num_requests": 1},
-                                        "ppl": TINY_SIZES["ppl"]})
+    monkeypatch.setitem(
+        SIZES,
+        "full",
+        {
+            "attention": TINY_SIZES["attention"],
+            "prefix": {**TINY_SIZES["prefix"], "num_requests": 1},
+            "ppl": TINY_SIZES["ppl"],
+        },
+    )
     code = main(["bench", "all", "--out", str(tmp_path), "--model", str(vocab_dir)])
     out, err = capsys.readouterr()
     assert code == 1 and len(err.strip().splitlines()) == 1 and "prefix" in err, err
@@ -512,10 +728,16 @@ def test_bench_all_records_a_failing_benchmark_and_runs_the_others(capsys, monke
     failed = results["benchmarks"]["prefix"]
     assert failed["status"] == "failed" and failed["error"].startswith("ConfigError: ")
     assert "--requests 1" in failed["error"]
-    assert "Traceback" in failed["traceback"] and "report" not in failed and not (tmp_path / "prefix.png").exists()
+    assert (
+        "Traceback" in failed["traceback"]
+        and "report" not in failed
+        and not (tmp_path / "prefix.png").exists()
+    )
     for name in ("attention", "ppl"):
         assert results["benchmarks"][name]["status"] == "ok" and (tmp_path / f"{name}.png").is_file(), name
-    assert ["prefix", f"FAILED: {failed['error']}", "", ""] in table_rows((tmp_path / "results.md").read_text())
+    assert ["prefix", f"FAILED: {failed['error']}", "", ""] in table_rows(
+        (tmp_path / "results.md").read_text()
+    )
     assert "FAILED" in out and "perplexity through the cache" in out  # each report printed as it finished
 
 
@@ -529,19 +751,23 @@ def test_bench_all_without_matplotlib_is_one_line(capsys, monkeypatch, tmp_path,
 
 # ----------------------------------------------------------------------------- sizes with nothing to measure
 
-@pytest.mark.parametrize("argv, option", [
-    (["bench", "decode", "--tokens", "0"], "--tokens"),
-    (["bench", "decode", "--naive-tokens", "0"], "--naive-tokens"),
-    (["bench", "serve", "--requests", "0"], "--requests"),
-    (["bench", "prefix", "--requests", "1"], "--requests"),
-    (["bench", "tiers", "--rate", "0"], "--rate"),
-    (["bench", "tiers", "--device-tokens", "16"], "--device-tokens"),
-    (["bench", "memory", "--rate", "0"], "--rate"),
-    (["bench", "memory", "--requests", "0"], "--requests"),
-    (["bench", "memory", "--clients", "0"], "--clients"),
-    (["bench", "memory", "--kv-tokens", "16"], "--kv-tokens"),
-    (["bench", "attention", "--contexts", "0"], "contexts"),
-])
+
+@pytest.mark.parametrize(
+    "argv, option",
+    [
+        (["bench", "decode", "--tokens", "0"], "--tokens"),
+        (["bench", "decode", "--naive-tokens", "0"], "--naive-tokens"),
+        (["bench", "serve", "--requests", "0"], "--requests"),
+        (["bench", "prefix", "--requests", "1"], "--requests"),
+        (["bench", "tiers", "--rate", "0"], "--rate"),
+        (["bench", "tiers", "--device-tokens", "16"], "--device-tokens"),
+        (["bench", "memory", "--rate", "0"], "--rate"),
+        (["bench", "memory", "--requests", "0"], "--requests"),
+        (["bench", "memory", "--clients", "0"], "--clients"),
+        (["bench", "memory", "--kv-tokens", "16"], "--kv-tokens"),
+        (["bench", "attention", "--contexts", "0"], "contexts"),
+    ],
+)
 def test_a_size_with_nothing_to_measure_is_one_clear_line(capsys, real_dir, argv, option):
     code = main(argv + ["--json"] + (["--model", str(real_dir)] if argv[1] != "attention" else []))
     out, err = capsys.readouterr()

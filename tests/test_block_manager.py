@@ -1,14 +1,17 @@
 """BlockManager invariants under random operation sequences (hypothesis), and its contract."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from minillm.memory.accounting import arena_stats, paged_stats
-from minillm.memory.block_manager import BlockManager, BlockManagerError
 from minillm.memory.arena import ContiguousArena
+from minillm.memory.block_manager import BlockManager, BlockManagerError
 
-operations = st.lists(st.tuples(st.sampled_from(["grow", "append", "fork", "free"]),
-                                st.integers(0, 9), st.integers(1, 40)), max_size=80)
+operations = st.lists(
+    st.tuples(st.sampled_from(["grow", "append", "fork", "free"]), st.integers(0, 9), st.integers(1, 40)),
+    max_size=80,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -86,7 +89,14 @@ def test_block_states_name_what_each_block_holds():
     assert manager.block_state(manager.table(3)[0]) == "private"
     manager.free(1)
     manager.free(2)  # the registered blocks stay findable; the third was never full
-    assert sorted(manager.block_state(b) for b in range(6)) == ["cached", "cached", "free", "free", "free", "private"]
+    assert sorted(manager.block_state(b) for b in range(6)) == [
+        "cached",
+        "cached",
+        "free",
+        "free",
+        "free",
+        "private",
+    ]
 
 
 def test_contiguous_arena_refuses_a_request_that_total_free_memory_would_fit():

@@ -33,8 +33,9 @@ POOL = dict(prefix_caching=True, kv_cache_bytes=96 * 16 * 768)  # 96 blocks of t
 
 @pytest.fixture(scope="module")
 def chat_dir(real_dir, tmp_path_factory) -> Path:
-    return tiny_with_real_tokenizer(tmp_path_factory.mktemp("tiny-chat"), real_dir,
-                                    max_position_embeddings=1024)
+    return tiny_with_real_tokenizer(
+        tmp_path_factory.mktemp("tiny-chat"), real_dir, max_position_embeddings=1024
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +50,13 @@ def fresh_llm(chat_dir, parts, **switches) -> LLM:
 
 def new_chat(chat_dir, parts, console=None, sessions_dir=None, **switches) -> Chat:
     console = console or Console(file=io.StringIO(), width=80)
-    return Chat(fresh_llm(chat_dir, parts, **switches), SamplingParams(max_tokens=24), None,
-                sessions_dir=sessions_dir or Path("."), console=console)
+    return Chat(
+        fresh_llm(chat_dir, parts, **switches),
+        SamplingParams(max_tokens=24),
+        None,
+        sessions_dir=sessions_dir or Path("."),
+        console=console,
+    )
 
 
 def printed(chat: Chat) -> str:
@@ -69,7 +75,9 @@ def test_set_keeps_the_conversation_and_rebuilds_the_engine(chat_dir, parts):
     out = chat.last[0]
     prompt = parts[1].encode_chat(history + [{"role": "user", "content": "And goodbye?"}])
     assert out.prompt_token_ids == prompt  # the whole conversation, carried into the new engine
-    expected = fresh_llm(chat_dir, parts, kv_dtype="int8").generate([prompt], SamplingParams(max_tokens=24))[0]
+    expected = fresh_llm(chat_dir, parts, kv_dtype="int8").generate([prompt], SamplingParams(max_tokens=24))[
+        0
+    ]
     assert out.token_ids == expected.token_ids
     chat.command("/set temperature 0.7")
     assert chat.params.temperature == 0.7 and chat.engine.config.kv_dtype == "int8"
@@ -77,10 +85,15 @@ def test_set_keeps_the_conversation_and_rebuilds_the_engine(chat_dir, parts):
     assert "sample with temperature=0.7" in printed(chat)
 
 
-@pytest.mark.parametrize("switch, changes", [("block_size 4", {"block_size": 4}),
-                                             ("prefix_caching off", {"prefix_caching": False}),
-                                             ("kv_dtype int4", {"kv_dtype": "int4"}),
-                                             ("eviction window 16", {"eviction": "window", "kv_budget": 16})])
+@pytest.mark.parametrize(
+    "switch, changes",
+    [
+        ("block_size 4", {"block_size": 4}),
+        ("prefix_caching off", {"prefix_caching": False}),
+        ("kv_dtype int4", {"kv_dtype": "int4"}),
+        ("eviction window 16", {"eviction": "window", "kv_budget": 16}),
+    ],
+)
 def test_compare_answers_as_two_fresh_engines_do(chat_dir, parts, switch, changes):
     chat = new_chat(chat_dir, parts)
     chat.reply("Say hello.")
@@ -108,7 +121,9 @@ def test_compare_a_sampling_switch_changes_only_the_sampling(chat_dir, parts):
 def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dtype):
     """Mid-reply and after it, with a small pool whose cached blocks spill to a host tier."""
     per_block = 16 * bytes_per_slot(parts[0].config, kv_dtype, "channel", 16, parts[0].dtype)
-    chat = new_chat(chat_dir, parts, kv_cache_bytes=12 * per_block, host_cache_bytes=8 * per_block, kv_dtype=kv_dtype)
+    chat = new_chat(
+        chat_dir, parts, kv_cache_bytes=12 * per_block, host_cache_bytes=8 * per_block, kv_dtype=kv_dtype
+    )
     engine, manager = chat.engine, chat.engine.kv_cache.block_manager
     filling_seen = 0
     for turn in range(3):
@@ -119,15 +134,20 @@ def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dty
                 device, host = state_counts(tiers["device"]), state_counts(tiers["host"])
                 assert (device["private"] + device["filling"] + device["shared"]) * 16 == stats.reserved_slots
                 assert device["free"] + device["cached"] == manager.num_free_blocks
-                assert device["cached"] == sum(manager.tier(b) == "device" and manager.refcount(b) == 0
-                                               for b in manager.prefix_cache.entries)
+                assert device["cached"] == sum(
+                    manager.tier(b) == "device" and manager.refcount(b) == 0
+                    for b in manager.prefix_cache.entries
+                )
                 assert device["filling"] <= 1 and (kv_dtype != "auto" or device["filling"] == 0)
                 filling_seen += device["filling"]
                 assert (host["private"] + host["shared"]) * 16 == stats.host_reserved_slots
                 assert host["cached"] == sum(manager.tier(b) == "host" for b in manager.prefix_cache.entries)
                 lines = summary_lines(engine, minillm.chat.view.ReplyMeter())
-                names = ", ".join(f"{device[s]:,} {name}" for s, (_, _, name) in STATES.items()
-                                  if s != "filling" or device[s])
+                names = ", ".join(
+                    f"{device[s]:,} {name}"
+                    for s, (_, _, name) in STATES.items()
+                    if s != "filling" or device[s]
+                )
                 assert lines[0] == f"blocks: {names} of 12"
                 swapped = host["private"] + host["shared"]
                 assert lines[1].startswith(f"host: {swapped} swapped out, {host['cached']} spilled")
@@ -150,15 +170,48 @@ def test_save_and_load_carry_the_conversation_and_its_kv(chat_dir, parts, tmp_pa
 def test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal(chat_dir, tmp_path):
     """Piped input and output, as in CI: every mistake is one `error:` line, the chat answers
     afterwards, and nothing is drawn live: no escape codes, no panel."""
-    bad = ["/set", "/set foo 1", "/set kv_dtype int9", "/set block_size 0", "/set block_size x",
-           "/set kv_budget 5", "/set eviction h2o", "/set temperature -1", "/compare block_size 8",
-           "/compare live off", "/bogus", "/load nosuch", "/load ../up", "/save"]
+    bad = [
+        "/set",
+        "/set foo 1",
+        "/set kv_dtype int9",
+        "/set block_size 0",
+        "/set block_size x",
+        "/set kv_budget 5",
+        "/set eviction h2o",
+        "/set temperature -1",
+        "/compare block_size 8",
+        "/compare live off",
+        "/bogus",
+        "/load nosuch",
+        "/load ../up",
+        "/save",
+    ]
     lines = bad + ["Say hello.", "/compare kv_cache_mb 0", "/stats", "/memory", "/help", "/exit"]
     forcing = ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE")  # would make rich colour a pipe
-    env = {**{k: v for k, v in os.environ.items() if k not in forcing}, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
-    done = subprocess.run([sys.executable, "-m", "minillm.cli", "chat", "--model", str(chat_dir), "--max-tokens", "8",
-                           "--sessions-dir", str(tmp_path)], input="\n".join(lines) + "\n", capture_output=True,
-                          text=True, env=env, timeout=120)
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in forcing},
+        "PYTHONPATH": str(REPO),
+        "COLUMNS": "80",
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "minillm.cli",
+            "chat",
+            "--model",
+            str(chat_dir),
+            "--max-tokens",
+            "8",
+            "--sessions-dir",
+            str(tmp_path),
+        ],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0 and done.stderr == ""
     answers = done.stdout.split("you> ")[1:]  # what each line got
     for line, said in zip(bad + [None, "/compare kv_cache_mb 0"], answers):
@@ -186,11 +239,13 @@ def test_the_live_panel_is_drawn_in_a_terminal_within_its_columns(chat_dir, part
     assert ANSI.sub("", printed(chat)).count("╭─ KV pool") == panels
 
 
-
 def test_bench_chat_view_times_both_views(capsys, chat_dir):
     from minillm.cli import main
 
-    assert main(["bench", "chat-view", "--json", "--rounds", "2", "--tokens", "4", "--model", str(chat_dir)]) == 0
+    assert (
+        main(["bench", "chat-view", "--json", "--rounds", "2", "--tokens", "4", "--model", str(chat_dir)])
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     for view in ("live", "plain"):
         assert len(report[view]["samples_tok_s"]) == 2 and report[view]["tok_s"] > 0

@@ -21,7 +21,9 @@ def shared_prefix_prompts(count, seed, vocab=97):
     """Prompts made of one of three shared prefixes (around block boundaries) and a short tail."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(vocab) for _ in range(n)] for n in (BLOCK * 5, BLOCK * 3 - 1, BLOCK * 4 + 1)]
-    return [rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(0, 6))] for _ in range(count)]
+    return [
+        rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(0, 6))] for _ in range(count)
+    ]
 
 
 def one_by_one(llm, prompts, params):
@@ -39,8 +41,9 @@ def assert_drained(llm):
     assert manager.num_free_blocks == manager.num_blocks
 
 
-@pytest.mark.parametrize("switches", [{"block_size": 1}, {"attention_backend": "cpu"},
-                                      {"max_num_batched_tokens": 5}])
+@pytest.mark.parametrize(
+    "switches", [{"block_size": 1}, {"attention_backend": "cpu"}, {"max_num_batched_tokens": 5}]
+)
 def test_prefix_hits_with_other_switches_equal_naive(tiny_dir, tiny_model, switches):
     prompts, params = shared_prefix_prompts(10, seed=1), SamplingParams(max_tokens=8, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **{"block_size": BLOCK, **switches})
@@ -57,8 +60,9 @@ def test_prefix_hits_on_quantized_blocks_change_nothing(tiny_dir, tiny_model, kv
     prompts, params = shared_prefix_prompts(10, seed=2), SamplingParams(max_tokens=8, ignore_eos=True)
     cached = LLM(tiny_dir, model=tiny_model, prefix_caching=True, kv_dtype=kv_dtype, block_size=BLOCK)
     plain = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=BLOCK)
-    assert [out.token_ids for out in one_by_one(cached, prompts, params)] == \
-        [out.token_ids for out in one_by_one(plain, prompts, params)]
+    assert [out.token_ids for out in one_by_one(cached, prompts, params)] == [
+        out.token_ids for out in one_by_one(plain, prompts, params)
+    ]
     assert cached.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 10
     assert_drained(cached)
 
@@ -93,8 +97,14 @@ def test_parallel_samples_on_cached_prefixes_equal_independent_requests(tiny_dir
     params = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=10, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, block_size=BLOCK)
     for prompt, out in zip(prompts, one_by_one(llm, prompts, params)):
-        assert out.samples == [naive(tiny_model, prompt, SamplingParams(temperature=1.0, seed=9 + i, max_tokens=10,
-                                                                        ignore_eos=True)) for i in range(3)]
+        assert out.samples == [
+            naive(
+                tiny_model,
+                prompt,
+                SamplingParams(temperature=1.0, seed=9 + i, max_tokens=10, ignore_eos=True),
+            )
+            for i in range(3)
+        ]
     assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= 3
     assert_drained(llm)
 
@@ -125,14 +135,21 @@ def test_a_parent_chain_that_differs_is_never_a_hit(tiny_dir, tiny_model, monkey
 
 # ---------------------------------------------------------------- aborts
 
+
 def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, tiny_model):
     """Abort one request in each state it can be in: waiting, mid chunked prefill, preempted,
     a parallel-sampling request after its fork, a beam search between two beam steps."""
     rng = random.Random(7)
     prompt = lambda: [rng.randrange(97) for _ in range(rng.randint(12, 30))]  # noqa: E731
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
-    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, max_num_batched_tokens=10, max_num_seqs=4,
-              kv_cache_bytes=22 * BLOCK * KV_BYTES_PER_TOKEN)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=BLOCK,
+        max_num_batched_tokens=10,
+        max_num_seqs=4,
+        kv_cache_bytes=22 * BLOCK * KV_BYTES_PER_TOKEN,
+    )
     engine = llm.engine
     requests = {engine.add_request(prompt(), greedy): greedy for _ in range(6)}
     sampled = SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=24, ignore_eos=True)
@@ -142,7 +159,9 @@ def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, 
     sequences = {request_id: engine.requests[request_id] for request_id in requests}  # kept after they end
     states = {
         "waiting": lambda seqs: seqs[0].status is Status.WAITING and seqs[0].num_preemptions == 0,
-        "prefilling": lambda seqs: seqs[0].status is Status.RUNNING and 0 < seqs[0].num_computed < len(seqs[0].prompt_ids),
+        "prefilling": lambda seqs: (
+            seqs[0].status is Status.RUNNING and 0 < seqs[0].num_computed < len(seqs[0].prompt_ids)
+        ),
         "preempted": lambda seqs: seqs[0].status is Status.WAITING and seqs[0].num_preemptions > 0,
         "forked": lambda seqs: len(seqs) == 3 and seqs[0].params.n == 3,
         "between beam steps": lambda seqs: seqs[0].params.beam_width == 3 and len(seqs) == 3,
@@ -155,7 +174,11 @@ def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, 
                 continue
             for request_id in requests:
                 seqs = sequences[request_id]
-                if request_id not in aborted.values() and seqs[0].status is not Status.FINISHED and holds(seqs):
+                if (
+                    request_id not in aborted.values()
+                    and seqs[0].status is not Status.FINISHED
+                    and holds(seqs)
+                ):
                     engine.abort(request_id)
                     aborted[state] = request_id
                     engine.kv_cache.block_manager.check_invariants()
@@ -172,15 +195,24 @@ def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, 
 
 # ---------------------------------------------------------------- the sequence limit
 
+
 @pytest.mark.parametrize("scheduling", ["continuous", "static"])
 def test_max_num_seqs_holds_when_samples_and_beams_fork(tiny_dir, tiny_model, scheduling):
     rng = random.Random(8)
-    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, max_num_seqs=5, scheduling=scheduling,
-              kv_cache_bytes=40 * BLOCK * KV_BYTES_PER_TOKEN)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=BLOCK,
+        max_num_seqs=5,
+        scheduling=scheduling,
+        kv_cache_bytes=40 * BLOCK * KV_BYTES_PER_TOKEN,
+    )
     engine = llm.engine
-    kinds = [SamplingParams(max_tokens=12, ignore_eos=True),
-             SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=12, ignore_eos=True),
-             SamplingParams(beam_width=3, max_tokens=12, ignore_eos=True)]
+    kinds = [
+        SamplingParams(max_tokens=12, ignore_eos=True),
+        SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=12, ignore_eos=True),
+        SamplingParams(beam_width=3, max_tokens=12, ignore_eos=True),
+    ]
     for index in range(9):
         engine.add_request([rng.randrange(97) for _ in range(rng.randint(3, 20))], kinds[index % 3])
     most = 0
@@ -194,8 +226,10 @@ def test_max_num_seqs_holds_when_samples_and_beams_fork(tiny_dir, tiny_model, sc
 
 def test_a_request_wider_than_max_num_seqs_fails_alone(tiny_dir, tiny_model):
     llm = LLM(tiny_dir, model=tiny_model, max_num_seqs=2)
-    wide, fine = llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(n=3, temperature=1.0, max_tokens=4),
-                                                    SamplingParams(max_tokens=4, ignore_eos=True)])
+    wide, fine = llm.generate(
+        [[1, 2, 3], [4, 5]],
+        [SamplingParams(n=3, temperature=1.0, max_tokens=4), SamplingParams(max_tokens=4, ignore_eos=True)],
+    )
     assert wide.finish_reason == "error" and "raise max_num_seqs" in wide.error
     assert fine.error is None and len(fine.token_ids) == 4
 
@@ -206,8 +240,13 @@ def test_a_block_reused_for_new_content_takes_its_cached_descendants_along(tiny_
     monkeypatch.setattr(prefix_cache_module, "hash", lambda key: builtins.hash(key[1]), raising=False)
     rng = random.Random(9)
     a, b, x = ([rng.randrange(97) for _ in range(BLOCK)] for _ in range(3))
-    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, block_size=BLOCK,
-              kv_cache_bytes=3 * BLOCK * KV_BYTES_PER_TOKEN)  # 3 blocks: [A] is the first reused
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        prefix_caching=True,
+        block_size=BLOCK,
+        kv_cache_bytes=3 * BLOCK * KV_BYTES_PER_TOKEN,
+    )  # 3 blocks: [A] is the first reused
     three = SamplingParams(max_tokens=3, ignore_eos=True)
     prompts, params = [a + b + [1], x, x + b + [2]], [three, SamplingParams(max_tokens=1), three]
     outputs = [llm.generate([prompt], sp)[0] for prompt, sp in zip(prompts, params)]

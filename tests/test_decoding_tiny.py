@@ -42,7 +42,7 @@ def test_prefill_in_chunks_matches_one_prefill(tiny_model):
     whole = CachedDecoder(tiny_model, 64).prefill(tokens)
     pieces = CachedDecoder(tiny_model, 64)
     for start in range(0, len(tokens), 9):
-        last = pieces.forward(tokens[start:start + 9])
+        last = pieces.forward(tokens[start : start + 9])
     assert torch.allclose(last, whole, atol=1e-5, rtol=0)
 
 

@@ -13,7 +13,9 @@ from minillm.engine import LLM, SamplingParams
 from minillm.model import Linear, onednn_packs
 from minillm.weights import load_model
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+needs_onednn = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+)
 
 
 @needs_onednn
@@ -24,8 +26,8 @@ def test_packed_bf16_matmul_equals_torch_linear_within_bf16_rounding():
     assert onednn_packs(layer.weight)
     for rows in (1, 3, 16, 63, 64, 300):  # decode, small batches (packed), prefill-sized (F.linear)
         x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
-        expected = (x.float() @ layer.weight.float().T)
-        assert (layer(x).float() - expected).abs().max() <= 2 ** -7 * expected.abs().max()  # one bf16 step
+        expected = x.float() @ layer.weight.float().T
+        assert (layer(x).float() - expected).abs().max() <= 2**-7 * expected.abs().max()  # one bf16 step
 
 
 @needs_onednn
@@ -64,13 +66,24 @@ def test_bf16_engine_matches_bf16_naive_on_the_real_model(real_dir, real_tokeniz
     whose top two logits sit one bf16 step apart, 0.0625 at 15, may go either way between any
     two kernels; these prompts have no such tie.)"""
     model = load_model(real_dir, torch.bfloat16)
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
-               "1, 2, 3, 4,", "The GNU General Public License is"] + \
-              [real_tokenizer.encode_chat([{"role": "user", "content": q}]) for q in
-               ("What is 2 + 2?", "Name three colors.", "Say hello in French.")]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "1, 2, 3, 4,",
+        "The GNU General Public License is",
+    ] + [
+        real_tokenizer.encode_chat([{"role": "user", "content": q}])
+        for q in ("What is 2 + 2?", "Name three colors.", "Say hello in French.")
+    ]
     params = [SamplingParams(max_tokens=n) for n in (24, 32, 24, 24, 24, 24, 32, 24)]
-    llm = LLM(real_dir, model=model, tokenizer=real_tokenizer, dtype="bfloat16",
-              kv_cache_bytes=6 * 16 * model.config.kv_bytes_per_token(model.dtype))
+    llm = LLM(
+        real_dir,
+        model=model,
+        tokenizer=real_tokenizer,
+        dtype="bfloat16",
+        kv_cache_bytes=6 * 16 * model.config.kv_bytes_per_token(model.dtype),
+    )
     for out, prompt, sp in zip(llm.generate(prompts, params), prompts, params):
         ids = real_tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
         assert out.token_ids == generate(model, ids, sp, "naive", real_tokenizer.eos_token_id).token_ids

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import pytest
 
+import minillm.engine.sequence as sequence_module
 from minillm.config import ConfigError
 from minillm.decoding import generate
-import minillm.engine.sequence as sequence_module
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.outputs import EngineStats
 from minillm.engine.scheduler import Scheduler
@@ -44,7 +44,9 @@ def test_engine_matches_naive_for_every_block_size(tiny_dir, tiny_model, block_s
 
 def test_engine_matches_naive_under_preemption(tiny_dir, tiny_model):
     prompts, params = mixed_requests(32, tiny_model.config.vocab_size, seed=11)
-    llm = LLM(tiny_dir, model=tiny_model, block_size=8, kv_cache_bytes=30 * 8 * KV_BYTES_PER_TOKEN)  # 30 blocks
+    llm = LLM(
+        tiny_dir, model=tiny_model, block_size=8, kv_cache_bytes=30 * 8 * KV_BYTES_PER_TOKEN
+    )  # 30 blocks
     assert_matches_naive(tiny_model, llm, prompts, params)
     assert llm.engine.num_preemptions > 0
 
@@ -67,22 +69,33 @@ def test_static_batching_matches_naive_and_takes_more_steps(tiny_dir, tiny_model
 
 def test_static_batching_matches_naive_under_preemption(tiny_dir, tiny_model):
     prompts, params = mixed_requests(16, tiny_model.config.vocab_size, seed=14)
-    llm = LLM(tiny_dir, model=tiny_model, scheduling="static", max_num_seqs=8, block_size=8,
-              max_num_batched_tokens=64, kv_cache_bytes=20 * 8 * KV_BYTES_PER_TOKEN)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        scheduling="static",
+        max_num_seqs=8,
+        block_size=8,
+        max_num_batched_tokens=64,
+        kv_cache_bytes=20 * 8 * KV_BYTES_PER_TOKEN,
+    )
     assert_matches_naive(tiny_model, llm, prompts, params)
     assert llm.engine.num_preemptions > 0
 
 
 def test_seeded_sampling_in_a_batch_matches_single_sequence_sampling(tiny_dir, tiny_model):
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8] * 20]
-    params = [SamplingParams(temperature=0.9, top_k=20, seed=s, max_tokens=15, ignore_eos=True) for s in (1, 2, 3)]
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=s, max_tokens=15, ignore_eos=True) for s in (1, 2, 3)
+    ]
     llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=20 * 4 * KV_BYTES_PER_TOKEN)
     for out, prompt, sp in zip(llm.generate(prompts, params), prompts, params):
         assert out.token_ids == generate(tiny_model, prompt, sp, "naive").token_ids
 
 
 def test_request_that_can_never_fit_fails_alone(tiny_dir, tiny_model):
-    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=10 * 4 * KV_BYTES_PER_TOKEN)  # 40 slots
+    llm = LLM(
+        tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=10 * 4 * KV_BYTES_PER_TOKEN
+    )  # 40 slots
     prompts = [[1, 2, 3], list(range(50)), [4, 5]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     small, huge, other = llm.generate(prompts, params)
@@ -130,26 +143,42 @@ def test_metrics_are_recorded(tiny_dir, tiny_model):
     assert len(stats.memory) == stats.steps and 0 < stats.kv_utilization() <= 1
 
 
-@pytest.mark.parametrize("switches, word", [
-    ({"scheduling": "fifo"}, "scheduling"), ({"block_size": 0}, "block_size"),
-    ({"kv_cache_bytes": 100}, "cannot hold one block"), ({"decoder": "naive"}, "no switch 'decoder'"),
-    ({"kv_cache_bytes": 2**50}, "could not be allocated on cpu"), ({"max_seq_len": "100"}, "max_seq_len must be"),
-    ({"max_seq_len": 0}, "max_seq_len must be"),
-])
+@pytest.mark.parametrize(
+    "switches, word",
+    [
+        ({"scheduling": "fifo"}, "scheduling"),
+        ({"block_size": 0}, "block_size"),
+        ({"kv_cache_bytes": 100}, "cannot hold one block"),
+        ({"decoder": "naive"}, "no switch 'decoder'"),
+        ({"kv_cache_bytes": 2**50}, "could not be allocated on cpu"),
+        ({"max_seq_len": "100"}, "max_seq_len must be"),
+        ({"max_seq_len": 0}, "max_seq_len must be"),
+    ],
+)
 def test_bad_switches_are_refused_with_the_reason(tiny_dir, tiny_model, switches, word):
     with pytest.raises(ConfigError, match=word):
         LLM(tiny_dir, model=tiny_model, **switches)
 
 
 def test_real_model_engine_matches_naive(real_dir, real_model, real_tokenizer):
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
-               "1, 2, 3, 4,", "The GNU General Public License is"] + \
-              [real_tokenizer.encode_chat([{"role": "user", "content": q}]) for q in
-               ("What is 2 + 2?", "Name three colors.", "Say hello in French.")]
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "1, 2, 3, 4,",
+        "The GNU General Public License is",
+    ] + [
+        real_tokenizer.encode_chat([{"role": "user", "content": q}])
+        for q in ("What is 2 + 2?", "Name three colors.", "Say hello in French.")
+    ]
     params = [SamplingParams(max_tokens=n) for n in (12, 20, 8, 16, 10, 12, 18, 9)]
     # 6 blocks of 16 tokens: fewer than the batch wants, so sequences get preempted and recomputed
-    llm = LLM(real_dir, model=real_model, tokenizer=real_tokenizer,
-              kv_cache_bytes=6 * 16 * real_model.config.kv_bytes_per_token(real_model.dtype))
+    llm = LLM(
+        real_dir,
+        model=real_model,
+        tokenizer=real_tokenizer,
+        kv_cache_bytes=6 * 16 * real_model.config.kv_bytes_per_token(real_model.dtype),
+    )
     outputs = llm.generate(prompts, params)
     for out, prompt, sp in zip(outputs, prompts, params):
         ids = real_tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
@@ -160,15 +189,17 @@ def test_real_model_engine_matches_naive(real_dir, real_model, real_tokenizer):
 
 def test_metrics_equal_hand_computed_values_on_a_scripted_trace(tiny_dir, tiny_model, monkeypatch):
     """Two requests, a 4-token step budget, a clock that reads 1, 2, 4, 7 at the four steps:
-      step 1  A prefills 4 of its 6 prompt tokens (the budget is spent: B waits)
-      step 2  A prefills its last 2 and samples; B (arrived at 0.5) prefills 2 and samples
-      step 3  A and B decode; B has its 2 tokens and finishes
-      step 4  A decodes its 3rd token and finishes"""
+    step 1  A prefills 4 of its 6 prompt tokens (the budget is spent: B waits)
+    step 2  A prefills its last 2 and samples; B (arrived at 0.5) prefills 2 and samples
+    step 3  A and B decode; B has its 2 tokens and finishes
+    step 4  A decodes its 3rd token and finishes"""
     clock = SimpleNamespace(now=0.0)
     monkeypatch.setattr(sequence_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     llm = LLM(tiny_dir, model=tiny_model, block_size=4, max_num_batched_tokens=4, kv_cache_bytes=1 << 20)
     engine = llm.engine
-    a = engine.add_request([5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=0.0)
+    a = engine.add_request(
+        [5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=3, ignore_eos=True), arrival_time=0.0
+    )
     b = engine.add_request([11, 12], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=0.5)
     final = {}
     for clock.now in (1.0, 2.0, 4.0, 7.0):
@@ -179,7 +210,12 @@ def test_metrics_equal_hand_computed_values_on_a_scripted_trace(tiny_dir, tiny_m
     stats = engine.stats
     assert (stats.steps, stats.tokens_computed, stats.tokens_generated) == (4, 4 + 4 + 2 + 1, 5)
     # after each step: (live slots, reserved slots) of the sequences still running
-    assert [(m.live_slots, m.reserved_slots) for m in stats.memory] == [(4, 4), (6 + 2, 8 + 4), (7, 8), (0, 0)]
+    assert [(m.live_slots, m.reserved_slots) for m in stats.memory] == [
+        (4, 4),
+        (6 + 2, 8 + 4),
+        (7, 8),
+        (0, 0),
+    ]
     assert stats.kv_utilization() == (4 + 8 + 7) / (4 + 12 + 8)
 
 
@@ -190,20 +226,34 @@ def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
     llm.generate([first], params)
     llm.generate([first[:8] + [50, 51, 52]], params)  # 11 tokens: both blocks hit
     assert llm.engine.kv_cache.block_manager.prefix_cache.stats() == {
-        "queried_blocks": 2 + 2, "hit_blocks": 2, "block_hit_rate": 2 / 4, "prompt_tokens": 9 + 11,
-        "prefill_tokens_saved": 8, "token_hit_rate": 8 / 20,
-        "cached_blocks": 3}  # the 2 shared, and the second request's third block (filled by its first output)
+        "queried_blocks": 2 + 2,
+        "hit_blocks": 2,
+        "block_hit_rate": 2 / 4,
+        "prompt_tokens": 9 + 11,
+        "prefill_tokens_saved": 8,
+        "token_hit_rate": 8 / 20,
+        "cached_blocks": 3,
+    }  # the 2 shared, and the second request's third block (filled by its first output)
 
 
 def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
     """FCFS survives preemption: the victim arrived before everyone still waiting."""
-    scheduler = Scheduler(KVCacheManager(BlockManager(num_blocks=4, block_size=4)), "continuous", max_num_seqs=8,
-                          max_num_batched_tokens=64, context_len=16, vocab_size=97)
+    scheduler = Scheduler(
+        KVCacheManager(BlockManager(num_blocks=4, block_size=4)),
+        "continuous",
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        context_len=16,
+        vocab_size=97,
+    )
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     first, second, third = (Sequence(i, str(i), list(range(8)), params, max_len=16) for i in range(3))
     scheduler.add(first)
     scheduler.add(second)
-    assert [item.seq for item in scheduler.schedule().sequences] == [first, second]  # 2 blocks each: the pool is full
+    assert [item.seq for item in scheduler.schedule().sequences] == [
+        first,
+        second,
+    ]  # 2 blocks each: the pool is full
     scheduler.add(third)
     for seq in (first, second):
         seq.num_computed = 8
@@ -243,5 +293,8 @@ def test_a_long_lived_engine_keeps_nothing_of_answered_requests(tiny_dir, tiny_m
     (short, short_samples), (full, full_samples) = runs[5], runs[10_000]
     assert short_samples == full_samples and short.steps == full.steps > 5
     assert len(short.memory) == len(short.batches) == 5 and list(short.memory) == list(full.memory)[-5:]
-    assert short.kv_utilization() == full.kv_utilization() == pytest.approx(
-        sum(m.live_slots for m in full.memory) / sum(m.reserved_slots for m in full.memory))
+    assert (
+        short.kv_utilization()
+        == full.kv_utilization()
+        == pytest.approx(sum(m.live_slots for m in full.memory) / sum(m.reserved_slots for m in full.memory))
+    )

@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import TEXTS_DIR
+
 from minillm.cli import main
 from minillm.config import ConfigError
 from minillm.decoding.naive import sequence_logits
@@ -30,7 +30,7 @@ def test_exact_cache_gives_the_full_sequence_perplexity(tiny_dir, tiny_model):
     text = tiny_text(150)
     llm = LLM(tiny_dir, model=tiny_model, block_size=8)
     result = perplexity(llm, text, segment_len=50, num_segments=3)
-    expected = sum(reference_nll(tiny_model, text[i * 50:(i + 1) * 50]) for i in range(3)) / 3
+    expected = sum(reference_nll(tiny_model, text[i * 50 : (i + 1) * 50]) for i in range(3)) / 3
     assert result.tokens_scored == 3 * 49
     assert result.nll == pytest.approx(expected, abs=1e-5)
     assert result.perplexity == pytest.approx(math.exp(expected), rel=1e-5)
@@ -40,11 +40,14 @@ def test_every_scored_token_comes_from_a_one_token_decode_step(tiny_dir, tiny_mo
     llm = LLM(tiny_dir, model=tiny_model)
     perplexity(llm, tiny_text(120), segment_len=40, num_segments=3)
     assert all(tokens == 1 for batch in llm.engine.stats.batches for _, tokens in batch)
-    assert llm.engine.stats.steps == 39  # one token per step for each of the 39 predictions, segments side by side
+    assert (
+        llm.engine.stats.steps == 39
+    )  # one token per step for each of the 39 predictions, segments side by side
 
 
-@pytest.mark.parametrize("switches", [{"kv_dtype": "int4", "kv_key_scales": "token"},
-                                      {"eviction": "window", "kv_budget": 3}])
+@pytest.mark.parametrize(
+    "switches", [{"kv_dtype": "int4", "kv_key_scales": "token"}, {"eviction": "window", "kv_budget": 3}]
+)
 def test_a_compressed_cache_changes_the_perplexity(tiny_dir, tiny_model, switches):
     text = tiny_text(120, seed=1)
     exact = perplexity(LLM(tiny_dir, model=tiny_model), text, 60, 2)
@@ -67,8 +70,23 @@ def test_missing_text_names_the_fetch_command(tmp_path):
 
 
 def test_cli_eval_ppl_json(capsys, real_dir):
-    code = main(["eval", "ppl", "--json", "--segments", "2", "--segment-len", "24", "--kv-dtype", "int8",
-                 "--text", str(TEXTS_DIR / "lcet10.txt"), "--model", str(real_dir)])
+    code = main(
+        [
+            "eval",
+            "ppl",
+            "--json",
+            "--segments",
+            "2",
+            "--segment-len",
+            "24",
+            "--kv-dtype",
+            "int8",
+            "--text",
+            str(TEXTS_DIR / "lcet10.txt"),
+            "--model",
+            str(real_dir),
+        ]
+    )
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["tokens_scored"] == 2 * 23 and report["kv_dtype"] == "int8"
     assert 1 < report["perplexity"] < 1000 and report["kv_bytes_per_token"] == 13320
@@ -78,4 +96,3 @@ def test_cli_eval_ppl_bad_budget_is_one_line(capsys, real_dir):
     code = main(["eval", "ppl", "--eviction", "h2o", "--model", str(real_dir)])
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "needs kv_budget" in err
-

@@ -4,13 +4,13 @@ shared blocks and the prefix cache (a cached prompt prefix stays whole and share
 
 import pytest
 import torch
+from references import RecordingSampler, ScheduleRecorder, replay_eviction, run_recorded
 
 from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.memory.eviction import NUM_SINKS, budget_for, kept_entries
 from minillm.sampling import Sampler
-from references import RecordingSampler, ScheduleRecorder, replay_eviction, run_recorded
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
@@ -24,8 +24,12 @@ def test_budget_is_tokens_or_a_fraction_of_the_full_length():
 
 
 def test_h2o_keeps_the_recent_window_and_the_most_attended_per_query_not_in_total():
-    mass = torch.tensor([[[4.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]],  # layer 0: entry 0 has more in total,
-                         [[7.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]]])  # entry 4 more per query that saw it
+    mass = torch.tensor(
+        [
+            [[4.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]],  # layer 0: entry 0 has more in total,
+            [[7.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]],
+        ]
+    )  # entry 4 more per query that saw it
     kept = kept_entries("h2o", length=8, keep=4, num_layers=2, num_kv_heads=1, mass=mass)
     # recent window = 2 (entries 6, 7, kept whatever their score); 2 heavy hitters among 0..5, which 8, 7, 6,
     # 5, 4, 3 queries saw: entry 5 (1.0 a query), then entry 4 (0.6) over entry 0 (4.0 / 8 = 0.5) ...
@@ -36,10 +40,14 @@ def test_h2o_keeps_the_recent_window_and_the_most_attended_per_query_not_in_tota
 def test_h2o_divides_by_the_queries_that_saw_an_entry_known_from_its_position():
     mass = torch.tensor([[[6.0, 0.0, 3.0, 0.0, 0.0, 0.0]]])
     by_order = kept_entries("h2o", length=6, keep=2, num_layers=1, num_kv_heads=1, mass=mass)
-    assert by_order[0, 0].tolist() == [0, 5]  # entry 0, seen by at least the 6 entries from it on: 1.0 > 3.0 / 4
+    assert by_order[0, 0].tolist() == [
+        0,
+        5,
+    ]  # entry 0, seen by at least the 6 entries from it on: 1.0 > 3.0 / 4
     positions = torch.tensor([[[0, 1, 40, 41, 42, 43]]])  # tokens 2..39 were evicted after seeing entry 0
-    by_position = kept_entries("h2o", length=6, keep=2, num_layers=1, num_kv_heads=1, mass=mass,
-                               positions=positions)
+    by_position = kept_entries(
+        "h2o", length=6, keep=2, num_layers=1, num_kv_heads=1, mass=mass, positions=positions
+    )
     assert by_position[0, 0].tolist() == [2, 5]  # 6.0 / 44 queries < 3.0 / 4
 
 
@@ -68,16 +76,25 @@ def test_sinks_keep_the_first_tokens_and_window_only_the_last():
 
 def mixed(count, seed=0):
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, 97, (int(torch.randint(2, 50, (1,), generator=gen)),), generator=gen).tolist()
-               for _ in range(count)]
+    prompts = [
+        torch.randint(0, 97, (int(torch.randint(2, 50, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(count)
+    ]
     return prompts, SamplingParams(max_tokens=30, ignore_eos=True)
 
 
 @pytest.mark.parametrize("policy", ["h2o", "sinks", "window"])
 def test_a_budget_covering_the_sequence_is_exact(tiny_dir, tiny_model, policy):
     prompts, params = mixed(12, seed=1)
-    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=80, block_size=4, max_num_batched_tokens=16,
-              kv_cache_bytes=40 * 4 * KV_BYTES_PER_TOKEN)  # chunked prefill and preemption too
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        eviction=policy,
+        kv_budget=80,
+        block_size=4,
+        max_num_batched_tokens=16,
+        kv_cache_bytes=40 * 4 * KV_BYTES_PER_TOKEN,
+    )  # chunked prefill and preemption too
     for out, prompt in zip(llm.generate(prompts, params), prompts):
         assert out.token_ids == generate(tiny_model, prompt, params, "naive").token_ids
     assert llm.engine.num_preemptions > 0
@@ -86,7 +103,9 @@ def test_a_budget_covering_the_sequence_is_exact(tiny_dir, tiny_model, policy):
 @pytest.mark.parametrize("policy, budget", [("h2o", 12), ("sinks", 12), ("window", 7), ("h2o", 0.3)])
 def test_exactly_the_budget_is_kept_and_the_rest_given_back(tiny_dir, tiny_model, policy, budget):
     prompts, params = mixed(6, seed=2)
-    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4, max_num_batched_tokens=16)
+    llm = LLM(
+        tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4, max_num_batched_tokens=16
+    )
     engine = llm.engine
     for prompt in prompts:
         engine.add_request(prompt, params)
@@ -96,7 +115,9 @@ def test_exactly_the_budget_is_kept_and_the_rest_given_back(tiny_dir, tiny_model
         for seq in engine.scheduler.running:
             keep = budget_for(budget, seq.max_len)
             assert seq.num_cached == min(keep, seq.num_computed)
-            assert len(engine.kv_cache.block_manager.table(seq.seq_id)) == engine.kv_cache.block_manager.blocks_for(seq.num_cached)
+            assert len(
+                engine.kv_cache.block_manager.table(seq.seq_id)
+            ) == engine.kv_cache.block_manager.blocks_for(seq.num_cached)
             if policy == "h2o":
                 assert engine.kv_cache.attention_mass(seq.seq_id).shape == (3, 2, seq.num_cached)
             evicted |= seq.num_evicted > 0
@@ -108,7 +129,11 @@ def test_exactly_the_budget_is_kept_and_the_rest_given_back(tiny_dir, tiny_model
 def test_eviction_changes_the_output_so_the_cache_is_really_read(tiny_dir, tiny_model):
     prompt, params = list(range(40)), SamplingParams(max_tokens=20, ignore_eos=True)
     full = LLM(tiny_dir, model=tiny_model).generate([prompt], params)[0].token_ids
-    window = LLM(tiny_dir, model=tiny_model, eviction="window", kv_budget=2).generate([prompt], params)[0].token_ids
+    window = (
+        LLM(tiny_dir, model=tiny_model, eviction="window", kv_budget=2)
+        .generate([prompt], params)[0]
+        .token_ids
+    )
     assert window != full
 
 
@@ -119,33 +144,42 @@ def test_eviction_never_writes_a_shared_block(tiny_dir, tiny_model, policy):
     prompt = [(7 * j + 3) % 97 for j in range(37)]
     switches = dict(eviction=policy, kv_budget=24, block_size=4)
     sampling = dict(temperature=1.0, seed=3, max_tokens=25, ignore_eos=True)
-    together = LLM(tiny_dir, model=tiny_model, **switches).generate([prompt], SamplingParams(n=3, **sampling))[0]
+    together = LLM(tiny_dir, model=tiny_model, **switches).generate(
+        [prompt], SamplingParams(n=3, **sampling)
+    )[0]
     for index, sample in enumerate(together.samples):
         alone = LLM(tiny_dir, model=tiny_model, **switches)
         params = SamplingParams(**{**sampling, "seed": sampling["seed"] + index})
         assert sample == alone.generate([prompt], params)[0].token_ids
 
 
-@pytest.mark.parametrize("switches, words", [
-    ({"eviction": "h2o"}, "needs kv_budget"),
-    ({"kv_budget": 10}, "only applies with eviction"),
-    ({"eviction": "lru", "kv_budget": 10}, "eviction must be one of"),
-    ({"eviction": "h2o", "kv_budget": 1.5}, "fraction in"),
-    ({"eviction": "h2o", "kv_budget": 0}, "token count"),
-    ({"kv_dtype": "int3"}, "kv_dtype must be"),
-    ({"kv_key_scales": "group"}, "kv_key_scales must be"),
-])
+@pytest.mark.parametrize(
+    "switches, words",
+    [
+        ({"eviction": "h2o"}, "needs kv_budget"),
+        ({"kv_budget": 10}, "only applies with eviction"),
+        ({"eviction": "lru", "kv_budget": 10}, "eviction must be one of"),
+        ({"eviction": "h2o", "kv_budget": 1.5}, "fraction in"),
+        ({"eviction": "h2o", "kv_budget": 0}, "token count"),
+        ({"kv_dtype": "int3"}, "kv_dtype must be"),
+        ({"kv_key_scales": "group"}, "kv_key_scales must be"),
+    ],
+)
 def test_unsupported_compression_switches_are_refused(tiny_dir, tiny_model, switches, words):
     with pytest.raises(ConfigError, match=words):
         LLM(tiny_dir, model=tiny_model, **switches)
 
 
 def test_a_request_too_long_for_the_pool_runs_when_eviction_bounds_its_cache(tiny_dir, tiny_model):
-    pool = dict(block_size=4, kv_cache_bytes=12 * 4 * KV_BYTES_PER_TOKEN, max_num_batched_tokens=8)  # 48 slots
+    pool = dict(
+        block_size=4, kv_cache_bytes=12 * 4 * KV_BYTES_PER_TOKEN, max_num_batched_tokens=8
+    )  # 48 slots
     prompt, params = list(range(20)), SamplingParams(max_tokens=100, ignore_eos=True)
     refused = LLM(tiny_dir, model=tiny_model, **pool).generate([prompt], params)[0]
     assert refused.finish_reason == "error"
-    evicting = LLM(tiny_dir, model=tiny_model, eviction="sinks", kv_budget=32, **pool).generate([prompt], params)[0]
+    evicting = LLM(tiny_dir, model=tiny_model, eviction="sinks", kv_budget=32, **pool).generate(
+        [prompt], params
+    )[0]
     assert evicting.error is None and len(evicting.token_ids) == 100
 
 
@@ -178,7 +212,7 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
     seq = llm.engine.requests[llm.engine.add_request(prompt, params)][0]
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
-    computed = seq.token_ids[:seq.num_computed]  # the last sampled token was never fed back
+    computed = seq.token_ids[: seq.num_computed]  # the last sampled token was never fed back
     ctx = AttentionColumnSums(len(computed))
     tiny_model(torch.tensor(computed), torch.arange(len(computed)), ctx)
     mass, _ = recorder.freed_state[seq.seq_id]
@@ -189,6 +223,7 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
 # The engine's output while entries are really being dropped, compared with `references.replay_eviction`:
 # a no-cache forward whose every query is masked, per layer and KV head, to the entries the policy
 # keeps — chosen anew from token positions and attention scores computed head by head.
+
 
 def tiny_config(model):
     return model.config.num_layers, model.config.num_kv_heads
@@ -209,12 +244,21 @@ def assert_equals_eviction_reference(model, recorder, requests, params, policy, 
     total_dropped = 0
     for seqs in requests:
         parent = seqs[0]
-        protected = len(parent.prompt_ids) // prefix_block_size * prefix_block_size if prefix_block_size else 0
+        protected = (
+            len(parent.prompt_ids) // prefix_block_size * prefix_block_size if prefix_block_size else 0
+        )
         for seq in seqs:
             history = recorder.history(seq, parent)
             own = recorder.chunks[seq.seq_id]
-            replayed = replay_eviction(model, seq.token_ids, history, policy, budget_for(budget, seq.max_len),
-                                       owned_from_step=own[0].step if seq is not parent else 0, protected=protected)
+            replayed = replay_eviction(
+                model,
+                seq.token_ids,
+                history,
+                policy,
+                budget_for(budget, seq.max_len),
+                owned_from_step=own[0].step if seq is not parent else 0,
+                protected=protected,
+            )
             total_dropped += replayed.dropped
             sampled = [chunk.end for chunk in history if chunk.samples]
             sampler = Sampler(params, seq.sample_index)  # the same draws, from the reference's logits
@@ -229,22 +273,39 @@ def assert_equals_eviction_reference(model, recorder, requests, params, policy, 
             positions = held_positions(kv_positions, seq, tiny_config(model))
             assert positions.sort(dim=-1).values.tolist() == replayed.held
             if policy == "h2o":  # the scores H2O kept for the entries it kept, head by head
-                expected = torch.tensor([[[replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
-                                          for head in range(len(replayed.held[layer]))]
-                                         for layer in range(len(replayed.held))])
+                expected = torch.tensor(
+                    [
+                        [
+                            [replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
+                            for head in range(len(replayed.held[layer]))
+                        ]
+                        for layer in range(len(replayed.held))
+                    ]
+                )
                 in_position_order = mass.gather(-1, positions.argsort(dim=-1))
                 assert torch.allclose(in_position_order, expected, atol=1e-4)
     return total_dropped
 
 
-@pytest.mark.parametrize("policy, backend", [("h2o", "torch"), ("sinks", "torch"), ("window", "torch"),
-                                             ("sinks", "cpu")])
-def test_engine_under_active_eviction_equals_a_masked_no_cache_reference(tiny_dir, tiny_model, policy, backend):
+@pytest.mark.parametrize(
+    "policy, backend", [("h2o", "torch"), ("sinks", "torch"), ("window", "torch"), ("sinks", "cpu")]
+)
+def test_engine_under_active_eviction_equals_a_masked_no_cache_reference(
+    tiny_dir, tiny_model, policy, backend
+):
     """Chunked prefill, preemption and a budget far below every sequence's length."""
     prompts, params = mixed(10, seed=4)
     budget = 11
-    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4,
-              max_num_batched_tokens=16, kv_cache_bytes=24 * 4 * KV_BYTES_PER_TOKEN, attention_backend=backend)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        eviction=policy,
+        kv_budget=budget,
+        block_size=4,
+        max_num_batched_tokens=16,
+        kv_cache_bytes=24 * 4 * KV_BYTES_PER_TOKEN,
+        attention_backend=backend,
+    )
     recorder, requests = run_recorded(llm, prompts, params)
     assert llm.engine.num_preemptions > 0
     assert all(seqs[0].num_evicted > 0 for seqs in requests)
@@ -259,8 +320,15 @@ def test_parallel_samples_under_active_eviction_equal_the_reference(tiny_dir, ti
     prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (30, 19, 41)]
     params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=20, ignore_eos=True)
     budget = 0.25
-    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4,
-              max_num_batched_tokens=12, kv_cache_bytes=30 * 4 * KV_BYTES_PER_TOKEN)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        eviction=policy,
+        kv_budget=budget,
+        block_size=4,
+        max_num_batched_tokens=12,
+        kv_cache_bytes=30 * 4 * KV_BYTES_PER_TOKEN,
+    )
     recorder, requests = run_recorded(llm, prompts, params)
     assert all(len(seqs) == 3 and all(seq.num_evicted > 0 for seq in seqs) for seqs in requests)
     dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget)
@@ -270,6 +338,7 @@ def test_parallel_samples_under_active_eviction_equal_the_reference(tiny_dir, ti
 # ---------------------------------------------------------------- newcomers fill dropped entries' slots
 # Eviction moves no entry that stays: per layer and KV head, a kept newcomer takes a dropped
 # entry's slot, so slots hold tokens in no order and the sequence says which position each holds.
+
 
 def record_written_keys(pool, num_layers: int) -> list[list[torch.Tensor]]:
     """Every key the step's attention writes, per layer, in the order written: for one sequence
@@ -287,7 +356,9 @@ def record_written_keys(pool, num_layers: int) -> list[list[torch.Tensor]]:
 def cache_keys(engine, seq) -> torch.Tensor:
     """(layers, num_cached, kv_heads, head_dim): the keys the pool holds for the sequence's entries."""
     slots = torch.tensor(engine.kv_cache.block_manager.slots(seq.seq_id, 0, seq.num_cached))
-    return torch.stack([engine.kv_cache.pool.read(layer, slots)[0] for layer in range(engine.model.config.num_layers)])
+    return torch.stack(
+        [engine.kv_cache.pool.read(layer, slots)[0] for layer in range(engine.model.config.num_layers)]
+    )
 
 
 @pytest.mark.parametrize("policy", ["window", "sinks"])
@@ -299,8 +370,13 @@ def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir
     budget = 9
     llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4)
     engine, shape = llm.engine, tiny_config(tiny_model)
-    seq = engine.requests[engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))][0]
-    held, written = [], record_written_keys(engine.kv_cache.pool, shape[0])  # (positions, keys) after each step at the budget
+    seq = engine.requests[
+        engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))
+    ][0]
+    held, written = (
+        [],
+        record_written_keys(engine.kv_cache.pool, shape[0]),
+    )  # (positions, keys) after each step at the budget
     while engine.has_unfinished_requests():
         engine.step()
         if seq.num_evicted and seq.status.value == "running":
@@ -310,11 +386,15 @@ def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir
             assert all(sorted(head) == expected for layer in positions.tolist() for head in layer)
             held.append((positions.clone(), cache_keys(engine, seq)))
     assert len(held) >= 20
-    assert any(not torch.equal(positions.sort(-1).values, positions) for positions, _ in held)  # really out of order
+    assert any(
+        not torch.equal(positions.sort(-1).values, positions) for positions, _ in held
+    )  # really out of order
     assert engine.num_preemptions == 0  # so each layer's keys were written in position order
     for positions, keys in held:
         for layer, head in [(layer, head) for layer in range(shape[0]) for head in range(shape[1])]:
-            expected_keys = torch.stack([written[layer][position][head] for position in positions[layer, head]])
+            expected_keys = torch.stack(
+                [written[layer][position][head] for position in positions[layer, head]]
+            )
             assert torch.equal(keys[layer, :, head], expected_keys)
 
 
@@ -345,10 +425,14 @@ def test_a_step_at_the_budget_moves_at_most_its_new_entries_per_head(tiny_dir, t
     """Eviction writes nothing but the moves, and a step that computed n tokens of a sequence
     moves at most n of its entries per (layer, KV head), however long its cache: not a rewrite.
     Chunked prefill evicts with chunks of 6 before decoding evicts one entry a step."""
-    llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=10, block_size=4, max_num_batched_tokens=6)
+    llm = LLM(
+        tiny_dir, model=tiny_model, eviction=policy, kv_budget=10, block_size=4, max_num_batched_tokens=6
+    )
     engine = llm.engine
     layers = engine.model.config.num_layers
-    seq = engine.requests[engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=25, ignore_eos=True))][0]
+    seq = engine.requests[
+        engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=25, ignore_eos=True))
+    ][0]
     counter, moved_any = MoveCounter(engine.kv_cache.pool), 0
     while engine.has_unfinished_requests():
         before = seq.num_computed
@@ -376,8 +460,15 @@ def snapshot(pool, block):
 
 @pytest.mark.parametrize("policy", ["h2o", "window"])
 def test_a_shared_prefix_is_never_written_or_dropped_while_its_sequences_evict(tiny_dir, tiny_model, policy):
-    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction=policy, kv_budget=6, block_size=BLOCK,
-              max_num_batched_tokens=16)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        prefix_caching=True,
+        eviction=policy,
+        kv_budget=6,
+        block_size=BLOCK,
+        max_num_batched_tokens=16,
+    )
     engine, manager = llm.engine, llm.engine.kv_cache.block_manager
     cache, params = manager.prefix_cache, SamplingParams(max_tokens=24, ignore_eos=True)
     seqs = [engine.requests[engine.add_request(SYSTEM + TAILS[0], params)][0]]
@@ -401,8 +492,15 @@ def test_a_shared_prefix_is_never_written_or_dropped_while_its_sequences_evict(t
 
 
 def test_a_budget_covering_the_sequence_is_exact_with_prefix_hits(tiny_dir, tiny_model):
-    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction="sinks", kv_budget=60, block_size=BLOCK,
-              max_num_batched_tokens=16)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        prefix_caching=True,
+        eviction="sinks",
+        kv_budget=60,
+        block_size=BLOCK,
+        max_num_batched_tokens=16,
+    )
     params = SamplingParams(max_tokens=20, ignore_eos=True)
     prompts = [SYSTEM + tail for tail in TAILS]
     outputs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)  # the later ones hit
@@ -411,23 +509,34 @@ def test_a_budget_covering_the_sequence_is_exact_with_prefix_hits(tiny_dir, tiny
     assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= len(SYSTEM) // BLOCK * len(TAILS[1:])
 
 
-@pytest.mark.parametrize("policy, params", [
-    ("h2o", SamplingParams(max_tokens=20, ignore_eos=True)),
-    ("sinks", SamplingParams(max_tokens=20, ignore_eos=True)),
-    ("h2o", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)),
-])
+@pytest.mark.parametrize(
+    "policy, params",
+    [
+        ("h2o", SamplingParams(max_tokens=20, ignore_eos=True)),
+        ("sinks", SamplingParams(max_tokens=20, ignore_eos=True)),
+        ("h2o", SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=16, ignore_eos=True)),
+    ],
+)
 def test_prefix_hits_under_active_eviction_equal_the_reference(tiny_dir, tiny_model, policy, params):
     """Chunked prefill admits each request while the one before is still prefilling, so it hits
     the blocks registered so far; every sequence evicts far below its length. The reference
     keeps each prompt's full blocks and the budget of the rest."""
     budget = 5
-    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction=policy, kv_budget=budget, block_size=BLOCK,
-              max_num_batched_tokens=16)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        prefix_caching=True,
+        eviction=policy,
+        kv_budget=budget,
+        block_size=BLOCK,
+        max_num_batched_tokens=16,
+    )
     recorder, requests = run_recorded(llm, [SYSTEM + tail for tail in TAILS], params)
     assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0 and llm.engine.num_preemptions == 0
     assert all(seq.num_evicted > 0 for seqs in requests for seq in seqs)
-    dropped = assert_equals_eviction_reference(tiny_model, recorder, requests, params, policy, budget,
-                                               prefix_block_size=BLOCK)
+    dropped = assert_equals_eviction_reference(
+        tiny_model, recorder, requests, params, policy, budget, prefix_block_size=BLOCK
+    )
     assert llm.engine.stats.tokens_evicted == dropped
 
 
@@ -491,21 +600,38 @@ def test_admission_counts_the_protected_prefix(tiny_dir, tiny_model):
     pool = dict(block_size=BLOCK, kv_cache_bytes=11 * BLOCK * KV_BYTES_PER_TOKEN, max_num_batched_tokens=8)
     switches = dict(eviction="sinks", kv_budget=8, **pool)
     params = SamplingParams(max_tokens=60, ignore_eos=True)
-    fits = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **switches).generate([list(range(28))], params)[0]
+    fits = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **switches).generate(
+        [list(range(28))], params
+    )[0]
     assert fits.error is None and len(fits.token_ids) == 60  # 28 + 8 + 8 tokens: 11 blocks
     long_prompt = list(range(40))
-    refused = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **switches).generate([long_prompt], params)[0]
+    refused = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **switches).generate(
+        [long_prompt], params
+    )[0]
     assert refused.finish_reason == "error" and "may need 14 KV blocks (56 tokens)" in refused.error
     assert LLM(tiny_dir, model=tiny_model, **switches).generate([long_prompt], params)[0].error is None
 
 
-@pytest.mark.parametrize("params", [SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=20, ignore_eos=True),
-                                    SamplingParams(beam_width=2, max_tokens=14)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=20, ignore_eos=True),
+        SamplingParams(beam_width=2, max_tokens=14),
+    ],
+)
 def test_samples_and_beams_evict_beside_a_cached_prefix_without_leaking(tiny_dir, tiny_model, params):
     """Forks share the protected prefix and copy before they rewrite what follows; a tight pool
     preempts them too."""
-    llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, eviction="h2o", kv_budget=5, block_size=BLOCK,
-              max_num_batched_tokens=16, kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        prefix_caching=True,
+        eviction="h2o",
+        kv_budget=5,
+        block_size=BLOCK,
+        max_num_batched_tokens=16,
+        kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN,
+    )
     engine, manager = llm.engine, llm.engine.kv_cache.block_manager
     for tail in TAILS:
         engine.add_request(SYSTEM + tail, params)
@@ -515,5 +641,7 @@ def test_samples_and_beams_evict_beside_a_cached_prefix_without_leaking(tiny_dir
         manager.check_invariants()
     assert len(finished) == len(TAILS) and all(out.error is None for out in finished)
     assert all(len(out.samples) == params.num_outputs for out in finished)
-    assert manager.prefix_cache.hit_blocks > 0 and engine.stats.tokens_evicted > 0 and engine.num_preemptions > 0
+    assert (
+        manager.prefix_cache.hit_blocks > 0 and engine.stats.tokens_evicted > 0 and engine.num_preemptions > 0
+    )
     assert manager.num_free_blocks == manager.num_blocks

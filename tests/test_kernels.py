@@ -31,8 +31,19 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 HAS_CUDA = torch.cuda.is_available()
 
 
-def random_case(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, kv_dtype="auto", key_scales="channel",
-                dtype=torch.float32, device="cpu", rounded_to=None):
+def random_case(
+    seed,
+    num_seqs,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    kv_dtype="auto",
+    key_scales="channel",
+    dtype=torch.float32,
+    device="cpu",
+    rounded_to=None,
+):
     """Ragged sequences whose blocks are scattered at random through one layer of a real pool;
     the last block of most is still filling (with per-channel keys: staged). `rounded_to`: the
     numbers are rounded to that dtype first (an fp32 twin of a bf16 case)."""
@@ -44,31 +55,67 @@ def random_case(seed, num_seqs, num_heads, num_kv_heads, head_dim, block_size, k
     rng.shuffle(order)
     tables, cursor = [], 0
     for count in blocks_per_seq:
-        tables.append(order[cursor:cursor + count] + [0] * (max(blocks_per_seq) - count))
+        tables.append(order[cursor : cursor + count] + [0] * (max(blocks_per_seq) - count))
         cursor += count
-    config = ModelConfig.from_dict({"architectures": ["LlamaForCausalLM"], "vocab_size": 1, "hidden_size": 8,
-                                    "intermediate_size": 1, "num_hidden_layers": 1, "num_attention_heads": num_heads,
-                                    "num_key_value_heads": num_kv_heads, "head_dim": head_dim})
-    pool = PagedKVPool(config, num_blocks, block_size, dtype, device) if kv_dtype == "auto" else \
-        QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device)
+    config = ModelConfig.from_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 1,
+            "hidden_size": 8,
+            "intermediate_size": 1,
+            "num_hidden_layers": 1,
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": num_kv_heads,
+            "head_dim": head_dim,
+        }
+    )
+    pool = (
+        PagedKVPool(config, num_blocks, block_size, dtype, device)
+        if kv_dtype == "auto"
+        else QuantizedKVPool(config, num_blocks, block_size, FORMATS[kv_dtype], key_scales, dtype, device)
+    )
     gen = torch.Generator().manual_seed(seed)
-    slots = torch.tensor([table[t // block_size] * block_size + t % block_size
-                          for table, n in zip(tables, lens) for t in range(n)], device=device)
+    slots = torch.tensor(
+        [
+            table[t // block_size] * block_size + t % block_size
+            for table, n in zip(tables, lens)
+            for t in range(n)
+        ],
+        device=device,
+    )
     shape = (len(slots), num_kv_heads, head_dim)
     keys = torch.randn(shape, generator=gen) * (1 + 3 * torch.rand(num_kv_heads, head_dim, generator=gen))
-    values, query = torch.randn(shape, generator=gen), torch.randn(num_seqs, num_heads, head_dim, generator=gen)
+    values, query = (
+        torch.randn(shape, generator=gen),
+        torch.randn(num_seqs, num_heads, head_dim, generator=gen),
+    )
     if rounded_to is not None:
         keys, values, query = (x.to(rounded_to).float() for x in (keys, values, query))
     pool.write(0, slots, keys.to(device, dtype), values.to(device, dtype))
-    return {"query": query.to(device, dtype), "pool": pool,
-            "layer": 0, "block_tables": torch.tensor(tables, dtype=torch.int32, device=device),
-            "context_lens": torch.tensor(lens, dtype=torch.int32, device=device)}
+    return {
+        "query": query.to(device, dtype),
+        "pool": pool,
+        "layer": 0,
+        "block_tables": torch.tensor(tables, dtype=torch.int32, device=device),
+        "context_lens": torch.tensor(lens, dtype=torch.int32, device=device),
+    }
 
 
 SHAPES = [  # (num_seqs, num_heads, num_kv_heads, head_dim, block_size)
-    (1, 9, 3, 64, 16), (7, 9, 3, 64, 1), (33, 8, 8, 64, 16), (5, 8, 1, 128, 32), (12, 4, 2, 64, 128), (3, 4, 2, 16, 4),
+    (1, 9, 3, 64, 16),
+    (7, 9, 3, 64, 1),
+    (33, 8, 8, 64, 16),
+    (5, 8, 1, 128, 32),
+    (12, 4, 2, 64, 128),
+    (3, 4, 2, 16, 4),
 ]
-FORMATS_TESTED = [("int8", "channel"), ("int8", "token"), ("int4", "channel"), ("fp8", "token"), ("fp8", "channel")]
+FORMATS_TESTED = [
+    ("int8", "channel"),
+    ("int8", "token"),
+    ("int4", "channel"),
+    ("fp8", "token"),
+    ("fp8", "channel"),
+]
 
 
 def one_sequence_at_a_time(query, pool, layer, block_tables, context_lens):
@@ -76,9 +123,12 @@ def one_sequence_at_a_time(query, pool, layer, block_tables, context_lens):
     out = torch.empty_like(query)
     for seq, length in enumerate(context_lens.tolist()):
         positions = torch.arange(length, device=query.device)
-        slots = block_tables[seq, positions // pool.block_size].long() * pool.block_size + positions % pool.block_size
+        slots = (
+            block_tables[seq, positions // pool.block_size].long() * pool.block_size
+            + positions % pool.block_size
+        )
         keys, values = pool.read(layer, slots)
-        out[seq] = causal_attention(query[seq:seq + 1], keys, values, positions[-1:])[0]
+        out[seq] = causal_attention(query[seq : seq + 1], keys, values, positions[-1:])[0]
     return out
 
 
@@ -109,7 +159,9 @@ def test_cpu_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales)
 
 def test_cpu_kernel_attention_mass_sums_to_the_group_size():
     case = random_case(3, 6, 9, 3, 64, 16)
-    _, mass = decode_backend("cpu")(**case, with_mass=True)  # (S, kv_heads, longest): each head's probabilities
+    _, mass = decode_backend("cpu")(
+        **case, with_mass=True
+    )  # (S, kv_heads, longest): each head's probabilities
     assert torch.allclose(mass.sum(-1), torch.full((6, 3), 3.0), atol=1e-4)
     for seq, length in enumerate(case["context_lens"].tolist()):
         assert (mass[seq, :, length:] == 0).all()  # nothing past a sequence's context
@@ -124,36 +176,66 @@ def test_engine_with_cpu_kernel_gives_naive_tokens(tiny_dir, tiny_model):
         assert out.token_ids == generate(tiny_model, prompt, sp, "naive").token_ids
 
 
-@pytest.mark.parametrize("switches", [{"kv_dtype": "int8"}, {"kv_dtype": "int4", "kv_key_scales": "token"},
-                                      {"kv_dtype": "fp8"}, {"eviction": "h2o", "kv_budget": 12}])
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"kv_dtype": "int8"},
+        {"kv_dtype": "int4", "kv_key_scales": "token"},
+        {"kv_dtype": "fp8"},
+        {"eviction": "h2o", "kv_budget": 12},
+    ],
+)
 def test_engine_with_cpu_kernel_equals_the_torch_backend_on_lossy_switches(tiny_dir, tiny_model, switches):
     """Quantized pools and H2O (whose choices follow the kernel's attention mass) give the tokens
     the torch reference gives with the same switches."""
     rng = random.Random(4)
     prompts = [[rng.randrange(97) for _ in range(rng.randint(1, 40))] for _ in range(8)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    outputs = {backend: [out.token_ids for out in LLM(tiny_dir, model=tiny_model, attention_backend=backend,
-                                                      block_size=4, **switches).generate(prompts, params)]
-               for backend in ("torch", "cpu")}
+    outputs = {
+        backend: [
+            out.token_ids
+            for out in LLM(
+                tiny_dir, model=tiny_model, attention_backend=backend, block_size=4, **switches
+            ).generate(prompts, params)
+        ]
+        for backend in ("torch", "cpu")
+    }
     assert outputs["cpu"] == outputs["torch"]
 
 
 def test_engine_with_cpu_kernel_on_the_real_model(real_dir, real_model, real_tokenizer):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     params = SamplingParams(max_tokens=24)
-    llm = LLM(real_dir, model=real_model, tokenizer=real_tokenizer, attention_backend="cpu", kv_cache_bytes=64 << 20)
+    llm = LLM(
+        real_dir, model=real_model, tokenizer=real_tokenizer, attention_backend="cpu", kv_cache_bytes=64 << 20
+    )
     for out, prompt in zip(llm.generate(prompts, params), prompts):
         ids = real_tokenizer.encode(prompt)
-        assert out.token_ids == generate(real_model, ids, params, "naive", real_tokenizer.eos_token_id).token_ids
+        assert (
+            out.token_ids == generate(real_model, ids, params, "naive", real_tokenizer.eos_token_id).token_ids
+        )
 
 
 def test_the_wheel_carries_the_kernel_sources(tmp_path):
     """A plain `pip install .` (not editable) must find the kernels: they ship as package data."""
     source = tmp_path / "source"  # a copy, so the build leaves nothing in the working tree
-    shutil.copytree(Path(__file__).resolve().parent.parent, source,
-                    ignore=shutil.ignore_patterns(".git", "weights", "build", "*.egg-info", "__pycache__", "out"))
-    command = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path),
-               str(source)]
+    shutil.copytree(
+        Path(__file__).resolve().parent.parent,
+        source,
+        ignore=shutil.ignore_patterns(".git", "weights", "build", "*.egg-info", "__pycache__", "out"),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(tmp_path),
+        str(source),
+    ]
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("minillm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -165,10 +247,23 @@ def test_cuda_kernel_compiles_with_nvcc(tmp_path):
     """Without a GPU we still refuse a kernel that does not build."""
     from torch.utils.cpp_extension import include_paths
 
-    command = ["nvcc", "-c", str(CUDA_SOURCE), "-o", str(tmp_path / "paged_attention.o"), "-std=c++20",
-               "-Xcompiler", "-fPIC", "--expt-relaxed-constexpr", "-gencode", "arch=compute_90,code=sm_90",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", "-DTORCH_EXTENSION_NAME=check",
-               f"-I{sysconfig.get_paths()['include']}", *[f"-I{path}" for path in include_paths()]]
+    command = [
+        "nvcc",
+        "-c",
+        str(CUDA_SOURCE),
+        "-o",
+        str(tmp_path / "paged_attention.o"),
+        "-std=c++20",
+        "-Xcompiler",
+        "-fPIC",
+        "--expt-relaxed-constexpr",
+        "-gencode",
+        "arch=compute_90,code=sm_90",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        "-DTORCH_EXTENSION_NAME=check",
+        f"-I{sysconfig.get_paths()['include']}",
+        *[f"-I{path}" for path in include_paths()],
+    ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
 

@@ -16,8 +16,12 @@ LESSONS = Path(__file__).parent.parent / "lessons"
 
 def run_lesson(name: str, out: Path) -> dict:
     """Run lessons/<name>.py --quick --out `out`; return the numbers it saved."""
-    result = subprocess.run([sys.executable, str(LESSONS / f"{name}.py"), "--quick", "--out", str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(LESSONS / f"{name}.py"), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "What it means" in result.stdout
     return json.loads((out / f"{name}.json").read_text())
@@ -31,7 +35,9 @@ def check_kv_cache_math(numbers):
 
 def check_naive_vs_cached(numbers):
     assert numbers["identical_tokens"]
-    assert numbers["cached_seconds"] < numbers["naive_seconds"]  # ~3x at --quick; the per-step growth is too noisy
+    assert (
+        numbers["cached_seconds"] < numbers["naive_seconds"]
+    )  # ~3x at --quick; the per-step growth is too noisy
 
 
 def check_bandwidth_wall(numbers):
@@ -48,7 +54,11 @@ def check_fragmentation(numbers):
 def check_paged_attention(numbers):
     assert numbers["identical_to_naive"]
     assert numbers["waste_block_1"] < numbers["waste_block_16"] < numbers["waste_block_256"]
-    assert numbers["table_entries_block_1"] > numbers["table_entries_block_16"] > numbers["table_entries_block_256"]
+    assert (
+        numbers["table_entries_block_1"]
+        > numbers["table_entries_block_16"]
+        > numbers["table_entries_block_256"]
+    )
 
 
 def check_prefix_sharing(numbers):
@@ -89,7 +99,9 @@ def check_tiers(numbers):
     assert 0 < numbers["swap_prefetched"] <= numbers["swap_swapped_in"]
     assert 0 <= numbers["swap_hidden_share"] <= 1
     assert numbers["session_resumed_computed"] < numbers["session_recomputed_computed"]
-    assert numbers["session_resumed_ttft"] < numbers["session_recomputed_ttft"]  # ~10x less prefill at --quick
+    assert (
+        numbers["session_resumed_ttft"] < numbers["session_recomputed_ttft"]
+    )  # ~10x less prefill at --quick
 
 
 def check_kernel(numbers):
@@ -103,26 +115,31 @@ def check_memory_system(numbers):
     assert numbers["busy_device_shared_bytes"] > 0 and numbers["busy_full_precision_bytes"] > 0
     assert numbers["old_paged_top1_is_answer"] and numbers["old_paged_kl"] == 0
     assert numbers["old_swapped_p_answer"] == numbers["old_paged_p_answer"]  # a swap loses nothing
-    assert numbers["old_int8_kl"] < numbers["old_window_kl"]  # int8 keeps the password, a recent window drops it
+    assert (
+        numbers["old_int8_kl"] < numbers["old_window_kl"]
+    )  # int8 keeps the password, a recent window drops it
     assert numbers["old_window_p_answer"] < numbers["old_paged_p_answer"]
     assert numbers["old_h2o_remedy_seconds"] > numbers["old_swapped_remedy_seconds"]  # recompute > copy
 
 
-@pytest.mark.parametrize("name, makes_plot, check", [
-    ("01_kv_cache_math", True, check_kv_cache_math),
-    ("02_naive_vs_cached", True, check_naive_vs_cached),
-    ("03_bandwidth_wall", True, check_bandwidth_wall),
-    ("04_fragmentation", True, check_fragmentation),
-    ("05_paged_attention", True, check_paged_attention),
-    ("06_prefix_sharing", False, check_prefix_sharing),  # tables only
-    ("07_kv_quantization", True, check_kv_quantization),
-    ("08_eviction", True, check_eviction),
-    ("09_continuous_batching", True, check_continuous_batching),
-    ("10_preemption", True, check_preemption),
-    ("11_tiers", True, check_tiers),
-    ("12_kernel", False, check_kernel),  # tables only
-    ("13_memory_system", True, check_memory_system),
-])
+@pytest.mark.parametrize(
+    "name, makes_plot, check",
+    [
+        ("01_kv_cache_math", True, check_kv_cache_math),
+        ("02_naive_vs_cached", True, check_naive_vs_cached),
+        ("03_bandwidth_wall", True, check_bandwidth_wall),
+        ("04_fragmentation", True, check_fragmentation),
+        ("05_paged_attention", True, check_paged_attention),
+        ("06_prefix_sharing", False, check_prefix_sharing),  # tables only
+        ("07_kv_quantization", True, check_kv_quantization),
+        ("08_eviction", True, check_eviction),
+        ("09_continuous_batching", True, check_continuous_batching),
+        ("10_preemption", True, check_preemption),
+        ("11_tiers", True, check_tiers),
+        ("12_kernel", False, check_kernel),  # tables only
+        ("13_memory_system", True, check_memory_system),
+    ],
+)
 def test_lesson_runs_saves_and_its_claim_holds(name, makes_plot, check, real_dir, tmp_path):
     numbers = run_lesson(name, tmp_path)
     assert (tmp_path / f"{name}.png").is_file() == makes_plot

@@ -15,8 +15,15 @@ def test_samples_equal_independent_seeded_requests(tiny_dir, tiny_model, prompt_
     params = SamplingParams(n=4, temperature=1.0, top_p=0.95, seed=10, max_tokens=20, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, block_size=8, kv_cache_bytes=1 << 20)
     out = llm.generate([prompt], params)[0]
-    expected = [generate(tiny_model, prompt, SamplingParams(temperature=1.0, top_p=0.95, seed=10 + i, max_tokens=20,
-                                                             ignore_eos=True), "naive").token_ids for i in range(4)]
+    expected = [
+        generate(
+            tiny_model,
+            prompt,
+            SamplingParams(temperature=1.0, top_p=0.95, seed=10 + i, max_tokens=20, ignore_eos=True),
+            "naive",
+        ).token_ids
+        for i in range(4)
+    ]
     assert out.samples == expected and out.token_ids == expected[0]
     assert len(set(map(tuple, out.samples))) > 1  # the seeds really differ
     manager = llm.engine.kv_cache.block_manager
@@ -40,8 +47,15 @@ def test_parallel_sampling_under_preemption(tiny_dir, tiny_model):
     outputs = llm.generate(prompts, params)
     assert llm.engine.num_preemptions > 0
     for out, prompt in zip(outputs, prompts):
-        expected = [generate(tiny_model, prompt, SamplingParams(temperature=0.8, seed=5 + i, max_tokens=24,
-                                                                 ignore_eos=True), "naive").token_ids for i in range(3)]
+        expected = [
+            generate(
+                tiny_model,
+                prompt,
+                SamplingParams(temperature=0.8, seed=5 + i, max_tokens=24, ignore_eos=True),
+                "naive",
+            ).token_ids
+            for i in range(3)
+        ]
         assert out.samples == expected
     llm.engine.kv_cache.block_manager.check_invariants()
     assert llm.engine.kv_cache.block_manager.num_free_blocks == llm.engine.kv_cache.block_manager.num_blocks

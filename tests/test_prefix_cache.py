@@ -4,7 +4,8 @@ return wrong KV; no shared block is ever written."""
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import minillm.memory.prefix_cache as prefix_cache_module
 from minillm.decoding import generate
@@ -19,7 +20,9 @@ def shared_prefix_requests(vocab, seed=0, count=24):
     """Prompts = one of three shared prefixes (lengths around block boundaries) + a short tail."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(vocab) for _ in range(n)] for n in (BLOCK * 3, BLOCK * 4 - 1, BLOCK * 2 + 1)]
-    prompts = [rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(0, 12))] for _ in range(count)]
+    prompts = [
+        rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randint(0, 12))] for _ in range(count)
+    ]
     params = [SamplingParams(max_tokens=rng.randint(1, 20), ignore_eos=True) for _ in prompts]
     return prompts, params
 
@@ -81,8 +84,13 @@ def test_evicted_blocks_are_recomputed(tiny_dir, tiny_model):
     target = [rng.randrange(97) for _ in range(BLOCK * 3 + 2)]
     others = [[rng.randrange(97) for _ in range(BLOCK * 3)] for _ in range(6)]
     params = SamplingParams(max_tokens=4, ignore_eos=True)
-    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True,
-              kv_cache_bytes=6 * BLOCK * KV_BYTES_PER_TOKEN)  # 6 blocks: the others push target out
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=BLOCK,
+        prefix_caching=True,
+        kv_cache_bytes=6 * BLOCK * KV_BYTES_PER_TOKEN,
+    )  # 6 blocks: the others push target out
     outputs = run_one_by_one(llm, [target] + others + [target], [params] * 8)
     assert_naive(tiny_model, outputs, [target] + others + [target], [params] * 8)
     assert outputs[0].token_ids == outputs[-1].token_ids
@@ -91,8 +99,13 @@ def test_evicted_blocks_are_recomputed(tiny_dir, tiny_model):
 def test_preemption_then_a_cache_hit(tiny_dir, tiny_model):
     prompts, params = shared_prefix_requests(tiny_model.config.vocab_size, seed=4, count=20)
     params = [SamplingParams(max_tokens=30, ignore_eos=True) for _ in prompts]
-    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True,
-              kv_cache_bytes=14 * BLOCK * KV_BYTES_PER_TOKEN)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=BLOCK,
+        prefix_caching=True,
+        kv_cache_bytes=14 * BLOCK * KV_BYTES_PER_TOKEN,
+    )
     assert_naive(tiny_model, llm.generate(prompts, params), prompts, params)
     assert llm.engine.num_preemptions > 0 and llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0
 
@@ -105,8 +118,10 @@ def test_hash_collisions_never_return_wrong_kv(tiny_dir, tiny_model, monkeypatch
 
 
 @settings(max_examples=200, deadline=None)
-@given(prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14), min_size=1, max_size=12),
-       actions=st.lists(st.sampled_from(["keep", "free", "fork_and_write"]), min_size=12, max_size=12))
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=14), min_size=1, max_size=12),
+    actions=st.lists(st.sampled_from(["keep", "free", "fork_and_write"]), min_size=12, max_size=12),
+)
 def test_cached_blocks_always_hold_the_prompts_tokens(prompts, actions):
     """Random prompts over a 3-token alphabet (many shared prefixes, few blocks), with frees, forks
     and copy-on-write appends: every adopted block's recorded tokens are the prompt's, no write
@@ -121,7 +136,7 @@ def test_cached_blocks_always_hold_the_prompts_tokens(prompts, actions):
             live = []
             hits = cache.lookup(prompt)
         for index, block in enumerate(hits):
-            assert cache.entries[block].tokens == tuple(prompt[index * 2:index * 2 + 2])
+            assert cache.entries[block].tokens == tuple(prompt[index * 2 : index * 2 + 2])
         manager.adopt(seq_id, hits)
         manager.grow(seq_id, len(prompt))
         cache.register(seq_id, manager.table(seq_id), prompt, len(prompt))
@@ -144,13 +159,20 @@ def test_cached_blocks_always_hold_the_prompts_tokens(prompts, actions):
 
 def test_real_model_with_prefix_cache_matches_naive(real_dir, real_model, real_tokenizer):
     system = "You are a careful assistant. " * 12
-    prompts = [real_tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
-               for q in ("What is 2 + 2?", "Name a color.", "Say hi.", "What is 2 + 2?")]
+    prompts = [
+        real_tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for q in ("What is 2 + 2?", "Name a color.", "Say hi.", "What is 2 + 2?")
+    ]
     params = SamplingParams(max_tokens=12)
-    llm = LLM(real_dir, model=real_model, tokenizer=real_tokenizer, prefix_caching=True, kv_cache_bytes=64 << 20)
+    llm = LLM(
+        real_dir, model=real_model, tokenizer=real_tokenizer, prefix_caching=True, kv_cache_bytes=64 << 20
+    )
     outputs = run_one_by_one(llm, prompts, [params] * 4)
     for out, prompt in zip(outputs, prompts):
-        assert out.token_ids == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
+        assert (
+            out.token_ids
+            == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
+        )
     assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= 3 * (len(prompts[0]) // 16 - 1)
 
 

@@ -3,6 +3,8 @@ copy-on-write, memory accounting with scales, and the real model's logits under 
 
 import pytest
 import torch
+from conftest import TINY_CONFIG
+from references import replay_quantized, run_recorded
 
 from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
@@ -11,11 +13,9 @@ from minillm.evaluation import TeacherForcing
 from minillm.memory import TieredKV
 from minillm.memory.pool import QuantizedKVPool
 from minillm.memory.quantization import FORMATS, dequantize, pack_int4, quantize, unpack_int4
-from conftest import TINY_CONFIG
-from references import replay_quantized, run_recorded
 
-FP8_RELATIVE = 2.0 ** -4  # e4m3 has 3 mantissa bits: rounding is within half a step, 1/16 of the value
-FP8_SUBNORMAL = 2.0 ** -10  # below 2^-6 the steps are 2^-9 (in units of the scale)
+FP8_RELATIVE = 2.0**-4  # e4m3 has 3 mantissa bits: rounding is within half a step, 1/16 of the value
+FP8_SUBNORMAL = 2.0**-10  # below 2^-6 the steps are 2^-9 (in units of the scale)
 QUANT_REFERENCE_ATOL = 1e-4  # float noise between two ways of summing the same numbers
 
 
@@ -71,8 +71,15 @@ def test_per_channel_scales_beat_per_token_on_outlier_channels():
 
 
 def tiny_pool(key_scales: str, num_blocks: int = 4, block_size: int = 4) -> QuantizedKVPool:
-    return QuantizedKVPool(ModelConfig.from_dict(TINY_CONFIG), num_blocks, block_size, FORMATS["int8"],
-                            key_scales, torch.float32, "cpu")
+    return QuantizedKVPool(
+        ModelConfig.from_dict(TINY_CONFIG),
+        num_blocks,
+        block_size,
+        FORMATS["int8"],
+        key_scales,
+        torch.float32,
+        "cpu",
+    )
 
 
 def test_a_filling_block_keeps_exact_keys_and_is_quantized_once_full():
@@ -81,11 +88,13 @@ def test_a_filling_block_keeps_exact_keys_and_is_quantized_once_full():
     k, v = torch.randn(4, 2, 16, generator=gen), torch.randn(4, 2, 16, generator=gen)
     slots = torch.tensor([8, 9, 10, 11])  # block 2
     for t in range(3):  # one token per step, like decode
-        pool.write(0, slots[t:t + 1], k[t:t + 1], v[t:t + 1])
+        pool.write(0, slots[t : t + 1], k[t : t + 1], v[t : t + 1])
     keys, values = pool.read(0, slots[:3])
     assert torch.equal(keys, k[:3])  # still staged: exact
     value_stored, value_scale = quantize(v[:3], FORMATS["int8"], dim=-1)
-    assert torch.equal(values, dequantize(value_stored, value_scale, FORMATS["int8"]))  # values: per token, at once
+    assert torch.equal(
+        values, dequantize(value_stored, value_scale, FORMATS["int8"])
+    )  # values: per token, at once
     pool.write(0, slots[3:], k[3:], v[3:])  # the block fills
     assert pool.staged_row[0, 2] == -1 and pool.staged_bytes == 0  # its row is given back
     keys, _ = pool.read(0, slots)
@@ -110,20 +119,31 @@ def test_staging_of_freed_blocks_is_dropped():
     assert pool.staged_blocks(0) == [] and pool.staged_bytes == 0
 
 
-@pytest.mark.parametrize("kv_dtype, key_scales, ratio", [("int8", "channel", 0.3125), ("int8", "token", 0.3125),
-                                                         ("int4", "channel", 0.1875), ("fp8", "token", 0.3125)])
+@pytest.mark.parametrize(
+    "kv_dtype, key_scales, ratio",
+    [
+        ("int8", "channel", 0.3125),
+        ("int8", "token", 0.3125),
+        ("int4", "channel", 0.1875),
+        ("fp8", "token", 0.3125),
+    ],
+)
 def test_accounting_counts_the_scales(tiny_dir, tiny_model, kv_dtype, key_scales, ratio):
     # tiny model: 768 B per token in fp32; int8: 192 B of numbers, 24 B of value scales and centers
     # (2 + 2 B per head and layer), 24 B of key scales and centers (16 channels x 4 B per 16-token block)
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, kv_cache_bytes=1 << 20)
     engine = llm.engine
     slots = engine.kv_cache.block_manager.num_blocks * engine.config.block_size
-    assert engine.kv_cache.pool.nbytes == engine.kv_cache.pool.bytes_per_slot * slots  # every byte of the pool, scales included
+    assert (
+        engine.kv_cache.pool.nbytes == engine.kv_cache.pool.bytes_per_slot * slots
+    )  # every byte of the pool, scales included
     full = tiny_model.config.kv_bytes_per_token(torch.float32)
     assert engine.kv_cache.pool.bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
 
 
-@pytest.mark.parametrize("switches", [{}, {"kv_dtype": "auto", "kv_key_scales": "token"}, {"eviction": "none"}])
+@pytest.mark.parametrize(
+    "switches", [{}, {"kv_dtype": "auto", "kv_key_scales": "token"}, {"eviction": "none"}]
+)
 def test_switches_off_are_exact(tiny_dir, tiny_model, switches):
     prompts = [[(5 * i + j) % 97 for j in range(3 + 7 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
@@ -136,9 +156,17 @@ def test_switches_off_are_exact(tiny_dir, tiny_model, switches):
 def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, kv_dtype):
     prompts = [[(3 * i + j) % 97 for j in range(5 + 9 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.kv_cache.pool.bytes_per_slot
-    llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4, max_num_batched_tokens=9,
-              kv_cache_bytes=30 * 4 * probe)  # 30 blocks: preemption
+    probe = LLM(
+        tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4
+    ).engine.kv_cache.pool.bytes_per_slot
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        kv_dtype=kv_dtype,
+        block_size=4,
+        max_num_batched_tokens=9,
+        kv_cache_bytes=30 * 4 * probe,
+    )  # 30 blocks: preemption
     outputs = llm.generate(prompts, params)
     assert all(out.finished and len(out.token_ids) == 30 for out in outputs)
     assert llm.engine.num_preemptions > 0
@@ -154,27 +182,46 @@ def test_samples_sharing_quantized_blocks_equal_independent_requests(tiny_dir, t
     prompt = [(5 * j + 2) % 97 for j in range(13)]  # a partly filled last block of 8
     switches = dict(kv_dtype="int4", kv_key_scales=key_scales, block_size=8)
     sampling = dict(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True)
-    together = LLM(tiny_dir, model=tiny_model, **switches).generate([prompt], SamplingParams(n=3, **sampling))[0]
+    together = LLM(tiny_dir, model=tiny_model, **switches).generate(
+        [prompt], SamplingParams(n=3, **sampling)
+    )[0]
     for index, sample in enumerate(together.samples):
         params = SamplingParams(**{**sampling, "seed": sampling["seed"] + index})
         assert sample == LLM(tiny_dir, model=tiny_model, **switches).generate([prompt], params)[0].token_ids
 
 
-FORMAT_CASES = [("int8", "channel"), ("int8", "token"), ("int4", "channel"), ("int4", "token"), ("fp8", "channel"),
-                ("fp8", "token")]
+FORMAT_CASES = [
+    ("int8", "channel"),
+    ("int8", "token"),
+    ("int4", "channel"),
+    ("int4", "token"),
+    ("fp8", "channel"),
+    ("fp8", "token"),
+]
 
 
 @pytest.mark.parametrize("kv_dtype, key_scales", FORMAT_CASES)
-def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(tiny_dir, tiny_model, kv_dtype, key_scales):
+def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(
+    tiny_dir, tiny_model, kv_dtype, key_scales
+):
     """Every query reads K/V rounded exactly as the pool stores them: values per token, keys per
     token or per channel of each full block (a filling block exact), through chunked prefill,
     decode and preemption. The reference rounds the K/V of a naive forward; it never reads the pool."""
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (3, 14, 27, 40, 9, 33)]
     params = SamplingParams(max_tokens=18, ignore_eos=True)
-    probe = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.kv_cache.pool.bytes_per_slot
-    llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, block_size=4,
-              max_num_batched_tokens=9, kv_cache_bytes=26 * 4 * probe)
+    probe = LLM(
+        tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4
+    ).engine.kv_cache.pool.bytes_per_slot
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        kv_dtype=kv_dtype,
+        kv_key_scales=key_scales,
+        block_size=4,
+        max_num_batched_tokens=9,
+        kv_cache_bytes=26 * 4 * probe,
+    )
     recorder, requests = run_recorded(llm, prompts, params)
     assert llm.engine.num_preemptions > 0
     errors, rounding = [], []  # per sampled token: max |engine - reference|, max |reference - unrounded|
@@ -194,8 +241,10 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(tiny_dir, t
 
 
 def test_int4_needs_an_even_head_dim(tmp_path):
-    from minillm.weights import load_model
     from conftest import random_llama_tensors, write_checkpoint
+
+    from minillm.weights import load_model
+
     odd = {**TINY_CONFIG, "head_dim": 15}
     folder = write_checkpoint(tmp_path / "odd", odd, random_llama_tensors(odd))
     with pytest.raises(ConfigError, match="even head_dim"):
@@ -213,17 +262,22 @@ class RecordingLogits(TeacherForcing):
 
 
 def teacher_forced_logits(llm, segment: list[int]) -> torch.Tensor:
-    request_id = llm.engine.add_request(segment[:1], SamplingParams(max_tokens=len(segment) - 1, ignore_eos=True))
+    request_id = llm.engine.add_request(
+        segment[:1], SamplingParams(max_tokens=len(segment) - 1, ignore_eos=True)
+    )
     scorer = llm.engine.requests[request_id][0].sampler = RecordingLogits(segment[1:])
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     return torch.stack(scorer.logits)  # (len - 1, vocab)
 
 
-@pytest.mark.parametrize("kv_dtype, key_scales, budget", [("int8", "channel", 7), ("int4", "channel", 7),
-                                                         ("int8", "channel", 9), ("int4", "token", 7)])
-def test_eviction_through_a_quantized_pool_costs_what_quantizing_costs(tiny_dir, tiny_model, kv_dtype, key_scales,
-                                                                       budget):
+@pytest.mark.parametrize(
+    "kv_dtype, key_scales, budget",
+    [("int8", "channel", 7), ("int4", "channel", 7), ("int8", "channel", 9), ("int4", "token", 7)],
+)
+def test_eviction_through_a_quantized_pool_costs_what_quantizing_costs(
+    tiny_dir, tiny_model, kv_dtype, key_scales, budget
+):
     """Window eviction keeps the same entries whatever the format, so a quantized pool's logit
     error under eviction is its rounding's, about what it costs without eviction: moved keys are
     rounded once more only when they leave their block's range. (Clamping them into a block's
@@ -231,10 +285,19 @@ def test_eviction_through_a_quantized_pool_costs_what_quantizing_costs(tiny_dir,
     every step, into the block the step's token just filled (`restage_block`)."""
     gen = torch.Generator().manual_seed(1)
     segment = torch.randint(0, 97, (60,), generator=gen).tolist()
-    evicting, quantized = dict(eviction="window", kv_budget=budget), dict(kv_dtype=kv_dtype, kv_key_scales=key_scales)
-    logits = {name: teacher_forced_logits(LLM(tiny_dir, model=tiny_model, block_size=4, **switches), segment)
-              for name, switches in [("full", {}), ("quantized", quantized), ("evicting", evicting),
-                                     ("both", {**evicting, **quantized})]}
+    evicting, quantized = (
+        dict(eviction="window", kv_budget=budget),
+        dict(kv_dtype=kv_dtype, kv_key_scales=key_scales),
+    )
+    logits = {
+        name: teacher_forced_logits(LLM(tiny_dir, model=tiny_model, block_size=4, **switches), segment)
+        for name, switches in [
+            ("full", {}),
+            ("quantized", quantized),
+            ("evicting", evicting),
+            ("both", {**evicting, **quantized}),
+        ]
+    }
     error = (logits["both"] - logits["evicting"]).abs().max()
     assert error <= 1.5 * (logits["quantized"] - logits["full"]).abs().max()
 
@@ -257,16 +320,32 @@ KL_BOUNDS = [
 
 @pytest.fixture(scope="module")
 def full_precision_logits(real_dir, real_model, real_tokenizer, real_text_ids):
-    return teacher_forced_logits(LLM(real_dir, model=real_model, tokenizer=real_tokenizer), real_text_ids[:160])
+    return teacher_forced_logits(
+        LLM(real_dir, model=real_model, tokenizer=real_tokenizer), real_text_ids[:160]
+    )
 
 
 @pytest.mark.parametrize("kv_dtype, key_scales, max_error, max_mean_kl, max_kl, min_argmax", KL_BOUNDS)
-def test_quantized_logits_stay_within_their_bound_on_the_real_model(real_dir, real_model, real_tokenizer,
-                                                                    real_text_ids, full_precision_logits, kv_dtype,
-                                                                    key_scales, max_error, max_mean_kl, max_kl, min_argmax):
+def test_quantized_logits_stay_within_their_bound_on_the_real_model(
+    real_dir,
+    real_model,
+    real_tokenizer,
+    real_text_ids,
+    full_precision_logits,
+    kv_dtype,
+    key_scales,
+    max_error,
+    max_mean_kl,
+    max_kl,
+    min_argmax,
+):
     full = full_precision_logits
-    quantized = teacher_forced_logits(LLM(real_dir, model=real_model, tokenizer=real_tokenizer, kv_dtype=kv_dtype,
-                                          kv_key_scales=key_scales), real_text_ids[:160])
+    quantized = teacher_forced_logits(
+        LLM(
+            real_dir, model=real_model, tokenizer=real_tokenizer, kv_dtype=kv_dtype, kv_key_scales=key_scales
+        ),
+        real_text_ids[:160],
+    )
     assert (quantized - full).abs().max() <= max_error
     full_logp, quantized_logp = full.log_softmax(-1), quantized.log_softmax(-1)
     kl = (full_logp.exp() * (full_logp - quantized_logp)).sum(-1)  # (positions,)
@@ -277,6 +356,7 @@ def test_quantized_logits_stay_within_their_bound_on_the_real_model(real_dir, re
 # ---------------------------------------------------------------- eviction's moves
 # Eviction fills a dropped entry's slot with a newcomer, head by head (`move_entries`), and may cut
 # a sequence back into a block that had filled (`restage_block`).
+
 
 def filled_pool(key_scales: str) -> tuple[QuantizedKVPool, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Blocks 0-2 full (keys per channel quantized), block 3 holding 2 staged keys, every layer;
@@ -303,19 +383,28 @@ def test_a_moved_entry_copies_values_and_token_keys_exactly_and_rounds_channel_k
     pool.move_entries(layers, heads, src, dst)
     after = [pool.read(layer, torch.arange(16)) for layer in range(3)]
     moved = {(layer, slot, head) for layer, head, _, slot in moves}
-    anew = {(layer, slot // size, head) for layer, head, _, slot in moves  # quantized anew: its scales changed
-            if key_scales == "channel" and not torch.equal(pool.k_scale[layer, slot // size, head],
-                                                           k_scale_before[layer, slot // size, head])}
+    anew = {
+        (layer, slot // size, head)
+        for layer, head, _, slot in moves  # quantized anew: its scales changed
+        if key_scales == "channel"
+        and not torch.equal(
+            pool.k_scale[layer, slot // size, head], k_scale_before[layer, slot // size, head]
+        )
+    }
     for layer in range(3):
         for slot in range(16):
             for head in range(2):
                 if (layer, slot, head) in moved:
                     continue
-                assert torch.equal(after[layer][1][slot, head], before[layer][1][slot, head])  # values untouched
+                assert torch.equal(
+                    after[layer][1][slot, head], before[layer][1][slot, head]
+                )  # values untouched
                 if (layer, slot // size, head) in anew:  # a key beside a newcomer: rounded once more
                     new_scale = pool.k_scale[layer, slot // size, head, :, 0].float()
-                    assert ((after[layer][0][slot, head] - before[layer][0][slot, head]).abs()
-                            <= new_scale / 2 * 1.001).all()
+                    assert (
+                        (after[layer][0][slot, head] - before[layer][0][slot, head]).abs()
+                        <= new_scale / 2 * 1.001
+                    ).all()
                 else:  # not even the other head of a moved slot
                     assert torch.equal(after[layer][0][slot, head], before[layer][0][slot, head])
     rounded_onto = 0
@@ -328,10 +417,14 @@ def test_a_moved_entry_copies_values_and_token_keys_exactly_and_rounds_channel_k
             continue
         block = destination // size
         new_scale = pool.k_scale[layer, block, head, :, 0].float()
-        assert ((key - source_key).abs() <= new_scale / 2 * 1.001).all()  # rounded once, onto the scales it has now
+        assert (
+            (key - source_key).abs() <= new_scale / 2 * 1.001
+        ).all()  # rounded once, onto the scales it has now
         if (layer, block, head) not in anew:
             old_scale, old_center = k_scale_before[layer, block, head].float().unbind(-1)
-            assert ((source_key - old_center).abs() <= old_scale * (fmt.qmax + 0.5)).all()  # it fit the old range
+            assert (
+                (source_key - old_center).abs() <= old_scale * (fmt.qmax + 0.5)
+            ).all()  # it fit the old range
             rounded_onto += 1
     if key_scales == "channel":
         assert rounded_onto == 1 and len(anew) == 3  # both ways were taken

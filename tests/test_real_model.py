@@ -25,6 +25,7 @@ CHAT_PROMPTS = [
 @pytest.fixture(scope="module")
 def hf_eager(real_dir):
     from transformers import LlamaForCausalLM
+
     return LlamaForCausalLM.from_pretrained(real_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
@@ -52,7 +53,7 @@ CACHED_VS_HF_ATOL = 5e-4
 
 
 def test_cached_logits_match_hf_transformers(real_model, hf_eager, real_text_ids):
-    ids = real_text_ids[200:200 + POSITIONS]
+    ids = real_text_ids[200 : 200 + POSITIONS]
     assert (cached_logits(real_model, ids) - hf_logits(hf_eager, ids)[7:]).abs().max() <= CACHED_VS_HF_ATOL
 
 
@@ -67,10 +68,15 @@ def test_logits_match_hf_default_sdpa_within_its_own_spread(real_model, hf_model
 def test_greedy_chat_reply_is_identical_to_hf(real_model, real_tokenizer, hf_model, prompt):
     ids = real_tokenizer.encode_chat([{"role": "user", "content": prompt}])
     with torch.no_grad():
-        hf_out = hf_model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False,
-                                   attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                   eos_token_id=real_tokenizer.eos_token_id, pad_token_id=real_tokenizer.eos_token_id)
-    expected = hf_out[0, len(ids):].tolist()
+        hf_out = hf_model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=40,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            eos_token_id=real_tokenizer.eos_token_id,
+            pad_token_id=real_tokenizer.eos_token_id,
+        )
+    expected = hf_out[0, len(ids) :].tolist()
     params = SamplingParams(max_tokens=40)
     for decoder in ("naive", "cached"):
         ours = generate(real_model, ids, params, decoder, eos_token_id=real_tokenizer.eos_token_id)
@@ -95,15 +101,18 @@ def test_undoing_llama_cpp_rope_permutation_matters(real_dir, real_model, real_t
         for layer in broken.layers:
             q_rows = cfg.num_heads * cfg.head_dim
             for start, heads in ((0, cfg.num_heads), (q_rows, cfg.num_kv_heads)):
-                rows = layer.attn.wqkv.weight[start:start + heads * cfg.head_dim]
+                rows = layer.attn.wqkv.weight[start : start + heads * cfg.head_dim]
                 # llama.cpp's order: halves (heads, 2, d/2) stored as interleaved pairs (heads, d/2, 2)
                 rows.copy_(rows.reshape(heads, 2, cfg.head_dim // 2, -1).transpose(1, 2).reshape(rows.shape))
     assert good < 44
-    assert perplexity(broken, ids) > 6 * good  # measured: 31.4 vs 316 (21.7 vs 180 on the GPL-3 text: < 30, > 5x)
+    assert (
+        perplexity(broken, ids) > 6 * good
+    )  # measured: 31.4 vs 316 (21.7 vs 180 on the GPL-3 text: < 30, > 5x)
 
 
 def test_bf16_model_stays_close_to_fp32(real_dir, real_model, real_text_ids):
     from minillm.weights import load_model
+
     ids = real_text_ids[:32]
     bf16 = sequence_logits(load_model(real_dir, torch.bfloat16), ids)
     fp32 = sequence_logits(real_model, ids)

@@ -17,14 +17,19 @@ def test_same_seed_same_sample_different_seed_differs(tiny_model):
 
 def test_naive_and_cached_draw_the_same_seeded_samples(tiny_model):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=15, seed=3, ignore_eos=True)
-    assert generate(tiny_model, [1, 2, 3], params, "naive").token_ids == \
-        generate(tiny_model, [1, 2, 3], params, "cached").token_ids
+    assert (
+        generate(tiny_model, [1, 2, 3], params, "naive").token_ids
+        == generate(tiny_model, [1, 2, 3], params, "cached").token_ids
+    )
 
 
 def test_top_k_one_and_tiny_top_p_are_greedy():
     logits = torch.randn(100, generator=torch.Generator().manual_seed(0))
     best = int(logits.argmax())
-    for params in (SamplingParams(temperature=1.0, top_k=1, seed=1), SamplingParams(temperature=1.0, top_p=1e-6, seed=1)):
+    for params in (
+        SamplingParams(temperature=1.0, top_k=1, seed=1),
+        SamplingParams(temperature=1.0, top_p=1e-6, seed=1),
+    ):
         sampler = Sampler(params)
         assert {sampler(logits) for _ in range(50)} == {best}
 
@@ -49,13 +54,26 @@ def test_temperature_sharpens_the_distribution():
     assert cold[2] > torch.softmax(logits, 0)[2] > hot[2]
 
 
-@pytest.mark.parametrize("kwargs, word", [
-    ({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"), ({"top_p": 0}, "top_p"),
-    ({"top_p": 1.5}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"temperature": "hot"}, "temperature"),
-    ({"temperature": float("inf")}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"top_p": "all"}, "top_p"), ({"n": True}, "n must"), ({"top_k": 2.0}, "top_k"), ({"seed": -1}, "seed"),
-    ({"seed": 2**64}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": 2**64 - 1, "n": 2, "temperature": 1.0}, "seed \\+ n"),
-])
+@pytest.mark.parametrize(
+    "kwargs, word",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": -2}, "top_k"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"top_p": "all"}, "top_p"),
+        ({"n": True}, "n must"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": 2**64 - 1, "n": 2, "temperature": 1.0}, "seed \\+ n"),
+    ],
+)
 def test_invalid_sampling_parameters_are_refused_with_the_reason(kwargs, word):
     with pytest.raises(ValueError, match=word):
         SamplingParams(**kwargs)

@@ -19,19 +19,27 @@ import openai
 import pytest
 import torch
 import uvicorn
-
 from conftest import tiny_with_real_tokenizer
+
 from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
 from minillm.serve.app import build_app
-from minillm.serve.metrics import parse_metrics
 from minillm.serve.engine_loop import EngineLoop
+from minillm.serve.metrics import parse_metrics
 
 CONTEXT = 1024
 MAX_NUM_SEQS = 32
-PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "KV caches hold",
-           "Alice was beginning to get very tired", "1, 2, 3, 4,", "The quick brown fox", "Why is the sky blue?"]
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time",
+    "KV caches hold",
+    "Alice was beginning to get very tired",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Why is the sky blue?",
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,15 +54,22 @@ def one_torch_thread():
 @pytest.fixture(scope="module")
 def model_dir(real_dir, tmp_path_factory):
     """The tiny random Llama with the real tokenizer (vocabulary and chat template)."""
-    return tiny_with_real_tokenizer(tmp_path_factory.mktemp("serve-model"), real_dir,
-                                    max_position_embeddings=CONTEXT, tie_word_embeddings=True)
+    return tiny_with_real_tokenizer(
+        tmp_path_factory.mktemp("serve-model"),
+        real_dir,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
+    )
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
     """(base URL, EngineLoop) of a server running in this process until the module ends."""
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=4 << 20, prefix_caching=True,
-                                    max_num_seqs=MAX_NUM_SEQS))
+    engine = LLMEngine(
+        EngineConfig(
+            model_dir=model_dir, kv_cache_bytes=4 << 20, prefix_caching=True, max_num_seqs=MAX_NUM_SEQS
+        )
+    )
     engine_loop = EngineLoop(engine)
     sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on
     uv = uvicorn.Server(uvicorn.Config(build_app(engine_loop, "tiny"), log_level="warning"))
@@ -107,15 +122,26 @@ def greedy(reference, prompt, max_tokens: int, **fields) -> str:
 
 # ----------------------------------------------------------------------------- answers
 
+
 def test_models_health_and_metrics_describe_the_server(server, client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"] and models[0].max_model_len == CONTEXT
     with urllib.request.urlopen(server[0] + "/health", timeout=10) as response:
         assert response.status == 200
     values = metrics(server)
-    assert sum(values["kv_blocks"].values()) == values["kv_blocks_total"] == server[1].engine.kv_cache.block_manager.num_blocks
-    for name in ("kv_cache_usage_perc", "kv_utilization", "prefix_cache_hit_rate", "num_requests_waiting",
-                 "generation_tokens_per_second", "generation_tokens_total"):
+    assert (
+        sum(values["kv_blocks"].values())
+        == values["kv_blocks_total"]
+        == server[1].engine.kv_cache.block_manager.num_blocks
+    )
+    for name in (
+        "kv_cache_usage_perc",
+        "kv_utilization",
+        "prefix_cache_hit_rate",
+        "num_requests_waiting",
+        "generation_tokens_per_second",
+        "generation_tokens_total",
+    ):
         assert name in values
 
 
@@ -125,18 +151,25 @@ def test_greedy_completions_equal_llm_generate(client, reference):
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
         assert got.choices[0].text == expected.text
         assert got.choices[0].finish_reason == ("stop" if expected.finish_reason == "eos" else "length")
-        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(expected.prompt_token_ids),
-                                                                          len(expected.token_ids))
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (
+            len(expected.prompt_token_ids),
+            len(expected.token_ids),
+        )
     # a batch of prompts, and a prompt given as token ids: one choice each, in order
     ids = reference.engine.tokenizer.encode(PROMPTS[5])
-    got = client.completions.create(model="tiny", prompt=[PROMPTS[4], PROMPTS[6]], max_tokens=12, temperature=0)
+    got = client.completions.create(
+        model="tiny", prompt=[PROMPTS[4], PROMPTS[6]], max_tokens=12, temperature=0
+    )
     assert [c.text for c in got.choices] == [greedy(reference, p, 12).text for p in (PROMPTS[4], PROMPTS[6])]
     got = client.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
     assert got.choices[0].text == greedy(reference, ids, 12).text
 
 
 def test_chat_answers_with_the_chat_template(client, reference):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a KV cache?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is a KV cache?"},
+    ]
     prompt = reference.engine.tokenizer.encode_chat(messages)
     got = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
     assert got.choices[0].message.role == "assistant"
@@ -146,8 +179,16 @@ def test_chat_answers_with_the_chat_template(client, reference):
 
 def test_streamed_chunks_concatenate_to_the_same_text(client, reference):
     expected = greedy(reference, PROMPTS[1], 30).text
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=30, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[1],
+            max_tokens=30,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len(chunks) > 10  # it really streamed
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -155,8 +196,11 @@ def test_streamed_chunks_concatenate_to_the_same_text(client, reference):
 
     messages = [{"role": "user", "content": "Tell me a story."}]
     expected = greedy(reference, reference.engine.tokenizer.encode_chat(messages), 30).text
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=30, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=30, temperature=0, stream=True
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "length"
@@ -165,24 +209,42 @@ def test_streamed_chunks_concatenate_to_the_same_text(client, reference):
 def test_stop_strings_cut_the_text_and_end_the_request(server, client, reference):
     full = greedy(reference, PROMPTS[2], 60, ignore_eos=True).text
     # the last 3 characters that first appear where they are (a random model repeats itself)
-    at = max(k for k in range(1, len(full) - 3) if full.find(full[k:k + 3]) == k)
-    stop = full[at:at + 3]
-    got = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=60, temperature=0, stop=[stop],
-                                    extra_body={"ignore_eos": True})
+    at = max(k for k in range(1, len(full) - 3) if full.find(full[k : k + 3]) == k)
+    stop = full[at : at + 3]
+    got = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=60,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
     choice = got.choices[0]
     assert (choice.text, choice.finish_reason, choice.model_extra["stop_reason"]) == (full[:at], "stop", stop)
-    streamed = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=60, temperature=0, stop=stop,
-                                         stream=True, extra_body={"ignore_eos": True})
+    streamed = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[2],
+        max_tokens=60,
+        temperature=0,
+        stop=stop,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     assert "".join(c.choices[0].text for c in streamed) == full[:at]
     wait_until_idle(server)  # the engine request was aborted at the stop, its blocks freed
 
 
 def test_n_seeded_samples_equal_llm_generate(client, reference):
-    expected = reference.generate([PROMPTS[3]], SamplingParams(max_tokens=16, temperature=1.0, n=3, seed=7))[0]
-    got = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3, seed=7)
+    expected = reference.generate([PROMPTS[3]], SamplingParams(max_tokens=16, temperature=1.0, n=3, seed=7))[
+        0
+    ]
+    got = client.completions.create(
+        model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3, seed=7
+    )
     assert [c.text for c in got.choices] == [expected.decode(s) for s in expected.samples]
-    streamed = client.completions.create(model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3,
-                                         seed=7, stream=True)
+    streamed = client.completions.create(
+        model="tiny", prompt=PROMPTS[3], max_tokens=16, temperature=1.0, n=3, seed=7, stream=True
+    )
     texts = ["", "", ""]
     for c in streamed:
         texts[c.choices[0].index] += c.choices[0].text
@@ -190,6 +252,7 @@ def test_n_seeded_samples_equal_llm_generate(client, reference):
 
 
 # ----------------------------------------------------------------------------- many at once, and leaving
+
 
 def test_twenty_concurrent_streams_finish_right_and_free_every_block(server, client, reference):
     jobs = [(PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)), 8 + 3 * i) for i in range(20)]
@@ -200,8 +263,14 @@ def test_twenty_concurrent_streams_finish_right_and_free_every_block(server, cli
     def stream(job):
         prompt, n = job
         started.wait()
-        chunks = client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
+        chunks = client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         return "".join(c.choices[0].text for c in chunks)
 
     with ThreadPoolExecutor(len(jobs)) as pool:
@@ -217,8 +286,14 @@ def test_twenty_concurrent_streams_finish_right_and_free_every_block(server, cli
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, client):
     before = metrics(server)
-    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=900, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=900,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
@@ -234,8 +309,10 @@ def test_a_client_that_leaves_a_request_that_does_not_stream_aborts_it(server):
     host, port = server[0].removeprefix("http://").split(":")
     body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True}).encode()
     with socket.create_connection((host, int(port))) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         deadline = time.monotonic() + 20
         while held_blocks(metrics(server)) == 0:  # wait until it runs
             assert time.monotonic() < deadline
@@ -282,8 +359,14 @@ def test_bad_completion_requests_get_a_400_that_says_why(client, fields, message
 BAD_CHATS = [
     ({"messages": []}, "non-empty list"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "role system, user or assistant"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "text parts"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "does not support 'tools'"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "text parts",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+        "does not support 'tools'",
+    ),
     ({"messages": [{"role": "user", "content": "x " * CONTEXT}]}, "context"),
 ]
 
@@ -300,17 +383,24 @@ def test_unknown_model_is_a_404(client):
         client.completions.create(model="gpt-4", prompt="Hello", max_tokens=4)
     assert "gpt-4" in caught.value.body["message"]
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], stream=True)
+        client.chat.completions.create(
+            model="gpt-4", messages=[{"role": "user", "content": "hi"}], stream=True
+        )
 
 
-@pytest.mark.parametrize("path, body, status", [
-    ("/v1/completions", b"{not json", 400),
-    ("/v1/completions", b"[1, 2]", 400),
-    ("/v1/completions", "{\"prompt\": \"\xff\"}".encode("latin-1"), 400),
-    ("/v1/nowhere", b"{}", 404),
-])
+@pytest.mark.parametrize(
+    "path, body, status",
+    [
+        ("/v1/completions", b"{not json", 400),
+        ("/v1/completions", b"[1, 2]", 400),
+        ("/v1/completions", '{"prompt": "\xff"}'.encode("latin-1"), 400),
+        ("/v1/nowhere", b"{}", 404),
+    ],
+)
 def test_malformed_bodies_and_unknown_routes_get_json_errors(server, path, body, status):
-    request = urllib.request.Request(server[0] + path, data=body, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        server[0] + path, data=body, headers={"Content-Type": "application/json"}
+    )
     with pytest.raises(urllib.error.HTTPError) as caught:
         urllib.request.urlopen(request, timeout=10)
     assert caught.value.code == status
@@ -326,11 +416,19 @@ def test_the_server_still_answers_after_bad_requests(server, client, reference):
 
 # ----------------------------------------------------------------------------- the command
 
+
 def test_serve_help_explains_routes_and_flags(capsys):
     assert main(["serve", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for words in ("/v1/chat/completions", "/metrics", "--prefix-caching", "--kv-dtype", "--host-cache-mb",
-                  "default: 127.0.0.1", '.[serve]'):
+    for words in (
+        "/v1/chat/completions",
+        "/metrics",
+        "--prefix-caching",
+        "--kv-dtype",
+        "--host-cache-mb",
+        "default: 127.0.0.1",
+        ".[serve]",
+    ):
         assert words in text
 
 
@@ -351,14 +449,35 @@ def test_llm_outputs_read_like_vllms(reference):
 
 
 def test_bench_serve_http_reports_speed_latency_and_no_block_left(capsys, model_dir):
-    assert main(["bench", "serve-http", "--json", "--clients", "4", "--threads", "1", "--kv-cache-mb", "8",
-                 "--model", str(model_dir)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "serve-http",
+                "--json",
+                "--clients",
+                "4",
+                "--threads",
+                "1",
+                "--kv-cache-mb",
+                "8",
+                "--model",
+                str(model_dir),
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["all_rounds_match_generate"] and report["server"]["all_finished"]
     assert report["server"]["output_tokens"] == report["trace"]["output_tokens"]
     for side in ("server", "llm_generate"):
-        assert report[side]["output_tok_s"] > 0 and 0 < report[side]["ttft_p50_s"] <= report[side]["ttft_p99_s"]
-    assert report["server_vs_generate"] == report["server"]["output_tok_s"] / report["llm_generate"]["output_tok_s"]
+        assert (
+            report[side]["output_tok_s"] > 0 and 0 < report[side]["ttft_p50_s"] <= report[side]["ttft_p99_s"]
+        )
+    assert (
+        report["server_vs_generate"]
+        == report["server"]["output_tok_s"] / report["llm_generate"]["output_tok_s"]
+    )
     assert report["blocks_held_after_all_finished"] == 0
     left = report["disconnect"]
     assert left["clients_hung_up"] == left["requests_aborted"] == 2 and left["others_finished"]
@@ -375,9 +494,26 @@ def test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c(model_dir):
 
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", "--model", str(model_dir), "--port",
-                             str(port), "--threads", "1", "--served-model-name", "tiny", "--log-level", "warning"],
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minillm.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--threads",
+            "1",
+            "--served-model-name",
+            "tiny",
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -388,13 +524,26 @@ def test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c(model_dir):
                 assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
                 time.sleep(0.1)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 1000,
-                                                             "stream": True, "ignore_eos": True}))
+        conn.request(
+            "POST",
+            "/v1/completions",
+            json.dumps(
+                {
+                    "model": "tiny",
+                    "prompt": PROMPTS[0],
+                    "max_tokens": 1000,
+                    "stream": True,
+                    "ignore_eos": True,
+                }
+            ),
+        )
         response = conn.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: {")
         proc.send_signal(signal.SIGINT)
         events = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
-        assert "shutting down" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
+        assert (
+            "shutting down" in json.loads(events[-2][6:])["error"]["message"] and events[-1] == "data: [DONE]"
+        )
         assert proc.wait(timeout=30) == 130
     finally:
         proc.kill()

@@ -29,7 +29,9 @@ def park(tiny_dir, tiny_model, path, **switches):
     out = llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True))[0]
     turn = prompt + out.token_ids
     kept = llm.engine.save_session(path, turn, extra={"note": "hi"})
-    assert kept == (len(turn) - 1) // BLOCK * BLOCK  # every computed full block (the last token has no KV yet)
+    assert (
+        kept == (len(turn) - 1) // BLOCK * BLOCK
+    )  # every computed full block (the last token has no KV yet)
     return turn
 
 
@@ -39,7 +41,7 @@ def test_a_resumed_session_computes_only_the_new_turn(tiny_dir, tiny_model, tmp_
     turn = park(tiny_dir, tiny_model, path, **switches)
     resumed = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True, **switches)
     token_ids, extra = resumed.engine.load_session(path)
-    assert token_ids == turn[:len(token_ids)] and extra == {"note": "hi"}
+    assert token_ids == turn[: len(token_ids)] and extra == {"note": "hi"}
     next_prompt = turn + conversation(2, length=6)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     out = resumed.generate([next_prompt], params)[0]
@@ -65,8 +67,14 @@ def test_a_session_is_refused_by_another_block_size_format_or_model(tiny_dir, ti
         other.engine.load_session(path)
 
 
-@pytest.mark.parametrize("damage", [lambda data: data[:-5], lambda data: data[:-1] + bytes([data[-1] ^ 1]),
-                                    lambda data: b"not a session at all"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda data: data[:-5],
+        lambda data: data[:-1] + bytes([data[-1] ^ 1]),
+        lambda data: b"not a session at all",
+    ],
+)
 def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp_path, damage):
     path = tmp_path / "chat.safetensors"
     park(tiny_dir, tiny_model, path)
@@ -81,8 +89,20 @@ def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp
 def chat(monkeypatch, capsys, real_dir, folder, lines, *flags):
     feed = iter(lines)
     monkeypatch.setattr("minillm.report.console.input", lambda prompt="": next(feed))
-    code = main(["chat", "--max-tokens", "6", "--model", str(real_dir), "--session", "notes",
-                 "--sessions-dir", str(folder), *flags])
+    code = main(
+        [
+            "chat",
+            "--max-tokens",
+            "6",
+            "--model",
+            str(real_dir),
+            "--session",
+            "notes",
+            "--sessions-dir",
+            str(folder),
+            *flags,
+        ]
+    )
     out, err = capsys.readouterr()
     return code, " ".join(out.split()), err
 

@@ -29,27 +29,50 @@ def random_request(rng: random.Random, shared: list[int]) -> tuple[list[int], Sa
     prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(97) for _ in range(rng.randint(1, 30))]
     kind, max_tokens = rng.choice(["greedy", "greedy", "samples", "beams"]), rng.randint(1, 12)
     if kind == "samples":
-        return prompt, SamplingParams(n=rng.randint(2, 3), temperature=1.0, seed=rng.randrange(1000),
-                                      max_tokens=max_tokens, ignore_eos=True)
+        return prompt, SamplingParams(
+            n=rng.randint(2, 3),
+            temperature=1.0,
+            seed=rng.randrange(1000),
+            max_tokens=max_tokens,
+            ignore_eos=True,
+        )
     if kind == "beams":
-        return prompt, SamplingParams(beam_width=rng.randint(2, 3), max_tokens=min(max_tokens, 6), ignore_eos=True)
+        return prompt, SamplingParams(
+            beam_width=rng.randint(2, 3), max_tokens=min(max_tokens, 6), ignore_eos=True
+        )
     return prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 def random_tiers(rng: random.Random, block_size: int, folder) -> dict:
     host_blocks, disk = rng.choice([(0, False), (0, False), (2, True), (200, False), (0, True)])
-    tiers = {"host_cache_bytes": host_blocks * block_size * KV_BYTES_PER_TOKEN,
-             "disk_cache_dir": str(folder) if disk else None}
-    return {**tiers, "preemption": rng.choice(["auto", "swap", "recompute"] if host_blocks or disk else ["auto"])}
+    tiers = {
+        "host_cache_bytes": host_blocks * block_size * KV_BYTES_PER_TOKEN,
+        "disk_cache_dir": str(folder) if disk else None,
+    }
+    return {
+        **tiers,
+        "preemption": rng.choice(["auto", "swap", "recompute"] if host_blocks or disk else ["auto"]),
+    }
 
 
 def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[list[int]]:
     """What an independent reference gives: naive decoding, seeded naive draws, the reference search."""
     if params.beam_width > 1:
         return reference_beam_search(model, prompt, params.beam_width, params.max_tokens, None)
-    return [generate(model, prompt, SamplingParams(temperature=params.temperature, seed=(params.seed or 0) + i,
-                                                   max_tokens=params.max_tokens, ignore_eos=True),
-                     "naive").token_ids for i in range(params.n)]
+    return [
+        generate(
+            model,
+            prompt,
+            SamplingParams(
+                temperature=params.temperature,
+                seed=(params.seed or 0) + i,
+                max_tokens=params.max_tokens,
+                ignore_eos=True,
+            ),
+            "naive",
+        ).token_ids
+        for i in range(params.n)
+    ]
 
 
 def run_with_aborts(llm, rng: random.Random, requests) -> tuple[dict, set]:
@@ -79,10 +102,18 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
     blocks = -(-longest // block_size) * rng.choice([1, 2, 4, 20])  # from just fits to plenty
     scheduling = rng.choice(["static", "continuous"])
     admission = rng.choice(["fcfs", "memory", "reserve"]) if scheduling == "continuous" else "fcfs"
-    llm = LLM(tiny_dir, model=tiny_model, block_size=block_size, kv_cache_bytes=blocks * block_size * KV_BYTES_PER_TOKEN,
-              prefix_caching=rng.random() < 0.5, scheduling=scheduling, admission=admission,
-              max_num_batched_tokens=rng.choice([8, 32, 512]), max_num_seqs=rng.choice([4, 16]),
-              **random_tiers(rng, block_size, tmp_path))
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=block_size,
+        kv_cache_bytes=blocks * block_size * KV_BYTES_PER_TOKEN,
+        prefix_caching=rng.random() < 0.5,
+        scheduling=scheduling,
+        admission=admission,
+        max_num_batched_tokens=rng.choice([8, 32, 512]),
+        max_num_seqs=rng.choice([4, 16]),
+        **random_tiers(rng, block_size, tmp_path),
+    )
     outputs, aborted = run_with_aborts(llm, rng, requests)
     for (request_id, out), (prompt, params) in zip(outputs.items(), requests):
         if request_id in aborted and (out is None or out.finish_reason == "abort"):

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from references import replay_quantized, run_recorded
 
 from minillm.cli import main
 from minillm.config import ConfigError
@@ -19,7 +21,6 @@ from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
 from minillm.memory import FORMATS, BlockManager, DiskTier, SwapCost, TieredKV, make_pool
-from references import replay_quantized, run_recorded
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 BLOCK = 4
@@ -36,8 +37,12 @@ def naive(model, prompt, params):
 
 def tight(tiny_dir, tiny_model, blocks=14, **switches):
     """An engine whose device pool holds `blocks` blocks: running sequences crowd each other out."""
-    probe = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **{k: v for k, v in switches.items()
-                                                                  if k in ("kv_dtype", "kv_key_scales")})
+    probe = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=BLOCK,
+        **{k: v for k, v in switches.items() if k in ("kv_dtype", "kv_key_scales")},
+    )
     per_block = probe.engine.kv_cache.pool.bytes_per_slot * BLOCK
     switches = {"host_cache_bytes": 400 * per_block, "preemption": "swap", **switches}
     return LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=blocks * per_block, **switches)
@@ -52,8 +57,9 @@ def assert_swapped_and_drained(llm):
     assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0
 
 
-@pytest.mark.parametrize("switches", [{}, {"max_num_batched_tokens": 7}, {"prefix_caching": True},
-                                      {"attention_backend": "cpu"}])
+@pytest.mark.parametrize(
+    "switches", [{}, {"max_num_batched_tokens": 7}, {"prefix_caching": True}, {"attention_backend": "cpu"}]
+)
 def test_greedy_with_swaps_equals_naive(tiny_dir, tiny_model, switches):
     prompts = mixed_prompts(16, seed=3)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -85,14 +91,17 @@ def test_a_full_host_pool_overflows_to_disk(tiny_dir, tiny_model, tmp_path):
     assert_swapped_and_drained(llm)
 
 
-@pytest.mark.parametrize("kv_dtype, key_scales", [("auto", "channel"), ("int8", "channel"), ("int4", "channel"),
-                                                 ("fp8", "token")])
+@pytest.mark.parametrize(
+    "kv_dtype, key_scales", [("auto", "channel"), ("int8", "channel"), ("int4", "channel"), ("fp8", "token")]
+)
 def test_a_block_comes_back_from_host_and_disk_bit_for_bit(tiny_model, tmp_path, kv_dtype, key_scales):
     """Numbers, scales, centres and the staged keys of a half-filled block: every stored tensor
     of a block sent device -> host -> disk -> device equals the original, bit for bit."""
     config, block = tiny_model.config, 4
-    device_pool, host_pool = (make_pool(config, 8 * block * KV_BYTES_PER_TOKEN, block, kv_dtype, key_scales,
-                                        torch.float32, "cpu") for _ in range(2))
+    device_pool, host_pool = (
+        make_pool(config, 8 * block * KV_BYTES_PER_TOKEN, block, kv_dtype, key_scales, torch.float32, "cpu")
+        for _ in range(2)
+    )
     tiers = TieredKV(device_pool, host_pool, DiskTier(tmp_path))
     for layer in range(config.num_layers):  # block 0 full, block 1 half filled
         k, v = torch.randn(2, 6, config.num_kv_heads, config.head_dim) * 3
@@ -103,12 +112,15 @@ def test_a_block_comes_back_from_host_and_disk_bit_for_bit(tiny_model, tmp_path,
         before, after = device_pool.read_block(original), device_pool.read_block(3)
         assert before.keys() == after.keys()
         assert all(torch.equal(before[name], after[name]) for name in before)
-    assert any(name.startswith("k_staging") for name in device_pool.read_block(1)) == (kv_dtype != "auto" and
-                                                                                      key_scales == "channel")
+    assert any(name.startswith("k_staging") for name in device_pool.read_block(1)) == (
+        kv_dtype != "auto" and key_scales == "channel"
+    )
 
 
 @pytest.mark.parametrize("kv_dtype, key_scales", [("int8", "channel"), ("int4", "channel"), ("fp8", "token")])
-def test_quantized_engine_with_swaps_equals_the_quantized_reference(tiny_dir, tiny_model, kv_dtype, key_scales):
+def test_quantized_engine_with_swaps_equals_the_quantized_reference(
+    tiny_dir, tiny_model, kv_dtype, key_scales
+):
     """Swapping changes the schedule (which chunk computes which tokens), and a quantized cache's
     numbers depend on it (a block still filling is read exact), so the reference replays the
     schedule the engine ran through a cache rounded as the format rounds. Prefill chunks of 7
@@ -124,7 +136,9 @@ def test_quantized_engine_with_swaps_equals_the_quantized_reference(tiny_dir, ti
         unrounded = replay_quantized(tiny_model, seq.token_ids, history, None, key_scales, BLOCK)
         assert [int(logits.argmax()) for logits in replayed.logits] == seq.output_ids
         errors += [float((ours - ref).abs().max()) for ours, ref in zip(seq.sampler.logits, replayed.logits)]
-        rounding += [float((ref - exact).abs().max()) for ref, exact in zip(replayed.logits, unrounded.logits)]
+        rounding += [
+            float((ref - exact).abs().max()) for ref, exact in zip(replayed.logits, unrounded.logits)
+        ]
     # Float noise (the engine batches a chunk with other sequences) may tip a number across a
     # rounding step now and then, and every later token of that sequence then carries the small
     # difference; a block brought back wrong (a lost scale, staged keys dropped) moves logits as
@@ -138,7 +152,9 @@ def test_parallel_samples_swap_as_one_and_equal_the_unswapped_engine(tiny_dir, t
     params = SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
     roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK)
     llm = tight(tiny_dir, tiny_model, blocks=16)
-    assert [o.samples for o in llm.generate(prompts, params)] == [o.samples for o in roomy.generate(prompts, params)]
+    assert [o.samples for o in llm.generate(prompts, params)] == [
+        o.samples for o in roomy.generate(prompts, params)
+    ]
     assert_swapped_and_drained(llm)
 
 
@@ -174,13 +190,24 @@ def test_a_block_others_still_use_is_copied_for_the_victim_and_stays_put():
     manager.check_invariants()
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["grow", "append", "fork", "free", "swap_out", "swap_in", "cache"]),
-                         st.integers(0, 7), st.integers(1, 30)), max_size=80)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["grow", "append", "fork", "free", "swap_out", "swap_in", "cache"]),
+        st.integers(0, 7),
+        st.integers(1, 30),
+    ),
+    max_size=80,
+)
 
 
 @settings(max_examples=300, deadline=None)
-@given(num_blocks=st.integers(2, 16), host_blocks=st.integers(0, 8), disk=st.booleans(),
-       block_size=st.integers(1, 4), ops=OPS)
+@given(
+    num_blocks=st.integers(2, 16),
+    host_blocks=st.integers(0, 8),
+    disk=st.booleans(),
+    block_size=st.integers(1, 4),
+    ops=OPS,
+)
 def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blocks, disk, block_size, ops):
     """allocate / grow / fork / free / swap out / swap in / cache-and-spill, in any order: no block
     leaked or freed twice in any tier, refcounts equal the tables holding a block, copies never
@@ -207,8 +234,11 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
             lengths[seq_id], tokens[seq_id] = amount, [seq_id % 3] * amount
             write(seq_id)
         elif op == "append" and seq_id in lengths and not swapped:
-            if manager.can_grow(seq_id, lengths[seq_id] + 1, copies=len(manager.shared_blocks(
-                    seq_id, lengths[seq_id], lengths[seq_id] + 1))):
+            if manager.can_grow(
+                seq_id,
+                lengths[seq_id] + 1,
+                copies=len(manager.shared_blocks(seq_id, lengths[seq_id], lengths[seq_id] + 1)),
+            ):
                 manager.grow(seq_id, lengths[seq_id] + 1)
                 manager.copy_on_write(seq_id, lengths[seq_id], lengths[seq_id] + 1)
                 lengths[seq_id] += 1
@@ -245,12 +275,18 @@ def corrupt_every_block_file(llm, damage):
     def write_then_damage(block, payload):
         original(block, payload)
         damage(disk.path(block))
+
     disk.write_block = write_then_damage
 
 
-@pytest.mark.parametrize("damage", [lambda path: path.write_bytes(path.read_bytes()[:-7]),  # truncated
-                                    lambda path: path.write_bytes(path.read_bytes()[:-1] + b"\x01"),  # a flipped byte
-                                    lambda path: path.unlink()])  # gone
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda path: path.write_bytes(path.read_bytes()[:-7]),  # truncated
+        lambda path: path.write_bytes(path.read_bytes()[:-1] + b"\x01"),  # a flipped byte
+        lambda path: path.unlink(),
+    ],
+)  # gone
 def test_a_lost_block_file_is_recomputed_with_a_warning(tiny_dir, tiny_model, tmp_path, caplog, damage):
     prompts = mixed_prompts(8, seed=9)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -270,6 +306,7 @@ def test_a_full_disk_means_recompute_not_wrong_kv(tiny_dir, tiny_model, tmp_path
 
     def disk_full(self, data):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(Path, "write_bytes", disk_full)
     with caplog.at_level(logging.WARNING, logger="minillm"):
         outputs = llm.generate(prompts, params)
@@ -300,8 +337,11 @@ def test_auto_in_the_engine_follows_the_measured_costs(tiny_dir, tiny_model, mon
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     expected = [naive(tiny_model, prompt, params) for prompt in prompts]
     for copy_is_cheap in (True, False):
-        monkeypatch.setattr(SwapCost, "seconds", lambda self, tokens, blocks, tier, cheap=copy_is_cheap:
-                            (1.0, 0.001) if cheap else (0.001, 1.0))
+        monkeypatch.setattr(
+            SwapCost,
+            "seconds",
+            lambda self, tokens, blocks, tier, cheap=copy_is_cheap: (1.0, 0.001) if cheap else (0.001, 1.0),
+        )
         llm = tight(tiny_dir, tiny_model, preemption="auto")
         assert [out.token_ids for out in llm.generate(prompts, params)] == expected
         counters = llm.engine.snapshot().counters
@@ -320,8 +360,14 @@ def test_prefix_blocks_spill_to_host_and_come_back(tiny_dir, tiny_model):
     expected = [naive(tiny_model, prompt, params) for prompt in prompts]
     saved = {}
     for host in (0, 64):
-        llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True,
-                  kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN, host_cache_bytes=host * BLOCK * KV_BYTES_PER_TOKEN)
+        llm = LLM(
+            tiny_dir,
+            model=tiny_model,
+            block_size=BLOCK,
+            prefix_caching=True,
+            kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN,
+            host_cache_bytes=host * BLOCK * KV_BYTES_PER_TOKEN,
+        )
         assert [llm.generate([p], params)[0].token_ids for p in prompts] == expected
         saved[host] = llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks
         llm.engine.kv_cache.block_manager.check_invariants()
@@ -380,9 +426,19 @@ def test_real_model_with_swaps_at_every_turn_equals_naive(real_dir, real_model, 
     prompts = [real_tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(max_tokens=12)
     per_block = real_model.config.kv_bytes_per_token(torch.float32) * 16
-    llm = LLM(real_dir, model=real_model, tokenizer=real_tokenizer, kv_cache_bytes=7 * per_block,
-              host_cache_bytes=64 * per_block, preemption="swap", max_num_batched_tokens=48)
+    llm = LLM(
+        real_dir,
+        model=real_model,
+        tokenizer=real_tokenizer,
+        kv_cache_bytes=7 * per_block,
+        host_cache_bytes=64 * per_block,
+        preemption="swap",
+        max_num_batched_tokens=48,
+    )
     outputs = llm.generate(prompts, params)
     for out, prompt in zip(outputs, prompts):
-        assert out.token_ids == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
+        assert (
+            out.token_ids
+            == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
+        )
     assert_swapped_and_drained(llm)

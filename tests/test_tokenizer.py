@@ -11,21 +11,34 @@ import re
 from pathlib import Path
 
 import pytest
-
 from conftest import GGUF_CACHE, TEXTS_DIR
 
 STDLIB = Path(os.path.dirname(os.__file__))
 CORPUS = {
     "prose and numbered lists": [TEXTS_DIR / "alice29.txt", TEXTS_DIR / "lcet10.txt"],
     "code and indented text": [STDLIB / "argparse.py", STDLIB / "textwrap.py"],
-    "non-English": [STDLIB / "test" / "cjkencodings" / f"{name}-utf8.txt"
-                                                for name in ("big5", "gb18030", "euc_jp", "shift_jis", "cp949", "johab")],
+    "non-English": [
+        STDLIB / "test" / "cjkencodings" / f"{name}-utf8.txt"
+        for name in ("big5", "gb18030", "euc_jp", "shift_jis", "cp949", "johab")
+    ],
 }
 # GLib's message translations (Debian's libglib2.0-data): German, French, Russian, Spanish, Japanese.
-TRANSLATIONS = [Path(f"/usr/share/locale/{lang}/LC_MESSAGES/glib20.mo") for lang in ("de", "fr", "ru", "es", "ja")]
-TRICKY = ["x =  5", "1234567890", "version 3.11.7, 2,000 lines", "tab\tand  two  spaces  9",
-          "emoji 😀👍🏽 and flags 🇫🇷", "control \x04 and \x06 bytes", "", "   ", "don't we'll THEY'RE",
-          "naïve café Ångström", "Ελληνικά русский язык עברית العربية"]
+TRANSLATIONS = [
+    Path(f"/usr/share/locale/{lang}/LC_MESSAGES/glib20.mo") for lang in ("de", "fr", "ru", "es", "ja")
+]
+TRICKY = [
+    "x =  5",
+    "1234567890",
+    "version 3.11.7, 2,000 lines",
+    "tab\tand  two  spaces  9",
+    "emoji 😀👍🏽 and flags 🇫🇷",
+    "control \x04 and \x06 bytes",
+    "",
+    "   ",
+    "don't we'll THEY'RE",
+    "naïve café Ångström",
+    "Ελληνικά русский язык עברית العربية",
+]
 
 
 @pytest.fixture(scope="module")
@@ -37,10 +50,12 @@ def upstream():
     if gguf is None:
         pytest.fail(f"No GGUF file in {GGUF_CACHE}: run `python weights_fetch.py` first.")
     hf = AutoTokenizer.from_pretrained(str(GGUF_CACHE), gguf_file=gguf.name)
-    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     return hf
 
 
@@ -50,7 +65,9 @@ def translated_lines(limit_per_language: int = 150) -> list[str]:
     lines = []
     for path in TRANSLATIONS:
         with open(path, "rb") as f:
-            messages = [m for key, m in gettext.GNUTranslations(f)._catalog.items() if key and isinstance(m, str)]
+            messages = [
+                m for key, m in gettext.GNUTranslations(f)._catalog.items() if key and isinstance(m, str)
+            ]
         lines += [line for m in messages[:limit_per_language] for line in m.splitlines()]
     return lines
 
@@ -68,8 +85,12 @@ def test_corpus_is_big_enough():
 @pytest.mark.parametrize("kind", list(CORPUS))
 def test_encodes_real_text_like_upstream(real_tokenizer, upstream, kind):
     lines = corpus_lines(kind)
-    mismatches = [line for line in lines
-                  if real_tokenizer.encode(line) != upstream.backend_tokenizer.encode(line, add_special_tokens=False).ids]
+    mismatches = [
+        line
+        for line in lines
+        if real_tokenizer.encode(line)
+        != upstream.backend_tokenizer.encode(line, add_special_tokens=False).ids
+    ]
     assert not mismatches, f"{len(mismatches)}/{len(lines)} lines differ, first: {mismatches[0]!r}"
 
 
@@ -77,29 +98,43 @@ def test_encodes_whole_documents_like_upstream(real_tokenizer, upstream):
     """Newlines and runs of blank lines only appear across line boundaries."""
     for kind in CORPUS:
         text = "\n".join(corpus_lines(kind))
-        assert real_tokenizer.encode(text) == upstream.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        assert (
+            real_tokenizer.encode(text)
+            == upstream.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        )
 
 
 @pytest.mark.parametrize("text", TRICKY)
 def test_tricky_strings_like_upstream(real_tokenizer, upstream, text):
-    assert real_tokenizer.encode(text) == upstream.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    assert (
+        real_tokenizer.encode(text) == upstream.backend_tokenizer.encode(text, add_special_tokens=False).ids
+    )
 
 
 def test_digits_are_split_before_the_gpt2_regex(real_tokenizer):
     """SmolLM2 isolates digits first; plain GPT-2 pre-tokenization would glue ' 5' together."""
     import tiktoken
+
     from minillm.fetch.bpe import GPT2_PATTERN
 
-    gpt2_style = tiktoken.Encoding("gpt2-style", pat_str=GPT2_PATTERN,
-                                   mergeable_ranks=real_tokenizer.encoding._mergeable_ranks, special_tokens={})
+    gpt2_style = tiktoken.Encoding(
+        "gpt2-style",
+        pat_str=GPT2_PATTERN,
+        mergeable_ranks=real_tokenizer.encoding._mergeable_ranks,
+        special_tokens={},
+    )
     text = "x =  5"
     assert [real_tokenizer.decode([t]) for t in real_tokenizer.encode(text)] == ["x", " =", "  ", "5"]
     assert gpt2_style.encode_ordinary(text) != real_tokenizer.encode(text)
 
 
 def test_bytes_without_a_token_are_dropped_like_upstream(real_tokenizer):
-    missing = [b for b in range(256) if bytes([b]) not in real_tokenizer.encoding._mergeable_ranks
-               or real_tokenizer.encoding._mergeable_ranks[bytes([b])] >= real_tokenizer.vocab_size]
+    missing = [
+        b
+        for b in range(256)
+        if bytes([b]) not in real_tokenizer.encoding._mergeable_ranks
+        or real_tokenizer.encoding._mergeable_ranks[bytes([b])] >= real_tokenizer.vocab_size
+    ]
     assert 15 <= len(missing) <= 25  # 21 for SmolLM2: mostly control characters
     assert real_tokenizer.encode("a\x04b") == real_tokenizer.encode("a") + real_tokenizer.encode("b")
 
@@ -127,8 +162,11 @@ def test_special_token_text_in_a_prompt_stays_text(real_tokenizer):
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi there!"}],
     [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2 + 2 = ?"}],
-    [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Apple."},
-     {"role": "user", "content": "Another one,\nplease."}],
+    [
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "Apple."},
+        {"role": "user", "content": "Another one,\nplease."},
+    ],
 ]
 
 
@@ -136,10 +174,16 @@ CONVERSATIONS = [
 def test_chat_template_matches_the_checkpoints_jinja_template(real_tokenizer, upstream, messages):
     expected = upstream.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert real_tokenizer.decode(real_tokenizer.encode_chat(messages)) == expected
-    assert real_tokenizer.encode_chat(messages) == upstream.backend_tokenizer.encode(expected, add_special_tokens=False).ids
+    assert (
+        real_tokenizer.encode_chat(messages)
+        == upstream.backend_tokenizer.encode(expected, add_special_tokens=False).ids
+    )
 
 
 def test_chat_template_injects_the_default_system_prompt(real_tokenizer):
     text = real_tokenizer.decode(real_tokenizer.encode_chat([{"role": "user", "content": "hello"}]))
-    assert re.match(r"<\|im_start\|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<\|im_end\|>\n", text)
+    assert re.match(
+        r"<\|im_start\|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<\|im_end\|>\n",
+        text,
+    )
     assert text.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")

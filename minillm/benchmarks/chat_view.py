@@ -33,12 +33,16 @@ def bench_chat_view(model_dir: Path, rounds: int = 5, max_tokens: int = 128, dty
     llm = LLM(model_dir, dtype=dtype, prefix_caching=True)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     with open(os.devnull, "w") as null:
-        consoles = {"live": Console(file=null, force_terminal=True, width=80, height=40),
-                    "plain": Console(file=null, width=80)}
-        Chat(llm, params, None, console=consoles["plain"]).reply(QUESTION)  # warm up; the question is cached now
+        consoles = {
+            "live": Console(file=null, force_terminal=True, width=80, height=40),
+            "plain": Console(file=null, width=80),
+        }
+        Chat(llm, params, None, console=consoles["plain"]).reply(
+            QUESTION
+        )  # warm up; the question is cached now
         speeds: dict[str, list[float]] = {"live": [], "plain": []}
         for round_index in range(rounds):
-            for view in (("live", "plain") if round_index % 2 == 0 else ("plain", "live")):
+            for view in ("live", "plain") if round_index % 2 == 0 else ("plain", "live"):
                 chat = Chat(llm, params, None, console=consoles[view], live=view == "live")
                 chat.reply(QUESTION)
                 speeds[view].append(chat.last[1].tok_s)
@@ -48,16 +52,36 @@ def bench_chat_view(model_dir: Path, rounds: int = 5, max_tokens: int = 128, dty
             consoles["live"].print(memory_panel(llm.engine, ReplyMeter()))
             draw_ms.append((time.perf_counter() - start) * 1000)
     live, plain = summarize(speeds["live"]), summarize(speeds["plain"])
-    return {"model": str(model_dir), "dtype": dtype, "rounds": rounds, "max_tokens": max_tokens,
-            "blocks": llm.engine.snapshot().num_blocks, "live": live, "plain": plain,
-            "slowdown": 1 - live["tok_s"] / plain["tok_s"], "panel_draw_ms": statistics.median(draw_ms)}
+    return {
+        "model": str(model_dir),
+        "dtype": dtype,
+        "rounds": rounds,
+        "max_tokens": max_tokens,
+        "blocks": llm.engine.snapshot().num_blocks,
+        "live": live,
+        "plain": plain,
+        "slowdown": 1 - live["tok_s"] / plain["tok_s"],
+        "panel_draw_ms": statistics.median(draw_ms),
+    }
 
 
 def print_chat_view_report(report: dict, console) -> None:
-    print_table(console, f"chat decode speed, live panel vs plain text: {report['rounds']} interleaved rounds of "
-                         f"{report['max_tokens']} tokens ({report['blocks']:,} blocks in the map)",
-                ["view", "tok/s median", "best", "spread"],
-                [[name, f"{report[name]['tok_s']:.1f}", f"{report[name]['best_tok_s']:.1f}",
-                  f"{report[name]['spread']:.0%}"] for name in ("plain", "live")])
-    console.print(f"the live panel costs {report['slowdown']:.1%} of decode speed (target: under 5%); "
-                  f"one drawing takes {report['panel_draw_ms']:.1f} ms, at most 4 a second")
+    print_table(
+        console,
+        f"chat decode speed, live panel vs plain text: {report['rounds']} interleaved rounds of "
+        f"{report['max_tokens']} tokens ({report['blocks']:,} blocks in the map)",
+        ["view", "tok/s median", "best", "spread"],
+        [
+            [
+                name,
+                f"{report[name]['tok_s']:.1f}",
+                f"{report[name]['best_tok_s']:.1f}",
+                f"{report[name]['spread']:.0%}",
+            ]
+            for name in ("plain", "live")
+        ],
+    )
+    console.print(
+        f"the live panel costs {report['slowdown']:.1%} of decode speed (target: under 5%); "
+        f"one drawing takes {report['panel_draw_ms']:.1f} ms, at most 4 a second"
+    )

@@ -30,6 +30,7 @@ from minillm.weights import load_model
 
 def bench_prompt(model_dir: Path, prompt_len: int) -> list[int]:
     from minillm.tokenizer import Tokenizer
+
     return Tokenizer(model_dir).encode(read_text())[:prompt_len]
 
 
@@ -45,8 +46,14 @@ def time_hf(hf_model, prompt_ids: list[int], new_tokens: int) -> float:
 
     def run(n: int) -> float:
         start = time.perf_counter()
-        hf_model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          attention_mask=torch.ones_like(ids), pad_token_id=0)
+        hf_model.generate(
+            ids,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            attention_mask=torch.ones_like(ids),
+            pad_token_id=0,
+        )
         return time.perf_counter() - start
 
     return new_tokens / (run(new_tokens + 1) - run(1))
@@ -71,8 +78,12 @@ def summarize(samples: list[float]) -> dict:
     """The median is the headline (one slow run on a shared machine does not move it), the best
     beside it, and the spread (max - min) / median says how far to trust either."""
     median = statistics.median(samples)
-    return {"tok_s": median, "best_tok_s": max(samples), "spread": (max(samples) - min(samples)) / median,
-            "samples_tok_s": samples}
+    return {
+        "tok_s": median,
+        "best_tok_s": max(samples),
+        "spread": (max(samples) - min(samples)) / median,
+        "samples_tok_s": samples,
+    }
 
 
 def decoder_models(model_dir: Path, dtype: str, include_hf: bool) -> tuple[dict, object]:
@@ -86,6 +97,7 @@ def decoder_models(model_dir: Path, dtype: str, include_hf: bool) -> tuple[dict,
     if not include_hf:
         return models, None
     from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+
     return models, LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
 
 
@@ -99,24 +111,39 @@ def tok_s_by_threads(run_cached) -> dict[int, float]:
     return threads
 
 
-def decoder_row(samples: list[float], model, prompt_len: int, new_tokens: int, naive: bool,
-                roof: float) -> dict:
+def decoder_row(
+    samples: list[float], model, prompt_len: int, new_tokens: int, naive: bool, roof: float
+) -> dict:
     """One decoder's speed beside the bytes its steps read and the copy roof."""
     row = summarize(samples)
     step_bytes = bytes_per_step(model, prompt_len, new_tokens, with_kv=not naive)
-    return {"dtype": str(model.dtype).removeprefix("torch."), **row, "ms_per_token": 1000 / row["tok_s"],
-            "bytes_per_step": step_bytes, "bandwidth_GBs": step_bytes * row["tok_s"] / 1e9,
-            "roof_fraction": step_bytes * row["tok_s"] / roof,
-            "best_roof_fraction": step_bytes * row["best_tok_s"] / roof}
+    return {
+        "dtype": str(model.dtype).removeprefix("torch."),
+        **row,
+        "ms_per_token": 1000 / row["tok_s"],
+        "bytes_per_step": step_bytes,
+        "bandwidth_GBs": step_bytes * row["tok_s"] / 1e9,
+        "roof_fraction": step_bytes * row["tok_s"] / roof,
+        "best_roof_fraction": step_bytes * row["best_tok_s"] / roof,
+    }
 
 
-def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 128, naive_tokens: int = 16,
-                 include_hf: bool = True, dtype: str = "float32", repeats: int = 5) -> dict:
+def bench_decode(
+    model_dir: Path,
+    prompt_len: int = 64,
+    new_tokens: int = 128,
+    naive_tokens: int = 16,
+    include_hf: bool = True,
+    dtype: str = "float32",
+    repeats: int = 5,
+) -> dict:
     from minillm.config import ConfigError
 
     if new_tokens < 1 or naive_tokens < 1:  # a rate needs at least one timed decode step
-        raise ConfigError(f"bench decode times at least 1 new token per decoder (--tokens {new_tokens}, "
-                          f"--naive-tokens {naive_tokens}); raise them.")
+        raise ConfigError(
+            f"bench decode times at least 1 new token per decoder (--tokens {new_tokens}, "
+            f"--naive-tokens {naive_tokens}); raise them."
+        )
     models, hf_model = decoder_models(model_dir, dtype, include_hf)
     prompt_ids = bench_prompt(model_dir, prompt_len)
     tokens = {name: naive_tokens if name == "naive" else new_tokens for name in models}
@@ -137,41 +164,91 @@ def bench_decode(model_dir: Path, prompt_len: int = 64, new_tokens: int = 128, n
                 runs[name].append(run_once(name))
         threads = tok_s_by_threads(lambda: run_once("cached"))
     roof = copy_bandwidth()
-    decoders = {name: decoder_row(samples, models.get(name, models["cached"]), prompt_len,
-                                  tokens.get(name, new_tokens), name == "naive", roof)
-                for name, samples in runs.items()}
+    decoders = {
+        name: decoder_row(
+            samples,
+            models.get(name, models["cached"]),
+            prompt_len,
+            tokens.get(name, new_tokens),
+            name == "naive",
+            roof,
+        )
+        for name, samples in runs.items()
+    }
     report = {
-        "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                    "torch": torch.__version__, "processor": cpu_model()},
-        "model_dir": str(model_dir), "dtype": dtype, "prompt_len": len(prompt_ids), "new_tokens": new_tokens,
-        "naive_tokens": naive_tokens, "repeats": repeats, "copy_bandwidth_GBs": roof / 1e9,
-        "decoders": decoders, "cached_tok_s_by_threads": threads,
+        "machine": {
+            "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "processor": cpu_model(),
+        },
+        "model_dir": str(model_dir),
+        "dtype": dtype,
+        "prompt_len": len(prompt_ids),
+        "new_tokens": new_tokens,
+        "naive_tokens": naive_tokens,
+        "repeats": repeats,
+        "copy_bandwidth_GBs": roof / 1e9,
+        "decoders": decoders,
+        "cached_tok_s_by_threads": threads,
         "cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"],
     }
     if other_dtype(dtype):
-        report[f"cached_{other_dtype(dtype)}_vs_cached"] = (decoders[f"cached_{other_dtype(dtype)}"]["tok_s"]
-                                                            / decoders["cached"]["tok_s"])
+        report[f"cached_{other_dtype(dtype)}_vs_cached"] = (
+            decoders[f"cached_{other_dtype(dtype)}"]["tok_s"] / decoders["cached"]["tok_s"]
+        )
     if "hf_transformers" in decoders:
         report["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
     return report
 
 
 def print_decode_report(report: dict, console) -> None:
-    print_table(console, f"batch-1 decode, prompt {report['prompt_len']} tokens, {report['new_tokens']} new "
-                         f"(naive {report['naive_tokens']}), {report['repeats']} interleaved runs, "
-                         f"{report['machine']['torch_threads']} threads",
-                ["decoder", "dtype", "tok/s median", "best", "spread", "ms/token", "MB read/step", "GB/s achieved",
-                 "of copy roof (best)"],
-                [[name, d["dtype"], f"{d['tok_s']:.1f}", f"{d['best_tok_s']:.1f}", f"{d['spread']:.0%}",
-                  f"{d['ms_per_token']:.1f}", f"{d['bytes_per_step'] / 1e6:.0f}", f"{d['bandwidth_GBs']:.1f}",
-                  f"{d['roof_fraction']:.0%} ({d['best_roof_fraction']:.0%})"]
-                 for name, d in report["decoders"].items()])
+    print_table(
+        console,
+        f"batch-1 decode, prompt {report['prompt_len']} tokens, {report['new_tokens']} new "
+        f"(naive {report['naive_tokens']}), {report['repeats']} interleaved runs, "
+        f"{report['machine']['torch_threads']} threads",
+        [
+            "decoder",
+            "dtype",
+            "tok/s median",
+            "best",
+            "spread",
+            "ms/token",
+            "MB read/step",
+            "GB/s achieved",
+            "of copy roof (best)",
+        ],
+        [
+            [
+                name,
+                d["dtype"],
+                f"{d['tok_s']:.1f}",
+                f"{d['best_tok_s']:.1f}",
+                f"{d['spread']:.0%}",
+                f"{d['ms_per_token']:.1f}",
+                f"{d['bytes_per_step'] / 1e6:.0f}",
+                f"{d['bandwidth_GBs']:.1f}",
+                f"{d['roof_fraction']:.0%} ({d['best_roof_fraction']:.0%})",
+            ]
+            for name, d in report["decoders"].items()
+        ],
+    )
     console.print(f"copy bandwidth measured now: {report['copy_bandwidth_GBs']:.1f} GB/s (read + write)")
-    console.print("cached decode by torch threads (median of 3): " +
-                  ", ".join(f"{n}: {v:.1f} tok/s" for n, v in report["cached_tok_s_by_threads"].items()))
-    console.print(f"cached is {report['cached_vs_naive']:.1f}x naive" +
-                  (f" and {report['cached_vs_hf']:.2f}x HF transformers" if "cached_vs_hf" in report else "") +
-                  "".join(f"; {key.removesuffix('_vs_cached').replace('_', ' ')} is {value:.2f}x cached {report['dtype']}"
-                          for key, value in report.items() if key.endswith("_vs_cached")))
-    console.print("[dim]naive's bandwidth is not its limit: it recomputes the whole sequence, so it is "
-                  "compute bound and its GB/s only counts the weights once per step.[/dim]")
+    console.print(
+        "cached decode by torch threads (median of 3): "
+        + ", ".join(f"{n}: {v:.1f} tok/s" for n, v in report["cached_tok_s_by_threads"].items())
+    )
+    console.print(
+        f"cached is {report['cached_vs_naive']:.1f}x naive"
+        + (f" and {report['cached_vs_hf']:.2f}x HF transformers" if "cached_vs_hf" in report else "")
+        + "".join(
+            f"; {key.removesuffix('_vs_cached').replace('_', ' ')} is {value:.2f}x cached {report['dtype']}"
+            for key, value in report.items()
+            if key.endswith("_vs_cached")
+        )
+    )
+    console.print(
+        "[dim]naive's bandwidth is not its limit: it recomputes the whole sequence, so it is "
+        "compute bound and its GB/s only counts the weights once per step.[/dim]"
+    )

@@ -48,7 +48,7 @@ def make_trace(tokenizer: Tokenizer, num_requests: int = 64, seed: int = 0) -> l
     for _ in range(num_requests):
         prompt_len = rng.randint(16, 320)
         start = rng.randrange(len(text_ids) - prompt_len)
-        trace.append((text_ids[start:start + prompt_len], rng.randint(8, 160)))
+        trace.append((text_ids[start : start + prompt_len], rng.randint(8, 160)))
     return trace
 
 
@@ -56,14 +56,24 @@ def trace_flops(config: ModelConfig, trace: list[tuple[list[int], int]]) -> floa
     """The model FLOPs of serving `trace` once, 2 per multiply-add: the layers' matmuls for every
     computed token, attention (q.k and p.v over the token's history), and the lm_head for each
     output token's logits row."""
-    hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
-    layer_params = (hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden  # wqkv, wo
-                    + 3 * hidden * config.intermediate_size)  # gate, up, down
+    hidden, heads, kv_heads, head_dim = (
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    layer_params = (
+        hidden * (heads + 2 * kv_heads) * head_dim
+        + heads * head_dim * hidden  # wqkv, wo
+        + 3 * hidden * config.intermediate_size
+    )  # gate, up, down
     flops = 0.0
     for prompt_ids, output_len in trace:
         computed = len(prompt_ids) + output_len - 1  # the last output token is sampled, never fed back
         flops += 2 * config.num_layers * layer_params * computed
-        flops += 2 * 2 * config.num_layers * heads * head_dim * computed * (computed + 1) / 2  # token p reads p + 1 keys
+        flops += (
+            2 * 2 * config.num_layers * heads * head_dim * computed * (computed + 1) / 2
+        )  # token p reads p + 1 keys
         flops += 2 * config.vocab_size * hidden * output_len
     return flops
 
@@ -94,10 +104,17 @@ def latency_summary(name: str, values: list[float]) -> dict:
     return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": values[rank - 1]}
 
 
-def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_num_seqs: int,
-                attention_backend: str) -> dict:
-    llm = LLM(model=model, tokenizer=tokenizer, scheduling=scheduling, block_size=block_size,
-              max_num_seqs=max_num_seqs, attention_backend=attention_backend)
+def run_minillm(
+    model, tokenizer, trace, scheduling: str, block_size: int, max_num_seqs: int, attention_backend: str
+) -> dict:
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        scheduling=scheduling,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        attention_backend=attention_backend,
+    )
     engine = llm.engine
     start = time.perf_counter()
     for prompt_ids, output_len in trace:
@@ -116,7 +133,9 @@ def run_minillm(model, tokenizer, trace, scheduling: str, block_size: int, max_n
     elapsed = time.perf_counter() - start
     output_tokens = sum(len(out.token_ids) for out in finished)
     return {
-        "output_tok_s": output_tokens / elapsed, "elapsed_s": elapsed, "steps": engine.stats.steps,
+        "output_tok_s": output_tokens / elapsed,
+        "elapsed_s": elapsed,
+        "steps": engine.stats.steps,
         "preemptions": engine.num_preemptions,
         **latency_summary("ttft", [out.ttft for out in finished]),
         **latency_summary("tpot", [out.tpot for out in finished if out.tpot is not None]),
@@ -147,39 +166,59 @@ def run_hf(hf_model, trace, batch_size: int) -> dict:
     start = time.perf_counter()
     ttft, tpot, output_tokens = [], [], 0
     for first in range(0, len(trace), batch_size):
-        batch = trace[first:first + batch_size]
+        batch = trace[first : first + batch_size]
         width = max(len(p) for p, _ in batch)
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         longest = max(n for _, n in batch)
         clock = TokenClock()
         with torch.inference_mode():
-            hf_model.generate(ids, attention_mask=mask, max_new_tokens=longest, min_new_tokens=longest,
-                              do_sample=False, pad_token_id=0, streamer=clock)
+            hf_model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=longest,
+                min_new_tokens=longest,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=clock,
+            )
         for _, n in batch:  # request i is done when its own n-th token appears
             ttft.append(clock.times[0] - start)
             if n > 1:
                 tpot.append((clock.times[n - 1] - clock.times[0]) / (n - 1))
             output_tokens += n
     elapsed = time.perf_counter() - start
-    return {"output_tok_s": output_tokens / elapsed, "elapsed_s": elapsed,
-            **latency_summary("ttft", ttft), **latency_summary("tpot", tpot)}
+    return {
+        "output_tok_s": output_tokens / elapsed,
+        "elapsed_s": elapsed,
+        **latency_summary("ttft", ttft),
+        **latency_summary("tpot", tpot),
+    }
 
 
-def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
-                block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128), include_hf: bool = True,
-                attention_backend: str = "torch", dtype: str = "float32") -> dict:
+def bench_serve(
+    model_dir: Path,
+    num_requests: int = 64,
+    max_num_seqs: int = 16,
+    block_sizes: tuple[int, ...] = (8, 16, 32, 64, 128),
+    include_hf: bool = True,
+    attention_backend: str = "torch",
+    dtype: str = "float32",
+) -> dict:
     if num_requests < 1:
         raise ConfigError(f"bench serve needs at least 1 request (--requests {num_requests}); raise it.")
     model, tokenizer = load_model(model_dir, DTYPES[dtype]), Tokenizer(model_dir)
     trace = make_trace(tokenizer, num_requests)
     matmul_before = matmul_gflops(model)
     servers = {
-        "minillm_continuous": run_minillm(model, tokenizer, trace, "continuous", 16, max_num_seqs, attention_backend),
+        "minillm_continuous": run_minillm(
+            model, tokenizer, trace, "continuous", 16, max_num_seqs, attention_backend
+        ),
         "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs, attention_backend),
     }
     if include_hf:
         from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+
         hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
         servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
     # the roof is measured before and after the servers, and the better taken, so that a busy
@@ -189,47 +228,98 @@ def bench_serve(model_dir: Path, num_requests: int = 64, max_num_seqs: int = 16,
     for run in servers.values():
         run["achieved_GFLOPs"] = work / run["elapsed_s"] / 1e9
         run["matmul_fraction"] = run["achieved_GFLOPs"] / matmul
-    sweep = {size: servers["minillm_continuous"] if size == 16 else
-             run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs, attention_backend)
-             for size in block_sizes}
+    sweep = {
+        size: servers["minillm_continuous"]
+        if size == 16
+        else run_minillm(model, tokenizer, trace, "continuous", size, max_num_seqs, attention_backend)
+        for size in block_sizes
+    }
     report = {
-        "trace": {"requests": num_requests, "prompt_tokens": sum(len(p) for p, _ in trace),
-                  "output_tokens": sum(n for _, n in trace), "prompt_len": "U[16, 320]", "output_len": "U[8, 160]",
-                  "seed": 0, "max_num_seqs": max_num_seqs, "attention_backend": attention_backend,
-                  "model_GFLOP": work / 1e9},
-        "dtype": dtype, "torch_threads": torch.get_num_threads(), "matmul_GFLOPs": matmul,
+        "trace": {
+            "requests": num_requests,
+            "prompt_tokens": sum(len(p) for p, _ in trace),
+            "output_tokens": sum(n for _, n in trace),
+            "prompt_len": "U[16, 320]",
+            "output_len": "U[8, 160]",
+            "seed": 0,
+            "max_num_seqs": max_num_seqs,
+            "attention_backend": attention_backend,
+            "model_GFLOP": work / 1e9,
+        },
+        "dtype": dtype,
+        "torch_threads": torch.get_num_threads(),
+        "matmul_GFLOPs": matmul,
         "servers": servers,
-        "continuous_vs_static": servers["minillm_continuous"]["output_tok_s"] / servers["minillm_static"]["output_tok_s"],
-        "block_size_sweep": {size: {key: run[key] for key in ("output_tok_s", "kv_utilization_paged",
-                                                               "wasted_slots_per_step", "block_table_entries_per_seq")}
-                             for size, run in sweep.items()},
+        "continuous_vs_static": servers["minillm_continuous"]["output_tok_s"]
+        / servers["minillm_static"]["output_tok_s"],
+        "block_size_sweep": {
+            size: {
+                key: run[key]
+                for key in (
+                    "output_tok_s",
+                    "kv_utilization_paged",
+                    "wasted_slots_per_step",
+                    "block_table_entries_per_seq",
+                )
+            }
+            for size, run in sweep.items()
+        },
     }
     if include_hf:
-        report["continuous_vs_hf"] = (servers["minillm_continuous"]["output_tok_s"]
-                                      / servers["hf_transformers_static"]["output_tok_s"])
+        report["continuous_vs_hf"] = (
+            servers["minillm_continuous"]["output_tok_s"] / servers["hf_transformers_static"]["output_tok_s"]
+        )
     return report
 
 
 def print_serve_report(report: dict, console) -> None:
     trace = report["trace"]
-    print_table(console, f"{trace['requests']} requests (prompts {trace['prompt_len']}, outputs {trace['output_len']}), "
-                         f"batch {trace['max_num_seqs']}, {report['dtype']}, {report['torch_threads']} threads",
-                ["server", "output tok/s", "GFLOP/s", "of matmul", "TTFT mean", "TTFT p90", "TPOT mean", "TPOT p90"],
-                [[name, f"{run['output_tok_s']:.1f}", f"{run['achieved_GFLOPs']:.1f}", f"{run['matmul_fraction']:.0%}",
-                  f"{run['ttft_mean_s']:.1f} s", f"{run['ttft_p90_s']:.1f} s",
-                  f"{run['tpot_mean_s'] * 1e3:.0f} ms", f"{run['tpot_p90_s'] * 1e3:.0f} ms"]
-                 for name, run in report["servers"].items()])
-    console.print(f"GFLOP/s: the trace's {trace['model_GFLOP']:.0f} GFLOP of model work over each server's time, "
-                  f"against {report['matmul_GFLOPs']:.0f} GFLOP/s of the model's gate|up matmul on 256 rows, "
-                  f"{report['dtype']}, measured in this run")
+    print_table(
+        console,
+        f"{trace['requests']} requests (prompts {trace['prompt_len']}, outputs {trace['output_len']}), "
+        f"batch {trace['max_num_seqs']}, {report['dtype']}, {report['torch_threads']} threads",
+        ["server", "output tok/s", "GFLOP/s", "of matmul", "TTFT mean", "TTFT p90", "TPOT mean", "TPOT p90"],
+        [
+            [
+                name,
+                f"{run['output_tok_s']:.1f}",
+                f"{run['achieved_GFLOPs']:.1f}",
+                f"{run['matmul_fraction']:.0%}",
+                f"{run['ttft_mean_s']:.1f} s",
+                f"{run['ttft_p90_s']:.1f} s",
+                f"{run['tpot_mean_s'] * 1e3:.0f} ms",
+                f"{run['tpot_p90_s'] * 1e3:.0f} ms",
+            ]
+            for name, run in report["servers"].items()
+        ],
+    )
+    console.print(
+        f"GFLOP/s: the trace's {trace['model_GFLOP']:.0f} GFLOP of model work over each server's time, "
+        f"against {report['matmul_GFLOPs']:.0f} GFLOP/s of the model's gate|up matmul on 256 rows, "
+        f"{report['dtype']}, measured in this run"
+    )
     cont = report["servers"]["minillm_continuous"]
-    console.print(f"continuous is {report['continuous_vs_static']:.2f}x static" +
-                  (f" and {report['continuous_vs_hf']:.2f}x HF transformers" if "continuous_vs_hf" in report else ""))
-    console.print(f"KV utilization on this trace: paged {cont['kv_utilization_paged']:.1%}, "
-                  f"contiguous max-length reservation {cont['kv_utilization_contiguous']:.1%}; "
-                  f"{cont['preemptions']} preemptions")
-    print_table(console, "block-size sweep (continuous)",
-                ["block size", "output tok/s", "KV utilization", "wasted slots/step", "table entries/seq"],
-                [[size, f"{run['output_tok_s']:.1f}", f"{run['kv_utilization_paged']:.1%}",
-                  f"{run['wasted_slots_per_step']:.0f}", f"{run['block_table_entries_per_seq']:.1f}"]
-                 for size, run in report["block_size_sweep"].items()])
+    console.print(
+        f"continuous is {report['continuous_vs_static']:.2f}x static"
+        + (f" and {report['continuous_vs_hf']:.2f}x HF transformers" if "continuous_vs_hf" in report else "")
+    )
+    console.print(
+        f"KV utilization on this trace: paged {cont['kv_utilization_paged']:.1%}, "
+        f"contiguous max-length reservation {cont['kv_utilization_contiguous']:.1%}; "
+        f"{cont['preemptions']} preemptions"
+    )
+    print_table(
+        console,
+        "block-size sweep (continuous)",
+        ["block size", "output tok/s", "KV utilization", "wasted slots/step", "table entries/seq"],
+        [
+            [
+                size,
+                f"{run['output_tok_s']:.1f}",
+                f"{run['kv_utilization_paged']:.1%}",
+                f"{run['wasted_slots_per_step']:.0f}",
+                f"{run['block_table_entries_per_seq']:.1f}",
+            ]
+            for size, run in report["block_size_sweep"].items()
+        ],
+    )

@@ -48,8 +48,10 @@ async def stream_completion(port: int, body: dict, disconnect_after: int | None 
     `disconnect_after`, hang up after that many text chunks. Returns text, tokens, timings."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = json.dumps(body).encode()
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(payload), payload))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(payload), payload)
+    )
     sent = time.perf_counter()
     status = (await reader.readline()).split(b" ")[1]
     chunked = False
@@ -101,6 +103,7 @@ def get(port: int, path: str) -> bytes:
 
 def metrics(port: int) -> dict:
     from minillm.serve.metrics import parse_metrics
+
     return parse_metrics(get(port, "/metrics").decode())
 
 
@@ -109,7 +112,10 @@ def wait_idle(port: int, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         values = metrics(port)
-        if values["num_requests_running"] == values["num_requests_waiting"] == 0 or time.monotonic() > deadline:
+        if (
+            values["num_requests_running"] == values["num_requests_waiting"] == 0
+            or time.monotonic() > deadline
+        ):
             return values
         time.sleep(0.1)
 
@@ -121,9 +127,22 @@ def free_port() -> int:
 
 def start_server(serve_args: list[str], port: int) -> subprocess.Popen:
     """`minillm serve` in a child process; returns once /health answers."""
-    server = subprocess.Popen([sys.executable, "-m", "minillm.cli", "serve", "--port", str(port),
-                               "--log-level", "warning", *serve_args],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ})
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "minillm.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *serve_args,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ},
+    )
     deadline = time.monotonic() + 300
     while True:
         if server.poll() is not None:
@@ -142,15 +161,30 @@ def blocks_held(values: dict) -> int:
     return values["kv_blocks"]["private"] + values["kv_blocks"]["shared"]
 
 
-async def run_clients(port: int, model: str, trace, disconnect_after: int | None = None) -> tuple[list[dict], float]:
+async def run_clients(
+    port: int, model: str, trace, disconnect_after: int | None = None
+) -> tuple[list[dict], float]:
     """Every request at once, one client each; every other client hangs up after
     `disconnect_after` chunks when given. Returns the results and the elapsed seconds."""
     start = time.perf_counter()
-    results = await asyncio.gather(*[
-        stream_completion(port, {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}},
-                          disconnect_after if disconnect_after is not None and i % 2 else None)
-        for i, (prompt, n) in enumerate(trace)])
+    results = await asyncio.gather(
+        *[
+            stream_completion(
+                port,
+                {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": n,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+                disconnect_after if disconnect_after is not None and i % 2 else None,
+            )
+            for i, (prompt, n) in enumerate(trace)
+        ]
+    )
     return results, max(r["end"] for r in results) - start
 
 
@@ -159,9 +193,15 @@ def run_generate(llm: LLM, trace, params) -> tuple[dict, list[str]]:
     outputs = llm.generate([prompt for prompt, _ in trace], params)
     elapsed = time.perf_counter() - start
     ttfts = [out.ttft for out in outputs]
-    return ({"output_tok_s": sum(len(out.token_ids) for out in outputs) / elapsed, "elapsed_s": elapsed,
-             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99)},
-            [out.text for out in outputs])
+    return (
+        {
+            "output_tok_s": sum(len(out.token_ids) for out in outputs) / elapsed,
+            "elapsed_s": elapsed,
+            "ttft_p50_s": percentile(ttfts, 50),
+            "ttft_p99_s": percentile(ttfts, 99),
+        },
+        [out.text for out in outputs],
+    )
 
 
 def run_server_round(port: int, model: str, trace, expected: list[str]) -> dict:
@@ -169,11 +209,16 @@ def run_server_round(port: int, model: str, trace, expected: list[str]) -> dict:
     after = wait_idle(port)
     tokens = sum(r["tokens"] for r in results)
     ttfts = [r["ttft_s"] for r in results]
-    return {"output_tok_s": tokens / elapsed, "elapsed_s": elapsed, "output_tokens": tokens,
-            "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "all_finished": all(r["done"] and r["status"] == 200 for r in results),
-            "outputs_match_generate": [r["text"] for r in results] == expected,
-            "blocks_held_after": blocks_held(after)}
+    return {
+        "output_tok_s": tokens / elapsed,
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        "all_finished": all(r["done"] and r["status"] == 200 for r in results),
+        "outputs_match_generate": [r["text"] for r in results] == expected,
+        "blocks_held_after": blocks_held(after),
+    }
 
 
 def best(rounds: list[dict]) -> dict:
@@ -181,8 +226,14 @@ def best(rounds: list[dict]) -> dict:
     return max(rounds, key=lambda run: run["output_tok_s"])
 
 
-def bench_serve_http(model_dir: Path, serve_args: list[str], switches: dict, clients: int = 32,
-                     disconnect_after: int = 4, repeats: int = 1) -> dict:
+def bench_serve_http(
+    model_dir: Path,
+    serve_args: list[str],
+    switches: dict,
+    clients: int = 32,
+    disconnect_after: int = 4,
+    repeats: int = 1,
+) -> dict:
     tokenizer = Tokenizer(model_dir)
     trace = make_trace(tokenizer, clients)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in trace]
@@ -207,44 +258,81 @@ def bench_serve_http(model_dir: Path, serve_args: list[str], switches: dict, cli
     hung_up = sum(1 for r in left if not r["done"])
     generate, served = best(generate_rounds), best(server_rounds)
     return {
-        "clients": clients, "model": model, "repeats": repeats, "torch_threads": torch.get_num_threads(),
-        "trace": {"prompt_tokens": sum(len(p) for p, _ in trace), "output_tokens": sum(n for _, n in trace),
-                  "prompt_len": "U[16, 320]", "output_len": "U[8, 160]", "seed": 0},
+        "clients": clients,
+        "model": model,
+        "repeats": repeats,
+        "torch_threads": torch.get_num_threads(),
+        "trace": {
+            "prompt_tokens": sum(len(p) for p, _ in trace),
+            "output_tokens": sum(n for _, n in trace),
+            "prompt_len": "U[16, 320]",
+            "output_len": "U[8, 160]",
+            "seed": 0,
+        },
         "serve_args": serve_args,
-        "llm_generate": generate, "server": served,
+        "llm_generate": generate,
+        "server": served,
         "server_vs_generate": served["output_tok_s"] / generate["output_tok_s"],
-        "rounds": {"llm_generate_tok_s": [run["output_tok_s"] for run in generate_rounds],
-                   "server_tok_s": [run["output_tok_s"] for run in server_rounds]},
-        "all_rounds_match_generate": all(run["outputs_match_generate"] and run["all_finished"]
-                                         for run in server_rounds),
+        "rounds": {
+            "llm_generate_tok_s": [run["output_tok_s"] for run in generate_rounds],
+            "server_tok_s": [run["output_tok_s"] for run in server_rounds],
+        },
+        "all_rounds_match_generate": all(
+            run["outputs_match_generate"] and run["all_finished"] for run in server_rounds
+        ),
         "blocks_held_after_all_finished": max(run["blocks_held_after"] for run in server_rounds),
-        "disconnect": {"clients_hung_up": hung_up,
-                       "requests_aborted": after_disconnect["requests_aborted_total"] - aborted_before,
-                       "others_finished": sum(1 for r in left if r["done"]) == clients - hung_up,
-                       "blocks_held_after": blocks_held(after_disconnect),
-                       "requests_left": after_disconnect["num_requests_running"]
-                       + after_disconnect["num_requests_waiting"]},
+        "disconnect": {
+            "clients_hung_up": hung_up,
+            "requests_aborted": after_disconnect["requests_aborted_total"] - aborted_before,
+            "others_finished": sum(1 for r in left if r["done"]) == clients - hung_up,
+            "blocks_held_after": blocks_held(after_disconnect),
+            "requests_left": after_disconnect["num_requests_running"]
+            + after_disconnect["num_requests_waiting"],
+        },
         "blocks_total": after_disconnect["kv_blocks_total"],
     }
 
 
 def print_serve_http_report(report: dict, console) -> None:
     trace, gen, srv = report["trace"], report["llm_generate"], report["server"]
-    print_table(console, f"{report['clients']} streaming clients at once (prompts {trace['prompt_len']}, "
-                         f"outputs {trace['output_len']} tokens, greedy), {report['torch_threads']} torch "
-                         f"thread(s), best of {report['repeats']} interleaved rounds",
-                ["", "output tok/s", "elapsed", "TTFT p50", "TTFT p99"],
-                [["LLM.generate (one process)", f"{gen['output_tok_s']:.1f}", f"{gen['elapsed_s']:.1f} s",
-                  f"{gen['ttft_p50_s']:.2f} s", f"{gen['ttft_p99_s']:.2f} s"],
-                 ["minillm serve + HTTP clients", f"{srv['output_tok_s']:.1f}", f"{srv['elapsed_s']:.1f} s",
-                  f"{srv['ttft_p50_s']:.2f} s", f"{srv['ttft_p99_s']:.2f} s"]])
-    console.print(f"server / LLM.generate: {report['server_vs_generate']:.0%} (target >= 80%); every client got "
-                  f"LLM.generate's text: {report['all_rounds_match_generate']}; KV blocks held after all finished: "
-                  f"{report['blocks_held_after_all_finished']} of {report['blocks_total']}")
+    print_table(
+        console,
+        f"{report['clients']} streaming clients at once (prompts {trace['prompt_len']}, "
+        f"outputs {trace['output_len']} tokens, greedy), {report['torch_threads']} torch "
+        f"thread(s), best of {report['repeats']} interleaved rounds",
+        ["", "output tok/s", "elapsed", "TTFT p50", "TTFT p99"],
+        [
+            [
+                "LLM.generate (one process)",
+                f"{gen['output_tok_s']:.1f}",
+                f"{gen['elapsed_s']:.1f} s",
+                f"{gen['ttft_p50_s']:.2f} s",
+                f"{gen['ttft_p99_s']:.2f} s",
+            ],
+            [
+                "minillm serve + HTTP clients",
+                f"{srv['output_tok_s']:.1f}",
+                f"{srv['elapsed_s']:.1f} s",
+                f"{srv['ttft_p50_s']:.2f} s",
+                f"{srv['ttft_p99_s']:.2f} s",
+            ],
+        ],
+    )
+    console.print(
+        f"server / LLM.generate: {report['server_vs_generate']:.0%} (target >= 80%); every client got "
+        f"LLM.generate's text: {report['all_rounds_match_generate']}; KV blocks held after all finished: "
+        f"{report['blocks_held_after_all_finished']} of {report['blocks_total']}"
+    )
     rounds = report["rounds"]
-    console.print("every round's tok/s: LLM.generate " + ", ".join(f"{x:.1f}" for x in rounds["llm_generate_tok_s"])
-                  + "; server " + ", ".join(f"{x:.1f}" for x in rounds["server_tok_s"]))
+    console.print(
+        "every round's tok/s: LLM.generate "
+        + ", ".join(f"{x:.1f}" for x in rounds["llm_generate_tok_s"])
+        + "; server "
+        + ", ".join(f"{x:.1f}" for x in rounds["server_tok_s"])
+    )
     left = report["disconnect"]
-    console.print(f"{left['clients_hung_up']} clients hung up mid-stream: {left['requests_aborted']} requests aborted, "
-                  f"the others finished: {left['others_finished']}; KV blocks held after: "
-                  f"{left['blocks_held_after']}, requests left: {left['requests_left']}")
+    console.print(
+        f"{left['clients_hung_up']} clients hung up mid-stream: {left['requests_aborted']} requests aborted, "
+        f"the others finished: {left['others_finished']}; KV blocks held after: "
+        f"{left['blocks_held_after']}, requests left: {left['requests_left']}"
+    )

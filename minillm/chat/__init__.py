@@ -1,10 +1,10 @@
 """`minillm chat`: a conversation in the terminal with its KV memory in view.
 
-    repl.py      the conversation: replies, /commands, sessions
-    compare.py   /compare: the last prompt answered twice, side by side
-    view.py      the KV pool drawn as a block map, live while a reply streams
-    sessions.py  a conversation parked on disk, found again by its name
-    switches.py  what /set and /compare can change, lossy or lossless
+repl.py      the conversation: replies, /commands, sessions
+compare.py   /compare: the last prompt answered twice, side by side
+view.py      the KV pool drawn as a block map, live while a reply streams
+sessions.py  a conversation parked on disk, found again by its name
+switches.py  what /set and /compare can change, lossy or lossless
 """
 
 from minillm.chat.repl import CHAT_HELP, Chat

@@ -49,11 +49,14 @@ def comparison_table(title: str, name_a: str, name_b: str, a: Answer, b: Answer)
     table.add_column("")
     table.add_column(name_a, overflow="fold")
     table.add_column(name_b, overflow="fold")
-    rows = [("text", a.text, b.text), ("tokens", f"{len(a.token_ids):,}", f"{len(b.token_ids):,}"),
-            ("time", f"{a.seconds:.2f} s", f"{b.seconds:.2f} s"),
-            ("first token", f"{a.ttft * 1000:,.0f} ms", f"{b.ttft * 1000:,.0f} ms"),
-            ("KV held", f"{a.kv_bytes / 2**20:,.2f} MiB", f"{b.kv_bytes / 2**20:,.2f} MiB"),
-            ("KV B/token", f"{a.bytes_per_token:,}", f"{b.bytes_per_token:,}")]
+    rows = [
+        ("text", a.text, b.text),
+        ("tokens", f"{len(a.token_ids):,}", f"{len(b.token_ids):,}"),
+        ("time", f"{a.seconds:.2f} s", f"{b.seconds:.2f} s"),
+        ("first token", f"{a.ttft * 1000:,.0f} ms", f"{b.ttft * 1000:,.0f} ms"),
+        ("KV held", f"{a.kv_bytes / 2**20:,.2f} MiB", f"{b.kv_bytes / 2**20:,.2f} MiB"),
+        ("KV B/token", f"{a.bytes_per_token:,}", f"{b.bytes_per_token:,}"),
+    ]
     for row in rows:
         table.add_row(*row)
     return table
@@ -66,6 +69,6 @@ def difference_line(a: Answer, b: Answer, decode) -> str:
         return f"identical: all {len(a.token_ids):,} tokens are the same"
 
     def token(ids: list[int]) -> str:
-        return repr(decode(ids[index:index + 1])) if index < len(ids) else "(ended)"
+        return repr(decode(ids[index : index + 1])) if index < len(ids) else "(ended)"
 
     return f"first differs at token {index}: {token(a.token_ids)} vs {token(b.token_ids)}"

@@ -32,7 +32,8 @@ from minillm.chat.sessions import DEFAULT_SESSIONS_DIR, chat_messages, session_p
 from minillm.chat.switches import SETTINGS, Setting, parse_setting
 from minillm.chat.view import LiveView, ReplyMeter, full_map, stats_line, summary_lines
 from minillm.config import ConfigError
-from minillm.report import console as default_console, print_table
+from minillm.report import console as default_console
+from minillm.report import print_table
 
 COMMANDS = {  # command -> (its arguments, what it does); /help prints them in this order
     "/set": ("SWITCH VALUE", "change a switch; the engine is rebuilt if it must be, the conversation stays"),
@@ -46,8 +47,10 @@ COMMANDS = {  # command -> (its arguments, what it does); /help prints them in t
     "/help": ("", "this list, and the switches"),
     "/exit": ("", "quit (parking the --session, if there is one)"),
 }
-CHAT_HELP = ("Commands: /set, /compare, /memory, /stats, /save, /load, /sessions, /reset, /help, /exit; "
-             "a panel shows the KV pool while a reply streams.")
+CHAT_HELP = (
+    "Commands: /set, /compare, /memory, /stats, /save, /load, /sessions, /reset, /help, /exit; "
+    "a panel shows the KV pool while a reply streams."
+)
 
 
 # ----------------------------------------------------------------------------- the chat
@@ -55,8 +58,16 @@ class Chat:
     """One conversation on `llm`, an `LLM` (prefix caching on, normally); it owns the history.
     `live`: draw the memory panel while replies stream, when the console is a terminal."""
 
-    def __init__(self, llm, params, system: str | None, session: Path | None = None,
-                 sessions_dir: Path = DEFAULT_SESSIONS_DIR, console: Console = default_console, live: bool = True):
+    def __init__(
+        self,
+        llm,
+        params,
+        system: str | None,
+        session: Path | None = None,
+        sessions_dir: Path = DEFAULT_SESSIONS_DIR,
+        console: Console = default_console,
+        live: bool = True,
+    ):
         self.llm, self.params, self.session, self.console, self.live = llm, params, session, console, live
         self.sessions_dir = session.parent if session is not None else Path(sessions_dir)
         self.initial = [{"role": "system", "content": system}] if system else []
@@ -130,9 +141,13 @@ class Chat:
         recomputing it would have cost at the prefill rate this run measured."""
         out, meter = self.last
         rate = self.engine.snapshot().prefill_rate
-        estimate = f"; recomputing them would take ~{meter.reused_tokens / rate * 1000:.0f} ms here" if rate else ""
-        self.say(f"{meter.reused_tokens:,} of {len(out.prompt_token_ids):,} prompt tokens came from the session, "
-                 f"first token in {out.ttft * 1000:.0f} ms{estimate}")
+        estimate = (
+            f"; recomputing them would take ~{meter.reused_tokens / rate * 1000:.0f} ms here" if rate else ""
+        )
+        self.say(
+            f"{meter.reused_tokens:,} of {len(out.prompt_token_ids):,} prompt tokens came from the session, "
+            f"first token in {out.ttft * 1000:.0f} ms{estimate}"
+        )
         self.resumed_tokens = 0
 
     def stats(self) -> str:
@@ -147,7 +162,9 @@ class Chat:
         from minillm.engine import LLM
 
         config, engine = self.engine.config, self.engine
-        switches = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_dir"}
+        switches = {
+            f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_dir"
+        }
         switches |= fields
         model = engine.model if switches["dtype"] == config.dtype else None
         return LLM(config.model_dir, model=model, tokenizer=engine.tokenizer, **switches)
@@ -180,10 +197,16 @@ class Chat:
         if self.last is None:
             raise ValueError("nothing to compare yet: ask something first, then /compare SWITCH VALUE")
         prompt_ids = self.last[0].prompt_token_ids
-        changed_params = dataclasses.replace(self.params, **fields) if switch.where == "sampling" else self.params
-        changed = self.engine_with(fields if switch.where == "engine" else {})  # a bad combination fails here, first
-        self.say(f"answering the last prompt ({len(prompt_ids):,} tokens) on two fresh engines: as now, "
-                 f"and with {words}")
+        changed_params = (
+            dataclasses.replace(self.params, **fields) if switch.where == "sampling" else self.params
+        )
+        changed = self.engine_with(
+            fields if switch.where == "engine" else {}
+        )  # a bad combination fails here, first
+        self.say(
+            f"answering the last prompt ({len(prompt_ids):,} tokens) on two fresh engines: as now, "
+            f"and with {words}"
+        )
         before = answer(self.engine_with({}), prompt_ids, self.params)
         after = answer(changed, prompt_ids, changed_params)
         self.show_comparison(switch, f"now: {self.current(switch, fields)}", f"with {words}", before, after)
@@ -200,8 +223,10 @@ class Chat:
         self.history = chat_messages(extra, self.session.stem)
         self.last = None
         self.resumed_tokens = len(token_ids)
-        self.say(f"resumed session {self.session.stem}: {len(self.history)} messages, "
-                 f"{len(token_ids):,} tokens of KV loaded from disk")
+        self.say(
+            f"resumed session {self.session.stem}: {len(self.history)} messages, "
+            f"{len(token_ids):,} tokens of KV loaded from disk"
+        )
 
     def park(self) -> None:
         """Write the conversation's KV and messages to the session file (if there was a reply)."""
@@ -209,23 +234,30 @@ class Chat:
             return
         out = self.last[0]
         try:
-            kept = self.engine.save_session(self.session, out.prompt_token_ids + out.token_ids,
-                                            extra={"messages": self.history})
+            kept = self.engine.save_session(
+                self.session, out.prompt_token_ids + out.token_ids, extra={"messages": self.history}
+            )
         except OSError as err:
-            self.error(f"session {self.session.stem} could not be parked in {self.session.parent} "
-                       f"({err.strerror or err}); choose another --sessions-dir.")
+            self.error(
+                f"session {self.session.stem} could not be parked in {self.session.parent} "
+                f"({err.strerror or err}); choose another --sessions-dir."
+            )
             return
         except ConfigError as err:  # e.g. /set prefix_caching off: nothing to find the blocks again by
             self.error(f"session {self.session.stem} was not parked: {err}")
             return
-        self.say(f"parked session {self.session.stem}: {kept:,} tokens of KV, "
-                 f"{self.session.stat().st_size / 2**20:.1f} MiB on disk")
+        self.say(
+            f"parked session {self.session.stem}: {kept:,} tokens of KV, "
+            f"{self.session.stat().st_size / 2**20:.1f} MiB on disk"
+        )
 
     def do_save(self, name: str) -> None:
         if not name and self.session is None:
             raise ValueError("give the session a name: /save NAME")
         if self.last is None:
-            raise ValueError("nothing to save yet: a session keeps a conversation's KV, so ask something first")
+            raise ValueError(
+                "nothing to save yet: a session keeps a conversation's KV, so ask something first"
+            )
         self.session = session_path(self.sessions_dir, name) if name else self.session
         self.park()
 
@@ -241,7 +273,9 @@ class Chat:
     def do_sessions(self, _: str) -> None:
         rows = session_rows(self.sessions_dir)
         if rows:
-            print_table(self.console, f"sessions in {self.sessions_dir}", ["name", "KV tokens", "on disk"], rows)
+            print_table(
+                self.console, f"sessions in {self.sessions_dir}", ["name", "KV tokens", "on disk"], rows
+            )
         else:
             self.say(f"no sessions in {self.sessions_dir}")
 
@@ -284,8 +318,10 @@ class Chat:
     def run(self, model_name: str) -> None:
         """Read a line, run it as a command or answer it; until /exit or the end of the input,
         then park the session if there is one."""
-        self.console.print(f"[bold]minillm chat[/bold] — {model_name}, paged KV with prefix caching. {CHAT_HELP}",
-                           highlight=False)
+        self.console.print(
+            f"[bold]minillm chat[/bold] — {model_name}, paged KV with prefix caching. {CHAT_HELP}",
+            highlight=False,
+        )
         if self.session is not None and self.session.exists():
             self.resume()
         self.converse()

@@ -23,7 +23,9 @@ DEFAULT_SESSIONS_DIR = Path.home() / ".cache" / "minillm" / "sessions"
 def session_path(sessions_dir: Path, name: str) -> Path:
     """The file of session `name`; a name is a plain word, so the file stays inside the folder."""
     if not SESSION_NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(f"Session name {name!r} must be letters, digits, '_', '-' or '.', like 'work-notes'.")
+        raise ValueError(
+            f"Session name {name!r} must be letters, digits, '_', '-' or '.', like 'work-notes'."
+        )
     return Path(sessions_dir) / f"{name}.safetensors"
 
 
@@ -42,14 +44,21 @@ def list_sessions(sessions_dir: Path) -> list[tuple[str, int, int]]:
 
 def session_rows(sessions_dir: Path) -> list[list[str]]:
     """The rows of /sessions: name, KV tokens, size on disk."""
-    return [[name, f"{tokens:,}" if tokens >= 0 else "damaged", f"{size / 2**20:.1f} MiB"]
-            for name, tokens, size in list_sessions(sessions_dir)]
+    return [
+        [name, f"{tokens:,}" if tokens >= 0 else "damaged", f"{size / 2**20:.1f} MiB"]
+        for name, tokens, size in list_sessions(sessions_dir)
+    ]
 
 
 def chat_messages(extra: dict, name: str) -> list[dict[str, str]]:
     """The conversation a session file carries, checked: a list of {"role", "content"} strings."""
     messages = extra.get("messages")
-    if not (isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                               and isinstance(m.get("content"), str) for m in messages)):
+    if not (
+        isinstance(messages, list)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    ):
         raise SessionError(f"Session {name} holds no chat messages; start a new session.")
     return messages

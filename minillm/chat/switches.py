@@ -35,6 +35,7 @@ def choice(field: str, options) -> Callable[[str], dict]:
         if text not in options:
             raise ValueError(f"give one of {', '.join(options)}")
         return {field: text}
+
     return parse
 
 
@@ -43,11 +44,13 @@ def on_off(field: str) -> Callable[[str], dict]:
         if text not in ("on", "off"):
             raise ValueError("give on or off")
         return {field: text == "on"}
+
     return parse
 
 
 def number(field: str, kind: type, minimum: float, scale: int = 1) -> Callable[[str], dict]:
     """A number >= `minimum`, times `scale` (MiB -> bytes)."""
+
     def parse(text: str) -> dict:
         try:
             value = kind(text)
@@ -56,6 +59,7 @@ def number(field: str, kind: type, minimum: float, scale: int = 1) -> Callable[[
         if not value >= minimum:
             raise ValueError(f"give a number >= {minimum}")
         return {field: value * scale}
+
     return parse
 
 
@@ -70,7 +74,9 @@ def eviction(text: str) -> dict:
     if policy == _OFF:
         return {"eviction": _OFF, "kv_budget": None, "eviction_trigger": SWITCHES["eviction_trigger"].default}
     if not kept:
-        raise ValueError(f"{policy} keeps a budget of entries: /set eviction {policy} 256 (tokens) or 0.5 (a fraction)")
+        raise ValueError(
+            f"{policy} keeps a budget of entries: /set eviction {policy} 256 (tokens) or 0.5 (a fraction)"
+        )
     return {"eviction": policy, "kv_budget": parse_kv_budget(kept.strip())}
 
 
@@ -90,28 +96,40 @@ def engine_setting(switch: Switch, hint: str) -> Setting:
 EVICTION = Setting("eviction", "engine", True, eviction, f"{_OFF} | {'|'.join(_POLICIES)} BUDGET")
 # the engine switches /set offers, by the name it takes, and what a value means where the switch
 # does not say (choices and on|off say it themselves)
-ENGINE_SETTINGS = {"kv_dtype": "", "kv_key_scales": "", "eviction": "",
-                   "kv_budget": "tokens (256) or a fraction (0.2)", "dtype": "",
-                   "block_size": "tokens per block", "prefix_caching": "", "attention_backend": "",
-                   "kv_cache_mb": "device pool MiB",
-                   "host_cache_mb": "host pool MiB, 0 = none"}
+ENGINE_SETTINGS = {
+    "kv_dtype": "",
+    "kv_key_scales": "",
+    "eviction": "",
+    "kv_budget": "tokens (256) or a fraction (0.2)",
+    "dtype": "",
+    "block_size": "tokens per block",
+    "prefix_caching": "",
+    "attention_backend": "",
+    "kv_cache_mb": "device pool MiB",
+    "host_cache_mb": "host pool MiB, 0 = none",
+}
 
 
 def _engine_settings() -> list[Setting]:
     by_dest = {switch.dest: switch for switch in SWITCHES.values()}
-    return [EVICTION if name == "eviction" else engine_setting(by_dest[name], hint)
-            for name, hint in ENGINE_SETTINGS.items()]
+    return [
+        EVICTION if name == "eviction" else engine_setting(by_dest[name], hint)
+        for name, hint in ENGINE_SETTINGS.items()
+    ]
 
 
-SETTINGS = {s.name: s for s in [
-    *_engine_settings(),
-    Setting("temperature", "sampling", True, number("temperature", float, 0), "0 (greedy) or more"),
-    Setting("top_k", "sampling", True, number("top_k", int, 0), "0 (off) or more"),
-    Setting("top_p", "sampling", True, number("top_p", float, 0), "(0, 1]"),
-    Setting("seed", "sampling", True, number("seed", int, 0), "a whole number"),
-    Setting("max_tokens", "sampling", True, number("max_tokens", int, 1), "new tokens at most"),
-    Setting("live", "view", False, on_off("live"), "on|off (the panel, in a terminal)"),
-]}
+SETTINGS = {
+    s.name: s
+    for s in [
+        *_engine_settings(),
+        Setting("temperature", "sampling", True, number("temperature", float, 0), "0 (greedy) or more"),
+        Setting("top_k", "sampling", True, number("top_k", int, 0), "0 (off) or more"),
+        Setting("top_p", "sampling", True, number("top_p", float, 0), "(0, 1]"),
+        Setting("seed", "sampling", True, number("seed", int, 0), "a whole number"),
+        Setting("max_tokens", "sampling", True, number("max_tokens", int, 1), "new tokens at most"),
+        Setting("live", "view", False, on_off("live"), "on|off (the panel, in a terminal)"),
+    ]
+}
 
 
 def parse_setting(words: str) -> tuple[Setting, dict]:
@@ -119,8 +137,11 @@ def parse_setting(words: str) -> tuple[Setting, dict]:
     name, _, value = words.strip().partition(" ")
     if name not in SETTINGS:
         names = ", ".join(SETTINGS)
-        raise ValueError(f"no switch {name!r}; the switches are {names}" if name else
-                         f"say which switch and its value, like kv_dtype int8; the switches are {names}")
+        raise ValueError(
+            f"no switch {name!r}; the switches are {names}"
+            if name
+            else f"say which switch and its value, like kv_dtype int8; the switches are {names}"
+        )
     setting = SETTINGS[name]
     if not value.strip():
         raise ValueError(f"{name} needs a value: {setting.accepts}")

@@ -35,11 +35,17 @@ from rich.panel import Panel
 from rich.text import Text
 
 # state -> (glyph, colour, what the legend calls it), in the order of the legend
-STATES = {"private": ("#", "green", "this conversation"), "filling": ("~", "magenta", "filling"),
-          "shared": ("=", "cyan", "shared"),
-          "cached": ("+", "yellow", "cached"), "free": (".", "bright_black", "free")}
+STATES = {
+    "private": ("#", "green", "this conversation"),
+    "filling": ("~", "magenta", "filling"),
+    "shared": ("=", "cyan", "shared"),
+    "cached": ("+", "yellow", "cached"),
+    "free": (".", "bright_black", "free"),
+}
 MAP_WIDTH = 76  # cells per row: an 80-column terminal less the panel's borders and padding
-LIVE_ROWS = 10  # rows of the device map in the live panel (fewer in a short terminal); more blocks share a cell
+LIVE_ROWS = (
+    10  # rows of the device map in the live panel (fewer in a short terminal); more blocks share a cell
+)
 TIER_ROWS = 1  # rows of the host map, and of the disk's, in the live panel
 FULL_ROWS = 40  # rows of a tier's map in /memory
 REDRAW_SECONDS = 0.25
@@ -91,12 +97,12 @@ def block_map(states: list[str], rows: int, width: int = MAP_WIDTH) -> tuple[Tex
     cannot hold them all; then a cell shows the busiest state among its blocks."""
     per_cell = max(1, math.ceil(len(states) / (rows * width)))
     rank = list(STATES)  # private first: a cell shows what matters most
-    cells = [min(states[i:i + per_cell], key=rank.index) for i in range(0, len(states), per_cell)]
+    cells = [min(states[i : i + per_cell], key=rank.index) for i in range(0, len(states), per_cell)]
     picture = Text()
     for start in range(0, len(cells), width):
         if start:
             picture.append("\n")
-        row = cells[start:start + width]
+        row = cells[start : start + width]
         run = 0
         for i in range(1, len(row) + 1):  # one styled run per stretch of equal cells
             if i == len(row) or row[i] != row[run]:
@@ -117,7 +123,11 @@ def legend(counts: dict[str, int]) -> Text:
 
 def pool_title(config, memory) -> str:
     """`config`: the EngineConfig; `memory`: the engine's MemorySnapshot."""
-    stored = config.dtype if config.kv_dtype == "auto" else f"{config.kv_dtype} (scales per {config.kv_key_scales})"
+    stored = (
+        config.dtype
+        if config.kv_dtype == "auto"
+        else f"{config.kv_dtype} (scales per {config.kv_key_scales})"
+    )
     return f"KV pool: {memory.num_blocks:,} blocks x {memory.block_size} tokens, {stored}"
 
 
@@ -133,7 +143,9 @@ def bytes_line(memory, counts: dict[str, int]) -> str:
 def reply_line(meter: ReplyMeter) -> str:
     ttft = f"{meter.ttft * 1000:,.0f} ms" if meter.ttft is not None else "..."
     speed = f"{meter.tok_s:,.1f} tok/s" if meter.tok_s is not None else "... tok/s"
-    return f"prefix reused {meter.reused_tokens:,} tokens; first token {ttft}; {speed}; {meter.tokens:,} tokens"
+    return (
+        f"prefix reused {meter.reused_tokens:,} tokens; first token {ttft}; {speed}; {meter.tokens:,} tokens"
+    )
 
 
 def tier_lines(tiers: dict[str, tuple[str, ...]]) -> list[str]:
@@ -141,8 +153,10 @@ def tier_lines(tiers: dict[str, tuple[str, ...]]) -> list[str]:
     lines = []
     if "host" in tiers:
         counts = state_counts(tiers["host"])
-        lines.append(f"host: {counts['private'] + counts['shared']:,} swapped out, {counts['cached']:,} spilled "
-                     f"(cached), {counts['free']:,} free of {len(tiers['host']):,} blocks")
+        lines.append(
+            f"host: {counts['private'] + counts['shared']:,} swapped out, {counts['cached']:,} spilled "
+            f"(cached), {counts['free']:,} free of {len(tiers['host']):,} blocks"
+        )
     if "disk" in tiers:
         lines.append(f"disk: {len(tiers['disk']):,} block files")
     return lines
@@ -172,8 +186,12 @@ def summary_lines(engine, meter: ReplyMeter) -> list[str]:
     tiers = memory.blocks
     counts = state_counts(tiers["device"])
     blocks = ", ".join(f"{counts[state]:,} {STATES[state][2]}" for state in shown(counts))
-    return [f"blocks: {blocks} of {len(tiers['device']):,}",
-            *tier_lines(tiers), bytes_line(memory, counts), reply_line(meter)]
+    return [
+        f"blocks: {blocks} of {len(tiers['device']):,}",
+        *tier_lines(tiers),
+        bytes_line(memory, counts),
+        reply_line(meter),
+    ]
 
 
 def stats_line(memory, out, meter: ReplyMeter) -> str:
@@ -182,10 +200,12 @@ def stats_line(memory, out, meter: ReplyMeter) -> str:
     held = len(out.prompt_token_ids) + len(out.token_ids)
     decode = f"{1 / out.tpot:.1f} tok/s" if out.tpot else "n/a"
     cached = memory.prefix_cache["cached_blocks"] if memory.prefix_cache else 0
-    return (f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
-            f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
-            f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
-            f"{cached} blocks cached, {memory.num_free_blocks} of {memory.num_blocks} blocks free")
+    return (
+        f"prompt {len(out.prompt_token_ids)} tokens ({meter.reused_tokens} reused from the prefix cache), "
+        f"reply {len(out.token_ids)} tokens | first token {out.ttft * 1000:.0f} ms | decode {decode} | "
+        f"KV cache {per_token:,} B/token x {held} tokens = {per_token * held / 2**20:.1f} MiB; "
+        f"{cached} blocks cached, {memory.num_free_blocks} of {memory.num_blocks} blocks free"
+    )
 
 
 def full_map(engine, console: Console) -> None:
@@ -197,7 +217,9 @@ def full_map(engine, console: Console) -> None:
     for tier, states in memory.blocks.items():
         if states:
             picture, per_cell = block_map(states, FULL_ROWS)
-            shared_cells = f" (1 cell = {per_cell} blocks, the busiest state among them)" if per_cell > 1 else ""
+            shared_cells = (
+                f" (1 cell = {per_cell} blocks, the busiest state among them)" if per_cell > 1 else ""
+            )
             console.print(f"{tier}:{shared_cells}")
             console.print(picture)
     console.print(legend(state_counts(memory.blocks["device"])))
@@ -209,16 +231,26 @@ def full_map(engine, console: Console) -> None:
 def _accounting_rows(memory) -> list[list[str]]:
     """/memory's table: the snapshot's bytes, slots, prefix-cache hits and copies between tiers."""
     stats, per_token = memory.stats, memory.bytes_per_token
-    rows = [["bytes per token", f"{per_token:,} (K and V, all layers, scales)"],
-            ["reserved (blocks held)", f"{stats.reserved_slots:,} tokens, {mib(stats.reserved_slots * per_token)}"],
-            ["live (tokens stored)", f"{stats.live_slots:,} tokens, {mib(stats.live_slots * per_token)}"],
-            ["saved by sharing", f"{stats.shared_slots:,} tokens"],
-            ["pool", f"{stats.total_slots:,} tokens, {mib(memory.pool_bytes)}"],
-            ["keys staging", f"{memory.staged_bytes / 2**10:,.1f} KiB in full precision"]]
+    rows = [
+        ["bytes per token", f"{per_token:,} (K and V, all layers, scales)"],
+        [
+            "reserved (blocks held)",
+            f"{stats.reserved_slots:,} tokens, {mib(stats.reserved_slots * per_token)}",
+        ],
+        ["live (tokens stored)", f"{stats.live_slots:,} tokens, {mib(stats.live_slots * per_token)}"],
+        ["saved by sharing", f"{stats.shared_slots:,} tokens"],
+        ["pool", f"{stats.total_slots:,} tokens, {mib(memory.pool_bytes)}"],
+        ["keys staging", f"{memory.staged_bytes / 2**10:,.1f} KiB in full precision"],
+    ]
     cache = memory.prefix_cache
     if cache is not None:
-        rows += [["prefix cache", f"{cache['cached_blocks']:,} blocks, {cache['hit_rate']:.0%} hit, "
-                                  f"{cache['prefill_tokens_saved']:,} tokens saved"]]
+        rows += [
+            [
+                "prefix cache",
+                f"{cache['cached_blocks']:,} blocks, {cache['hit_rate']:.0%} hit, "
+                f"{cache['prefill_tokens_saved']:,} tokens saved",
+            ]
+        ]
     if "host" in memory.blocks:
         rows += [["host pool", f"{stats.host_reserved_slots:,} of {stats.host_total_slots:,} tokens held"]]
     rows += [[f"moved {direction}", mib(moved)] for direction, moved in stats.bytes_moved.items()]

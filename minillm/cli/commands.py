@@ -22,8 +22,15 @@ import sys
 from pathlib import Path
 
 from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
-from minillm.cli.flags import (add_kv_quantization_args, add_model_args, add_sampling_args, add_switch,
-                               add_tier_args, engine_switches, sampling_from)
+from minillm.cli.flags import (
+    add_kv_quantization_args,
+    add_model_args,
+    add_sampling_args,
+    add_switch,
+    add_tier_args,
+    engine_switches,
+    sampling_from,
+)
 from minillm.cli.measure import add_bench
 from minillm.cli.measure_memory import add_eval
 from minillm.cli.serve import add_serve
@@ -38,17 +45,28 @@ def runtime_from(args) -> Runtime:
 
 # ----------------------------------------------------------------------------- generate
 
+
 def add_generate(subparsers) -> None:
-    gen = subparsers.add_parser("generate", help="continue a prompt (or answer it with --chat)",
-                                description="Generate text from a prompt, streamed to the terminal.")
+    gen = subparsers.add_parser(
+        "generate",
+        help="continue a prompt (or answer it with --chat)",
+        description="Generate text from a prompt, streamed to the terminal.",
+    )
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template (as a user turn)")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the chat template (as a user turn)"
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object: ids, text, timings")
-    gen.add_argument("--decoder", choices=["naive", "cached", "paged"], default="cached",
-                     help="naive recomputes everything per token (the oracle); cached keeps a KV cache; paged "
-                          "runs the serving engine (paged KV, tiers) and --json reports its memory per tier")
-    add_switch(gen, "kv_cache_bytes",
-               help="with --decoder paged: the device KV pool in MiB (default: %(default)s)")
+    gen.add_argument(
+        "--decoder",
+        choices=["naive", "cached", "paged"],
+        default="cached",
+        help="naive recomputes everything per token (the oracle); cached keeps a KV cache; paged "
+        "runs the serving engine (paged KV, tiers) and --json reports its memory per tier",
+    )
+    add_switch(
+        gen, "kv_cache_bytes", help="with --decoder paged: the device KV pool in MiB (default: %(default)s)"
+    )
     add_sampling_args(gen, max_tokens=128)
     add_tier_args(gen)
     add_model_args(gen)
@@ -63,21 +81,32 @@ def cmd_generate(args) -> None:
         return generate_paged(runtime, prompt_ids, params, args)
     if args.json:
         gen = runtime.generate(prompt_ids, params, args.decoder)
-        print_json({
-            "prompt": args.prompt, "prompt_ids": gen.prompt_ids, "generated_ids": gen.token_ids,
-            "text": runtime.tokenizer.decode(gen.token_ids), "finish_reason": gen.finish_reason,
-            "decoder": args.decoder,
-            "kv_bytes_allocated": gen.kv_bytes,
-            "timings": {"prefill_s": gen.prefill_s, "decode_s": gen.decode_s, "decode_tok_s": gen.decode_tok_s},
-        })
+        print_json(
+            {
+                "prompt": args.prompt,
+                "prompt_ids": gen.prompt_ids,
+                "generated_ids": gen.token_ids,
+                "text": runtime.tokenizer.decode(gen.token_ids),
+                "finish_reason": gen.finish_reason,
+                "decoder": args.decoder,
+                "kv_bytes_allocated": gen.kv_bytes,
+                "timings": {
+                    "prefill_s": gen.prefill_s,
+                    "decode_s": gen.decode_s,
+                    "decode_tok_s": gen.decode_tok_s,
+                },
+            }
+        )
         return
     gen = None
     for piece, gen in runtime.stream_text(prompt_ids, params, args.decoder):
         console.print(piece, end="", markup=False, highlight=False)
     console.print()
     decode = f"{gen.decode_tok_s:.1f} tok/s" if gen.decode_tok_s is not None else "n/a"
-    err_console.print(f"[dim]{len(gen.token_ids)} tokens, {gen.finish_reason}; "
-                      f"first token {gen.prefill_s * 1000:.0f} ms, decode {decode}[/dim]")
+    err_console.print(
+        f"[dim]{len(gen.token_ids)} tokens, {gen.finish_reason}; "
+        f"first token {gen.prefill_s * 1000:.0f} ms, decode {decode}[/dim]"
+    )
 
 
 def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
@@ -94,39 +123,71 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
     if not args.json:
         console.print(text.flush())
         return
-    print_json({"prompt": args.prompt, "prompt_ids": out.prompt_token_ids, "generated_ids": out.token_ids,
-                "text": out.text, "finish_reason": out.finish_reason, "decoder": "paged",
-                "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot}, **_engine_memory(llm.engine)})
+    print_json(
+        {
+            "prompt": args.prompt,
+            "prompt_ids": out.prompt_token_ids,
+            "generated_ids": out.token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "decoder": "paged",
+            "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot},
+            **_engine_memory(llm.engine),
+        }
+    )
 
 
 def _engine_memory(engine) -> dict:
     """generate --json's memory report: per tier now and at the peak, the ladder's rungs, preemptions."""
     steps, memory = [stats.as_dict() for stats in engine.stats.memory], engine.snapshot()
     counters = memory.counters
-    return {"memory": steps[-1],
-            "memory_peak": {"device_reserved_bytes": max(step["reserved_bytes"] for step in steps),
-                            "host_reserved_bytes": max(step["host_reserved_bytes"] for step in steps),
-                            "disk_reserved_bytes": max(step["disk_reserved_bytes"] for step in steps)},
-            "ladder": dict(engine.stats.rungs),
-            "preemption": {"mode": memory.preemption, "preemptions": counters["preemptions"],
-                           "swapped_out": counters["swapped_out"], "swapped_in": counters["swapped_in"],
-                           "prefetched": counters["prefetched"],
-                           "tokens_recomputed": counters["recomputed_tokens"]}}
+    return {
+        "memory": steps[-1],
+        "memory_peak": {
+            "device_reserved_bytes": max(step["reserved_bytes"] for step in steps),
+            "host_reserved_bytes": max(step["host_reserved_bytes"] for step in steps),
+            "disk_reserved_bytes": max(step["disk_reserved_bytes"] for step in steps),
+        },
+        "ladder": dict(engine.stats.rungs),
+        "preemption": {
+            "mode": memory.preemption,
+            "preemptions": counters["preemptions"],
+            "swapped_out": counters["swapped_out"],
+            "swapped_in": counters["swapped_in"],
+            "prefetched": counters["prefetched"],
+            "tokens_recomputed": counters["recomputed_tokens"],
+        },
+    }
 
 
 # ----------------------------------------------------------------------------- chat
 
+
 def add_chat(subparsers) -> None:
-    chat = subparsers.add_parser("chat", help="talk to the model in the terminal",
-                                 description=f"Multi-turn chat with streamed replies. {CHAT_HELP}")
+    chat = subparsers.add_parser(
+        "chat",
+        help="talk to the model in the terminal",
+        description=f"Multi-turn chat with streamed replies. {CHAT_HELP}",
+    )
     chat.add_argument("--system", default=None, help="system prompt (default: the checkpoint's own)")
-    chat.add_argument("--session", default=None, metavar="NAME",
-                      help="park the conversation's KV on disk when the chat ends, and resume it next time "
-                           "(only the new turn is computed)")
-    chat.add_argument("--sessions-dir", type=Path, default=DEFAULT_SESSIONS_DIR,
-                      help=f"where sessions are parked (default: {DEFAULT_SESSIONS_DIR})")
-    chat.add_argument("--no-live", action="store_true",
-                      help="no live memory panel while a reply streams, even in a terminal (plain lines instead)")
+    chat.add_argument(
+        "--session",
+        default=None,
+        metavar="NAME",
+        help="park the conversation's KV on disk when the chat ends, and resume it next time "
+        "(only the new turn is computed)",
+    )
+    chat.add_argument(
+        "--sessions-dir",
+        type=Path,
+        default=DEFAULT_SESSIONS_DIR,
+        help=f"where sessions are parked (default: {DEFAULT_SESSIONS_DIR})",
+    )
+    chat.add_argument(
+        "--no-live",
+        action="store_true",
+        help="no live memory panel while a reply streams, even in a terminal (plain lines instead)",
+    )
     add_sampling_args(chat, max_tokens=256)
     add_kv_quantization_args(chat)
     add_model_args(chat)
@@ -145,10 +206,14 @@ def cmd_chat(args) -> None:
 
 # ----------------------------------------------------------------------------- info
 
+
 def add_info(subparsers) -> None:
-    info = subparsers.add_parser("info", help="model config and KV cache size per token",
-                                 description="Model configuration and KV bytes per token, from the formula and "
-                                             "from allocated tensors.")
+    info = subparsers.add_parser(
+        "info",
+        help="model config and KV cache size per token",
+        description="Model configuration and KV bytes per token, from the formula and "
+        "from allocated tensors.",
+    )
     info.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(info)
     info.set_defaults(func=cmd_info)
@@ -163,10 +228,18 @@ def cmd_info(args) -> None:
     allocated = ContiguousKVCache(runtime.model, probe_len).nbytes // probe_len
     n_params = sum(p.numel() for p in runtime.model.parameters())
     info = {
-        "model_dir": str(args.model), "dtype": args.dtype, "device": args.device, "parameters": n_params,
-        "layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "query_heads": cfg.num_heads,
-        "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
-        "context_length": cfg.max_position_embeddings, "rope_theta": cfg.rope_theta,
+        "model_dir": str(args.model),
+        "dtype": args.dtype,
+        "device": args.device,
+        "parameters": n_params,
+        "layers": cfg.num_layers,
+        "hidden_size": cfg.hidden_size,
+        "query_heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "context_length": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta,
         "tied_embeddings": cfg.tie_word_embeddings,
         "kv_bytes_per_token_formula": runtime.kv_bytes_per_token,
         "kv_bytes_per_token_allocated": allocated,
@@ -176,16 +249,22 @@ def cmd_info(args) -> None:
         print_json(info)
         return
     from rich.table import Table
+
     table = Table(title=f"minillm info — {args.model}", show_header=False)
     for key, value in info.items():
-        table.add_row(key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value))
+        table.add_row(
+            key, f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+        )
     console.print(table)
-    console.print(f"KV bytes per token = 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x "
-                  f"{cfg.head_dim} head_dim x {DTYPES[args.dtype].itemsize} bytes = {runtime.kv_bytes_per_token:,}; "
-                  f"a {probe_len}-token cache allocates {allocated:,} per token.")
+    console.print(
+        f"KV bytes per token = 2 (K and V) x {cfg.num_layers} layers x {cfg.num_kv_heads} kv heads x "
+        f"{cfg.head_dim} head_dim x {DTYPES[args.dtype].itemsize} bytes = {runtime.kv_bytes_per_token:,}; "
+        f"a {probe_len}-token cache allocates {allocated:,} per token."
+    )
 
 
 # ----------------------------------------------------------------------------- main
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, except that a usage mistake is one line, `error: ...`, like every other error."""
@@ -195,8 +274,11 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="minillm", description="A readable reference engine for LLM inference.",
-                                     epilog="First fetch the default weights: python weights_fetch.py")
+    parser = OneLineParser(
+        prog="minillm",
+        description="A readable reference engine for LLM inference.",
+        epilog="First fetch the default weights: python weights_fetch.py",
+    )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add_command in (add_generate, add_chat, add_serve, add_info, add_bench, add_eval):
         add_command(subparsers)

@@ -16,14 +16,18 @@ from minillm.config import SWITCHES, Switch
 
 def whole_number(minimum: int, name: str):
     """An argparse type: a whole number >= `minimum`; anything else is argparse's one-line error."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number; give {minimum} or more") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a whole number; give {minimum} or more"
+            ) from None
         if value < minimum:
             raise argparse.ArgumentTypeError(f"{value} is not {name}; give {minimum} or more")
         return value
+
     parse.__name__ = name.replace(" ", "_")
     return parse
 
@@ -49,11 +53,13 @@ COUNT_TYPES = {0: non_negative_int, 1: positive_int, 2: whole_number(2, "a conte
 
 def _argparse_type(parse):
     """A switch's parser as an argparse type: its ValueError becomes argparse's one-line error."""
+
     def parse_flag(text: str):
         try:
             return parse(text)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+
     parse_flag.__name__ = parse.__name__
     return parse_flag
 
@@ -85,17 +91,32 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
-    parser.add_argument("--max-tokens", type=positive_int, default=max_tokens, help=f"new tokens at most (default: {max_tokens})")
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=max_tokens,
+        help=f"new tokens at most (default: {max_tokens})",
+    )
     parser.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off (default: 1)")
+    parser.add_argument(
+        "--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)"
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus sampling mass; 1 is off (default: 1)"
+    )
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
 
 
 def sampling_from(args):
     from minillm.sampling import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          max_tokens=args.max_tokens, seed=args.seed)
+
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+    )
 
 
 def add_kv_quantization_args(parser: argparse.ArgumentParser) -> None:

@@ -11,38 +11,72 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.cli.flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
-                               add_switch, add_tier_args, engine_argv, engine_switches, positive_int)
+from minillm.cli.flags import (
+    add_engine_args,
+    add_eviction_args,
+    add_kv_quantization_args,
+    add_model_args,
+    add_switch,
+    add_tier_args,
+    engine_argv,
+    engine_switches,
+    positive_int,
+)
 from minillm.cli.measure_memory import add_bench_memory, add_bench_tiers
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES
 from minillm.report import console, print_json, show
-
 
 # the decode attention backends the CPU benchmarks compare
 CPU_BACKENDS = tuple(b for b in SWITCHES["attention_backend"].choices if b != "cuda")
 
 
 def add_bench(subparsers) -> None:
-    bench = subparsers.add_parser("bench", help="measure speed", description="Benchmarks that print numbers measured now.")
+    bench = subparsers.add_parser(
+        "bench", help="measure speed", description="Benchmarks that print numbers measured now."
+    )
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    for add_command in (add_bench_decode, add_bench_serve, add_bench_serve_http, add_bench_prefix, add_bench_tiers,
-                        add_bench_memory, add_bench_attention, add_bench_chat_view, add_bench_all):
+    for add_command in (
+        add_bench_decode,
+        add_bench_serve,
+        add_bench_serve_http,
+        add_bench_prefix,
+        add_bench_tiers,
+        add_bench_memory,
+        add_bench_attention,
+        add_bench_chat_view,
+        add_bench_all,
+    ):
         add_command(benches)
 
 
 # ----------------------------------------------------------------------------- bench decode
 
+
 def add_bench_decode(benches) -> None:
-    decode = benches.add_parser("decode", help="batch-1 decode tok/s: naive vs cached vs HF transformers",
-                                description="Batch-1 decode speed of the naive and cached decoders and of HF "
-                                            "transformers' generate on the same weights, and of the cached decoder "
-                                            "in the other precision (float32 beside bfloat16), with bandwidth "
-                                            "achieved against this machine's measured copy bandwidth: the median "
-                                            "of interleaved runs, the best and the spread.")
-    decode.add_argument("--tokens", type=positive_int, default=128, help="new tokens per run for cached and HF (default: 128)")
-    decode.add_argument("--repeats", type=positive_int, default=5, help="interleaved runs of every decoder (default: 5)")
-    decode.add_argument("--naive-tokens", type=positive_int, default=16, help="new tokens for the slow naive decoder (default: 16)")
-    decode.add_argument("--prompt-len", type=positive_int, default=64, help="prompt length in tokens (default: 64)")
+    decode = benches.add_parser(
+        "decode",
+        help="batch-1 decode tok/s: naive vs cached vs HF transformers",
+        description="Batch-1 decode speed of the naive and cached decoders and of HF "
+        "transformers' generate on the same weights, and of the cached decoder "
+        "in the other precision (float32 beside bfloat16), with bandwidth "
+        "achieved against this machine's measured copy bandwidth: the median "
+        "of interleaved runs, the best and the spread.",
+    )
+    decode.add_argument(
+        "--tokens", type=positive_int, default=128, help="new tokens per run for cached and HF (default: 128)"
+    )
+    decode.add_argument(
+        "--repeats", type=positive_int, default=5, help="interleaved runs of every decoder (default: 5)"
+    )
+    decode.add_argument(
+        "--naive-tokens",
+        type=positive_int,
+        default=16,
+        help="new tokens for the slow naive decoder (default: 16)",
+    )
+    decode.add_argument(
+        "--prompt-len", type=positive_int, default=64, help="prompt length in tokens (default: 64)"
+    )
     decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     decode.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(decode)
@@ -51,25 +85,54 @@ def add_bench_decode(benches) -> None:
 
 def cmd_bench_decode(args) -> None:
     from minillm.benchmarks.decode import bench_decode, print_decode_report
-    show(bench_decode(args.model, prompt_len=args.prompt_len, new_tokens=args.tokens, naive_tokens=args.naive_tokens,
-                      include_hf=not args.no_hf, dtype=args.dtype, repeats=args.repeats), print_decode_report, args.json)
+
+    show(
+        bench_decode(
+            args.model,
+            prompt_len=args.prompt_len,
+            new_tokens=args.tokens,
+            naive_tokens=args.naive_tokens,
+            include_hf=not args.no_hf,
+            dtype=args.dtype,
+            repeats=args.repeats,
+        ),
+        print_decode_report,
+        args.json,
+    )
 
 
 # ----------------------------------------------------------------------------- bench serve
 
+
 def add_bench_serve(benches) -> None:
-    serve = benches.add_parser("serve", help="a 64-request trace: continuous vs static vs HF transformers",
-                               description="Serve one seeded trace (prompts U[16, 320], outputs U[8, 160] tokens) "
-                                           "with minillm continuous and static batching and HF transformers' "
-                                           "batched generate: output tok/s, achieved GFLOP/s against a matmul "
-                                           "measured in the same run, TTFT, TPOT, KV utilization of paged "
-                                           "vs contiguous memory, and a block-size sweep.")
-    serve.add_argument("--requests", type=positive_int, default=64, help="requests in the trace (default: 64)")
-    serve.add_argument("--max-num-seqs", type=positive_int, default=16, help="batch size for every server (default: 16)")
-    serve.add_argument("--block-sizes", type=positive_int, nargs="*", default=[8, 16, 32, 64, 128],
-                       help="block sizes to sweep (default: 8 16 32 64 128; none to skip)")
-    add_switch(serve, "attention_backend", choices=CPU_BACKENDS,
-               help="minillm's decode attention: torch reference or the C++ kernel (default: %(default)s)")
+    serve = benches.add_parser(
+        "serve",
+        help="a 64-request trace: continuous vs static vs HF transformers",
+        description="Serve one seeded trace (prompts U[16, 320], outputs U[8, 160] tokens) "
+        "with minillm continuous and static batching and HF transformers' "
+        "batched generate: output tok/s, achieved GFLOP/s against a matmul "
+        "measured in the same run, TTFT, TPOT, KV utilization of paged "
+        "vs contiguous memory, and a block-size sweep.",
+    )
+    serve.add_argument(
+        "--requests", type=positive_int, default=64, help="requests in the trace (default: 64)"
+    )
+    serve.add_argument(
+        "--max-num-seqs", type=positive_int, default=16, help="batch size for every server (default: 16)"
+    )
+    serve.add_argument(
+        "--block-sizes",
+        type=positive_int,
+        nargs="*",
+        default=[8, 16, 32, 64, 128],
+        help="block sizes to sweep (default: 8 16 32 64 128; none to skip)",
+    )
+    add_switch(
+        serve,
+        "attention_backend",
+        choices=CPU_BACKENDS,
+        help="minillm's decode attention: torch reference or the C++ kernel (default: %(default)s)",
+    )
     serve.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(serve)
@@ -78,33 +141,61 @@ def add_bench_serve(benches) -> None:
 
 def cmd_bench_serve(args) -> None:
     from minillm.benchmarks.serve import bench_serve, print_serve_report
-    show(bench_serve(args.model, num_requests=args.requests, max_num_seqs=args.max_num_seqs,
-                     block_sizes=tuple(args.block_sizes), include_hf=not args.no_hf,
-                     attention_backend=args.attention_backend, dtype=args.dtype), print_serve_report, args.json)
+
+    show(
+        bench_serve(
+            args.model,
+            num_requests=args.requests,
+            max_num_seqs=args.max_num_seqs,
+            block_sizes=tuple(args.block_sizes),
+            include_hf=not args.no_hf,
+            attention_backend=args.attention_backend,
+            dtype=args.dtype,
+        ),
+        print_serve_report,
+        args.json,
+    )
 
 
 # ----------------------------------------------------------------------------- bench serve-http
 
+
 def add_bench_serve_http(benches) -> None:
-    http = benches.add_parser("serve-http", help="minillm serve with N streaming clients vs LLM.generate",
-                              description="The HTTP server's cost: N streaming clients (default 32) send bench "
-                                          "serve's seeded trace at once to a `minillm serve` child process; "
-                                          "aggregate output tok/s against LLM.generate on the same prompts in "
-                                          "this process (target >= 80%), p50/p99 time to first token, whether "
-                                          "every client got LLM.generate's text, and the KV blocks still held "
-                                          "once all have finished, and again after half of them hang up "
-                                          "mid-stream (must be 0). Needs the serve extra: pip install -e "
-                                          "\".[serve]\".")
-    http.add_argument("--clients", type=positive_int, default=32,
-                      help="streaming clients, one request each (default: 32)")
-    http.add_argument("--disconnect-after", type=positive_int, default=4,
-                      help="in the second round, every other client hangs up after this many chunks (default: 4)")
-    http.add_argument("--repeats", type=positive_int, default=1,
-                      help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
-                           "(default: 1)")
-    http.add_argument("--threads", type=positive_int, default=1,
-                      help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
-                           "other work (here: the clients) more threads wait for each other (default: 1)")
+    http = benches.add_parser(
+        "serve-http",
+        help="minillm serve with N streaming clients vs LLM.generate",
+        description="The HTTP server's cost: N streaming clients (default 32) send bench "
+        "serve's seeded trace at once to a `minillm serve` child process; "
+        "aggregate output tok/s against LLM.generate on the same prompts in "
+        "this process (target >= 80%), p50/p99 time to first token, whether "
+        "every client got LLM.generate's text, and the KV blocks still held "
+        "once all have finished, and again after half of them hang up "
+        "mid-stream (must be 0). Needs the serve extra: pip install -e "
+        '".[serve]".',
+    )
+    http.add_argument(
+        "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
+    )
+    http.add_argument(
+        "--disconnect-after",
+        type=positive_int,
+        default=4,
+        help="in the second round, every other client hangs up after this many chunks (default: 4)",
+    )
+    http.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
+        "(default: 1)",
+    )
+    http.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
+        "other work (here: the clients) more threads wait for each other (default: 1)",
+    )
     http.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(http)
     add_kv_quantization_args(http)
@@ -125,21 +216,37 @@ def cmd_bench_serve_http(args) -> None:
     switches = {k: v for k, v in engine_switches(args).items() if k != "model_dir"}
     if args.threads:
         import torch
+
         torch.set_num_threads(args.threads)
     serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
-    show(bench_serve_http(args.model, serve_args, switches, clients=args.clients,
-                          disconnect_after=args.disconnect_after, repeats=args.repeats), print_serve_http_report,
-         args.json)
+    show(
+        bench_serve_http(
+            args.model,
+            serve_args,
+            switches,
+            clients=args.clients,
+            disconnect_after=args.disconnect_after,
+            repeats=args.repeats,
+        ),
+        print_serve_http_report,
+        args.json,
+    )
 
 
 # ----------------------------------------------------------------------------- bench prefix
 
+
 def add_bench_prefix(benches) -> None:
-    prefix = benches.add_parser("prefix", help="requests sharing a system prompt: prefix cache off vs on",
-                                description="Requests that share a ~500-token system prompt, one after another, "
-                                            "with and without the prefix cache: TTFT and prefill tokens computed.")
+    prefix = benches.add_parser(
+        "prefix",
+        help="requests sharing a system prompt: prefix cache off vs on",
+        description="Requests that share a ~500-token system prompt, one after another, "
+        "with and without the prefix cache: TTFT and prefill tokens computed.",
+    )
     prefix.add_argument("--requests", type=positive_int, default=32, help="(default: 32)")
-    prefix.add_argument("--system-tokens", type=positive_int, default=500, help="system prompt length (default: 500)")
+    prefix.add_argument(
+        "--system-tokens", type=positive_int, default=500, help="system prompt length (default: 500)"
+    )
     add_switch(prefix, "attention_backend", choices=CPU_BACKENDS, help="(default: %(default)s)")
     prefix.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(prefix)
@@ -148,17 +255,25 @@ def add_bench_prefix(benches) -> None:
 
 def cmd_bench_prefix(args) -> None:
     from minillm.benchmarks.prefix import bench_prefix, print_prefix_report
-    show(bench_prefix(args.model, args.requests, args.system_tokens, args.attention_backend),
-         print_prefix_report, args.json)
+
+    show(
+        bench_prefix(args.model, args.requests, args.system_tokens, args.attention_backend),
+        print_prefix_report,
+        args.json,
+    )
 
 
 # ----------------------------------------------------------------------------- bench chat-view
 
+
 def add_bench_chat_view(benches) -> None:
-    view = benches.add_parser("chat-view", help="the chat's live memory panel: decode tok/s with it vs without",
-                              description="The same chat reply, again and again, with the live memory panel drawn "
-                                          "into a terminal and as plain text, interleaved: decode tok/s of each "
-                                          "(median, best, spread) and the slowdown (target: under 5%).")
+    view = benches.add_parser(
+        "chat-view",
+        help="the chat's live memory panel: decode tok/s with it vs without",
+        description="The same chat reply, again and again, with the live memory panel drawn "
+        "into a terminal and as plain text, interleaved: decode tok/s of each "
+        "(median, best, spread) and the slowdown (target: under 5%).",
+    )
     view.add_argument("--rounds", type=positive_int, default=5, help="replies with each view (default: 5)")
     view.add_argument("--tokens", type=positive_int, default=128, help="tokens per reply (default: 128)")
     view.add_argument("--json", action="store_true", help="print one JSON object")
@@ -168,53 +283,93 @@ def add_bench_chat_view(benches) -> None:
 
 def cmd_bench_chat_view(args) -> None:
     from minillm.benchmarks.chat_view import bench_chat_view, print_chat_view_report
+
     show(bench_chat_view(args.model, args.rounds, args.tokens, args.dtype), print_chat_view_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench attention
 
+
 def add_bench_attention(benches) -> None:
-    attention = benches.add_parser("attention", help="decode attention: torch reference vs C++ / CUDA kernels",
-                                   description="Time one layer of SmolLM2-shaped paged decode attention for each "
-                                               "backend and KV format over batch x context, with bandwidth "
-                                               "achieved (the format's real bytes, scales included) against the "
-                                               "device's measured copy bandwidth.")
-    attention.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16, 64], help="(default: 1 4 16 64)")
-    attention.add_argument("--contexts", type=positive_int, nargs="+", default=[128, 512, 1024, 4096],
-                           help="(default: 128 512 1024 4096)")
+    attention = benches.add_parser(
+        "attention",
+        help="decode attention: torch reference vs C++ / CUDA kernels",
+        description="Time one layer of SmolLM2-shaped paged decode attention for each "
+        "backend and KV format over batch x context, with bandwidth "
+        "achieved (the format's real bytes, scales included) against the "
+        "device's measured copy bandwidth.",
+    )
+    attention.add_argument(
+        "--batches", type=positive_int, nargs="+", default=[1, 4, 16, 64], help="(default: 1 4 16 64)"
+    )
+    attention.add_argument(
+        "--contexts",
+        type=positive_int,
+        nargs="+",
+        default=[128, 512, 1024, 4096],
+        help="(default: 128 512 1024 4096)",
+    )
     attention.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
     add_switch(attention, "dtype", help="(default: %(default)s)")
     kv_formats = SWITCHES["kv_dtype"].choices
-    add_switch(attention, "kv_dtype", nargs="+", default=list(kv_formats),
-               help="how the pool stores K and V: auto (the model's dtype), int8, int4, fp8 "
-                    "(default: all four)")
+    add_switch(
+        attention,
+        "kv_dtype",
+        nargs="+",
+        default=list(kv_formats),
+        help="how the pool stores K and V: auto (the model's dtype), int8, int4, fp8 (default: all four)",
+    )
     attention.add_argument("--json", action="store_true", help="print one JSON object")
     attention.set_defaults(func=cmd_bench_attention)
 
 
 def cmd_bench_attention(args) -> None:
     from minillm.benchmarks.attention import bench_attention, print_attention_report
-    show(bench_attention(tuple(args.batches), tuple(args.contexts), args.device, DTYPES[args.dtype],
-                         tuple(dict.fromkeys(args.kv_dtype))), print_attention_report, args.json)
+
+    show(
+        bench_attention(
+            tuple(args.batches),
+            tuple(args.contexts),
+            args.device,
+            DTYPES[args.dtype],
+            tuple(dict.fromkeys(args.kv_dtype)),
+        ),
+        print_attention_report,
+        args.json,
+    )
 
 
 # ----------------------------------------------------------------------------- bench all
 
+
 def add_bench_all(benches) -> None:
-    bench_all = benches.add_parser("all", help="every benchmark at a size that takes minutes: JSON, plots, a table",
-                                   description="Run every benchmark (decode, attention, serve, prefix, tiers, memory, "
-                                               "and perplexity per KV format) at a size a small CPU finishes in "
-                                               "minutes (--quick: about 5 on a shared 2-core VM), and write "
-                                               "results.json (the machine, the date, every report), results.md (a "
-                                               "table of the headline numbers) and a PNG plot per benchmark. A "
-                                               "benchmark that fails is recorded as failed and the others still run.")
-    bench_all.add_argument("--quick", action="store_true", help="smaller sizes, noisier numbers, no HF baselines")
-    bench_all.add_argument("--out", type=Path, default=Path("bench_results"),
-                           help="folder for results.json, results.md and the plots (default: bench_results)")
+    bench_all = benches.add_parser(
+        "all",
+        help="every benchmark at a size that takes minutes: JSON, plots, a table",
+        description="Run every benchmark (decode, attention, serve, prefix, tiers, memory, "
+        "and perplexity per KV format) at a size a small CPU finishes in "
+        "minutes (--quick: about 5 on a shared 2-core VM), and write "
+        "results.json (the machine, the date, every report), results.md (a "
+        "table of the headline numbers) and a PNG plot per benchmark. A "
+        "benchmark that fails is recorded as failed and the others still run.",
+    )
+    bench_all.add_argument(
+        "--quick", action="store_true", help="smaller sizes, noisier numbers, no HF baselines"
+    )
+    bench_all.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_results"),
+        help="folder for results.json, results.md and the plots (default: bench_results)",
+    )
     bench_all.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    bench_all.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR,
-                           help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR}); "
-                                "every benchmark runs in float32 on the CPU")
+    bench_all.add_argument(
+        "--model",
+        type=Path,
+        default=DEFAULT_MODEL_DIR,
+        help=f"checkpoint folder written by weights_fetch.py (default: {DEFAULT_MODEL_DIR}); "
+        "every benchmark runs in float32 on the CPU",
+    )
     bench_all.set_defaults(func=cmd_bench_all)
 
 
@@ -232,14 +387,23 @@ def cmd_bench_all(args) -> int:
             console.print(result["error"], markup=False, highlight=False)
 
     command = "minillm bench all" + (" --quick" if args.quick else "")
-    results = bench_all(args.model, args.out, SIZES["quick" if args.quick else "full"], command,
-                        progress=not args.json, show=None if args.json else show)
+    results = bench_all(
+        args.model,
+        args.out,
+        SIZES["quick" if args.quick else "full"],
+        command,
+        progress=not args.json,
+        show=None if args.json else show,
+    )
     if args.json:
         print_json(results)
     else:
         print_results(results, args.out)
     if results["failed"]:
-        print(f"error: bench all: {', '.join(results['failed'])} failed; the error and traceback of each are in "
-              f"{args.out / 'results.json'}", file=sys.stderr)
+        print(
+            f"error: bench all: {', '.join(results['failed'])} failed; the error and traceback of each are in "
+            f"{args.out / 'results.json'}",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -10,11 +10,18 @@ import argparse
 import textwrap
 from pathlib import Path
 
-from minillm.cli.flags import (add_engine_args, add_eviction_args, add_kv_quantization_args, add_model_args,
-                               add_tier_args, engine_switches, positive_int, whole_number)
+from minillm.cli.flags import (
+    add_engine_args,
+    add_eviction_args,
+    add_kv_quantization_args,
+    add_model_args,
+    add_tier_args,
+    engine_switches,
+    positive_int,
+    whole_number,
+)
 from minillm.config import ConfigError, EngineConfig
 from minillm.report import err_console
-
 
 SERVE_EXAMPLES = """\
 examples:
@@ -31,25 +38,45 @@ does not implement (logprobs, echo, penalties, tools, ...) gets a 400 that names
 
 def add_serve(subparsers) -> None:
     serve = subparsers.add_parser(
-        "serve", help="an OpenAI-compatible HTTP server on the engine (vLLM's routes)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=SERVE_EXAMPLES,
-        description=textwrap.fill("Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
-                    "/v1/chat/completions (\"stream\": true sends server-sent events), GET /v1/models, /health and "
-                    "/metrics (Prometheus text). One engine loop (the main thread; HTTP runs in another) batches "
-                    "every request in flight; a client that disconnects aborts its request and its KV blocks go "
-                    "back at once. "
-                    "Needs the serve extra: pip install -e \".[serve]\".", 100))
-    serve.add_argument("--host", default="127.0.0.1",
-                       help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)")
+        "serve",
+        help="an OpenAI-compatible HTTP server on the engine (vLLM's routes)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=SERVE_EXAMPLES,
+        description=textwrap.fill(
+            "Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
+            '/v1/chat/completions ("stream": true sends server-sent events), GET /v1/models, /health and '
+            "/metrics (Prometheus text). One engine loop (the main thread; HTTP runs in another) batches "
+            "every request in flight; a client that disconnects aborts its request and its KV blocks go "
+            "back at once. "
+            'Needs the serve extra: pip install -e ".[serve]".',
+            100,
+        ),
+    )
+    serve.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)",
+    )
     serve.add_argument("--port", type=whole_number(0, "a port number"), default=8000, help="(default: 8000)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the name clients pass as \"model\" (default: the model folder's name, e.g. "
-                            "SmolLM2-135M-Instruct); any other name gets a 404")
-    serve.add_argument("--threads", type=positive_int, default=None,
-                       help="torch threads for the engine (default: torch's, one per core; fewer are steadier "
-                            "on a CPU shared with other work)")
-    serve.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info",
-                       help="uvicorn's log level; info logs every request (default: info)")
+    serve.add_argument(
+        "--served-model-name",
+        default=None,
+        help='the name clients pass as "model" (default: the model folder\'s name, e.g. '
+        "SmolLM2-135M-Instruct); any other name gets a 404",
+    )
+    serve.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads for the engine (default: torch's, one per core; fewer are steadier "
+        "on a CPU shared with other work)",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=["critical", "error", "warning", "info", "debug"],
+        default="info",
+        help="uvicorn's log level; info logs every request (default: info)",
+    )
     add_engine_args(serve)
     add_kv_quantization_args(serve)
     add_eviction_args(serve)
@@ -79,17 +106,27 @@ def cmd_serve(args) -> None:
     try:  # the address first: a port in use is one line before the weights are loaded
         sock = socket.create_server((args.host, args.port))
     except OSError as err:
-        raise ConfigError(f"Cannot listen on {args.host}:{args.port} ({err.strerror or err}); "
-                          "choose another --port or --host.") from None
+        raise ConfigError(
+            f"Cannot listen on {args.host}:{args.port} ({err.strerror or err}); "
+            "choose another --port or --host."
+        ) from None
     engine = LLMEngine(EngineConfig(**engine_switches(args)))
     name = args.served_model_name or Path(args.model).name
     host, port = sock.getsockname()[:2]
     engine_loop = EngineLoop(engine, args.threads)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine_loop, name, start_engine=False), log_level=args.log_level,
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(engine_loop, name, start_engine=False),
+            log_level=args.log_level,
+            timeout_graceful_shutdown=5,
+        )
+    )
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
-    err_console.print(f"minillm serve: {name} on http://{host}:{port}/v1 ({engine.snapshot().num_blocks} KV "
-                      f"blocks of {engine.config.block_size} tokens); Ctrl-C stops", soft_wrap=True)
+    err_console.print(
+        f"minillm serve: {name} on http://{host}:{port}/v1 ({engine.snapshot().num_blocks} KV "
+        f"blocks of {engine.config.block_size} tokens); Ctrl-C stops",
+        soft_wrap=True,
+    )
     http.start()
     try:
         engine_loop.run(while_true=http.is_alive)  # until the server's shutdown stops it, or Ctrl-C

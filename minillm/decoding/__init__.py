@@ -46,8 +46,14 @@ class Generation:
         return (len(self.token_ids) - 1) / self.decode_s if self.decode_s > 0 else None
 
 
-def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached",
-           eos_token_id: int | None = None, context_len: int | None = None) -> Iterator[tuple[int, Generation]]:
+def stream(
+    model: Transformer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    decoder: str = "cached",
+    eos_token_id: int | None = None,
+    context_len: int | None = None,
+) -> Iterator[tuple[int, Generation]]:
     """Yield (token_id, generation so far) for every new token; the generation carries timings."""
     if decoder not in DECODERS:
         raise ConfigError(f"decoder must be 'naive' or 'cached', not {decoder!r}.")
@@ -76,8 +82,14 @@ def stream(model: Transformer, prompt_ids: list[int], params: SamplingParams, de
             logits = decoder_impl.step(token)
 
 
-def generate(model: Transformer, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached",
-             eos_token_id: int | None = None, context_len: int | None = None) -> Generation:
+def generate(
+    model: Transformer,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    decoder: str = "cached",
+    eos_token_id: int | None = None,
+    context_len: int | None = None,
+) -> Generation:
     gen = None
     for _, gen in stream(model, prompt_ids, params, decoder, eos_token_id, context_len):
         pass

@@ -19,7 +19,12 @@ from minillm.model import Transformer
 class ContiguousKVCache:
     def __init__(self, model: Transformer, max_len: int):
         cfg = model.config
-        shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)  # (layers, max_len, kv_heads, head_dim)
+        shape = (
+            cfg.num_layers,
+            max_len,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )  # (layers, max_len, kv_heads, head_dim)
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.start = self.end = 0  # this step writes positions start..end-1
@@ -36,7 +41,9 @@ class ContiguousKVCache:
         start, end = self.start, self.end
         self.k_cache[layer_idx, start:end] = k  # (N, kv_heads, head_dim)
         self.v_cache[layer_idx, start:end] = v
-        return causal_attention(q, self.k_cache[layer_idx, :end], self.v_cache[layer_idx, :end], self.positions)
+        return causal_attention(
+            q, self.k_cache[layer_idx, :end], self.v_cache[layer_idx, :end], self.positions
+        )
 
     @property
     def nbytes(self) -> int:

@@ -29,7 +29,11 @@ DIGITS_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d|\p{N}| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from each byte to a printable character; vocab files spell tokens with it."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -50,7 +54,9 @@ def tiktoken_ranks(tokens: list[str], special_ids: set[int], merges: list[str]) 
     ids = {tok: i for i, tok in enumerate(tokens)}
     merged_ids = [ids.get(left + right, -1) for left, right in (m.split(" ", 1) for m in merges)]
     if any(b <= a for a, b in zip(merged_ids, merged_ids[1:])) or -1 in merged_ids:
-        raise FetchError("This tokenizer's token ids do not follow its merge order; tiktoken cannot represent it.")
+        raise FetchError(
+            "This tokenizer's token ids do not follow its merge order; tiktoken cannot represent it."
+        )
     ranks = {}
     for i, tok in enumerate(tokens):
         if i not in special_ids:
@@ -63,14 +69,31 @@ def chat_fields(chat_template: str | None) -> dict:
     if not chat_template or "<|im_start|>" not in chat_template:
         return {"chat_format": None, "default_system_prompt": None, "chat_template": chat_template}
     default = re.search(r"<\|im_start\|>system\n([^{}]*?)<\|im_end\|>", chat_template)
-    return {"chat_format": "chatml", "default_system_prompt": default.group(1) if default else None,
-            "chat_template": chat_template}
+    return {
+        "chat_format": "chatml",
+        "default_system_prompt": default.group(1) if default else None,
+        "chat_template": chat_template,
+    }
 
 
-def write_tokenizer(out_dir: Path, ranks: dict[bytes, int], special_tokens: dict[str, int],
-                    pattern: str, eos_token: str, chat_template: str | None) -> None:
-    lines = [f"{base64.b64encode(tok).decode()} {rank}" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+def write_tokenizer(
+    out_dir: Path,
+    ranks: dict[bytes, int],
+    special_tokens: dict[str, int],
+    pattern: str,
+    eos_token: str,
+    chat_template: str | None,
+) -> None:
+    lines = [
+        f"{base64.b64encode(tok).decode()} {rank}"
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     (out_dir / "tokenizer.tiktoken").write_text("\n".join(lines) + "\n")
-    spec = {"vocab_size": len(ranks) + len(special_tokens), "pattern": pattern,
-            "special_tokens": special_tokens, "eos_token": eos_token, **chat_fields(chat_template)}
+    spec = {
+        "vocab_size": len(ranks) + len(special_tokens),
+        "pattern": pattern,
+        "special_tokens": special_tokens,
+        "eos_token": eos_token,
+        **chat_fields(chat_template),
+    }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(spec, indent=2, ensure_ascii=False))

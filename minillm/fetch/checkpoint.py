@@ -32,8 +32,10 @@ def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = F
         console.print(f"{out_dir} is already complete (manifest verified); nothing to do.")
         return out_dir
     if out_dir.exists() and not (out_dir / "manifest.json").is_file():  # replace only what this tool wrote
-        raise FetchError(f"{out_dir} exists but was not written by weights_fetch.py (no manifest.json); "
-                         "move it away or choose another --out.")
+        raise FetchError(
+            f"{out_dir} exists but was not written by weights_fetch.py (no manifest.json); "
+            "move it away or choose another --out."
+        )
     cache_dir = out_root / ".downloads" / name
     cache_dir.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out_root))
@@ -60,7 +62,9 @@ def verify(out_dir: Path) -> None:
     if tokenizer.decode(tokenizer.encode(sample)) != sample:
         raise FetchError("The written tokenizer does not round-trip text; please report this.")
     if tokenizer.vocab_size != model.config.vocab_size:
-        raise FetchError(f"Tokenizer has {tokenizer.vocab_size} tokens but the model {model.config.vocab_size}.")
+        raise FetchError(
+            f"Tokenizer has {tokenizer.vocab_size} tokens but the model {model.config.vocab_size}."
+        )
     manifest = {name: file_sha256(out_dir / name) for name in WRITTEN_FILES}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
@@ -70,4 +74,7 @@ def is_complete(out_dir: Path) -> bool:
     if not manifest_path.is_file():
         return False
     manifest = json.loads(manifest_path.read_text())
-    return all((out_dir / name).is_file() and file_sha256(out_dir / name) == digest for name, digest in manifest.items())
+    return all(
+        (out_dir / name).is_file() and file_sha256(out_dir / name) == digest
+        for name, digest in manifest.items()
+    )

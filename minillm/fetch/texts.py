@@ -34,7 +34,9 @@ TEXTS = {  # file name -> sha256 with Unix line ends
 def fetch_texts(out_root: Path) -> list[Path]:
     """`out_root/texts/<name>` for each of TEXTS; a text already there and intact is left alone."""
     targets = [out_root / "texts" / name for name in TEXTS]
-    missing = [target for target in targets if not (target.is_file() and file_sha256(target) == TEXTS[target.name])]
+    missing = [
+        target for target in targets if not (target.is_file() and file_sha256(target) == TEXTS[target.name])
+    ]
     if missing:
         cache_dir = out_root / ".downloads" / "texts"
         cache_dir.mkdir(parents=True, exist_ok=True)
@@ -59,5 +61,7 @@ def corpus_file(archive: Path, name: str) -> bytes:
         raise FetchError(f"{archive.name} has no {member_path} ({err}); run again to re-download.") from err
     if hashlib.sha256(text).hexdigest() != TEXTS[name]:
         archive.unlink()
-        raise FetchError(f"{member_path} in {archive.name} is not the expected text; run again to re-download.")
+        raise FetchError(
+            f"{member_path} in {archive.name} is not the expected text; run again to re-download."
+        )
     return text

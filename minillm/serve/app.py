@@ -42,8 +42,9 @@ def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = Tru
         yield
         engine_loop.stop()
 
-    app = FastAPI(title="minillm", description="An OpenAI-compatible server on the minillm engine.",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="minillm", description="An OpenAI-compatible server on the minillm engine.", lifespan=lifespan
+    )
     _add_error_handlers(app)
     _add_completion_routes(app, engine_loop, model_name)
     _add_status_routes(app, engine_loop, model_name)
@@ -84,9 +85,20 @@ def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": int(engine_loop.started_at), "owned_by": "minillm",
-            "root": str(engine.config.model_dir), "parent": None, "max_model_len": engine.context_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": int(engine_loop.started_at),
+                    "owned_by": "minillm",
+                    "root": str(engine.config.model_dir),
+                    "parent": None,
+                    "max_model_len": engine.context_len,
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -98,8 +110,9 @@ def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -
     async def metrics():
         if not engine_loop.alive:
             return _unavailable(engine_loop)
-        return PlainTextResponse(prometheus(await engine_loop.call(metric_values)),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            prometheus(await engine_loop.call(metric_values)), media_type="text/plain; version=0.0.4"
+        )
 
 
 def _unavailable(engine_loop: EngineLoop) -> JSONResponse:
@@ -111,8 +124,9 @@ def _job_of(parse, raw: bytes, engine, model_name: str) -> Job:
     body = parse_json(raw)
     model = body.get("model", model_name)
     if model != model_name:
-        raise APIError(404, f"The model `{model}` does not exist; this server serves `{model_name}`.",
-                       "model")
+        raise APIError(
+            404, f"The model `{model}` does not exist; this server serves `{model_name}`.", "model"
+        )
     return parse(body, engine.tokenizer, model_name, engine.context_len, engine.model.config.vocab_size)
 
 
@@ -154,9 +168,17 @@ class Answer:
     def __init__(self, job: Job, submission: Submission, engine):
         self.job, self.submission = job, submission
         n, context = job.params.n, engine.context_len
-        self.choices = [ChoiceText(engine.tokenizer, job.stop, engine.eos_token_id,
-                                   min(job.params.max_tokens, context - len(prompt)), job.params.ignore_eos)
-                        for prompt in job.prompts for _ in range(n)]
+        self.choices = [
+            ChoiceText(
+                engine.tokenizer,
+                job.stop,
+                engine.eos_token_id,
+                min(job.params.max_tokens, context - len(prompt)),
+                job.params.ignore_eos,
+            )
+            for prompt in job.prompts
+            for _ in range(n)
+        ]
 
     def update(self, index: int, out) -> list[tuple[int, str, bool]]:
         """Feed prompt `index`'s output to its choices; (choice, new text, just finished) for each
@@ -172,7 +194,7 @@ class Answer:
             text = choice.update(tokens, out.finish_reason if out.finished else None)
             if text or choice.done:
                 changed.append((index * n + j, text, choice.done))
-        if not out.finished and all(c.done for c in self.choices[index * n:(index + 1) * n]):
+        if not out.finished and all(c.done for c in self.choices[index * n : (index + 1) * n]):
             self.submission.abort(index, "stop")
         return changed
 

@@ -142,8 +142,12 @@ class EngineLoop:
 
     def add(self, command: Add) -> None:
         try:
-            self.engine.add_request(command.prompt_ids, command.params, request_id=command.request_id,
-                                    arrival_time=command.arrival)
+            self.engine.add_request(
+                command.prompt_ids,
+                command.params,
+                request_id=command.request_id,
+                arrival_time=command.arrival,
+            )
         except ValueError as err:
             command.reply.send_soon(RequestRefused(str(err)))
             return

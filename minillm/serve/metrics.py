@@ -36,9 +36,15 @@ METRIC_HELP = {
     "num_requests_running": ("gauge", "Requests with sequences in the running batch."),
     "num_requests_waiting": ("gauge", "Requests waiting to be scheduled (the queue)."),
     "kv_blocks_total": ("gauge", "KV blocks in the device pool."),
-    "kv_blocks": ("gauge", "Device KV blocks by state: free, cached (free, findable by prefix), private, shared."),
+    "kv_blocks": (
+        "gauge",
+        "Device KV blocks by state: free, cached (free, findable by prefix), private, shared.",
+    ),
     "kv_cache_usage_perc": ("gauge", "Fraction of device KV blocks held by sequences (1 = full)."),
-    "kv_utilization": ("gauge", "Live token slots / slots in held blocks (the rest is the last blocks' tails)."),
+    "kv_utilization": (
+        "gauge",
+        "Live token slots / slots in held blocks (the rest is the last blocks' tails).",
+    ),
     "kv_bytes_per_token": ("gauge", "Bytes of KV per token slot, all layers, K and V, scales included."),
     "kv_block_size": ("gauge", "Token slots per KV block."),
     "host_blocks_total": ("gauge", "Blocks in the host tier (0: no host tier)."),
@@ -67,8 +73,12 @@ def _memory_values(memory) -> dict:
         "num_requests_waiting": len({seq.request_id for seq in memory.waiting()}),
         "kv_blocks_total": memory.num_blocks,
         # a filling block (keys still in full precision) is one sequence's alone: private
-        "kv_blocks": {"free": device["free"], "cached": device["cached"],
-                      "private": device["private"] + device["filling"], "shared": device["shared"]},
+        "kv_blocks": {
+            "free": device["free"],
+            "cached": device["cached"],
+            "private": device["private"] + device["filling"],
+            "shared": device["shared"],
+        },
         "kv_cache_usage_perc": (memory.num_blocks - memory.num_free_blocks) / memory.num_blocks,
         "kv_utilization": memory.stats.utilization,
         "kv_bytes_per_token": memory.bytes_per_token,
@@ -89,7 +99,9 @@ def prometheus(values: dict) -> str:
         kind, help_text = METRIC_HELP[name]
         lines += [f"# HELP minillm:{name} {help_text}", f"# TYPE minillm:{name} {kind}"]
         if isinstance(value, dict):
-            lines += [f'minillm:{name}{{{LABELS[name]}="{label}"}} {number}' for label, number in value.items()]
+            lines += [
+                f'minillm:{name}{{{LABELS[name]}="{label}"}} {number}' for label, number in value.items()
+            ]
         else:
             lines.append(f"minillm:{name} {float(value) if isinstance(value, float) else value}")
     return "\n".join(lines) + "\n"
@@ -110,4 +122,3 @@ def parse_metrics(text: str) -> dict:
         else:
             values[key] = value
     return values
-

@@ -33,7 +33,12 @@ from minillm.tokenizer import Tokenizer
 class APIError(Exception):
     """A request the server refuses: HTTP `status`, and the body of OpenAI's error shape."""
 
-    TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    TYPES = {
+        400: "BadRequestError",
+        404: "NotFoundError",
+        500: "InternalServerError",
+        503: "ServiceUnavailableError",
+    }
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -45,22 +50,51 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None) -> dict:
     """{"error": {"message", "type", "param", "code"}}: what the openai client reads into its exception."""
-    return {"error": {"message": message, "type": APIError.TYPES.get(status, "APIError"), "param": param,
-                      "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": APIError.TYPES.get(status, "APIError"),
+            "param": param,
+            "code": status,
+        }
+    }
 
 
 # ----------------------------------------------------------------------------- requests
 
-COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream",
-                 "stream_options", "ignore_eos", "user")
+COMMON_FIELDS = (
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "user",
+)
 COMPLETION_FIELDS = ("prompt", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", *COMMON_FIELDS)
 # fields minillm knows but does not implement: refused unless they ask for nothing (their default)
-UNSUPPORTED = {"echo": (False,), "logprobs": (None, False, 0), "top_logprobs": (None, 0), "best_of": (None, 1),
-               "suffix": (None, ""), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
-               "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
-               "function_call": (None, "none"), "parallel_tool_calls": (None, False, True),
-               "response_format": (None, {"type": "text"})}
+UNSUPPORTED = {
+    "echo": (False,),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, False, True),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 @dataclass
@@ -107,7 +141,11 @@ def typed(body: dict, name: str, kind, default, describe: str):
     value = body.get(name)
     if value is None:
         return default
-    ok = is_real(value) if kind is float else isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    ok = (
+        is_real(value)
+        if kind is float
+        else isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    )
     if not ok:
         raise APIError(400, f"'{name}' must be {describe}, not {value!r}.", name)
     return value
@@ -125,10 +163,13 @@ def parse_stop(body: dict) -> list[str]:
 
 def parse_common(body: dict, tokenizer: Tokenizer | None, default_max_tokens: int | None) -> dict:
     """The fields both endpoints share, checked; max_tokens is None when the context decides it."""
-    options = typed(body, "stream_options", dict, {}, "an object like {\"include_usage\": true}")
+    options = typed(body, "stream_options", dict, {}, 'an object like {"include_usage": true}')
     if set(options) - {"include_usage"}:
-        raise APIError(400, f"stream_options takes only include_usage, not {sorted(set(options) - {'include_usage'})}.",
-                       "stream_options")
+        raise APIError(
+            400,
+            f"stream_options takes only include_usage, not {sorted(set(options) - {'include_usage'})}.",
+            "stream_options",
+        )
     stream = typed(body, "stream", bool, False, "true or false")
     if options and not stream:
         raise APIError(400, "stream_options is only allowed with stream: true.", "stream_options")
@@ -136,16 +177,23 @@ def parse_common(body: dict, tokenizer: Tokenizer | None, default_max_tokens: in
     max_tokens = typed(body, "max_tokens", int, default_max_tokens, "an integer >= 1")
     if body.get("max_completion_tokens") is not None:
         max_tokens = typed(body, "max_completion_tokens", int, None, "an integer >= 1")
-    return {"max_tokens": max_tokens, "temperature": typed(body, "temperature", float, 1.0, "a number >= 0"),
-            "top_p": typed(body, "top_p", float, 1.0, "a number in (0, 1]"), "top_k": 0 if top_k == -1 else top_k,
-            "n": typed(body, "n", int, 1, "an integer >= 1"), "seed": typed(body, "seed", int, None, "an integer"),
-            "ignore_eos": typed(body, "ignore_eos", bool, False, "true or false"), "stream": stream,
-            "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
-            "stop": parse_stop(body)}
+    return {
+        "max_tokens": max_tokens,
+        "temperature": typed(body, "temperature", float, 1.0, "a number >= 0"),
+        "top_p": typed(body, "top_p", float, 1.0, "a number in (0, 1]"),
+        "top_k": 0 if top_k == -1 else top_k,
+        "n": typed(body, "n", int, 1, "an integer >= 1"),
+        "seed": typed(body, "seed", int, None, "an integer"),
+        "ignore_eos": typed(body, "ignore_eos", bool, False, "true or false"),
+        "stream": stream,
+        "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
+        "stop": parse_stop(body),
+    }
 
 
-def make_job(kind: str, model: str, prompts: list[list[int]], common: dict, context_len: int,
-             vocab_size: int) -> Job:
+def make_job(
+    kind: str, model: str, prompts: list[list[int]], common: dict, context_len: int, vocab_size: int
+) -> Job:
     """Check every prompt against the context and the vocabulary, then build SamplingParams."""
     max_tokens = common["max_tokens"]
     for prompt in prompts:
@@ -155,35 +203,58 @@ def make_job(kind: str, model: str, prompts: list[list[int]], common: dict, cont
         wanted = max_tokens if max_tokens is not None else context_len - len(prompt)
         if isinstance(wanted, int) and len(prompt) + wanted > context_len:
             where = "messages" if kind == "chat" else "prompt"
-            raise APIError(400, f"This model's maximum context length is {context_len} tokens. However, you requested "
-                                f"{len(prompt) + wanted} tokens ({len(prompt)} in the {where}, {wanted} in the "
-                                f"completion). Please reduce the length of the {where} or completion.", "max_tokens")
-    if max_tokens is None:  # chat without max_tokens: the rest of the (shortest prompt's) context, as vLLM does
+            raise APIError(
+                400,
+                f"This model's maximum context length is {context_len} tokens. However, you requested "
+                f"{len(prompt) + wanted} tokens ({len(prompt)} in the {where}, {wanted} in the "
+                f"completion). Please reduce the length of the {where} or completion.",
+                "max_tokens",
+            )
+    if (
+        max_tokens is None
+    ):  # chat without max_tokens: the rest of the (shortest prompt's) context, as vLLM does
         max_tokens = context_len - max(len(p) for p in prompts)
     try:
-        params = SamplingParams(temperature=common["temperature"], top_k=common["top_k"], top_p=common["top_p"],
-                                max_tokens=max_tokens, seed=common["seed"], n=common["n"],
-                                ignore_eos=common["ignore_eos"])
+        params = SamplingParams(
+            temperature=common["temperature"],
+            top_k=common["top_k"],
+            top_p=common["top_p"],
+            max_tokens=max_tokens,
+            seed=common["seed"],
+            n=common["n"],
+            ignore_eos=common["ignore_eos"],
+        )
     except ValueError as err:
         raise APIError(400, str(err)) from None
     return Job(kind, model, prompts, params, common["stop"], common["stream"], common["include_usage"])
 
 
-def parse_completion(body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int) -> Job:
+def parse_completion(
+    body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int
+) -> Job:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids, or a list
     of lists of token ids (a batch: one choice per prompt, n each)."""
     check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+    ):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         prompts = prompt
     else:
-        raise APIError(400, "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
-                            f"of token ids, not {prompt!r}." if prompt is not None else "'prompt' is required.",
-                       "prompt")
+        raise APIError(
+            400,
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+            f"of token ids, not {prompt!r}."
+            if prompt is not None
+            else "'prompt' is required.",
+            "prompt",
+        )
     ids = []
     for p in prompts:
         if isinstance(p, str):
@@ -198,20 +269,32 @@ def parse_completion(body: dict, tokenizer: Tokenizer | None, model: str, contex
 def message_text(message, index: int) -> dict[str, str]:
     """A chat message as {"role", "content"}; content given as parts must be text parts."""
     if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
-        raise APIError(400, f"messages[{index}] must be an object with role system, user or assistant and a "
-                            f"content, not {message!r}.", "messages")
+        raise APIError(
+            400,
+            f"messages[{index}] must be an object with role system, user or assistant and a "
+            f"content, not {message!r}.",
+            "messages",
+        )
     content = message.get("content")
     if isinstance(content, list):
-        if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                   for part in content):
-            raise APIError(400, f"messages[{index}].content: minillm reads only text parts "
-                                "({\"type\": \"text\", \"text\": ...}).", "messages")
+        if not all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content
+        ):
+            raise APIError(
+                400,
+                f"messages[{index}].content: minillm reads only text parts "
+                '({"type": "text", "text": ...}).',
+                "messages",
+            )
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
         raise APIError(400, f"messages[{index}].content must be a string, not {content!r}.", "messages")
     extra = set(message) - {"role", "content", "name"}
     if extra:
-        raise APIError(400, f"messages[{index}] has fields minillm does not support: {sorted(extra)}.", "messages")
+        raise APIError(
+            400, f"messages[{index}] has fields minillm does not support: {sorted(extra)}.", "messages"
+        )
     return {"role": message["role"], "content": content}
 
 
@@ -220,10 +303,14 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, model: str, context_len:
     check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list of {\"role\", \"content\"} objects.", "messages")
+        raise APIError(
+            400, '\'messages\' must be a non-empty list of {"role", "content"} objects.', "messages"
+        )
     conversation = [message_text(m, i) for i, m in enumerate(messages)]
     if tokenizer is None:
-        raise APIError(400, "This model has no tokenizer, so no chat template; use /v1/completions with token ids.")
+        raise APIError(
+            400, "This model has no tokenizer, so no chat template; use /v1/completions with token ids."
+        )
     try:
         prompt = tokenizer.encode_chat(conversation)
     except ValueError as err:  # ConfigError: no chat template in this checkpoint

@@ -23,8 +23,14 @@ class ChoiceText:
     client has been sent, and why it ended. Text that could be the start of a stop string is held
     back until it is not; a stop string found ends the choice, cut before it (vLLM's default)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], eos_token_id: int | None, max_new_tokens: int,
-                 ignore_eos: bool):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: list[str],
+        eos_token_id: int | None,
+        max_new_tokens: int,
+        ignore_eos: bool,
+    ):
         self.decoder = tokenizer.stream_decoder()
         self.stop, self.eos, self.max_new, self.ignore_eos = stop, eos_token_id, max_new_tokens, ignore_eos
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -42,7 +48,7 @@ class ChoiceText:
         if self.done:
             return ""
         searched_from = max(0, len(self.text) - self.hold)
-        for token in token_ids[self.num_tokens:]:
+        for token in token_ids[self.num_tokens :]:
             if token != self.eos:  # never text, as in RequestOutput.text (even with ignore_eos)
                 self.text += self.decoder.feed(token)
         self.num_tokens = len(token_ids)
@@ -59,7 +65,7 @@ class ChoiceText:
         elif ended_by_engine:
             self.finish_reason = ended_by_engine
         safe = len(self.text) if self.done else len(self.text) - self.hold
-        delta = self.text[self.sent:safe] if safe > self.sent else ""
+        delta = self.text[self.sent : safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return delta
 
@@ -72,43 +78,83 @@ class ChoiceText:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
 
 
 def choice_body(job: Job, index: int, choice: ChoiceText) -> dict:
     if job.kind == "chat":
-        return {"index": index, "message": {"role": "assistant", "content": choice.text}, "logprobs": None,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
-    return {"index": index, "text": choice.text, "logprobs": None, "finish_reason": choice.finish_reason,
-            "stop_reason": choice.stop_reason}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": None,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+        }
+    return {
+        "index": index,
+        "text": choice.text,
+        "logprobs": None,
+        "finish_reason": choice.finish_reason,
+        "stop_reason": choice.stop_reason,
+    }
 
 
 def response_body(job: Job, choices: list[ChoiceText], usage_: dict) -> dict:
     """The whole answer of a request that did not stream."""
-    return {"id": job.id, "object": "chat.completion" if job.kind == "chat" else "text_completion",
-            "created": job.created, "model": job.model,
-            "choices": [choice_body(job, i, c) for i, c in enumerate(choices)],
-            "usage": usage_}
+    return {
+        "id": job.id,
+        "object": "chat.completion" if job.kind == "chat" else "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": [choice_body(job, i, c) for i, c in enumerate(choices)],
+        "usage": usage_,
+    }
 
 
 def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> str:
     """One server-sent event of a stream."""
-    body = {"id": job.id, "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
-            "created": job.created, "model": job.model, "choices": choices}
+    body = {
+        "id": job.id,
+        "object": "chat.completion.chunk" if job.kind == "chat" else "text_completion",
+        "created": job.created,
+        "model": job.model,
+        "choices": choices,
+    }
     if usage_ is not None:
         body["usage"] = usage_
     return sse(body)
 
 
-def delta_choice(job: Job, index: int, text: str, choice: ChoiceText | None = None, first: bool = False) -> dict:
+def delta_choice(
+    job: Job, index: int, text: str, choice: ChoiceText | None = None, first: bool = False
+) -> dict:
     """A stream chunk's choice: new text, and the finish reason on the choice's last chunk."""
     finish = choice.finish_reason if choice is not None else None
     stop_reason = choice.stop_reason if choice is not None else None
     if job.kind == "chat":
-        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish else {})
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish, "stop_reason": stop_reason}
+        delta = (
+            {"role": "assistant", "content": text}
+            if first
+            else ({"content": text} if text or not finish else {})
+        )
+        return {
+            "index": index,
+            "delta": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
+    return {
+        "index": index,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": stop_reason,
+    }
 
 
 def sse(body: dict | str) -> str:

@@ -28,8 +28,12 @@ class Kind:
     max_tokens: int  # what the request declares: more than it needs, as clients do
 
 
-KINDS = (Kind("question", 0.40, (16, 48), 16, 128), Kind("chat", 0.35, (8, 24), 24, 128),
-         Kind("document", 0.15, (192, 384), 16, 64), Kind("long answer", 0.10, (16, 32), 128, 256))
+KINDS = (
+    Kind("question", 0.40, (16, 48), 16, 128),
+    Kind("chat", 0.35, (8, 24), 24, 128),
+    Kind("document", 0.15, (192, 384), 16, 64),
+    Kind("long answer", 0.10, (16, 32), 128, 256),
+)
 SYSTEM_PROMPTS, SYSTEM_TOKENS = 3, 96
 
 
@@ -61,8 +65,13 @@ class ScriptedStop:
 def submit(engine, index: int, request: Request, arrival_time: float) -> None:
     """A trace request into the engine, its sampler the script that ends it at its output length."""
     script = ScriptedStop(request.output_len, engine.eos_token_id)
-    engine.add_request(request.prompt_ids, SamplingParams(max_tokens=request.max_tokens),
-                       request_id=str(index), arrival_time=arrival_time, sampler=script)
+    engine.add_request(
+        request.prompt_ids,
+        SamplingParams(max_tokens=request.max_tokens),
+        request_id=str(index),
+        arrival_time=arrival_time,
+        sampler=script,
+    )
 
 
 def scaled(length: int, scale: float) -> int:
@@ -75,13 +84,16 @@ def system_prompts(tokenizer: Tokenizer, scale: float) -> list[str]:
     text_ids = tokenizer.encode(read_text(SECOND_TEXT if SECOND_TEXT.is_file() else DEFAULT_TEXT))
     length = scaled(SYSTEM_TOKENS, scale)
     start = 0 if SECOND_TEXT.is_file() else len(text_ids) - SYSTEM_PROMPTS * length
-    return [tokenizer.decode(text_ids[start + i * length:start + (i + 1) * length])
-            for i in range(SYSTEM_PROMPTS)]
+    return [
+        tokenizer.decode(text_ids[start + i * length : start + (i + 1) * length])
+        for i in range(SYSTEM_PROMPTS)
+    ]
 
 
 def chat_prompt(tokenizer: Tokenizer, system: str, user_ids: list[int]) -> list[int]:
-    return tokenizer.encode_chat([{"role": "system", "content": system},
-                                  {"role": "user", "content": tokenizer.decode(user_ids)}])
+    return tokenizer.encode_chat(
+        [{"role": "system", "content": system}, {"role": "user", "content": tokenizer.decode(user_ids)}]
+    )
 
 
 def kind_counts(num_requests: int) -> list[int]:
@@ -89,7 +101,7 @@ def kind_counts(num_requests: int) -> list[int]:
     exact = [kind.share * num_requests for kind in KINDS]
     counts = [int(n) for n in exact]
     by_remainder = sorted(range(len(KINDS)), key=lambda i: exact[i] - counts[i], reverse=True)
-    for i in by_remainder[:num_requests - sum(counts)]:
+    for i in by_remainder[: num_requests - sum(counts)]:
         counts[i] += 1
     return counts
 
@@ -105,11 +117,14 @@ def make_trace(tokenizer: Tokenizer, num_requests: int, rate: float, scale: floa
     for kind in kinds:
         prompt_len = rng.randint(*(scaled(n, scale) for n in kind.prompt_len))
         start = rng.randrange(len(text_ids) - prompt_len)
-        prompt = text_ids[start:start + prompt_len]
+        prompt = text_ids[start : start + prompt_len]
         if kind.name == "chat":
             prompt = chat_prompt(tokenizer, systems[rng.randrange(SYSTEM_PROMPTS)], prompt)
-        trace.append(Request(kind.name, prompt, scaled(kind.output_len, scale),
-                             scaled(kind.max_tokens, scale), arrival))
+        trace.append(
+            Request(
+                kind.name, prompt, scaled(kind.output_len, scale), scaled(kind.max_tokens, scale), arrival
+            )
+        )
         arrival += rng.expovariate(rate)
     return trace
 
@@ -118,14 +133,21 @@ def describe_trace(trace: list[Request], rate: float, scale: float) -> dict:
     kinds = {}
     for kind in KINDS:
         requests = [r for r in trace if r.kind == kind.name]
-        kinds[kind.name] = {"requests": len(requests),
-                            "prompt_len": [scaled(n, scale) for n in kind.prompt_len],
-                            "output_len": scaled(kind.output_len, scale),
-                            "max_tokens": scaled(kind.max_tokens, scale)}
-    return {"requests": len(trace), "rate_per_s": rate, "seed": SEED, "kinds": kinds,
-            "system_prompts": SYSTEM_PROMPTS, "system_tokens": scaled(SYSTEM_TOKENS, scale),
-            "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
-            "output_tokens": sum(r.output_len for r in trace),
-            "longest_request": max(len(r.prompt_ids) + r.max_tokens for r in trace),
-            "last_arrival_s": trace[-1].arrival_s}
-
+        kinds[kind.name] = {
+            "requests": len(requests),
+            "prompt_len": [scaled(n, scale) for n in kind.prompt_len],
+            "output_len": scaled(kind.output_len, scale),
+            "max_tokens": scaled(kind.max_tokens, scale),
+        }
+    return {
+        "requests": len(trace),
+        "rate_per_s": rate,
+        "seed": SEED,
+        "kinds": kinds,
+        "system_prompts": SYSTEM_PROMPTS,
+        "system_tokens": scaled(SYSTEM_TOKENS, scale),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens": sum(r.output_len for r in trace),
+        "longest_request": max(len(r.prompt_ids) + r.max_tokens for r in trace),
+        "last_arrival_s": trace[-1].arrival_s,
+    }
