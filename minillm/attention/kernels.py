@@ -34,12 +34,13 @@ CPU_FLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
+# the kernel's signature, for the binding (the .cu defines it)
 DECLARATION = (
     "std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, "
     "torch::Tensor v, torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged, "
     "torch::Tensor staged_row, torch::Tensor block_tables, torch::Tensor context_lens, "
     "int64_t block_size, int64_t kv_format, bool keys_per_channel, bool with_mass);"
-)  # the .cu defines it
+)
 FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format -> the kernels' kv_format
 
 

@@ -65,14 +65,12 @@ def paged_decode_attention(
     num_seqs, num_heads, head_dim = query.shape
     width, block_size = int(context_lens.max()), pool.block_size
     positions = torch.arange(width, device=query.device)
-    slots = (
-        block_tables[:, positions // block_size].long() * block_size + positions % block_size
-    )  # (S, width)
+    # (S, width)
+    slots = block_tables[:, positions // block_size].long() * block_size + positions % block_size
     keys, values = pool.read(layer, slots)  # (S, width, kv_heads, head_dim) each
     num_kv_heads = keys.shape[2]
-    q_rows = query.view(
-        num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim
-    )  # (S, kv_heads, group, hd)
+    # (S, kv_heads, group, hd)
+    q_rows = query.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = q_rows @ keys.permute(0, 2, 3, 1) * head_dim**-0.5  # (S, kv_heads, group, width)
     padding = positions[None, :] >= context_lens[:, None]  # (S, width)
     scores = scores.masked_fill(padding[:, None, None, :], float("-inf"))

@@ -19,12 +19,8 @@ from minillm.model import Transformer
 class ContiguousKVCache:
     def __init__(self, model: Transformer, max_len: int):
         cfg = model.config
-        shape = (
-            cfg.num_layers,
-            max_len,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )  # (layers, max_len, kv_heads, head_dim)
+        # (layers, max_len, kv_heads, head_dim)
+        shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v_cache = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.start = self.end = 0  # this step writes positions start..end-1

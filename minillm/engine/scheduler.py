@@ -50,9 +50,8 @@ class Schedule:
     # (source, destination) blocks: swaps, spills, copy-on-write, in the order decided; all done before
     # the forward pass
     copies: list[tuple[int, int]] = field(default_factory=list)
-    prefetch: list[tuple[int, int]] = field(
-        default_factory=list
-    )  # swap-ins for the next step, done during it
+    # swap-ins for the next step, done during it
+    prefetch: list[tuple[int, int]] = field(default_factory=list)
 
 
 class Scheduler:

@@ -58,9 +58,8 @@ class BlockManager:
         self.num_host_blocks = host_blocks
         self.block_size = block_size
         self.disk = disk
-        self._free = FreeBlocks(
-            num_blocks, host_blocks
-        )  # each tier's free blocks, and which tier an id is in
+        # each tier's free blocks, and which tier an id is in
+        self._free = FreeBlocks(num_blocks, host_blocks)
         self.refcounts: Counter[int] = Counter()
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> block ids
         self.prefix_cache = PrefixCache(block_size) if prefix_caching else None

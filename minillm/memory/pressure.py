@@ -43,9 +43,8 @@ class PressureLadder:
         "always" (a fixed budget every step) or "pressure" (rung 4)."""
         self.manager, self.preemption, self.swap_cost = manager, preemption, swap_cost
         self.eviction_trigger = eviction_trigger
-        self.rungs: Counter[str] = (
-            Counter()
-        )  # this step's rungs: blocks reclaimed, sequences preempted, evicted
+        # this step's rungs: blocks reclaimed, sequences preempted, evicted
+        self.rungs: Counter[str] = Counter()
 
     def prefers_swap(self, seq_ids: list[int], tokens: int) -> bool:
         """Rung 3 for these sequences (a request's running samples or beams, `tokens` computed in

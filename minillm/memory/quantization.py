@@ -141,9 +141,8 @@ class KVLayer:
     v: torch.Tensor
     k_scale: torch.Tensor  # (scale, center) in fp16: (num_blocks, kv_heads, head_dim, 2) per channel,
     v_scale: torch.Tensor  # or (num_slots, kv_heads, 1, 2) per token, as values always are
-    k_staged: (
-        torch.Tensor
-    )  # (rows, block_size, kv_heads, head_dim), model dtype: keys of blocks still filling
+    # (rows, block_size, kv_heads, head_dim), model dtype: keys of blocks still filling
+    k_staged: torch.Tensor
     staged_row: torch.Tensor  # (num_blocks,) int32: a block's row in k_staged, -1 once its keys are quantized
     kv_format: str  # "auto" (the model's dtype), "int8", "int4" or "fp8"
     keys_per_channel: bool

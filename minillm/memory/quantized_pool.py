@@ -133,9 +133,8 @@ class QuantizedKVPool:
     def quantize_staged(self, layer: int, blocks: torch.Tensor) -> None:
         """Quantize the staged keys of full `blocks` (n,), one scale per (head, channel); free their rows."""
         rows = self.staged_row[layer, blocks].long()
-        data, scale = quantize(
-            self.k_staged[layer, rows], self.fmt, dim=1
-        )  # (n, block_size, ...), (n, 1, heads, hd, 2)
+        # (n, block_size, ...), (n, 1, heads, hd, 2)
+        data, scale = quantize(self.k_staged[layer, rows], self.fmt, dim=1)
         slots = (
             blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)
         ).flatten()
@@ -233,14 +232,14 @@ class QuantizedKVPool:
         groups, member = group.unique(return_inverse=True)  # (g,), and each key's group
         first = torch.zeros_like(groups).scatter_(0, member, torch.arange(len(group), device=group.device))
         g_layers, g_blocks, g_heads = layers[first], blocks[first], heads[first]  # (g,) each
-        slots = g_blocks[:, None] * self.block_size + torch.arange(
-            self.block_size, device=self.device
-        )  # (g, block_size)
+        # (g, block_size)
+        slots = g_blocks[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)
+        # (g, block_size, head_dim)
         current = dequantize(
             self.k_data[g_layers[:, None], slots, g_heads[:, None]],
             self.k_scale[g_layers, g_blocks, g_heads][:, None],
             self.fmt,
-        )  # (g, block_size, head_dim)
+        )
         current[member, offsets] = keys
         data, scales = quantize(current, self.fmt, dim=1)  # (g, block_size, ...), (g, 1, head_dim, 2)
         self.k_data[g_layers[:, None], slots, g_heads[:, None]] = data
@@ -267,9 +266,8 @@ class QuantizedKVPool:
         with self.staging_lock:
             slots = torch.arange(block * self.block_size, (block + 1) * self.block_size, device=self.device)
             for layer in (self.staged_row[:, block] < 0).nonzero().flatten().tolist():
-                keys = dequantize(
-                    self.k_data[layer, slots], self.k_scale[layer, block], self.fmt
-                )  # (block_size, heads, hd)
+                # (block_size, heads, hd)
+                keys = dequantize(self.k_data[layer, slots], self.k_scale[layer, block], self.fmt)
                 row = self.take_row(layer)
                 self.k_staged[layer, row] = keys.to(self.dtype)
                 self.staged_row[layer, block] = row
