@@ -48,39 +48,26 @@ class ModelRunner:
                 decode_lens.append(end)
                 decoding.append(seq)
             else:
-                sequences.append(
-                    SequenceSlice(
-                        row,
-                        row + n,
-                        torch.arange(first, end, device=device),
-                        context_slots(table, kv_cache.block_size, end, device),
-                        kv_cache.attention_mass(seq.seq_id, end),
-                    )
-                )
+                queries = torch.arange(first, end, device=device)
+                context = context_slots(table, kv_cache.block_size, end, device)
+                mass = kv_cache.attention_mass(seq.seq_id, end)
+                sequences.append(SequenceSlice(row, row + n, queries, context, mass))
             last_rows.append(row + n - 1)
-        config = self.model.config
-        decode = (
-            DecodeBatch.of(
-                decode_rows,
-                decode_tables,
-                decode_lens,
-                device,
-                config.num_layers if kv_cache.keeps_attention_mass else 0,
-                config.num_kv_heads,
-            )
-            if decode_rows
-            else None
-        )
-        ctx = PagedAttention(
-            kv_cache.pool, torch.tensor(write_slots, device=device), sequences, decode, self.decode_attention
-        )
-        hidden = self.model(
-            torch.tensor(token_ids, device=device), torch.tensor(positions, device=device), ctx
-        )
+        decode = self._decode_batch(decode_rows, decode_tables, decode_lens) if decode_rows else None
+        slots = torch.tensor(write_slots, device=device)
+        ctx = PagedAttention(kv_cache.pool, slots, sequences, decode, self.decode_attention)
+        ids, positions = torch.tensor(token_ids, device=device), torch.tensor(positions, device=device)
+        hidden = self.model(ids, positions, ctx)
         if decode is not None and decode.mass is not None:
             for i, (seq, end) in enumerate(zip(decoding, decode_lens)):
                 kv_cache.attention_mass(seq.seq_id, end)[..., :end] += decode.mass[:, i, :, :end]
         return hidden, last_rows
+
+    def _decode_batch(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> DecodeBatch:
+        """The step's decode tokens, attended together; with H2O, room for the attention they pay."""
+        config = self.model.config
+        mass_layers = config.num_layers if self.kv_cache.keeps_attention_mass else 0
+        return DecodeBatch.of(rows, tables, lens, self.model.device, mass_layers, config.num_kv_heads)
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Next-token logits (len(rows), vocab) of the chosen rows of the hidden states."""
