@@ -237,7 +237,7 @@ class Evictor:
         layers, heads, holes, newcomers = fill_plan(kept, keep, private)
         holes, newcomers = holes + protected, newcomers + protected  # cache indices
         end = protected + keep
-        if not self.move(seq_id, end, layers, heads, newcomers, holes):
+        if not self._move(seq_id, end, layers, heads, newcomers, holes):
             return 0
         positions[layers, heads, holes] = positions[layers, heads, newcomers]
         state.positions = positions[..., :end].contiguous()
@@ -247,7 +247,7 @@ class Evictor:
             state.mass = mass[..., :end].contiguous()
         return private - keep
 
-    def move(
+    def _move(
         self,
         seq_id: int,
         end: int,

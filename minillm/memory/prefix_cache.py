@@ -41,7 +41,7 @@ class PrefixCache:
         self.queried_blocks = 0  # full blocks a lookup could have hit
         self.hit_blocks = 0
 
-    def block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
+    def _block_tokens(self, token_ids: list[int], index: int) -> tuple[int, ...]:
         return tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
 
     def lookup(self, token_ids: list[int]) -> list[int]:
@@ -50,7 +50,7 @@ class PrefixCache:
         blocks: list[int] = []
         key = None
         for index in range((len(token_ids) - 1) // self.block_size):
-            tokens = self.block_tokens(token_ids, index)
+            tokens = self._block_tokens(token_ids, index)
             key = hash((key, tokens))
             block = self.block_of.get(key)
             entry = self.entries.get(block)
@@ -78,11 +78,11 @@ class PrefixCache:
             if index and parent_entry is None:
                 break  # the parent is not cached (e.g. a duplicate), so neither can the child be
             if block not in self.entries:
-                key = hash((parent_entry.key if parent_entry else None, self.block_tokens(token_ids, index)))
+                key = hash((parent_entry.key if parent_entry else None, self._block_tokens(token_ids, index)))
                 if key in self.block_of:
                     break  # the same content is cached in another block already
                 self.block_of[key] = block
-                self.entries[block] = Entry(key, parent, self.block_tokens(token_ids, index))
+                self.entries[block] = Entry(key, parent, self._block_tokens(token_ids, index))
                 if parent is not None:
                     self.children.setdefault(parent, set()).add(block)
             self.registered[seq_id] = index + 1

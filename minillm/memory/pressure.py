@@ -62,13 +62,13 @@ class PressureLadder:
         self.rungs[rung] += amount
 
     @property
-    def short(self) -> bool:
+    def _short(self) -> bool:
         """Did memory run short this step (a sequence had to leave the device)?"""
         return self.rungs["preempt"] > 0
 
     def evicts_now(self) -> bool:
         """After this step's forward pass, do sequences over their budget evict?"""
-        return self.eviction_trigger == "always" or (self.eviction_trigger == "pressure" and self.short)
+        return self.eviction_trigger == "always" or (self.eviction_trigger == "pressure" and self._short)
 
     def end_step(self) -> dict[str, int]:
         """This step's rungs, in ladder order (the blocks reclaimed are the block manager's count);

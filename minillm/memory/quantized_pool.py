@@ -115,22 +115,22 @@ class QuantizedKVPool:
             self.k_scale[layer].index_copy_(0, slots, scale)
         else:
             with self.staging_lock:
-                self.stage_keys(layer, slots, k)
+                self._stage_keys(layer, slots, k)
 
-    def stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+    def _stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
         """Keys wait in their block's staging row; the write that fills a block quantizes it."""
         blocks, offsets = slots // self.block_size, slots % self.block_size
         rows = self.staged_row[layer, blocks]
         if bool((rows < 0).any()):  # a block's first keys: give it a row
             for block in blocks[rows < 0].unique().tolist():
-                self.staged_row[layer, block] = self.take_row(layer)
+                self.staged_row[layer, block] = self._take_row(layer)
             rows = self.staged_row[layer, blocks]
         self.k_staged[layer, rows.long(), offsets] = k.to(self.dtype)
         filled = offsets == self.block_size - 1  # the last slot: the block is full
         if bool(filled.any()):
-            self.quantize_staged(layer, blocks[filled])
+            self._quantize_staged(layer, blocks[filled])
 
-    def quantize_staged(self, layer: int, blocks: torch.Tensor) -> None:
+    def _quantize_staged(self, layer: int, blocks: torch.Tensor) -> None:
         """Quantize the staged keys of full `blocks` (n,), one scale per (head, channel); free their rows."""
         rows = self.staged_row[layer, blocks].long()
         # (n, block_size, ...), (n, 1, heads, hd, 2)
@@ -140,9 +140,9 @@ class QuantizedKVPool:
         ).flatten()
         self.k_data[layer].index_copy_(0, slots, data.flatten(0, 1))
         self.k_scale[layer].index_copy_(0, blocks, scale[:, 0])
-        self.release_rows(layer, blocks)
+        self._release_rows(layer, blocks)
 
-    def take_row(self, layer: int) -> int:
+    def _take_row(self, layer: int) -> int:
         if not self.free_rows[layer]:  # every row is in use: double them, for every layer
             capacity = self.k_staged.shape[1]
             grown = max(1, capacity)
@@ -155,7 +155,7 @@ class QuantizedKVPool:
                 free.extend(range(capacity, capacity + grown))
         return self.free_rows[layer].pop()
 
-    def release_rows(self, layer: int, blocks: torch.Tensor) -> None:
+    def _release_rows(self, layer: int, blocks: torch.Tensor) -> None:
         self.free_rows[layer].extend(self.staged_row[layer, blocks].tolist())
         self.staged_row[layer, blocks] = -1
 
@@ -196,7 +196,7 @@ class QuantizedKVPool:
             self.k_scale[layers, dst_slots, heads] = self.k_scale[layers, src_slots, heads]
             return
         with self.staging_lock:
-            keys = self.keys_at(layers, heads, src_slots)  # (m, head_dim) fp32, read before any write
+            keys = self._keys_at(layers, heads, src_slots)  # (m, head_dim) fp32, read before any write
             blocks, offsets = dst_slots // self.block_size, dst_slots % self.block_size
             rows = self.staged_row[layers, blocks]
             filling = rows >= 0
@@ -215,9 +215,9 @@ class QuantizedKVPool:
                 keys[onto], scales[onto], self.fmt
             )
             if bool(anew.any()):
-                self.quantize_anew(layers[anew], blocks[anew], heads[anew], offsets[anew], keys[anew])
+                self._quantize_anew(layers[anew], blocks[anew], heads[anew], offsets[anew], keys[anew])
 
-    def quantize_anew(
+    def _quantize_anew(
         self,
         layers: torch.Tensor,
         blocks: torch.Tensor,
@@ -245,7 +245,7 @@ class QuantizedKVPool:
         self.k_data[g_layers[:, None], slots, g_heads[:, None]] = data
         self.k_scale[g_layers, g_blocks, g_heads] = scales[:, 0]
 
-    def keys_at(self, layers: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    def _keys_at(self, layers: torch.Tensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """Keys scaled per channel, one per (layer, head, slot) triple: (m, head_dim) fp32, exact
         where the block is still filling."""
         blocks = slots // self.block_size
@@ -268,7 +268,7 @@ class QuantizedKVPool:
             for layer in (self.staged_row[:, block] < 0).nonzero().flatten().tolist():
                 # (block_size, heads, hd)
                 keys = dequantize(self.k_data[layer, slots], self.k_scale[layer, block], self.fmt)
-                row = self.take_row(layer)
+                row = self._take_row(layer)
                 self.k_staged[layer, row] = keys.to(self.dtype)
                 self.staged_row[layer, block] = row
 
@@ -296,20 +296,20 @@ class QuantizedKVPool:
         for name in ("k_data", "v_data", "v_scale", "k_scale"):
             stored[name].copy_(payload[name], non_blocking=True)  # asynchronous from pinned host memory
         with self.staging_lock:
-            self.write_staged(block, payload)
+            self._write_staged(block, payload)
 
-    def write_staged(self, block: int, payload: dict[str, torch.Tensor]) -> None:
+    def _write_staged(self, block: int, payload: dict[str, torch.Tensor]) -> None:
         """The block's staged keys are the payload's: rows taken where it has some, given back where not."""
         for layer in range(len(self.k_data)):
             staged = payload.get(f"k_staging.{layer}")
             row = int(self.staged_row[layer, block])
             if staged is not None:
                 if row < 0:
-                    row = self.take_row(layer)
+                    row = self._take_row(layer)
                     self.staged_row[layer, block] = row
                 self.k_staged[layer, row].copy_(staged, non_blocking=True)
             elif row >= 0:
-                self.release_rows(layer, torch.tensor([block], device=self.device))
+                self._release_rows(layer, torch.tensor([block], device=self.device))
 
     def forget_free_blocks(self, is_free: Callable[[int], bool]) -> None:
         """Give back the staging rows of blocks no sequence holds any more (finished or preempted)."""
@@ -317,4 +317,4 @@ class QuantizedKVPool:
             for layer in range(len(self.k_data)):
                 freed = [block for block in self.staged_blocks(layer) if is_free(block)]
                 if freed:
-                    self.release_rows(layer, torch.tensor(freed, device=self.device))
+                    self._release_rows(layer, torch.tensor(freed, device=self.device))
