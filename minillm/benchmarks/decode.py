@@ -160,6 +160,18 @@ def machine() -> dict:
     }
 
 
+def speedups(decoders: dict, dtype: str) -> dict:
+    """Cached over naive, the other dtype over cached, and cached over HF transformers where it ran."""
+    ratios = {"cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"]}
+    if other_dtype(dtype):
+        ratios[f"cached_{other_dtype(dtype)}_vs_cached"] = (
+            decoders[f"cached_{other_dtype(dtype)}"]["tok_s"] / decoders["cached"]["tok_s"]
+        )
+    if "hf_transformers" in decoders:
+        ratios["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
+    return ratios
+
+
 def bench_decode(
     model_dir: Path,
     prompt_len: int = 64,
@@ -192,7 +204,7 @@ def bench_decode(
         )
         for name, samples in runs.items()
     }
-    report = {
+    return {
         "machine": machine(),
         "model_dir": str(model_dir),
         "dtype": dtype,
@@ -203,15 +215,8 @@ def bench_decode(
         "copy_bandwidth_GBs": roof / 1e9,
         "decoders": decoders,
         "cached_tok_s_by_threads": threads,
-        "cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"],
+        **speedups(decoders, dtype),
     }
-    if other_dtype(dtype):
-        report[f"cached_{other_dtype(dtype)}_vs_cached"] = (
-            decoders[f"cached_{other_dtype(dtype)}"]["tok_s"] / decoders["cached"]["tok_s"]
-        )
-    if "hf_transformers" in decoders:
-        report["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
-    return report
 
 
 def print_decode_report(report: dict, console) -> None:
