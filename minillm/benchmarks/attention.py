@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from minillm.attention.kernels import decode_backend
 from minillm.attention.reference import paged_decode_attention
 from minillm.benchmarks import copy_bandwidth
-from minillm.config import ConfigError, ModelConfig
+from minillm.config import SWITCHES, ConfigError, ModelConfig
 from minillm.memory import bytes_per_slot, make_pool
 from minillm.report import print_table
 
@@ -103,12 +103,33 @@ def time_call(fn, device: str, min_time: float = 0.2) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
+def measure_case(
+    backends: dict, batch: int, context: int, device: str, dtype: torch.dtype, kv_dtype: str, roof: float
+) -> dict:
+    """One shape in one KV format: each backend's time, and the bandwidth it reached against the roof."""
+    case = make_case(batch, context, device, dtype, kv_dtype)
+    # K and V, scales included (one layer)
+    kv_bytes = batch * context * case["pool"].bytes_per_slot
+    timings = {name: time_call(lambda fn=fn: fn(**case), device) for name, fn in backends.items()}
+    if device == "cuda" and kv_dtype == "auto":
+        timings["sdpa_gathered"] = time_call(sdpa_over_gathered(case), device)
+    return {
+        "kv_dtype": kv_dtype,
+        "batch": batch,
+        "context": context,
+        "kv_bytes": kv_bytes,
+        **{f"{name}_us": t * 1e6 for name, t in timings.items()},
+        **{f"{name}_GBs": kv_bytes / t / 1e9 for name, t in timings.items()},
+        **{f"{name}_roof_fraction": kv_bytes / t / roof for name, t in timings.items()},
+    }
+
+
 def bench_attention(
     batches=(1, 4, 16, 64),
     contexts=(128, 512, 1024, 4096),
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
-    kv_dtypes=("auto", "int8", "int4", "fp8"),
+    kv_dtypes=SWITCHES["kv_dtype"].choices,
 ) -> dict:
     if min(batches) < 1 or min(contexts) < 1:  # an empty case reads no bytes: its bandwidth means nothing
         raise ConfigError(
@@ -122,24 +143,7 @@ def bench_attention(
     for kv_dtype in kv_dtypes:
         for batch in batches:
             for context in contexts:
-                case = make_case(batch, context, device, dtype, kv_dtype)
-                kv_bytes = (
-                    batch * context * case["pool"].bytes_per_slot
-                )  # K and V, scales included (one layer)
-                timings = {name: time_call(lambda fn=fn: fn(**case), device) for name, fn in backends.items()}
-                if device == "cuda" and kv_dtype == "auto":
-                    timings["sdpa_gathered"] = time_call(sdpa_over_gathered(case), device)
-                rows.append(
-                    {
-                        "kv_dtype": kv_dtype,
-                        "batch": batch,
-                        "context": context,
-                        "kv_bytes": kv_bytes,
-                        **{f"{name}_us": t * 1e6 for name, t in timings.items()},
-                        **{f"{name}_GBs": kv_bytes / t / 1e9 for name, t in timings.items()},
-                        **{f"{name}_roof_fraction": kv_bytes / t / roof for name, t in timings.items()},
-                    }
-                )
+                rows.append(measure_case(backends, batch, context, device, dtype, kv_dtype, roof))
     return {
         "device": device if device == "cpu" else torch.cuda.get_device_name(),
         "dtype": str(dtype).replace("torch.", ""),

@@ -37,9 +37,8 @@ def bench_chat_view(model_dir: Path, rounds: int = 5, max_tokens: int = 128, dty
             "live": Console(file=null, force_terminal=True, width=80, height=40),
             "plain": Console(file=null, width=80),
         }
-        Chat(llm, params, None, console=consoles["plain"]).reply(
-            QUESTION
-        )  # warm up; the question is cached now
+        # warm up; the question is cached now
+        Chat(llm, params, None, console=consoles["plain"]).reply(QUESTION)
         speeds: dict[str, list[float]] = {"live": [], "plain": []}
         for round_index in range(rounds):
             for view in ("live", "plain") if round_index % 2 == 0 else ("plain", "live"):

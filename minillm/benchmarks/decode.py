@@ -128,6 +128,50 @@ def decoder_row(
     }
 
 
+def time_decoders(
+    models: dict, hf_model, prompt_ids: list[int], tokens: dict[str, int], new_tokens: int, repeats: int
+) -> tuple[dict[str, list[float]], dict[int, float]]:
+    """Each decoder's seconds over `repeats` interleaved runs, and the cached one's tok/s by threads."""
+
+    def run_once(name: str) -> float:
+        if name == "hf_transformers":
+            return time_hf(hf_model, prompt_ids, new_tokens)
+        return time_minillm(models[name], prompt_ids, tokens[name], "naive" if name == "naive" else "cached")
+
+    names = list(models) + (["hf_transformers"] if hf_model is not None else [])
+    runs: dict[str, list[float]] = {name: [] for name in names}
+    with torch.inference_mode():
+        for name in models:  # warm-up: first calls allocate, and pack bf16 weights for oneDNN
+            if name != "naive":
+                time_minillm(models[name], prompt_ids, 4, "cached")
+        for _ in range(repeats):  # interleaved, so machine drift hits every decoder alike
+            for name in names:
+                runs[name].append(run_once(name))
+        threads = tok_s_by_threads(lambda: run_once("cached"))
+    return runs, threads
+
+
+def machine() -> dict:
+    return {
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "processor": cpu_model(),
+    }
+
+
+def speedups(decoders: dict, dtype: str) -> dict:
+    """Cached over naive, the other dtype over cached, and cached over HF transformers where it ran."""
+    ratios = {"cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"]}
+    if other_dtype(dtype):
+        ratios[f"cached_{other_dtype(dtype)}_vs_cached"] = (
+            decoders[f"cached_{other_dtype(dtype)}"]["tok_s"] / decoders["cached"]["tok_s"]
+        )
+    if "hf_transformers" in decoders:
+        ratios["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
+    return ratios
+
+
 def bench_decode(
     model_dir: Path,
     prompt_len: int = 64,
@@ -147,22 +191,7 @@ def bench_decode(
     models, hf_model = decoder_models(model_dir, dtype, include_hf)
     prompt_ids = bench_prompt(model_dir, prompt_len)
     tokens = {name: naive_tokens if name == "naive" else new_tokens for name in models}
-
-    def run_once(name: str) -> float:
-        if name == "hf_transformers":
-            return time_hf(hf_model, prompt_ids, new_tokens)
-        return time_minillm(models[name], prompt_ids, tokens[name], "naive" if name == "naive" else "cached")
-
-    names = list(models) + (["hf_transformers"] if hf_model is not None else [])
-    runs: dict[str, list[float]] = {name: [] for name in names}
-    with torch.inference_mode():
-        for name in models:  # warm-up: first calls allocate, and pack bf16 weights for oneDNN
-            if name != "naive":
-                time_minillm(models[name], prompt_ids, 4, "cached")
-        for _ in range(repeats):  # interleaved, so machine drift hits every decoder alike
-            for name in names:
-                runs[name].append(run_once(name))
-        threads = tok_s_by_threads(lambda: run_once("cached"))
+    runs, threads = time_decoders(models, hf_model, prompt_ids, tokens, new_tokens, repeats)
     roof = copy_bandwidth()
     decoders = {
         name: decoder_row(
@@ -175,13 +204,8 @@ def bench_decode(
         )
         for name, samples in runs.items()
     }
-    report = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "processor": cpu_model(),
-        },
+    return {
+        "machine": machine(),
         "model_dir": str(model_dir),
         "dtype": dtype,
         "prompt_len": len(prompt_ids),
@@ -191,15 +215,8 @@ def bench_decode(
         "copy_bandwidth_GBs": roof / 1e9,
         "decoders": decoders,
         "cached_tok_s_by_threads": threads,
-        "cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"],
+        **speedups(decoders, dtype),
     }
-    if other_dtype(dtype):
-        report[f"cached_{other_dtype(dtype)}_vs_cached"] = (
-            decoders[f"cached_{other_dtype(dtype)}"]["tok_s"] / decoders["cached"]["tok_s"]
-        )
-    if "hf_transformers" in decoders:
-        report["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
-    return report
 
 
 def print_decode_report(report: dict, console) -> None:

@@ -1,11 +1,11 @@
 """`minillm bench prefix`: 32 requests that share a ~500-token system prompt, with and without
 the prefix cache.
 
-The system prompt is real prose (the start of "Alice's Adventures in Wonderland") in the chat template; each request
-adds its own short user question. Requests run one after another (each arrives when the previous
-one has finished), so time to first token (TTFT) is pure prefill: without the cache every request
-prefills ~530 tokens, with it every request after the first finds the system prompt's full blocks
-cached and prefills only its own tail.
+The system prompt is real prose (the start of "Alice's Adventures in Wonderland") in the chat
+template; each request adds its own short user question. Requests run one after another (each
+arrives when the previous one has finished), so time to first token (TTFT) is pure prefill:
+without the cache every request prefills ~530 tokens, with it every request after the first finds
+the system prompt's full blocks cached and prefills only its own tail.
 
 Then the memory that sharing saves within one request: 4 parallel samples, and a beam search of
 width 4, over the first prompt, against the blocks the same outputs would need unshared.

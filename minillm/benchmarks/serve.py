@@ -2,8 +2,9 @@
 
 The trace (seeded, so every run and commit sees the same one): N requests (default 64), all
 arriving at t=0 (an offline batch). Prompt lengths are uniform in [16, 320] tokens, cut at random
-offsets from real prose ("Alice's Adventures in Wonderland", fetched by weights_fetch.py); output lengths are uniform in [8, 160]
-tokens, decoded greedily to exactly that length (EOS ignored), so every server does the same work.
+offsets from real prose ("Alice's Adventures in Wonderland", fetched by weights_fetch.py); output
+lengths are uniform in [8, 160] tokens, decoded greedily to exactly that length (EOS ignored), so
+every server does the same work.
 
 Servers, all with the same batch size (`max_num_seqs`):
   - minillm continuous: iteration-level scheduling over paged KV memory;
@@ -62,18 +63,15 @@ def trace_flops(config: ModelConfig, trace: list[tuple[list[int], int]]) -> floa
         config.num_kv_heads,
         config.head_dim,
     )
-    layer_params = (
-        hidden * (heads + 2 * kv_heads) * head_dim
-        + heads * head_dim * hidden  # wqkv, wo
-        + 3 * hidden * config.intermediate_size
-    )  # gate, up, down
+    attention_params = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden  # wqkv, wo
+    mlp_params = 3 * hidden * config.intermediate_size  # gate, up, down
+    layer_params = attention_params + mlp_params
     flops = 0.0
     for prompt_ids, output_len in trace:
         computed = len(prompt_ids) + output_len - 1  # the last output token is sampled, never fed back
         flops += 2 * config.num_layers * layer_params * computed
-        flops += (
-            2 * 2 * config.num_layers * heads * head_dim * computed * (computed + 1) / 2
-        )  # token p reads p + 1 keys
+        # attention: token p reads p + 1 keys
+        flops += 2 * 2 * config.num_layers * heads * head_dim * computed * (computed + 1) / 2
         flops += 2 * config.vocab_size * hidden * output_len
     return flops
 
@@ -196,6 +194,58 @@ def run_hf(hf_model, trace, batch_size: int) -> dict:
     }
 
 
+def run_servers(
+    model_dir: Path,
+    model,
+    tokenizer,
+    trace,
+    max_num_seqs: int,
+    attention_backend: str,
+    include_hf: bool,
+    dtype: str,
+) -> dict:
+    """The trace served by minillm continuous and static (blocks of 16), and by HF transformers."""
+    servers = {
+        "minillm_continuous": run_minillm(
+            model, tokenizer, trace, "continuous", 16, max_num_seqs, attention_backend
+        ),
+        "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs, attention_backend),
+    }
+    if include_hf:
+        from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+
+        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+        servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
+    return servers
+
+
+def sweep_row(run: dict) -> dict:
+    """What the block-size sweep keeps of a continuous run."""
+    return {
+        key: run[key]
+        for key in (
+            "output_tok_s",
+            "kv_utilization_paged",
+            "wasted_slots_per_step",
+            "block_table_entries_per_seq",
+        )
+    }
+
+
+def describe_trace(trace, max_num_seqs: int, attention_backend: str, work: float) -> dict:
+    return {
+        "requests": len(trace),
+        "prompt_tokens": sum(len(p) for p, _ in trace),
+        "output_tokens": sum(n for _, n in trace),
+        "prompt_len": "U[16, 320]",
+        "output_len": "U[8, 160]",
+        "seed": 0,
+        "max_num_seqs": max_num_seqs,
+        "attention_backend": attention_backend,
+        "model_GFLOP": work / 1e9,
+    }
+
+
 def bench_serve(
     model_dir: Path,
     num_requests: int = 64,
@@ -210,17 +260,9 @@ def bench_serve(
     model, tokenizer = load_model(model_dir, DTYPES[dtype]), Tokenizer(model_dir)
     trace = make_trace(tokenizer, num_requests)
     matmul_before = matmul_gflops(model)
-    servers = {
-        "minillm_continuous": run_minillm(
-            model, tokenizer, trace, "continuous", 16, max_num_seqs, attention_backend
-        ),
-        "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs, attention_backend),
-    }
-    if include_hf:
-        from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
-
-        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-        servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
+    servers = run_servers(
+        model_dir, model, tokenizer, trace, max_num_seqs, attention_backend, include_hf, dtype
+    )
     # the roof is measured before and after the servers, and the better taken, so that a busy
     # moment on a shared machine does not make the servers look closer to it than they are
     matmul = max(matmul_before, matmul_gflops(model))
@@ -235,35 +277,14 @@ def bench_serve(
         for size in block_sizes
     }
     report = {
-        "trace": {
-            "requests": num_requests,
-            "prompt_tokens": sum(len(p) for p, _ in trace),
-            "output_tokens": sum(n for _, n in trace),
-            "prompt_len": "U[16, 320]",
-            "output_len": "U[8, 160]",
-            "seed": 0,
-            "max_num_seqs": max_num_seqs,
-            "attention_backend": attention_backend,
-            "model_GFLOP": work / 1e9,
-        },
+        "trace": describe_trace(trace, max_num_seqs, attention_backend, work),
         "dtype": dtype,
         "torch_threads": torch.get_num_threads(),
         "matmul_GFLOPs": matmul,
         "servers": servers,
         "continuous_vs_static": servers["minillm_continuous"]["output_tok_s"]
         / servers["minillm_static"]["output_tok_s"],
-        "block_size_sweep": {
-            size: {
-                key: run[key]
-                for key in (
-                    "output_tok_s",
-                    "kv_utilization_paged",
-                    "wasted_slots_per_step",
-                    "block_table_entries_per_seq",
-                )
-            }
-            for size, run in sweep.items()
-        },
+        "block_size_sweep": {size: sweep_row(run) for size, run in sweep.items()},
     }
     if include_hf:
         report["continuous_vs_hf"] = (
@@ -308,6 +329,10 @@ def print_serve_report(report: dict, console) -> None:
         f"contiguous max-length reservation {cont['kv_utilization_contiguous']:.1%}; "
         f"{cont['preemptions']} preemptions"
     )
+    print_block_size_sweep(report["block_size_sweep"], console)
+
+
+def print_block_size_sweep(sweep: dict, console) -> None:
     print_table(
         console,
         "block-size sweep (continuous)",
@@ -320,6 +345,6 @@ def print_serve_report(report: dict, console) -> None:
                 f"{run['wasted_slots_per_step']:.0f}",
                 f"{run['block_table_entries_per_seq']:.1f}",
             ]
-            for size, run in report["block_size_sweep"].items()
+            for size, run in sweep.items()
         ],
     )

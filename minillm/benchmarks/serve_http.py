@@ -43,9 +43,9 @@ def percentile(values: list[float], q: float) -> float:
     return values[max(0, -(-len(values) * q // 100) - 1)]
 
 
-async def stream_completion(port: int, body: dict, disconnect_after: int | None = None) -> dict:
-    """POST body (with "stream": true) to /v1/completions on 127.0.0.1 and read the events; with
-    `disconnect_after`, hang up after that many text chunks. Returns text, tokens, timings."""
+async def post_stream(port: int, body: dict) -> tuple:
+    """POST body to /v1/completions on 127.0.0.1 and read the status line and headers. Returns
+    (reader, writer, the moment it was sent, the status, whether the body is chunked)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     payload = json.dumps(body).encode()
     writer.write(
@@ -57,7 +57,14 @@ async def stream_completion(port: int, body: dict, disconnect_after: int | None 
     chunked = False
     while (line := await reader.readline()) not in (b"\r\n", b""):
         chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
-    result = {"status": int(status), "text": "", "tokens": 0, "ttft_s": None, "chunks": 0, "done": False}
+    return reader, writer, sent, int(status), chunked
+
+
+async def stream_completion(port: int, body: dict, disconnect_after: int | None = None) -> dict:
+    """POST body (with "stream": true) to /v1/completions on 127.0.0.1 and read the events; with
+    `disconnect_after`, hang up after that many text chunks. Returns text, tokens, timings."""
+    reader, writer, sent, status, chunked = await post_stream(port, body)
+    result = {"status": status, "text": "", "tokens": 0, "ttft_s": None, "chunks": 0, "done": False}
     buffer = b""
     try:
         while not result["done"]:
@@ -226,6 +233,29 @@ def best(rounds: list[dict]) -> dict:
     return max(rounds, key=lambda run: run["output_tok_s"])
 
 
+def describe_trace(trace) -> dict:
+    return {
+        "prompt_tokens": sum(len(p) for p, _ in trace),
+        "output_tokens": sum(n for _, n in trace),
+        "prompt_len": "U[16, 320]",
+        "output_len": "U[8, 160]",
+        "seed": 0,
+    }
+
+
+def disconnect_summary(left: list[dict], clients: int, after_disconnect: dict, aborted_before: float) -> dict:
+    """The round where some clients hang up: were their requests aborted, did the others finish,
+    and what the server held once idle."""
+    hung_up = sum(1 for r in left if not r["done"])
+    return {
+        "clients_hung_up": hung_up,
+        "requests_aborted": after_disconnect["requests_aborted_total"] - aborted_before,
+        "others_finished": sum(1 for r in left if r["done"]) == clients - hung_up,
+        "blocks_held_after": blocks_held(after_disconnect),
+        "requests_left": after_disconnect["num_requests_running"] + after_disconnect["num_requests_waiting"],
+    }
+
+
 def bench_serve_http(
     model_dir: Path,
     serve_args: list[str],
@@ -255,20 +285,13 @@ def bench_serve_http(
     finally:
         server.terminate()
         server.wait(timeout=60)
-    hung_up = sum(1 for r in left if not r["done"])
     generate, served = best(generate_rounds), best(server_rounds)
     return {
         "clients": clients,
         "model": model,
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
-        "trace": {
-            "prompt_tokens": sum(len(p) for p, _ in trace),
-            "output_tokens": sum(n for _, n in trace),
-            "prompt_len": "U[16, 320]",
-            "output_len": "U[8, 160]",
-            "seed": 0,
-        },
+        "trace": describe_trace(trace),
         "serve_args": serve_args,
         "llm_generate": generate,
         "server": served,
@@ -281,14 +304,7 @@ def bench_serve_http(
             run["outputs_match_generate"] and run["all_finished"] for run in server_rounds
         ),
         "blocks_held_after_all_finished": max(run["blocks_held_after"] for run in server_rounds),
-        "disconnect": {
-            "clients_hung_up": hung_up,
-            "requests_aborted": after_disconnect["requests_aborted_total"] - aborted_before,
-            "others_finished": sum(1 for r in left if r["done"]) == clients - hung_up,
-            "blocks_held_after": blocks_held(after_disconnect),
-            "requests_left": after_disconnect["num_requests_running"]
-            + after_disconnect["num_requests_waiting"],
-        },
+        "disconnect": disconnect_summary(left, clients, after_disconnect, aborted_before),
         "blocks_total": after_disconnect["kv_blocks_total"],
     }
 

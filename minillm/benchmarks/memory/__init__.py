@@ -51,7 +51,9 @@ beside the numbers, never asserted.
 
 The package, in the order a run reads it:
   trace.py   the seeded trace: request kinds, prompts cut from prose, `ScriptedStop`
-  run.py     the rows, calibration, quality, load tests and targets: `bench_memory`
+  rows.py    the rows, one layer added each; the calibration; quality through the lossy caches
+  load.py    the closed-loop load tests
+  run.py     the whole run and its targets: `bench_memory`
   report.py  the tables: `print_memory_report`
 """
 

@@ -3,10 +3,10 @@ from the dict `bench_memory` returns."""
 
 from __future__ import annotations
 
-from minillm.benchmarks.memory.run import (
+from minillm.benchmarks.memory.load import LOAD_TTFT_TIMES
+from minillm.benchmarks.memory.rows import (
     EVICTION,
     EVICTION_BUDGET,
-    LOAD_TTFT_TIMES,
     LOSSLESS,
     ROWS_LEGEND,
     TPOT_TIMES,
@@ -62,7 +62,12 @@ def outputs_cell(row: dict) -> str:
 
 def print_rows(report: dict, console) -> None:
     """The rows' two tables, speed and latency then memory, and what their quality and outputs mean."""
-    rows = report["rows"]
+    print_speed_table(report["rows"], console)
+    print_memory_table(report["rows"], console)
+    print_quality_and_outputs(report, console)
+
+
+def print_speed_table(rows: dict, console) -> None:
     print_table(
         console,
         "one layer at a time: speed and latency",
@@ -81,6 +86,9 @@ def print_rows(report: dict, console) -> None:
             for row in rows.values()
         ],
     )
+
+
+def print_memory_table(rows: dict, console) -> None:
     print_table(
         console,
         "one layer at a time: memory",
@@ -110,6 +118,10 @@ def print_rows(report: dict, console) -> None:
             for row in rows.values()
         ],
     )
+
+
+def print_quality_and_outputs(report: dict, console) -> None:
+    rows = report["rows"]
     q = report["quality"]
     exact = ", ".join(f"{p:.2f}" for p in q["perplexity"]["exact"].values())
     console.print(

@@ -1,0 +1,118 @@
+"""Tiers, the whole run: the three parts on one loaded model, and the targets beside them."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from minillm.benchmarks import cpu_model
+from minillm.benchmarks.tiers.preemption import BLOCK_SIZE, bench_preemption, pool_bytes
+from minillm.benchmarks.tiers.sessions import bench_resume, bench_spill
+from minillm.config import DTYPES, ConfigError
+from minillm.engine import LLM, SamplingParams
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+
+def targets(preemption: dict, resume: dict, spill: dict) -> dict:
+    """What the tiers should buy, beside what they bought this run (printed, never asserted)."""
+    rows = preemption["rows"]
+    best = max(rows["recompute"]["output_tok_s"], rows["swap"]["output_tok_s"])
+    hidden = rows["swap"]["prefetch_hidden"]
+    saved = [spill[row]["prefix_cache"]["prefill_tokens_saved"] for row in ("without_host", "with_host")]
+    return {
+        "auto_vs_best_tok_s": {
+            "want": ">= 1.0",
+            "got": rows["auto"]["output_tok_s"] / best,
+            "met": rows["auto"]["output_tok_s"] >= best,
+        },
+        "swap_recomputed_tokens": {
+            "want": "0",
+            "got": rows["swap"]["recomputed_tokens"],
+            "met": rows["swap"]["recomputed_tokens"] == 0,
+        },
+        "swap_prefetch_hidden": {
+            "want": ">= 0.5",
+            "got": hidden,
+            "met": hidden is not None and hidden >= 0.5,
+        },
+        "resume_ttft_ratio": {
+            "want": ">= 10",
+            "got": resume["ttft_ratio"],
+            "met": resume["ttft_ratio"] >= 10,
+        },
+        "spill_prefill_saved_ratio": {
+            "want": ">= 2",
+            "got": spill["prefill_saved_ratio"],
+            "met": saved[1] > 0 and saved[1] >= 2 * saved[0],
+        },
+    }
+
+
+def warm_up(model, tokenizer, switches: dict) -> None:
+    """One short request, so the first row is not the one paying for the warm-up."""
+    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=pool_bytes(model, 64), **switches)
+    llm.generate([[1] * 32], SamplingParams(max_tokens=2))
+
+
+def machine(threads: int) -> dict:
+    return {
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+    }
+
+
+def bench_tiers(
+    model_dir: Path,
+    num_requests: int = 64,
+    rate: float = 8.0,
+    device_tokens: int = 512,
+    history_tokens: int = 2000,
+    system_prompts: int = 8,
+    system_tokens: int = 256,
+    spill_requests: int = 24,
+    spill_pool_prompts: float = 2.5,
+    threads: int = 1,
+    dtype: str = "float32",
+    device: str = "cpu",
+    progress: bool = False,
+) -> dict:
+    if rate <= 0 or spill_pool_prompts <= 0:
+        raise ConfigError(
+            f"--rate ({rate}) and --spill-pool-prompts ({spill_pool_prompts}) must be above 0; raise them."
+        )
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
+        switches = {"dtype": dtype, "device": device}
+        warm_up(model, tokenizer, switches)
+        preemption = bench_preemption(model, tokenizer, num_requests, rate, device_tokens, switches, progress)
+        resume = bench_resume(model, tokenizer, history_tokens, switches)
+        spill = bench_spill(
+            model,
+            tokenizer,
+            system_prompts,
+            system_tokens,
+            spill_requests,
+            spill_pool_prompts,
+            switches,
+            progress,
+        )
+    finally:
+        torch.set_num_threads(default_threads)
+    return {
+        "machine": machine(threads),
+        "model_dir": str(model_dir),
+        "dtype": dtype,
+        "device": device,
+        "block_size": BLOCK_SIZE,
+        "preemption": preemption,
+        "resume": resume,
+        "prefix_spill": spill,
+        "targets": targets(preemption, resume, spill),
+    }
