@@ -67,7 +67,10 @@ class SamplingParams:
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**64:
             return f"seed must be an integer in [0, 2**64), got {self.seed!r}"
         if isinstance(self.n, int) and self.seed + self.n > 2**64:
-            return f"seed + n must stay below 2**64 (sample i uses seed + i), got seed {self.seed} with n={self.n}"
+            return (
+                f"seed + n must stay below 2**64 (sample i uses seed + i), "
+                f"got seed {self.seed} with n={self.n}"
+            )
         return None
 
     @property

@@ -28,12 +28,11 @@ from rich.table import Table
 from rich.text import Text
 
 from minillm.chat.compare import Answer, answer, comparison_table, difference_line
-from minillm.chat.sessions import DEFAULT_SESSIONS_DIR, chat_messages, session_path, session_rows
+from minillm.chat.sessions import DEFAULT_SESSIONS_DIR, SessionCommands
 from minillm.chat.switches import SETTINGS, Setting, parse_setting
 from minillm.chat.view import LiveView, ReplyMeter, full_map, stats_line, summary_lines
 from minillm.config import ConfigError
 from minillm.report import console as default_console
-from minillm.report import print_table
 
 COMMANDS = {  # command -> (its arguments, what it does); /help prints them in this order
     "/set": ("SWITCH VALUE", "change a switch; the engine is rebuilt if it must be, the conversation stays"),
@@ -54,9 +53,10 @@ CHAT_HELP = (
 
 
 # ----------------------------------------------------------------------------- the chat
-class Chat:
+class Chat(SessionCommands):
     """One conversation on `llm`, an `LLM` (prefix caching on, normally); it owns the history.
-    `live`: draw the memory panel while replies stream, when the console is a terminal."""
+    `live`: draw the memory panel while replies stream, when the console is a terminal.
+    /save, /load and /sessions are `SessionCommands`' (sessions.py)."""
 
     def __init__(
         self,
@@ -158,7 +158,8 @@ class Chat:
 
     # ------------------------------------------------------------------ /set and /compare
     def engine_with(self, fields: dict):
-        """A new LLM: this one's switches with `fields` changed; the model is kept unless its dtype changes."""
+        """A new LLM: this one's switches with `fields` changed; the model is kept unless its dtype
+        changes."""
         from minillm.engine import LLM
 
         config, engine = self.engine.config, self.engine
@@ -187,7 +188,10 @@ class Chat:
             carried = ""
             if self.history:
                 tokens = len(self.engine.tokenizer.encode_chat(self.history, add_generation_prompt=False))
-                carried = f"; the conversation stays: its next reply prefills its {tokens:,} tokens into the new pool"
+                carried = (
+                    f"; the conversation stays: its next reply prefills its {tokens:,} tokens "
+                    "into the new pool"
+                )
             self.say(f"engine rebuilt with {self.current(switch, fields)}{carried}")
 
     def do_compare(self, words: str) -> None:
@@ -200,9 +204,8 @@ class Chat:
         changed_params = (
             dataclasses.replace(self.params, **fields) if switch.where == "sampling" else self.params
         )
-        changed = self.engine_with(
-            fields if switch.where == "engine" else {}
-        )  # a bad combination fails here, first
+        # a bad combination fails here, first
+        changed = self.engine_with(fields if switch.where == "engine" else {})
         self.say(
             f"answering the last prompt ({len(prompt_ids):,} tokens) on two fresh engines: as now, "
             f"and with {words}"
@@ -215,69 +218,6 @@ class Chat:
         title = f"/compare {switch.name} ({'lossy' if switch.lossy else 'lossless'})"
         self.console.print(comparison_table(title, name_a, name_b, a, b))
         self.say(difference_line(a, b, self.engine.tokenizer.decode), style="bold")
-
-    # ------------------------------------------------------------------ sessions
-    def resume(self) -> None:
-        """Load the parked session: its messages become the history, its KV the prefix cache's."""
-        token_ids, extra = self.engine.load_session(self.session)
-        self.history = chat_messages(extra, self.session.stem)
-        self.last = None
-        self.resumed_tokens = len(token_ids)
-        self.say(
-            f"resumed session {self.session.stem}: {len(self.history)} messages, "
-            f"{len(token_ids):,} tokens of KV loaded from disk"
-        )
-
-    def park(self) -> None:
-        """Write the conversation's KV and messages to the session file (if there was a reply)."""
-        if self.session is None or self.last is None:
-            return
-        out = self.last[0]
-        try:
-            kept = self.engine.save_session(
-                self.session, out.prompt_token_ids + out.token_ids, extra={"messages": self.history}
-            )
-        except OSError as err:
-            self.error(
-                f"session {self.session.stem} could not be parked in {self.session.parent} "
-                f"({err.strerror or err}); choose another --sessions-dir."
-            )
-            return
-        except ConfigError as err:  # e.g. /set prefix_caching off: nothing to find the blocks again by
-            self.error(f"session {self.session.stem} was not parked: {err}")
-            return
-        self.say(
-            f"parked session {self.session.stem}: {kept:,} tokens of KV, "
-            f"{self.session.stat().st_size / 2**20:.1f} MiB on disk"
-        )
-
-    def do_save(self, name: str) -> None:
-        if not name and self.session is None:
-            raise ValueError("give the session a name: /save NAME")
-        if self.last is None:
-            raise ValueError(
-                "nothing to save yet: a session keeps a conversation's KV, so ask something first"
-            )
-        self.session = session_path(self.sessions_dir, name) if name else self.session
-        self.park()
-
-    def do_load(self, name: str) -> None:
-        if not name:
-            raise ValueError("say which session: /load NAME (/sessions lists them)")
-        path = session_path(self.sessions_dir, name)
-        if not path.exists():
-            raise ValueError(f"no session {name} in {self.sessions_dir}; /sessions lists them")
-        self.session = path
-        self.resume()
-
-    def do_sessions(self, _: str) -> None:
-        rows = session_rows(self.sessions_dir)
-        if rows:
-            print_table(
-                self.console, f"sessions in {self.sessions_dir}", ["name", "KV tokens", "on disk"], rows
-            )
-        else:
-            self.say(f"no sessions in {self.sessions_dir}")
 
     # ------------------------------------------------------------------ the loop
     def do_help(self, _: str) -> None:

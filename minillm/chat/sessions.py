@@ -4,7 +4,8 @@
 writes it), `/load NAME` loads them back as cached prefix blocks, so the next reply prefills only
 the new turn. With `--session NAME` the chat starts from that session, if it exists, and parks
 itself there when it ends. Here: where a session's file is, what the folder holds, and the check
-that a file's messages are a conversation.
+that a file's messages are a conversation; and `SessionCommands`, the chat's /save, /load and
+/sessions, which `Chat` (repl.py) takes on.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from minillm.config import ConfigError
 from minillm.memory import SessionError
+from minillm.report import print_table
 
 SESSION_NAME = re.compile(r"\w[\w.-]*")
 DEFAULT_SESSIONS_DIR = Path.home() / ".cache" / "minillm" / "sessions"
@@ -62,3 +65,71 @@ def chat_messages(extra: dict, name: str) -> list[dict[str, str]]:
     ):
         raise SessionError(f"Session {name} holds no chat messages; start a new session.")
     return messages
+
+
+# ----------------------------------------------------------------------------- the chat's commands
+class SessionCommands:
+    """The session half of `Chat`: it reads and sets the chat's `session`, `history`, `last` and
+    `resumed_tokens`, and speaks through its `say` and `error`."""
+
+    def resume(self) -> None:
+        """Load the parked session: its messages become the history, its KV the prefix cache's."""
+        token_ids, extra = self.engine.load_session(self.session)
+        self.history = chat_messages(extra, self.session.stem)
+        self.last = None
+        self.resumed_tokens = len(token_ids)
+        self.say(
+            f"resumed session {self.session.stem}: {len(self.history)} messages, "
+            f"{len(token_ids):,} tokens of KV loaded from disk"
+        )
+
+    def park(self) -> None:
+        """Write the conversation's KV and messages to the session file (if there was a reply)."""
+        if self.session is None or self.last is None:
+            return
+        out = self.last[0]
+        try:
+            kept = self.engine.save_session(
+                self.session, out.prompt_token_ids + out.token_ids, extra={"messages": self.history}
+            )
+        except OSError as err:
+            self.error(
+                f"session {self.session.stem} could not be parked in {self.session.parent} "
+                f"({err.strerror or err}); choose another --sessions-dir."
+            )
+            return
+        except ConfigError as err:  # e.g. /set prefix_caching off: nothing to find the blocks again by
+            self.error(f"session {self.session.stem} was not parked: {err}")
+            return
+        self.say(
+            f"parked session {self.session.stem}: {kept:,} tokens of KV, "
+            f"{self.session.stat().st_size / 2**20:.1f} MiB on disk"
+        )
+
+    def do_save(self, name: str) -> None:
+        if not name and self.session is None:
+            raise ValueError("give the session a name: /save NAME")
+        if self.last is None:
+            raise ValueError(
+                "nothing to save yet: a session keeps a conversation's KV, so ask something first"
+            )
+        self.session = session_path(self.sessions_dir, name) if name else self.session
+        self.park()
+
+    def do_load(self, name: str) -> None:
+        if not name:
+            raise ValueError("say which session: /load NAME (/sessions lists them)")
+        path = session_path(self.sessions_dir, name)
+        if not path.exists():
+            raise ValueError(f"no session {name} in {self.sessions_dir}; /sessions lists them")
+        self.session = path
+        self.resume()
+
+    def do_sessions(self, _: str) -> None:
+        rows = session_rows(self.sessions_dir)
+        if rows:
+            print_table(
+                self.console, f"sessions in {self.sessions_dir}", ["name", "KV tokens", "on disk"], rows
+            )
+        else:
+            self.say(f"no sessions in {self.sessions_dir}")

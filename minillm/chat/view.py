@@ -43,9 +43,8 @@ STATES = {
     "free": (".", "bright_black", "free"),
 }
 MAP_WIDTH = 76  # cells per row: an 80-column terminal less the panel's borders and padding
-LIVE_ROWS = (
-    10  # rows of the device map in the live panel (fewer in a short terminal); more blocks share a cell
-)
+# rows of the device map in the live panel (fewer in a short terminal); more blocks share a cell
+LIVE_ROWS = 10
 TIER_ROWS = 1  # rows of the host map, and of the disk's, in the live panel
 FULL_ROWS = 40  # rows of a tier's map in /memory
 REDRAW_SECONDS = 0.25

@@ -1,8 +1,12 @@
 """The `minillm` command line: `main` parses the flags and runs one command.
 
-commands.py  generate, chat, serve, info: each an `add_X` that declares its flags and a `cmd_X`
-measure.py   bench and eval: the commands that measure
-flags.py     the flag groups several commands share, made from `config.SWITCHES`
+commands.py         chat, info and `main`: each command an `add_X` that declares its flags and a `cmd_X`
+generate.py         generate: one prompt on the single-sequence decoders or the serving engine
+serve.py            serve: the HTTP server
+measure.py          bench decode|attention|chat-view|all: the commands that measure speed
+measure_serving.py  bench serve|serve-http|prefix: the engine under many requests
+measure_memory.py   bench tiers|memory and eval: what the memory system's choices cost
+flags.py            the flag groups several commands share, made from `config.SWITCHES`
 """
 
 from minillm.cli.commands import main

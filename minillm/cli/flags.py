@@ -13,6 +13,9 @@ import math
 
 from minillm.config import SWITCHES, Switch
 
+# the decode attention backends the CPU benchmarks compare
+CPU_BACKENDS = tuple(b for b in SWITCHES["attention_backend"].choices if b != "cuda")
+
 
 def whole_number(minimum: int, name: str):
     """An argparse type: a whole number >= `minimum`; anything else is argparse's one-line error."""

@@ -1,6 +1,7 @@
-"""The commands that measure: `minillm bench decode|serve|serve-http|prefix|attention|chat-view`
-(speed), and `minillm bench all` (every benchmark, written to files); what the memory system's
-choices cost, `bench tiers|memory` and `eval ppl`, is `measure_memory.py`.
+"""The commands that measure: `minillm bench decode|attention|chat-view` (speed), and `minillm bench
+all` (every benchmark, written to files); the engine serving many requests, `bench
+serve|serve-http|prefix`, is `measure_serving.py`; what the memory system's choices cost, `bench
+tiers|memory` and `eval ppl`, is `measure_memory.py`.
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
 JSON object, to compare across commits; without, its module's `print_*_report` prints the tables.
@@ -11,23 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.cli.flags import (
-    add_engine_args,
-    add_eviction_args,
-    add_kv_quantization_args,
-    add_model_args,
-    add_switch,
-    add_tier_args,
-    engine_argv,
-    engine_switches,
-    positive_int,
-)
+from minillm.cli.flags import add_model_args, add_switch, positive_int
 from minillm.cli.measure_memory import add_bench_memory, add_bench_tiers
+from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES
 from minillm.report import console, print_json, show
-
-# the decode attention backends the CPU benchmarks compare
-CPU_BACKENDS = tuple(b for b in SWITCHES["attention_backend"].choices if b != "cuda")
 
 
 def add_bench(subparsers) -> None:
@@ -97,168 +86,6 @@ def cmd_bench_decode(args) -> None:
             repeats=args.repeats,
         ),
         print_decode_report,
-        args.json,
-    )
-
-
-# ----------------------------------------------------------------------------- bench serve
-
-
-def add_bench_serve(benches) -> None:
-    serve = benches.add_parser(
-        "serve",
-        help="a 64-request trace: continuous vs static vs HF transformers",
-        description="Serve one seeded trace (prompts U[16, 320], outputs U[8, 160] tokens) "
-        "with minillm continuous and static batching and HF transformers' "
-        "batched generate: output tok/s, achieved GFLOP/s against a matmul "
-        "measured in the same run, TTFT, TPOT, KV utilization of paged "
-        "vs contiguous memory, and a block-size sweep.",
-    )
-    serve.add_argument(
-        "--requests", type=positive_int, default=64, help="requests in the trace (default: 64)"
-    )
-    serve.add_argument(
-        "--max-num-seqs", type=positive_int, default=16, help="batch size for every server (default: 16)"
-    )
-    serve.add_argument(
-        "--block-sizes",
-        type=positive_int,
-        nargs="*",
-        default=[8, 16, 32, 64, 128],
-        help="block sizes to sweep (default: 8 16 32 64 128; none to skip)",
-    )
-    add_switch(
-        serve,
-        "attention_backend",
-        choices=CPU_BACKENDS,
-        help="minillm's decode attention: torch reference or the C++ kernel (default: %(default)s)",
-    )
-    serve.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
-    serve.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(serve)
-    serve.set_defaults(func=cmd_bench_serve)
-
-
-def cmd_bench_serve(args) -> None:
-    from minillm.benchmarks.serve import bench_serve, print_serve_report
-
-    show(
-        bench_serve(
-            args.model,
-            num_requests=args.requests,
-            max_num_seqs=args.max_num_seqs,
-            block_sizes=tuple(args.block_sizes),
-            include_hf=not args.no_hf,
-            attention_backend=args.attention_backend,
-            dtype=args.dtype,
-        ),
-        print_serve_report,
-        args.json,
-    )
-
-
-# ----------------------------------------------------------------------------- bench serve-http
-
-
-def add_bench_serve_http(benches) -> None:
-    http = benches.add_parser(
-        "serve-http",
-        help="minillm serve with N streaming clients vs LLM.generate",
-        description="The HTTP server's cost: N streaming clients (default 32) send bench "
-        "serve's seeded trace at once to a `minillm serve` child process; "
-        "aggregate output tok/s against LLM.generate on the same prompts in "
-        "this process (target >= 80%), p50/p99 time to first token, whether "
-        "every client got LLM.generate's text, and the KV blocks still held "
-        "once all have finished, and again after half of them hang up "
-        "mid-stream (must be 0). Needs the serve extra: pip install -e "
-        '".[serve]".',
-    )
-    http.add_argument(
-        "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
-    )
-    http.add_argument(
-        "--disconnect-after",
-        type=positive_int,
-        default=4,
-        help="in the second round, every other client hangs up after this many chunks (default: 4)",
-    )
-    http.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=1,
-        help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
-        "(default: 1)",
-    )
-    http.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
-        "other work (here: the clients) more threads wait for each other (default: 1)",
-    )
-    http.add_argument("--json", action="store_true", help="print one JSON object")
-    add_engine_args(http)
-    add_kv_quantization_args(http)
-    add_eviction_args(http)
-    add_tier_args(http)
-    add_model_args(http)
-    http.set_defaults(func=cmd_bench_serve_http)
-
-
-def cmd_bench_serve_http(args) -> None:
-    from minillm.benchmarks.serve_http import bench_serve_http, print_serve_http_report
-    from minillm.config import ConfigError
-    from minillm.serve import missing_server_packages
-
-    problem = missing_server_packages()
-    if problem:
-        raise ConfigError(problem)
-    switches = {k: v for k, v in engine_switches(args).items() if k != "model_dir"}
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
-    show(
-        bench_serve_http(
-            args.model,
-            serve_args,
-            switches,
-            clients=args.clients,
-            disconnect_after=args.disconnect_after,
-            repeats=args.repeats,
-        ),
-        print_serve_http_report,
-        args.json,
-    )
-
-
-# ----------------------------------------------------------------------------- bench prefix
-
-
-def add_bench_prefix(benches) -> None:
-    prefix = benches.add_parser(
-        "prefix",
-        help="requests sharing a system prompt: prefix cache off vs on",
-        description="Requests that share a ~500-token system prompt, one after another, "
-        "with and without the prefix cache: TTFT and prefill tokens computed.",
-    )
-    prefix.add_argument("--requests", type=positive_int, default=32, help="(default: 32)")
-    prefix.add_argument(
-        "--system-tokens", type=positive_int, default=500, help="system prompt length (default: 500)"
-    )
-    add_switch(prefix, "attention_backend", choices=CPU_BACKENDS, help="(default: %(default)s)")
-    prefix.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(prefix)
-    prefix.set_defaults(func=cmd_bench_prefix)
-
-
-def cmd_bench_prefix(args) -> None:
-    from minillm.benchmarks.prefix import bench_prefix, print_prefix_report
-
-    show(
-        bench_prefix(args.model, args.requests, args.system_tokens, args.attention_backend),
-        print_prefix_report,
         args.json,
     )
 
@@ -401,8 +228,8 @@ def cmd_bench_all(args) -> int:
         print_results(results, args.out)
     if results["failed"]:
         print(
-            f"error: bench all: {', '.join(results['failed'])} failed; the error and traceback of each are in "
-            f"{args.out / 'results.json'}",
+            f"error: bench all: {', '.join(results['failed'])} failed; the error and traceback of each "
+            f"are in {args.out / 'results.json'}",
             file=sys.stderr,
         )
         return 1

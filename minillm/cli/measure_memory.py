@@ -38,6 +38,23 @@ def add_bench_tiers(benches) -> None:
         "with and without a host tier to spill them to. Targets are printed "
         "beside the numbers, never asserted.",
     )
+    add_preemption_args(tiers)
+    add_resume_args(tiers)
+    add_prefix_spill_args(tiers)
+    tiers.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads; 1 leaves a core to the background prefetch copy, and on a CPU "
+        "shared with other work more threads wait for each other (default: 1)",
+    )
+    tiers.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(tiers)
+    tiers.set_defaults(func=cmd_bench_tiers)
+
+
+def add_preemption_args(tiers) -> None:
+    """bench tiers, part 1: a trace that crowds a small device pool."""
     part = tiers.add_argument_group("1. preemption")
     part.add_argument(
         "--requests",
@@ -58,6 +75,10 @@ def add_bench_tiers(benches) -> None:
         help="device KV pool in tokens, small enough to force preemption; the host pool is sized "
         "to hold the whole trace (default: 512)",
     )
+
+
+def add_resume_args(tiers) -> None:
+    """bench tiers, part 2: a parked conversation resumed from its session file."""
     part = tiers.add_argument_group("2. resume")
     part.add_argument(
         "--history-tokens",
@@ -65,6 +86,10 @@ def add_bench_tiers(benches) -> None:
         default=2000,
         help="length of the parked conversation, in tokens (default: 2000)",
     )
+
+
+def add_prefix_spill_args(tiers) -> None:
+    """bench tiers, part 3: more system prompts than the device pool holds."""
     part = tiers.add_argument_group("3. prefix spill")
     part.add_argument(
         "--system-prompts", type=positive_int, default=8, help="distinct system prompts (default: 8)"
@@ -84,16 +109,6 @@ def add_bench_tiers(benches) -> None:
         default=2.5,
         help="device KV pool, in requests it holds; the host pool holds every system prompt (default: 2.5)",
     )
-    tiers.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads; 1 leaves a core to the background prefetch copy, and on a CPU "
-        "shared with other work more threads wait for each other (default: 1)",
-    )
-    tiers.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(tiers)
-    tiers.set_defaults(func=cmd_bench_tiers)
 
 
 def cmd_bench_tiers(args) -> None:
@@ -137,6 +152,21 @@ def add_bench_memory(benches) -> None:
         "rungs, perplexity cost of the lossy rows on two texts; then closed-loop "
         "load tests. Targets are printed beside the numbers, never asserted.",
     )
+    add_memory_size_args(memory)
+    memory.add_argument("--no-load", action="store_true", help="skip the closed-loop load tests")
+    memory.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads; on a CPU shared with other work more threads wait for each other (default: 1)",
+    )
+    memory.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(memory)
+    memory.set_defaults(func=cmd_bench_memory)
+
+
+def add_memory_size_args(memory) -> None:
+    """bench memory's --quick and the sizes it shrinks; each default is printed for both."""
     from minillm.benchmarks.memory import SIZES
 
     full, quick = SIZES["full"], SIZES["quick"]
@@ -174,16 +204,6 @@ def add_bench_memory(benches) -> None:
         help=f"closed-loop clients for the fixed-concurrency load test (default: {full['clients']}; "
         f"{quick['clients']} with --quick)",
     )
-    memory.add_argument("--no-load", action="store_true", help="skip the closed-loop load tests")
-    memory.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads; on a CPU shared with other work more threads wait for each other (default: 1)",
-    )
-    memory.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(memory)
-    memory.set_defaults(func=cmd_bench_memory)
 
 
 def cmd_bench_memory(args) -> None:
@@ -281,7 +301,8 @@ def cmd_eval_ppl(args) -> None:
     )
     console.print(
         f"perplexity {report['perplexity']:.4f} (NLL {report['nll']:.4f} nats) over "
-        f"{report['tokens_scored']} tokens of {args.text.name}, each predicted by a decode step reading the cache | "
+        f"{report['tokens_scored']} tokens of {args.text.name}, each predicted by a decode step "
+        "reading the cache | "
         f"KV {kv_format} ({report['kv_bytes_per_token']:,} B/token){budget} | "
         f"{report['tokens_scored'] / report['seconds']:.1f} tok/s"
     )

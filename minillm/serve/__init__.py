@@ -2,6 +2,7 @@
 
 protocol.py     request bodies -> Jobs (prompt ids, SamplingParams, stop strings), OpenAI's error
                 body; no web framework
+endpoints.py    each endpoint's own body: a completion's prompt, a chat's messages
 responses.py    each choice's text as tokens arrive, response and stream-chunk bodies
 engine_loop.py  the engine in its own thread, fed by a command queue; Submission, one HTTP
                 request's side (outputs as they come, abort on close)

@@ -25,9 +25,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from minillm.serve.commands import RequestRefused
+from minillm.serve.endpoints import parse_chat, parse_completion
 from minillm.serve.engine_loop import EngineLoop, Submission
 from minillm.serve.metrics import metric_values, prometheus
-from minillm.serve.protocol import APIError, Job, error_body, parse_chat, parse_completion, parse_json
+from minillm.serve.protocol import APIError, Job, error_body, parse_json
 from minillm.serve.responses import DONE, ChoiceText, chunk, delta_choice, response_body, sse, usage
 
 

@@ -108,7 +108,8 @@ def prometheus(values: dict) -> str:
 
 
 def parse_metrics(text: str) -> dict:
-    """The other way, for tests and the benchmark: {"kv_blocks": {"free": 12, ...}, "kv_blocks_total": 16, ...}."""
+    """The other way, for tests and the benchmark:
+    {"kv_blocks": {"free": 12, ...}, "kv_blocks_total": 16, ...}."""
     values: dict = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):

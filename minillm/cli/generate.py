@@ -1,0 +1,141 @@
+"""`minillm generate`: one prompt, streamed to the terminal, on the single-sequence decoders
+(naive, cached) or, with --decoder paged, on the serving engine; --json prints one object with the
+ids, the text, the timings and (paged) the memory per tier.
+
+`runtime_from` loads the one model and tokenizer that generate and info run on.
+"""
+
+from __future__ import annotations
+
+from minillm.cli.flags import (
+    add_model_args,
+    add_sampling_args,
+    add_switch,
+    add_tier_args,
+    engine_switches,
+    sampling_from,
+)
+from minillm.config import EngineConfig
+from minillm.report import console, err_console, print_json
+from minillm.runtime import Runtime
+
+
+def runtime_from(args) -> Runtime:
+    return Runtime(EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device))
+
+
+# ----------------------------------------------------------------------------- generate
+
+
+def add_generate(subparsers) -> None:
+    gen = subparsers.add_parser(
+        "generate",
+        help="continue a prompt (or answer it with --chat)",
+        description="Generate text from a prompt, streamed to the terminal.",
+    )
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the chat template (as a user turn)"
+    )
+    gen.add_argument("--json", action="store_true", help="print one JSON object: ids, text, timings")
+    gen.add_argument(
+        "--decoder",
+        choices=["naive", "cached", "paged"],
+        default="cached",
+        help="naive recomputes everything per token (the oracle); cached keeps a KV cache; paged "
+        "runs the serving engine (paged KV, tiers) and --json reports its memory per tier",
+    )
+    add_switch(
+        gen, "kv_cache_bytes", help="with --decoder paged: the device KV pool in MiB (default: %(default)s)"
+    )
+    add_sampling_args(gen, max_tokens=128)
+    add_tier_args(gen)
+    add_model_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> None:
+    runtime = runtime_from(args)
+    params = sampling_from(args)
+    prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
+    if args.decoder == "paged":
+        return generate_paged(runtime, prompt_ids, params, args)
+    if args.json:
+        gen = runtime.generate(prompt_ids, params, args.decoder)
+        print_json(
+            {
+                "prompt": args.prompt,
+                "prompt_ids": gen.prompt_ids,
+                "generated_ids": gen.token_ids,
+                "text": runtime.tokenizer.decode(gen.token_ids),
+                "finish_reason": gen.finish_reason,
+                "decoder": args.decoder,
+                "kv_bytes_allocated": gen.kv_bytes,
+                "timings": {
+                    "prefill_s": gen.prefill_s,
+                    "decode_s": gen.decode_s,
+                    "decode_tok_s": gen.decode_tok_s,
+                },
+            }
+        )
+        return
+    gen = None
+    for piece, gen in runtime.stream_text(prompt_ids, params, args.decoder):
+        console.print(piece, end="", markup=False, highlight=False)
+    console.print()
+    decode = f"{gen.decode_tok_s:.1f} tok/s" if gen.decode_tok_s is not None else "n/a"
+    err_console.print(
+        f"[dim]{len(gen.token_ids)} tokens, {gen.finish_reason}; "
+        f"first token {gen.prefill_s * 1000:.0f} ms, decode {decode}[/dim]"
+    )
+
+
+def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
+    """The same request on the serving engine; --json adds its memory per tier and its preemptions."""
+    from minillm.engine import LLM
+
+    llm = LLM(model=runtime.model, tokenizer=runtime.tokenizer, **engine_switches(args))
+    out, text = None, runtime.tokenizer.stream_decoder()
+    for out in llm.stream(prompt_ids, params):
+        if not args.json and out.token_ids and out.token_ids[-1] != runtime.tokenizer.eos_token_id:
+            console.print(text.feed(out.token_ids[-1]), end="", markup=False, highlight=False)
+    if out.error:
+        raise ValueError(out.error)
+    if not args.json:
+        console.print(text.flush())
+        return
+    print_json(
+        {
+            "prompt": args.prompt,
+            "prompt_ids": out.prompt_token_ids,
+            "generated_ids": out.token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "decoder": "paged",
+            "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot},
+            **_engine_memory(llm.engine),
+        }
+    )
+
+
+def _engine_memory(engine) -> dict:
+    """generate --json's memory report: per tier now and at the peak, the ladder's rungs, preemptions."""
+    steps, memory = [stats.as_dict() for stats in engine.stats.memory], engine.snapshot()
+    counters = memory.counters
+    return {
+        "memory": steps[-1],
+        "memory_peak": {
+            "device_reserved_bytes": max(step["reserved_bytes"] for step in steps),
+            "host_reserved_bytes": max(step["host_reserved_bytes"] for step in steps),
+            "disk_reserved_bytes": max(step["disk_reserved_bytes"] for step in steps),
+        },
+        "ladder": dict(engine.stats.rungs),
+        "preemption": {
+            "mode": memory.preemption,
+            "preemptions": counters["preemptions"],
+            "swapped_out": counters["swapped_out"],
+            "swapped_in": counters["swapped_in"],
+            "prefetched": counters["prefetched"],
+            "tokens_recomputed": counters["recomputed_tokens"],
+        },
+    }

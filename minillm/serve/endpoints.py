@@ -1,0 +1,108 @@
+"""The two endpoints' request bodies: POST /v1/completions and POST /v1/chat/completions.
+
+`parse_completion` reads a prompt in any of the OpenAI API's four shapes, `parse_chat` a list of
+messages rendered by the checkpoint's chat template; both then share `protocol.py`'s checks
+(`check_fields`, `parse_common`) and its `make_job`, which checks every prompt against the context.
+"""
+
+from __future__ import annotations
+
+from minillm.serve.protocol import (
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    APIError,
+    Job,
+    check_fields,
+    make_job,
+    parse_common,
+)
+from minillm.tokenizer import Tokenizer
+
+
+def parse_completion(
+    body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int
+) -> Job:
+    """POST /v1/completions: prompt is a string, a list of strings, a list of token ids, or a list
+    of lists of token ids (a batch: one choice per prompt, n each)."""
+    check_fields(body, COMPLETION_FIELDS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
+    ):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        prompts = prompt
+    else:
+        raise APIError(
+            400,
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
+            f"of token ids, not {prompt!r}."
+            if prompt is not None
+            else "'prompt' is required.",
+            "prompt",
+        )
+    ids = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise APIError(400, "This model has no tokenizer; send prompts as token ids.", "prompt")
+            ids.append(tokenizer.encode(p))
+        else:
+            ids.append(list(p))
+    return make_job("completion", model, ids, parse_common(body, tokenizer, 16), context_len, vocab_size)
+
+
+def message_text(message, index: int) -> dict[str, str]:
+    """A chat message as {"role", "content"}; content given as parts must be text parts."""
+    if not isinstance(message, dict) or message.get("role") not in ("system", "user", "assistant"):
+        raise APIError(
+            400,
+            f"messages[{index}] must be an object with role system, user or assistant and a "
+            f"content, not {message!r}.",
+            "messages",
+        )
+    content = message.get("content")
+    if isinstance(content, list):
+        if not all(
+            isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            for part in content
+        ):
+            raise APIError(
+                400,
+                f"messages[{index}].content: minillm reads only text parts "
+                '({"type": "text", "text": ...}).',
+                "messages",
+            )
+        content = "".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{index}].content must be a string, not {content!r}.", "messages")
+    extra = set(message) - {"role", "content", "name"}
+    if extra:
+        raise APIError(
+            400, f"messages[{index}] has fields minillm does not support: {sorted(extra)}.", "messages"
+        )
+    return {"role": message["role"], "content": content}
+
+
+def parse_chat(body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int) -> Job:
+    """POST /v1/chat/completions: the conversation is rendered by the checkpoint's chat template."""
+    check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(
+            400, '\'messages\' must be a non-empty list of {"role", "content"} objects.', "messages"
+        )
+    conversation = [message_text(m, i) for i, m in enumerate(messages)]
+    if tokenizer is None:
+        raise APIError(
+            400, "This model has no tokenizer, so no chat template; use /v1/completions with token ids."
+        )
+    try:
+        prompt = tokenizer.encode_chat(conversation)
+    except ValueError as err:  # ConfigError: no chat template in this checkpoint
+        raise APIError(400, str(err)) from None
+    return make_job("chat", model, [prompt], parse_common(body, tokenizer, None), context_len, vocab_size)
