@@ -188,8 +188,8 @@ def bench_decode(
             f"bench decode times at least 1 new token per decoder (--tokens {new_tokens}, "
             f"--naive-tokens {naive_tokens}); raise them."
         )
+    prompt_ids = bench_prompt(model_dir, prompt_len)  # a missing text fails here, before any model loads
     models, hf_model = decoder_models(model_dir, dtype, include_hf)
-    prompt_ids = bench_prompt(model_dir, prompt_len)
     tokens = {name: naive_tokens if name == "naive" else new_tokens for name in models}
     runs, threads = time_decoders(models, hf_model, prompt_ids, tokens, new_tokens, repeats)
     roof = copy_bandwidth()
