@@ -60,8 +60,8 @@ def main():
     kv_per_token = model.config.kv_bytes_per_token(model.dtype)
     bandwidth, flops = copy_bandwidth(), matmul_flops()
     console.print(
-        f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s; "
-        f"weights {weight_bytes / 1e6:.0f} MB"
+        f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"fp32 matmul {flops / 1e9:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB"
     )
 
     rows, throughput, bw_fraction, flop_fraction = [], [], [], []
