@@ -61,9 +61,8 @@ def main():
         length = rng.randint(16, 64)
         start = int(rng.random() * (len(text) - length))  # one draw at any text length: the mix stays put
         prompts.append(text[start : start + length])
-        params.append(
-            SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True)
-        )  # some short, some long
+        # some short, some long
+        params.append(SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True))
     console.print(
         f"{num_requests} requests, batch size {BATCH}, outputs of {lengths[0]}, {lengths[1]} or "
         f"{lengths[2]} tokens"

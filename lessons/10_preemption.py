@@ -330,9 +330,8 @@ def main():
 
     console.rule("1. One victim: recompute vs swap, by length and block size")
     costs = measure_costs(model, tokenizer, text, settings)
-    roof = copy_bandwidth(
-        nbytes=max(costs["lengths"]) * costs["kv_bytes_per_token"]
-    )  # the same bytes, one copy
+    # the same bytes, one copy
+    roof = copy_bandwidth(nbytes=max(costs["lengths"]) * costs["kv_bytes_per_token"])
     show_costs(costs, roof)
 
     console.rule("2. A trace on a tight KV budget: what preemption='auto' chose")

