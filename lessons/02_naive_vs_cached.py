@@ -37,6 +37,21 @@ def step_times(model, prompt_ids, new_tokens, decoder):
     return tokens, times
 
 
+def growth(times: list[float]) -> float:
+    """Median step of the last quarter over the first quarter (prefill step excluded)."""
+    quarter = max(1, (len(times) - 1) // 4)
+    return statistics.median(times[-quarter:]) / statistics.median(times[1 : 1 + quarter])
+
+
+def plot_steps(positions: list[int], naive: list[float], cached: list[float], out):
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(positions[1:], [t * 1e3 for t in naive[1:]], label="naive (recompute all)")
+    ax.plot(positions[1:], [t * 1e3 for t in cached[1:]], label="cached (one token + KV cache)")
+    ax.set(xlabel="position of the new token", ylabel="ms per token", title="Decode cost per token")
+    ax.legend()
+    save_plot(fig, out, "02_naive_vs_cached.png")
+
+
 def main():
     args = lesson_args(
         __doc__,
@@ -76,17 +91,7 @@ def main():
         f"({sum(naive) / sum(cached):.1f}x) for {args.tokens} tokens"
     )
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(positions[1:], [t * 1e3 for t in naive[1:]], label="naive (recompute all)")
-    ax.plot(positions[1:], [t * 1e3 for t in cached[1:]], label="cached (one token + KV cache)")
-    ax.set(xlabel="position of the new token", ylabel="ms per token", title="Decode cost per token")
-    ax.legend()
-    save_plot(fig, args.out, "02_naive_vs_cached.png")
-
-    def growth(times):  # median step of the last quarter over the first quarter (prefill step excluded)
-        quarter = max(1, (len(times) - 1) // 4)
-        return statistics.median(times[-quarter:]) / statistics.median(times[1 : 1 + quarter])
-
+    plot_steps(positions, naive, cached, args.out)
     save_numbers(
         args.out,
         "02_naive_vs_cached.json",
