@@ -43,6 +43,24 @@ def growth(times: list[float]) -> float:
     return statistics.median(times[-quarter:]) / statistics.median(times[1 : 1 + quarter])
 
 
+def show_steps(positions: list[int], naive: list[float], cached: list[float]):
+    """Milliseconds per new token at a few positions, and the totals."""
+    tokens = len(positions)
+    marks = sorted({1, tokens // 4, tokens // 2, 3 * tokens // 4, tokens - 1})
+    table(
+        "milliseconds per new token",
+        ["position", "naive", "cached", "naive / cached"],
+        [
+            [positions[i], f"{naive[i] * 1e3:.0f}", f"{cached[i] * 1e3:.0f}", f"{naive[i] / cached[i]:.1f}x"]
+            for i in marks
+        ],
+    )
+    console.print(
+        f"total: naive {sum(naive):.1f} s, cached {sum(cached):.1f} s "
+        f"({sum(naive) / sum(cached):.1f}x) for {tokens} tokens"
+    )
+
+
 def plot_steps(positions: list[int], naive: list[float], cached: list[float], out):
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(positions[1:], [t * 1e3 for t in naive[1:]], label="naive (recompute all)")
@@ -77,19 +95,7 @@ def main():
     console.print(f"identical tokens: [bold]{same}[/bold]")
 
     positions = [len(prompt_ids) + i for i in range(args.tokens)]
-    marks = sorted({1, args.tokens // 4, args.tokens // 2, 3 * args.tokens // 4, args.tokens - 1})
-    table(
-        "milliseconds per new token",
-        ["position", "naive", "cached", "naive / cached"],
-        [
-            [positions[i], f"{naive[i] * 1e3:.0f}", f"{cached[i] * 1e3:.0f}", f"{naive[i] / cached[i]:.1f}x"]
-            for i in marks
-        ],
-    )
-    console.print(
-        f"total: naive {sum(naive):.1f} s, cached {sum(cached):.1f} s "
-        f"({sum(naive) / sum(cached):.1f}x) for {args.tokens} tokens"
-    )
+    show_steps(positions, naive, cached)
 
     plot_steps(positions, naive, cached, args.out)
     save_numbers(
