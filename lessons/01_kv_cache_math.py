@@ -27,7 +27,8 @@ from minillm.weights import load_model  # noqa: E402
 
 GiB = 2**30
 
-# Architecture facts from each model's published config.json: (layers, query heads, kv heads, head_dim, params)
+# Architecture facts from each model's published config.json:
+# (layers, query heads, kv heads, head_dim, params)
 ARCHITECTURES = {
     "Llama-2-7B (MHA)": (32, 32, 32, 128, 6.7e9),
     "Llama-3-8B (GQA)": (32, 32, 8, 128, 8.0e9),

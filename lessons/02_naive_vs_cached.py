@@ -37,6 +37,39 @@ def step_times(model, prompt_ids, new_tokens, decoder):
     return tokens, times
 
 
+def growth(times: list[float]) -> float:
+    """Median step of the last quarter over the first quarter (prefill step excluded)."""
+    quarter = max(1, (len(times) - 1) // 4)
+    return statistics.median(times[-quarter:]) / statistics.median(times[1 : 1 + quarter])
+
+
+def show_steps(positions: list[int], naive: list[float], cached: list[float]):
+    """Milliseconds per new token at a few positions, and the totals."""
+    tokens = len(positions)
+    marks = sorted({1, tokens // 4, tokens // 2, 3 * tokens // 4, tokens - 1})
+    table(
+        "milliseconds per new token",
+        ["position", "naive", "cached", "naive / cached"],
+        [
+            [positions[i], f"{naive[i] * 1e3:.0f}", f"{cached[i] * 1e3:.0f}", f"{naive[i] / cached[i]:.1f}x"]
+            for i in marks
+        ],
+    )
+    console.print(
+        f"total: naive {sum(naive):.1f} s, cached {sum(cached):.1f} s "
+        f"({sum(naive) / sum(cached):.1f}x) for {tokens} tokens"
+    )
+
+
+def plot_steps(positions: list[int], naive: list[float], cached: list[float], out):
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(positions[1:], [t * 1e3 for t in naive[1:]], label="naive (recompute all)")
+    ax.plot(positions[1:], [t * 1e3 for t in cached[1:]], label="cached (one token + KV cache)")
+    ax.set(xlabel="position of the new token", ylabel="ms per token", title="Decode cost per token")
+    ax.legend()
+    save_plot(fig, out, "02_naive_vs_cached.png")
+
+
 def main():
     args = lesson_args(
         __doc__,
@@ -62,31 +95,9 @@ def main():
     console.print(f"identical tokens: [bold]{same}[/bold]")
 
     positions = [len(prompt_ids) + i for i in range(args.tokens)]
-    marks = sorted({1, args.tokens // 4, args.tokens // 2, 3 * args.tokens // 4, args.tokens - 1})
-    table(
-        "milliseconds per new token",
-        ["position", "naive", "cached", "naive / cached"],
-        [
-            [positions[i], f"{naive[i] * 1e3:.0f}", f"{cached[i] * 1e3:.0f}", f"{naive[i] / cached[i]:.1f}x"]
-            for i in marks
-        ],
-    )
-    console.print(
-        f"total: naive {sum(naive):.1f} s, cached {sum(cached):.1f} s "
-        f"({sum(naive) / sum(cached):.1f}x) for {args.tokens} tokens"
-    )
+    show_steps(positions, naive, cached)
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(positions[1:], [t * 1e3 for t in naive[1:]], label="naive (recompute all)")
-    ax.plot(positions[1:], [t * 1e3 for t in cached[1:]], label="cached (one token + KV cache)")
-    ax.set(xlabel="position of the new token", ylabel="ms per token", title="Decode cost per token")
-    ax.legend()
-    save_plot(fig, args.out, "02_naive_vs_cached.png")
-
-    def growth(times):  # median step of the last quarter over the first quarter (prefill step excluded)
-        quarter = max(1, (len(times) - 1) // 4)
-        return statistics.median(times[-quarter:]) / statistics.median(times[1 : 1 + quarter])
-
+    plot_steps(positions, naive, cached, args.out)
     save_numbers(
         args.out,
         "02_naive_vs_cached.json",

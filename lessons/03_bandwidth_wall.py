@@ -51,19 +51,10 @@ def decode_step_time(model, batch: int, timed_steps: int) -> float:
     return (time.perf_counter() - start) / timed_steps
 
 
-def main():
-    args = lesson_args(__doc__)
-    batches, timed_steps = ([1, 4, 16], 4) if args.quick else ([1, 2, 4, 8, 16, 32], 12)
-    model = load_model(require_model())
-    weight_bytes = sum(p.nbytes for p in model.parameters())
+def measure_batches(model, batches, timed_steps, weight_bytes, bandwidth, flops):
+    """Time a decode step at each batch size; print and return tokens/s and each roof's share."""
     params = sum(p.numel() for p in model.parameters())
     kv_per_token = model.config.kv_bytes_per_token(model.dtype)
-    bandwidth, flops = copy_bandwidth(), matmul_flops()
-    console.print(
-        f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, fp32 matmul {flops / 1e9:.0f} GFLOP/s; "
-        f"weights {weight_bytes / 1e6:.0f} MB"
-    )
-
     rows, throughput, bw_fraction, flop_fraction = [], [], [], []
     for batch in batches:
         step = decode_step_time(model, batch, timed_steps)
@@ -89,7 +80,10 @@ def main():
         ["batch", "ms/step", "tok/s", "GB/s read", "of copy roof", "GFLOP/s", "of matmul roof"],
         rows,
     )
+    return throughput, bw_fraction, flop_fraction
 
+
+def plot_roofs(batches, throughput, bw_fraction, flop_fraction, out):
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     left.plot(batches, throughput, marker="o")
     left.plot(batches, [throughput[0] * b for b in batches], linestyle="--", label="perfect scaling")
@@ -99,7 +93,24 @@ def main():
     right.plot(batches, [f * 100 for f in flop_fraction], marker="s", label="compute used (%)")
     right.set(xscale="log", xlabel="batch size", ylabel="% of measured roof", title="Which roof binds")
     right.legend()
-    save_plot(fig, args.out, "03_bandwidth_wall.png")
+    save_plot(fig, out, "03_bandwidth_wall.png")
+
+
+def main():
+    args = lesson_args(__doc__)
+    batches, timed_steps = ([1, 4, 16], 4) if args.quick else ([1, 2, 4, 8, 16, 32], 12)
+    model = load_model(require_model())
+    weight_bytes = sum(p.nbytes for p in model.parameters())
+    bandwidth, flops = copy_bandwidth(), matmul_flops()
+    console.print(
+        f"this machine now: copy bandwidth {bandwidth / 1e9:.1f} GB/s, "
+        f"fp32 matmul {flops / 1e9:.0f} GFLOP/s; weights {weight_bytes / 1e6:.0f} MB"
+    )
+
+    throughput, bw_fraction, flop_fraction = measure_batches(
+        model, batches, timed_steps, weight_bytes, bandwidth, flops
+    )
+    plot_roofs(batches, throughput, bw_fraction, flop_fraction, args.out)
     save_numbers(
         args.out,
         "03_bandwidth_wall.json",

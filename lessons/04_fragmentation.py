@@ -73,6 +73,17 @@ def part1_refusal() -> dict:
     }
 
 
+def plot_utilization(arena_util: list[float], paged_util: list[float], out_dir):
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(arena_util, label="contiguous arena")
+    ax.plot(paged_util, label=f"paged, block {BLOCK}")
+    ax.set(
+        xlabel="step", ylabel="live / reserved", ylim=(0, 1.05), title="KV memory utilization on one trace"
+    )
+    ax.legend()
+    save_plot(fig, out_dir, "04_fragmentation.png")
+
+
 def part2_trace(out_dir, seed: int = 0, steps: int = 400) -> dict:
     console.rule("2. A trace: the same requests, both allocators")
     rng = random.Random(seed)
@@ -111,14 +122,7 @@ def part2_trace(out_dir, seed: int = 0, steps: int = 400) -> dict:
             [f"paged ({BLOCK}-slot blocks)", f"{sum(paged_util) / steps:.1%}", refused["paged"]],
         ],
     )
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(arena_util, label="contiguous arena")
-    ax.plot(paged_util, label=f"paged, block {BLOCK}")
-    ax.set(
-        xlabel="step", ylabel="live / reserved", ylim=(0, 1.05), title="KV memory utilization on one trace"
-    )
-    ax.legend()
-    save_plot(fig, out_dir, "04_fragmentation.png")
+    plot_utilization(arena_util, paged_util, out_dir)
     return {
         "arena_utilization": sum(arena_util) / steps,
         "paged_utilization": sum(paged_util) / steps,

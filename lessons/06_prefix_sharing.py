@@ -78,16 +78,8 @@ def chat(tokenizer, system, question):
     )
 
 
-def main():
-    args = lesson_args(__doc__)
-    new_tokens = 4 if args.quick else 12  # the prefill is the point; a few decode steps keep the tables alive
-    model_dir = require_model()
-    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
-    console.rule("1. Four requests, one system prompt: their block tables")
-    same = [chat(tokenizer, SYSTEM, q) for q in QUESTIONS + QUESTIONS[:1]]
-    shared_row = serve(model, tokenizer, same, "same system prompt", new_tokens, draw=True)
-
-    console.rule("2. The pitfall: a timestamp at the start of the system prompt")
+def serve_timestamped(model, tokenizer, new_tokens: int) -> tuple[list, list]:
+    """The same requests with a timestamp first in the system prompt, then moved into the turn."""
     start = datetime.datetime(2026, 11, 29, 9, 0, 0)
     stamped = [
         chat(tokenizer, f"Current time: {start + datetime.timedelta(seconds=7 * i)}. {SYSTEM}", q)
@@ -99,6 +91,20 @@ def main():
         for i, q in enumerate(QUESTIONS + QUESTIONS[:1])
     ]
     fixed_row = serve(model, tokenizer, fixed, "timestamp in the turn", new_tokens)
+    return stamped_row, fixed_row
+
+
+def main():
+    args = lesson_args(__doc__)
+    new_tokens = 4 if args.quick else 12  # the prefill is the point; a few decode steps keep the tables alive
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    console.rule("1. Four requests, one system prompt: their block tables")
+    same = [chat(tokenizer, SYSTEM, q) for q in QUESTIONS + QUESTIONS[:1]]
+    shared_row = serve(model, tokenizer, same, "same system prompt", new_tokens, draw=True)
+
+    console.rule("2. The pitfall: a timestamp at the start of the system prompt")
+    stamped_row, fixed_row = serve_timestamped(model, tokenizer, new_tokens)
     table(
         "5 requests, the first alone, then 4 together",
         [

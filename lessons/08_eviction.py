@@ -28,10 +28,11 @@ from minillm.memory.eviction import budget_for  # noqa: E402
 BUDGETS = [0.1, 0.2]  # and the full cache: seven runs in all, each scoring both texts side by side
 POLICIES = ["h2o", "sinks", "window"]
 LABELS = {"h2o": "H2O", "sinks": "sinks + window", "window": "window only"}
-TARGET_BUDGET, TARGET_RATIO = 0.2, 1.10  # H2O at 20% within 10% of the full cache's perplexity, on both texts
-# The text scored by default: every scored token is one decode step (~70-100 ms for the 6 segments on the 2-core
-# development VM, shared), so 3 x 160 tokens of each text keep the lesson near 2 minutes (`minillm eval ppl`
-# scores 4 x 512: the README's numbers).
+# H2O at 20% within 10% of the full cache's perplexity, on both texts
+TARGET_BUDGET, TARGET_RATIO = 0.2, 1.10
+# The text scored by default: every scored token is one decode step (~70-100 ms for the 6 segments on
+# the 2-core development VM, shared), so 3 x 160 tokens of each text keep the lesson near 2 minutes
+# (`minillm eval ppl` scores 4 x 512: the README's numbers).
 SEGMENTS, SEGMENT_LEN = 3, 160
 
 
@@ -53,6 +54,14 @@ def main():
         for policy in POLICIES
         for budget in BUDGETS
     }
+    show_table(texts, full, runs)
+    plot(texts, full, runs, args.out)
+    save_numbers(args.out, "08_eviction.json", numbers(full, runs, args.segment_len))
+    console.print(meaning(texts, full, runs, args.segment_len))
+
+
+def show_table(texts: dict, full: dict, runs: dict):
+    """Each run's perplexity on each text, beside its ratio to the full cache's."""
     rows = [
         [LABELS[policy], f"{budget:.0%}"] + [f"{ppl[t]:.2f} ({ppl[t] / full[t]:.2f}x)" for t in texts]
         for (policy, budget), ppl in runs.items()
@@ -64,6 +73,9 @@ def main():
         rows,
     )
 
+
+def plot(texts: dict, full: dict, runs: dict, out):
+    """One panel per text: each policy's perplexity ratio against the budget, log scale."""
     fig, axes = plt.subplots(1, len(texts), figsize=(11, 4), sharey=True)
     for ax, text in zip(axes, texts):
         for policy in POLICIES:
@@ -80,26 +92,28 @@ def main():
     axes[0].set_ylabel("perplexity / full cache's (log)")
     axes[0].legend()
     fig.suptitle("KV eviction on SmolLM2-135M: prose and a technical text")
-    save_plot(fig, args.out, "08_eviction.png")
-    key = "{policy}_{budget:.0%}_perplexity"  # Alice's unprefixed, as before; lcet10's prefixed
-    save_numbers(
-        args.out,
-        "08_eviction.json",
-        {
-            "tokens_per_segment": args.segment_len,
-            "full_perplexity": full["Alice"],
-            "lcet10_full_perplexity": full["lcet10"],
-            **{
-                prefix + key.format(policy=policy, budget=budget).replace("%", "pct"): runs[policy, budget][
-                    text
-                ]
-                for prefix, text in [("", "Alice"), ("lcet10_", "lcet10")]
-                for policy in POLICIES
-                for budget in BUDGETS
-            },
-        },
-    )
+    save_plot(fig, out, "08_eviction.png")
 
+
+def numbers(full: dict, runs: dict, segment_len: int) -> dict:
+    """What 08_eviction.json holds: Alice's keys unprefixed, as before; lcet10's prefixed."""
+    key = "{policy}_{budget:.0%}_perplexity"
+    per_run = {
+        prefix + key.format(policy=policy, budget=budget).replace("%", "pct"): runs[policy, budget][text]
+        for prefix, text in [("", "Alice"), ("lcet10_", "lcet10")]
+        for policy in POLICIES
+        for budget in BUDGETS
+    }
+    return {
+        "tokens_per_segment": segment_len,
+        "full_perplexity": full["Alice"],
+        "lcet10_full_perplexity": full["lcet10"],
+        **per_run,
+    }
+
+
+def meaning(texts: dict, full: dict, runs: dict, segment_len: int) -> str:
+    """The closing paragraph, every ratio in it read off this run's numbers."""
     ratios = {policy: {t: runs[policy, TARGET_BUDGET][t] / full[t] for t in texts} for policy in POLICIES}
     h2o = ratios["h2o"]
     met = all(ratio <= TARGET_RATIO for ratio in h2o.values())
@@ -108,11 +122,11 @@ def main():
         if met
         else (
             f"missed; the target is set for `minillm eval ppl`'s 512-token segments, where 20% keeps "
-            f"{budget_for(TARGET_BUDGET, 512)} tokens, here {budget_for(TARGET_BUDGET, args.segment_len)}"
+            f"{budget_for(TARGET_BUDGET, 512)} tokens, here {budget_for(TARGET_BUDGET, segment_len)}"
         )
     )
     usual_order = all(ratios["h2o"][t] <= ratios["sinks"][t] <= ratios["window"][t] for t in texts)
-    console.print(
+    return (
         "\n[bold]What it means:[/bold] keeping 20% of the tokens, H2O costs "
         + " and ".join(f"{h2o[t]:.2f}x on {t}" for t in texts)
         + f" the full cache's perplexity (target within 1.10x: {verdict}); sinks + window "
@@ -121,15 +135,16 @@ def main():
         + " and ".join(f"{ratios['window'][t]:.2f}x" for t in texts)
         + ". "
         + (
-            "A window alone throws away the first tokens, where attention parks its spare mass, and the model "
-            "falls apart; keeping 4 sinks repairs most of that; choosing by attention per query keeps the few "
-            "tokens each text keeps returning to, names in prose as well as terms and numbers in a report. "
+            "A window alone throws away the first tokens, where attention parks its spare mass, "
+            "and the model falls apart; keeping 4 sinks repairs most of that; choosing by attention "
+            "per query keeps the few tokens each text keeps returning to, names in prose as well as "
+            "terms and numbers in a report. "
             if usual_order
-            else "On these texts the policies do not rank H2O <= sinks + window <= window on both: score more text "
-            "(--segments, --segment-len) before drawing a conclusion. "
+            else "On these texts the policies do not rank H2O <= sinks + window <= window on both: "
+            "score more text (--segments, --segment-len) before drawing a conclusion. "
         )
-        + "Positions stay true after eviction: kept keys carry their original rotation and new tokens their "
-        "true position."
+        + "Positions stay true after eviction: kept keys carry their original rotation and new tokens "
+        "their true position."
     )
 
 

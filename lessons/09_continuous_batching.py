@@ -49,11 +49,8 @@ def timeline(ax, stats, title, num_requests):
     ax.set(title=title, ylabel="request", yticks=range(num_requests))
 
 
-def main():
-    args = lesson_args(__doc__)
-    num_requests, lengths = (8, [2, 4, 16]) if args.quick else (12, [4, 8, 48])
-    model_dir = require_model()
-    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+def mixed_requests(tokenizer, num_requests: int, lengths: list[int]) -> tuple[list, list]:
+    """Prompts of 16..64 tokens cut from Alice, each with an output length drawn from `lengths`."""
     rng = random.Random(0)
     text = tokenizer.encode(read_text())
     prompts, params = [], []
@@ -61,15 +58,13 @@ def main():
         length = rng.randint(16, 64)
         start = int(rng.random() * (len(text) - length))  # one draw at any text length: the mix stays put
         prompts.append(text[start : start + length])
-        params.append(
-            SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True)
-        )  # some short, some long
-    console.print(
-        f"{num_requests} requests, batch size {BATCH}, outputs of {lengths[0]}, {lengths[1]} or "
-        f"{lengths[2]} tokens"
-    )
+        # some short, some long
+        params.append(SamplingParams(max_tokens=rng.choice(lengths), ignore_eos=True))
+    return prompts, params
 
-    results = {policy: run(model, tokenizer, policy, prompts, params) for policy in ("static", "continuous")}
+
+def show_comparison(results: dict) -> dict:
+    """One table row per policy; returns the numbers the JSON keeps."""
     rows, numbers = [], {}
     for policy, (stats, outputs, elapsed) in results.items():
         ttft = sum(o.ttft for o in outputs) / len(outputs)
@@ -95,6 +90,22 @@ def main():
         ["scheduling", "steps", "output tok/s", "mean TTFT", "mean start step", "sequences per step"],
         rows,
     )
+    return numbers
+
+
+def main():
+    args = lesson_args(__doc__)
+    num_requests, lengths = (8, [2, 4, 16]) if args.quick else (12, [4, 8, 48])
+    model_dir = require_model()
+    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    prompts, params = mixed_requests(tokenizer, num_requests, lengths)
+    console.print(
+        f"{num_requests} requests, batch size {BATCH}, outputs of {lengths[0]}, {lengths[1]} or "
+        f"{lengths[2]} tokens"
+    )
+
+    results = {policy: run(model, tokenizer, policy, prompts, params) for policy in ("static", "continuous")}
+    numbers = show_comparison(results)
     same = [o.token_ids for o in results["static"][1]] == [o.token_ids for o in results["continuous"][1]]
     console.print(f"identical outputs under both policies: [bold]{same}[/bold]")
 

@@ -330,9 +330,8 @@ def main():
 
     console.rule("1. One victim: recompute vs swap, by length and block size")
     costs = measure_costs(model, tokenizer, text, settings)
-    roof = copy_bandwidth(
-        nbytes=max(costs["lengths"]) * costs["kv_bytes_per_token"]
-    )  # the same bytes, one copy
+    # the same bytes, one copy
+    roof = copy_bandwidth(nbytes=max(costs["lengths"]) * costs["kv_bytes_per_token"])
     show_costs(costs, roof)
 
     console.rule("2. A trace on a tight KV budget: what preemption='auto' chose")
@@ -397,8 +396,8 @@ def meaning(costs: dict, runs: dict, identical: bool) -> str:
         f"swapping {lengths[-1]} tokens in blocks of {small} took {penalty:.1f}x as long as in blocks of "
         f"{large} ({-(-lengths[-1] // small)} block copies each way against {-(-lengths[-1] // large)})"
         if penalty > 1
-        else f"blocks of {small} were not dearer to swap than blocks of {large} on this run ({penalty:.2f}x the "
-        "time): the per-block cost stayed below the timing noise"
+        else f"blocks of {small} were not dearer to swap than blocks of {large} on this run "
+        f"({penalty:.2f}x the time): the per-block cost stayed below the timing noise"
     )
     swaps = sum(d["swap"] for d in auto["decisions"])
     # what the recomputed tokens should have cost at the measured prefill rate: a wall-time gap between
@@ -406,26 +405,27 @@ def meaning(costs: dict, runs: dict, identical: bool) -> str:
     expected = recompute["recomputed_tokens"] / auto["prefill_tokens_per_s"]
     gap = recompute["seconds"] - runs["swap"]["seconds"]
     return (
-        f"on this CPU {where}. Prefill ran at {auto['prefill_tokens_per_s']:.0f} tokens/s, while swapping moves "
-        f"{costs['kv_bytes_per_token'] / 1e3:.0f} kB of KV per token, out and back, at "
-        f"{(auto['copy_bytes_per_s'] or 0) / 1e9:.1f} GB/s: device and host pools share one RAM, so a swap is a "
-        f"memory copy and a recompute is the whole model's math again. The block size changes the copy's cost: "
-        f"{blocks}. On the trace, auto chose swap {swaps} of {len(auto['decisions'])} times "
+        f"on this CPU {where}. Prefill ran at {auto['prefill_tokens_per_s']:.0f} tokens/s, "
+        f"while swapping moves {costs['kv_bytes_per_token'] / 1e3:.0f} kB of KV per token, out and back, at "
+        f"{(auto['copy_bytes_per_s'] or 0) / 1e9:.1f} GB/s: device and host pools share one RAM, "
+        "so a swap is a memory copy and a recompute is the whole model's math again. "
+        f"The block size changes the copy's cost: {blocks}. "
+        f"On the trace, auto chose swap {swaps} of {len(auto['decisions'])} times "
         f"({auto['recomputed_tokens']} tokens recomputed, against {recompute['recomputed_tokens']} under "
         f"'recompute'; {auto['bytes_moved'] / 2**20:.1f} MiB moved instead), "
         f"{'with identical outputs' if identical else '[red]but the outputs differ: a bug[/red]'}. Those "
-        f"{recompute['recomputed_tokens']} tokens are worth about {expected:.1f} s of prefill at the measured rate; "
+        f"{recompute['recomputed_tokens']} tokens are worth about {expected:.1f} s of prefill "
+        "at the measured rate; "
         f"the runs took {recompute['seconds']:.1f} s (recompute) and {runs['swap']['seconds']:.1f} s (swap), "
         + (
             "a gap within a second of that."
             if abs(gap - expected) < 1
-            else f"a gap of {gap:+.1f} s that the recomputed tokens do not explain (the runs took {recompute['steps']} "
-            f"and {runs['swap']['steps']} steps): read it as the noise of other work on this shared machine, not "
-            "as the policy's effect."
+            else f"a gap of {gap:+.1f} s that the recomputed tokens do not explain "
+            f"(the runs took {recompute['steps']} and {runs['swap']['steps']} steps): "
+            "read it as the noise of other work on this shared machine, not as the policy's effect."
         )
-        + " On a GPU the "
-        "copy crosses PCIe while prefill runs at GPU speed, so the two rates, and the choice, can come out the other "
-        "way: that is why auto measures them where it runs."
+        + " On a GPU the copy crosses PCIe while prefill runs at GPU speed, so the two rates, "
+        "and the choice, can come out the other way: that is why auto measures them where it runs."
     )
 
 

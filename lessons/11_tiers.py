@@ -35,8 +35,9 @@ from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 BLOCK = 16
+# per mode: (a) chats, and the device and host pools in blocks; (b) a swap-heavy trace; (c) the parked chat
 SETTINGS = {
-    "default": {  # (a) chats, and the device and host pools in blocks; (b) a swap-heavy trace; (c) the parked chat
+    "default": {
         "conversations": 10,
         "turns": 3,
         "message_tokens": 40,
@@ -71,7 +72,8 @@ def kv_bytes(model, tokens: int) -> int:
 
 
 def user_turn(tokenizer, message: str) -> list[int]:
-    """One ChatML user turn and the assistant's header: <|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"""
+    """One ChatML user turn and the assistant's header:
+    <|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"""
     start, end = tokenizer.special_tokens["<|im_start|>"], tokenizer.special_tokens["<|im_end|>"]
     return [
         start,
@@ -399,10 +401,10 @@ def meaning(chats: dict, swapping: dict, session: dict, settings: dict) -> str:
     """The closing paragraph, every claim in it read off this run's numbers."""
     none, host = chats["device only"], chats["device + host"]
     warm = (
-        f"(a) With the device pool alone ({settings['device_blocks'] * BLOCK} tokens), {none['resumed_turns']} "
-        f"of {none['returning_turns']} returning turns found their whole history; with a host tier of "
-        f"{settings['host_blocks'] * BLOCK} tokens behind it, {host['resumed_turns']} did "
-        f"({host['spill_hits']} spilled blocks copied back instead of recomputed), and prefill fell from "
+        f"(a) With the device pool alone ({settings['device_blocks'] * BLOCK} tokens), "
+        f"{none['resumed_turns']} of {none['returning_turns']} returning turns found their whole history; "
+        f"with a host tier of {settings['host_blocks'] * BLOCK} tokens behind it, {host['resumed_turns']} "
+        f"did ({host['spill_hits']} spilled blocks copied back instead of recomputed), and prefill fell from "
         f"{none['prompt_tokens'] - none['prefill_saved']} to {host['prompt_tokens'] - host['prefill_saved']} "
         f"tokens (prefix hit rate {none['token_hit_rate']:.0%} -> {host['token_hit_rate']:.0%})."
     )
@@ -420,7 +422,8 @@ def meaning(chats: dict, swapping: dict, session: dict, settings: dict) -> str:
         )
     cold = (
         f"(c) A fresh engine answered the next turn of a {session['history_tokens']}-token chat in "
-        f"{session['resumed_ttft'] * 1e3:.0f} ms from its {session['file_bytes'] / 2**20:.1f} MiB session file "
+        f"{session['resumed_ttft'] * 1e3:.0f} ms "
+        f"from its {session['file_bytes'] / 2**20:.1f} MiB session file "
         f"(load included, {session['resumed_computed']} tokens prefilled), against "
         f"{session['recomputed_ttft'] * 1e3:.0f} ms recomputing all {session['recomputed_computed']} "
         f"({session['recomputed_ttft'] / session['resumed_ttft']:.1f}x)."

@@ -32,14 +32,14 @@ def online_softmax_demo() -> float:
     gen = torch.Generator().manual_seed(0)
     scores = torch.tensor([-1.0, 0.5, 2.0, 1.0, 3.5, -2.0, 4.0, 0.0, 2.5, 1.5])  # the max grows 4 times
     values = torch.randn(10, 4, generator=gen)
-    m, l, acc = float("-inf"), 0.0, torch.zeros(4)
+    m, running_sum, acc = float("-inf"), 0.0, torch.zeros(4)  # m, l and acc of the docstring
     rows = []
     for t in range(10):
         m_new = max(m, float(scores[t]))
         correction = torch.exp(torch.tensor(m - m_new)).item()
         p = torch.exp(scores[t] - m_new).item()
-        l, acc, m = l * correction + p, acc * correction + p * values[t], m_new
-        rows.append([t, f"{scores[t]:.2f}", f"{m:.2f}", f"{correction:.3f}", f"{l:.3f}"])
+        running_sum, acc, m = running_sum * correction + p, acc * correction + p * values[t], m_new
+        rows.append([t, f"{scores[t]:.2f}", f"{m:.2f}", f"{correction:.3f}", f"{running_sum:.3f}"])
     table(
         "position by position",
         ["t", "score", "running max m", "rescale exp(m_old - m)", "running sum l"],
@@ -47,10 +47,11 @@ def online_softmax_demo() -> float:
     )
     exact = torch.softmax(scores, 0) @ values
     console.print(
-        f"online acc / l = {(acc / l).numpy().round(4)}\n"
-        f"softmax @ V    = {exact.numpy().round(4)}  (max difference {(acc / l - exact).abs().max():.1e})"
+        f"online acc / l = {(acc / running_sum).numpy().round(4)}\n"
+        f"softmax @ V    = {exact.numpy().round(4)}  "
+        f"(max difference {(acc / running_sum - exact).abs().max():.1e})"
     )
-    return (acc / l - exact).abs().max().item()
+    return (acc / running_sum - exact).abs().max().item()
 
 
 def check_kernels() -> float:
@@ -81,7 +82,8 @@ def check_kernels() -> float:
     )
     if len(devices) == 1:
         console.print(
-            "no CUDA GPU here: the CUDA kernel is compiled by the tests (nvcc) and run by scripts/gpu_check.sh"
+            "no CUDA GPU here: the CUDA kernel is compiled by the tests (nvcc) "
+            "and run by scripts/gpu_check.sh"
         )
     return worst
 
@@ -94,7 +96,8 @@ def time_kernels(quick: bool):
     )
     names = report["backends"][:2]
     table(
-        f"one layer of decode attention on {report['device']} (copy roof {report['copy_bandwidth_GBs']:.0f} GB/s)",
+        f"one layer of decode attention on {report['device']} "
+        f"(copy roof {report['copy_bandwidth_GBs']:.0f} GB/s)",
         ["kv", "batch", "context", "MB read", *[f"{n} µs" for n in names], *[f"{n} of roof" for n in names]],
         [
             [

@@ -35,7 +35,8 @@ from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 BLOCK = 16
-SETTINGS = {  # (a) the bench trace: its --quick size, and how many requests; (b) the busy step; (c) the prompt
+# per mode: (a) the bench trace: its --quick size, and how many requests; (b) the busy step; (c) the prompt
+SETTINGS = {
     "default": {
         "bench_quick": False,
         "bench_requests": 10,
@@ -92,8 +93,8 @@ def show_problems(problems: dict) -> None:
             "bandwidth: KV bytes per token read",
             f"{fp32['label']}: {fp32['kv_bytes_per_token']:,}",
             f"{int8['label']}: {int8['kv_bytes_per_token']:,}",
-            f"{int8['device_blocks']} vs {fp32['device_blocks']} blocks; TPOT {int8['tpot_p50_s'] * 1e3:.0f} vs "
-            f"{fp32['tpot_p50_s'] * 1e3:.0f} ms",
+            f"{int8['device_blocks']} vs {fp32['device_blocks']} blocks; "
+            f"TPOT {int8['tpot_p50_s'] * 1e3:.0f} vs {fp32['tpot_p50_s'] * 1e3:.0f} ms",
         ],
         [
             "scheduling: TTFT p50 / p99",
@@ -103,8 +104,8 @@ def show_problems(problems: dict) -> None:
         ],
     ]
     table(
-        f"(a) {problems['trace']['requests']} requests on one KV budget ({problems['budget_blocks']} fp32 blocks): "
-        "each problem, the row before and after its fix",
+        f"(a) {problems['trace']['requests']} requests on one KV budget "
+        f"({problems['budget_blocks']} fp32 blocks): each problem, the row before and after its fix",
         ["problem", "before", "after", "beside it"],
         rows,
     )
@@ -343,11 +344,13 @@ def meaning(problems: dict, busy: dict, old: dict) -> str:
     )
     slower = int8["tpot_p50_s"] > fp32["tpot_p50_s"]
     speed = (
-        f"yet its decode steps here took {int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms "
-        "(per token, at the larger batch it allows): on this CPU the torch path dequantizes into a "
-        "full-precision copy, so the bytes saved are room, not yet speed"
+        f"yet its decode steps here took {int8['tpot_p50_s'] * 1e3:.0f} ms "
+        f"against {fp32['tpot_p50_s'] * 1e3:.0f} ms (per token, at the larger batch it allows): "
+        "on this CPU the torch path dequantizes into a full-precision copy, "
+        "so the bytes saved are room, not yet speed"
         if slower
-        else f"and its decode steps took {int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms"
+        else f"and its decode steps took {int8['tpot_p50_s'] * 1e3:.0f} ms "
+        f"against {fp32['tpot_p50_s'] * 1e3:.0f} ms"
     )
     tail = (
         "the longest prompts now wait their turn"
@@ -355,14 +358,14 @@ def meaning(problems: dict, busy: dict, old: dict) -> str:
         else "no request paid for it at the tail"
     )
     three = (
-        f"(a) Capacity: reserving each request's declared maximum ran {reserve['peak_seqs']} requests at once "
-        f"where paging ran {paged['peak_seqs']} on the same bytes. Bandwidth: int8 stores a token in "
+        f"(a) Capacity: reserving each request's declared maximum ran {reserve['peak_seqs']} requests "
+        f"at once where paging ran {paged['peak_seqs']} on the same bytes. Bandwidth: int8 stores a token in "
         f"{int8['kv_bytes_per_token']:,} B instead of {fp32['kv_bytes_per_token']:,}, "
-        f"{fp32['kv_bytes_per_token'] / int8['kv_bytes_per_token']:.1f}x fewer bytes to hold and read, {speed}. "
-        f"Scheduling: admitting by memory cost (with a host tier to swap to) instead of by arrival moved the "
-        f"median time to first token from {fcfs['ttft_p50_s']:.2f} s to {memory['ttft_p50_s']:.2f} s (goodput "
-        f"{fcfs['goodput']:.0%} -> {memory['goodput']:.0%}; p99 {fcfs['ttft_p99_s']:.2f} -> "
-        f"{memory['ttft_p99_s']:.2f} s: {tail})."
+        f"{fp32['kv_bytes_per_token'] / int8['kv_bytes_per_token']:.1f}x fewer bytes to hold and read, "
+        f"{speed}. Scheduling: admitting by memory cost (with a host tier to swap to) instead of by arrival "
+        f"moved the median time to first token from {fcfs['ttft_p50_s']:.2f} s "
+        f"to {memory['ttft_p50_s']:.2f} s (goodput {fcfs['goodput']:.0%} -> {memory['goodput']:.0%}; "
+        f"p99 {fcfs['ttft_p99_s']:.2f} -> {memory['ttft_p99_s']:.2f} s: {tail})."
     )
     rows = old["rows"]
     exact, int8, h2o, window = rows["paged"], rows["int8"], rows["h2o"], rows["window"]
@@ -373,8 +376,9 @@ def meaning(problems: dict, busy: dict, old: dict) -> str:
         "explains where a byte is; the ladder and the admission policy decided it together."
     )
     reread = (
-        f"(c) Reading an old token again is free when it is only paged ({exact['p_answer']:.3f} for the right "
-        f"answer), nearly free in int8 (p {int8['p_answer']:.3f}, KL {int8['kl']:.4f}), and decided by "
+        f"(c) Reading an old token again is free when it is only paged "
+        f"({exact['p_answer']:.3f} for the right answer), "
+        f"nearly free in int8 (p {int8['p_answer']:.3f}, KL {int8['kl']:.4f}), and decided by "
         f"what the policy kept once it is evicted: H2O p {h2o['p_answer']:.3f}, a recent window "
         f"p {window['p_answer']:.3f}. An evicted token comes back only by recomputing the prompt "
         f"({old['prefill_seconds'] * 1e3:.0f} ms here), a swapped one by copying it "

@@ -226,7 +226,8 @@ def replay_eviction(
                 private = positions[len(shared) :]
                 if len(private) > keep and chunk.cached_after != len(positions):
                     assert chunk.cached_after == len(shared) + keep, (
-                        f"step {chunk.step}: {chunk.cached_after} entries, {len(shared)} protected, budget {keep}"
+                        f"step {chunk.step}: {chunk.cached_after} entries, {len(shared)} protected, "
+                        f"budget {keep}"
                     )
                     positions = shared + keep_by_policy(policy, private, keep, mass[layer][kv_head])
                     if layer == kv_head == 0 and chunk.step >= owned_from_step:
@@ -264,8 +265,10 @@ def replay_quantized(
     value rounded as the pool holds them when the chunk has been written."""
     view = fake_quantized_view(fmt, key_scales, block_size)
     logits = []
+    spans = []  # (start, end) of each chunk written so far
     for chunk in history:
-        spans = [] if chunk.start == 0 else spans
+        if chunk.start == 0:  # a chunk from the first token starts the sequence again
+            spans = []
         spans.append((chunk.start, chunk.end))
         causal = torch.ones(chunk.end, chunk.end, dtype=torch.bool).tril()
         ctx = ReplayAttention(

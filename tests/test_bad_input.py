@@ -176,9 +176,8 @@ def test_cli_binary_text_to_score_names_the_file(capsys, tmp_path, real_dir):
     ],
 )
 def test_cli_zero_count_is_refused_by_argparse(capsys, tmp_path, argv):
-    code, out, err = run_cli(
-        capsys, *argv, "0", "--model", str(tmp_path / "nowhere")
-    )  # before any weights load
+    # before any weights load
+    code, out, err = run_cli(capsys, *argv, "0", "--model", str(tmp_path / "nowhere"))
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert err.startswith("error: minillm ") and err.strip().endswith(
         f"argument {argv[2]}: 0 is not a positive count; give 1 or more"
@@ -208,9 +207,8 @@ def test_cli_generate_json_prints_ids_text_and_timings(capsys, real_dir, real_to
         report["generated_ids"]
     )
     assert report["timings"]["prefill_s"] > 0
-    assert (
-        report["kv_bytes_allocated"] == (len(report["prompt_ids"]) + 5) * 2 * 30 * 3 * 64 * 4
-    )  # cached decoder
+    # cached decoder
+    assert report["kv_bytes_allocated"] == (len(report["prompt_ids"]) + 5) * 2 * 30 * 3 * 64 * 4
 
 
 def test_cli_info_reports_kv_bytes_from_formula_and_tensors(capsys, real_dir):

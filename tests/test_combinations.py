@@ -245,8 +245,8 @@ def test_a_block_reused_for_new_content_takes_its_cached_descendants_along(tiny_
         model=tiny_model,
         prefix_caching=True,
         block_size=BLOCK,
-        kv_cache_bytes=3 * BLOCK * KV_BYTES_PER_TOKEN,
-    )  # 3 blocks: [A] is the first reused
+        kv_cache_bytes=3 * BLOCK * KV_BYTES_PER_TOKEN,  # 3 blocks: [A] is the first reused
+    )
     three = SamplingParams(max_tokens=3, ignore_eos=True)
     prompts, params = [a + b + [1], x, x + b + [2]], [three, SamplingParams(max_tokens=1), three]
     outputs = [llm.generate([prompt], sp)[0] for prompt, sp in zip(prompts, params)]

@@ -44,9 +44,8 @@ def test_engine_matches_naive_for_every_block_size(tiny_dir, tiny_model, block_s
 
 def test_engine_matches_naive_under_preemption(tiny_dir, tiny_model):
     prompts, params = mixed_requests(32, tiny_model.config.vocab_size, seed=11)
-    llm = LLM(
-        tiny_dir, model=tiny_model, block_size=8, kv_cache_bytes=30 * 8 * KV_BYTES_PER_TOKEN
-    )  # 30 blocks
+    # 30 blocks
+    llm = LLM(tiny_dir, model=tiny_model, block_size=8, kv_cache_bytes=30 * 8 * KV_BYTES_PER_TOKEN)
     assert_matches_naive(tiny_model, llm, prompts, params)
     assert llm.engine.num_preemptions > 0
 
@@ -93,9 +92,8 @@ def test_seeded_sampling_in_a_batch_matches_single_sequence_sampling(tiny_dir, t
 
 
 def test_request_that_can_never_fit_fails_alone(tiny_dir, tiny_model):
-    llm = LLM(
-        tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=10 * 4 * KV_BYTES_PER_TOKEN
-    )  # 40 slots
+    # 40 slots
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=10 * 4 * KV_BYTES_PER_TOKEN)
     prompts = [[1, 2, 3], list(range(50)), [4, 5]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     small, huge, other = llm.generate(prompts, params)

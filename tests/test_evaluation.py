@@ -40,9 +40,8 @@ def test_every_scored_token_comes_from_a_one_token_decode_step(tiny_dir, tiny_mo
     llm = LLM(tiny_dir, model=tiny_model)
     perplexity(llm, tiny_text(120), segment_len=40, num_segments=3)
     assert all(tokens == 1 for batch in llm.engine.stats.batches for _, tokens in batch)
-    assert (
-        llm.engine.stats.steps == 39
-    )  # one token per step for each of the 39 predictions, segments side by side
+    # one token per step for each of the 39 predictions, segments side by side
+    assert llm.engine.stats.steps == 39
 
 
 @pytest.mark.parametrize(

@@ -26,10 +26,11 @@ def test_budget_is_tokens_or_a_fraction_of_the_full_length():
 def test_h2o_keeps_the_recent_window_and_the_most_attended_per_query_not_in_total():
     mass = torch.tensor(
         [
-            [[4.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]],  # layer 0: entry 0 has more in total,
+            # layer 0: entry 0 has more in total, entry 4 more per query that saw it
+            [[4.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]],
             [[7.0, 0.1, 0.2, 0.3, 2.4, 3.0, 0.0, 0.0]],
         ]
-    )  # entry 4 more per query that saw it
+    )
     kept = kept_entries("h2o", length=8, keep=4, num_layers=2, num_kv_heads=1, mass=mass)
     # recent window = 2 (entries 6, 7, kept whatever their score); 2 heavy hitters among 0..5, which 8, 7, 6,
     # 5, 4, 3 queries saw: entry 5 (1.0 a query), then entry 4 (0.6) over entry 0 (4.0 / 8 = 0.5) ...
@@ -86,6 +87,7 @@ def mixed(count, seed=0):
 @pytest.mark.parametrize("policy", ["h2o", "sinks", "window"])
 def test_a_budget_covering_the_sequence_is_exact(tiny_dir, tiny_model, policy):
     prompts, params = mixed(12, seed=1)
+    # chunked prefill and preemption too
     llm = LLM(
         tiny_dir,
         model=tiny_model,
@@ -94,7 +96,7 @@ def test_a_budget_covering_the_sequence_is_exact(tiny_dir, tiny_model, policy):
         block_size=4,
         max_num_batched_tokens=16,
         kv_cache_bytes=40 * 4 * KV_BYTES_PER_TOKEN,
-    )  # chunked prefill and preemption too
+    )
     for out, prompt in zip(llm.generate(prompts, params), prompts):
         assert out.token_ids == generate(tiny_model, prompt, params, "naive").token_ids
     assert llm.engine.num_preemptions > 0
@@ -171,9 +173,8 @@ def test_unsupported_compression_switches_are_refused(tiny_dir, tiny_model, swit
 
 
 def test_a_request_too_long_for_the_pool_runs_when_eviction_bounds_its_cache(tiny_dir, tiny_model):
-    pool = dict(
-        block_size=4, kv_cache_bytes=12 * 4 * KV_BYTES_PER_TOKEN, max_num_batched_tokens=8
-    )  # 48 slots
+    # 48 slots
+    pool = dict(block_size=4, kv_cache_bytes=12 * 4 * KV_BYTES_PER_TOKEN, max_num_batched_tokens=8)
     prompt, params = list(range(20)), SamplingParams(max_tokens=100, ignore_eos=True)
     refused = LLM(tiny_dir, model=tiny_model, **pool).generate([prompt], params)[0]
     assert refused.finish_reason == "error"
@@ -373,10 +374,8 @@ def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir
     seq = engine.requests[
         engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))
     ][0]
-    held, written = (
-        [],
-        record_written_keys(engine.kv_cache.pool, shape[0]),
-    )  # (positions, keys) after each step at the budget
+    # (positions, keys) after each step at the budget
+    held, written = [], record_written_keys(engine.kv_cache.pool, shape[0])
     while engine.has_unfinished_requests():
         engine.step()
         if seq.num_evicted and seq.status.value == "running":
@@ -386,9 +385,8 @@ def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir
             assert all(sorted(head) == expected for layer in positions.tolist() for head in layer)
             held.append((positions.clone(), cache_keys(engine, seq)))
     assert len(held) >= 20
-    assert any(
-        not torch.equal(positions.sort(-1).values, positions) for positions, _ in held
-    )  # really out of order
+    # really out of order
+    assert any(not torch.equal(positions.sort(-1).values, positions) for positions, _ in held)
     assert engine.num_preemptions == 0  # so each layer's keys were written in position order
     for positions, keys in held:
         for layer, head in [(layer, head) for layer in range(shape[0]) for head in range(shape[1])]:

@@ -159,9 +159,8 @@ def test_cpu_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales)
 
 def test_cpu_kernel_attention_mass_sums_to_the_group_size():
     case = random_case(3, 6, 9, 3, 64, 16)
-    _, mass = decode_backend("cpu")(
-        **case, with_mass=True
-    )  # (S, kv_heads, longest): each head's probabilities
+    # (S, kv_heads, longest): each head's probabilities
+    _, mass = decode_backend("cpu")(**case, with_mass=True)
     assert torch.allclose(mass.sum(-1), torch.full((6, 3), 3.0), atol=1e-4)
     for seq, length in enumerate(case["context_lens"].tolist()):
         assert (mass[seq, :, length:] == 0).all()  # nothing past a sequence's context

@@ -35,9 +35,8 @@ def check_kv_cache_math(numbers):
 
 def check_naive_vs_cached(numbers):
     assert numbers["identical_tokens"]
-    assert (
-        numbers["cached_seconds"] < numbers["naive_seconds"]
-    )  # ~3x at --quick; the per-step growth is too noisy
+    # ~3x at --quick; the per-step growth is too noisy
+    assert numbers["cached_seconds"] < numbers["naive_seconds"]
 
 
 def check_bandwidth_wall(numbers):
@@ -99,9 +98,8 @@ def check_tiers(numbers):
     assert 0 < numbers["swap_prefetched"] <= numbers["swap_swapped_in"]
     assert 0 <= numbers["swap_hidden_share"] <= 1
     assert numbers["session_resumed_computed"] < numbers["session_recomputed_computed"]
-    assert (
-        numbers["session_resumed_ttft"] < numbers["session_recomputed_ttft"]
-    )  # ~10x less prefill at --quick
+    # ~10x less prefill at --quick
+    assert numbers["session_resumed_ttft"] < numbers["session_recomputed_ttft"]
 
 
 def check_kernel(numbers):
@@ -115,9 +113,8 @@ def check_memory_system(numbers):
     assert numbers["busy_device_shared_bytes"] > 0 and numbers["busy_full_precision_bytes"] > 0
     assert numbers["old_paged_top1_is_answer"] and numbers["old_paged_kl"] == 0
     assert numbers["old_swapped_p_answer"] == numbers["old_paged_p_answer"]  # a swap loses nothing
-    assert (
-        numbers["old_int8_kl"] < numbers["old_window_kl"]
-    )  # int8 keeps the password, a recent window drops it
+    # int8 keeps the password, a recent window drops it
+    assert numbers["old_int8_kl"] < numbers["old_window_kl"]
     assert numbers["old_window_p_answer"] < numbers["old_paged_p_answer"]
     assert numbers["old_h2o_remedy_seconds"] > numbers["old_swapped_remedy_seconds"]  # recompute > copy
 

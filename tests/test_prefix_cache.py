@@ -89,8 +89,8 @@ def test_evicted_blocks_are_recomputed(tiny_dir, tiny_model):
         model=tiny_model,
         block_size=BLOCK,
         prefix_caching=True,
-        kv_cache_bytes=6 * BLOCK * KV_BYTES_PER_TOKEN,
-    )  # 6 blocks: the others push target out
+        kv_cache_bytes=6 * BLOCK * KV_BYTES_PER_TOKEN,  # 6 blocks: the others push target out
+    )
     outputs = run_one_by_one(llm, [target] + others + [target], [params] * 8)
     assert_naive(tiny_model, outputs, [target] + others + [target], [params] * 8)
     assert outputs[0].token_ids == outputs[-1].token_ids

@@ -92,9 +92,8 @@ def test_a_filling_block_keeps_exact_keys_and_is_quantized_once_full():
     keys, values = pool.read(0, slots[:3])
     assert torch.equal(keys, k[:3])  # still staged: exact
     value_stored, value_scale = quantize(v[:3], FORMATS["int8"], dim=-1)
-    assert torch.equal(
-        values, dequantize(value_stored, value_scale, FORMATS["int8"])
-    )  # values: per token, at once
+    # values: per token, at once
+    assert torch.equal(values, dequantize(value_stored, value_scale, FORMATS["int8"]))
     pool.write(0, slots[3:], k[3:], v[3:])  # the block fills
     assert pool.staged_row[0, 2] == -1 and pool.staged_bytes == 0  # its row is given back
     keys, _ = pool.read(0, slots)
@@ -134,9 +133,8 @@ def test_accounting_counts_the_scales(tiny_dir, tiny_model, kv_dtype, key_scales
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, kv_cache_bytes=1 << 20)
     engine = llm.engine
     slots = engine.kv_cache.block_manager.num_blocks * engine.config.block_size
-    assert (
-        engine.kv_cache.pool.nbytes == engine.kv_cache.pool.bytes_per_slot * slots
-    )  # every byte of the pool, scales included
+    # every byte of the pool, scales included
+    assert engine.kv_cache.pool.nbytes == engine.kv_cache.pool.bytes_per_slot * slots
     full = tiny_model.config.kv_bytes_per_token(torch.float32)
     assert engine.kv_cache.pool.bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
 
@@ -165,8 +163,8 @@ def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, 
         kv_dtype=kv_dtype,
         block_size=4,
         max_num_batched_tokens=9,
-        kv_cache_bytes=30 * 4 * probe,
-    )  # 30 blocks: preemption
+        kv_cache_bytes=30 * 4 * probe,  # 30 blocks: preemption
+    )
     outputs = llm.generate(prompts, params)
     assert all(out.finished and len(out.token_ids) == 30 for out in outputs)
     assert llm.engine.num_preemptions > 0
@@ -396,9 +394,8 @@ def test_a_moved_entry_copies_values_and_token_keys_exactly_and_rounds_channel_k
             for head in range(2):
                 if (layer, slot, head) in moved:
                     continue
-                assert torch.equal(
-                    after[layer][1][slot, head], before[layer][1][slot, head]
-                )  # values untouched
+                # values untouched
+                assert torch.equal(after[layer][1][slot, head], before[layer][1][slot, head])
                 if (layer, slot // size, head) in anew:  # a key beside a newcomer: rounded once more
                     new_scale = pool.k_scale[layer, slot // size, head, :, 0].float()
                     assert (

@@ -441,7 +441,8 @@ def test_serve_on_a_port_in_use_is_one_line(capsys, model_dir):
 
 
 def test_llm_outputs_read_like_vllms(reference):
-    """`out.outputs[i].text`, `.token_ids`, `.finish_reason`: the README's LLM.generate script runs on both."""
+    """`out.outputs[i].text`, `.token_ids`, `.finish_reason`: the README's LLM.generate script runs
+    on both."""
     out = reference.generate([PROMPTS[0]], SamplingParams(max_tokens=6, n=2, temperature=1.0, seed=3))[0]
     assert [o.index for o in out.outputs] == [0, 1]
     assert [o.token_ids for o in out.outputs] == out.samples and out.outputs[0].text == out.text

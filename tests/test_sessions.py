@@ -29,9 +29,8 @@ def park(tiny_dir, tiny_model, path, **switches):
     out = llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True))[0]
     turn = prompt + out.token_ids
     kept = llm.engine.save_session(path, turn, extra={"note": "hi"})
-    assert (
-        kept == (len(turn) - 1) // BLOCK * BLOCK
-    )  # every computed full block (the last token has no KV yet)
+    # every computed full block (the last token has no KV yet)
+    assert kept == (len(turn) - 1) // BLOCK * BLOCK
     return turn
 
 

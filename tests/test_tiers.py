@@ -284,9 +284,9 @@ def corrupt_every_block_file(llm, damage):
     [
         lambda path: path.write_bytes(path.read_bytes()[:-7]),  # truncated
         lambda path: path.write_bytes(path.read_bytes()[:-1] + b"\x01"),  # a flipped byte
-        lambda path: path.unlink(),
+        lambda path: path.unlink(),  # gone
     ],
-)  # gone
+)
 def test_a_lost_block_file_is_recomputed_with_a_warning(tiny_dir, tiny_model, tmp_path, caplog, damage):
     prompts = mixed_prompts(8, seed=9)
     params = SamplingParams(max_tokens=12, ignore_eos=True)

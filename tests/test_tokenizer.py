@@ -183,7 +183,8 @@ def test_chat_template_matches_the_checkpoints_jinja_template(real_tokenizer, up
 def test_chat_template_injects_the_default_system_prompt(real_tokenizer):
     text = real_tokenizer.decode(real_tokenizer.encode_chat([{"role": "user", "content": "hello"}]))
     assert re.match(
-        r"<\|im_start\|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<\|im_end\|>\n",
+        r"<\|im_start\|>system\nYou are a helpful AI assistant named SmolLM, "
+        r"trained by Hugging Face<\|im_end\|>\n",
         text,
     )
     assert text.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")

