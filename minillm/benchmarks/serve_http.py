@@ -286,6 +286,7 @@ def bench_serve_http(
         server.terminate()
         server.wait(timeout=60)
     generate, served = best(generate_rounds), best(server_rounds)
+    matched = all(run["outputs_match_generate"] and run["all_finished"] for run in server_rounds)
     return {
         "clients": clients,
         "model": model,
@@ -300,9 +301,7 @@ def bench_serve_http(
             "llm_generate_tok_s": [run["output_tok_s"] for run in generate_rounds],
             "server_tok_s": [run["output_tok_s"] for run in server_rounds],
         },
-        "all_rounds_match_generate": all(
-            run["outputs_match_generate"] and run["all_finished"] for run in server_rounds
-        ),
+        "all_rounds_match_generate": matched,
         "blocks_held_after_all_finished": max(run["blocks_held_after"] for run in server_rounds),
         "disconnect": disconnect_summary(left, clients, after_disconnect, aborted_before),
         "blocks_total": after_disconnect["kv_blocks_total"],
