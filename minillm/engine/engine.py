@@ -116,6 +116,8 @@ class LLMEngine:
             seq_id, request_id, prompt_ids, params, min(self.context_len, len(prompt_ids) + params.max_tokens)
         )
         if sampler is not None:
+            if not callable(sampler):
+                raise ValueError(f"sampler must be callable with the next-token logits, not {sampler!r}")
             if params.n > 1 or params.beam_width > 1:
                 raise ValueError("A custom sampler drives one sequence; use n=1 and beam_width=1 with it.")
             seq.sampler = sampler

@@ -303,10 +303,8 @@ class Scheduler:
         for item in schedule.sequences:
             seq = item.seq
             seq.num_computed += item.num_tokens
-            computed_ids = seq.token_ids[: seq.num_computed]
-            dropped = self.kv_cache.computed(
-                seq.seq_id, computed_ids, seq.num_cached, len(seq.prompt_ids), seq.max_len
-            )
+            counts = (seq.num_computed, seq.num_cached, len(seq.prompt_ids), seq.max_len)
+            dropped = self.kv_cache.computed(seq.seq_id, seq.token_ids, *counts)
             seq.num_evicted += dropped
             evicted += dropped
         return evicted

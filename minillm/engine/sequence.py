@@ -50,10 +50,13 @@ class Sequence:
 
     def __post_init__(self):
         self.sampler = Sampler(self.params, self.sample_index)
+        self._token_ids = self.prompt_ids + self.output_ids  # kept as tokens are appended
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """Prompt and output tokens, in order: the sequence's own list, read every step (not a copy:
+        do not change it; `append` does)."""
+        return self._token_ids
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,7 @@ class Sequence:
         Finishing is the scheduler's call: it also gives the blocks back."""
         now = time.perf_counter()
         self.output_ids.append(token_id)
+        self._token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
         if token_id == eos_token_id and not self.params.ignore_eos:

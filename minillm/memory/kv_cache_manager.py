@@ -280,15 +280,20 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- after the forward pass
     def computed(
-        self, seq_id: int, computed_ids: list[int], num_cached: int, prompt_len: int, max_len: int
+        self,
+        seq_id: int,
+        token_ids: list[int],
+        num_computed: int,
+        num_cached: int,
+        prompt_len: int,
+        max_len: int,
     ) -> int:
-        """The sequence's tokens `computed_ids` (`num_cached` entries) now have their K/V in the
-        pool: newly full blocks become findable in the prefix cache, and a sequence over its budget
-        evicts. Returns the entries it dropped."""
-        num_computed = len(computed_ids)
+        """The sequence's first `num_computed` tokens of `token_ids` (`num_cached` entries) now have
+        their K/V in the pool: newly full blocks become findable in the prefix cache, and a
+        sequence over its budget evicts. Returns the entries it dropped."""
         cache = self.block_manager.prefix_cache
         if cache and num_cached == num_computed:  # once it evicts, its table no longer maps positions
-            cache.register(seq_id, self.block_manager.table(seq_id), computed_ids, num_computed)
+            cache.register(seq_id, self.block_manager.table(seq_id), token_ids, num_computed)
         if not self.ladder.evicts_now():
             return 0
         dropped = self.evictor.shrink(seq_id, num_cached, num_computed, prompt_len, max_len)
