@@ -193,9 +193,9 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, budget: int) -> int:
         """Ask for the blocks of the sequence's next chunk; return its length, or 0 if memory is
-        short. The manager may move the sequence's start: past prefix hits, or back to 0."""
+        short. A sequence that starts afresh starts past its prefix-cache hits (or at 0)."""
         grant = self.kv_cache.allocate(seq.seq_id, seq.token_ids, seq.num_computed, seq.num_cached, budget)
-        if grant.num_computed != seq.num_computed:
+        if grant.restart:
             seq.restart(grant.num_computed)
         return grant.num_tokens
 

@@ -48,11 +48,13 @@ COUNTERS = ("swapped_out", "swapped_in", "prefetched", "recomputed_tokens")
 @dataclass(frozen=True)
 class Allocation:
     """What `allocate` granted: `num_tokens` to compute now (0: memory is short, try later),
-    starting at `num_computed`, which differs from the sequence's own when its first blocks came
-    from the prefix cache (they are skipped) or its swapped-out KV was lost (it starts over)."""
+    starting at `num_computed`. `restart`: the sequence starts afresh (it held no blocks, or its
+    swapped-out KV was lost), its cache holding exactly its first `num_computed` tokens, those
+    the prefix cache gave (0 without a hit)."""
 
     num_tokens: int
     num_computed: int
+    restart: bool
 
 
 class KVCacheManager:
@@ -154,18 +156,18 @@ class KVCacheManager:
         copies = len(manager.shared_blocks(seq_id, start, end))
         if manager.is_swapped(seq_id):  # its blocks come back first, then it grows
             if not manager.can_swap_in([seq_id], extra=manager.blocks_missing(seq_id, end) + copies):
-                return Allocation(0, num_computed)
+                return Allocation(0, num_computed, starting)
             manager.swap_in([seq_id])
             self.counters["swapped_in"] += 1
         if not manager.can_grow(seq_id, end, adopting=hits, copies=copies):
-            return Allocation(0, num_computed)
+            return Allocation(0, num_computed, starting)
         if cache and starting:
             cache.record_lookup(token_ids, len(hits))
             manager.adopt(seq_id, hits)
             num_computed = skipped
         manager.grow(seq_id, end)
         manager.copy_on_write(seq_id, start, end)
-        return Allocation(num_tokens, num_computed)
+        return Allocation(num_tokens, num_computed, starting)
 
     def _can_come_back(self, seq_id: int, num_tokens: int, num_cached: int, budget: int) -> bool:
         """Can the swapped sequence's blocks return and take its next chunk? Not if a disk file is
