@@ -34,6 +34,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "kv_rows_cpu.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -44,58 +46,7 @@
 
 namespace {
 
-enum Format : int64_t { kModelDtype = 0, kInt8 = 1, kInt4 = 2, kFp8 = 3 };
-
-const float* fp8_table() {  // every e4m3 byte's value, computed once
-  static const std::vector<float> table = [] {
-    std::vector<float> values(256);
-    for (int bits = 0; bits < 256; ++bits)
-      values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
-    return values;
-  }();
-  return table.data();
-}
-
-// head_dim stored numbers of one row -> floats, before their scale and center
-template <typename scalar_t, int64_t FORMAT>
-inline void load_row(const void* row, int64_t head_dim, float* __restrict out) {
-  if constexpr (FORMAT == kModelDtype) {
-    const scalar_t* x = static_cast<const scalar_t*>(row);
-    for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(x[d]);
-  } else if constexpr (FORMAT == kInt8) {
-    const int8_t* x = static_cast<const int8_t*>(row);
-    for (int64_t d = 0; d < head_dim; ++d) out[d] = static_cast<float>(x[d]);
-  } else if constexpr (FORMAT == kInt4) {  // dimension 2i in the low nibble, 2i + 1 in the high one, + 8
-    const uint8_t* x = static_cast<const uint8_t*>(row);
-    for (int64_t i = 0; i < head_dim / 2; ++i) {
-      out[2 * i] = static_cast<float>(x[i] & 0x0F) - 8.f;
-      out[2 * i + 1] = static_cast<float>(x[i] >> 4) - 8.f;
-    }
-  } else {
-    const uint8_t* x = static_cast<const uint8_t*>(row);
-    const float* table = fp8_table();
-    for (int64_t d = 0; d < head_dim; ++d) out[d] = table[x[d]];
-  }
-}
-
-// exp(x) for x <= 0 (a score minus the running maximum), written so the compiler vectorizes a loop
-// of them: exp(x) = 2^k * 2^f with k = round(x * log2 e) and |f| <= 1/2, 2^f by a degree-6
-// polynomial (relative error < 2e-7), 2^k by writing k into the float's exponent bits.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.44269504f;  // x * log2(e); below -87 the result is ~0
-  const float k = std::nearbyint(t), f = t - k;
-  float p = 1.5403530e-4f;
-  p = p * f + 1.3333558e-3f;
-  p = p * f + 9.6181291e-3f;
-  p = p * f + 5.5504109e-2f;
-  p = p * f + 2.4022651e-1f;
-  p = p * f + 6.9314718e-1f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float two_k;
-  std::memcpy(&two_k, &bits, sizeof two_k);
-  return p * two_k;
-}
+using namespace kv_rows;
 
 // scores[j] = q . rows[j] for the n rows of a tile (restrict: nothing aliases, so q stays in registers)
 template <int64_t HEAD_DIM>
@@ -126,17 +77,6 @@ inline void add_weighted_rows(float* __restrict acc, float correction, const flo
   }
 }
 
-struct Pool {  // one layer of the KV pool, as the kernel reads it
-  const void* k;
-  const void* v;
-  const at::Half* k_scale;  // nullptr for the model's dtype
-  const at::Half* v_scale;
-  const void* k_staged;
-  const int32_t* staged_row;  // nullptr: no block is staged
-  bool keys_per_channel;
-  int64_t row_bytes;  // bytes of one stored row (head_dim numbers)
-  int64_t num_kv_heads, head_dim, block_size;
-};
 
 template <typename scalar_t, int64_t FORMAT, int64_t HEAD_DIM>
 void decode(const torch::Tensor& query, const Pool& pool, const torch::Tensor& block_tables,
@@ -280,46 +220,23 @@ std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Te
                                                   torch::Tensor staged_row, torch::Tensor block_tables,
                                                   torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
                                                   bool keys_per_channel, bool with_mass) {
-  for (const auto& t : {query, k, v, k_scale, v_scale, k_staged, staged_row, block_tables, context_lens})
-    TORCH_CHECK(t.is_contiguous(), "the query and the pool's tensors must be contiguous");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
-                  staged_row.scalar_type() == torch::kInt32, "block_tables, context_lens and staged_row must be int32");
-  TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8, "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
-  TORCH_CHECK(query.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
-  const int64_t head_dim = query.size(2), per_byte = kv_format == kInt4 ? 2 : 1;
-  TORCH_CHECK(k.size(2) * per_byte == head_dim, "the cache rows must hold head_dim numbers");
-  if (kv_format == kModelDtype) {
-    TORCH_CHECK(k.scalar_type() == query.scalar_type(), "a cache in the model's dtype must have the query's dtype");
-  } else {
-    TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf && k_scale.numel() > 0 &&
-                    v_scale.numel() > 0, "a quantized cache needs fp16 k_scale and v_scale");
-    TORCH_CHECK(!keys_per_channel || (staged_row.numel() > 0 && k_staged.scalar_type() == query.scalar_type()),
-                "keys quantized per channel need staged_row and k_staged in the query's dtype");
-  }
-  const Pool pool{k.data_ptr(), v.data_ptr(),
-                  kv_format == kModelDtype ? nullptr : k_scale.data_ptr<at::Half>(),
-                  kv_format == kModelDtype ? nullptr : v_scale.data_ptr<at::Half>(),
-                  k_staged.numel() > 0 ? k_staged.data_ptr() : nullptr,
-                  kv_format != kModelDtype && keys_per_channel ? staged_row.data_ptr<int32_t>() : nullptr,
-                  keys_per_channel, k.size(2) * k.element_size(), k.size(1), head_dim, block_size};
+  const Pool pool = pool_of(query, {block_tables, context_lens}, k, v, k_scale, v_scale, k_staged, staged_row,
+                            block_size, kv_format, keys_per_channel);
+  const int64_t head_dim = query.size(2);
   auto out = torch::empty_like(query);
   const int64_t width = context_lens.numel() > 0 ? context_lens.max().item<int32_t>() : 0;
   auto mass = with_mass ? torch::zeros({query.size(0), k.size(1), width}, query.options().dtype(torch::kFloat))
                         : torch::empty({0}, query.options().dtype(torch::kFloat));
   float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode", [&] {
+  with_dtype(query.scalar_type(), [&](auto dtype) {
+    using scalar_t = decltype(dtype);
     auto run = [&](auto format) {
       constexpr int64_t FORMAT = decltype(format)::value;
       if (head_dim == 64) decode<scalar_t, FORMAT, 64>(query, pool, block_tables, context_lens, out, mass_ptr, width);
       else if (head_dim == 128) decode<scalar_t, FORMAT, 128>(query, pool, block_tables, context_lens, out, mass_ptr, width);
       else decode<scalar_t, FORMAT, 0>(query, pool, block_tables, context_lens, out, mass_ptr, width);
     };
-    switch (kv_format) {
-      case kInt8: run(std::integral_constant<int64_t, kInt8>{}); break;
-      case kInt4: run(std::integral_constant<int64_t, kInt4>{}); break;
-      case kFp8: run(std::integral_constant<int64_t, kFp8>{}); break;
-      default: run(std::integral_constant<int64_t, kModelDtype>{});
-    }
+    with_format(kv_format, run);
   });
   return {out, mass};
 }

@@ -22,7 +22,7 @@ a warp per position stripe, lanes across head_dim.
 import torch
 from _common import console, lesson_args, save_numbers, table  # noqa: E402
 
-from minillm.attention.kernels import decode_backend  # noqa: E402
+from minillm.attention.kernels import kernel_backend  # noqa: E402
 from minillm.attention.reference import paged_decode_attention  # noqa: E402
 from minillm.benchmarks.attention import bench_attention, make_case  # noqa: E402
 
@@ -59,7 +59,7 @@ def check_kernels() -> float:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     rows, worst = [], 0.0
     for device in devices:
-        kernel = decode_backend(device)  # builds with load_inline on first use (cached afterwards)
+        kernel = kernel_backend(device).decode  # builds with load_inline on first use (cached afterwards)
         for kv_dtype in ("auto", "int8", "int4"):
             for batch, context in ((1, 37), (8, 300), (32, 1024)):
                 case = make_case(batch, context, device, torch.float32, kv_dtype, seed=batch)

@@ -45,7 +45,9 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
     prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
-    attention_backend: str = "torch"  # decode attention: the torch reference, or a C++ or CUDA kernel
+    attention_backend: str = "auto"  # the C++ or CUDA kernels, the torch reference, or "auto": the
+    #   kernel this machine builds (C++ on cpu, CUDA on a GPU), torch if it does not build
+    flash_prefill: bool = True  # with a kernel backend, prefill chunks go through its flash kernel too
     # --- KV compression (minillm.memory.quantization, minillm.memory.eviction); both lossy
     kv_dtype: str = "auto"  # "auto" (the model's dtype), int8, int4 (two per byte) or fp8 (e4m3)
     kv_key_scales: str = "channel"  # quantized keys share a scale per channel of a block, or per token
@@ -77,7 +79,10 @@ class EngineConfig:
             )
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {self.device!r}.")
-        if self.attention_backend != "torch" and self.attention_backend != self.device.split(":")[0]:
+        if (
+            self.attention_backend not in ("torch", "auto")
+            and self.attention_backend != self.device.split(":")[0]
+        ):
             raise ConfigError(
                 f"attention_backend={self.attention_backend!r} cannot read a KV cache on "
                 f"device={self.device!r}; use the matching device or attention_backend='torch'."
@@ -239,8 +244,14 @@ SWITCHES = {
         Switch(
             "attention_backend",
             "engine",
-            "decode attention: torch reference, C++ or CUDA kernel (default: %(default)s)",
-            choices=("torch", "cpu", "cuda"),
+            "attention: the C++ (cpu) or CUDA kernel, the torch reference, or auto: the kernel for "
+            "the device if it builds, else torch (default: %(default)s)",
+            choices=("auto", "torch", "cpu", "cuda"),
+        ),
+        Switch(
+            "flash_prefill",
+            "engine",
+            "with a kernel backend, attend prefill chunks with its flash kernel, not torch (default: on)",
         ),
         Switch(
             "scheduling",

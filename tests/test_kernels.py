@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from minillm.attention.kernels import CUDA_SOURCE, decode_backend
-from minillm.attention.reference import causal_attention, paged_decode_attention
+from minillm.attention.kernels import CUDA_SOURCE, kernel_backend
+from minillm.attention.reference import causal_attention, paged_decode_attention, paged_prefill_attention
 from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
@@ -143,7 +143,7 @@ def test_the_batched_reference_is_causal_attention_per_sequence(kv_dtype, key_sc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_matches_reference(shape, dtype):
     expected, _ = paged_decode_attention(**random_case(sum(shape), *shape, rounded_to=dtype))
-    got, _ = decode_backend("cpu")(**random_case(sum(shape), *shape, dtype=dtype))
+    got, _ = kernel_backend("cpu").decode(**random_case(sum(shape), *shape, dtype=dtype))
     assert (got.float() - expected.float()).abs().max() <= TOLERANCE[dtype]
 
 
@@ -152,7 +152,7 @@ def test_cpu_kernel_matches_reference(shape, dtype):
 def test_cpu_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales):
     case = random_case(7 + sum(shape), *shape, kv_dtype, key_scales)
     expected, expected_mass = paged_decode_attention(**case, with_mass=True)
-    got, mass = decode_backend("cpu")(**case, with_mass=True)
+    got, mass = kernel_backend("cpu").decode(**case, with_mass=True)
     assert (got - expected).abs().max() <= 1e-5
     assert (mass - expected_mass).abs().max() <= 1e-5
 
@@ -160,17 +160,105 @@ def test_cpu_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales)
 def test_cpu_kernel_attention_mass_sums_to_the_group_size():
     case = random_case(3, 6, 9, 3, 64, 16)
     # (S, kv_heads, longest): each head's probabilities
-    _, mass = decode_backend("cpu")(**case, with_mass=True)
+    _, mass = kernel_backend("cpu").decode(**case, with_mass=True)
     assert torch.allclose(mass.sum(-1), torch.full((6, 3), 3.0), atol=1e-4)
     for seq, length in enumerate(case["context_lens"].tolist()):
         assert (mass[seq, :, length:] == 0).all()  # nothing past a sequence's context
 
 
-def test_engine_with_cpu_kernel_gives_naive_tokens(tiny_dir, tiny_model):
+def relative_error(got, expected) -> float:
+    """The largest error, relative to the number's size where it exceeds 1."""
+    return float(((got.float() - expected.float()) / expected.float().abs().clamp(min=1)).abs().max())
+
+
+def prefill_case(seed, *shape, dtype=torch.float32, rounded_to=None, **pool_switches):
+    """`random_case`'s pool and tables, with a prefill chunk per sequence: its last 1..all entries
+    are queries (one sequence's chunk may be a single query, as a decode token is)."""
+    case = random_case(seed, *shape, dtype=dtype, rounded_to=rounded_to, **pool_switches)
+    rng = random.Random(seed)
+    lens = case.pop("context_lens").tolist()
+    del case["query"]
+    chunks = [rng.randint(1, n) for n in lens]
+    bounds = [0]
+    for n in chunks:
+        bounds.append(bounds[-1] + n)
+    indices = [length - n + i for length, n in zip(lens, chunks) for i in range(n)]
+    query = torch.randn(bounds[-1], shape[1], shape[3], generator=torch.Generator().manual_seed(seed))
+    if rounded_to is not None:
+        query = query.to(rounded_to).float()
+    device = case["block_tables"].device
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return {
+        **case,
+        "query": query.to(device, dtype),
+        "cu_seqlens": ints(bounds),
+        "q_indices": ints(indices),
+        "context_lens": ints(lens),
+    }
+
+
+def test_the_prefill_reference_is_one_causal_attention_per_sequence():
+    """Chunks of one long prompt, attended chunk after chunk through the pool, give what a single
+    causal_attention over the whole prompt gives."""
+    case = random_case(2, 1, 9, 3, 64, 16)
+    length = int(case["context_lens"][0])
+    query = torch.randn(length, 9, 64)
+    positions = torch.arange(length)
+    keys, values = case["pool"].read(0, case["block_tables"][0, positions // 16].long() * 16 + positions % 16)
+    whole = causal_attention(query, keys, values, positions)
+    start = 0
+    for end in sorted({length // 3, length // 2, length}):
+        if end <= start:
+            continue
+        chunk, _ = paged_prefill_attention(
+            query[start:end],
+            case["pool"],
+            0,
+            case["block_tables"],
+            torch.tensor([0, end - start], dtype=torch.int32),
+            torch.arange(start, end, dtype=torch.int32),
+            torch.tensor([end], dtype=torch.int32),
+        )
+        assert (chunk - whole[start:end]).abs().max() <= 1e-5
+        start = end
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_flash_prefill_kernel_matches_reference(shape, dtype):
+    """Within the tolerance relative to the output's size (a prefill output may reach 4, where
+    bf16's rounding step is 1/32)."""
+    expected, _ = paged_prefill_attention(**prefill_case(sum(shape), *shape, rounded_to=dtype))
+    got, _ = kernel_backend("cpu").prefill(**prefill_case(sum(shape), *shape, dtype=dtype))
+    assert relative_error(got, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("kv_dtype, key_scales", [("auto", "channel"), *FORMATS_TESTED])
+@pytest.mark.parametrize("shape", SHAPES[:2] + SHAPES[3:])
+def test_flash_prefill_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales):
+    """Every KV format, staged filling blocks included, and the attention mass H2O needs (a sum of
+    up to a chunk's worth of probabilities per entry: compared relative to the largest)."""
+    case = prefill_case(11 + sum(shape), *shape, kv_dtype=kv_dtype, key_scales=key_scales)
+    expected, expected_mass = paged_prefill_attention(**case, with_mass=True)
+    got, mass = kernel_backend("cpu").prefill(**case, with_mass=True)
+    assert relative_error(got, expected) <= 2e-5  # sums in another order than torch's, over up to 300 entries
+    assert (mass - expected_mass).abs().max() <= 1e-5 * max(1.0, float(expected_mass.max()))
+    assert relative_error(kernel_backend("cpu").prefill(**case)[0], expected) <= 2e-5  # without mass too
+
+
+@pytest.mark.parametrize("switches", [{}, {"max_num_batched_tokens": 13, "prefix_caching": True}])
+def test_engine_with_cpu_kernel_gives_naive_tokens(tiny_dir, tiny_model, switches):
+    """Decode and flash prefill (whole prompts, or chunks of 13 tokens over prefix-cache hits)."""
     rng = random.Random(21)
-    prompts = [[rng.randrange(97) for _ in range(rng.randint(1, 60))] for _ in range(24)]
+    shared = [rng.randrange(97) for _ in range(20)]
+    prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 60))] for _ in range(24)]
     params = [SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True) for _ in prompts]
-    llm = LLM(tiny_dir, model=tiny_model, attention_backend="cpu", block_size=8, kv_cache_bytes=4 << 20)
+    llm = LLM(
+        tiny_dir, model=tiny_model, attention_backend="cpu", block_size=8, kv_cache_bytes=4 << 20, **switches
+    )
     for out, prompt, sp in zip(llm.generate(prompts, params), prompts, params):
         assert out.token_ids == generate(tiny_model, prompt, sp, "naive").token_ids
 
@@ -238,7 +326,8 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("minillm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"kernels_cuda/paged_attention.cu", "kernels_cuda/paged_attention_cpu.cpp"} <= names
+    kernels = ("paged_attention.cu", "paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "kv_rows_cpu.h")
+    assert {f"kernels_cuda/{name}" for name in kernels} <= names
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
@@ -272,7 +361,7 @@ def test_cuda_kernel_compiles_with_nvcc(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cuda_kernel_matches_reference(shape, dtype):
     expected, _ = paged_decode_attention(**random_case(sum(shape), *shape, device="cuda", rounded_to=dtype))
-    got, _ = decode_backend("cuda")(**random_case(sum(shape), *shape, dtype=dtype, device="cuda"))
+    got, _ = kernel_backend("cuda").decode(**random_case(sum(shape), *shape, dtype=dtype, device="cuda"))
     assert (got.float() - expected.float()).abs().max() <= TOLERANCE[dtype]
 
 
@@ -281,7 +370,7 @@ def test_cuda_kernel_matches_reference(shape, dtype):
 def test_cuda_kernel_reads_quantized_blocks_in_place(kv_dtype, key_scales):
     case = random_case(3, 9, 9, 3, 64, 16, kv_dtype, key_scales, device="cuda")
     expected, expected_mass = paged_decode_attention(**case, with_mass=True)
-    got, mass = decode_backend("cuda")(**case, with_mass=True)
+    got, mass = kernel_backend("cuda").decode(**case, with_mass=True)
     assert (got - expected).abs().max() <= 1e-5
     assert (mass - expected_mass).abs().max() <= 1e-5
 

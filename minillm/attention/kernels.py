@@ -1,29 +1,38 @@
-"""Decode attention kernels: a C++ CPU kernel and a CUDA kernel.
+"""Attention kernels: C++ for the CPU, CUDA for a GPU, and the backend a run attends with.
 
-Both implement the contract of the torch reference `paged_decode_attention(query, pool, layer,
-block_tables, context_lens, with_mass)` (see `reference.py`) and are checked against it: they
-read the pool's layer as it is stored (`pool.layer(l)`: numbers in the model's dtype, or int8 /
-int4 / fp8 with their scales and centres and the filling blocks' staged keys), dequantize in
-registers, and can return the attention mass H2O accumulates. `EngineConfig.attention_backend`
-"cpu" or "cuda" hands the step's decode tokens to one of them; with "torch" the reference
-itself attends them (`attention/paged.py`). The kernels' sources live in `kernels_cuda/`, installed
-with minillm as package data, and are compiled on first use with
-`torch.utils.cpp_extension.load_inline`; the build is cached (under ~/.cache/torch_extensions)
+Each kernel implements the contract of a torch reference in `reference.py` and is checked
+against it: `paged_decode_attention` (one query per sequence: `paged_attention_decode`) and
+`paged_prefill_attention` (every prefill chunk of a step, ragged: `paged_attention_prefill`, the
+flash kernel; C++ only so far). They read the pool's layer as it is stored (`pool.layer(l)`:
+numbers in the model's dtype, or int8 / int4 / fp8 with their scales and centres and the filling
+blocks' staged keys), dequantize in registers, and can return the attention mass H2O accumulates.
+
+`attention_backend(config)` is what a run gets: `EngineConfig.attention_backend` "cpu" or "cuda"
+names a kernel, "torch" the references, and "auto" (the default) the kernel of the config's device
+when it builds here, else torch, with one line on stderr saying why. The kernels' sources live in
+`kernels_cuda/`, installed with minillm as package data, and are compiled on first use with
+`torch.utils.cpp_extension`; the build is cached (under ~/.cache/torch_extensions)
 and reused by later runs.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
+from dataclasses import dataclass
 from importlib.resources import files
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from minillm.config import ConfigError
+from minillm.attention.reference import paged_decode_attention, paged_prefill_attention
+from minillm.config import ConfigError, EngineConfig
 
-CPU_SOURCE = files("kernels_cuda") / "paged_attention_cpu.cpp"  # package data, wherever minillm is installed
-CUDA_SOURCE = files("kernels_cuda") / "paged_attention.cu"
+SOURCES = files("kernels_cuda")  # package data, wherever minillm is installed
+# both kernels include kv_rows_cpu.h; the bindings declare them to Python
+CPU_SOURCES = ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "cpu_bindings.cpp")
+CUDA_SOURCE = SOURCES / "paged_attention.cu"
 # -march=native: this machine's vector width (the build is cached per machine). The three math
 # flags let the compiler reorder the float sums of the dot products, so it can vectorize them.
 CPU_FLAGS = [
@@ -34,7 +43,7 @@ CPU_FLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
-# the kernel's signature, for the binding (the .cu defines it)
+# the decode kernel's signature, for the binding (the .cu defines it)
 DECLARATION = (
     "std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, "
     "torch::Tensor v, torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged, "
@@ -44,19 +53,20 @@ DECLARATION = (
 FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format -> the kernels' kv_format
 
 
-def build(name: str, **sources) -> object:
-    from torch.utils.cpp_extension import load_inline
+def build(name: str, compile_it: Callable) -> object:
+    """compile_it(name), with one line on stderr the first time this machine builds `name`, and
+    a ConfigError saying what failed if it does not build."""
+    from torch.utils.cpp_extension import get_default_build_root
 
+    if not any(
+        Path(get_default_build_root()).glob(f"*/{name}/{name}.so")
+    ):  # torch's <root>/<python+torch>/<name>
+        _say_once(f"minillm: building the {name} kernels (once per machine, about a minute)...")
     try:
-        return load_inline(
-            name=name,
-            functions=["paged_attention_decode"],
-            extra_cflags=CPU_FLAGS,
-            extra_cuda_cflags=["-O3"],
-            **sources,
-        )
+        return compile_it(name)
     except Exception as err:  # compiler missing, compile error, ...
-        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        reason = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()
         raise ConfigError(
             f"The {name} kernel did not build ({reason}); use attention_backend='torch'."
         ) from err
@@ -64,7 +74,14 @@ def build(name: str, **sources) -> object:
 
 @functools.cache
 def cpu_kernel():
-    return build("minillm_paged_attention_cpu", cpp_sources=[CPU_SOURCE.read_text()])
+    """Decode and flash prefill, each file its own translation unit (they compile side by side)."""
+    from torch.utils.cpp_extension import load
+
+    def compile_it(name):
+        sources = [str(SOURCES / file) for file in CPU_SOURCES]
+        return load(name, sources, extra_cflags=CPU_FLAGS, extra_include_paths=[str(SOURCES)])
+
+    return build("minillm_attention_cpu", compile_it)
 
 
 @functools.cache
@@ -73,41 +90,93 @@ def cuda_kernel():
         raise ConfigError(
             "attention_backend='cuda' needs a CUDA GPU, and torch sees none; use 'cpu' or 'torch'."
         )
-    return build(
-        "minillm_paged_attention_cuda", cpp_sources=[DECLARATION], cuda_sources=[CUDA_SOURCE.read_text()]
+    from torch.utils.cpp_extension import load_inline
+
+    def compile_it(name):
+        return load_inline(
+            name,
+            cpp_sources=[DECLARATION],
+            cuda_sources=[CUDA_SOURCE.read_text()],
+            functions=["paged_attention_decode"],
+            extra_cuda_cflags=["-O3"],
+        )
+
+    return build("minillm_paged_attention_cuda", compile_it)
+
+
+def _stored(pool, layer: int) -> tuple:
+    """The layer's tensors as stored, and how to read them, in the order the kernels take them."""
+    kv = pool.layer(layer)
+    return (kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_staged, kv.staged_row), (
+        pool.block_size,
+        FORMAT_CODES[kv.kv_format],
+        kv.keys_per_channel,
     )
 
 
-def reading_the_pool(kernel_fn) -> Callable:
-    """The reference's signature around a kernel: it hands the kernel the layer's stored tensors."""
+def decoding_in(kernel_fn) -> Callable:
+    """`reference.paged_decode_attention`'s signature around a decode kernel."""
 
     def attend(query, pool, layer, block_tables, context_lens, with_mass=False):
-        kv = pool.layer(layer)
+        tensors, how = _stored(pool, layer)
+        out, mass = kernel_fn(query, *tensors, block_tables, context_lens, *how, with_mass)
+        return out, (mass if with_mass else None)
+
+    return attend
+
+
+def prefilling_in(kernel_fn) -> Callable:
+    """`reference.paged_prefill_attention`'s signature around a flash prefill kernel."""
+
+    def attend(query, pool, layer, block_tables, cu_seqlens, q_indices, context_lens, with_mass=False):
+        tensors, how = _stored(pool, layer)
         out, mass = kernel_fn(
-            query,
-            kv.k,
-            kv.v,
-            kv.k_scale,
-            kv.v_scale,
-            kv.k_staged,
-            kv.staged_row,
-            block_tables,
-            context_lens,
-            pool.block_size,
-            FORMAT_CODES[kv.kv_format],
-            kv.keys_per_channel,
-            with_mass,
+            query, *tensors, block_tables, cu_seqlens, q_indices, context_lens, *how, with_mass
         )
         return out, (mass if with_mass else None)
 
     return attend
 
 
-def decode_backend(name: str) -> Callable:
-    """The decode kernel for `attention_backend=name` ("cpu" or "cuda"), with the signature of
-    `reference.paged_decode_attention`; builds it if needed."""
+@dataclass(frozen=True)
+class Backend:
+    """How a run attends: decode tokens with `decode`, prefill chunks with `prefill` (each with
+    its reference's signature)."""
+
+    name: str  # "cpu", "cuda" or "torch"
+    decode: Callable
+    prefill: Callable
+
+
+TORCH = Backend("torch", paged_decode_attention, paged_prefill_attention)
+
+
+def kernel_backend(name: str, flash_prefill: bool = True) -> Backend:
+    """The kernels of `name` ("cpu" or "cuda"), built if needed; prefill chunks through the flash
+    kernel with `flash_prefill` (the CUDA twin does not exist yet: torch there), else torch."""
     if name == "cpu":
-        return reading_the_pool(cpu_kernel().paged_attention_decode)
+        kernel = cpu_kernel()
+        prefill = prefilling_in(kernel.paged_attention_prefill) if flash_prefill else paged_prefill_attention
+        return Backend("cpu", decoding_in(kernel.paged_attention_decode), prefill)
     if name == "cuda":
-        return reading_the_pool(cuda_kernel().paged_attention_decode)
-    raise ConfigError(f"There is no {name!r} decode kernel; the kernels are 'cpu' and 'cuda'.")
+        return Backend("cuda", decoding_in(cuda_kernel().paged_attention_decode), paged_prefill_attention)
+    raise ConfigError(f"There is no {name!r} kernel; the kernels are 'cpu' and 'cuda'.")
+
+
+def attention_backend(config: EngineConfig) -> Backend:
+    """The backend `config` asks for; "auto": its device's kernel if it builds, else torch (one
+    line on stderr says why)."""
+    if config.attention_backend == "torch":
+        return TORCH
+    if config.attention_backend != "auto":
+        return kernel_backend(config.attention_backend, config.flash_prefill)
+    try:
+        return kernel_backend(config.device.split(":")[0], config.flash_prefill)
+    except ConfigError as err:
+        _say_once(f"minillm: attention_backend auto falls back to torch: {err}")
+        return TORCH
+
+
+@functools.cache
+def _say_once(line: str) -> None:
+    print(line, file=sys.stderr)

@@ -2,8 +2,10 @@
 
 Every KV layout in minillm (no cache, one contiguous cache, paged blocks later) ends by handing
 `causal_attention` the keys and values of one sequence in position order. It is the readable
-truth the faster paths are checked against. `paged_decode_attention` is its batched form for
-decode tokens, reading a paged pool through block tables: the kernels' contract.
+truth the faster paths are checked against. Its two paged forms read a paged pool through block
+tables and state the kernels' contracts: `paged_decode_attention` for decode tokens (one query per
+sequence, all sequences in two batched matmuls) and `paged_prefill_attention` for prefill chunks
+(ragged: every chunk of a step in one call, its queries given by cu_seqlens).
 
 Grouped-query attention (GQA): `num_heads` query heads share `num_kv_heads` key/value heads, in
 groups of `group = num_heads // num_kv_heads` (SmolLM2: 9 query heads, 3 KV heads, groups of 3).
@@ -77,3 +79,49 @@ def paged_decode_attention(
     probs = torch.softmax(scores.float(), dim=-1)  # fp32 softmax, as in causal_attention
     out = (probs.to(values.dtype) @ values.transpose(1, 2)).view(num_seqs, num_heads, head_dim)
     return out, (probs.sum(dim=2) if with_mass else None)
+
+
+def context_slots(block_table: torch.Tensor, block_size: int, context_len: int) -> torch.Tensor:
+    """Slots of entries 0..context_len-1: table[i // block_size] * block_size + i % block_size."""
+    indices = torch.arange(context_len, device=block_table.device)
+    return block_table[indices // block_size].long() * block_size + indices % block_size
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    pool,
+    layer: int,
+    block_tables: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    q_indices: torch.Tensor,
+    context_lens: torch.Tensor,
+    with_mass: bool = False,
+):
+    """Attention for every prefill chunk of a step, through the block tables: the contract of the
+    flash prefill kernels, and the torch backend's prefill path.
+
+    query (Nq, num_heads, head_dim): the chunks' queries end to end, sequence s owning rows
+    cu_seqlens[s]..cu_seqlens[s+1]-1 (cu_seqlens (S+1,) int32); q_indices (Nq,) int32 each query's
+    cache index (it sees entries 0..q_index); block_tables (S, max_blocks) int32; context_lens (S,)
+    int32 the entries of each sequence, its chunk included. Returns out (Nq, num_heads, head_dim)
+    and, with `with_mass`, the attention each entry received, summed over the chunk's queries and
+    the query heads of its KV head: (S, num_kv_heads, longest context) fp32 (else None).
+
+    One sequence at a time: read its history (`pool.read` dequantizes whatever it stores) and hand
+    it to `causal_attention`, which builds the whole (queries x entries) score matrix.
+    """
+    out = torch.empty_like(query)
+    bounds, lens = cu_seqlens.tolist(), context_lens.tolist()
+    mass = None
+    if with_mass:
+        num_kv_heads = pool.layer(layer).k.shape[1]
+        mass = torch.zeros(len(lens), num_kv_heads, max(lens), device=query.device)
+    for s, context_len in enumerate(lens):
+        rows = slice(bounds[s], bounds[s + 1])
+        keys, values = pool.read(layer, context_slots(block_tables[s], pool.block_size, context_len))
+        attended = causal_attention(query[rows], keys, values, q_indices[rows], with_key_mass=with_mass)
+        if with_mass:
+            out[rows], mass[s, :, :context_len] = attended
+        else:
+            out[rows] = attended
+    return out, mass

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from minillm.attention.kernels import decode_backend
+from minillm.attention.kernels import kernel_backend
 from minillm.attention.reference import paged_decode_attention
 from minillm.benchmarks import copy_bandwidth
 from minillm.config import SWITCHES, ConfigError, ModelConfig
@@ -137,7 +137,7 @@ def bench_attention(
         )
     backends = {"torch_reference": paged_decode_attention}
     kernel = "cpu_kernel" if device == "cpu" else "cuda_kernel"
-    backends[kernel] = decode_backend("cpu" if device == "cpu" else "cuda")
+    backends[kernel] = kernel_backend("cpu" if device == "cpu" else "cuda").decode
     roof = copy_bandwidth(device)
     rows = []
     for kv_dtype in kv_dtypes:

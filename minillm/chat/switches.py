@@ -105,6 +105,7 @@ ENGINE_SETTINGS = {
     "block_size": "tokens per block",
     "prefix_caching": "",
     "attention_backend": "",
+    "flash_prefill": "",
     "kv_cache_mb": "device pool MiB",
     "host_cache_mb": "host pool MiB, 0 = none",
 }

@@ -13,7 +13,7 @@ import math
 
 from minillm.config import SWITCHES, Switch
 
-# the decode attention backends the CPU benchmarks compare
+# the attention backends a CPU benchmark can be asked for
 CPU_BACKENDS = tuple(b for b in SWITCHES["attention_backend"].choices if b != "cuda")
 
 
@@ -72,8 +72,8 @@ def add_switch(parser, name: str, **overrides) -> None:
     choices or give it its own help, default or nargs."""
     switch = SWITCHES[name]
     spec = {"default": switch.default, "help": switch.help}
-    if switch.on_off:
-        spec["action"] = "store_true"
+    if switch.on_off:  # --flag and --no-flag
+        spec["action"] = argparse.BooleanOptionalAction
     elif switch.choices:
         spec["choices"] = switch.choices
     elif switch.minimum is not None:
@@ -156,7 +156,7 @@ def engine_argv(args) -> list[str]:
     for switch in _declared(args):
         value = getattr(args, switch.dest)
         if switch.on_off:
-            argv += [switch.option] if value else []
+            argv.append(switch.option if value else "--no-" + switch.option[2:])
         elif value is not None:
             argv += [switch.option, str(value)]
     return argv

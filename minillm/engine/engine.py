@@ -27,8 +27,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.attention.kernels import decode_backend
-from minillm.attention.reference import paged_decode_attention
+from minillm.attention.kernels import attention_backend
 from minillm.config import ConfigError, EngineConfig
 from minillm.engine.beam import BeamGroup
 from minillm.engine.outputs import EngineStats, RequestOutput
@@ -66,12 +65,7 @@ class LLMEngine:
             model_config.vocab_size,
             config.admission,
         )
-        decode_attention = (
-            paged_decode_attention
-            if config.attention_backend == "torch"
-            else decode_backend(config.attention_backend)
-        )
-        self.runner = ModelRunner(self.model, self.kv_cache, decode_attention)
+        self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
         self.beam_groups: dict[str, BeamGroup] = {}
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step

@@ -6,34 +6,35 @@ position (for RoPE) and its *slot* (where its k and v go, through its sequence's
 for each sequence, which slots hold its history. That is everything attention needs
 (`attention/paged.py`); the model itself never sees a block.
 
-Decode tokens (one query each) are attended together, by the batched torch reference or a
-kernel; prefill chunks sequence by sequence in torch. Both can report the attention each key
-received, which the runner adds to the sequence's H2O accumulator (the KV cache manager's).
+Decode tokens (one query each) are attended together, and so are prefill chunks (many queries
+each, ragged), by the run's backend: the torch references or the kernels (`attention/kernels.py`).
+Both can report the attention each key received, which the runner adds to the sequence's H2O
+accumulator (the KV cache manager's).
 """
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-from minillm.attention.paged import DecodeBatch, PagedAttention, SequenceSlice, context_slots
+from minillm.attention.kernels import Backend
+from minillm.attention.paged import DecodeBatch, PagedAttention, PrefillBatch
 from minillm.engine.scheduler import ScheduledSequence
 from minillm.memory import KVCacheManager
 from minillm.model import Transformer
 
 
 class ModelRunner:
-    def __init__(self, model: Transformer, kv_cache: KVCacheManager, decode_attention: Callable):
+    def __init__(self, model: Transformer, kv_cache: KVCacheManager, backend: Backend):
         self.model, self.kv_cache = model, kv_cache
-        self.decode_attention = decode_attention  # the torch reference or a kernel: all decode tokens at once
+        self.backend = backend  # attends the step's decode tokens at once, and its prefill chunks at once
 
     def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
         """One forward pass over every scheduled token, sequences laid end to end.
         Returns the hidden states (N, hidden) and each sequence's last row."""
         device, kv_cache = self.model.device, self.kv_cache
-        token_ids, positions, write_slots, sequences = [], [], [], []
-        decode_rows, decode_tables, decode_lens, decoding, last_rows = [], [], [], [], []
+        token_ids, positions, write_slots, last_rows = [], [], [], []
+        decode_rows, decode_tables, decode_lens, decoding = [], [], [], []
+        chunks, chunk_tables, prefilling = [], [], []
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             first, end = seq.num_cached, seq.num_cached + n  # cache indices of the new tokens
@@ -41,33 +42,40 @@ class ModelRunner:
             token_ids += seq.token_ids[seq.num_computed : seq.num_computed + n]
             positions += range(seq.num_computed, seq.num_computed + n)
             write_slots += kv_cache.slots(seq.seq_id, first, end)
-            table = kv_cache.table(seq.seq_id)
             if n == 1:  # one query: a decode token
                 decode_rows.append(row)
-                decode_tables.append(table)
+                decode_tables.append(kv_cache.table(seq.seq_id))
                 decode_lens.append(end)
-                decoding.append(seq)
+                decoding.append((seq, end))
             else:
-                queries = torch.arange(first, end, device=device)
-                context = context_slots(table, kv_cache.block_size, end, device)
-                mass = kv_cache.attention_mass(seq.seq_id, end)
-                sequences.append(SequenceSlice(row, row + n, queries, context, mass))
+                chunks.append((row, first, n))
+                chunk_tables.append(kv_cache.table(seq.seq_id))
+                prefilling.append((seq, end))
             last_rows.append(row + n - 1)
-        decode = self._decode_batch(decode_rows, decode_tables, decode_lens) if decode_rows else None
+        mass_layers, kv_heads = self._mass_layers(), self.model.config.num_kv_heads
+        decode = (
+            DecodeBatch.of(decode_rows, decode_tables, decode_lens, device, mass_layers, kv_heads)
+            if decode_rows
+            else None
+        )
+        prefill = PrefillBatch.of(chunks, chunk_tables, device, mass_layers, kv_heads) if chunks else None
         slots = torch.tensor(write_slots, device=device)
-        ctx = PagedAttention(kv_cache.pool, slots, sequences, decode, self.decode_attention)
+        ctx = PagedAttention(kv_cache.pool, slots, decode, prefill, self.backend)
         ids, positions = torch.tensor(token_ids, device=device), torch.tensor(positions, device=device)
         hidden = self.model(ids, positions, ctx)
-        if decode is not None and decode.mass is not None:
-            for i, (seq, end) in enumerate(zip(decoding, decode_lens)):
-                kv_cache.attention_mass(seq.seq_id, end)[..., :end] += decode.mass[:, i, :, :end]
+        for batch, members in ((decode, decoding), (prefill, prefilling)):
+            if batch is not None and batch.mass is not None:
+                self._add_mass(batch.mass, members)
         return hidden, last_rows
 
-    def _decode_batch(self, rows: list[int], tables: list[list[int]], lens: list[int]) -> DecodeBatch:
-        """The step's decode tokens, attended together; with H2O, room for the attention they pay."""
-        config = self.model.config
-        mass_layers = config.num_layers if self.kv_cache.keeps_attention_mass else 0
-        return DecodeBatch.of(rows, tables, lens, self.model.device, mass_layers, config.num_kv_heads)
+    def _mass_layers(self) -> int:
+        """With H2O, every layer's attention mass is kept; else none."""
+        return self.model.config.num_layers if self.kv_cache.keeps_attention_mass else 0
+
+    def _add_mass(self, mass: torch.Tensor, members) -> None:
+        """mass (layers, S, kv_heads, longest): what each member sequence's entries got this step."""
+        for i, (seq, end) in enumerate(members):
+            self.kv_cache.attention_mass(seq.seq_id, end)[..., :end] += mass[:, i, :, :end]
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Next-token logits (len(rows), vocab) of the chosen rows of the hidden states."""
