@@ -22,6 +22,7 @@ drops entries; then positions run ahead of indices.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 
