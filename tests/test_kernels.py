@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 
-from minillm.attention.kernels import CUDA_SOURCE, kernel_backend
+from minillm.attention.kernels import CUDA_PREFILL_SOURCE, CUDA_SOURCE, kernel_backend
 from minillm.attention.reference import causal_attention, paged_decode_attention, paged_prefill_attention
 from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
@@ -326,21 +327,23 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
     subprocess.run(command, check=True, capture_output=True, timeout=300)
     (wheel,) = tmp_path.glob("minillm-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    kernels = ("paged_attention.cu", "paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "kv_rows_cpu.h")
+    kernels = (
+        *("paged_attention.cu", "flash_prefill.cu", "kv_rows_cuda.h", "bindings.cpp"),
+        *("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "kv_rows_cpu.h"),
+    )
     assert {f"kernels_cuda/{name}" for name in kernels} <= names
 
 
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-def test_cuda_kernel_compiles_with_nvcc(tmp_path):
-    """Without a GPU we still refuse a kernel that does not build."""
+def compile_with_nvcc(source, tmp_path):
+    """nvcc on one .cu file against this (possibly CPU-only) torch, for an H100 (sm_90)."""
     from torch.utils.cpp_extension import include_paths
 
     command = [
         "nvcc",
         "-c",
-        str(CUDA_SOURCE),
+        str(source),
         "-o",
-        str(tmp_path / "paged_attention.o"),
+        str(tmp_path / f"{Path(str(source)).stem}.o"),
         "-std=c++20",
         "-Xcompiler",
         "-fPIC",
@@ -352,7 +355,19 @@ def test_cuda_kernel_compiles_with_nvcc(tmp_path):
         f"-I{sysconfig.get_paths()['include']}",
         *[f"-I{path}" for path in include_paths()],
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_kernel_compiles_with_nvcc(tmp_path):
+    """Without a GPU we still refuse a kernel that does not build."""
+    result = compile_with_nvcc(CUDA_SOURCE, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+def test_cuda_flash_prefill_kernel_compiles_with_nvcc(tmp_path):
+    result = compile_with_nvcc(CUDA_PREFILL_SOURCE, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -375,16 +390,87 @@ def test_cuda_kernel_reads_quantized_blocks_in_place(kv_dtype, key_scales):
     assert (mass - expected_mass).abs().max() <= 1e-5
 
 
+@pytest.fixture(scope="module")
+def tiny_dir_64(tmp_path_factory):
+    """The tiny Llama with head_dim 64 (the CUDA kernels take 64 and 128; the tiny one has 16)."""
+    config = {**TINY_CONFIG, "head_dim": 64}
+    return write_checkpoint(tmp_path_factory.mktemp("tiny64"), config, random_llama_tensors(config))
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-def test_engine_with_cuda_kernel_gives_naive_tokens(tiny_dir):
+def test_engine_with_cuda_kernel_gives_naive_tokens(tiny_dir_64):
     from minillm.weights import load_model
 
-    model = load_model(tiny_dir, device="cuda")
+    model = load_model(tiny_dir_64, device="cuda")
     prompts = [[1, 2, 3], list(range(40)), [5] * 17]
     params = SamplingParams(max_tokens=20, ignore_eos=True)
-    llm = LLM(tiny_dir, model=model, device="cuda", attention_backend="cuda", kv_cache_bytes=4 << 20)
+    llm = LLM(
+        tiny_dir_64,
+        model=model,
+        device="cuda",
+        attention_backend="cuda",
+        flash_prefill=False,
+        kv_cache_bytes=4 << 20,
+    )
     for out, prompt in zip(llm.generate(prompts, params), prompts):
         assert out.token_ids == generate(model, prompt, params, "naive").token_ids
+
+
+CUDA_SHAPES = [shape for shape in SHAPES if shape[3] in (64, 128)]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_flash_prefill_kernel_matches_reference(shape, dtype):
+    """As the C++ flash kernel is checked: relative to the output's size."""
+    expected, _ = paged_prefill_attention(**prefill_case(sum(shape), *shape, rounded_to=dtype, device="cuda"))
+    got, _ = kernel_backend("cuda").prefill(**prefill_case(sum(shape), *shape, dtype=dtype, device="cuda"))
+    assert relative_error(got, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv_dtype, key_scales", [("auto", "channel"), *FORMATS_TESTED])
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+def test_cuda_flash_prefill_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales):
+    """Every KV format, staged filling blocks included, with and without the attention mass."""
+    case = prefill_case(11 + sum(shape), *shape, kv_dtype=kv_dtype, key_scales=key_scales, device="cuda")
+    expected, expected_mass = paged_prefill_attention(**case, with_mass=True)
+    got, mass = kernel_backend("cuda").prefill(**case, with_mass=True)
+    assert relative_error(got, expected) <= 2e-5
+    assert (mass - expected_mass).abs().max() <= 1e-5 * max(1.0, float(expected_mass.max()))
+    assert relative_error(kernel_backend("cuda").prefill(**case)[0], expected) <= 2e-5
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_cuda_flash_prefill_refuses_other_head_dims():
+    with pytest.raises(RuntimeError, match="head_dim 64 and 128"):
+        kernel_backend("cuda").prefill(**prefill_case(3, 3, 4, 2, 16, 4, device="cuda"))
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("switches", [{}, {"max_num_batched_tokens": 13, "prefix_caching": True}])
+def test_engine_with_cuda_flash_prefill_gives_naive_tokens(tiny_dir_64, switches):
+    """Decode and flash prefill on the GPU (whole prompts, or chunks of 13 tokens over prefix-cache hits)."""
+    from minillm.weights import load_model
+
+    model = load_model(tiny_dir_64, device="cuda")
+    rng = random.Random(21)
+    shared = [rng.randrange(97) for _ in range(20)]
+    prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 60))] for _ in range(24)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 40), ignore_eos=True) for _ in prompts]
+    llm = LLM(
+        tiny_dir_64,
+        model=model,
+        device="cuda",
+        attention_backend="cuda",
+        flash_prefill=True,
+        block_size=8,
+        kv_cache_bytes=16 << 20,
+        **switches,
+    )
+    for out, prompt, sp in zip(llm.generate(prompts, params), prompts, params):
+        assert out.token_ids == generate(model, prompt, sp, "naive").token_ids
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the error a machine without a GPU gives")

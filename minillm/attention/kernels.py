@@ -3,7 +3,7 @@
 Each kernel implements the contract of a torch reference in `reference.py` and is checked
 against it: `paged_decode_attention` (one query per sequence: `paged_attention_decode`) and
 `paged_prefill_attention` (every prefill chunk of a step, ragged: `paged_attention_prefill`, the
-flash kernel; C++ only so far). They read the pool's layer as it is stored (`pool.layer(l)`:
+flash kernel). They read the pool's layer as it is stored (`pool.layer(l)`:
 numbers in the model's dtype, or int8 / int4 / fp8 with their scales and centres and the filling
 blocks' staged keys), dequantize in registers, and can return the attention mass H2O accumulates.
 
@@ -30,9 +30,12 @@ from minillm.attention.reference import paged_decode_attention, paged_prefill_at
 from minillm.config import ConfigError, EngineConfig
 
 SOURCES = files("kernels_cuda")  # package data, wherever minillm is installed
-# both kernels include kv_rows_cpu.h; the bindings declare them to Python
-CPU_SOURCES = ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "cpu_bindings.cpp")
-CUDA_SOURCE = SOURCES / "paged_attention.cu"
+# each build's two kernels (decode, flash prefill) share a header (kv_rows_cpu.h, kv_rows_cuda.h);
+# bindings.cpp declares them to Python
+CPU_SOURCES = ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "bindings.cpp")
+CUDA_SOURCES = ("paged_attention.cu", "flash_prefill.cu", "bindings.cpp")
+CUDA_SOURCE = SOURCES / "paged_attention.cu"  # decode
+CUDA_PREFILL_SOURCE = SOURCES / "flash_prefill.cu"
 # -march=native: this machine's vector width (the build is cached per machine). The three math
 # flags let the compiler reorder the float sums of the dot products, so it can vectorize them.
 CPU_FLAGS = [
@@ -43,13 +46,6 @@ CPU_FLAGS = [
     "-fno-signed-zeros",
     "-fno-trapping-math",
 ]
-# the decode kernel's signature, for the binding (the .cu defines it)
-DECLARATION = (
-    "std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, "
-    "torch::Tensor v, torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged, "
-    "torch::Tensor staged_row, torch::Tensor block_tables, torch::Tensor context_lens, "
-    "int64_t block_size, int64_t kv_format, bool keys_per_channel, bool with_mass);"
-)
 FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format -> the kernels' kv_format
 
 
@@ -86,22 +82,20 @@ def cpu_kernel():
 
 @functools.cache
 def cuda_kernel():
+    """Decode and flash prefill on a CUDA GPU, each .cu its own translation unit. They include only
+    torch/extension.h (and their shared header) and launch on the default stream, so they also
+    compile against a CPU-only torch (which the tests do with nvcc)."""
     if not torch.cuda.is_available():
         raise ConfigError(
             "attention_backend='cuda' needs a CUDA GPU, and torch sees none; use 'cpu' or 'torch'."
         )
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load
 
     def compile_it(name):
-        return load_inline(
-            name,
-            cpp_sources=[DECLARATION],
-            cuda_sources=[CUDA_SOURCE.read_text()],
-            functions=["paged_attention_decode"],
-            extra_cuda_cflags=["-O3"],
-        )
+        sources = [str(SOURCES / file) for file in CUDA_SOURCES]
+        return load(name, sources, extra_cuda_cflags=["-O3"], extra_include_paths=[str(SOURCES)])
 
-    return build("minillm_paged_attention_cuda", compile_it)
+    return build("minillm_attention_cuda", compile_it)
 
 
 def _stored(pool, layer: int) -> tuple:
@@ -152,15 +146,13 @@ TORCH = Backend("torch", paged_decode_attention, paged_prefill_attention)
 
 
 def kernel_backend(name: str, flash_prefill: bool = True) -> Backend:
-    """The kernels of `name` ("cpu" or "cuda"), built if needed; prefill chunks through the flash
-    kernel with `flash_prefill` (the CUDA twin does not exist yet: torch there), else torch."""
-    if name == "cpu":
-        kernel = cpu_kernel()
-        prefill = prefilling_in(kernel.paged_attention_prefill) if flash_prefill else paged_prefill_attention
-        return Backend("cpu", decoding_in(kernel.paged_attention_decode), prefill)
-    if name == "cuda":
-        return Backend("cuda", decoding_in(cuda_kernel().paged_attention_decode), paged_prefill_attention)
-    raise ConfigError(f"There is no {name!r} kernel; the kernels are 'cpu' and 'cuda'.")
+    """The kernels of `name` ("cpu" or "cuda"), built if needed; prefill chunks through its flash
+    kernel with `flash_prefill`, else through the torch reference."""
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"There is no {name!r} kernel; the kernels are 'cpu' and 'cuda'.")
+    kernel = cpu_kernel() if name == "cpu" else cuda_kernel()
+    prefill = prefilling_in(kernel.paged_attention_prefill) if flash_prefill else paged_prefill_attention
+    return Backend(name, decoding_in(kernel.paged_attention_decode), prefill)
 
 
 def attention_backend(config: EngineConfig) -> Backend:

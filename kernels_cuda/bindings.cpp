@@ -1,6 +1,7 @@
-// The CPU kernels' Python bindings: minillm/attention/kernels.py builds this file with
-// paged_attention_cpu.cpp (decode) and flash_prefill_cpu.cpp (prefill), each its own translation
-// unit, so they compile side by side.
+// The kernels' Python bindings, for both builds of minillm/attention/kernels.py: with
+// paged_attention_cpu.cpp (decode) and flash_prefill_cpu.cpp (prefill) for the CPU, and with
+// paged_attention.cu and flash_prefill.cu for a CUDA GPU; each file its own translation unit, so
+// they compile side by side.
 #include <torch/extension.h>
 
 #include <vector>
