@@ -3,19 +3,12 @@
 // It reads the KV pool where it lies, in whatever format the pool stores (the contract below is
 // the one minillm/attention/reference.py states in torch and both kernels are tested against):
 //   query        (num_seqs, num_heads, head_dim)           float32 / float16 / bfloat16
-//   k, v         (num_slots, num_kv_heads, head_dim / P)   the pool's numbers as stored: the query's
-//                dtype (kv_format 0), int8 (1), int4 two per byte (2, P = 2) or fp8 e4m3 bytes (3)
-//   k_scale      fp16 (scale, center) pairs: (num_blocks, kv_heads, head_dim, 2) when keys are
-//                quantized per channel of a block, else (num_slots, kv_heads, 1, 2); empty for 0
-//   v_scale      (num_slots, kv_heads, 1, 2) fp16: values are quantized per token
-//   k_staged     (rows, block_size, kv_heads, head_dim) query's dtype: exact keys of blocks still filling
-//   staged_row   (num_blocks,) int32: a block's row in k_staged, -1 once its keys are quantized
+//   k ... staged_row                                       one layer of the pool as stored (kv_rows_cpu.h)
 //   block_tables (num_seqs, max_blocks) int32;  context_lens (num_seqs,) int32
 //   returns      {out (num_seqs, num_heads, head_dim) in the query's dtype, scores scaled by
 //                1/sqrt(head_dim); mass (num_seqs, kv_heads, longest context) fp32 when with_mass:
 //                the attention each entry got, summed over its KV head's query heads (what H2O
 //                accumulates), else empty}
-// A stored number x means x * scale + center. Slot of position t: block_tables[s][t / bs] * bs + t % bs.
 //
 // One task per sequence, spread over threads with at::parallel_for. It walks the history block by
 // block through the block table, asking for the next block before it works on this one (blocks

@@ -27,13 +27,26 @@ DEFAULT_MODEL_DIR = Path("weights") / "SmolLM2-135M-Instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """A dtype name as given, or for "auto" the fastest precision the device computes natively:
+    bfloat16 where it has bf16 matrix units (a GPU that supports it; a CPU with AVX512-BF16 or
+    AMX, where `minillm bench decode` and `bench serve` measure it ahead of float32), else float32.
+    Every path is exact in its own dtype; float32 is what the HF comparisons use."""
+    if name != "auto":
+        return name
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return "bfloat16" if native else "float32"
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every switch of a run: the model, the paged KV memory and its scheduling, KV compression,
     the tiers below the device pool. `SWITCHES` (below) says how each is spelled and what it takes."""
 
     model_dir: Path = DEFAULT_MODEL_DIR
-    dtype: str = "float32"
+    dtype: str = "float32"  # or bfloat16, float16; "auto" becomes the device's fastest (`resolve_dtype`)
     device: str = "cpu"
     max_seq_len: int | None = None  # defaults to the model's context length
     # --- the serving engine (minillm.engine): paged KV memory and scheduling
@@ -63,6 +76,7 @@ class EngineConfig:
 
     def __post_init__(self):
         self._check_choices()
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype, self.device))  # "auto": this machine's
         for name in ("block_size", "kv_cache_bytes", "max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
@@ -213,7 +227,12 @@ SWITCHES = {
             flag="model",
         ),
         Switch(
-            "dtype", "model", "weights and KV dtype (default: %(default)s)", choices=tuple(DTYPES), lossy=True
+            "dtype",
+            "model",
+            "weights and KV dtype; auto: bfloat16 where the device computes it natively, else float32 "
+            "(default: %(default)s)",
+            choices=("auto", *DTYPES),
+            lossy=True,
         ),
         Switch("device", "model", "cpu or cuda (default: %(default)s)"),
         # engine: paged KV memory and scheduling

@@ -8,7 +8,7 @@ import pytest
 from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 
 from minillm.cli import main
-from minillm.config import ConfigError, EngineConfig, ModelConfig
+from minillm.config import DTYPES, ConfigError, EngineConfig, ModelConfig, resolve_dtype
 from minillm.decoding import PromptError, generate
 from minillm.runtime import Runtime
 from minillm.sampling import SamplingParams
@@ -207,8 +207,9 @@ def test_cli_generate_json_prints_ids_text_and_timings(capsys, real_dir, real_to
         report["generated_ids"]
     )
     assert report["timings"]["prefill_s"] > 0
-    # cached decoder
-    assert report["kv_bytes_allocated"] == (len(report["prompt_ids"]) + 5) * 2 * 30 * 3 * 64 * 4
+    # cached decoder, in the precision generate runs in by default: this machine's fastest
+    itemsize = DTYPES[resolve_dtype("auto")].itemsize
+    assert report["kv_bytes_allocated"] == (len(report["prompt_ids"]) + 5) * 2 * 30 * 3 * 64 * itemsize
 
 
 def test_cli_info_reports_kv_bytes_from_formula_and_tensors(capsys, real_dir):

@@ -204,7 +204,10 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(
 ):
     """Every query reads K/V rounded exactly as the pool stores them: values per token, keys per
     token or per channel of each full block (a filling block exact), through chunked prefill,
-    decode and preemption. The reference rounds the K/V of a naive forward; it never reads the pool."""
+    decode and preemption. The reference rounds the K/V of a naive forward; it never reads the pool.
+    Attention in torch, in the reference's order of sums: a kernel's other order moves a layer's
+    K/V by float noise, which tips roundings often enough to blur this test of the stored layout
+    (the kernels read the same stored numbers as the torch reference: tests/test_kernels.py)."""
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (3, 14, 27, 40, 9, 33)]
     params = SamplingParams(max_tokens=18, ignore_eos=True)
@@ -219,6 +222,7 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(
         block_size=4,
         max_num_batched_tokens=9,
         kv_cache_bytes=26 * 4 * probe,
+        attention_backend="torch",
     )
     recorder, requests = run_recorded(llm, prompts, params)
     assert llm.engine.num_preemptions > 0

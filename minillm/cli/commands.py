@@ -34,7 +34,7 @@ from minillm.cli.generate import add_generate, runtime_from
 from minillm.cli.measure import add_bench
 from minillm.cli.measure_memory import add_eval
 from minillm.cli.serve import add_serve
-from minillm.config import DTYPES, ConfigError
+from minillm.config import DTYPES, ConfigError, resolve_dtype
 from minillm.report import console, print_json
 
 # ----------------------------------------------------------------------------- chat
@@ -67,7 +67,7 @@ def add_chat(subparsers) -> None:
     )
     add_sampling_args(chat, max_tokens=256)
     add_kv_quantization_args(chat)
-    add_model_args(chat)
+    add_model_args(chat, dtype="auto")
     chat.set_defaults(func=cmd_chat)
 
 
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as done:  # --help (0), or a usage mistake already printed in one line (2)
         return done.code
+    if getattr(args, "dtype", None) == "auto":  # every command below sees the precision it runs in
+        args.dtype = resolve_dtype("auto", getattr(args, "device", "cpu"))
     try:
         return args.func(args) or 0  # a command that can partly fail returns 1 (bench all)
     except (ConfigError, ValueError) as err:

@@ -89,8 +89,12 @@ def _add_group(parser, group: str) -> None:
             add_switch(parser, switch.name)
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    _add_group(parser, "model")
+def add_model_args(parser: argparse.ArgumentParser, dtype: str | None = None) -> None:
+    """The model flags; `dtype` overrides the default precision (the commands that serve a user
+    give "auto", the fastest on this machine; benchmarks keep float32, the HF comparisons' dtype)."""
+    for switch in SWITCHES.values():
+        if switch.group == "model":
+            add_switch(parser, switch.name, **({"default": dtype} if switch.name == "dtype" and dtype else {}))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

@@ -50,7 +50,7 @@ def add_generate(subparsers) -> None:
     )
     add_sampling_args(gen, max_tokens=128)
     add_tier_args(gen)
-    add_model_args(gen)
+    add_model_args(gen, dtype="auto")
     gen.set_defaults(func=cmd_generate)
 
 

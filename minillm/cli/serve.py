@@ -81,7 +81,7 @@ def add_serve(subparsers) -> None:
     add_kv_quantization_args(serve)
     add_eviction_args(serve)
     add_tier_args(serve)
-    add_model_args(serve)
+    add_model_args(serve, dtype="auto")
     serve.set_defaults(func=cmd_serve)
 
 

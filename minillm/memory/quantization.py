@@ -68,7 +68,7 @@ def quantize(x: torch.Tensor, fmt: KVFormat, dim: int) -> tuple[torch.Tensor, to
     range maps onto [-qmax, qmax] even when it is not centred on zero (key channels often are
     not). `scales[..., 0]` is the scale and `scales[..., 1]` the center, with `dim` kept as size 1.
     """
-    high, low = x.amax(dim=dim, keepdim=True).float(), x.amin(dim=dim, keepdim=True).float()
+    low, high = (bound.float() for bound in torch.aminmax(x, dim=dim, keepdim=True))  # one pass over x
     center = ((high + low) / 2).to(SCALE_DTYPE)
     scale = ((high - low) / 2 / fmt.qmax).clamp_min(torch.finfo(SCALE_DTYPE).tiny).to(SCALE_DTYPE)
     scaled = (x.float() - center.float()) / scale.float()
