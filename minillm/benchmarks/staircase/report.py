@@ -79,9 +79,9 @@ def print_staircase_report(report: dict, console) -> None:
             "KV MiB: budget / peak",
             "seqs at once",
             "output tok/s",
-            "x before",
+            "tok/s x before",
             "TTFT p50 / p99",
-            "x before",
+            "TTFT x before",
             "TPOT p50 / p99",
             "greedy identical",
         ],
@@ -104,6 +104,9 @@ def print_staircase_report(report: dict, console) -> None:
             ]
             for row in report["rows"].values()
         ],
+    )
+    console.print(
+        "x before: this row's number over the row before's (tok/s: above 1 is better; TTFT: below 1)"
     )
     console.print(
         f"HF's batch: {budget['hf_batch_size']} = {budget['hf_batch_how']}; minillm's rows cut the same "
