@@ -618,6 +618,7 @@ def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkey
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["elapsed_s"], name
         assert 0 < row["tpot_p50_s"] <= row["tpot_p99_s"], name
         assert 0 < row["kv_bytes_peak"] <= budget["kv_bytes"] and 1 <= row["peak_seqs"] <= 3, name
+        assert (row["preemptions"] == 0) == (row["recomputed_tokens"] == 0), name
     for before, row in zip(rows.values(), list(rows.values())[1:]):
         for key in ("output_tok_s", "ttft_p50_s", "tpot_p50_s"):
             assert row[f"{key}_vs_before"] == approx(row[key] / before[key]), (row["label"], key)
@@ -636,6 +637,7 @@ def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkey
     said = " ".join(report["what_it_means"])
     assert "(4) gave (3)'s greedy tokens for 2 of 3 requests (a lossless step)" in said
     assert f"x{rows['flash']['output_tok_s_vs_before']:.2f} output tok/s" in said
+    assert ("ran short of blocks" in said) == any(row["preemptions"] for row in rows.values())
 
     prefill = report["prefill_attention"]
     assert (prefill["context"], prefill["chunk"]) == (256, 64)

@@ -6,12 +6,13 @@ The seeds' claim: from the same KV bytes, paging fits more sequences at once tha
 sized for the worst case, int8 fits ~3.5x the tokens again, and flash prefill computes the same
 attention without a score matrix; each step says what it bought, here, measured now.
 
-The trace (seeded, `serve.make_trace`): N requests (default 4) all arriving at t=0, prompts
+The trace (seeded, `serve.make_trace`): N requests (default 3) all arriving at t=0, prompts
 U[1024, 4096] tokens cut from real prose, outputs U[128, 256] tokens decoded greedily to exactly
 that length (EOS ignored), so every row does the same work. --quick: 3 requests, prompts
 U[512, 1024], outputs U[32, 64]. On a CPU that is few requests: prefill is compute-bound, ~200
-tokens/s on one thread of the 2-core development VM, so 10k prompt tokens already take a minute
-a row. One torch thread by default (as `bench memory`): on a CPU shared with other work more
+tokens/s on one thread of the 2-core development VM, so 7k prompt tokens take most of a minute a
+row, and more when row (2) runs short of blocks and recomputes (2026-12-01: 110 preemptions on a
+4-request trace). One torch thread by default (as `bench memory`): on a CPU shared with other work more
 threads wait for each other.
 
 The budget: --kv-tokens tokens of KV in the model's dtype (default: twice the trace's worst case,

@@ -27,6 +27,13 @@ def what_it_means(report: dict) -> list[str]:
             f"{row['ttft_p50_s_vs_before']:.2f} TTFT p50 against {before['step']}, "
             f"{before['peak_seqs']} -> {row['peak_seqs']} sequences at once: {verdict(row)}."
         )
+    for row in rows:
+        if row["preemptions"]:
+            said.append(
+                f"{row['step']} ran short of blocks: {row['preemptions']} preemptions recomputed "
+                f"{row['recomputed_tokens']:,} tokens, on top of the trace's "
+                f"{report['trace']['prompt_tokens']:,} prompt tokens."
+            )
     if len(rows) > 2:
         first, last = rows[0], rows[-1]
         said.append(
@@ -112,7 +119,8 @@ def print_staircase_report(report: dict, console) -> None:
         f"HF's batch: {budget['hf_batch_size']} = {budget['hf_batch_how']}; minillm's rows cut the same "
         "bytes into blocks of 16 tokens: "
         + ", ".join(
-            f"{row['step']} {row['blocks']} blocks, {row['preemptions']} preemptions"
+            f"{row['step']} {row['blocks']} blocks, {row['preemptions']} preemptions "
+            f"({row['recomputed_tokens']:,} tokens recomputed)"
             for row in report["rows"].values()
             if "blocks" in row
         )

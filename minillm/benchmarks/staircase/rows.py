@@ -77,6 +77,7 @@ def run_hf_row(model_dir, trace, budget: dict, dtype: str, device: str) -> tuple
         "kv_bytes_peak": peak_tokens * budget["kv_bytes_per_token"],
         "peak_seqs": max(map(len, batches)),
         "preemptions": 0,
+        "recomputed_tokens": 0,
     }, [r["token_ids"] for r in requests]
 
 
@@ -94,6 +95,7 @@ def run_minillm_row(
         "kv_bytes_peak": max(step.reserved_slots for step in stats.memory) * memory.bytes_per_token,
         "peak_seqs": max(map(len, stats.batches)),
         "preemptions": memory.counters["preemptions"],
+        "recomputed_tokens": memory.counters["recomputed_tokens"],
         "blocks": memory.num_blocks,
         "kv_bytes_per_token": memory.bytes_per_token,
     }, [out.token_ids for out in outputs]

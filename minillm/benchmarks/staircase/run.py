@@ -18,7 +18,7 @@ SEED = 0
 # The defaults; on one thread of a 2-core CPU prefill runs at ~200 tokens/s and a decode step
 # takes ~0.1 s, so the full trace takes minutes per row: under 10 minutes in all, --quick under 2.
 SIZES = {
-    "full": {"requests": 4, "prompt_len": (1024, 4096), "output_len": (128, 256), "attention_repeats": 5},
+    "full": {"requests": 3, "prompt_len": (1024, 4096), "output_len": (128, 256), "attention_repeats": 5},
     "quick": {"requests": 3, "prompt_len": (512, 1024), "output_len": (32, 64), "attention_repeats": 3},
 }
 
