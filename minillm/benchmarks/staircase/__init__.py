@@ -29,7 +29,11 @@ dtype:
   (4) + flash prefill: prefill chunks through the kernel backend's flash kernel.
 Greedy identical: (2) against (1) and (4) against (3) are lossless steps, but a different order
 of floating-point sums may flip a near-tie, so the fraction of requests with identical tokens is
-reported, never asserted; (3) against (2) is lossy and reported as such.
+reported, never asserted; (3) against (2) is lossy and reported as such. Between (3) and (4) the
+flips are likelier than between fp32 rows: the prompt's KV, computed through a different prefill
+kernel, differs in its last bits, and an entry that sits near an int8 rounding boundary then
+rounds the other way (2026-12-01, default trace: 2 of 3 requests differed, each first at a token
+whose two best exact-model logits were 0.003 and 0.04 apart).
 
 Then prefill attention alone: one layer, a 512-query chunk at the end of a 4096-entry context,
 the torch reference against the C++ flash kernel, fp32 and int8 pools, best of N. Last, a few

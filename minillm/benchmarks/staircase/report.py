@@ -45,10 +45,16 @@ def what_it_means(report: dict) -> list[str]:
     for row in rows:
         if row["compared_with"] is not None:
             kind = "lossless" if row["lossless_step"] else "lossy"
+            flipped = row["lossless_step"] and row["greedy_identical"] < 1
             said.append(
                 f"{row['step']} gave {report['rows'][row['compared_with']]['step']}'s greedy "
                 f"tokens for {row['requests_identical']} of {report['trace']['requests']} requests "
-                f"(a {kind} step)."
+                f"(a {kind} step"
+                + (
+                    "; each difference is a near-tie that another order of float sums flipped, or a bug"
+                    * flipped
+                )
+                + ")."
             )
     prefill = report["prefill_attention"]
     int8 = next(r for r in prefill["rows"] if r["kv_dtype"] == "int8")
