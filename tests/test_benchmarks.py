@@ -21,6 +21,8 @@ from conftest import REAL_MODEL_DIR, tiny_with_real_tokenizer
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.all import BENCHMARKS, SIZES
 from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
+from minillm.benchmarks.staircase import rows as staircase_rows
+from minillm.benchmarks.staircase.report import verdict
 from minillm.benchmarks.tiers import percentile
 from minillm.cli import main
 from minillm.config import ModelConfig
@@ -563,6 +565,100 @@ def test_bench_memory_json_rows_keep_their_promises(capsys, vocab_dir):
     }
 
 
+# ----------------------------------------------------------------------------- bench staircase
+
+
+def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkeypatch, vocab_dir):
+    """One KV budget for four rows; each row's ratios are its numbers over the row before's, and
+    "greedy identical" counts requests whose tokens match: row (3)'s first request is given one
+    wrong token here, so row (4), exact against (3) otherwise, must count one request fewer."""
+    run_minillm_row = staircase_rows.run_minillm_row
+
+    def one_wrong_token_in_row_3(*args, **kwargs):
+        measured, tokens = run_minillm_row(*args, **kwargs)
+        if args[3] == staircase_rows.ROWS["int8"][1]:  # row (3)'s switches
+            tokens[0] = tokens[0][:-1] + [tokens[0][-1] + 1]
+        return measured, tokens
+
+    monkeypatch.setattr(staircase_rows, "run_minillm_row", one_wrong_token_in_row_3)
+    report = run_json(
+        capsys,
+        "bench",
+        "staircase",
+        "--json",
+        "--requests",
+        3,
+        "--prompt-len",
+        40,
+        80,
+        "--output-len",
+        4,
+        8,
+        "--attention-context",
+        256,
+        "--attention-chunk",
+        64,
+        "--attention-repeats",
+        1,
+        "--model",
+        vocab_dir,
+    )
+    trace = make_trace(Tokenizer(vocab_dir), 3, 0, (40, 80), (4, 8))
+    worst = max(len(p) for p, _ in trace) + max(n for _, n in trace)
+    assert report["trace"]["output_tokens"] == sum(n for _, n in trace)
+    assert report["trace"]["worst_case_tokens"] == worst and report["machine"]["torch_threads"] == 1
+    budget, per_token = report["budget"], kv_bytes_per_token(vocab_dir)
+    assert budget["kv_tokens"] == 2 * worst and budget["kv_bytes"] == -(-2 * worst // 16) * 16 * per_token
+    assert budget["hf_batch_size"] == budget["kv_bytes"] // (worst * per_token) == 2
+
+    rows = report["rows"]
+    assert list(rows) == ["hf", "paged", "int8", "flash"]
+    for name, row in rows.items():
+        assert row["output_tok_s"] * row["elapsed_s"] == approx(report["trace"]["output_tokens"]), name
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["elapsed_s"], name
+        assert 0 < row["tpot_p50_s"] <= row["tpot_p99_s"], name
+        assert 0 < row["kv_bytes_peak"] <= budget["kv_bytes"] and 1 <= row["peak_seqs"] <= 3, name
+        assert (row["preemptions"] == 0) == (row["recomputed_tokens"] == 0), name
+    for before, row in zip(rows.values(), list(rows.values())[1:]):
+        for key in ("output_tok_s", "ttft_p50_s", "tpot_p50_s"):
+            assert row[f"{key}_vs_before"] == approx(row[key] / before[key]), (row["label"], key)
+    assert rows["hf"]["output_tok_s_vs_before"] is None and rows["hf"]["compared_with"] is None
+    # the same bytes: whole fp32 blocks, ~3x as many int8 ones (the tiny model's scales weigh more)
+    assert rows["paged"]["blocks"] == budget["kv_bytes"] // (16 * per_token)
+    assert rows["int8"]["blocks"] == rows["flash"]["blocks"] > 2.5 * rows["paged"]["blocks"]
+
+    assert [(rows[n]["compared_with"], rows[n]["lossless_step"]) for n in ("paged", "int8", "flash")] == [
+        ("hf", True),
+        ("paged", False),
+        ("int8", True),
+    ]
+    assert rows["paged"]["requests_identical"] == 3 and rows["paged"]["greedy_identical"] == 1.0
+    assert rows["flash"]["requests_identical"] == 2 and rows["flash"]["greedy_identical"] == approx(2 / 3)
+    said = " ".join(report["what_it_means"])
+    assert "(4) gave (3)'s greedy tokens for 2 of 3 requests (a lossless step; each difference" in said
+    assert "(2) gave (1)'s greedy tokens for 3 of 3 requests (a lossless step)." in said
+    assert f"x{rows['flash']['output_tok_s_vs_before']:.2f} output tok/s" in said
+    assert ("ran short of blocks" in said) == any(row["preemptions"] for row in rows.values())
+
+    prefill = report["prefill_attention"]
+    assert (prefill["context"], prefill["chunk"]) == (256, 64)
+    assert [r["kv_dtype"] for r in prefill["rows"]] == ["auto", "int8"]
+    for r in prefill["rows"]:
+        assert r["speedup"] == approx(r["torch_reference_ms"] / r["cpu_kernel_ms"]) and r["speedup"] > 0
+        assert r["max_abs_diff"] < 1e-4  # the kernel computes the reference's attention
+
+
+def test_staircase_verdict_names_what_a_step_bought_beyond_noise():
+    def step(tok_s, ttft):
+        return verdict({"output_tok_s_vs_before": tok_s, "ttft_p50_s_vs_before": ttft})
+
+    assert step(1.5, 0.5) == "paid in tok/s and TTFT"
+    assert step(1.5, 1.2) == "paid in tok/s, cost TTFT"
+    assert step(0.7, 0.9) == "paid in TTFT, cost tok/s"
+    assert step(0.7, 1.2) == "did not pay, cost tok/s and TTFT"
+    assert step(1.02, 0.98) == "did not pay (both within 5%)"
+
+
 # ----------------------------------------------------------------------------- bench attention
 
 
@@ -650,6 +746,15 @@ TINY_SIZES = {  # every benchmark at the sizes of its own test above, for the ti
         "spill_requests": 12,
     },
     "memory": {"quick": True, "num_requests": 16, "rate": 1e9, "kv_tokens": 128, "load": False},
+    "staircase": {
+        "num_requests": 2,
+        "prompt_len": (40, 80),
+        "output_len": (4, 8),
+        "include_hf": False,
+        "attention_context": 128,
+        "attention_chunk": 32,
+        "attention_repeats": 1,
+    },
     "ppl": {"kv_dtypes": ("auto", "int8"), "segment_len": 16, "num_segments": 1},
 }
 
@@ -765,6 +870,9 @@ def test_bench_all_without_matplotlib_is_one_line(capsys, monkeypatch, tmp_path,
         (["bench", "memory", "--requests", "0"], "--requests"),
         (["bench", "memory", "--clients", "0"], "--clients"),
         (["bench", "memory", "--kv-tokens", "16"], "--kv-tokens"),
+        (["bench", "staircase", "--requests", "0"], "--requests"),
+        (["bench", "staircase", "--prompt-len", "9", "8"], "--prompt-len"),
+        (["bench", "staircase", "--kv-tokens", "16"], "--kv-tokens"),
         (["bench", "attention", "--contexts", "0"], "contexts"),
     ],
 )

@@ -41,15 +41,27 @@ from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 
-def make_trace(tokenizer: Tokenizer, num_requests: int = 64, seed: int = 0) -> list[tuple[list[int], int]]:
-    """[(prompt_ids, output_len)]: prompts U[16, 320] tokens of real text, outputs U[8, 160]."""
+def make_trace(
+    tokenizer: Tokenizer,
+    num_requests: int = 64,
+    seed: int = 0,
+    prompt_len: tuple[int, int] = (16, 320),
+    output_len: tuple[int, int] = (8, 160),
+) -> list[tuple[list[int], int]]:
+    """[(prompt_ids, output_len)]: prompts U[prompt_len] tokens of real text cut at random offsets,
+    outputs U[output_len] (both ranges inclusive; by default this benchmark's, U[16, 320] and U[8, 160])."""
     text_ids = tokenizer.encode(read_text())
+    if prompt_len[1] >= len(text_ids):
+        raise ConfigError(
+            f"prompts of up to {prompt_len[1]} tokens cannot be cut from a text of {len(text_ids)}; "
+            "ask for shorter ones."
+        )
     rng = random.Random(seed)
     trace = []
     for _ in range(num_requests):
-        prompt_len = rng.randint(16, 320)
-        start = rng.randrange(len(text_ids) - prompt_len)
-        trace.append((text_ids[start : start + prompt_len], rng.randint(8, 160)))
+        length = rng.randint(*prompt_len)
+        start = rng.randrange(len(text_ids) - length)
+        trace.append((text_ids[start : start + length], rng.randint(*output_len)))
     return trace
 
 
@@ -160,18 +172,22 @@ class TokenClock:
         pass
 
 
-def run_hf(hf_model, trace, batch_size: int) -> dict:
+def hf_static(hf_model, trace, batch_size: int) -> tuple[list[dict], float]:
+    """HF transformers' `generate` on left-padded batches of `batch_size`, in trace order, greedy:
+    each request's tokens, TTFT and TPOT (None for a single token), and the elapsed seconds. A batch
+    runs until its longest request is done; request i is done when its own n-th token appears, and
+    only those n tokens are its output."""
     start = time.perf_counter()
-    ttft, tpot, output_tokens = [], [], 0
+    requests = []
     for first in range(0, len(trace), batch_size):
         batch = trace[first : first + batch_size]
         width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=hf_model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=hf_model.device)
         longest = max(n for _, n in batch)
         clock = TokenClock()
         with torch.inference_mode():
-            hf_model.generate(
+            generated = hf_model.generate(
                 ids,
                 attention_mask=mask,
                 max_new_tokens=longest,
@@ -179,18 +195,25 @@ def run_hf(hf_model, trace, batch_size: int) -> dict:
                 do_sample=False,
                 pad_token_id=0,
                 streamer=clock,
+            )  # (batch, width + longest)
+        for row, (_, n) in enumerate(batch):
+            requests.append(
+                {
+                    "token_ids": generated[row, width : width + n].tolist(),
+                    "ttft": clock.times[0] - start,
+                    "tpot": (clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 else None,
+                }
             )
-        for _, n in batch:  # request i is done when its own n-th token appears
-            ttft.append(clock.times[0] - start)
-            if n > 1:
-                tpot.append((clock.times[n - 1] - clock.times[0]) / (n - 1))
-            output_tokens += n
-    elapsed = time.perf_counter() - start
+    return requests, time.perf_counter() - start
+
+
+def run_hf(hf_model, trace, batch_size: int) -> dict:
+    requests, elapsed = hf_static(hf_model, trace, batch_size)
     return {
-        "output_tok_s": output_tokens / elapsed,
+        "output_tok_s": sum(len(r["token_ids"]) for r in requests) / elapsed,
         "elapsed_s": elapsed,
-        **latency_summary("ttft", ttft),
-        **latency_summary("tpot", tpot),
+        **latency_summary("ttft", [r["ttft"] for r in requests]),
+        **latency_summary("tpot", [r["tpot"] for r in requests if r["tpot"] is not None]),
     }
 
 

@@ -1,7 +1,8 @@
 """The commands that measure: `minillm bench decode|attention|chat-view` (speed), and `minillm bench
 all` (every benchmark, written to files); the engine serving many requests, `bench
 serve|serve-http|prefix`, is `measure_serving.py`; what the memory system's choices cost, `bench
-tiers|memory` and `eval ppl`, is `measure_memory.py`.
+tiers|memory` and `eval ppl`, is `measure_memory.py`; the serving staircase, `bench staircase`,
+is `measure_staircase.py`.
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
 JSON object, to compare across commits; without, its module's `print_*_report` prints the tables.
@@ -15,6 +16,7 @@ from pathlib import Path
 from minillm.cli.flags import add_model_args, add_switch, positive_int
 from minillm.cli.measure_memory import add_bench_memory, add_bench_tiers
 from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
+from minillm.cli.measure_staircase import add_bench_staircase
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES
 from minillm.report import console, print_json, show
 
@@ -31,6 +33,7 @@ def add_bench(subparsers) -> None:
         add_bench_prefix,
         add_bench_tiers,
         add_bench_memory,
+        add_bench_staircase,
         add_bench_attention,
         add_bench_chat_view,
         add_bench_all,
@@ -174,7 +177,7 @@ def add_bench_all(benches) -> None:
         "all",
         help="every benchmark at a size that takes minutes: JSON, plots, a table",
         description="Run every benchmark (decode, attention, serve, prefix, tiers, memory, "
-        "and perplexity per KV format) at a size a small CPU finishes in "
+        "staircase, and perplexity per KV format) at a size a small CPU finishes in "
         "minutes (--quick: about 5 on a shared 2-core VM), and write "
         "results.json (the machine, the date, every report), results.md (a "
         "table of the headline numbers) and a PNG plot per benchmark. A "

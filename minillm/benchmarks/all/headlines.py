@@ -103,6 +103,36 @@ def memory_headlines(r: dict) -> list[Headline]:
     )
 
 
+def staircase_headlines(r: dict) -> list[Headline]:
+    rows, prefill = list(r["rows"].values()), r["prefill_attention"]
+    per_row = [
+        headline
+        for row in rows
+        for headline in (
+            (f"{row['label']}: output", row["output_tok_s"], "tok/s"),
+            (f"{row['label']}: TTFT p50", row["ttft_p50_s"], "s"),
+            (f"{row['label']}: sequences at once", row["peak_seqs"], "sequences"),
+        )
+    ]
+    identical = [
+        (f"{row['step']}: greedy tokens equal to the row before's", 100 * row["greedy_identical"], "%")
+        for row in rows
+        if row["compared_with"] is not None
+    ]
+    shape = f"{prefill['chunk']} queries x {prefill['context']} entries"
+    flash = [
+        (f"prefill attention, {row['kv_dtype']} KV, {shape}: flash kernel / torch", row["speedup"], "x")
+        for row in prefill["rows"]
+    ]
+    first, last = rows[0], rows[-1]
+    overall = (
+        f"{last['step']} / {first['step']}: output tok/s",
+        last["output_tok_s"] / first["output_tok_s"],
+        "x",
+    )
+    return per_row + identical + flash + [overall]
+
+
 def ppl_headlines(r: dict) -> list[Headline]:
     rows = r["kv_dtypes"]
     exact = rows.get("auto", {}).get("perplexity")
@@ -168,6 +198,14 @@ def tiers_bars(r: dict) -> Bars:
 def memory_bars(r: dict) -> Bars:
     return (
         "one KV budget, one layer at a time",
+        "output tok/s",
+        {row["label"]: row["output_tok_s"] for row in r["rows"].values()},
+    )
+
+
+def staircase_bars(r: dict) -> Bars:
+    return (
+        "one KV budget, one serving step at a time",
         "output tok/s",
         {row["label"]: row["output_tok_s"] for row in r["rows"].values()},
     )

@@ -22,6 +22,8 @@ from minillm.benchmarks.all.headlines import (
     prefix_headlines,
     serve_bars,
     serve_headlines,
+    staircase_bars,
+    staircase_headlines,
     tiers_bars,
     tiers_headlines,
 )
@@ -30,6 +32,7 @@ from minillm.benchmarks.decode import bench_decode, print_decode_report
 from minillm.benchmarks.memory import bench_memory, print_memory_report
 from minillm.benchmarks.prefix import bench_prefix, print_prefix_report
 from minillm.benchmarks.serve import bench_serve, print_serve_report
+from minillm.benchmarks.staircase import bench_staircase, print_staircase_report
 from minillm.benchmarks.tiers import bench_tiers, print_tiers_report
 from minillm.config import SWITCHES
 from minillm.evaluation import DEFAULT_TEXT, eval_ppl
@@ -63,6 +66,10 @@ def run_tiers(model_dir: Path, progress: bool, **size) -> dict:
 
 def run_memory(model_dir: Path, progress: bool, **size) -> dict:
     return bench_memory(model_dir, progress=progress, **size)
+
+
+def run_staircase(model_dir: Path, progress: bool, **size) -> dict:
+    return bench_staircase(model_dir, progress=progress, **size)
 
 
 def run_ppl(
@@ -117,6 +124,7 @@ BENCHMARKS = (
     Benchmark("prefix", run_prefix, print_prefix_report, prefix_headlines, prefix_bars),
     Benchmark("tiers", run_tiers, print_tiers_report, tiers_headlines, tiers_bars),
     Benchmark("memory", run_memory, print_memory_report, memory_headlines, memory_bars),
+    Benchmark("staircase", run_staircase, print_staircase_report, staircase_headlines, staircase_bars),
     Benchmark("ppl", run_ppl, print_ppl_report, ppl_headlines, ppl_bars),
 )
 
@@ -140,6 +148,7 @@ SIZES = {
             "spill_requests": 8,
         },
         "memory": {"quick": True, "load": False},
+        "staircase": {"quick": True, "include_hf": False},
         "ppl": {"kv_dtypes": QUICK_KV_DTYPES, "segment_len": 96, "num_segments": 2},
     },
     "full": {
@@ -149,6 +158,7 @@ SIZES = {
         "prefix": {"num_requests": 8, "system_tokens": 500},
         "tiers": {"num_requests": 32, "history_tokens": 2000, "spill_requests": 16},
         "memory": {"quick": True},  # with its load tests; the full-length trace is `minillm bench memory`
+        "staircase": {"quick": True},  # with HF; the full-length trace is `minillm bench staircase`
         "ppl": {"kv_dtypes": KV_DTYPES, "segment_len": 256, "num_segments": 2},
     },
 }

@@ -1,0 +1,150 @@
+"""The rows of `minillm bench staircase`: the budget, HF transformers' static batches, the three
+minillm engines, and each row against the one before (ratios, greedy tokens)."""
+
+from __future__ import annotations
+
+from minillm.benchmarks.serve import hf_static
+from minillm.benchmarks.tiers import blocks_for, percentile, run_trace
+from minillm.benchmarks.tiers.preemption import Request
+from minillm.config import DTYPES, ConfigError, EngineConfig
+from minillm.engine import LLM, SamplingParams
+
+BLOCK_SIZE = EngineConfig.block_size
+ROWS = {  # name -> (label, minillm's switches beside the budget and the backend; None: HF's own cache)
+    "hf": ("(1) HF transformers, static", None),
+    "paged": ("(2) paged + continuous", {"flash_prefill": False}),
+    "int8": ("(3) + int8 KV", {"kv_dtype": "int8", "flash_prefill": False}),
+    "flash": ("(4) + flash prefill", {"kv_dtype": "int8", "flash_prefill": True}),
+}
+# row -> (the row its greedy tokens are compared with, whether that step is lossless)
+COMPARED_WITH = {"paged": ("hf", True), "int8": ("paged", False), "flash": ("int8", True)}
+
+
+def worst_case(trace: list[tuple[list[int], int]]) -> int:
+    """Tokens the worst static batch holds per request: the longest prompt (every other is padded
+    to it) plus the longest output (the batch runs until it is done)."""
+    return max(len(p) for p, _ in trace) + max(n for _, n in trace)
+
+
+def kv_budget(trace, kv_tokens: int, kv_bytes_per_token: int) -> dict:
+    """The one budget every row gets: `kv_tokens` of KV in the model's dtype, in whole blocks, and
+    the HF batch size it pays for."""
+    worst = worst_case(trace)
+    kv_bytes = blocks_for(kv_tokens) * BLOCK_SIZE * kv_bytes_per_token
+    hf_batch = kv_bytes // (worst * kv_bytes_per_token)
+    if hf_batch < 1:
+        raise ConfigError(
+            f"--kv-tokens {kv_tokens} cannot hold the trace's worst case, its longest prompt plus its "
+            f"longest output ({worst} tokens); raise it."
+        )
+    return {
+        "kv_tokens": kv_tokens,
+        "kv_bytes": kv_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token,
+        "hf_batch_size": hf_batch,
+        "hf_batch_how": f"kv_bytes // (({worst} tokens: longest prompt + longest output) x "
+        f"{kv_bytes_per_token} KV bytes per token)",
+    }
+
+
+def latencies(requests: list[dict], elapsed: float) -> dict:
+    """Output tok/s, and TTFT and TPOT at p50 and p99 (nearest rank), from each request's
+    `token_ids`, `ttft` and `tpot` (None for a single token)."""
+    ttft = [r["ttft"] for r in requests]
+    tpot = [r["tpot"] for r in requests if r["tpot"] is not None]
+    return {
+        "output_tok_s": sum(len(r["token_ids"]) for r in requests) / elapsed,
+        "elapsed_s": elapsed,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50) if tpot else None,
+        "tpot_p99_s": percentile(tpot, 99) if tpot else None,
+    }
+
+
+def run_hf_row(model_dir, trace, budget: dict, dtype: str, device: str) -> tuple[dict, list[list[int]]]:
+    from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+
+    hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+    hf_static(hf_model, [(trace[0][0][:32], 2)], 1)  # warm-up, so the row does not pay for it
+    batch = budget["hf_batch_size"]
+    requests, elapsed = hf_static(hf_model, trace, batch)
+    batches = [trace[first : first + batch] for first in range(0, len(trace), batch)]
+    # a batch's cache ends holding every row's padded prompt and the longest output (less its last token)
+    peak_tokens = max(len(b) * (worst_case(b) - 1) for b in batches)
+    return {
+        **latencies(requests, elapsed),
+        "kv_bytes_peak": peak_tokens * budget["kv_bytes_per_token"],
+        "peak_seqs": max(map(len, batches)),
+        "preemptions": 0,
+        "recomputed_tokens": 0,
+    }, [r["token_ids"] for r in requests]
+
+
+def run_minillm_row(
+    model, tokenizer, trace, switches: dict, kv_bytes: int, common: dict, label: str, progress: bool
+) -> tuple[dict, list[list[int]]]:
+    llm = LLM(
+        model=model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_bytes=kv_bytes, **common, **switches
+    )
+    outputs, elapsed, _ = run_trace(llm.engine, [Request(p, n, 0.0) for p, n in trace], label, progress)
+    stats, memory = llm.engine.stats, llm.engine.snapshot()
+    requests = [{"token_ids": out.token_ids, "ttft": out.ttft, "tpot": out.tpot} for out in outputs]
+    return {
+        **latencies(requests, elapsed),
+        "kv_bytes_peak": max(step.reserved_slots for step in stats.memory) * memory.bytes_per_token,
+        "peak_seqs": max(map(len, stats.batches)),
+        "preemptions": memory.counters["preemptions"],
+        "recomputed_tokens": memory.counters["recomputed_tokens"],
+        "blocks": memory.num_blocks,
+        "kv_bytes_per_token": memory.bytes_per_token,
+    }, [out.token_ids for out in outputs]
+
+
+def warm_up(model, tokenizer, common: dict) -> None:
+    """One short request through the kernels (built here on first use), so row (2) does not pay."""
+    kv_bytes = 8 * BLOCK_SIZE * model.config.kv_bytes_per_token(model.dtype)
+    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=kv_bytes, kv_dtype="int8", **common)
+    llm.generate([[1] * 32], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
+def compare(rows: dict, tokens: dict) -> None:
+    """Each row against the one before: tok/s, TTFT p50 and TPOT p50 as this / before (tok/s
+    above 1 and latency below 1 are better), and its greedy tokens against its reference row's."""
+    names = list(rows)
+    for before, name in zip([None] + names, names):
+        row = rows[name]
+        for key in ("output_tok_s", "ttft_p50_s", "tpot_p50_s"):
+            ok = before is not None and row[key] is not None and rows[before][key]
+            row[f"{key}_vs_before"] = row[key] / rows[before][key] if ok else None
+        reference, lossless = COMPARED_WITH.get(name, (None, None))
+        if reference not in tokens:
+            row.update(compared_with=None, lossless_step=None, requests_identical=None, greedy_identical=None)
+            continue
+        same = sum(a == b for a, b in zip(tokens[name], tokens[reference]))
+        row.update(
+            compared_with=reference,
+            lossless_step=lossless,
+            requests_identical=same,
+            greedy_identical=same / len(tokens[name]),
+        )
+
+
+def run_rows(
+    model_dir, model, tokenizer, trace, budget: dict, common: dict, include_hf: bool, progress: bool
+):
+    """Every row on the trace, in order, with its label, switches and comparisons."""
+    warm_up(model, tokenizer, common)
+    rows, tokens = {}, {}
+    for name, (label, switches) in ROWS.items():
+        if switches is None:
+            if not include_hf:
+                continue
+            measured, tokens[name] = run_hf_row(model_dir, trace, budget, common["dtype"], common["device"])
+        else:
+            measured, tokens[name] = run_minillm_row(
+                model, tokenizer, trace, switches, budget["kv_bytes"], common, label, progress
+            )
+        rows[name] = {"step": label.split()[0], "label": label, "switches": switches, **measured}
+    compare(rows, tokens)
+    return rows
