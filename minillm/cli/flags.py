@@ -94,7 +94,8 @@ def add_model_args(parser: argparse.ArgumentParser, dtype: str | None = None) ->
     give "auto", the fastest on this machine; benchmarks keep float32, the HF comparisons' dtype)."""
     for switch in SWITCHES.values():
         if switch.group == "model":
-            add_switch(parser, switch.name, **({"default": dtype} if switch.name == "dtype" and dtype else {}))
+            override = {"default": dtype} if switch.name == "dtype" and dtype else {}
+            add_switch(parser, switch.name, **override)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
