@@ -115,7 +115,16 @@ def test_a_non_finite_number_in_json_output_is_a_bug_not_a_line_of_output(capsys
 
 def test_generate_json_rate_is_tokens_after_the_first_over_decode_seconds(capsys, real_dir, real_tokenizer):
     report = run_json(
-        capsys, "generate", "The capital of France is", "--json", "--max-tokens", 4, "--model", real_dir
+        capsys,
+        "generate",
+        "The capital of France is",
+        "--json",
+        "--max-tokens",
+        4,
+        "--model",
+        real_dir,
+        "--dtype",
+        "float32",  # the formula below is float32's; the default precision's bytes: test_bad_input
     )
     generated, timings = report["generated_ids"], report["timings"]
     assert report["finish_reason"] == "length" and len(generated) == 4  # greedy: no EOS this early
