@@ -107,9 +107,11 @@ class EngineConfig:
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
 
     def _check_choices(self) -> None:
-        """Every choice switch holds one of its choices (`SWITCHES` lists them)."""
+        """Every choice switch holds one of its choices (`SWITCHES` lists them), every on/off one a bool."""
         for switch in SWITCHES.values():
             value = getattr(self, switch.name)
+            if switch.on_off and not isinstance(value, bool):
+                raise ConfigError(f"{switch.name} is on or off: True or False, not {value!r}.")
             if switch.choices and value not in switch.choices:
                 raise ConfigError(f"{switch.name} must be one of {_either(switch.choices)}, not {value!r}.")
 

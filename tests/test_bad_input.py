@@ -122,6 +122,12 @@ def test_max_seq_len_beyond_the_model_is_refused_at_load(real_dir):
         Runtime(EngineConfig(model_dir=real_dir, max_seq_len=8193))
 
 
+@pytest.mark.parametrize("switch, value", [("flash_prefill", "yes"), ("prefix_caching", 1)])
+def test_an_on_off_switch_takes_only_a_bool(switch, value):
+    with pytest.raises(ConfigError, match=f"{switch} is on or off: True or False, not {value!r}"):
+        EngineConfig(**{switch: value})
+
+
 # ----------------------------------------------------------------------------- through the CLI
 
 
