@@ -46,16 +46,13 @@ def bench_staircase(
     device: str = "cpu",
     progress: bool = False,
 ) -> dict:
-    sizes = dict(SIZES["quick" if quick else "full"])
-    given = {
-        "requests": num_requests,
-        "prompt_len": prompt_len,
-        "output_len": output_len,
-        "attention_repeats": attention_repeats,
-    }
-    sizes.update({key: value for key, value in given.items() if value is not None})
-    if sizes["requests"] < 1:
-        raise ConfigError(f"bench staircase needs at least 1 request (--requests {sizes['requests']}).")
+    sizes = _sizes(
+        quick,
+        requests=num_requests,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        attention_repeats=attention_repeats,
+    )
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -82,18 +79,31 @@ def bench_staircase(
         "dtype": dtype,
         "device": device,
         "quick": quick,
-        "trace": {
-            "requests": len(trace),
-            "prompt_len": list(sizes["prompt_len"]),
-            "output_len": list(sizes["output_len"]),
-            "prompt_tokens": sum(len(p) for p, _ in trace),
-            "output_tokens": sum(n for _, n in trace),
-            "worst_case_tokens": worst_case(trace),
-            "seed": SEED,
-        },
+        "trace": _describe(trace, sizes),
         "budget": budget,
         "rows": rows,
         "prefill_attention": prefill,
     }
     report["what_it_means"] = what_it_means(report)
     return report
+
+
+def _sizes(quick: bool, **given) -> dict:
+    """The run's sizes: the defaults (or --quick's), with what the caller gave instead."""
+    sizes = dict(SIZES["quick" if quick else "full"])
+    sizes.update({key: value for key, value in given.items() if value is not None})
+    if sizes["requests"] < 1:
+        raise ConfigError(f"bench staircase needs at least 1 request (--requests {sizes['requests']}).")
+    return sizes
+
+
+def _describe(trace, sizes: dict) -> dict:
+    return {
+        "requests": len(trace),
+        "prompt_len": list(sizes["prompt_len"]),
+        "output_len": list(sizes["output_len"]),
+        "prompt_tokens": sum(len(p) for p, _ in trace),
+        "output_tokens": sum(n for _, n in trace),
+        "worst_case_tokens": worst_case(trace),
+        "seed": SEED,
+    }
