@@ -33,9 +33,9 @@
 //     sums its entry's probability over the warp's rows and adds it into mass atomically (the
 //     block's warps, and the sequence's other query tiles, share entries).
 //
-// Like paged_attention.cu it launches on the default stream and includes only torch/extension.h
+// Like paged_attention.cu it launches on the default stream and includes only ATen/ATen.h
 // and kv_rows_cuda.h, so it compiles against a CPU-only torch.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <type_traits>
 #include <vector>
@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kNumWarps * kWarpSize)
 }
 
 template <typename scalar_t, int64_t FORMAT>
-void launch(torch::Tensor& out, float* mass, int mass_width, const torch::Tensor& query, const Pool& pool,
+void launch(at::Tensor& out, float* mass, int mass_width, const at::Tensor& query, const Pool& pool,
             const Ragged& ragged) {
   const int num_queries = query.size(0), head_dim = query.size(2);
   // an upper bound of the tiles: sum over sequences of ceil(queries * group / kRows)
@@ -218,11 +218,11 @@ void launch(torch::Tensor& out, float* mass, int mass_width, const torch::Tensor
 
 }  // namespace
 
-std::vector<torch::Tensor> paged_attention_prefill(torch::Tensor query, torch::Tensor k, torch::Tensor v,
-                                                   torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged,
-                                                   torch::Tensor staged_row, torch::Tensor block_tables,
-                                                   torch::Tensor cu_seqlens, torch::Tensor q_indices,
-                                                   torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
+std::vector<at::Tensor> paged_attention_prefill(at::Tensor query, at::Tensor k, at::Tensor v,
+                                                   at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
+                                                   at::Tensor staged_row, at::Tensor block_tables,
+                                                   at::Tensor cu_seqlens, at::Tensor q_indices,
+                                                   at::Tensor context_lens, int64_t block_size, int64_t kv_format,
                                                    bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, cu_seqlens, q_indices, context_lens}, k, v, k_scale, v_scale,
                             k_staged, staged_row, block_size, kv_format, keys_per_channel);
@@ -232,10 +232,10 @@ std::vector<torch::Tensor> paged_attention_prefill(torch::Tensor query, torch::T
   const int64_t num_seqs = context_lens.numel();
   TORCH_CHECK(cu_seqlens.numel() == num_seqs + 1 && q_indices.numel() == query.size(0) &&
                   block_tables.size(0) == num_seqs, "cu_seqlens, q_indices and block_tables must match the queries");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const int64_t width = num_seqs > 0 ? context_lens.max().item<int32_t>() : 0;
-  const auto fp32 = query.options().dtype(torch::kFloat);
-  auto mass = with_mass ? torch::zeros({num_seqs, k.size(1), width}, fp32) : torch::empty({0}, fp32);
+  const auto fp32 = query.options().dtype(at::kFloat);
+  auto mass = with_mass ? at::zeros({num_seqs, k.size(1), width}, fp32) : at::empty({0}, fp32);
   if (query.size(0) == 0) return {out, mass};  // no queries: nothing to launch
   const Ragged ragged{block_tables.data_ptr<int32_t>(), cu_seqlens.data_ptr<int32_t>(), q_indices.data_ptr<int32_t>(),
                       static_cast<int>(num_seqs), static_cast<int>(block_tables.size(1)),

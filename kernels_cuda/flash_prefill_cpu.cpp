@@ -25,7 +25,7 @@
 // With mass (H2O), a task takes all of a sequence's queries for its KV head (tiles in order, so no
 // two tasks add into the same entries) and, once a tile's m and l are final, walks its keys a
 // second time to add each entry's probability.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 
@@ -162,9 +162,9 @@ struct Tile {
 };
 
 template <typename scalar_t, int64_t FORMAT, int64_t HEAD_DIM>
-void prefill(const torch::Tensor& query, const Pool& pool, const torch::Tensor& block_tables,
-             const torch::Tensor& q_indices, const std::vector<Work>& work,
-             torch::Tensor& out, float* mass, int64_t mass_width) {
+void prefill(const at::Tensor& query, const Pool& pool, const at::Tensor& block_tables,
+             const at::Tensor& q_indices, const std::vector<Work>& work,
+             at::Tensor& out, float* mass, int64_t mass_width) {
   const int64_t num_heads = query.size(1), hd = HEAD_DIM ? HEAD_DIM : pool.head_dim;
   const int64_t group = num_heads / pool.num_kv_heads, bs = pool.block_size, max_blocks = block_tables.size(1);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
@@ -263,7 +263,7 @@ void prefill(const torch::Tensor& query, const Pool& pool, const torch::Tensor& 
 }
 
 // The step's tasks, longest first: (sequence, KV head, tile of queries), or with mass (sequence, KV head)
-std::vector<Work> plan(const torch::Tensor& cu_seqlens, const torch::Tensor& q_indices, int64_t num_kv_heads,
+std::vector<Work> plan(const at::Tensor& cu_seqlens, const at::Tensor& q_indices, int64_t num_kv_heads,
                        bool with_mass) {
   const int32_t* cu = cu_seqlens.data_ptr<int32_t>();
   const int32_t* indices = q_indices.data_ptr<int32_t>();
@@ -281,11 +281,11 @@ std::vector<Work> plan(const torch::Tensor& cu_seqlens, const torch::Tensor& q_i
 
 }  // namespace
 
-std::vector<torch::Tensor> paged_attention_prefill(torch::Tensor query, torch::Tensor k, torch::Tensor v,
-                                                   torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged,
-                                                   torch::Tensor staged_row, torch::Tensor block_tables,
-                                                   torch::Tensor cu_seqlens, torch::Tensor q_indices,
-                                                   torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
+std::vector<at::Tensor> paged_attention_prefill(at::Tensor query, at::Tensor k, at::Tensor v,
+                                                   at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
+                                                   at::Tensor staged_row, at::Tensor block_tables,
+                                                   at::Tensor cu_seqlens, at::Tensor q_indices,
+                                                   at::Tensor context_lens, int64_t block_size, int64_t kv_format,
                                                    bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, cu_seqlens, q_indices, context_lens}, k, v, k_scale, v_scale,
                             k_staged, staged_row, block_size, kv_format, keys_per_channel);
@@ -293,10 +293,10 @@ std::vector<torch::Tensor> paged_attention_prefill(torch::Tensor query, torch::T
   TORCH_CHECK(cu_seqlens.numel() == num_seqs + 1 && q_indices.numel() == query.size(0) &&
                   block_tables.size(0) == num_seqs, "cu_seqlens, q_indices and block_tables must match the queries");
   TORCH_CHECK(head_dim <= 512, "head_dim must be at most 512");
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const int64_t width = num_seqs > 0 ? context_lens.max().item<int32_t>() : 0;
-  auto mass = with_mass ? torch::zeros({num_seqs, k.size(1), width}, query.options().dtype(torch::kFloat))
-                        : torch::empty({0}, query.options().dtype(torch::kFloat));
+  auto mass = with_mass ? at::zeros({num_seqs, k.size(1), width}, query.options().dtype(at::kFloat))
+                        : at::empty({0}, query.options().dtype(at::kFloat));
   float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;
   const std::vector<Work> work = plan(cu_seqlens, q_indices, pool.num_kv_heads, with_mass);
   with_dtype(query.scalar_type(), [&](auto dtype) {

@@ -3,9 +3,10 @@
 // int4 two per byte or fp8 e4m3 bytes; fp16 (scale, center) pairs per channel of a block or per
 // token; staged exact keys of blocks still filling): a stored number x means x * scale + center.
 //
-// It includes only torch/extension.h, so the kernels also compile against a CPU-only torch.
+// It includes only ATen/ATen.h (the Python bindings are bindings.cpp's), so the kernels also
+// compile against a CPU-only torch.
 #pragma once
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <vector>
 
@@ -61,17 +62,17 @@ struct Pool {  // one layer of the KV pool, as the kernels read it
 
 // The pool's layer as a Pool, after checking what the kernels rely on (one line says what is wrong).
 // `indices`: the block tables, lengths and query indices, all int32 on the GPU.
-inline Pool pool_of(const torch::Tensor& query, const std::vector<torch::Tensor>& indices, const torch::Tensor& k,
-                    const torch::Tensor& v, const torch::Tensor& k_scale, const torch::Tensor& v_scale,
-                    const torch::Tensor& k_staged, const torch::Tensor& staged_row, int64_t block_size,
+inline Pool pool_of(const at::Tensor& query, const std::vector<at::Tensor>& indices, const at::Tensor& k,
+                    const at::Tensor& v, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                    const at::Tensor& k_staged, const at::Tensor& staged_row, int64_t block_size,
                     int64_t kv_format, bool keys_per_channel) {
   TORCH_CHECK(query.is_cuda() && k.is_cuda() && v.is_cuda(), "all tensors must be on the GPU");
   for (const auto& t : {query, k, v, k_scale, v_scale, k_staged, staged_row})
     TORCH_CHECK(t.is_contiguous(), "the query and the pool's tensors must be contiguous");
   for (const auto& t : indices)
-    TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == torch::kInt32,
+    TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == at::kInt,
                 "block tables, lengths and indices must be contiguous int32 on the GPU");
-  TORCH_CHECK(staged_row.scalar_type() == torch::kInt32, "staged_row must be int32");
+  TORCH_CHECK(staged_row.scalar_type() == at::kInt, "staged_row must be int32");
   TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8, "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
   TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128,
               "the CUDA kernels support head_dim 64 and 128 (got ", query.size(2), "); use attention_backend='torch'");
@@ -80,7 +81,7 @@ inline Pool pool_of(const torch::Tensor& query, const std::vector<torch::Tensor>
   if (kv_format == kModelDtype) {
     TORCH_CHECK(k.scalar_type() == query.scalar_type(), "a cache in the model's dtype must have the query's dtype");
   } else {
-    TORCH_CHECK(k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf && k_scale.numel() > 0 &&
+    TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf && k_scale.numel() > 0 &&
                     v_scale.numel() > 0, "a quantized cache needs fp16 k_scale and v_scale");
     TORCH_CHECK(!keys_per_channel || (staged_row.numel() > 0 && k_staged.scalar_type() == query.scalar_type()),
                 "keys quantized per channel need staged_row and k_staged in the query's dtype");

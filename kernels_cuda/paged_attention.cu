@@ -23,10 +23,11 @@
 //     the block turns them into probabilities and adds them (atomically: the group's query heads
 //     share a KV head) into mass.
 //
-// It launches on the default CUDA stream and includes only torch/extension.h (and kv_rows_cuda.h,
-// what it shares with flash_prefill.cu), so the file also compiles against a CPU-only torch (the
-// test suite runs nvcc on it on machines without a GPU).
-#include <torch/extension.h>
+// It launches on the default CUDA stream and includes only ATen/ATen.h (torch/extension.h, which
+// bindings.cpp needs, triples the compile time) and kv_rows_cuda.h (what it shares with
+// flash_prefill.cu), so the file also compiles against a CPU-only torch (the test suite runs nvcc
+// on it on machines without a GPU).
+#include <ATen/ATen.h>
 
 #include <vector>
 
@@ -139,8 +140,8 @@ __global__ void paged_attention_decode_kernel(scalar_t* __restrict__ out, float*
 }
 
 template <typename scalar_t, int64_t FORMAT>
-void launch(torch::Tensor& out, float* mass, float* raw_scores, int mass_width, const torch::Tensor& query,
-            const Pool& pool, const torch::Tensor& block_tables, const torch::Tensor& context_lens) {
+void launch(at::Tensor& out, float* mass, float* raw_scores, int mass_width, const at::Tensor& query,
+            const Pool& pool, const at::Tensor& block_tables, const at::Tensor& context_lens) {
   const int num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const dim3 grid(num_seqs, num_heads), threads(kNumWarps * kWarpSize);
   const float scale = 1.f / sqrtf(static_cast<float>(head_dim));
@@ -160,18 +161,18 @@ void launch(torch::Tensor& out, float* mass, float* raw_scores, int mass_width, 
 
 }  // namespace
 
-std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, torch::Tensor v,
-                                                  torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged,
-                                                  torch::Tensor staged_row, torch::Tensor block_tables,
-                                                  torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
+std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, at::Tensor v,
+                                                  at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
+                                                  at::Tensor staged_row, at::Tensor block_tables,
+                                                  at::Tensor context_lens, int64_t block_size, int64_t kv_format,
                                                   bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, context_lens}, k, v, k_scale, v_scale, k_staged, staged_row,
                             block_size, kv_format, keys_per_channel);
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const int64_t width = context_lens.numel() > 0 ? context_lens.max().item<int32_t>() : 0;
-  const auto fp32 = query.options().dtype(torch::kFloat);
-  auto mass = with_mass ? torch::zeros({query.size(0), k.size(1), width}, fp32) : torch::empty({0}, fp32);
-  auto raw_scores = with_mass ? torch::empty({query.size(0), query.size(1), width}, fp32) : torch::empty({0}, fp32);
+  const auto fp32 = query.options().dtype(at::kFloat);
+  auto mass = with_mass ? at::zeros({query.size(0), k.size(1), width}, fp32) : at::empty({0}, fp32);
+  auto raw_scores = with_mass ? at::empty({query.size(0), query.size(1), width}, fp32) : at::empty({0}, fp32);
   float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;
   float* scores_ptr = with_mass ? raw_scores.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode", [&] {

@@ -24,7 +24,7 @@
 // exp(score - m) and the running weighted sum of values acc, rescaled by exp(m_old - m_new) when
 // a block raises the maximum. Then it converts the block's values into the tile and adds them,
 // their per-token scales folded into the softmax weights. One pass over the history.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include "kv_rows_cpu.h"
@@ -72,8 +72,8 @@ inline void add_weighted_rows(float* __restrict acc, float correction, const flo
 
 
 template <typename scalar_t, int64_t FORMAT, int64_t HEAD_DIM>
-void decode(const torch::Tensor& query, const Pool& pool, const torch::Tensor& block_tables,
-            const torch::Tensor& context_lens, torch::Tensor& out, float* mass, int64_t mass_width) {
+void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_tables,
+            const at::Tensor& context_lens, at::Tensor& out, float* mass, int64_t mass_width) {
   // HEAD_DIM known at compile time (64, 128) lets the compiler unroll the row loops into a few vector
   // registers; 0 reads it from the pool (any other head_dim)
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = HEAD_DIM ? HEAD_DIM : pool.head_dim;
@@ -208,18 +208,18 @@ void decode(const torch::Tensor& query, const Pool& pool, const torch::Tensor& b
 
 }  // namespace
 
-std::vector<torch::Tensor> paged_attention_decode(torch::Tensor query, torch::Tensor k, torch::Tensor v,
-                                                  torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor k_staged,
-                                                  torch::Tensor staged_row, torch::Tensor block_tables,
-                                                  torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
+std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, at::Tensor v,
+                                                  at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
+                                                  at::Tensor staged_row, at::Tensor block_tables,
+                                                  at::Tensor context_lens, int64_t block_size, int64_t kv_format,
                                                   bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, context_lens}, k, v, k_scale, v_scale, k_staged, staged_row,
                             block_size, kv_format, keys_per_channel);
   const int64_t head_dim = query.size(2);
-  auto out = torch::empty_like(query);
+  auto out = at::empty_like(query);
   const int64_t width = context_lens.numel() > 0 ? context_lens.max().item<int32_t>() : 0;
-  auto mass = with_mass ? torch::zeros({query.size(0), k.size(1), width}, query.options().dtype(torch::kFloat))
-                        : torch::empty({0}, query.options().dtype(torch::kFloat));
+  auto mass = with_mass ? at::zeros({query.size(0), k.size(1), width}, query.options().dtype(at::kFloat))
+                        : at::empty({0}, query.options().dtype(at::kFloat));
   float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;
   with_dtype(query.scalar_type(), [&](auto dtype) {
     using scalar_t = decltype(dtype);

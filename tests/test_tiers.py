@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from references import replay_quantized, run_recorded
 
@@ -201,6 +201,13 @@ OPS = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
+@example(
+    num_blocks=2,
+    host_blocks=0,
+    disk=True,
+    block_size=1,
+    ops=[("grow", 0, 1), ("append", 0, 1), ("swap_out", 0, 1)],
+)
 @given(
     num_blocks=st.integers(2, 16),
     host_blocks=st.integers(0, 8),
@@ -243,6 +250,8 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
                 manager.copy_on_write(seq_id, lengths[seq_id], lengths[seq_id] + 1)
                 lengths[seq_id] += 1
                 tokens[seq_id].append(seq_id % 3)
+                replay()
+                write(seq_id)  # the step writes the new token's K/V into its (maybe new) block
         elif op == "fork" and seq_id in lengths and 100 + seq_id not in lengths:
             manager.fork(seq_id, 100 + seq_id)
             lengths[100 + seq_id], tokens[100 + seq_id] = lengths[seq_id], list(tokens[seq_id])
