@@ -1,5 +1,6 @@
 // The kernels' Python bindings, for both builds of minillm/attention/kernels.py: with
-// paged_attention_cpu.cpp (decode) and flash_prefill_cpu.cpp (prefill) for the CPU, and with
+// paged_attention_cpu.cpp (decode), flash_prefill_cpu.cpp (prefill) and kv_write_cpu.cpp (the
+// quantized pool's write; the CPU build defines MINILLM_CPU_BUILD) for the CPU, and with
 // paged_attention.cu and flash_prefill.cu for a CUDA GPU; each file its own translation unit, so
 // they compile side by side.
 #include <torch/extension.h>
@@ -19,7 +20,16 @@ std::vector<torch::Tensor> paged_attention_prefill(torch::Tensor query, torch::T
                                                    torch::Tensor context_lens, int64_t block_size, int64_t kv_format,
                                                    bool keys_per_channel, bool with_mass);
 
+#ifdef MINILLM_CPU_BUILD
+void quantize_write(torch::Tensor k_data, torch::Tensor v_data, torch::Tensor k_scale, torch::Tensor v_scale,
+                    torch::Tensor k_staged, torch::Tensor staged_row, torch::Tensor slots, torch::Tensor k,
+                    torch::Tensor v, int64_t block_size, int64_t kv_format, bool keys_per_channel);
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "decode attention over the paged KV pool");
   m.def("paged_attention_prefill", &paged_attention_prefill, "flash attention for prefill chunks over the paged KV pool");
+#ifdef MINILLM_CPU_BUILD
+  m.def("quantize_write", &quantize_write, "one layer's new keys and values into a quantized KV pool");
+#endif
 }

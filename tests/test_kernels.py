@@ -250,6 +250,39 @@ def test_flash_prefill_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, k
     assert relative_error(kernel_backend("cpu").prefill(**case)[0], expected) <= 2e-5  # without mass too
 
 
+def write_steps(kv_dtype, key_scales, dtype, seed, write):
+    """A pool (8 blocks of 4 slots, 2 KV heads of 16) after an engine's writes, each through
+    `write(pool, layer, slots, k, v)`: a prefill step that fills blocks 0 and 3 and starts 1, then
+    five decode steps of three sequences that cross block ends (1, 2, 4 and 6 fill; 5 and 7 start)."""
+    config = ModelConfig.from_dict({**TINY_CONFIG, "num_key_value_heads": 2, "head_dim": 16})
+    pool = QuantizedKVPool(config, 8, 4, FORMATS[kv_dtype], key_scales, dtype, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    steps = [list(range(0, 7)) + list(range(12, 16))] + [[7 + i, 16 + i, 24 + i] for i in range(5)]
+    for slots in steps:
+        for layer in range(config.num_layers):
+            k, v = (
+                torch.randn(len(slots), 2, 16, generator=gen) * 3 + torch.randn(16, generator=gen)
+                for _ in "kv"
+            )
+            write(pool, layer, torch.tensor(slots), k.to(dtype), v.to(dtype))
+    return pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_dtype, key_scales", [*FORMATS_TESTED, ("int4", "token")])
+def test_the_quantize_write_kernel_stores_what_the_torch_write_stores(kv_dtype, key_scales, dtype):
+    """Byte for byte: numbers, scales and centers, staging rows and the staged keys in them."""
+    by_torch = write_steps(kv_dtype, key_scales, dtype, 3, lambda pool, *args: pool.write(*args))
+    by_kernel = write_steps(kv_dtype, key_scales, dtype, 3, kernel_backend("cpu").write)
+    for name in ("k_data", "v_data", "k_scale", "v_scale", "staged_row"):
+        assert torch.equal(getattr(by_kernel, name), getattr(by_torch, name)), name
+    staged = by_torch.staged_row >= 0
+    assert bool(staged.any()) == (key_scales == "channel") and by_kernel.free_rows == by_torch.free_rows
+    for layer, block in staged.nonzero().tolist():
+        row = int(by_torch.staged_row[layer, block])
+        assert torch.equal(by_kernel.k_staged[layer, row], by_torch.k_staged[layer, row])
+
+
 @pytest.mark.parametrize("switches", [{}, {"max_num_batched_tokens": 13, "prefix_caching": True}])
 def test_engine_with_cpu_kernel_gives_naive_tokens(tiny_dir, tiny_model, switches):
     """Decode and flash prefill (whole prompts, or chunks of 13 tokens over prefix-cache hits)."""

@@ -6,6 +6,8 @@ against it: `paged_decode_attention` (one query per sequence: `paged_attention_d
 flash kernel). They read the pool's layer as it is stored (`pool.layer(l)`:
 numbers in the model's dtype, or int8 / int4 / fp8 with their scales and centres and the filling
 blocks' staged keys), dequantize in registers, and can return the attention mass H2O accumulates.
+A third CPU kernel, `quantize_write`, stores a step's keys and values into a quantized pool with
+`QuantizedKVPool`'s torch rounding, in one call per layer instead of some thirty small operations.
 
 `attention_backend(config)` is what a run gets: `EngineConfig.attention_backend` "cpu" or "cuda"
 names a kernel, "torch" the references, and "auto" (the default) the kernel of the config's device
@@ -28,11 +30,12 @@ import torch
 
 from minillm.attention.reference import paged_decode_attention, paged_prefill_attention
 from minillm.config import ConfigError, EngineConfig
+from minillm.memory import QuantizedKVPool
 
 SOURCES = files("kernels_cuda")  # package data, wherever minillm is installed
 # each build's two kernels (decode, flash prefill) share a header (kv_rows_cpu.h, kv_rows_cuda.h);
 # bindings.cpp declares them to Python
-CPU_SOURCES = ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "bindings.cpp")
+CPU_SOURCES = ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "kv_write_cpu.cpp", "bindings.cpp")
 CUDA_SOURCES = ("paged_attention.cu", "flash_prefill.cu", "bindings.cpp")
 CUDA_SOURCE = SOURCES / "paged_attention.cu"  # decode
 CUDA_PREFILL_SOURCE = SOURCES / "flash_prefill.cu"
@@ -45,6 +48,7 @@ CPU_FLAGS = [
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
+    "-DMINILLM_CPU_BUILD",  # bindings.cpp: the CPU build also has kv_write_cpu.cpp's quantize_write
 ]
 FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format -> the kernels' kv_format
 
@@ -70,7 +74,8 @@ def build(name: str, compile_it: Callable) -> object:
 
 @functools.cache
 def cpu_kernel():
-    """Decode and flash prefill, each file its own translation unit (they compile side by side)."""
+    """Decode, flash prefill and quantize-and-write, each file its own translation unit (they
+    compile side by side)."""
     from torch.utils.cpp_extension import load
 
     def compile_it(name):
@@ -83,8 +88,8 @@ def cpu_kernel():
 @functools.cache
 def cuda_kernel():
     """Decode and flash prefill on a CUDA GPU, each .cu its own translation unit. They include only
-    torch/extension.h (and their shared header) and launch on the default stream, so they also
-    compile against a CPU-only torch (which the tests do with nvcc)."""
+    ATen (and their shared header) and launch on the default stream, so they also compile against
+    a CPU-only torch (which the tests do with nvcc)."""
     if not torch.cuda.is_available():
         raise ConfigError(
             "attention_backend='cuda' needs a CUDA GPU, and torch sees none; use 'cpu' or 'torch'."
@@ -98,10 +103,15 @@ def cuda_kernel():
     return build("minillm_attention_cuda", compile_it)
 
 
+def _layer_tensors(kv) -> tuple:
+    """A `KVLayer`'s tensors in the order the kernels take them."""
+    return kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_staged, kv.staged_row
+
+
 def _stored(pool, layer: int) -> tuple:
     """The layer's tensors as stored, and how to read them, in the order the kernels take them."""
     kv = pool.layer(layer)
-    return (kv.k, kv.v, kv.k_scale, kv.v_scale, kv.k_staged, kv.staged_row), (
+    return _layer_tensors(kv), (
         pool.block_size,
         FORMAT_CODES[kv.kv_format],
         kv.keys_per_channel,
@@ -132,17 +142,39 @@ def prefilling_in(kernel_fn) -> Callable:
     return attend
 
 
+def writing_in(kernel_fn) -> Callable:
+    """The pool's write, with a quantized pool's numbers computed by a quantize-and-write kernel."""
+
+    def numbers(kv, block_size, slots, k, v):
+        how = (block_size, FORMAT_CODES[kv.kv_format], kv.keys_per_channel)
+        kernel_fn(*_layer_tensors(kv), slots, k.contiguous(), v.contiguous(), *how)
+
+    def write(pool, layer, slots, k, v):
+        if isinstance(pool, QuantizedKVPool):
+            pool.write(layer, slots, k, v, numbers=numbers)
+        else:
+            pool.write(layer, slots, k, v)
+
+    return write
+
+
+def write_in_torch(pool, layer, slots, k, v):
+    pool.write(layer, slots, k, v)
+
+
 @dataclass(frozen=True)
 class Backend:
     """How a run attends: decode tokens with `decode`, prefill chunks with `prefill` (each with
-    its reference's signature)."""
+    its reference's signature), and how it stores the step's keys and values, `write(pool, layer,
+    slots, k, v)`."""
 
     name: str  # "cpu", "cuda" or "torch"
     decode: Callable
     prefill: Callable
+    write: Callable
 
 
-TORCH = Backend("torch", paged_decode_attention, paged_prefill_attention)
+TORCH = Backend("torch", paged_decode_attention, paged_prefill_attention, write_in_torch)
 
 
 def kernel_backend(name: str, flash_prefill: bool = True) -> Backend:
@@ -152,7 +184,8 @@ def kernel_backend(name: str, flash_prefill: bool = True) -> Backend:
         raise ConfigError(f"There is no {name!r} kernel; the kernels are 'cpu' and 'cuda'.")
     kernel = cpu_kernel() if name == "cpu" else cuda_kernel()
     prefill = prefilling_in(kernel.paged_attention_prefill) if flash_prefill else paged_prefill_attention
-    return Backend(name, decoding_in(kernel.paged_attention_decode), prefill)
+    write = writing_in(kernel.quantize_write) if name == "cpu" else write_in_torch  # no CUDA twin yet
+    return Backend(name, decoding_in(kernel.paged_attention_decode), prefill, write)
 
 
 def attention_backend(config: EngineConfig) -> Backend:

@@ -104,7 +104,7 @@ class PagedAttention:
         self.backend = backend  # kernels.Backend: the torch references, or kernels with their signatures
 
     def attend(self, layer_idx, q, k, v):
-        self.pool.write(layer_idx, self.write_slots, k, v)  # store this step's keys and values first:
+        self.backend.write(self.pool, layer_idx, self.write_slots, k, v)  # this step's keys and values first:
         out = torch.empty_like(q)  # (N, num_heads, head_dim)      every query attends to its own token too
         if self.decode is not None:
             d = self.decode

@@ -105,7 +105,33 @@ class QuantizedKVPool:
             self.key_scales == "channel",
         )
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def write(
+        self,
+        layer: int,
+        slots: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        numbers: Callable | None = None,
+    ) -> None:
+        """Store the new keys and values (N, kv_heads, head_dim) of `slots` (N,) in `layer`.
+
+        `numbers(kv_layer, block_size, slots, k, v)`, when given, computes and stores the numbers
+        (a kernel: `attention/kernels.py`) with this method's rounding; the pool still decides which
+        staging rows blocks get and when they are given back."""
+        if numbers is None:
+            self._write_in_torch(layer, slots, k, v)
+            return
+        if self.key_scales == "token":
+            numbers(self.layer(layer), self.block_size, slots, k, v)
+            return
+        with self.staging_lock:
+            blocks = self._give_rows(layer, slots)
+            numbers(self.layer(layer), self.block_size, slots, k, v)
+            filled = blocks[slots % self.block_size == self.block_size - 1]
+            if len(filled):
+                self._release_rows(layer, filled)
+
+    def _write_in_torch(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         data, scale = quantize(v, self.fmt, dim=-1)
         self.v_data[layer].index_copy_(0, slots, data)
         self.v_scale[layer].index_copy_(0, slots, scale)
@@ -117,14 +143,19 @@ class QuantizedKVPool:
             with self.staging_lock:
                 self._stage_keys(layer, slots, k)
 
-    def _stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
-        """Keys wait in their block's staging row; the write that fills a block quantizes it."""
-        blocks, offsets = slots // self.block_size, slots % self.block_size
+    def _give_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """A staging row for each block of `slots` that has none (its first keys); the blocks (N,)."""
+        blocks = slots // self.block_size
         rows = self.staged_row[layer, blocks]
-        if bool((rows < 0).any()):  # a block's first keys: give it a row
+        if bool((rows < 0).any()):
             for block in blocks[rows < 0].unique().tolist():
                 self.staged_row[layer, block] = self._take_row(layer)
-            rows = self.staged_row[layer, blocks]
+        return blocks
+
+    def _stage_keys(self, layer: int, slots: torch.Tensor, k: torch.Tensor) -> None:
+        """Keys wait in their block's staging row; the write that fills a block quantizes it."""
+        blocks, offsets = self._give_rows(layer, slots), slots % self.block_size
+        rows = self.staged_row[layer, blocks]
         self.k_staged[layer, rows.long(), offsets] = k.to(self.dtype)
         filled = offsets == self.block_size - 1  # the last slot: the block is full
         if bool(filled.any()):
