@@ -241,7 +241,7 @@ class Chat(SessionCommands):
             return True
         try:
             getattr(self, "do_" + name[1:])(words.strip())
-        except (ConfigError, ValueError) as err:  # SessionError is a ConfigError
+        except (ConfigError, ValueError, OSError) as err:  # SessionError is a ConfigError; OSError: a disk
             self.error(str(err))
         return True
 
@@ -263,7 +263,7 @@ class Chat(SessionCommands):
             highlight=False,
         )
         if self.session is not None and self.session.exists():
-            self.resume()
+            self.resume(self.session)
         self.converse()
         self.park()
 
