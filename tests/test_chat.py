@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from rich.console import Console
+from safetensors import SafetensorError
 
 import minillm.chat.view
 from minillm.chat import Chat
@@ -48,12 +49,13 @@ def fresh_llm(chat_dir, parts, **switches) -> LLM:
     return LLM(chat_dir, model=model, tokenizer=tokenizer, **{**POOL, **switches})
 
 
-def new_chat(chat_dir, parts, console=None, sessions_dir=None, **switches) -> Chat:
+def new_chat(chat_dir, parts, console=None, sessions_dir=None, session=None, **switches) -> Chat:
     console = console or Console(file=io.StringIO(), width=80)
     return Chat(
         fresh_llm(chat_dir, parts, **switches),
         SamplingParams(max_tokens=24),
         None,
+        session=session,
         sessions_dir=sessions_dir or Path("."),
         console=console,
     )
@@ -165,6 +167,90 @@ def test_save_and_load_carry_the_conversation_and_its_kv(chat_dir, parts, tmp_pa
     assert other.history == chat.history
     other.reply("And a fruit?")
     assert other.last[1].reused_tokens >= 32  # the first turn's full blocks came from the file
+
+
+def last_line(chat: Chat) -> str:
+    return printed(chat).rstrip("\n").rpartition("\n")[2]
+
+
+def test_a_refused_load_leaves_the_session_and_never_overwrites_another(chat_dir, parts, tmp_path):
+    """Session a parked with full-precision KV; a chat on int8 KV as session b asks for it."""
+    first = new_chat(chat_dir, parts, sessions_dir=tmp_path)
+    first.reply("Name a color.")
+    first.command("/save a")
+    parked_a = (tmp_path / "a.safetensors").read_bytes()
+    (tmp_path / "broken.safetensors").write_bytes(b"not a session at all")
+    chat = new_chat(chat_dir, parts, session=tmp_path / "b.safetensors", kv_dtype="int8")
+    chat.reply("Name a fruit.")
+    history = list(chat.history)
+    for name, refusal in [("a", "written with kv_dtype='auto'"), ("broken", "cannot be read")]:
+        assert chat.command(f"/load {name}")
+        assert last_line(chat).startswith("error: ") and refusal in last_line(chat)
+        assert chat.session == tmp_path / "b.safetensors" and chat.history == history
+    chat.park()  # what the end of the chat does
+    assert (tmp_path / "a.safetensors").read_bytes() == parked_a
+    _, extra = fresh_llm(chat_dir, parts, kv_dtype="int8").engine.load_session(tmp_path / "b.safetensors")
+    assert extra["messages"] == history
+
+
+def test_load_parks_the_conversation_it_replaces(chat_dir, parts, tmp_path):
+    first = new_chat(chat_dir, parts, sessions_dir=tmp_path)
+    first.reply("Name a color.")
+    first.command("/save a")
+    chat = new_chat(chat_dir, parts, session=tmp_path / "b.safetensors")
+    chat.reply("Name a fruit.")
+    history = list(chat.history)
+    chat.command("/load a")
+    assert chat.session == tmp_path / "a.safetensors" and chat.history == first.history
+    _, extra = fresh_llm(chat_dir, parts).engine.load_session(tmp_path / "b.safetensors")
+    assert extra["messages"] == history
+
+
+def failing_write(reason: str):
+    """safetensors' save_file as it fails when the folder is read-only or the disk is full."""
+
+    def save_file(*args, **kwargs):
+        raise SafetensorError(f"Error while serializing: I/O error: {reason}")
+
+    return save_file
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["a 300-character name", "a dangling link", "a read-only folder", "a full disk"],
+)
+def test_every_failed_save_or_load_is_one_line_and_the_chat_goes_on(
+    chat_dir, parts, tmp_path, monkeypatch, case
+):
+    """The session, its file and the conversation stay as they were, and the chat still answers."""
+    chat = new_chat(chat_dir, parts, session=tmp_path / "notes.safetensors")
+    chat.reply("Name a color.")
+    chat.command("/save")
+    parked = (tmp_path / "notes.safetensors").read_bytes()
+    if case == "a 300-character name":
+        commands, said = ["/save " + "x" * 300, "/load " + "x" * 300], "is 300 bytes long"
+    elif case == "a dangling link":
+        (tmp_path / "gone.safetensors").symlink_to(tmp_path / "nowhere" / "gone.safetensors")
+        commands, said = ["/load gone", "/sessions"], "unreadable"
+    else:
+        reason, code = (
+            ("Read-only file system", 30) if "read-only" in case else ("No space left on device", 28)
+        )
+        monkeypatch.setattr("minillm.memory.sessions.save_file", failing_write(f"{reason} (os error {code})"))
+        commands, said = ["/save other", "/save"], f"cannot be written ({reason}); free some space"
+    history = list(chat.history)
+    for command in commands:
+        assert chat.command(command)
+    assert said in printed(chat)
+    if case != "a dangling link":
+        assert last_line(chat).startswith("error: ")
+    assert chat.session == tmp_path / "notes.safetensors" and chat.history == history
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "gone.safetensors") == ["notes.safetensors"]
+    assert (tmp_path / "notes.safetensors").read_bytes() == parked  # no temporary file left, the file whole
+    chat.park()
+    assert last_line(chat).startswith(("error: session notes was not parked", "parked session notes"))
+    chat.reply("And a fruit?")
+    assert chat.last[0].finish_reason != "error"
 
 
 def test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal(chat_dir, tmp_path):

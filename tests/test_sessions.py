@@ -2,10 +2,15 @@
 gives the tokens naive decoding gives, computing only the new turn; a file from another model,
 block size or KV format, or a damaged one, is refused in one line."""
 
+import errno
+import json
 import random
 import re
 
 import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from minillm.cli import main
 from minillm.decoding import generate
@@ -15,6 +20,9 @@ from minillm.weights import load_model
 from tests.conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 
 BLOCK = 4
+POOL = dict(
+    block_size=BLOCK, prefix_caching=True, kv_cache_bytes=64 * BLOCK * 768
+)  # 64 blocks: quick to build
 
 
 def conversation(seed, length=30, vocab=97):
@@ -24,7 +32,7 @@ def conversation(seed, length=30, vocab=97):
 
 def park(tiny_dir, tiny_model, path, **switches):
     """Run the first turn and park it; return the tokens of the whole turn (prompt and reply)."""
-    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True, **switches)
+    llm = LLM(tiny_dir, model=tiny_model, **{**POOL, **switches})
     prompt = conversation(1)
     out = llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True))[0]
     turn = prompt + out.token_ids
@@ -85,6 +93,62 @@ def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp
     assert llm.engine.kv_cache.block_manager.num_free_blocks == llm.engine.kv_cache.block_manager.num_blocks
 
 
+def rewritten(path, change):
+    """The session file written again with `change` applied to its tensors and metadata, its
+    recorded checksum kept: what an edit by hand, or damage that safetensors still reads, leaves."""
+    with safe_open(path, "pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    change(tensors, metadata)
+    save_file(tensors, path, metadata=metadata)
+
+
+def edit_messages(tensors, metadata):
+    metadata["extra"] = json.dumps({"note": "something else"})
+
+
+def reinterpret_token_ids(tensors, metadata):
+    tensors["token_ids"] = tensors["token_ids"].view(torch.float64)  # the very same bytes
+
+
+def reshape_a_block(tensors, metadata):
+    name = next(name for name in tensors if name.startswith("block.0."))
+    tensors[name] = tensors[name].reshape(-1)
+
+
+@pytest.mark.parametrize("change", [edit_messages, reinterpret_token_ids, reshape_a_block])
+def test_the_checksum_covers_everything_the_file_holds(tiny_dir, tiny_model, tmp_path, change):
+    path = tmp_path / "chat.safetensors"
+    park(tiny_dir, tiny_model, path)
+    rewritten(path, change)
+    llm = LLM(tiny_dir, model=tiny_model, **POOL)
+    with pytest.raises(SessionError, match="is damaged \\(checksum mismatch\\); delete it"):
+        llm.engine.load_session(path)
+
+
+@pytest.mark.parametrize("failing", ["os.replace", "os.fsync"])
+def test_a_failed_write_leaves_the_parked_session_whole_and_no_temporary_file(
+    tiny_dir, tiny_model, tmp_path, monkeypatch, failing
+):
+    """A crash before the rename (or a full disk that fsync finds) must not cost the old session."""
+    path, llm = tmp_path / "chat.safetensors", LLM(tiny_dir, model=tiny_model, **POOL)
+    prompt = conversation(1)
+    turn = prompt + llm.generate([prompt], SamplingParams(max_tokens=9, ignore_eos=True))[0].token_ids
+    llm.engine.save_session(path, turn)
+    parked = path.read_bytes()
+
+    def fail(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(failing, fail)
+    with pytest.raises(SessionError) as refused:
+        llm.engine.save_session(path, turn, extra={"note": "a later turn"})
+    assert str(refused.value) == (
+        f"Session file {path} cannot be written (No space left on device); "
+        "free some space or write it to another folder."
+    )
+    assert list(tmp_path.iterdir()) == [path] and path.read_bytes() == parked
+
+
 def chat(monkeypatch, capsys, real_dir, folder, lines, *flags):
     feed = iter(lines)
     monkeypatch.setattr("minillm.report.console.input", lambda prompt="": next(feed))
@@ -120,4 +184,4 @@ def test_cli_chat_session_survives_a_restart(monkeypatch, capsys, real_dir, tmp_
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")
     code, out, _ = chat(monkeypatch, capsys, real_dir, a_file, ["Hi.", "/exit"])
-    assert code == 0 and "could not be parked" in out  # the reply stands; one line says why nothing was kept
+    assert code == 0 and "was not parked" in out  # the reply stands; one line says why nothing was kept

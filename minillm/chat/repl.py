@@ -40,7 +40,7 @@ COMMANDS = {  # command -> (its arguments, what it does); /help prints them in t
     "/memory": ("", "every KV block, per tier, and the engine's accounting"),
     "/stats": ("", "the last reply: prompt reuse, first token, decode speed, KV memory"),
     "/save": ("[NAME]", "park the conversation (KV and messages) as session NAME"),
-    "/load": ("NAME", "resume session NAME: its messages, and its KV as cached prefix blocks"),
+    "/load": ("NAME", "resume session NAME (parking this one first): its messages, its KV as cached blocks"),
     "/sessions": ("", "list the parked sessions"),
     "/reset": ("", "clear the conversation"),
     "/help": ("", "this list, and the switches"),
@@ -241,7 +241,7 @@ class Chat(SessionCommands):
             return True
         try:
             getattr(self, "do_" + name[1:])(words.strip())
-        except (ConfigError, ValueError) as err:  # SessionError is a ConfigError
+        except (ConfigError, ValueError, OSError) as err:  # SessionError is a ConfigError; OSError: a disk
             self.error(str(err))
         return True
 
@@ -263,7 +263,7 @@ class Chat(SessionCommands):
             highlight=False,
         )
         if self.session is not None and self.session.exists():
-            self.resume()
+            self.resume(self.session)
         self.converse()
         self.park()
 

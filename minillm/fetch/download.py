@@ -8,7 +8,9 @@ Hugging Face hub. Neither is trusted, and neither is taken whole on faith:
   is used, fresh or from the cache; one that does not match is deleted and downloaded once more;
 - an HTTP download goes to a `.part` name beside its target and is renamed into place only when
   as many bytes came as the server's Content-Length announced, so a connection that dies
-  mid-file leaves nothing a later run could mistake for the file;
+  mid-file leaves nothing a later run could mistake for the file; the sha256 of what came is
+  recorded beside it (`.NAME.sha256`), and a later run uses the file again only while it still
+  hashes to that record (a file damaged, replaced, or without a record is downloaded again);
 - a text is checked against the sha256 pinned in `texts.py` before it is written, a checkpoint by
   loading it (`checkpoint.py`), which then records the sha256 of every file it wrote so that later
   runs can verify them.
@@ -63,10 +65,21 @@ def cached_archive(cache_dir: Path, file_pattern: str) -> Path | None:
     return archives[-1] if archives else None
 
 
-def http_get(url: str, target: Path) -> None:
-    """`url` into `target`, with a progress bar. The bytes go to `<target>.part` first and are
-    renamed only when complete, so a failure leaves no file behind."""
+def cached_http_get(url: str, target: Path) -> Path:
+    """`url` in `target`: the copy already there while it hashes to the sha256 recorded when it
+    came, else downloaded again and its hash recorded."""
+    record = target.with_name(f".{target.name}.sha256")  # never a repository's file: none starts with '.'
+    if target.is_file() and record.is_file() and record.read_text().strip() == file_sha256(target):
+        return target
+    record.write_text(http_get(url, target) + "\n")
+    return target
+
+
+def http_get(url: str, target: Path) -> str:
+    """`url` into `target`, with a progress bar; returns the sha256 of its bytes. The bytes go to
+    `<target>.part` first and are renamed only when complete, so a failure leaves no file behind."""
     partial = target.with_name(target.name + ".part")
+    digest = hashlib.sha256()
     try:
         with urllib.request.urlopen(url, timeout=60) as response, open(partial, "wb") as out:
             total = int(response.headers.get("Content-Length") or 0) or None
@@ -74,6 +87,7 @@ def http_get(url: str, target: Path) -> None:
             with progress_bar(target.name, total, download=True) as advance:
                 while chunk := response.read(1 << 20):
                     out.write(chunk)
+                    digest.update(chunk)
                     received += len(chunk)
                     advance(len(chunk))
         if total is not None and received != total:  # urllib reads a closed connection as a clean end
@@ -81,6 +95,7 @@ def http_get(url: str, target: Path) -> None:
                 f"{url} ended after {received} of {total} bytes; run again to download it whole."
             )
         partial.rename(target)
+        return digest.hexdigest()
     except urllib.error.HTTPError as err:
         raise FetchError(
             f"{url} answered {err.code}; check the repository name and that it holds {target.name}."

@@ -5,6 +5,11 @@ HF_ENDPOINT can move the endpoint): config.json, checked by `ModelConfig` before
 comes down; model.safetensors, or the shards its index names; tokenizer.json and, when there,
 tokenizer_config.json for the chat template. The weights are written back as one safetensors file
 and the config as it came; the tokenizer goes through `bpe.py` like the GGUF's.
+
+A repository is known by its whole id, owner and name: `weights/OWNER--REPO/` is its checkpoint
+and `weights/.downloads/OWNER--REPO/` its downloads, so `alice/tiny` and `bob/tiny` never share a
+folder, nor a cached file. A cached file is used again only while it hashes to the sha256
+recorded when it came (`download.py`); anything else is downloaded again.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from minillm.config import ConfigError, ModelConfig
 from minillm.fetch import FetchError
 from minillm.fetch.bpe import DIGITS_PATTERN, GPT2_PATTERN, tiktoken_ranks, write_tokenizer
-from minillm.fetch.download import http_get
+from minillm.fetch.download import cached_http_get
 
 # A repository's owner, its name, and the files it names: one path component each, never "." or
 # "..", so that what the repository says cannot lead a write out of its folder.
@@ -27,11 +32,13 @@ PLAIN_NAME = re.compile(r"\w[\w.-]*")
 
 
 def repo_folder(repo: str) -> str:
-    """The folder `OWNER/REPO` is written to: REPO."""
+    """The folder `OWNER/REPO` is written to, and its downloads cached in: OWNER--REPO. The hub
+    allows no '--' inside an owner or a name, so no two repositories share a folder, and none is
+    the default checkpoint's, `texts` or `.downloads`."""
     parts = repo.split("/")
-    if len(parts) != 2 or not all(PLAIN_NAME.fullmatch(part) for part in parts):
-        raise FetchError(f"--hf takes OWNER/REPO (letters, digits, '-', '_', '.'), not {repo!r}.")
-    return parts[1]
+    if len(parts) != 2 or not all(PLAIN_NAME.fullmatch(part) and "--" not in part for part in parts):
+        raise FetchError(f"--hf takes OWNER/REPO (letters, digits, '-', '_', '.', never '--'), not {repo!r}.")
+    return "--".join(parts)
 
 
 def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
@@ -59,20 +66,17 @@ def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
 
 
 def hub_file(repo: str, filename: str, cache_dir: Path, required: bool = True) -> Path | None:
-    """`filename` of `repo` in `cache_dir`, downloaded when not there yet; None when an optional
-    file cannot be had."""
+    """`filename` of `repo` in `cache_dir`, downloaded unless an intact copy is there; None when
+    an optional file cannot be had."""
     if not PLAIN_NAME.fullmatch(filename):
         raise FetchError(f"{repo} names the file {filename!r}, which is not a plain file name; refusing it.")
-    target = cache_dir / filename
-    if not target.is_file():
-        try:
-            endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-            http_get(f"{endpoint}/{repo}/resolve/main/{filename}", target)
-        except FetchError:
-            if required:
-                raise
-            return None
-    return target
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        return cached_http_get(f"{endpoint}/{repo}/resolve/main/{filename}", cache_dir / filename)
+    except FetchError:
+        if required:
+            raise
+        return None
 
 
 def hf_pattern(pre_tokenizer: dict | None) -> str:

@@ -7,8 +7,14 @@ new turn — hits them, and only the new turn is prefilled.
 
 KV only means something to the model, block size and storage format that wrote it, so the file
 records them (the model as a fingerprint of its config and weights) and a mismatch is refused in
-one line. The tensors carry a sha256 in the file's metadata; a file that does not match it is
-refused too, never loaded as KV.
+one line. A sha256 in the file's metadata covers everything else the file holds: every tensor's
+name, dtype, shape and bytes, and every other metadata entry (the conversation in `extra`
+included); a file that does not match it is refused too, never loaded as KV.
+
+A session file is written whole or not at all: into a temporary file of its own beside it (two
+writers never share one, and a link planted under its name is never followed), fsynced, and
+renamed over the old file, so a full disk or a crash leaves the previous session as it was.
+Every way a write or a read can fail comes back as one `SessionError` line.
 
 File layout (safetensors; any safetensors reader opens it):
     token_ids             (num_blocks * block_size,) int64: the tokens the blocks hold
@@ -20,21 +26,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from minillm.config import ConfigError
 from minillm.memory.block_manager import BlockManager
 
-FORMAT = "minillm-session-1"
+FORMAT = "minillm-session-2"  # 2: the checksum covers dtypes, shapes and metadata too
 PLACEHOLDER_SEQ = -1  # the table that holds a session's blocks while they are loaded
 
 
 class SessionError(ConfigError):
-    """A session file that cannot be resumed here (another model or format, or damaged)."""
+    """A session file that cannot be resumed here (another model or format, or damaged), or
+    cannot be written."""
 
 
 def _require_prefix_cache(manager: BlockManager) -> None:
@@ -44,11 +53,16 @@ def _require_prefix_cache(manager: BlockManager) -> None:
         )
 
 
-def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
-    digest = hashlib.sha256()
+def session_sha256(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """sha256 of everything a session file holds but this checksum itself: every metadata entry,
+    and each tensor's name, dtype and shape (which say how many bytes follow) and its bytes."""
+    digest = hashlib.sha256(
+        json.dumps({k: v for k, v in metadata.items() if k != "sha256"}, sort_keys=True).encode()
+    )
     for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        tensor = tensors[name].contiguous()
+        digest.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -68,40 +82,66 @@ def save_session(
         pool, local = tiers.store(block)
         for name, tensor in pool.read_block(local).items():
             tensors[f"block.{index}.{name}"] = tensor.detach().to("cpu", copy=True).contiguous()
-    metadata = {
-        **identity,
-        "format": FORMAT,
-        "sha256": tensors_sha256(tensors),
-        "extra": json.dumps(extra or {}),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".part")
-    save_file(tensors, partial, metadata=metadata)
-    partial.replace(path)  # a crash mid-write never leaves a half session under the real name
+    metadata = {**identity, "format": FORMAT, "extra": json.dumps(extra or {})}
+    metadata["sha256"] = session_sha256(tensors, metadata)
+    try:
+        write_whole(path, tensors, metadata)
+    except (OSError, SafetensorError) as err:
+        raise SessionError(
+            f"Session file {path} cannot be written ({failure_reason(err)}); "
+            "free some space or write it to another folder."
+        ) from None
     return len(blocks) * manager.block_size
+
+
+def write_whole(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """`tensors` in `path`, or `path` as it was: a temporary file of this write's own, fsynced,
+    then renamed over it (the folder fsynced too, so the rename survives a crash)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".part")
+    os.close(handle)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def failure_reason(err: Exception) -> str:
+    """The operating system's words for a failed read or write: safetensors wraps them, as in
+    'Error while serializing: I/O error: Read-only file system (os error 30)'."""
+    if isinstance(err, OSError) and err.strerror:
+        return err.strerror
+    return str(err).rpartition("I/O error: ")[2].partition(" (os error")[0][:80]
 
 
 def read_session(path: Path, identity: dict[str, str]) -> tuple[dict[str, torch.Tensor], dict]:
     """The file's tensors and extra, or SessionError saying in one line why it cannot be used."""
     try:
-        tensors = load_file(path)
-        with open(path, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            metadata = json.loads(f.read(header_len)).get("__metadata__", {})
+        with safe_open(path, "pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
     except (OSError, SafetensorError, ValueError) as err:
         raise SessionError(
-            f"Session file {path} cannot be read ({str(err)[:80]}); delete it to start over."
+            f"Session file {path} cannot be read ({failure_reason(err)}); delete it to start over."
         ) from None
     if metadata.get("format") != FORMAT:
-        raise SessionError(f"{path} is not a minillm session file; delete it to start over.")
+        raise SessionError(f"{path} is not a {FORMAT} file; delete it to start over.")
+    if session_sha256(tensors, metadata) != metadata.get("sha256"):
+        raise SessionError(f"Session file {path} is damaged (checksum mismatch); delete it to start over.")
     for key, value in identity.items():
         if metadata.get(key) != value:
             raise SessionError(
                 f"Session {path.stem} was written with {key}={metadata.get(key)!r}, this run has "
                 f"{value!r}; resume it with the same switches, or start a new session."
             )
-    if tensors_sha256(tensors) != metadata.get("sha256"):
-        raise SessionError(f"Session file {path} is damaged (checksum mismatch); delete it to start over.")
     try:
         extra = json.loads(metadata.get("extra", "{}"))
     except json.JSONDecodeError:
