@@ -106,6 +106,7 @@ HOSTILE_BODIES = [  # (body, the field named, what the message says)
     ('{"prompt": "hi", "max_tokens": "%s"}' % ("x" * 50_000), "max_tokens", "'max_tokens' must be"),
     ('{"model": "%s", "prompt": "hi"}' % ("m" * 50_000), "model", "does not exist"),
     ('{"prompt": "hi", "%s": 1}' % ("f" * 50_000), None, "Unknown field"),
+    ('{"prompt": [[1, "%s"]]}' % ("t" * 50_000), "prompt", "Token 1 of the prompt is"),
 ]
 
 
