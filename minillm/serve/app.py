@@ -188,7 +188,9 @@ async def read_body(request: Request, limits: ServeLimits) -> bytes:
         413, f"The request body is larger than this server takes ({limits.max_body_kb} KB, --max-body-kb)."
     )
     length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > limits.max_body_bytes:
+    if length.isdigit() and (
+        len(length) > 18 or int(length) > limits.max_body_bytes
+    ):  # int() of 5,000 digits raises
         raise too_large
 
     async def read() -> bytes:
