@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,8 +42,8 @@ def prompt_problem(prompt_ids: list, context_len: int, vocab_size: int) -> str |
     for index, token in enumerate(prompt_ids):
         if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < vocab_size:
             return (
-                f"Token {index} of the prompt is {token!r}; token ids are integers in [0, {vocab_size}) "
-                "for this model's vocabulary."
+                f"Token {index} of the prompt is {reprlib.repr(token)}; token ids are integers in "
+                f"[0, {vocab_size}) for this model's vocabulary."
             )
     if len(prompt_ids) >= context_len:
         return (

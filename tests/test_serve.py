@@ -18,13 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import openai
 import pytest
 import torch
-import uvicorn
 from conftest import tiny_with_real_tokenizer
+from serving import running_server
 
 from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
-from minillm.serve.app import build_app
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.metrics import parse_metrics
 
@@ -71,18 +70,8 @@ def server(model_dir):
         )
     )
     engine_loop = EngineLoop(engine)
-    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine_loop, "tiny"), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not uv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", engine_loop
-    uv.should_exit = True
-    thread.join(timeout=30)
-    assert not engine_loop.thread.is_alive()  # the app's lifespan stopped the engine thread
+    with running_server(engine_loop) as url:  # with the default limits
+        yield url, engine_loop
 
 
 @pytest.fixture(scope="module")
@@ -537,6 +526,7 @@ def test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c(model_dir):
                     "ignore_eos": True,
                 }
             ),
+            headers={"Content-Type": "application/json"},
         )
         response = conn.getresponse()
         assert response.status == 200 and response.readline().startswith(b"data: {")

@@ -17,18 +17,18 @@ from minillm.config import SWITCHES, Switch
 CPU_BACKENDS = tuple(b for b in SWITCHES["attention_backend"].choices if b != "cuda")
 
 
-def whole_number(minimum: int, name: str):
-    """An argparse type: a whole number >= `minimum`; anything else is argparse's one-line error."""
+def whole_number(minimum: int, name: str, maximum: int | None = None):
+    """An argparse type: a whole number >= `minimum` (and <= `maximum`, if given); anything else is
+    argparse's one-line error."""
+    span = f"{minimum} or more" if maximum is None else f"{minimum} to {maximum}"
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text!r} is not a whole number; give {minimum} or more"
-            ) from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is not {name}; give {minimum} or more")
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not a whole number; give {span}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"{value} is not {name}; give {span}")
         return value
 
     parse.__name__ = name.replace(" ", "_")

@@ -1,7 +1,8 @@
 """`minillm serve`: the engine behind an OpenAI-compatible HTTP server (`minillm.serve`).
 
 The address is taken before the weights load, so a port in use is one line and no wait. HTTP then
-runs in a thread and the engine loop in the main thread, the one that loaded the model.
+runs in a thread and the engine loop in the main thread, the one that loaded the model. The
+limits one client may ask for are flags made from `ServeLimits`' table (`serve/limits.py`).
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ from minillm.cli.flags import (
     add_model_args,
     add_tier_args,
     engine_switches,
+    positive_float,
     positive_int,
     whole_number,
 )
 from minillm.config import ConfigError, EngineConfig
 from minillm.report import err_console
+from minillm.serve.limits import ServeLimits
 
 SERVE_EXAMPLES = """\
 examples:
@@ -32,7 +35,8 @@ examples:
   curl http://127.0.0.1:8000/metrics              # KV blocks per state, hit rate, queue, tokens/s
 
 Sampling defaults are the OpenAI API's (temperature 1; 0 is greedy), set per request. What minillm
-does not implement (logprobs, echo, penalties, tools, ...) gets a 400 that names it.
+does not implement (logprobs, echo, penalties, tools, ...) gets a 400 that names it. Bodies must be
+Content-Type: application/json (a web page cannot post that cross-origin without asking).
 """
 
 
@@ -57,7 +61,9 @@ def add_serve(subparsers) -> None:
         default="127.0.0.1",
         help="address to listen on; 0.0.0.0 opens it to the network (default: 127.0.0.1)",
     )
-    serve.add_argument("--port", type=whole_number(0, "a port number"), default=8000, help="(default: 8000)")
+    serve.add_argument(
+        "--port", type=whole_number(0, "a port number", 65535), default=8000, help="(default: 8000)"
+    )
     serve.add_argument(
         "--served-model-name",
         default=None,
@@ -77,12 +83,43 @@ def add_serve(subparsers) -> None:
         default="info",
         help="uvicorn's log level; info logs every request (default: info)",
     )
+    add_access_args(serve)
+    add_limit_args(serve)
     add_engine_args(serve)
     add_kv_quantization_args(serve)
     add_eviction_args(serve)
     add_tier_args(serve)
     add_model_args(serve, dtype="auto")
     serve.set_defaults(func=cmd_serve)
+
+
+def add_access_args(serve) -> None:
+    access = serve.add_argument_group("access")
+    access.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer KEY` on /v1/* (vLLM's flag; default: none)",
+    )
+    access.add_argument(
+        "--metrics",
+        choices=["open", "keyed", "off"],
+        default="open",
+        help="/metrics for anyone, only with the API key, or not at all; its prefix-cache counters "
+        "tell a client whether a prompt was cached before, i.e. sent by someone (default: open)",
+    )
+
+
+def add_limit_args(serve) -> None:
+    """One flag per ServeLimits field, its default and help from the table."""
+    limits = serve.add_argument_group("limits (what one client may ask for)")
+    for name, default, help_text in ServeLimits.flags():
+        kind = positive_float if isinstance(default, float) else positive_int
+        flag = "--" + name.replace("_", "-")
+        limits.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default:g})")
+
+
+def limits_from(args) -> ServeLimits:
+    return ServeLimits(**{name: getattr(args, name) for name, _, _ in ServeLimits.flags()})
 
 
 def cmd_serve(args) -> None:
@@ -100,9 +137,11 @@ def cmd_serve(args) -> None:
     import uvicorn
 
     from minillm.engine import LLMEngine
-    from minillm.serve.app import build_app
+    from minillm.serve.app import build_app, check_access
+    from minillm.serve.connections import uvicorn_config
     from minillm.serve.engine_loop import EngineLoop
 
+    check_access(args.api_key, args.metrics)
     try:  # the address first: a port in use is one line before the weights are loaded
         sock = socket.create_server((args.host, args.port))
     except OSError as err:
@@ -114,12 +153,10 @@ def cmd_serve(args) -> None:
     name = args.served_model_name or Path(args.model).name
     host, port = sock.getsockname()[:2]
     engine_loop = EngineLoop(engine, args.threads)
+    limits = limits_from(args)
+    app = build_app(engine_loop, name, False, limits, args.api_key, args.metrics)
     server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(engine_loop, name, start_engine=False),
-            log_level=args.log_level,
-            timeout_graceful_shutdown=5,
-        )
+        uvicorn_config(app, limits, log_level=args.log_level, timeout_graceful_shutdown=5)
     )
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
     err_console.print(

@@ -7,7 +7,10 @@ responses.py    each choice's text as tokens arrive, response and stream-chunk b
 engine_loop.py  the engine in its own thread, fed by a command queue; Submission, one HTTP
                 request's side (outputs as they come, abort on close)
 commands.py     what crosses between the threads: Add, Abort, Call, Stop, and each request's Reply
-app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics
+app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics;
+                the checks at the door (API key, JSON only, body size and time, the waiting room)
+limits.py       ServeLimits: what one client may ask for, each bound a `minillm serve` flag
+connections.py  uvicorn as the server runs it: a cap on connections, a deadline for a request's head
 metrics.py      /metrics: the snapshot and the loop's counters in Prometheus' text format
 
 FastAPI and uvicorn are an optional extra: pip install -e ".[serve]".

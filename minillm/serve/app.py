@@ -8,33 +8,58 @@
                                 rate, requests running and waiting, tokens/s, counters
 
 Every route runs on the event loop; the engine runs in a thread of its own (`engine_loop.py`). A
-request's body is checked first (`protocol.py`): a malformed or too long one gets a 400 with
-OpenAI's error body, an unknown model a 404, and nothing reaches the engine. The answer's shapes
-are `responses.py`'s, /metrics' are `metrics.py`'s. A client that goes
-away, while its request waits or streams, aborts it: its blocks are free before the next step.
+request is checked before anything reaches the engine, each refusal in OpenAI's error body:
+    401  /v1/* without the server's key, when it has one (`--api-key`, vLLM's: Authorization: Bearer)
+    415  a body that is not Content-Type: application/json: a web page may post text/plain to any
+         server without asking (no CORS preflight), but not JSON, so a page the user visits cannot
+         drive a local server
+    413  a body past max_body_kb;  408  a body not sent within read_timeout
+    400  a body `protocol.py` refuses: malformed, too long, a value out of range (never a 500);
+         it is parsed and tokenized in a worker thread, so a long prompt stalls no stream
+    404  another model's name
+    429  more requests waiting than max_waiting_requests, with Retry-After
+The limits are `ServeLimits`' (`limits.py`). The answer's shapes are `responses.py`'s, /metrics'
+are `metrics.py`'s; /metrics can be keyed or turned off (its prefix-cache counters tell a client
+whether a prompt's blocks were already cached: on a shared server, whether someone sent it). A
+client that goes away, while its request waits or streams, aborts it: its blocks are free before
+the next step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from minillm.config import ConfigError
 from minillm.serve.commands import RequestRefused
 from minillm.serve.endpoints import parse_chat, parse_completion
 from minillm.serve.engine_loop import EngineLoop, Submission
+from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import metric_values, prometheus
-from minillm.serve.protocol import APIError, Job, error_body, parse_json
+from minillm.serve.protocol import APIError, Job, error_body, parse_json, shown
 from minillm.serve.responses import DONE, ChoiceText, chunk, delta_choice, response_body, sse, usage
 
+METRICS_ACCESS = ("open", "keyed", "off")  # /metrics for anyone, for the API key's holders, or not at all
 
-def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = True) -> FastAPI:
+
+def build_app(
+    engine_loop: EngineLoop,
+    model_name: str,
+    start_engine: bool = True,
+    limits: ServeLimits = ServeLimits(),
+    api_key: str | None = None,
+    metrics: str = "open",
+) -> FastAPI:
     """The app over an EngineLoop. Its lifespan starts the engine in a thread of its own (unless
-    `start_engine` is False: the caller runs `engine_loop.run()` itself) and stops it at shutdown."""
+    `start_engine` is False: the caller runs `engine_loop.run()` itself) and stops it at shutdown.
+    With `api_key`, /v1/* (and /metrics if `metrics` is "keyed") need it."""
+    check_access(api_key, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -46,10 +71,30 @@ def build_app(engine_loop: EngineLoop, model_name: str, start_engine: bool = Tru
     app = FastAPI(
         title="minillm", description="An OpenAI-compatible server on the minillm engine.", lifespan=lifespan
     )
+    keyed = [Depends(api_key_check(api_key))] if api_key else []
     _add_error_handlers(app)
-    _add_completion_routes(app, engine_loop, model_name)
-    _add_status_routes(app, engine_loop, model_name)
+    _add_completion_routes(app, engine_loop, model_name, limits, keyed)
+    _add_status_routes(app, engine_loop, model_name, keyed, {"open": [], "keyed": keyed}.get(metrics))
     return app
+
+
+def check_access(api_key: str | None, metrics: str) -> None:
+    if metrics not in METRICS_ACCESS:
+        raise ConfigError(f"metrics must be one of {', '.join(METRICS_ACCESS)}, not {metrics!r}.")
+    if metrics == "keyed" and not api_key:
+        raise ConfigError("--metrics keyed needs the key: give --api-key too.")
+
+
+def api_key_check(api_key: str):
+    """A dependency that refuses, with a 401, a request without `Authorization: Bearer <api_key>`."""
+    expected = f"Bearer {api_key}".encode()
+
+    def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):  # in constant time: no guessing it byte by byte
+            raise APIError(401, "This server needs its API key: send the header Authorization: Bearer KEY.")
+
+    return check
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -57,7 +102,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(APIError)
     async def api_error(_, err: APIError):
-        return JSONResponse(err.body(), status_code=err.status)
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, err: StarletteHTTPException):  # unknown route (404), wrong method (405)
@@ -67,24 +112,33 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def validation_error(_, err: RequestValidationError):
         return JSONResponse(error_body(400, str(err)), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def bug(_, err: Exception):  # a bug in minillm, not the client's fault: still OpenAI's body
+        message = f"minillm failed ({type(err).__name__}); the server's log has the traceback."
+        return JSONResponse(error_body(500, message), status_code=500)
 
-def _add_completion_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -> None:
+
+def _add_completion_routes(
+    app: FastAPI, engine_loop: EngineLoop, model_name: str, limits: ServeLimits, keyed: list
+) -> None:
     """POST /v1/completions and /v1/chat/completions."""
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=keyed)
     async def completions(request: Request):
-        return await _answer(request, parse_completion, engine_loop, model_name)
+        return await _answer(request, parse_completion, engine_loop, model_name, limits)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(request: Request):
-        return await _answer(request, parse_chat, engine_loop, model_name)
+        return await _answer(request, parse_chat, engine_loop, model_name, limits)
 
 
-def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -> None:
-    """GET /v1/models, /health and /metrics."""
+def _add_status_routes(
+    app: FastAPI, engine_loop: EngineLoop, model_name: str, keyed: list, metrics_keyed: list | None
+) -> None:
+    """GET /v1/models, /health and /metrics (not there when `metrics_keyed` is None: turned off)."""
     engine = engine_loop.engine
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models():
         return {
             "object": "list",
@@ -107,7 +161,6 @@ def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -
             return _unavailable(engine_loop)
         return Response(status_code=200)
 
-    @app.get("/metrics")
     async def metrics():
         if not engine_loop.alive:
             return _unavailable(engine_loop)
@@ -115,27 +168,80 @@ def _add_status_routes(app: FastAPI, engine_loop: EngineLoop, model_name: str) -
             prometheus(await engine_loop.call(metric_values)), media_type="text/plain; version=0.0.4"
         )
 
+    if metrics_keyed is not None:
+        app.get("/metrics", dependencies=metrics_keyed)(metrics)
+
 
 def _unavailable(engine_loop: EngineLoop) -> JSONResponse:
     return JSONResponse(error_body(503, engine_loop.error or "The engine loop is not running."), 503)
 
 
-def _job_of(parse, raw: bytes, engine, model_name: str) -> Job:
+async def read_body(request: Request, limits: ServeLimits) -> bytes:
+    """The body, if it is JSON (415 otherwise), at most max_body_kb (413: refused by its
+    Content-Length unread, or as soon as it grows past) and sent within read_timeout (408)."""
+    content_type = request.headers.get("content-type", "")
+    if content_type.split(";")[0].strip().lower() != "application/json":
+        raise APIError(
+            415, f"Send the body as JSON, with Content-Type: application/json (not {shown(content_type)})."
+        )
+    too_large = APIError(
+        413, f"The request body is larger than this server takes ({limits.max_body_kb} KB, --max-body-kb)."
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and (
+        len(length) > 18 or int(length) > limits.max_body_bytes
+    ):  # int() of 5,000 digits raises
+        raise too_large
+
+    async def read() -> bytes:
+        chunks, size = [], 0
+        async for piece in request.stream():
+            size += len(piece)
+            if size > limits.max_body_bytes:
+                raise too_large
+            chunks.append(piece)
+        return b"".join(chunks)
+
+    try:
+        return await asyncio.wait_for(read(), limits.read_timeout)
+    except asyncio.TimeoutError:
+        raise APIError(
+            408, f"The request body did not arrive within {limits.read_timeout:g} s (--read-timeout)."
+        ) from None
+
+
+def _job_of(parse, raw: bytes, engine, model_name: str, limits: ServeLimits) -> Job:
     """The request body checked (`protocol.py`) into a Job; another model's name is a 404."""
     body = parse_json(raw)
     model = body.get("model", model_name)
     if model != model_name:
         raise APIError(
-            404, f"The model `{model}` does not exist; this server serves `{model_name}`.", "model"
+            404, f"The model {shown(model)} does not exist; this server serves `{model_name}`.", "model"
         )
-    return parse(body, engine.tokenizer, model_name, engine.context_len, engine.model.config.vocab_size)
+    vocab_size = engine.model.config.vocab_size
+    return parse(body, engine.tokenizer, model_name, engine.context_len, vocab_size, limits)
 
 
-async def _answer(request: Request, parse, engine_loop: EngineLoop, model_name: str):
+def check_room(engine_loop: EngineLoop, job: Job, limits: ServeLimits) -> None:
+    """A 429 when the job's requests would wait beyond max_waiting_requests (counted on the event
+    loop, so two requests cannot both take the last place)."""
+    room = engine_loop.engine.config.max_num_seqs + limits.max_waiting_requests
+    if engine_loop.open_requests + len(job.prompts) > room:
+        raise APIError(
+            429,
+            f"The server is busy: {engine_loop.open_requests} requests are running or waiting, and "
+            f"it queues at most {room}; retry later.",
+            headers={"Retry-After": "1"},
+        )
+
+
+async def _answer(request: Request, parse, engine_loop: EngineLoop, model_name: str, limits: ServeLimits):
     """Run one request on the engine: a stream of events, or one body at the end."""
     engine = engine_loop.engine
-    job = _job_of(parse, await request.body(), engine, model_name)
-    submission = engine_loop.submit(job.prompts, job.params, job.id)
+    raw = await read_body(request, limits)
+    job = await asyncio.to_thread(_job_of, parse, raw, engine, model_name, limits)
+    check_room(engine_loop, job, limits)
+    submission = engine_loop.submit(job.prompts, job.params, job.id, limits.max_stream_backlog)
     try:
         await submission.start()
     except RequestRefused as err:

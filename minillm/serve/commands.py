@@ -1,8 +1,9 @@
 """What crosses between the event loop and the engine thread: the commands, and where answers go.
 
 The event loop puts commands on the engine loop's queue (`Add`, `Abort`, `Call`, `Stop`); the
-engine thread sends each request's answers back to its `Reply`, an asyncio queue on the event loop
-that asked, through `call_soon_threadsafe`: the only safe way into another thread's event loop.
+engine thread sends each request's answers back to its `Reply`, which hands them to the
+`Submission` that asked, on its event loop, through `call_soon_threadsafe`: the only safe way into
+another thread's event loop.
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ class RequestRefused(Exception):
 
 @dataclass(frozen=True)
 class Reply:
-    """Where one engine request's answers go: (prompt index, item) onto an asyncio queue that the
-    caller's event loop reads. Items: None (accepted), a RequestOutput, or an exception."""
+    """Where one engine request's answers go: (prompt index, item) to `put`, called on the caller's
+    event loop (`Submission.put`). Items: None (accepted), a RequestOutput, or an exception."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    put: Callable[[tuple], None]
     index: int  # the prompt's place in its HTTP request
 
     def send_soon(self, item) -> None:
-        """From the engine thread: queue `item` on the caller's event loop."""
+        """From the engine thread: hand `item` over on the caller's event loop."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (self.index, item))
+            self.loop.call_soon_threadsafe(self.put, (self.index, item))
         except RuntimeError:  # that event loop has closed already: nobody is listening
             pass
 
@@ -49,7 +50,9 @@ class Add:
 @dataclass(frozen=True)
 class Abort:
     request_id: str
-    reason: str  # "disconnect" (its client went away), "stop" (every choice met a stop string), "refused"
+    # "disconnect" (its client went away), "slow" (its client stopped reading), "stop" (every choice
+    # met a stop string), "refused"
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,6 @@ class Stop:
 
 
 def deliver(items: list[tuple[Reply, RequestOutput]]) -> None:
-    """On the caller's event loop: one step's outputs onto their replies' queues."""
+    """On the caller's event loop: one step's outputs to their submissions."""
     for reply, out in items:
-        reply.queue.put_nowait((reply.index, out))
+        reply.put((reply.index, out))

@@ -3,10 +3,12 @@
 `parse_completion` reads a prompt in any of the OpenAI API's four shapes, `parse_chat` a list of
 messages rendered by the checkpoint's chat template; both then share `protocol.py`'s checks
 (`check_fields`, `parse_common`) and its `make_job`, which checks every prompt against the context.
+Both run in a worker thread (`app.py`): tokenizing a long prompt must not stall every stream.
 """
 
 from __future__ import annotations
 
+from minillm.serve.limits import ServeLimits
 from minillm.serve.protocol import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
@@ -15,15 +17,22 @@ from minillm.serve.protocol import (
     check_fields,
     make_job,
     parse_common,
+    shown,
 )
 from minillm.tokenizer import Tokenizer
 
 
 def parse_completion(
-    body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int
+    body: dict,
+    tokenizer: Tokenizer | None,
+    model: str,
+    context_len: int,
+    vocab_size: int,
+    limits: ServeLimits,
 ) -> Job:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids, or a list
-    of lists of token ids (a batch: one choice per prompt, n each)."""
+    of lists of token ids (a batch: one choice per prompt, n each, at most
+    `max_prompts_per_request`, counted before any is tokenized)."""
     check_fields(body, COMPLETION_FIELDS)
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -40,9 +49,16 @@ def parse_completion(
         raise APIError(
             400,
             "'prompt' must be a string, a list of strings, a list of token ids or a list of lists "
-            f"of token ids, not {prompt!r}."
+            f"of token ids, not {shown(prompt)}."
             if prompt is not None
             else "'prompt' is required.",
+            "prompt",
+        )
+    if len(prompts) > limits.max_prompts_per_request:
+        raise APIError(
+            400,
+            f"This request has {len(prompts)} prompts; this server takes at most "
+            f"{limits.max_prompts_per_request} per request (--max-prompts-per-request).",
             "prompt",
         )
     ids = []
@@ -53,7 +69,8 @@ def parse_completion(
             ids.append(tokenizer.encode(p))
         else:
             ids.append(list(p))
-    return make_job("completion", model, ids, parse_common(body, tokenizer, 16), context_len, vocab_size)
+    common = parse_common(body, 16, limits)
+    return make_job("completion", model, ids, common, context_len, vocab_size, limits)
 
 
 def message_text(message, index: int) -> dict[str, str]:
@@ -62,7 +79,7 @@ def message_text(message, index: int) -> dict[str, str]:
         raise APIError(
             400,
             f"messages[{index}] must be an object with role system, user or assistant and a "
-            f"content, not {message!r}.",
+            f"content, not {shown(message)}.",
             "messages",
         )
     content = message.get("content")
@@ -79,16 +96,23 @@ def message_text(message, index: int) -> dict[str, str]:
             )
         content = "".join(part["text"] for part in content)
     if not isinstance(content, str):
-        raise APIError(400, f"messages[{index}].content must be a string, not {content!r}.", "messages")
+        raise APIError(400, f"messages[{index}].content must be a string, not {shown(content)}.", "messages")
     extra = set(message) - {"role", "content", "name"}
     if extra:
         raise APIError(
-            400, f"messages[{index}] has fields minillm does not support: {sorted(extra)}.", "messages"
+            400, f"messages[{index}] has fields minillm does not support: {shown(sorted(extra))}.", "messages"
         )
     return {"role": message["role"], "content": content}
 
 
-def parse_chat(body: dict, tokenizer: Tokenizer | None, model: str, context_len: int, vocab_size: int) -> Job:
+def parse_chat(
+    body: dict,
+    tokenizer: Tokenizer | None,
+    model: str,
+    context_len: int,
+    vocab_size: int,
+    limits: ServeLimits,
+) -> Job:
     """POST /v1/chat/completions: the conversation is rendered by the checkpoint's chat template."""
     check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
@@ -105,4 +129,5 @@ def parse_chat(body: dict, tokenizer: Tokenizer | None, model: str, context_len:
         prompt = tokenizer.encode_chat(conversation)
     except ValueError as err:  # ConfigError: no chat template in this checkpoint
         raise APIError(400, str(err)) from None
-    return make_job("chat", model, [prompt], parse_common(body, tokenizer, None), context_len, vocab_size)
+    common = parse_common(body, None, limits)
+    return make_job("chat", model, [prompt], common, context_len, vocab_size, limits)

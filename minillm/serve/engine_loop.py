@@ -18,7 +18,9 @@ command queue.
 
 `Submission` is one HTTP request's side: it queues its prompts, waits until the engine has
 accepted them, yields (prompt index, RequestOutput) as they arrive, and aborts whatever is still
-running when it is closed — normally, or because the client disconnected.
+running when it is closed — normally, or because the client disconnected. Its queue is bounded: a
+reader `backlog` steps behind (a client that stopped reading its stream while the engine goes on)
+is cut off, its requests aborted, rather than the server holding every output it never reads.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class EngineLoop:
         # counters for /metrics, kept by the engine thread
         self.prompt_tokens = 0
         self.finished = Counter()  # finish reason -> requests
-        self.aborted = 0  # requests aborted because their client went away
+        self.aborted = 0  # requests aborted because their client went away or stopped reading
+        self.open_requests = 0  # engine requests of Submissions started and not closed (event loop's)
         self.recent_steps: deque[StepTime] = deque()
         self.started_at = time.time()
 
@@ -164,7 +167,7 @@ class EngineLoop:
         self.replies.pop(command.request_id, None)
         if self.engine.has_request(command.request_id):
             self.engine.abort(command.request_id)
-            if command.reason == "disconnect":
+            if command.reason in ("disconnect", "slow"):
                 self.aborted += 1
             elif command.reason == "stop":  # every choice met a stop string: a request answered
                 self.finished[command.reason] += 1
@@ -212,28 +215,42 @@ class EngineLoop:
         self.commands.put(Call(fn, future))
         return await asyncio.wrap_future(future)
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams, request_id: str) -> "Submission":
-        return Submission(self, prompts, params, request_id)
+    def submit(
+        self, prompts: list[list[int]], params: SamplingParams, request_id: str, backlog: int = 256
+    ) -> "Submission":
+        return Submission(self, prompts, params, request_id, backlog)
 
 
 class Submission:
-    """One HTTP request's engine requests, one per prompt (ids `{request_id}-{i}`)."""
+    """One HTTP request's engine requests, one per prompt (ids `{request_id}-{i}`), and the outputs
+    its reader has yet to take: at most `backlog` steps' worth."""
 
-    def __init__(self, loop: EngineLoop, prompts: list[list[int]], params: SamplingParams, request_id: str):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        backlog: int,
+    ):
         self.engine_loop, self.prompts, self.params = loop, prompts, params
         self.ids = [f"{request_id}-{i}" for i in range(len(prompts))]
         self.queue: asyncio.Queue = asyncio.Queue()
+        self.max_queued = backlog * len(prompts)  # each step sends one output per prompt running
         self.running: set[int] = set()
-        self.closed = False
+        self.started = self.closed = False
+        self.error: str | None = None  # why it was cut off, for its reader
 
     async def start(self) -> None:
         """Queue every prompt and wait until the engine has taken them all. A refusal aborts the
         ones taken and raises RequestRefused."""
         if not self.engine_loop.alive:
             raise RuntimeError(self.engine_loop.error or "The engine loop is not running.")
+        self.started = True
+        self.engine_loop.open_requests += len(self.ids)
         loop, arrival = asyncio.get_running_loop(), time.perf_counter()
         for index, (request_id, prompt) in enumerate(zip(self.ids, self.prompts)):
-            reply = Reply(loop, self.queue, index)
+            reply = Reply(loop, self.put, index)
             self.engine_loop.commands.put(Add(request_id, prompt, self.params, arrival, reply))
         refused = None
         for _ in self.ids:
@@ -246,18 +263,34 @@ class Submission:
             self.close("refused")
             raise refused
 
+    def put(self, item: tuple) -> None:
+        """On the event loop: an answer from the engine thread. One past `max_queued` means the
+        reader has stopped reading: cut it off."""
+        if self.closed:
+            return
+        if self.queue.qsize() >= self.max_queued:
+            self.error = (
+                f"This stream fell {self.max_queued} outputs behind its reader and was aborted; "
+                "read a stream as it comes."
+            )
+            self.close("slow")
+            return
+        self.queue.put_nowait(item)
+
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) each time one of the requests changes, until all have finished
-        or the submission is closed."""
+        or the submission is closed. One that was cut off raises RuntimeError."""
         while self.running and not self.closed:
             index, out = await self.queue.get()
             if out is None and self.closed:
-                return
+                break
             if isinstance(out, Exception):
                 raise out
             if out.finished:
                 self.running.discard(index)
             yield index, out
+        if self.error is not None:
+            raise RuntimeError(self.error)
 
     def abort(self, index: int, reason: str = "stop") -> None:
         """Stop prompt `index`'s engine request (e.g. all its choices met a stop string)."""
@@ -272,3 +305,5 @@ class Submission:
         if not self.closed:
             self.closed = True
             self.queue.put_nowait((-1, None))
+            if self.started:
+                self.engine_loop.open_requests -= len(self.ids)

@@ -17,18 +17,31 @@ Parameters and where they go:
     stream, stream_options              server-sent events; include_usage adds a last chunk of usage
 Anything else that changes the output (logprobs, echo, penalties, logit_bias, tools, ...) gets a
 400 that names it; an unknown field a 400 that lists the ones minillm takes.
+
+Whatever JSON a client sends gets a 4xx, never a 500: `parse_json` refuses, before any check reads
+the body, nesting deeper than MAX_DEPTH, integers of 2**64 or more (a 401-digit temperature would
+overflow float(); one of 5,000 is not even read) and lone surrogates ("\\ud800"
+is valid JSON but no UTF-8 can carry it back in an answer). A message names the field and quotes
+its value cut short (`shown`), so a 20 MB prompt is not sent back. The sizes a request may ask for
+(prompts, tokens, stop strings) are `ServeLimits`' (`limits.py`).
 """
 
 from __future__ import annotations
 
 import json
+import re
+import reprlib
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from minillm.config import prompt_problem
 from minillm.sampling import SamplingParams, is_real
-from minillm.tokenizer import Tokenizer
+from minillm.serve.limits import ServeLimits
+
+MAX_DEPTH = 32  # a chat is 5 levels deep (body, messages, message, content parts, part)
+INTEGER_BOUND = 2**64  # no field takes more (a seed is below 2**64); a bigger one is refused unread
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class APIError(Exception):
@@ -36,14 +49,19 @@ class APIError(Exception):
 
     TYPES = {
         400: "BadRequestError",
+        401: "AuthenticationError",
         404: "NotFoundError",
+        408: "RequestTimeoutError",
+        413: "RequestTooLargeError",
+        415: "UnsupportedMediaTypeError",
+        429: "RateLimitError",
         500: "InternalServerError",
         503: "ServiceUnavailableError",
     }
 
-    def __init__(self, status: int, message: str, param: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param = status, message, param
+        self.status, self.message, self.param, self.headers = status, message, param, headers
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param)
@@ -59,6 +77,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict:
             "code": status,
         }
     }
+
+
+def shown(value) -> str:
+    """`value` as an error message quotes it: its repr, cut short (a few items, a few dozen characters)."""
+    return SHORT_REPR.repr(value)
+
+
+SHORT_REPR = reprlib.Repr()  # Python 3.10's Repr takes no keyword arguments
+SHORT_REPR.maxlevel, SHORT_REPR.maxstring, SHORT_REPR.maxother, SHORT_REPR.maxlong = 2, 40, 40, 24
+SHORT_REPR.maxlist = SHORT_REPR.maxdict = SHORT_REPR.maxtuple = SHORT_REPR.maxset = 4
 
 
 # ----------------------------------------------------------------------------- requests
@@ -118,23 +146,64 @@ class Job:
         self.created = self.created or int(time.time())
 
 
+class LongNumber(int):
+    """An integer literal of more digits than 2**64 has, kept unread: reading one of 5,000 digits
+    takes quadratic time, and Python refuses past 4,300. `check_values` refuses it by its field."""
+
+
+def read_integer(literal: str) -> int:
+    return int(literal) if len(literal) <= 21 else LongNumber(INTEGER_BOUND)
+
+
 def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object whose every value the checks can read (`check_values`)."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_int=read_integer)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise APIError(400, f"The request body is not valid JSON ({err}).") from None
+    except RecursionError:
+        raise APIError(400, f"The request body nests deeper than {MAX_DEPTH} levels; flatten it.") from None
     if not isinstance(body, dict):
         raise APIError(400, f"The request body must be a JSON object, not a JSON {type(body).__name__}.")
+    check_values(body)
     return body
+
+
+def check_values(body: dict) -> None:
+    """Nesting, integers and strings anywhere in the body, checked without recursion (a deep body
+    would overflow the stack of a recursive walk); the error names the top-level field."""
+    stack = [(name, 1, name) for name in body] + [(value, 2, name) for name, value in body.items()]
+    while stack:
+        value, depth, name = stack.pop()
+        if depth > MAX_DEPTH:
+            raise value_error(name, f"nests deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            stack += [(item, depth + 1, name) for item in (*value.keys(), *value.values())]
+        elif isinstance(value, list):
+            stack += [(item, depth + 1, name) for item in value]
+        elif isinstance(value, str) and LONE_SURROGATE.search(value):
+            raise value_error(name, "holds a lone surrogate (\\ud800-\\udfff, unpaired): not Unicode text")
+        elif isinstance(value, int) and not -INTEGER_BOUND < value < INTEGER_BOUND:
+            raise value_error(name, "holds a number of 2**64 or more; no field takes one")
+
+
+def value_error(name: str, problem: str) -> APIError:
+    """A 400 for field `name`, its name made printable (it may hold the lone surrogate itself)."""
+    printable = LONE_SURROGATE.sub("\ufffd", name)
+    return APIError(400, f"{shown(printable)} {problem}.", printable if len(printable) <= 64 else None)
 
 
 def check_fields(body: dict, known: tuple[str, ...]) -> None:
     for name, value in body.items():
         if name in UNSUPPORTED:
             if value not in UNSUPPORTED[name]:
-                raise APIError(400, f"minillm does not support '{name}' (got {value!r}); leave it out.", name)
+                raise APIError(
+                    400, f"minillm does not support '{name}' (got {shown(value)}); leave it out.", name
+                )
         elif name not in known:
-            raise APIError(400, f"Unknown field '{name}'; minillm takes {', '.join(sorted(known))}.", name)
+            raise APIError(
+                400, f"Unknown field {shown(name)}; minillm takes {', '.join(sorted(known))}.", name[:64]
+            )
 
 
 def typed(body: dict, name: str, kind, default, describe: str):
@@ -148,21 +217,32 @@ def typed(body: dict, name: str, kind, default, describe: str):
         else isinstance(value, kind) and not (kind is int and isinstance(value, bool))
     )
     if not ok:
-        raise APIError(400, f"'{name}' must be {describe}, not {value!r}.", name)
+        raise APIError(400, f"'{name}' must be {describe}, not {shown(value)}.", name)
     return value
 
 
-def parse_stop(body: dict) -> list[str]:
+def parse_stop(body: dict, limits: ServeLimits) -> list[str]:
+    """At most `max_stop_strings` of at most `max_stop_chars` each: what bounds the search for
+    them in every new piece of text (`responses.ChoiceText`)."""
     stop = body.get("stop")
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise APIError(400, f"'stop' must be a non-empty string or a list of them, not {stop!r}.", "stop")
+        raise APIError(
+            400, f"'stop' must be a non-empty string or a list of them, not {shown(stop)}.", "stop"
+        )
+    if len(stops) > limits.max_stop_strings or max(map(len, stops)) > limits.max_stop_chars:
+        raise APIError(
+            400,
+            f"'stop' takes at most {limits.max_stop_strings} strings of at most {limits.max_stop_chars} "
+            f"characters each, not {len(stops)} of up to {max(map(len, stops))}.",
+            "stop",
+        )
     return stops
 
 
-def parse_common(body: dict, tokenizer: Tokenizer | None, default_max_tokens: int | None) -> dict:
+def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits) -> dict:
     """The fields both endpoints share, checked; max_tokens is None when the context decides it."""
     options = typed(body, "stream_options", dict, {}, 'an object like {"include_usage": true}')
     if set(options) - {"include_usage"}:
@@ -188,14 +268,21 @@ def parse_common(body: dict, tokenizer: Tokenizer | None, default_max_tokens: in
         "ignore_eos": typed(body, "ignore_eos", bool, False, "true or false"),
         "stream": stream,
         "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
-        "stop": parse_stop(body),
+        "stop": parse_stop(body, limits),
     }
 
 
 def make_job(
-    kind: str, model: str, prompts: list[list[int]], common: dict, context_len: int, vocab_size: int
+    kind: str,
+    model: str,
+    prompts: list[list[int]],
+    common: dict,
+    context_len: int,
+    vocab_size: int,
+    limits: ServeLimits,
 ) -> Job:
-    """Check every prompt against the context and the vocabulary, then build SamplingParams."""
+    """Check every prompt against the context and the vocabulary, the whole request against
+    `max_request_tokens`, then build SamplingParams."""
     max_tokens = common["max_tokens"]
     for prompt in prompts:
         problem = prompt_problem(prompt, context_len, vocab_size)
@@ -214,6 +301,7 @@ def make_job(
     # chat without max_tokens: the rest of the (shortest prompt's) context, as vLLM does
     if max_tokens is None:
         max_tokens = context_len - max(len(p) for p in prompts)
+    check_request_tokens(prompts, common["n"], max_tokens, limits)
     try:
         params = SamplingParams(
             temperature=common["temperature"],
@@ -227,3 +315,20 @@ def make_job(
     except ValueError as err:
         raise APIError(400, str(err)) from None
     return Job(kind, model, prompts, params, common["stop"], common["stream"], common["include_usage"])
+
+
+def check_request_tokens(prompts: list[list[int]], n: int, max_tokens: int, limits: ServeLimits) -> None:
+    """Every token the request may make the server hold: its prompts, and n completions of up to
+    max_tokens for each (4,000 prompts with n=16 would queue 64,000 sequences)."""
+    if not isinstance(n, int) or not isinstance(max_tokens, int):
+        return  # SamplingParams says what is wrong with them
+    total = sum(len(p) for p in prompts) + len(prompts) * max(n, 1) * max(max_tokens, 1)
+    if total > limits.max_request_tokens:
+        raise APIError(
+            400,
+            f"This request asks for up to {total} tokens ({sum(map(len, prompts))} in its prompts, "
+            f"{len(prompts) * n} completions of up to {max_tokens}); this server takes at most "
+            f"{limits.max_request_tokens} per request (--max-request-tokens): send fewer prompts, "
+            "or lower n or max_tokens.",
+            "max_tokens",
+        )

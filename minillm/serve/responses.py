@@ -21,7 +21,9 @@ FINISH_REASONS = {"eos": "stop", "length": "length", "abort": "abort", "error": 
 class ChoiceText:
     """One choice (one sample of one prompt) as its tokens arrive: its text, the part of it the
     client has been sent, and why it ended. Text that could be the start of a stop string is held
-    back until it is not; a stop string found ends the choice, cut before it (vLLM's default)."""
+    back until it is not; a stop string found ends the choice, cut before it (vLLM's default).
+    Each update searches only the new text and the held-back tail, so its cost on the event loop is
+    bounded by the number and length of the stop strings (`ServeLimits` caps both)."""
 
     def __init__(
         self,

@@ -1,0 +1,65 @@
+"""The connections: uvicorn, with at most `max_connections` of them and a deadline for each request's head.
+
+`uvicorn_config` is how both `minillm serve` and the tests run the app. uvicorn answers a request
+past `limit_concurrency` with a 503 itself, but has no deadline for a request's head: its
+keep-alive timer restarts on every byte, so a client that sends one byte a second (slowloris)
+holds its connection, and one of the few a server allows, for ever. `ReadTimeoutProtocol` is
+uvicorn's HTTP/1.1 protocol with that deadline; the body's is the app's (`app.read_body`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from uvicorn import Config
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from minillm.serve.limits import ServeLimits
+
+
+class ReadTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with `read_timeout` seconds for a request's head (its request
+    line and headers), counted from when the connection opens or its last response ends; a
+    connection that misses it is closed."""
+
+    def __init__(self, *args, read_timeout: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.read_timeout = read_timeout
+        self.head_deadline = None
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.start_head_deadline()
+
+    def on_response_complete(self) -> None:
+        self.start_head_deadline()  # first: a pipelined request's head, handled below, cancels it
+        super().on_response_complete()
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.cycle is not None and not self.cycle.response_complete:  # a request's head arrived
+            self.cancel_head_deadline()
+
+    def connection_lost(self, exc) -> None:
+        self.cancel_head_deadline()
+        super().connection_lost(exc)
+
+    def start_head_deadline(self) -> None:
+        self.cancel_head_deadline()
+        self.head_deadline = self.loop.call_later(self.read_timeout, self.transport.close)
+
+    def cancel_head_deadline(self) -> None:
+        if self.head_deadline is not None:
+            self.head_deadline.cancel()
+            self.head_deadline = None
+
+
+def uvicorn_config(app, limits: ServeLimits, **options) -> Config:
+    """uvicorn's Config for `app` under `limits` (`options`: uvicorn's own, like log_level)."""
+    return Config(
+        app,
+        http=functools.partial(ReadTimeoutProtocol, read_timeout=limits.read_timeout),
+        # uvicorn counts the connection asking among those open: one more lets max_connections in
+        limit_concurrency=limits.max_connections + 1,
+        **options,
+    )

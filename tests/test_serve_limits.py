@@ -1,0 +1,343 @@
+"""`minillm serve` against hostile or careless clients: every JSON a 4xx (a fuzz test), every limit
+its status, a browser page kept out, a stream nobody reads cut off.
+
+One server for the module, on the tiny random Llama with the real tokenizer and small limits
+(`LIMITS`), keyed with an API key and its /metrics too. Each case is a row of tests/BAD_INPUTS.md.
+"""
+
+import asyncio
+import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+from conftest import tiny_with_real_tokenizer
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from serving import fetch, running_server
+
+from minillm.cli import main
+from minillm.config import EngineConfig
+from minillm.engine import LLMEngine, SamplingParams
+from minillm.serve.app import build_app
+from minillm.serve.engine_loop import EngineLoop
+from minillm.serve.limits import ServeLimits
+from minillm.serve.metrics import parse_metrics
+from minillm.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+
+KEY = "open-sesame"
+MAX_NUM_SEQS = 2
+LIMITS = ServeLimits(
+    max_body_kb=64,
+    max_prompts_per_request=4,
+    max_request_tokens=512,
+    max_stop_strings=2,
+    max_stop_chars=8,
+    max_waiting_requests=2,
+    max_connections=8,
+    read_timeout=1.0,
+    max_stream_backlog=8,
+)
+MAX_MESSAGE = 400  # characters: an error names what is wrong, it does not quote a huge value back
+
+
+@pytest.fixture(scope="module")
+def model_dir(real_dir, tmp_path_factory):
+    return tiny_with_real_tokenizer(
+        tmp_path_factory.mktemp("limits-model"), real_dir, max_position_embeddings=1024
+    )
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    """(base URL, EngineLoop): a server with LIMITS, keyed, /metrics keyed too."""
+    engine = LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=2 << 20, max_num_seqs=MAX_NUM_SEQS))
+    engine_loop = EngineLoop(engine)
+    with running_server(engine_loop, LIMITS, api_key=KEY, metrics="keyed") as url:
+        yield url, engine_loop
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0, timeout=30)
+
+
+def post(server, body: bytes | str, path="/v1/completions", content_type="application/json"):
+    """POST `body` with the API key, as `content_type` (none if "")."""
+    headers = {"Authorization": f"Bearer {KEY}"} | ({"Content-Type": content_type} if content_type else {})
+    return fetch(server[0] + path, body, headers)
+
+
+def assert_error(response, status: int, *words: str) -> dict:
+    """`response` is OpenAI's error body with `status`, a short message holding each of `words`."""
+    assert response.status_code == status, response.text[:500]
+    error = response.json()["error"]
+    assert error["code"] == status and len(error["message"]) < MAX_MESSAGE, error
+    for word in words:
+        assert word in error["message"], error
+    return error
+
+
+def wait_until_idle(server, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    manager = server[1].engine.kv_cache.block_manager
+    while server[1].open_requests or server[1].engine.has_unfinished_requests():
+        assert time.monotonic() < deadline, "the engine did not drain"
+        time.sleep(0.02)
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+# ----------------------------------------------------------------------------- never a 500
+
+HOSTILE_BODIES = [  # (body, the field named, what the message says)
+    ('{"prompt": "hi", "temperature": 1%s}' % ("0" * 400), "temperature", "2**64 or more"),
+    ('{"prompt": "hi", "max_tokens": %s}' % ("9" * 5000), "max_tokens", "2**64 or more"),
+    ('{"prompt": "hi", "seed": -%s}' % ("9" * 30), "seed", "2**64 or more"),
+    ('{"prompt": %s1%s}' % ("[" * 30_000, "]" * 30_000), None, "nests deeper than 32"),  # 60 KB
+    ('{"prompt": %s1%s}' % ("[" * 40, "]" * 40), "prompt", "nests deeper than 32"),
+    ('{"model": "\\ud800", "prompt": "hi"}', "model", "lone surrogate"),
+    ('{"prompt": "hi", "\\udfff": 1}', "\ufffd", "lone surrogate"),
+    ('{"prompt": "hi", "stop": [%s]}' % ", ".join(['"x"'] * 3), "stop", "at most 2 strings"),
+    ('{"prompt": "hi", "stop": "longer than 8"}', "stop", "at most 8"),
+    ('{"prompt": ["a", "b", "c", "d", "e"]}', "prompt", "at most 4 per request"),
+    ('{"prompt": "hi", "n": 2, "max_tokens": 300}', "max_tokens", "at most 512 per request"),
+    ('{"prompt": "hi", "max_tokens": "%s"}' % ("x" * 50_000), "max_tokens", "'max_tokens' must be"),
+    ('{"model": "%s", "prompt": "hi"}' % ("m" * 50_000), "model", "does not exist"),
+    ('{"prompt": "hi", "%s": 1}' % ("f" * 50_000), None, "Unknown field"),
+    ('{"prompt": [[1, "%s"]]}' % ("t" * 50_000), "prompt", "Token 1 of the prompt is"),
+]
+
+
+@pytest.mark.parametrize("body, param, words", HOSTILE_BODIES, ids=[w for _, _, w in HOSTILE_BODIES])
+def test_hostile_json_gets_a_4xx_that_names_the_field_without_echoing_it(server, body, param, words):
+    status = 404 if words == "does not exist" else 400
+    error = assert_error(post(server, body), status, words)
+    if param is not None:
+        assert error["param"] == param
+
+
+JSON_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([10**400, -(10**30), 2**64, -1, 0, 1]),
+    st.floats(),  # NaN and infinities too, written as JSON's NaN / Infinity
+    st.text(st.characters(categories=["L", "N", "P", "Zs", "Cs"]), max_size=12),  # Cs: lone surrogates
+)
+ANY_JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+PLAUSIBLE = {  # values near the valid ones, so the fuzz reaches past the first check
+    "prompt": st.one_of(
+        st.text(max_size=24),
+        st.lists(st.integers(-2, 50_000), max_size=6),
+        st.lists(st.text(max_size=8), max_size=5),
+    ),
+    "messages": st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "robot"]), "content": ANY_JSON}),
+        max_size=3,
+    ),
+    "max_tokens": st.integers(-1, 12),
+    "max_completion_tokens": st.integers(-1, 12),
+    "n": st.integers(-1, 3),
+    "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5),
+    "top_k": st.integers(-2, 5),
+    "seed": st.integers(-1, 2**64),
+    "stop": st.one_of(st.text(max_size=9), st.lists(st.text(max_size=4), max_size=3)),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "ignore_eos": st.booleans(),
+}
+FIELDS = sorted({*COMPLETION_FIELDS, *CHAT_FIELDS, "logprobs", "echo", "tools", "surprise"})
+
+
+@st.composite
+def request_bodies(draw):
+    """(route, body): any subset of the fields, each plausible or any JSON at all."""
+    route = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    body = {"model": "tiny", "max_tokens": 4}
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=6, unique=True)):
+        body[name] = draw(PLAUSIBLE.get(name, ANY_JSON) | ANY_JSON)
+    return route, body
+
+
+@settings(
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(request_bodies())
+def test_no_json_body_gets_a_500(server, route_and_body):
+    route, body = route_and_body
+    response = post(server, json.dumps(body), route)  # ensure_ascii: a lone surrogate goes as \\udXXX
+    assert response.status_code < 500, (body, response.text[:500])
+    if response.status_code >= 400:
+        assert_error(response, response.status_code)
+    elif body.get("stream") is True:
+        assert '"code":500' not in response.text and response.text.endswith("data: [DONE]\n\n")
+
+
+# ----------------------------------------------------------------------------- limits
+
+
+def test_a_body_past_the_limit_is_refused_by_its_length_unread(server):
+    started = time.perf_counter()
+    huge = json.dumps({"prompt": "word " * 400_000})  # 2 MB
+    assert_error(post(server, huge), 413, "64 KB")
+    assert time.perf_counter() - started < 2.0
+
+
+def test_a_request_past_the_waiting_room_gets_a_429_with_retry_after(server, client):
+    room = MAX_NUM_SEQS + LIMITS.max_waiting_requests
+    streams = [
+        client.completions.create(
+            model="tiny", prompt="Hold on", max_tokens=300, stream=True, extra_body={"ignore_eos": True}
+        )
+        for _ in range(room)
+    ]
+    try:
+        assert server[1].open_requests == room
+        response = post(server, '{"prompt": "one more"}')
+        assert_error(response, 429, "busy")
+        assert response.headers["retry-after"] == "1"
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_until_idle(server)
+    assert post(server, '{"prompt": "now there is room", "max_tokens": 2}').status_code == 200
+
+
+def raw_connection(server) -> socket.socket:
+    host, port = server[0].removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_connections_past_the_limit_get_a_503(server):
+    idle = [raw_connection(server) for _ in range(LIMITS.max_connections)]
+    time.sleep(0.1)  # let the server accept them all
+    with raw_connection(server) as one_more:
+        one_more.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert one_more.recv(100).startswith(b"HTTP/1.1 503")
+    for conn in idle:
+        conn.close()
+    time.sleep(0.1)
+    assert fetch(server[0] + "/health").status_code == 200
+
+
+def test_a_connection_that_dribbles_its_head_is_closed_at_the_read_timeout(server):
+    """One byte each 0.1 s for 3 s: each byte restarts uvicorn's own idle timer, not this deadline."""
+    with raw_connection(server) as conn:
+        started = time.monotonic()
+        with pytest.raises((BrokenPipeError, ConnectionResetError)):
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            for byte in b"Host: x\r\nX-Slow: yes, one byte at a time\r\n":
+                conn.sendall(bytes([byte]))
+                time.sleep(0.1)
+    assert LIMITS.read_timeout <= time.monotonic() - started < LIMITS.read_timeout + 1.5
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_a_408(server):
+    with raw_connection(server) as conn:
+        conn.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"prompt":'
+        )
+        answer = b""
+        while not answer.endswith(b"}}"):  # the end of the error body
+            answer += conn.recv(1000)
+    assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer
+
+
+def test_a_stream_whose_reader_stops_is_aborted_not_buffered(server):
+    """The engine goes on generating; the stream's queue stops at max_stream_backlog outputs."""
+    engine_loop = server[1]
+    aborted_before = engine_loop.aborted
+
+    async def never_read():
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        submission = engine_loop.submit([[5, 6, 7]], params, "slow", backlog=8)
+        await submission.start()
+        deadline = time.monotonic() + 20
+        while not submission.closed:
+            assert time.monotonic() < deadline, "the stream was never cut off"
+            await asyncio.sleep(0.01)
+        assert submission.queue.qsize() <= 8 + 1  # + the wake-up of close
+        with pytest.raises(RuntimeError, match="fell 8 outputs behind its reader"):
+            async for _ in submission.outputs():
+                pass
+
+    asyncio.run(never_read())
+    wait_until_idle(server)
+    assert engine_loop.aborted == aborted_before + 1
+
+
+def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
+    tokenizer = server[1].engine.tokenizer
+    encode = tokenizer.encode
+
+    def slow_encode(text):
+        time.sleep(1.5)
+        return encode(text)
+
+    monkeypatch.setattr(tokenizer, "encode", slow_encode)
+    with ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(post, server, '{"prompt": "hi", "max_tokens": 1}')
+        time.sleep(0.3)  # the slow request is being tokenized now
+        started = time.perf_counter()
+        assert fetch(server[0] + "/health").status_code == 200
+        assert time.perf_counter() - started < 0.5
+        assert slow.result().status_code == 200
+
+
+# ----------------------------------------------------------------------------- browsers and keys
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_a_body_that_is_not_declared_json_is_refused(server, content_type):
+    """A web page may post text/plain or a form to any address without a CORS preflight; JSON it
+    may not. So a page the user visits cannot drive a server on their machine."""
+    assert_error(post(server, '{"prompt": "hi"}', content_type=content_type), 415, "application/json")
+
+
+def test_v1_routes_need_the_api_key_and_health_does_not(server, client):
+    for key in ("", "Bearer wrong", f"Bearer {KEY}x"):
+        headers = {"Content-Type": "application/json"} | ({"Authorization": key} if key else {})
+        response = fetch(server[0] + "/v1/completions", '{"prompt": "hi"}', headers)
+        assert_error(response, 401, "Authorization: Bearer")
+    assert_error(fetch(server[0] + "/v1/models"), 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0).models.list()
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
+    assert fetch(server[0] + "/health").status_code == 200
+
+
+def test_metrics_can_be_keyed_or_turned_off(server):
+    assert_error(fetch(server[0] + "/metrics"), 401)
+    keyed = fetch(server[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+    assert "prefix_cache_hits_total" in parse_metrics(keyed.text)
+    routes = {route.path for route in build_app(server[1], "tiny", metrics="off").routes}
+    assert "/health" in routes and "/metrics" not in routes
+
+
+def test_serve_flags_that_cannot_work_are_one_line(capsys, model_dir):
+    assert main(["serve", "--port", "70000"]) == 2
+    assert "argument --port: 70000 is not a port number; give 0 to 65535" in capsys.readouterr().err
+    assert main(["serve", "--model", str(model_dir), "--port", "0", "--metrics", "keyed"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: --metrics keyed needs the key: give --api-key too.\n"
+
+
+def test_serve_help_lists_every_limit(capsys):
+    assert main(["serve", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name, default, _ in ServeLimits.flags():
+        assert "--" + name.replace("_", "-") in text
+    for words in ("--api-key", "--metrics {open,keyed,off}", "(default: 4096)"):
+        assert words in text
