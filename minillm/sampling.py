@@ -4,6 +4,11 @@
 logits are divided by the temperature, cut to the k most likely tokens and then to the smallest
 set whose probability reaches p ("nucleus"), and one token is drawn. Each request owns a seeded
 `torch.Generator`, so the same seed gives the same sample whatever else runs beside it.
+
+No parameter a request may pass can make the probabilities NaN or inf: a temperature below
+GREEDY_BELOW is greedy (its limit), and the logits are scaled in float64, where no finite fp32
+logit over a temperature of at least GREEDY_BELOW overflows; a huge temperature only flattens
+the distribution towards uniform.
 """
 
 from __future__ import annotations
@@ -13,18 +18,27 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): the distribution is then
+# argmax's to within float precision anyway, and logits / 1e-300 would overflow to inf and NaN.
+GREEDY_BELOW = 1e-5
+
 
 def is_real(value) -> bool:
-    """A finite int or float (not a bool, a string or NaN)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float (not a bool, a string, NaN, or an int too large to be a float)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the float range, e.g. 10**400
+        return False
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW) means greedy
     top_k: int = 0  # 0 means no top-k cut
     top_p: float = 1.0  # 1 means no nucleus cut
-    max_tokens: int = 64
+    max_tokens: int | None = 64  # None: up to the context, as far as the KV pool holds (vLLM's chat default)
     seed: int | None = None  # sample i of n uses seed + i
     n: int = 1  # parallel samples of one prompt; they share the prompt's KV blocks
     beam_width: int = 1  # > 1: beam search (greedy over total log-probability) instead of sampling
@@ -36,7 +50,7 @@ class SamplingParams:
             for problem in (self.number_problem(), self.count_problem(), self.seed_problem())
             if problem
         ]
-        if not problems and self.beam_width > 1 and (self.temperature != 0 or self.n != 1):
+        if not problems and self.beam_width > 1 and (not self.greedy or self.n != 1):
             problems.append("beam search is deterministic: use it with temperature=0 and n=1")
         if problems:
             raise ValueError("; ".join(problems) + ".")
@@ -53,9 +67,11 @@ class SamplingParams:
             ("top_k", 0, " (0 turns it off)"),
             ("n", 1, ""),
             ("beam_width", 1, ""),
-            ("max_tokens", 1, ""),
+            ("max_tokens", 1, " (or None for the rest of the context)"),
         ):
             value = getattr(self, name)
+            if name == "max_tokens" and value is None:
+                continue
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
                 return f"{name} must be an integer >= {minimum}{meaning}, got {value!r}"
         return None
@@ -80,7 +96,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 class Sampler:
@@ -100,7 +116,8 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
     def filtered_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        logits = logits / self.params.temperature
+        """logits: (vocab_size,) -> the float64 probabilities the token is drawn from."""
+        logits = logits.double() / self.params.temperature  # float64: cannot overflow (module docstring)
         if self.params.top_k:
             kth_largest = torch.topk(logits, min(self.params.top_k, logits.numel())).values[-1]
             logits = logits.masked_fill(logits < kth_largest, float("-inf"))
