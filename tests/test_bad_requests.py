@@ -1,6 +1,8 @@
 """One bad request fails alone, with finish_reason "error" and a message, and the engine keeps
-serving: bad token ids, a beam wider than the vocabulary, a step that raises, a scheduler that
-finds nothing to run. Afterwards every block is free and the next requests equal naive decoding."""
+serving: bad token ids, a beam wider than the vocabulary, a sampler that raises or chooses no
+token, a step that raises, a scheduler that finds nothing to run. A temperature so small that
+logits / temperature would overflow is greedy instead, and fails nobody. Afterwards every block is
+free and the next requests equal naive decoding."""
 
 import re
 
@@ -40,6 +42,67 @@ def test_a_bad_request_fails_alone_beside_good_ones(tiny_dir, tiny_model, prompt
     assert re.search(words, bad.error)
     for out, good in zip((outputs[0], outputs[2]), GOOD):
         assert out.token_ids == generate(tiny_model, good, PARAMS, "naive").token_ids
+    assert_serves_good_requests(tiny_model, llm)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1e-300, max_tokens=6, ignore_eos=True),
+        SamplingParams(temperature=5e-324, n=2, seed=3, max_tokens=6, ignore_eos=True),
+    ],
+    ids=["1e-300", "5e-324 n=2"],
+)
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_fails_nobody(tiny_dir, tiny_model, params):
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20)
+    outputs = llm.generate([GOOD[0], [12, 13], GOOD[1]], [PARAMS, params, PARAMS])
+    assert all(out.error is None for out in outputs)
+    greedy = generate(tiny_model, [12, 13], PARAMS, "naive").token_ids
+    assert outputs[1].samples == [greedy] * params.n
+    for out, good in zip((outputs[0], outputs[2]), GOOD):
+        assert out.token_ids == generate(tiny_model, good, PARAMS, "naive").token_ids
+    assert_serves_good_requests(tiny_model, llm)
+
+
+class FailingSampler:
+    """Greedy for `good_tokens` tokens, then `fault()`: raises, or returns what it returns."""
+
+    def __init__(self, good_tokens: int, fault):
+        self.good_tokens, self.fault, self.calls = good_tokens, fault, 0
+
+    def __call__(self, logits):
+        self.calls += 1
+        return int(logits.argmax()) if self.calls <= self.good_tokens else self.fault()
+
+
+def raise_fault():
+    raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+
+@pytest.mark.parametrize(
+    "fault, words",
+    [
+        (raise_fault, r"Sampling failed \(RuntimeError: probability tensor contains"),
+        (lambda: 97, r"Sampling failed \(ValueError: the sampler chose 97, not a token id in \[0, 97\)\)"),
+        (lambda: -1, "the sampler chose -1"),
+        (lambda: "7", "the sampler chose '7'"),
+    ],
+    ids=["raises", "past the vocabulary", "negative", "not an int"],
+)
+def test_a_sampler_that_fails_ends_its_request_alone(tiny_dir, tiny_model, fault, words):
+    """The others in the step keep exactly their tokens, and nothing wrong reaches the next forward."""
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20)
+    engine, final = llm.engine, {}
+    ids = [engine.add_request(GOOD[0], PARAMS)]
+    ids.append(engine.add_request([12, 13], PARAMS, sampler=FailingSampler(2, fault)))
+    ids.append(engine.add_request(GOOD[1], PARAMS))
+    while engine.has_unfinished_requests():
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+    bad = final[ids[1]]
+    assert bad.finish_reason == "error" and re.search(words, bad.error) and len(bad.token_ids) == 2
+    for request_id, good in zip((ids[0], ids[2]), GOOD):
+        assert final[request_id].error is None
+        assert final[request_id].token_ids == generate(tiny_model, good, PARAMS, "naive").token_ids
     assert_serves_good_requests(tiny_model, llm)
 
 

@@ -107,7 +107,7 @@ class LLMEngine:
             raise ConfigError("This engine has no tokenizer; pass prompts as token ids.")
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_list(prompt)
         seq = Sequence(
-            seq_id, request_id, prompt_ids, params, min(self.context_len, len(prompt_ids) + params.max_tokens)
+            seq_id, request_id, prompt_ids, params, self.scheduler.max_len(len(prompt_ids), params.max_tokens)
         )
         if sampler is not None:
             if not callable(sampler):
@@ -190,10 +190,13 @@ class LLMEngine:
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
         """End these requests with `error`; their blocks go back and the engine stays usable."""
         for request_id in request_ids:
-            for seq in self.requests[request_id]:
-                if seq.status is not Status.FINISHED:
-                    self.scheduler.finish(seq, "error", error)
+            self.end_with_error(request_id, error)
         return self.outputs_of(sorted(request_ids))
+
+    def end_with_error(self, request_id: str, error: str) -> None:
+        for seq in self.requests[request_id]:
+            if seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, "error", error)
 
     def outputs_of(self, request_ids: list[str]) -> list[RequestOutput]:
         """The requests' outputs. A request whose output is final is forgotten: a long-lived engine
@@ -209,23 +212,47 @@ class LLMEngine:
         self.beam_groups.pop(request_id, None)
 
     def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
-        """Give each ready sequence its next token; return the requests that changed, in order."""
+        """Give each ready sequence its next token; return the requests that changed, in order.
+        A request whose sampling fails (its own sampler raised, or chose no token of the
+        vocabulary) ends alone with the error: the others keep exactly the tokens they drew, each
+        from its own generator, and nothing wrong reaches the next forward pass."""
         changed: dict[str, None] = {}
         for seq, seq_logits in zip(ready, logits):
-            group = self.beam_groups.get(seq.request_id)
-            if group is None:
-                for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
-                    reason = sample.append(sample.sampler(seq_logits), self.eos_token_id)
-                    if reason:
-                        self.scheduler.finish(sample, reason)
-            elif group.offer(seq, seq_logits):  # every live beam has its next-token scores: choose
-                self.requests[seq.request_id][:] = group.advance(
-                    self.scheduler, lambda: next(self.seq_ids), self.eos_token_id
-                )
-            else:
+            if seq.status is Status.FINISHED:  # its request failed earlier in this loop
                 continue
+            try:
+                if not self.sample_one(seq, seq_logits):
+                    continue
+            except Exception as err:
+                self.end_with_error(seq.request_id, f"Sampling failed ({type(err).__name__}: {err}).")
             changed[seq.request_id] = None
         return list(changed)
+
+    def sample_one(self, seq: Sequence, logits: torch.Tensor) -> bool:
+        """The next token of `seq` (and of its forks) from its logits (vocab,); False when it is a
+        beam still waiting for its siblings' scores, so nothing changed."""
+        group = self.beam_groups.get(seq.request_id)
+        if group is not None:
+            if not group.offer(seq, logits):
+                return False
+            # every live beam has its next-token scores: choose
+            self.requests[seq.request_id][:] = group.advance(
+                self.scheduler, lambda: next(self.seq_ids), self.eos_token_id
+            )
+            return True
+        for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
+            reason = sample.append(self.token_of(sample.sampler(logits)), self.eos_token_id)
+            if reason:
+                self.scheduler.finish(sample, reason)
+        return True
+
+    def token_of(self, chosen) -> int:
+        """A sampler's choice, checked: a custom sampler's id outside the vocabulary would fail
+        the next forward pass, and with it every sequence in that step."""
+        vocab_size = self.model.config.vocab_size
+        if isinstance(chosen, bool) or not isinstance(chosen, int) or not 0 <= chosen < vocab_size:
+            raise ValueError(f"the sampler chose {chosen!r}, not a token id in [0, {vocab_size})")
+        return chosen
 
     def samples_of(self, seq: Sequence) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits: itself, and when a request with n > 1
