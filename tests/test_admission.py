@@ -1,6 +1,7 @@
 """Memory-aware admission and the pressure ladder: only the order of work changes (greedy ids equal
 naive decoding under preemption, prefix hits, samples and beams); FCFS's head-of-line blocking
-and its cure; the starvation bound; the ladder's rungs in order, lossy ones only when allowed."""
+and its cure; the starvation bound; the ladder's rungs in order, lossy ones only when allowed; a
+request without max_tokens admitted on a pool smaller than the context, ending at the pool's end."""
 
 import random
 
@@ -189,6 +190,50 @@ def test_memory_admission_with_samples_and_beams_equals_the_references(tiny_dir,
         else:
             assert out.samples == reference_beam_search(tiny_model, prompt, 2, 8, None)
     assert_drained(llm)
+
+
+# ---------------------------------------------------------------- requests without max_tokens
+
+
+def test_a_request_without_max_tokens_runs_to_the_context(tiny_dir, tiny_model):
+    llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=1 << 20, max_seq_len=24)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert out.token_ids == naive(tiny_model, [5, 6, 7], SamplingParams(max_tokens=21, ignore_eos=True))
+
+
+@pytest.mark.parametrize("admission", ["fcfs", "memory", "reserve"])
+def test_requests_without_max_tokens_on_a_pool_smaller_than_the_context_end_at_its_end(
+    tiny_dir, tiny_model, admission
+):
+    """Admitted although the pool (32 tokens) cannot hold the context (256): each grows until it
+    holds the whole pool, taking turns by preemption, and finishes there with "length"."""
+    llm = tight(tiny_dir, tiny_model, blocks=8, admission=admission)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=None, ignore_eos=True))
+    for out, prompt in zip(outputs, prompts):
+        assert out.error is None and out.finish_reason == "length"
+        to_the_end = SamplingParams(max_tokens=8 * BLOCK - len(prompt), ignore_eos=True)
+        assert out.token_ids == naive(tiny_model, prompt, to_the_end)
+    assert llm.engine.num_preemptions > 0 or admission != "fcfs"
+    assert_drained(llm)
+
+
+def test_with_eviction_a_request_without_max_tokens_outgrows_the_pool_to_the_context(tiny_dir, tiny_model):
+    """It holds at most its window and one step's tokens (8): the pool's 32 tokens are enough."""
+    window = dict(eviction="window", kv_budget=16, max_num_batched_tokens=8)
+    llm = tight(tiny_dir, tiny_model, blocks=8, max_seq_len=64, **window)
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 3
+
+
+def test_a_prompt_the_pool_cannot_hold_is_refused_without_max_tokens_too(tiny_dir, tiny_model):
+    llm = tight(tiny_dir, tiny_model, blocks=8)
+    out = llm.generate([list(range(3, 40))], SamplingParams(max_tokens=None))[0]
+    assert out.finish_reason == "error" and out.error == (
+        "This request may need 10 KV blocks (38 tokens) but the pool has only 8; "
+        "raise kv_cache_bytes or shorten the prompt."
+    )
 
 
 def test_max_length_reservation_never_preempts_and_holds_fewer(tiny_dir, tiny_model):

@@ -59,7 +59,9 @@ def stream(
         raise ConfigError(f"decoder must be 'naive' or 'cached', not {decoder!r}.")
     context_len = model.config.context_len(context_len)
     check_prompt(prompt_ids, context_len, model.config.vocab_size)
-    max_new = min(params.max_tokens, context_len - len(prompt_ids))
+    max_new = context_len - len(prompt_ids)  # max_tokens=None: the rest of the context
+    if params.max_tokens is not None:
+        max_new = min(params.max_tokens, max_new)
     decoder_impl = DECODERS[decoder](model, len(prompt_ids) + max_new)
     sampler = Sampler(params)
     gen = Generation(prompt_ids=list(prompt_ids), kv_bytes=decoder_impl.kv_bytes)

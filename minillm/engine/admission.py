@@ -131,10 +131,11 @@ class MemoryAware:
     def expected_output(self, seq: Sequence) -> int:
         """Output tokens this request is expected to generate in all: the mean of finished requests',
         capped by its max_tokens (and at least what it has generated)."""
+        most = seq.max_len - len(seq.prompt_ids)  # max_tokens, or what the context (or pool) leaves
         if not self.outputs_finished:
-            return seq.params.max_tokens
+            return most
         mean = round(self.output_tokens / self.outputs_finished)
-        return max(len(seq.output_ids) + 1, min(seq.params.max_tokens, mean))
+        return max(len(seq.output_ids) + 1, min(most, mean))
 
     def peak_tokens(self, seq: Sequence) -> int:
         return min(seq.max_len, len(seq.prompt_ids) + self.expected_output(seq))
@@ -193,11 +194,23 @@ def admission_problem(
     most_held = kv_cache.most_held(len(seq.prompt_ids), seq.max_len, step_tokens)
     needed = kv_cache.blocks_for(most_held)
     if needed > kv_cache.num_blocks:
+        fix = "shorten the prompt" if seq.params.max_tokens is None else "lower max_tokens"
         return (
             f"This request may need {needed} KV blocks ({most_held} tokens) but the pool has only "
-            f"{kv_cache.num_blocks}; raise kv_cache_bytes or lower max_tokens."
+            f"{kv_cache.num_blocks}; raise kv_cache_bytes or {fix}."
         )
     return None
+
+
+def longest_held(kv_cache: KVCacheManager, prompt_len: int, context_len: int, step_tokens: int) -> int:
+    """How long a request without max_tokens may grow: to the context, or, when the pool cannot
+    hold that much at once, to the pool's end, where it finishes with "length" (vLLM caps such a
+    request by the context alone, and refuses to start on a pool smaller than the context; here
+    a small pool serves what it can). Never less than the prompt and one new token: a prompt the
+    pool cannot hold is refused at admission."""
+    if kv_cache.blocks_for(kv_cache.most_held(prompt_len, context_len, step_tokens)) <= kv_cache.num_blocks:
+        return context_len
+    return max(prompt_len + 1, min(context_len, kv_cache.num_blocks * kv_cache.block_size))
 
 
 def make_admission(

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from minillm.engine.admission import admission_problem, make_admission
+from minillm.engine.admission import admission_problem, longest_held, make_admission
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory import KVCacheManager
 
@@ -78,6 +78,13 @@ class Scheduler:
         self._scheduled_ids: set[int] = set()  # scheduled this step from the running: they stay on the device
 
     # ----------------------------------------------------------------- admission
+    def max_len(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Where a new sequence stops: prompt + max_tokens within the context; without max_tokens,
+        the context or the pool's end (`admission.longest_held`)."""
+        if max_tokens is None:
+            return longest_held(self.kv_cache, prompt_len, self.context_len, self.max_num_batched_tokens)
+        return min(self.context_len, prompt_len + max_tokens)
+
     def add(self, seq: Sequence) -> bool:
         """Queue a new request's sequence, or finish it with the reason it can never run (it
         fails alone; the others go on). Returns whether it was queued."""

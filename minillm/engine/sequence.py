@@ -32,7 +32,7 @@ class Sequence:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    max_len: int  # min(context length, prompt + max_tokens): the sequence stops there
+    max_len: int  # min(context length, prompt + max_tokens), or the pool's end: it stops there
     sample_index: int = 0  # which of the request's n parallel samples this is
     sampler: Sampler = field(init=False)
     output_ids: list[int] = field(default_factory=list)

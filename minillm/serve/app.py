@@ -274,13 +274,13 @@ class Answer:
 
     def __init__(self, job: Job, submission: Submission, engine):
         self.job, self.submission = job, submission
-        n, context = job.params.n, engine.context_len
+        n, scheduler = job.params.n, engine.scheduler
         self.choices = [
             ChoiceText(
                 engine.tokenizer,
                 job.stop,
                 engine.eos_token_id,
-                min(job.params.max_tokens, context - len(prompt)),
+                scheduler.max_len(len(prompt), job.params.max_tokens) - len(prompt),  # new tokens at most
                 job.params.ignore_eos,
             )
             for prompt in job.prompts

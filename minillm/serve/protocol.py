@@ -8,7 +8,8 @@ own body, a completion's prompt or a chat's messages, is read in `endpoints.py` 
 
 Parameters and where they go:
     max_tokens (max_completion_tokens)  SamplingParams.max_tokens; completions default to 16 (the
-                                        OpenAI default), chat to the rest of the context (vLLM's)
+                                        OpenAI default), chat to None: the rest of the context
+                                        (vLLM's), or of the KV pool when that holds less
     temperature, top_p, seed, n         SamplingParams fields of the same names; temperature
                                         defaults to 1 (OpenAI's), 0 is greedy
     top_k, ignore_eos                   vLLM's extra parameters, the SamplingParams fields
@@ -288,20 +289,19 @@ def make_job(
         problem = prompt_problem(prompt, context_len, vocab_size)
         if problem:
             raise APIError(400, problem, "messages" if kind == "chat" else "prompt")
-        wanted = max_tokens if max_tokens is not None else context_len - len(prompt)
-        if isinstance(wanted, int) and len(prompt) + wanted > context_len:
+        if isinstance(max_tokens, int) and len(prompt) + max_tokens > context_len:
             where = "messages" if kind == "chat" else "prompt"
             raise APIError(
                 400,
                 f"This model's maximum context length is {context_len} tokens. However, you requested "
-                f"{len(prompt) + wanted} tokens ({len(prompt)} in the {where}, {wanted} in the "
+                f"{len(prompt) + max_tokens} tokens ({len(prompt)} in the {where}, {max_tokens} in the "
                 f"completion). Please reduce the length of the {where} or completion.",
                 "max_tokens",
             )
-    # chat without max_tokens: the rest of the (shortest prompt's) context, as vLLM does
-    if max_tokens is None:
-        max_tokens = context_len - max(len(p) for p in prompts)
-    check_request_tokens(prompts, common["n"], max_tokens, limits)
+    # chat without max_tokens (None) may run to the rest of the context, as vLLM's does (the
+    # engine stops it sooner if its KV pool holds less): that is what it may make the server hold
+    most_new = max_tokens if max_tokens is not None else context_len - max(len(p) for p in prompts)
+    check_request_tokens(prompts, common["n"], most_new, limits)
     try:
         params = SamplingParams(
             temperature=common["temperature"],
