@@ -87,6 +87,16 @@ def test_set_keeps_the_conversation_and_rebuilds_the_engine(chat_dir, parts):
     assert "sample with temperature=0.7" in printed(chat)
 
 
+def test_a_temperature_too_small_to_divide_by_replies_as_greedy(chat_dir, parts):
+    """/set temperature 1e-300 once ended every reply with "This step failed (RuntimeError: ...)"."""
+    chat = new_chat(chat_dir, parts)
+    assert chat.command("/set temperature 1e-300")
+    chat.reply("Say hello.")
+    out = chat.last[0]
+    greedy = fresh_llm(chat_dir, parts).generate([out.prompt_token_ids], SamplingParams(max_tokens=24))[0]
+    assert out.error is None and out.token_ids == greedy.token_ids and "error" not in printed(chat)
+
+
 @pytest.mark.parametrize(
     "switch, changes",
     [

@@ -7,6 +7,7 @@ client or twenty at once; a client that disconnects must get its request aborted
 freed; every bad request a 4xx with OpenAI's error body, never a 500.
 """
 
+import contextlib
 import json
 import socket
 import threading
@@ -69,6 +70,13 @@ def server(model_dir):
             model_dir=model_dir, kv_cache_bytes=4 << 20, prefix_caching=True, max_num_seqs=MAX_NUM_SEQS
         )
     )
+    with serving(engine) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serving(engine: LLMEngine):
+    """(base URL, EngineLoop) of a server for `engine`, running in this process until the block ends."""
     engine_loop = EngineLoop(engine)
     with running_server(engine_loop) as url:  # with the default limits
         yield url, engine_loop
@@ -404,6 +412,67 @@ def test_the_server_still_answers_after_bad_requests(server, client, reference):
 
 
 # ----------------------------------------------------------------------------- the command
+
+
+# ----------------------------------------------------------------------------- one bad request fails alone
+
+
+def test_a_tiny_temperature_beside_a_stream_fails_nobody(server, client, reference):
+    """temperature 1e-300 once overflowed the sampler and failed every sequence of its step, the
+    stream of another client with them; now it is greedy, and that stream ends as it would alone."""
+    expected = greedy(reference, PROMPTS[0], 100, ignore_eos=True).text
+    chunks = iter(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[0],
+            max_tokens=100,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    text = next(chunks).choices[0].text  # the stream runs; the tiny temperatures join its steps
+    messages = [{"role": "user", "content": "Hi"}]
+    with ThreadPoolExecutor(2) as pool:
+        chat = pool.submit(
+            client.chat.completions.create, model="tiny", messages=messages, max_tokens=20, temperature=1e-300
+        )
+        completion = pool.submit(
+            client.completions.create, model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=5e-324
+        )
+        text += "".join(c.choices[0].text for c in chunks)
+    assert text == expected
+    chat_prompt = reference.engine.tokenizer.encode_chat(messages)
+    assert chat.result().choices[0].message.content == greedy(reference, chat_prompt, 20).text
+    assert completion.result().choices[0].text == greedy(reference, PROMPTS[1], 20).text
+    wait_until_idle(server)
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(model_dir):
+    """A server whose KV pool (8 blocks) holds far less than the context (1,024 tokens)."""
+    config = EngineConfig(model_dir=model_dir, kv_cache_bytes=8 * 16 * 768)  # 768 bytes per token
+    with serving(LLMEngine(config)) as served:
+        yield served
+
+
+def test_a_chat_without_max_tokens_on_a_pool_smaller_than_the_context_ends_at_its_end(
+    small_pool_server, reference
+):
+    """Without max_tokens a chat may run to the context, which this pool cannot hold: it is
+    admitted all the same (it was refused: "may need 64 KV blocks"), and ends with "length" where
+    the pool is full."""
+    client = openai.OpenAI(base_url=small_pool_server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+    messages = [{"role": "user", "content": "Tell me everything."}]
+    prompt = reference.engine.tokenizer.encode_chat(messages)
+    got = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, extra_body={"ignore_eos": True}
+    )
+    kv_cache = small_pool_server[1].engine.kv_cache
+    new_tokens = kv_cache.num_blocks * kv_cache.block_size - len(prompt)
+    assert kv_cache.num_blocks == 8 and got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == new_tokens
+    assert got.choices[0].message.content == greedy(reference, prompt, new_tokens, ignore_eos=True).text
 
 
 def test_serve_help_explains_routes_and_flags(capsys):

@@ -9,12 +9,17 @@ seeded parallel samples and beams, some sharing a prefix, and some are aborted m
 Every greedy output must equal naive decoding, every sample the same seeded naive draw, every beam
 set the reference search; no exception; every block free after each drain. A failure names its
 set-up's seed, so it reproduces alone: `pytest tests/test_soak.py -k "setup_7"`.
+
+A second soak mixes bad requests among good streams, joining at random steps: temperatures too
+small to divide by (greedy), samplers that raise or choose no token. Each bad one may end only
+itself; every good stream must end with the tokens `LLM.generate` gives it alone.
 """
 
 import os
 import random
 
 import pytest
+from test_bad_requests import FailingSampler, raise_fault
 
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
@@ -124,3 +129,57 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks, seed
     assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0, seed
+
+
+def random_good_request(rng: random.Random) -> tuple[list[int], SamplingParams]:
+    prompt, max_tokens = [rng.randrange(97) for _ in range(rng.randint(1, 20))], rng.randint(1, 12)
+    if rng.random() < 0.5:
+        return prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    n, seed = rng.randint(1, 2), rng.randrange(1000)
+    return prompt, SamplingParams(temperature=0.8, n=n, seed=seed, max_tokens=max_tokens, ignore_eos=True)
+
+
+def random_bad_request(rng: random.Random) -> tuple[list[int], SamplingParams, FailingSampler | None]:
+    """(prompt, params, sampler): a tiny temperature (greedy, fails nobody) or a sampler that fails."""
+    prompt = [rng.randrange(97) for _ in range(rng.randint(1, 20))]
+    kind = rng.choice(["1e-300", "5e-324", "raises", "out of vocabulary"])
+    if kind in ("1e-300", "5e-324"):
+        return prompt, SamplingParams(temperature=float(kind), max_tokens=12, ignore_eos=True), None
+    fault = raise_fault if kind == "raises" else (lambda: 97)
+    return prompt, SamplingParams(max_tokens=12, ignore_eos=True), FailingSampler(rng.randint(0, 4), fault)
+
+
+@pytest.mark.parametrize("seed", range(4), ids=lambda seed: f"bad_{seed}")
+def test_bad_requests_among_good_streams_change_none_of_their_tokens(tiny_dir, tiny_model, seed):
+    rng = random.Random(seed)
+    good = [random_good_request(rng) for _ in range(8)]
+    bad = [random_bad_request(rng) for _ in range(5)]
+    blocks = rng.choice([24, 64, 400])  # tight (preemption) to plenty
+    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=blocks * 4 * KV_BYTES_PER_TOKEN)
+    engine, final = llm.engine, {}
+    arrivals = sorted(
+        [(rng.randint(0, 12), "good", i) for i in range(len(good))]
+        + [(rng.randint(0, 12), "bad", i) for i in range(len(bad))]
+    )
+    ids, step = {}, 0
+    while arrivals or engine.has_unfinished_requests():
+        while arrivals and arrivals[0][0] <= step:
+            _, kind, i = arrivals.pop(0)
+            prompt, params, *sampler = good[i] if kind == "good" else bad[i]
+            ids[kind, i] = engine.add_request(prompt, params, sampler=sampler[0] if sampler else None)
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+        step += 1
+    reference = LLM(tiny_dir, model=tiny_model, kv_cache_bytes=1 << 20)
+    for i, (prompt, params) in enumerate(good):
+        out = final[ids["good", i]]
+        assert out.error is None and out.samples == reference.generate([prompt], params)[0].samples, (seed, i)
+    for i, (prompt, params, sampler) in enumerate(bad):
+        out = final[ids["bad", i]]
+        if sampler is None:  # a tiny temperature: greedy
+            greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+            assert out.error is None and out.token_ids == reference.generate([prompt], greedy)[0].token_ids
+        else:
+            assert out.finish_reason == "error" and out.error.startswith("Sampling failed"), (seed, i)
+    manager = engine.kv_cache.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
