@@ -7,7 +7,6 @@ client or twenty at once; a client that disconnects must get its request aborted
 freed; every bad request a 4xx with OpenAI's error body, never a 500.
 """
 
-import contextlib
 import json
 import socket
 import threading
@@ -70,13 +69,6 @@ def server(model_dir):
             model_dir=model_dir, kv_cache_bytes=4 << 20, prefix_caching=True, max_num_seqs=MAX_NUM_SEQS
         )
     )
-    with serving(engine) as served:
-        yield served
-
-
-@contextlib.contextmanager
-def serving(engine: LLMEngine):
-    """(base URL, EngineLoop) of a server for `engine`, running in this process until the block ends."""
     engine_loop = EngineLoop(engine)
     with running_server(engine_loop) as url:  # with the default limits
         yield url, engine_loop
@@ -411,9 +403,6 @@ def test_the_server_still_answers_after_bad_requests(server, client, reference):
     wait_until_idle(server)
 
 
-# ----------------------------------------------------------------------------- the command
-
-
 # ----------------------------------------------------------------------------- one bad request fails alone
 
 
@@ -451,9 +440,9 @@ def test_a_tiny_temperature_beside_a_stream_fails_nobody(server, client, referen
 @pytest.fixture(scope="module")
 def small_pool_server(model_dir):
     """A server whose KV pool (8 blocks) holds far less than the context (1,024 tokens)."""
-    config = EngineConfig(model_dir=model_dir, kv_cache_bytes=8 * 16 * 768)  # 768 bytes per token
-    with serving(LLMEngine(config)) as served:
-        yield served
+    engine_loop = EngineLoop(LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=8 * 16 * 768)))
+    with running_server(engine_loop) as url:  # 768 bytes of KV per token: 8 blocks of 16
+        yield url, engine_loop
 
 
 def test_a_chat_without_max_tokens_on_a_pool_smaller_than_the_context_ends_at_its_end(
@@ -473,6 +462,9 @@ def test_a_chat_without_max_tokens_on_a_pool_smaller_than_the_context_ends_at_it
     assert kv_cache.num_blocks == 8 and got.choices[0].finish_reason == "length"
     assert got.usage.completion_tokens == new_tokens
     assert got.choices[0].message.content == greedy(reference, prompt, new_tokens, ignore_eos=True).text
+
+
+# ----------------------------------------------------------------------------- the command
 
 
 def test_serve_help_explains_routes_and_flags(capsys):
