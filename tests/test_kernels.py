@@ -362,7 +362,7 @@ def test_the_wheel_carries_the_kernel_sources(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     kernels = (
         *("paged_attention.cu", "flash_prefill.cu", "kv_rows_cuda.h", "bindings.cpp"),
-        *("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "kv_rows_cpu.h"),
+        *("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "kv_write_cpu.cpp", "kv_rows_cpu.h"),
     )
     assert {f"kernels_cuda/{name}" for name in kernels} <= names
 
