@@ -332,6 +332,9 @@ def test_serve_flags_that_cannot_work_are_one_line(capsys, model_dir):
     assert main(["serve", "--model", str(model_dir), "--port", "0", "--metrics", "keyed"]) == 2
     err = capsys.readouterr().err
     assert err == "error: --metrics keyed needs the key: give --api-key too.\n"
+    for empty in ("", "  ", "\n"):  # `--api-key "$KEY"` with KEY unset must not serve without a key
+        assert main(["serve", "--model", str(model_dir), "--port", "0", "--api-key", empty]) == 2
+        assert "--api-key is empty" in capsys.readouterr().err
 
 
 def test_serve_help_lists_every_limit(capsys):

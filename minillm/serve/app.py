@@ -81,6 +81,9 @@ def build_app(
 def check_access(api_key: str | None, metrics: str) -> None:
     if metrics not in METRICS_ACCESS:
         raise ConfigError(f"metrics must be one of {', '.join(METRICS_ACCESS)}, not {metrics!r}.")
+    if api_key is not None and (not api_key.strip() or not api_key.isprintable()):
+        # `--api-key "$KEY"` with KEY unset would otherwise serve everyone without a key
+        raise ConfigError("--api-key is empty, blank or holds control characters; give the key itself.")
     if metrics == "keyed" and not api_key:
         raise ConfigError("--metrics keyed needs the key: give --api-key too.")
 
