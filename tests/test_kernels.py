@@ -9,11 +9,13 @@ filling blocks, or per token) are compared with the reference reading the same s
 `causal_attention` over each sequence's gathered history, one sequence at a time.
 """
 
+import os
 import random
 import shutil
 import subprocess
 import sys
 import sysconfig
+import time
 import zipfile
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 
-from minillm.attention.kernels import CUDA_PREFILL_SOURCE, CUDA_SOURCE, kernel_backend
+from minillm.attention.kernels import CUDA_PREFILL_SOURCE, CUDA_SOURCE, STALE_LOCK_S, build, kernel_backend
 from minillm.attention.reference import causal_attention, paged_decode_attention, paged_prefill_attention
 from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
@@ -248,6 +250,20 @@ def test_flash_prefill_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, k
     assert relative_error(got, expected) <= 2e-5  # sums in another order than torch's, over up to 300 entries
     assert (mass - expected_mass).abs().max() <= 1e-5 * max(1.0, float(expected_mass.max()))
     assert relative_error(kernel_backend("cpu").prefill(**case)[0], expected) <= 2e-5  # without mass too
+
+
+def test_a_killed_builds_lock_is_removed_and_a_running_builds_is_not(tmp_path, monkeypatch, capsys):
+    """torch waits for ever on a build's lock file; a Ctrl-C during the first build leaves one."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, running = (tmp_path / name / "lock" for name in ("killed", "running"))
+    for lock in (stale, running):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - STALE_LOCK_S - 60
+    os.utime(stale, (old, old))
+    assert build("killed", lambda name: not stale.exists()) is True
+    assert build("running", lambda name: running.exists()) is True
+    assert f"removed {stale}" in capsys.readouterr().err
 
 
 def write_steps(kv_dtype, key_scales, dtype, seed, write):

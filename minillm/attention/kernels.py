@@ -20,7 +20,9 @@ and reused by later runs.
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import time
 from dataclasses import dataclass
 from importlib.resources import files
 from pathlib import Path
@@ -56,11 +58,9 @@ FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format 
 def build(name: str, compile_it: Callable) -> object:
     """compile_it(name), with one line on stderr the first time this machine builds `name`, and
     a ConfigError saying what failed if it does not build."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    if not any(
-        Path(get_default_build_root()).glob(f"*/{name}/{name}.so")
-    ):  # torch's <root>/<python+torch>/<name>
+    folders = _build_folders(name)
+    _remove_stale_locks(folders)
+    if not any((folder / f"{name}.so").exists() for folder in folders):
         _say_once(f"minillm: building the {name} kernels (once per machine, about a minute)...")
     try:
         return compile_it(name)
@@ -70,6 +70,30 @@ def build(name: str, compile_it: Callable) -> object:
         raise ConfigError(
             f"The {name} kernel did not build ({reason}); use attention_backend='torch'."
         ) from err
+
+
+STALE_LOCK_S = 20 * 60  # a build takes one to six minutes; a lock this old is a killed build's
+
+
+def _build_folders(name: str) -> list[Path]:
+    """Where torch builds `name`: $TORCH_EXTENSIONS_DIR/<name>, else
+    <its cache>/<python+accelerator>/<name>."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    chosen = os.environ.get("TORCH_EXTENSIONS_DIR")
+    return [Path(chosen) / name] if chosen else list(Path(get_default_build_root()).glob(f"*/{name}"))
+
+
+def _remove_stale_locks(folders: list[Path]) -> None:
+    """torch waits, for ever, while a build's `lock` file exists; a build killed midway (Ctrl-C)
+    leaves it behind. One older than any build takes is removed, with one line saying so."""
+    for lock in (folder / "lock" for folder in folders):
+        try:
+            if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+                lock.unlink()
+                _say_once(f"minillm: removed {lock}, left by a kernel build that did not finish")
+        except OSError:  # gone meanwhile, or not ours to remove: torch will wait on it as before
+            pass
 
 
 @functools.cache
