@@ -31,6 +31,22 @@ def add_bench_staircase(benches) -> None:
         "prefill attention alone at a long context, torch reference vs flash kernel, "
         "fp32 and int8 pools; and what the numbers mean, computed from them.",
     )
+    add_trace_args(staircase, full, quick)
+    add_attention_args(staircase, full, quick)
+    staircase.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads for every row; on a CPU shared with other work more threads wait for "
+        "each other (default: 1)",
+    )
+    staircase.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(staircase)
+    staircase.set_defaults(func=cmd_bench_staircase)
+
+
+def add_trace_args(staircase, full: dict, quick: dict) -> None:
+    """The trace and the budget every row serves it on."""
     staircase.add_argument(
         "--quick",
         action="store_true",
@@ -64,6 +80,10 @@ def add_bench_staircase(benches) -> None:
         "so HF's static batch is 2)",
     )
     staircase.add_argument("--no-hf", action="store_true", help="skip row (1), HF transformers")
+
+
+def add_attention_args(staircase, full: dict, quick: dict) -> None:
+    """Prefill attention alone, torch reference vs flash kernel."""
     staircase.add_argument(
         "--attention-context",
         type=positive_int,
@@ -83,16 +103,6 @@ def add_bench_staircase(benches) -> None:
         help="prefill attention alone: timed calls, the best kept "
         f"(default: {full['attention_repeats']}; {quick['attention_repeats']} with --quick)",
     )
-    staircase.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads for every row; on a CPU shared with other work more threads wait for "
-        "each other (default: 1)",
-    )
-    staircase.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(staircase)
-    staircase.set_defaults(func=cmd_bench_staircase)
 
 
 def cmd_bench_staircase(args) -> None:
