@@ -20,20 +20,7 @@ def verdict(row: dict) -> str:
 
 def what_it_means(report: dict) -> list[str]:
     rows = list(report["rows"].values())
-    said = []
-    for before, row in zip(rows, rows[1:]):
-        said.append(
-            f"{row['label']}: x{row['output_tok_s_vs_before']:.2f} output tok/s and x"
-            f"{row['ttft_p50_s_vs_before']:.2f} TTFT p50 against {before['step']}, "
-            f"{before['peak_seqs']} -> {row['peak_seqs']} sequences at once: {verdict(row)}."
-        )
-    for row in rows:
-        if row["preemptions"]:
-            said.append(
-                f"{row['step']} ran short of blocks: {row['preemptions']} preemptions recomputed "
-                f"{row['recomputed_tokens']:,} tokens, on top of the trace's "
-                f"{report['trace']['prompt_tokens']:,} prompt tokens."
-            )
+    said = _steps_said(rows) + _preemptions_said(rows, report)
     if len(rows) > 2:
         first, last = rows[0], rows[-1]
         said.append(
@@ -42,6 +29,30 @@ def what_it_means(report: dict) -> list[str]:
             f"x{last['output_tok_s'] / first['output_tok_s']:.2f} output tok/s, "
             f"x{last['ttft_p50_s'] / first['ttft_p50_s']:.2f} TTFT p50."
         )
+    return said + _greedy_said(rows, report) + [_prefill_said(report)]
+
+
+def _steps_said(rows: list[dict]) -> list[str]:
+    return [
+        f"{row['label']}: x{row['output_tok_s_vs_before']:.2f} output tok/s and x"
+        f"{row['ttft_p50_s_vs_before']:.2f} TTFT p50 against {before['step']}, "
+        f"{before['peak_seqs']} -> {row['peak_seqs']} sequences at once: {verdict(row)}."
+        for before, row in zip(rows, rows[1:])
+    ]
+
+
+def _preemptions_said(rows: list[dict], report: dict) -> list[str]:
+    return [
+        f"{row['step']} ran short of blocks: {row['preemptions']} preemptions recomputed "
+        f"{row['recomputed_tokens']:,} tokens, on top of the trace's "
+        f"{report['trace']['prompt_tokens']:,} prompt tokens."
+        for row in rows
+        if row["preemptions"]
+    ]
+
+
+def _greedy_said(rows: list[dict], report: dict) -> list[str]:
+    said = []
     for row in rows:
         if row["compared_with"] is not None:
             kind = "lossless" if row["lossless_step"] else "lossy"
@@ -56,10 +67,14 @@ def what_it_means(report: dict) -> list[str]:
                 )
                 + ")."
             )
+    return said
+
+
+def _prefill_said(report: dict) -> str:
     prefill = report["prefill_attention"]
     int8 = next(r for r in prefill["rows"] if r["kv_dtype"] == "int8")
     flash = report["rows"].get("flash")
-    said.append(
+    return (
         f"Prefill attention alone, {prefill['chunk']} queries over {prefill['context']} int8 entries: the "
         f"flash kernel is x{int8['speedup']:.2f} the reference's speed"
         + (
@@ -69,7 +84,6 @@ def what_it_means(report: dict) -> list[str]:
             else "."
         )
     )
-    return said
 
 
 def megabytes(value: int) -> str:
@@ -80,6 +94,39 @@ def ratio(value: float | None) -> str:
     return "" if value is None else f"x{value:.2f}"
 
 
+ROW_COLUMNS = [
+    "row",
+    "KV MiB: budget / peak",
+    "seqs at once",
+    "output tok/s",
+    "tok/s x before",
+    "TTFT p50 / p99",
+    "TTFT x before",
+    "TPOT p50 / p99",
+    "greedy identical",
+]
+
+
+def _row_cells(row: dict, report: dict) -> list:
+    """One row of the staircase table, in ROW_COLUMNS' order."""
+    compared = report["rows"][row["compared_with"]]["step"] if row["compared_with"] else None
+    return [
+        row["label"],
+        f"{megabytes(report['budget']['kv_bytes'])} / {megabytes(row['kv_bytes_peak'])}",
+        row["peak_seqs"],
+        f"{row['output_tok_s']:.1f}",
+        ratio(row["output_tok_s_vs_before"]),
+        f"{row['ttft_p50_s']:.1f} / {row['ttft_p99_s']:.1f} s",
+        ratio(row["ttft_p50_s_vs_before"]),
+        "n/a"
+        if row["tpot_p50_s"] is None
+        else f"{1e3 * row['tpot_p50_s']:.0f} / {1e3 * row['tpot_p99_s']:.0f} ms",
+        ""
+        if compared is None
+        else f"{row['greedy_identical']:.0%} vs {compared}" + ("" if row["lossless_step"] else " (lossy)"),
+    ]
+
+
 def print_staircase_report(report: dict, console) -> None:
     trace, budget = report["trace"], report["budget"]
     print_table(
@@ -87,36 +134,8 @@ def print_staircase_report(report: dict, console) -> None:
         f"{trace['requests']} requests (prompts U{trace['prompt_len']}, outputs U{trace['output_len']} "
         f"tokens, all at t=0), one KV budget of {megabytes(budget['kv_bytes'])} MiB, {report['dtype']}, "
         f"{report['machine']['torch_threads']} threads",
-        [
-            "row",
-            "KV MiB: budget / peak",
-            "seqs at once",
-            "output tok/s",
-            "tok/s x before",
-            "TTFT p50 / p99",
-            "TTFT x before",
-            "TPOT p50 / p99",
-            "greedy identical",
-        ],
-        [
-            [
-                row["label"],
-                f"{megabytes(budget['kv_bytes'])} / {megabytes(row['kv_bytes_peak'])}",
-                row["peak_seqs"],
-                f"{row['output_tok_s']:.1f}",
-                ratio(row["output_tok_s_vs_before"]),
-                f"{row['ttft_p50_s']:.1f} / {row['ttft_p99_s']:.1f} s",
-                ratio(row["ttft_p50_s_vs_before"]),
-                "n/a"
-                if row["tpot_p50_s"] is None
-                else f"{1e3 * row['tpot_p50_s']:.0f} / {1e3 * row['tpot_p99_s']:.0f} ms",
-                ""
-                if row["compared_with"] is None
-                else f"{row['greedy_identical']:.0%} vs {report['rows'][row['compared_with']]['step']}"
-                + ("" if row["lossless_step"] else " (lossy)"),
-            ]
-            for row in report["rows"].values()
-        ],
+        ROW_COLUMNS,
+        [_row_cells(row, report) for row in report["rows"].values()],
     )
     console.print(
         "x before: this row's number over the row before's (tok/s: above 1 is better; TTFT: below 1)"
