@@ -41,6 +41,25 @@ from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model, model_fingerprint
 
 
+def check_request_args(params: SamplingParams, arrival_time, priority, sampler) -> None:
+    """`add_request`'s arguments beside the prompt, each refused with a line saying what it takes."""
+    if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 64:
+        raise ValueError(
+            f"priority must be a whole number in [-64, 64] (lower is served first), not {priority!r}"
+        )
+    if arrival_time is not None and (
+        isinstance(arrival_time, bool)
+        or not isinstance(arrival_time, (int, float))
+        or not math.isfinite(arrival_time)
+    ):
+        raise ValueError(f"arrival_time must be a time.perf_counter() value, not {arrival_time!r}")
+    if sampler is not None:
+        if not callable(sampler):
+            raise ValueError(f"sampler must be callable with the next-token logits, not {sampler!r}")
+        if params.n > 1 or params.beam_width > 1:
+            raise ValueError("A custom sampler drives one sequence; use n=1 and beam_width=1 with it.")
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, model: Transformer | None = None, tokenizer: Tokenizer | None = None
@@ -89,16 +108,7 @@ class LLMEngine:
         logits (vocab,) that returns a token id, e.g. teacher forcing (`evaluation.TeacherForcing`),
         which scores a given text through the cache instead of choosing tokens."""
         params = params or SamplingParams()
-        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 64:
-            raise ValueError(
-                f"priority must be a whole number in [-64, 64] (lower is served first), not {priority!r}"
-            )
-        if arrival_time is not None and (
-            isinstance(arrival_time, bool)
-            or not isinstance(arrival_time, (int, float))
-            or not math.isfinite(arrival_time)
-        ):
-            raise ValueError(f"arrival_time must be a time.perf_counter() value, not {arrival_time!r}")
+        check_request_args(params, arrival_time, priority, sampler)
         seq_id = next(self.seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
@@ -110,10 +120,6 @@ class LLMEngine:
             seq_id, request_id, prompt_ids, params, self.scheduler.max_len(len(prompt_ids), params.max_tokens)
         )
         if sampler is not None:
-            if not callable(sampler):
-                raise ValueError(f"sampler must be callable with the next-token logits, not {sampler!r}")
-            if params.n > 1 or params.beam_width > 1:
-                raise ValueError("A custom sampler drives one sequence; use n=1 and beam_width=1 with it.")
             seq.sampler = sampler
         if arrival_time is not None:
             seq.arrival_time = arrival_time
