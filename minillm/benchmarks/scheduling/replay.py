@@ -1,0 +1,81 @@
+"""A trace replayed through an engine on the wall clock, as a server would see it.
+
+Arrivals come at their times; a chat turn comes THINK_S after its conversation's previous answer,
+with the whole conversation as its prompt. Idle time is skipped (when nothing runs, the clock
+jumps to the next arrival), so a run lasts as long as its work. Each request's time to first
+token counts from its arrival, its wait in the queue included.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass
+
+from minillm.benchmarks.memory.trace import ScriptedStop
+from minillm.benchmarks.scheduling.trace import TraceRequest, next_turn_prompt
+from minillm.engine import SamplingParams
+from minillm.progress import progress_bar
+
+
+@dataclass
+class Served:
+    """What one request of the trace got."""
+
+    kind: str
+    prompt_len: int
+    token_ids: list[int]
+    ttft: float | None
+    tpot: float | None
+    error: str | None
+
+
+def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progress: bool = False) -> tuple:
+    """Step the engine through the trace. Returns (what each request got, in trace order; the busy
+    seconds; the engine steps)."""
+    followers = {r.follows: index for index, r in enumerate(trace) if r.follows is not None}
+    due = [(r.arrival_s, index) for index, r in enumerate(trace) if r.follows is None]  # (trace time, index)
+    heapq.heapify(due)
+    prompts: dict[int, list[int]] = {}
+    served: dict[int, Served] = {}
+    skipped = 0.0  # idle seconds the clock has jumped over
+    start = time.perf_counter()
+
+    def now() -> float:  # trace time
+        return time.perf_counter() - start - skipped
+
+    with progress_bar(f"{label}: requests", len(trace), enabled=progress) as advance:
+        while due or engine.has_unfinished_requests():
+            clock = now()
+            if not engine.has_unfinished_requests() and due[0][0] > clock:
+                skipped, clock = skipped + due[0][0] - clock, due[0][0]  # idle: jump to the next arrival
+            while due and due[0][0] <= clock:
+                arrival, index = heapq.heappop(due)
+                _submit(engine, trace, index, prompts, arrival + start + skipped)
+            for out in engine.step():
+                if not out.finished:
+                    continue
+                index = int(out.request_id)
+                served[index] = Served(
+                    trace[index].kind, len(prompts[index]), out.token_ids, out.ttft, out.tpot, out.error
+                )
+                advance()
+                if index in followers:
+                    follower = followers[index]
+                    prompts[follower] = next_turn_prompt(
+                        tokenizer, prompts[index], out.token_ids, trace[follower].prompt_ids
+                    )
+                    heapq.heappush(due, (now() + trace[follower].arrival_s, follower))
+    return [served[index] for index in range(len(trace))], time.perf_counter() - start - skipped, engine.stats.steps
+
+
+def _submit(engine, trace: list[TraceRequest], index: int, prompts: dict, arrival_time: float) -> None:
+    request = trace[index]
+    prompt = prompts.setdefault(index, request.prompt_ids)
+    engine.add_request(
+        prompt,
+        SamplingParams(max_tokens=request.max_tokens),
+        request_id=str(index),
+        arrival_time=arrival_time,
+        sampler=ScriptedStop(request.output_len, engine.eos_token_id),
+    )

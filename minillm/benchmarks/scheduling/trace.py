@@ -1,0 +1,194 @@
+"""The traffic `minillm bench scheduling` replays: seeded, mixed, with the sharing a cache can use.
+
+A trace is a list of requests, each with its arrival time and the tokens it turns out to need.
+Five kinds, in fixed shares of the trace, in a seeded order:
+
+  question      a short prompt cut from prose, U[16, 64] tokens;
+  system        one of SYSTEM_PROMPTS long system prompts (SYSTEM_TOKENS each, cut from a second
+                text) and a user turn U[16, 48]: requests share the system prompt's blocks;
+  chat          a conversation of U[2, 5] turns. Turn 1 is a user message; turn k's prompt is the
+                whole conversation so far (every earlier prompt and answer) and a new user message,
+                as a client sends it, so the cache holds all but the newest message. Turn k is sent
+                THINK_S (exponential mean) after turn k - 1 has answered: a conversation is a
+                closed loop, its first turn an arrival of the trace;
+  document      a long document, U[384, 768] tokens, and a short answer;
+  long answer   a short prompt, U[16, 32] tokens, and a long answer.
+
+Arrivals are a Poisson process: exponential gaps at `rate` requests per second (a chat's later
+turns are not arrivals; they follow their conversation). Output lengths are heavy-tailed
+(lognormal: most answers short, a few long), each capped by the max_tokens the request declares
+(`MAX_TOKENS`, more than most need, as clients declare). A request ends with EOS at exactly its
+output length (`ScriptedStop`): the engine learns lengths only as requests finish, and every
+policy does the same work on the same trace.
+
+`scale` multiplies every length (prompts, system prompts, outputs): `--quick` halves the default.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+from minillm.benchmarks.memory.trace import SECOND_TEXT
+from minillm.evaluation import DEFAULT_TEXT, read_text
+from minillm.tokenizer import Tokenizer
+
+SYSTEM_PROMPTS, SYSTEM_TOKENS = 4, 256
+THINK_S = 1.0  # a user's mean pause between an answer and the next message of a conversation
+MAX_TOKENS = 512  # what every request declares
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    share: float  # of the trace's arrivals (a chat counts once, however many turns it has)
+    prompt_len: tuple[int, int]  # tokens of prose, uniform (a user message, for system and chat)
+    output_median: int  # lognormal output length: its median, in tokens
+    output_sigma: float  # and its log-space spread (the tail's weight)
+
+
+KINDS = (
+    Kind("question", 0.35, (16, 64), 24, 0.8),
+    Kind("system", 0.25, (16, 48), 24, 0.8),
+    Kind("chat", 0.20, (16, 48), 32, 0.8),
+    Kind("document", 0.10, (384, 768), 12, 0.5),
+    Kind("long answer", 0.10, (16, 32), 192, 0.3),
+)
+CHAT_TURNS = (2, 5)
+
+
+@dataclass
+class TraceRequest:
+    """One request. A chat turn's prompt is known only once its conversation's last turn has
+    answered: `prompt_ids` then holds just its new user message, in the chat template."""
+
+    kind: str
+    prompt_ids: list[int]
+    output_len: int  # tokens it turns out to need (the last is EOS)
+    max_tokens: int
+    arrival_s: float  # seconds after the trace starts; for a later chat turn, the think time after its
+    #   conversation's previous answer
+    follows: int | None = None  # the index of the conversation's previous turn, for a later chat turn
+
+
+def _scaled(length: int, scale: float) -> int:
+    return max(1, round(length * scale))
+
+
+def _output_len(kind: Kind, scale: float, rng: random.Random) -> int:
+    drawn = kind.output_median * math.exp(kind.output_sigma * rng.gauss(0, 1))
+    return min(_scaled(MAX_TOKENS, scale), max(2, _scaled(round(drawn), scale)))
+
+
+class _Prose:
+    """Token stretches cut at seeded offsets from the public-domain texts `weights_fetch.py` brings."""
+
+    def __init__(self, tokenizer: Tokenizer, scale: float):
+        self.text_ids = tokenizer.encode(read_text())
+        second = read_text(SECOND_TEXT) if SECOND_TEXT.is_file() else read_text()
+        second_ids = tokenizer.encode(second)
+        length = _scaled(SYSTEM_TOKENS, scale)
+        self.system_ids = [second_ids[i * length : (i + 1) * length] for i in range(SYSTEM_PROMPTS)]
+
+    def cut(self, length: int, rng: random.Random) -> list[int]:
+        start = rng.randrange(len(self.text_ids) - length)
+        return self.text_ids[start : start + length]
+
+
+def chat_message(tokenizer: Tokenizer, role: str, content_ids: list[int]) -> list[int]:
+    """One ChatML message from token ids: <|im_start|>role\\n content <|im_end|>\\n."""
+    start, end = tokenizer.special_tokens["<|im_start|>"], tokenizer.special_tokens["<|im_end|>"]
+    return [start, *tokenizer.encode(f"{role}\n"), *content_ids, end, *tokenizer.encode("\n")]
+
+
+def assistant_header(tokenizer: Tokenizer) -> list[int]:
+    return [tokenizer.special_tokens["<|im_start|>"], *tokenizer.encode("assistant\n")]
+
+
+def next_turn_prompt(tokenizer: Tokenizer, previous_prompt: list[int], answer: list[int], message: list[int]):
+    """A conversation's next prompt: the last prompt, the answer it got (ending with its EOS, which
+    closes the assistant's message), a newline, and the new message with the assistant's header."""
+    end = tokenizer.special_tokens["<|im_end|>"]
+    closed = answer if answer and answer[-1] == end else [*answer, end]
+    return [*previous_prompt, *closed, *tokenizer.encode("\n"), *message]
+
+
+def kind_counts(num_arrivals: int) -> list[int]:
+    """Arrivals of each kind: its share, rounded so they add up (largest remainder)."""
+    exact = [kind.share * num_arrivals for kind in KINDS]
+    counts = [int(n) for n in exact]
+    by_remainder = sorted(range(len(KINDS)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[: num_arrivals - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def arrivals_for(num_requests: int) -> int:
+    """Arrivals that make about `num_requests` requests, a chat bringing its mean number of turns."""
+    chat_share = next(kind.share for kind in KINDS if kind.name == "chat")
+    mean_turns = sum(CHAT_TURNS) / 2
+    return max(1, round(num_requests / (1 + chat_share * (mean_turns - 1))))
+
+
+def make_trace(tokenizer: Tokenizer, seed: int, num_requests: int, rate: float, scale: float):
+    """About `num_requests` requests (a chat's turns each count), seeded: the same seed gives the same
+    trace, whatever the rate (the rate only stretches the arrival times)."""
+    rng = random.Random(seed)
+    prose = _Prose(tokenizer, scale)
+    num_arrivals = arrivals_for(num_requests)
+    kinds = [kind for kind, count in zip(KINDS, kind_counts(num_arrivals)) for _ in range(count)]
+    rng.shuffle(kinds)
+    trace: list[TraceRequest] = []
+    clock = 0.0
+    for kind in kinds:
+        length = rng.randint(*(_scaled(n, scale) for n in kind.prompt_len))
+        text = prose.cut(length, rng)
+        if kind.name == "chat":
+            _add_conversation(trace, tokenizer, kind, text, clock, prose, rng, scale)
+        else:
+            if kind.name == "system":
+                system = prose.system_ids[rng.randrange(SYSTEM_PROMPTS)]
+                text = [
+                    *chat_message(tokenizer, "system", system),
+                    *chat_message(tokenizer, "user", text),
+                    *assistant_header(tokenizer),
+                ]
+            output_len = _output_len(kind, scale, rng)
+            trace.append(TraceRequest(kind.name, text, output_len, _scaled(MAX_TOKENS, scale), clock))
+        clock += rng.expovariate(rate)
+    return trace
+
+
+def _add_conversation(trace, tokenizer, kind, first_message, clock, prose, rng, scale) -> None:
+    """A chat's turns: the first at its arrival, each later one THINK_S after the previous answer."""
+    turns = rng.randint(*CHAT_TURNS)
+    previous = None
+    for turn in range(turns):
+        message = first_message if turn == 0 else prose.cut(rng.randint(*(_scaled(n, scale) for n in kind.prompt_len)), rng)
+        ids = [*chat_message(tokenizer, "user", message), *assistant_header(tokenizer)]
+        arrival = clock if turn == 0 else rng.expovariate(1 / THINK_S)
+        trace.append(
+            TraceRequest("chat", ids, _output_len(kind, scale, rng), _scaled(MAX_TOKENS, scale), arrival, previous)
+        )
+        previous = len(trace) - 1
+
+
+def describe_trace(trace: list[TraceRequest], seed: int, rate: float, scale: float) -> dict:
+    arrivals = [r for r in trace if r.follows is None]
+    return {
+        "seed": seed,
+        "requests": len(trace),
+        "arrivals": len(arrivals),
+        "rate_per_s": rate,
+        "scale": scale,
+        "kinds": {kind.name: sum(r.kind == kind.name for r in trace) for kind in KINDS},
+        "output_tokens": sum(r.output_len for r in trace),
+        "output_len_p50_p99": _spread([r.output_len for r in trace]),
+        "last_arrival_s": max(r.arrival_s for r in arrivals),
+    }
+
+
+def _spread(values: list[int]) -> tuple[int, int]:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, round(0.99 * len(ordered)))]
