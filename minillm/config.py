@@ -53,8 +53,9 @@ class EngineConfig:
     block_size: int = 16  # token slots per KV block
     kv_cache_bytes: int = 512 * 2**20  # the KV pool's budget; it is cut into blocks
     scheduling: str = "continuous"  # iteration-level batching, or "static" (a batch at a time)
-    admission: str = "fcfs"  # who joins first: arrival order, "memory" (benefit / KV cost, aged),
-    #   or "reserve" (fcfs, each request holding its maximum length: the pre-paging baseline)
+    admission: str = "fcfs"  # who joins first: arrival order, "lpm" (longest cached prefix first),
+    #   "memory" (benefit / KV cost, with headroom), "memory+lpm" (lpm's order, memory's room), or
+    #   "reserve" (fcfs, each request holding its maximum length: the pre-paging baseline)
     max_num_seqs: int = 64  # sequences running at once
     max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
     prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
@@ -283,9 +284,11 @@ SWITCHES = {
         Switch(
             "admission",
             "engine",
-            "who joins the batch first: arrival order, benefit per KV cost, or fcfs "
-            "reserving each request's maximum length (default: %(default)s)",
-            choices=("fcfs", "memory", "reserve"),
+            "who joins the batch first: fcfs (arrival order), lpm (longest cached prefix first), "
+            "memory (benefit per KV cost, keeping headroom to grow), memory+lpm (lpm's order, "
+            "memory's headroom), or reserve (fcfs, each request holding its maximum length) "
+            "(default: %(default)s)",
+            choices=("fcfs", "lpm", "memory", "memory+lpm", "reserve"),
         ),
         # KV quantization (minillm.memory.quantization)
         Switch(

@@ -12,42 +12,58 @@ memory: one long document at the head holds every short question behind it until
 free, and requests are admitted as long as one block is free, so the batch outgrows the pool
 and preempts as it decodes.
 
+Longest prefix first (`admission="lpm"`, SGLang's cache-aware order) admits first the request
+whose prompt the prefix cache holds most of: its prefill is mostly done already, and served now
+its prefix is still cached (served later, the cache may have let it go). It holds the queue as
+first come first served does; ties keep arrival order.
+
 Memory-aware admission (`admission="memory"`) prices every waiting request:
 
     cost    = the KV blocks it will newly hold at its peak (prompt plus expected output, for each
               of its n samples or beams, less the prompt blocks the prefix cache already holds)
             + the KV blocks each of its decode steps reads at that peak (its bandwidth: a shared
               prefix is read though it is not held)
-    benefit = 2 ** -priority  x  (1 + steps waited / MAX_WAIT_STEPS)
+    benefit = 2 ** -priority
 
 and admits by benefit / cost, best first, while memory lasts; one that does not fit now lets a
 smaller one behind it in. The expected output is learned: the mean output length of finished
 requests, capped by each request's max_tokens (max_tokens itself until a request has finished).
-Priority is vLLM's: lower values go first.
+Priority is vLLM's: lower values go first. `admission="memory+lpm"` orders as lpm does (ties by
+benefit / cost) and admits with memory-aware's room rules below.
 
 Headroom: it admits only while the blocks left free cover what the running sequences are
 expected to grow into (their expected output less what they have generated), so the batch it
 builds can decode without a preemption storm.
 
-No starvation: a request that has waited MAX_WAIT_STEPS engine steps, or was preempted, is *due*.
-Due requests go first, oldest first, and need no headroom, only their blocks. One that cannot
+No starvation (every policy but fcfs and reserve, which never overtake): a request that has waited
+MAX_WAIT_STEPS engine steps, or was preempted, is *due*. Due requests go first, oldest first. With
+memory-aware admission they need no headroom, only their blocks. One that cannot
 start yet has the blocks it needs kept for it: a request behind it is admitted only into blocks
 beyond those (backfilling, as batch schedulers do), so it cannot be overtaken into starving, and
 the queue behind it does not stall either. Every request therefore starts within MAX_WAIT_STEPS
 steps of its arrival plus the steps the sequences running then take to give back its blocks (each
 is bounded by its max_tokens) — the bound `test_admission.py` checks on an adversarial stream of
 small requests.
+
+The policy's own cost stays flat however long the queue: only the first WINDOW waiting requests
+(the oldest, so every due one) are ranked and tried in a step; the rest wait behind them, in
+arrival order, for a place in the window. When
+more than WINDOW requests wait the engine is far behind, and ranking the tail would cost every
+step more than it could win (SGLang drops its cache-aware order for arrival order past 128
+waiting requests, for the same reason).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import islice
 
 from minillm.config import prompt_problem
 from minillm.engine.sequence import Sequence
 from minillm.memory import KVCacheManager
 
 MAX_WAIT_STEPS = 32  # steps after which a waiting request is due: served first, its blocks kept for it
+WINDOW = 128  # waiting requests ranked each step (the oldest); the rest keep arrival order behind them
 
 
 class FirstComeFirstServed:
@@ -86,20 +102,57 @@ class MaxLengthReservation(FirstComeFirstServed):
         return not reserved or reserved + self.blocks_at_most(seq) <= self.manager.num_blocks
 
 
+def is_due(seq: Sequence, step: int) -> bool:
+    """Preempted, or waited MAX_WAIT_STEPS: it goes before every request that is not due."""
+    return seq.num_preemptions > 0 or step - seq.arrival_step >= MAX_WAIT_STEPS
+
+
+def _ranked(waiting: Iterable[Sequence], step: int, key) -> list[Sequence]:
+    """The first WINDOW waiting, due ones first, oldest first, then the others by `key`, smallest
+    first (a stable sort: ties keep arrival order)."""
+    window = list(islice(waiting, WINDOW))
+    due = [seq for seq in window if is_due(seq, step)]
+    others = [seq for seq in window if not is_due(seq, step)]
+    return due + sorted(others, key=key)
+
+
+class LongestPrefixFirst(FirstComeFirstServed):
+    """The request whose prompt the prefix cache holds most of first; due requests before all."""
+
+    def __init__(self, manager: KVCacheManager):
+        self.manager = manager
+
+    def order(self, waiting: Iterable[Sequence], step: int) -> list[Sequence]:
+        def cached(seq: Sequence) -> int:
+            return self.manager.cached_prefix_blocks(seq.seq_id, seq.token_ids)
+
+        return _ranked(waiting, step, key=lambda seq: -cached(seq))
+
+
 class MemoryAware:
     """Benefit over memory cost, with a headroom for growth and aging against starvation."""
 
     def __init__(self, manager: KVCacheManager):
         self.manager = manager
         self.outputs_finished = self.output_tokens = 0  # what finished requests generated, to learn from
+        self._headroom: tuple[tuple, int] | None = None  # (the batch it was counted for, its blocks)
+        self._cached: dict[int, int] = {}  # seq_id -> prefix blocks cached, looked up this step
 
     # ---------------------------------------------------------------- the order
     def order(self, waiting: Iterable[Sequence], step: int) -> list[Sequence]:
         """Due requests first, oldest first; then the others by benefit / cost, best first."""
-        waiting = list(waiting)
-        due = [seq for seq in waiting if self.is_due(seq, step)]
-        others = [seq for seq in waiting if not self.is_due(seq, step)]
-        return due + sorted(others, key=lambda seq: self.benefit(seq, step) / self.cost(seq), reverse=True)
+        self._cached = {}
+        return _ranked(waiting, step, key=self.rank)
+
+    def cached_blocks(self, seq: Sequence) -> int:
+        """Its prompt blocks the prefix cache holds, looked up once a step (an admission that takes
+        a cached block's place may make it an overestimate: allocation has the last word)."""
+        if seq.seq_id not in self._cached:
+            self._cached[seq.seq_id] = self.manager.cached_prefix_blocks(seq.seq_id, seq.token_ids)
+        return self._cached[seq.seq_id]
+
+    def rank(self, seq: Sequence) -> float:
+        return -self.benefit(seq) / self.cost(seq)
 
     def holds_queue(self, seq: Sequence, step: int) -> bool:
         """Nobody stalls the queue: a due request that must wait has its blocks kept instead."""
@@ -107,23 +160,18 @@ class MemoryAware:
 
     def room_to_keep(self, seq: Sequence, budget: int, step: int) -> int:
         """Blocks to keep free for a request that could not start: those of its first chunk if it is due."""
-        return self.blocks_to_start(seq, budget) if self.is_due(seq, step) else 0
+        return self.blocks_to_start(seq, budget) if is_due(seq, step) else 0
 
     @staticmethod
-    def is_due(seq: Sequence, step: int) -> bool:
-        return seq.num_preemptions > 0 or step - seq.arrival_step >= MAX_WAIT_STEPS
-
-    @staticmethod
-    def benefit(seq: Sequence, step: int) -> float:
-        return 2.0**-seq.priority * (1 + (step - seq.arrival_step) / MAX_WAIT_STEPS)
+    def benefit(seq: Sequence) -> float:
+        return 2.0**-seq.priority
 
     def cost(self, seq: Sequence) -> int:
         """Blocks newly held at the peak + blocks read per decode step at the peak."""
         manager, outputs = self.manager, seq.params.num_outputs
         prompt_blocks = manager.blocks_for(seq.num_tokens)
         peak_blocks = manager.blocks_for(self.peak_tokens(seq))
-        cached = manager.cached_prefix_blocks(seq.seq_id, seq.token_ids)
-        held = prompt_blocks - cached + outputs * (peak_blocks - prompt_blocks)
+        held = prompt_blocks - self.cached_blocks(seq) + outputs * (peak_blocks - prompt_blocks)
         read = outputs * peak_blocks
         return max(1, held) + read
 
@@ -140,21 +188,26 @@ class MemoryAware:
     def peak_tokens(self, seq: Sequence) -> int:
         return min(seq.max_len, len(seq.prompt_ids) + self.expected_output(seq))
 
-    def headroom(self, running: list[Sequence]) -> int:
-        """Blocks the running sequences are expected to grow into."""
-        manager = self.manager
-        return sum(
-            max(0, manager.blocks_for(self.peak_tokens(seq)) - manager.num_held(seq.seq_id))
-            for seq in running
-            if manager.has_blocks(seq.seq_id)
-        )
+    def headroom(self, running: list[Sequence], step: int) -> int:
+        """Blocks the running sequences are expected to grow into. Counted once per step and batch:
+        a step asks for every waiting request it tries, and the batch changes when one is admitted."""
+        batch = (step, len(running), running[-1].seq_id if running else None)  # changes as they join or leave
+        if self._headroom is None or self._headroom[0] != batch:
+            manager = self.manager
+            blocks = sum(
+                max(0, manager.blocks_for(self.peak_tokens(seq)) - manager.num_held(seq.seq_id))
+                for seq in running
+                if manager.has_blocks(seq.seq_id)
+            )
+            self._headroom = (batch, blocks)
+        return self._headroom[1]
 
     def blocks_to_start(self, seq: Sequence, budget: int) -> int:
         """New blocks its first chunk takes: the chunk's, less the prompt blocks the prefix cache gives."""
         manager = self.manager
         chunk_end = seq.num_cached + min(seq.num_uncomputed, budget)
         needed = manager.blocks_for(chunk_end) - manager.num_held(seq.seq_id)
-        return max(0, needed - manager.cached_prefix_blocks(seq.seq_id, seq.token_ids))
+        return max(0, needed - self.cached_blocks(seq))
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
         """Do the free blocks, less the `kept` ones due requests wait for, cover this request's first
@@ -162,13 +215,20 @@ class MemoryAware:
         running there is none to keep, and whatever fits may start."""
         if not running:
             return True
-        headroom = 0 if self.is_due(seq, step) else self.headroom(running)
+        headroom = 0 if is_due(seq, step) else self.headroom(running, step)
         return self.blocks_to_start(seq, budget) + headroom + kept <= self.manager.num_free_blocks
 
     def finished(self, seq: Sequence) -> None:
         """Learn from a sequence that ran to its end (eos or length)."""
         self.outputs_finished += 1
         self.output_tokens += len(seq.output_ids)
+
+
+class MemoryAwareLongestPrefix(MemoryAware):
+    """Longest prefix first (ties by benefit / cost), admitted by memory-aware's room rules."""
+
+    def rank(self, seq: Sequence) -> tuple[int, float]:
+        return -self.cached_blocks(seq), super().rank(seq)
 
 
 def admission_problem(
@@ -213,9 +273,14 @@ def longest_held(kv_cache: KVCacheManager, prompt_len: int, context_len: int, st
     return max(prompt_len + 1, min(context_len, kv_cache.num_blocks * kv_cache.block_size))
 
 
-def make_admission(
-    policy: str, manager: KVCacheManager
-) -> FirstComeFirstServed | MaxLengthReservation | MemoryAware:
-    if policy == "reserve":
-        return MaxLengthReservation(manager)
-    return MemoryAware(manager) if policy == "memory" else FirstComeFirstServed()
+POLICIES = {
+    "fcfs": lambda manager: FirstComeFirstServed(),
+    "lpm": LongestPrefixFirst,
+    "memory": MemoryAware,
+    "memory+lpm": MemoryAwareLongestPrefix,
+    "reserve": MaxLengthReservation,
+}
+
+
+def make_admission(policy: str, manager: KVCacheManager) -> FirstComeFirstServed | MemoryAware:
+    return POLICIES[policy](manager)

@@ -168,15 +168,18 @@ class Scheduler:
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         """Start waiting sequences while the budget, seats and the admission policy allow."""
         kept = 0  # blocks kept free for due requests that could not start (memory-aware admission)
+        seats = self.max_num_seqs - self._seats_taken()
         for seq in self.admission.order(self.waiting, self.steps):
-            if budget == 0:
+            if budget == 0 or seats == 0:
                 break
             if seq.num_uncomputed == 0:  # a beam swapped out while it waited for its siblings' scores:
                 continue  # nothing to run until they are in; it keeps its place
             if scheduled and self.kv_cache.is_swapped(seq.seq_id):
                 break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
-            num_tokens = self._admit(seq, budget, kept)
-            if not num_tokens:
+            num_tokens = self._admit(seq, budget, kept) if _seats_of(seq) <= seats else 0
+            if num_tokens:
+                seats -= _seats_of(seq)
+            else:
                 if self.admission.holds_queue(seq, self.steps):
                     break  # it waits for memory or seats, and nobody overtakes it
                 kept += self.admission.room_to_keep(seq, budget, self.steps)
@@ -185,11 +188,9 @@ class Scheduler:
             budget -= num_tokens
 
     def _admit(self, seq: Sequence, budget: int, kept: int) -> int:
-        """Start a waiting sequence if seats, the admission policy (headroom, blocks `kept` for
-        others) and blocks allow; return the tokens of its first chunk, or 0 if it must wait."""
-        if not self._has_seats_for(seq) or not self.admission.has_room(
-            seq, self.running, budget, kept, self.steps
-        ):
+        """Start a waiting sequence (its seats are free) if the admission policy (headroom, blocks
+        `kept` for others) and blocks allow; return the tokens of its first chunk, or 0 if it must wait."""
+        if not self.admission.has_room(seq, self.running, budget, kept, self.steps):
             return 0
         num_tokens = self._reserve(seq, budget)
         while not num_tokens and self._release_waiting(seq):
@@ -210,8 +211,12 @@ class Scheduler:
         """Free the device blocks a waiting sequence holds (brought back early, or sharing blocks
         with a sibling that came back), the last in the queue first: swapped out again, or
         forgotten. False if no waiting sequence but `keep` holds any."""
+        holders = self.kv_cache.holders_of_device_blocks() - {seq.seq_id for seq in self.running}
+        holders.discard(keep.seq_id)
+        if not holders:  # the usual case: asked without a walk down a queue that may be long
+            return False
         for seq in reversed(self.waiting):
-            if seq is not keep and self.kv_cache.holds_device_blocks(seq.seq_id):
+            if seq.seq_id in holders:
                 self.kv_cache.preempt(seq.seq_id, seq.num_computed, {seq.seq_id: seq.num_computed})
                 if not self.kv_cache.has_blocks(seq.seq_id):
                     seq.forget_cache()
@@ -236,11 +241,13 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.running.append(seq)
 
-    def _has_seats_for(self, seq: Sequence) -> bool:
+    def _seats_taken(self) -> int:
         """At most max_num_seqs sequences run at once, counting the forks that running requests
         will make at their first sampling (n - 1 samples, beam_width - 1 beams) as taken."""
-        taken = sum(1 + _forks_to_come(running) for running in self.running)
-        return taken + 1 + _forks_to_come(seq) <= self.max_num_seqs
+        return sum(_seats_of(running) for running in self.running)
+
+    def _has_seats_for(self, seq: Sequence) -> bool:
+        return self._seats_taken() + _seats_of(seq) <= self.max_num_seqs
 
     # ----------------------------------------------------------------- forks, victims, the end
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -321,5 +328,6 @@ class Scheduler:
         return {seq.seq_id: seq.num_cached for seq in self.running}
 
 
-def _forks_to_come(seq: Sequence) -> int:
-    return seq.params.num_outputs - 1 if not seq.output_ids else 0
+def _seats_of(seq: Sequence) -> int:
+    """The seats a sequence takes: its own, and its forks to come if it has not sampled yet."""
+    return seq.params.num_outputs if not seq.output_ids else 1

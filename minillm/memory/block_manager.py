@@ -325,6 +325,14 @@ class BlockManager:
     def has_table(self, seq_id: int) -> bool:
         return seq_id in self.block_tables
 
+    def holders_of_device_blocks(self) -> set[int]:
+        """The sequences whose table holds at least one device block."""
+        return {
+            seq_id
+            for seq_id, table in self.block_tables.items()
+            if any(self.tier(block) == "device" for block in table)
+        }
+
     def table(self, seq_id: int) -> list[int]:
         if seq_id not in self.block_tables:
             raise BlockManagerError(f"sequence {seq_id} has no block table (never allocated, or freed twice)")

@@ -119,9 +119,8 @@ class KVCacheManager:
     def is_swapped(self, seq_id: int) -> bool:
         return self.block_manager.is_swapped(seq_id)
 
-    def holds_device_blocks(self, seq_id: int) -> bool:
-        manager = self.block_manager
-        return manager.has_table(seq_id) and any(manager.tier(b) == "device" for b in manager.table(seq_id))
+    def holders_of_device_blocks(self) -> set[int]:
+        return self.block_manager.holders_of_device_blocks()
 
     def cached_prefix_blocks(self, seq_id: int, token_ids: list[int]) -> int:
         """Leading blocks of a sequence not yet started that the prefix cache holds."""

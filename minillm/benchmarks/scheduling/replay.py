@@ -66,7 +66,8 @@ def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progre
                         tokenizer, prompts[index], out.token_ids, trace[follower].prompt_ids
                     )
                     heapq.heappush(due, (now() + trace[follower].arrival_s, follower))
-    return [served[index] for index in range(len(trace))], time.perf_counter() - start - skipped, engine.stats.steps
+    busy = time.perf_counter() - start - skipped
+    return [served[index] for index in range(len(trace))], busy, engine.stats.steps
 
 
 def _submit(engine, trace: list[TraceRequest], index: int, prompts: dict, arrival_time: float) -> None:

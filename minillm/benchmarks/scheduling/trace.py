@@ -31,7 +31,7 @@ import random
 from dataclasses import dataclass
 
 from minillm.benchmarks.memory.trace import SECOND_TEXT
-from minillm.evaluation import DEFAULT_TEXT, read_text
+from minillm.evaluation import read_text
 from minillm.tokenizer import Tokenizer
 
 SYSTEM_PROMPTS, SYSTEM_TOKENS = 4, 256
@@ -165,12 +165,12 @@ def _add_conversation(trace, tokenizer, kind, first_message, clock, prose, rng, 
     turns = rng.randint(*CHAT_TURNS)
     previous = None
     for turn in range(turns):
-        message = first_message if turn == 0 else prose.cut(rng.randint(*(_scaled(n, scale) for n in kind.prompt_len)), rng)
+        length = rng.randint(*(_scaled(n, scale) for n in kind.prompt_len))
+        message = first_message if turn == 0 else prose.cut(length, rng)
         ids = [*chat_message(tokenizer, "user", message), *assistant_header(tokenizer)]
         arrival = clock if turn == 0 else rng.expovariate(1 / THINK_S)
-        trace.append(
-            TraceRequest("chat", ids, _output_len(kind, scale, rng), _scaled(MAX_TOKENS, scale), arrival, previous)
-        )
+        output_len, max_tokens = _output_len(kind, scale, rng), _scaled(MAX_TOKENS, scale)
+        trace.append(TraceRequest("chat", ids, output_len, max_tokens, arrival, previous))
         previous = len(trace) - 1
 
 

@@ -1,0 +1,273 @@
+"""The run of `minillm bench scheduling`: the SLOs, the loads (found on the tuning seed), every
+policy on every held-out seed at both loads, the sustained rates, and the scheduler's own cost."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from minillm.benchmarks import cpu_model
+from minillm.benchmarks.scheduling.replay import replay
+from minillm.benchmarks.scheduling.trace import describe_trace, make_trace
+from minillm.benchmarks.tiers import percentile
+from minillm.config import DTYPES, ConfigError, resolve_dtype
+from minillm.engine import LLM, SamplingParams
+from minillm.progress import progress_bar
+from minillm.tokenizer import Tokenizer
+from minillm.weights import load_model
+
+POLICIES = ("fcfs", "lpm", "memory", "memory+lpm")
+TUNING_SEED = 0
+TTFT_TIMES, TPOT_TIMES = 5, 5  # the SLOs, in multiples of the calibration (as `bench memory` sets them)
+LOAD_GOODPUTS = (0.5, 0.8)  # the two loads: where fcfs reaches these goodputs on the tuning seed
+SUSTAINED = 0.9  # the goodput a sustained rate keeps
+RATE_STEP, MAX_PROBES = 2**0.5, 10  # the tuning seed's rates: each the last times RATE_STEP
+COST_WAITING = (100, 10_000)  # queue lengths the scheduler's own cost is measured at
+
+SIZES = {
+    "full": {"requests": 150, "scale": 0.35, "kv_tokens": 640, "seeds": (1, 2, 3, 4, 5)},
+    "quick": {"requests": 96, "scale": 0.25, "kv_tokens": 256, "seeds": (1, 2)},
+}
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def llm_for(model, tokenizer, policy: str, kv_tokens: int, common: dict) -> LLM:
+    """An engine with the prefix cache on and a pool of `kv_tokens` tokens of the model's dtype."""
+    kv_bytes = kv_tokens * model.config.kv_bytes_per_token(model.dtype)
+    switches = {"admission": policy, "prefix_caching": True, "kv_cache_bytes": kv_bytes, **common}
+    return LLM(model=model, tokenizer=tokenizer, **switches)
+
+
+def serve_trace(model, tokenizer, trace, policy: str, sizes: dict, slo: dict, common: dict) -> dict:
+    """One policy on one trace: goodput (TTFT and TPOT both within their SLOs), latencies, and
+    every request's tokens (for the greedy comparison)."""
+    engine = llm_for(model, tokenizer, policy, sizes["kv_tokens"], common).engine
+    served, busy, steps = replay(engine, tokenizer, trace)
+    ttft = [s.ttft for s in served if s.ttft is not None]
+    tpot = [s.tpot for s in served if s.tpot is not None]
+    good = sum(
+        s.error is None and s.ttft <= slo["ttft_s"] and (s.tpot is None or s.tpot <= slo["tpot_s"])
+        for s in served
+    )
+    return {
+        "goodput": good / len(served),
+        "errors": sum(s.error is not None for s in served),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_s": percentile(tpot, 50),
+        "tpot_p99_s": percentile(tpot, 99),
+        "busy_s": busy,
+        "steps": steps,
+        "preemptions": engine.num_preemptions,
+        "prefix_hit_rate": engine.snapshot().prefix_cache["hit_rate"],
+        "tokens": [s.token_ids for s in served],
+    }
+
+
+# ----------------------------------------------------------------------------- the SLOs and the loads
+
+
+def calibrate(model, tokenizer, trace, common: dict) -> dict:
+    """On an idle engine (no run that is compared): the trace's longest prompt prefilled alone
+    (best of two) and a batch-1 decode step. The SLOs are multiples of them, as in DistServe."""
+    longest = max((r.prompt_ids for r in trace), key=len)
+    llm = llm_for(model, tokenizer, "fcfs", 4 * len(longest) + 256, common)
+    prefill_s = min(
+        llm.generate([longest], SamplingParams(max_tokens=1, ignore_eos=True))[0].ttft for _ in range(2)
+    )
+    decode = llm.generate([longest[:32]], SamplingParams(max_tokens=17, ignore_eos=True))[0].tpot
+    return {
+        "longest_prompt": len(longest),
+        "prefill_alone_s": prefill_s,
+        "decode_step_s": decode,
+        "ttft_s": TTFT_TIMES * prefill_s,
+        "tpot_s": TPOT_TIMES * decode,
+        "how": f"TTFT <= {TTFT_TIMES} x the longest prompt ({len(longest)} tokens) prefilled alone, "
+        f"TPOT <= {TPOT_TIMES} x a batch-1 decode step",
+    }
+
+
+def rate_for(points: list[tuple[float, float]], goodput: float) -> float | None:
+    """The rate where goodput crosses `goodput`, interpolated in log rate between the grid's points
+    (goodput falls as the rate grows); None if the grid never crosses it."""
+    points = sorted(points)
+    for (low_rate, low_good), (high_rate, high_good) in zip(points, points[1:]):
+        if low_good >= goodput >= high_good and low_good > high_good:
+            share = (low_good - goodput) / (low_good - high_good)
+            return math.exp(math.log(low_rate) + share * (math.log(high_rate) - math.log(low_rate)))
+    return None
+
+
+def find_loads(model, tokenizer, sizes: dict, slo: dict, common: dict, progress: bool) -> dict:
+    """On the tuning seed only: fcfs at rates growing by RATE_STEP from half the capacity (requests
+    per busy second when they all arrive at once) until its goodput falls below the lower load's,
+    and the rates where it crosses each load's goodput."""
+    burst = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1e6, sizes["scale"])
+    capacity = len(burst) / serve_trace(model, tokenizer, burst, "fcfs", sizes, slo, common)["busy_s"]
+    rate, grid = 0.5 * capacity * _arrivals_share(burst), []
+    with progress_bar("loads: fcfs on the tuning seed", MAX_PROBES, enabled=progress) as advance:
+        while len(grid) < MAX_PROBES and (not grid or grid[-1][1] >= min(LOAD_GOODPUTS)):
+            trace = make_trace(tokenizer, TUNING_SEED, sizes["requests"], rate, sizes["scale"])
+            grid.append((rate, serve_trace(model, tokenizer, trace, "fcfs", sizes, slo, common)["goodput"]))
+            rate *= RATE_STEP
+            advance()
+    loads = {f"{goodput:.0%}": rate_for(grid, goodput) for goodput in LOAD_GOODPUTS}
+    missing = [load for load, rate in loads.items() if rate is None]
+    if missing:
+        raise ConfigError(
+            f"fcfs's goodput on the tuning seed did not cross {', '.join(missing)} on the rates tried "
+            f"({', '.join(f'{r:.2f}/s: {g:.0%}' for r, g in grid)}); raise --requests or lower --kv-tokens."
+        )
+    return {"capacity_req_s": capacity, "grid": grid, "rates": loads}
+
+
+def _arrivals_share(trace) -> float:
+    """Arrivals per request (a chat's later turns are not arrivals): rates count arrivals."""
+    return sum(r.follows is None for r in trace) / len(trace)
+
+
+# ----------------------------------------------------------------------------- held-out seeds
+
+
+def held_out(model, tokenizer, sizes: dict, loads: dict, slo: dict, common: dict, progress: bool) -> dict:
+    """Every policy on every held-out seed at every load, the policies alternating within a seed."""
+    results = {load: {policy: [] for policy in POLICIES} for load in loads}
+    greedy_differs = {policy: 0 for policy in POLICIES}
+    runs = len(loads) * len(sizes["seeds"]) * len(POLICIES)
+    with progress_bar("held-out seeds: runs", runs, enabled=progress) as advance:
+        for load, rate in loads.items():
+            for seed in sizes["seeds"]:
+                trace = make_trace(tokenizer, seed, sizes["requests"], rate, sizes["scale"])
+                tokens = {}
+                for policy in POLICIES:
+                    run = serve_trace(model, tokenizer, trace, policy, sizes, slo, common)
+                    tokens[policy] = run.pop("tokens")
+                    results[load][policy].append({"seed": seed, **run})
+                    advance()
+                for policy in POLICIES:
+                    greedy_differs[policy] += sum(a != b for a, b in zip(tokens[policy], tokens["fcfs"]))
+    return {"runs": results, "outputs_differing_from_fcfs": greedy_differs}
+
+
+def summarize(runs: dict) -> dict:
+    """Per load and policy: mean and spread (min, max) over the seeds, and the ratio to fcfs."""
+    summary = {}
+    for load, by_policy in runs.items():
+        summary[load] = {}
+        fcfs = statistics.mean(run["goodput"] for run in by_policy["fcfs"])
+        for policy, seeds in by_policy.items():
+            goodputs = [run["goodput"] for run in seeds]
+            mean = statistics.mean(goodputs)
+            summary[load][policy] = {
+                "goodput_mean": mean,
+                "goodput_min": min(goodputs),
+                "goodput_max": max(goodputs),
+                "vs_fcfs": mean / fcfs if fcfs else None,
+                "ttft_p99_mean_s": statistics.mean(run["ttft_p99_s"] for run in seeds),
+                "tpot_p50_mean_s": statistics.mean(run["tpot_p50_s"] for run in seeds),
+                "preemptions_mean": statistics.mean(run["preemptions"] for run in seeds),
+            }
+    return summary
+
+
+def sustained_rates(runs: dict, loads: dict) -> dict:
+    """Per policy, the rate whose mean goodput over the held-out seeds is SUSTAINED, interpolated
+    between the loads measured (None where both loads are on one side of it)."""
+    rates = {}
+    for policy in POLICIES:
+        points = [
+            (loads[load], statistics.mean(run["goodput"] for run in runs[load][policy])) for load in loads
+        ]
+        rates[policy] = rate_for(points, SUSTAINED)
+    return rates
+
+
+# ----------------------------------------------------------------------------- the scheduler's own cost
+
+
+def scheduler_cost(model, tokenizer, common: dict) -> dict:
+    """schedule()'s time per step (median of 20 steps) with COST_WAITING requests queued, per policy:
+    the policy's own work as the queue grows. Short requests, half of them sharing a system prompt."""
+    rng = random.Random(TUNING_SEED)
+    system = [rng.randrange(1000, 20000) for _ in range(128)]
+    costs = {}
+    for policy in POLICIES:
+        costs[policy] = {}
+        for waiting in COST_WAITING:
+            engine = llm_for(model, tokenizer, policy, 2048, common).engine
+            for index in range(waiting):
+                prompt = (system if index % 2 else []) + [rng.randrange(1000, 20000) for _ in range(32)]
+                engine.add_request(prompt, SamplingParams(max_tokens=32, ignore_eos=True))
+            costs[policy][waiting] = _schedule_ms(engine)
+    return costs
+
+
+def _schedule_ms(engine, steps: int = 20) -> float:
+    scheduler, times = engine.scheduler, []
+    schedule = scheduler.schedule
+
+    def timed():
+        start = time.perf_counter()
+        made = schedule()
+        times.append(time.perf_counter() - start)
+        return made
+
+    scheduler.schedule = timed
+    for _ in range(steps):
+        engine.step()
+    return 1e3 * statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- the whole run
+
+
+def bench_scheduling(
+    model_dir,
+    quick: bool = False,
+    num_requests: int | None = None,
+    kv_tokens: int | None = None,
+    seeds: tuple[int, ...] | None = None,
+    threads: int = 1,
+    dtype: str = "auto",
+    device: str = "cpu",
+    progress: bool = False,
+) -> dict:
+    sizes = dict(SIZES["quick" if quick else "full"])
+    given = {"requests": num_requests, "kv_tokens": kv_tokens, "seeds": seeds}
+    sizes.update({key: value for key, value in given.items() if value is not None})
+    if TUNING_SEED in sizes["seeds"]:
+        raise ConfigError(f"seed {TUNING_SEED} is the tuning seed; report on others (--seeds 1,2,3).")
+    default_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        dtype = resolve_dtype(dtype, device)
+        model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
+        common = {"dtype": dtype, "device": device}
+        tuning = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1.0, sizes["scale"])
+        slo = calibrate(model, tokenizer, tuning, common)
+        found = find_loads(model, tokenizer, sizes, slo, common, progress)
+        measured = held_out(model, tokenizer, sizes, found["rates"], slo, common, progress)
+        cost = scheduler_cost(model, tokenizer, common)
+    finally:
+        torch.set_num_threads(default_threads)
+    return {
+        "machine": {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "torch_threads": threads},
+        "model_dir": str(model_dir),
+        "dtype": dtype,
+        "sizes": {**sizes, "seeds": list(sizes["seeds"]), "tuning_seed": TUNING_SEED},
+        "trace": describe_trace(tuning, TUNING_SEED, 1.0, sizes["scale"]),
+        "slo": slo,
+        "loads": found,
+        "summary": summarize(measured["runs"]),
+        "sustained_rate": sustained_rates(measured["runs"], found["rates"]),
+        "outputs_differing_from_fcfs": measured["outputs_differing_from_fcfs"],
+        "scheduler_cost_ms": cost,
+        "runs": measured["runs"],
+    }
