@@ -21,6 +21,7 @@ import minillm.chat.view
 from minillm.chat import Chat
 from minillm.chat.compare import first_difference
 from minillm.chat.view import STATES, state_counts, summary_lines
+from minillm.config import SWITCHES
 from minillm.engine import LLM, SamplingParams
 from minillm.memory import bytes_per_slot
 from minillm.tokenizer import Tokenizer
@@ -347,3 +348,74 @@ def test_bench_chat_view_times_both_views(capsys, chat_dir):
         assert len(report[view]["samples_tok_s"]) == 2 and report[view]["tok_s"] > 0
     assert report["slowdown"] == pytest.approx(1 - report["live"]["tok_s"] / report["plain"]["tok_s"])
     assert report["panel_draw_ms"] > 0
+
+
+def test_launch_flags_reach_the_engines_config(chat_dir, monkeypatch):
+    """`minillm chat --admission ... --eviction ... --eviction-trigger ... --preemption ...`."""
+    from minillm.cli import main
+
+    started = []
+    monkeypatch.setattr(Chat, "run", lambda chat, model_name: started.append(chat.engine.config))
+    flags = ["--admission", "memory", "--eviction", "h2o", "--kv-budget", "256", "--eviction-trigger"]
+    flags += ["pressure", "--host-cache-mb", "1", "--preemption", "swap"]
+    assert main(["chat", *flags, "--model", str(chat_dir)]) == 0
+    config = started[0]
+    assert (config.admission, config.eviction, config.kv_budget) == ("memory", "h2o", 256)
+    assert (config.eviction_trigger, config.preemption, config.host_cache_bytes) == (
+        "pressure",
+        "swap",
+        2**20,
+    )
+    assert config.prefix_caching  # the chat's own choice stays
+
+
+@pytest.mark.parametrize("admission", SWITCHES["admission"].choices)
+def test_set_admission_eviction_trigger_and_preemption_reach_the_engine(chat_dir, parts, admission):
+    chat = new_chat(chat_dir, parts, host_cache_bytes=1 << 20)
+    chat.reply("Say hello.")
+    for command in (f"/set admission {admission}", "/set eviction h2o 64", "/set eviction_trigger pressure"):
+        assert chat.command(command)
+    assert chat.command("/set preemption swap")
+    config = chat.engine.config
+    assert (config.admission, config.eviction, config.kv_budget) == (admission, "h2o", 64)
+    assert (config.eviction_trigger, config.preemption) == ("pressure", "swap")
+    assert f"engine rebuilt with admission={admission}" in printed(chat) and "error" not in printed(chat)
+    chat.reply("And goodbye?")  # the rebuilt engine answers, the conversation carried
+    assert chat.last[0].finish_reason != "error" and len(chat.history) == 4
+
+
+@pytest.mark.parametrize(
+    "command, said",
+    [
+        (
+            "/set admission nope",
+            "error: admission 'nope': give one of " + ", ".join(SWITCHES["admission"].choices),
+        ),
+        ("/set eviction_trigger later", "error: eviction_trigger 'later': give one of always, pressure"),
+        ("/set eviction_trigger pressure", "error: eviction_trigger only applies with eviction"),
+        ("/set preemption swap", "error: preemption='swap' needs somewhere to swap to"),
+        ("/set preemption", "error: preemption needs a value: recompute|swap|auto"),
+    ],
+)
+def test_a_bad_admission_trigger_or_preemption_is_one_line_and_changes_nothing(
+    chat_dir, parts, command, said
+):
+    chat = new_chat(chat_dir, parts)
+    engine = chat.engine
+    assert chat.command(command)
+    assert last_line(chat).startswith(said) and printed(chat).count("\n") == 1, printed(chat)
+    assert chat.engine is engine  # not rebuilt
+
+
+def test_a_bad_launch_flag_is_one_line(chat_dir, capsys):
+    from minillm.cli import main
+
+    assert main(["chat", "--admission", "nope", "--model", str(chat_dir)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.startswith("error: minillm chat: argument --admission: invalid choice: 'nope'")
+        and err.count("\n") == 1
+    )
+    assert main(["chat", "--preemption", "swap", "--model", str(chat_dir)]) == 2  # no tier to swap to
+    err = capsys.readouterr().err
+    assert err.startswith("error: preemption='swap' needs somewhere to swap to") and err.count("\n") == 1

@@ -64,7 +64,15 @@ async def stream_completion(port: int, body: dict, disconnect_after: int | None 
     """POST body (with "stream": true) to /v1/completions on 127.0.0.1 and read the events; with
     `disconnect_after`, hang up after that many text chunks. Returns text, tokens, timings."""
     reader, writer, sent, status, chunked = await post_stream(port, body)
-    result = {"status": status, "text": "", "tokens": 0, "ttft_s": None, "chunks": 0, "done": False}
+    result = {
+        "status": status,
+        "text": "",
+        "tokens": 0,
+        "ttft_s": None,
+        "chunks": 0,
+        "done": False,
+        "sent": sent,
+    }
     buffer = b""
     try:
         while not result["done"]:
@@ -91,7 +99,8 @@ async def stream_completion(port: int, body: dict, disconnect_after: int | None 
                 if message.get("usage"):
                     result["tokens"] = message["usage"]["completion_tokens"]
                 for choice in message["choices"]:
-                    if choice["text"] and result["ttft_s"] is None:
+                    # the first chunk: the first token's text, or the end of an answer without text
+                    if result["ttft_s"] is None:
                         result["ttft_s"] = time.perf_counter() - sent
                     result["text"] += choice["text"]
                     result["chunks"] += 1

@@ -2,13 +2,13 @@
 
 Each switch has a name a user types, a parser that turns the typed value into the fields it
 changes (an `EngineConfig` field, a `SamplingParams` field, or the chat's own view), and whether
-it is lossy: a lossless switch (block size, prefix caching, pool size, attention backend) must
-give the very tokens it gave before, a lossy one (KV quantization, eviction, bf16, sampling) may
-not, and `/compare` shows where they part. The engine switches are `config.SWITCHES`' own (their
-choices, minimum, parser, lossy or not); this module says which the chat offers. A value that
-cannot be parsed raises `ValueError` with one line that says what would be accepted; the engine
-checks the combination (`EngineConfig`), so a switch that needs another ("eviction needs a
-budget") fails there, also in one line.
+it is lossy: a lossless switch (block size, prefix caching, pool size, attention backend,
+admission, preemption) must give the very tokens it gave before, a lossy one (KV quantization,
+eviction and its trigger, bf16, sampling) may not, and `/compare` shows where they part. The
+engine switches are `config.SWITCHES`' own (their choices, minimum, parser, lossy or not); this
+module says which the chat offers. A value that cannot be parsed raises `ValueError` with one line
+that says what would be accepted; the engine checks the combination (`EngineConfig`), so a switch
+that needs another ("eviction needs a budget") fails there, also in one line.
 """
 
 from __future__ import annotations
@@ -108,6 +108,9 @@ ENGINE_SETTINGS = {
     "flash_prefill": "",
     "kv_cache_mb": "device pool MiB",
     "host_cache_mb": "host pool MiB, 0 = none",
+    "admission": "",
+    "eviction_trigger": "",
+    "preemption": "",
 }
 
 

@@ -2,6 +2,7 @@
 
     minillm generate "Why is the sky blue?" --chat --max-tokens 64
     minillm chat --kv-dtype int8
+    minillm chat --admission memory --eviction h2o --kv-budget 256 --eviction-trigger pressure
     minillm serve --prefix-caching --port 8000
     minillm info --json
     minillm bench decode --json
@@ -24,9 +25,12 @@ from pathlib import Path
 
 from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
 from minillm.cli.flags import (
+    add_eviction_args,
     add_kv_quantization_args,
     add_model_args,
     add_sampling_args,
+    add_switch,
+    add_tier_args,
     engine_switches,
     sampling_from,
 )
@@ -66,9 +70,25 @@ def add_chat(subparsers) -> None:
         help="no live memory panel while a reply streams, even in a terminal (plain lines instead)",
     )
     add_sampling_args(chat, max_tokens=256)
-    add_kv_quantization_args(chat)
+    add_chat_engine_args(chat)
     add_model_args(chat, dtype="auto")
     chat.set_defaults(func=cmd_chat)
+
+
+def add_chat_engine_args(chat) -> None:
+    """The engine switches the chat starts with; /set changes them later (its /help lists which)."""
+    engine = chat.add_argument_group("engine switches (/set SWITCH VALUE changes them in the chat)")
+    add_switch(engine, "admission")
+    add_kv_quantization_args(engine)
+    add_eviction_args(engine)
+    add_switch(
+        engine,
+        "eviction_trigger",
+        help="with --eviction: keep every sequence within --kv-budget always, or only after a step "
+        "in which the KV pool ran short (the pressure ladder's last rung, after reclaiming cached "
+        "blocks and preempting) (default: %(default)s)",
+    )
+    add_tier_args(engine)
 
 
 def cmd_chat(args) -> None:

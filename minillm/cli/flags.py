@@ -146,8 +146,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _declared(args) -> list[Switch]:
-    """The switches whose flags the command of `args` declared."""
-    return [switch for switch in SWITCHES.values() if switch.group and hasattr(args, switch.dest)]
+    """The switches whose flags the command of `args` declared (in a group, or one by one with
+    `add_switch`, as chat declares eviction_trigger)."""
+    return [switch for switch in SWITCHES.values() if hasattr(args, switch.dest)]
 
 
 def engine_switches(args) -> dict:

@@ -19,6 +19,7 @@ from minillm.cli.flags import (
     add_tier_args,
     engine_argv,
     engine_switches,
+    positive_float,
     positive_int,
 )
 from minillm.report import show
@@ -85,15 +86,16 @@ def cmd_bench_serve(args) -> None:
 def add_bench_serve_http(benches) -> None:
     http = benches.add_parser(
         "serve-http",
-        help="minillm serve with N streaming clients vs LLM.generate",
+        help="minillm serve with N streaming clients vs LLM.generate, or a trace's goodput",
         description="The HTTP server's cost: N streaming clients (default 32) send bench "
         "serve's seeded trace at once to a `minillm serve` child process; "
         "aggregate output tok/s against LLM.generate on the same prompts in "
         "this process (target >= 80%), p50/p99 time to first token, whether "
         "every client got LLM.generate's text, and the KV blocks still held "
         "once all have finished, and again after half of them hang up "
-        "mid-stream (must be 0). Needs the serve extra: pip install -e "
-        '".[serve]".',
+        "mid-stream (must be 0). With --trace, bench scheduling's seeded traffic instead, each "
+        "request at its arrival time: goodput within a TTFT and a TPOT SLO. Needs the serve "
+        'extra: pip install -e ".[serve]".',
     )
     http.add_argument(
         "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
@@ -118,6 +120,7 @@ def add_bench_serve_http(benches) -> None:
         help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
         "other work (here: the clients) more threads wait for each other (default: 1)",
     )
+    add_trace_args(http)
     http.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(http)
     add_kv_quantization_args(http)
@@ -127,8 +130,60 @@ def add_bench_serve_http(benches) -> None:
     http.set_defaults(func=cmd_bench_serve_http)
 
 
+def add_trace_args(http) -> None:
+    """--trace: bench scheduling's traffic instead of N clients at once, and its SLOs."""
+    from minillm.benchmarks import serve_http_trace as defaults
+
+    trace = http.add_argument_group("--trace (bench scheduling's traffic, sent over HTTP)")
+    trace.add_argument(
+        "--trace",
+        action="store_true",
+        help="instead of the clients above and LLM.generate: replay bench scheduling's seeded trace "
+        "(questions, shared system prompts, multi-turn chats, documents, long answers; Poisson "
+        "arrivals) against the server, each request streamed at its arrival time, a chat turn after "
+        "its previous answer and a think time; prints goodput (requests within both SLOs), TTFT "
+        "and TPOT p50/p99",
+    )
+    trace.add_argument(
+        "--trace-seed", type=int, default=defaults.SEED, help="the trace's seed (default: %(default)s)"
+    )
+    trace.add_argument(
+        "--trace-requests",
+        type=positive_int,
+        default=defaults.REQUESTS,
+        help="requests in the trace, a chat's every turn counted (default: %(default)s)",
+    )
+    trace.add_argument(
+        "--trace-rate",
+        type=positive_float,
+        default=defaults.RATE,
+        help="arrivals per second, Poisson (default: %(default)s)",
+    )
+    trace.add_argument(
+        "--trace-scale",
+        type=positive_float,
+        default=defaults.SCALE,
+        help="multiplies every prompt and output length (default: %(default)s)",
+    )
+    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token")):
+        trace.add_argument(
+            f"--{name}-slo",
+            type=positive_float,
+            default=None,
+            metavar="SECONDS",
+            help=f"a request is good if its {what} is at most this (default: {defaults.SLO_FACTOR} x "
+            + (
+                "the trace's longest prompt's prefill"
+                if name == "ttft"
+                else "the time per token of one request decoding alone"
+            )
+            + ", measured on the idle server before the replay, the smaller of 2 tries)",
+        )
+
+
 def cmd_bench_serve_http(args) -> None:
     from minillm.benchmarks.serve_http import bench_serve_http, print_serve_http_report
+    from minillm.benchmarks.serve_http_trace import print_serve_http_trace_report
     from minillm.config import ConfigError
     from minillm.serve import missing_server_packages
 
@@ -141,6 +196,9 @@ def cmd_bench_serve_http(args) -> None:
 
         torch.set_num_threads(args.threads)
     serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
+    if args.trace:
+        show(bench_trace_from(args, serve_args, switches), print_serve_http_trace_report, args.json)
+        return
     show(
         bench_serve_http(
             args.model,
@@ -152,6 +210,23 @@ def cmd_bench_serve_http(args) -> None:
         ),
         print_serve_http_report,
         args.json,
+    )
+
+
+def bench_trace_from(args, serve_args: list[str], switches: dict) -> dict:
+    from minillm.benchmarks.serve_http_trace import bench_serve_http_trace
+
+    return bench_serve_http_trace(
+        args.model,
+        serve_args,
+        switches,
+        seed=args.trace_seed,
+        num_requests=args.trace_requests,
+        rate=args.trace_rate,
+        scale=args.trace_scale,
+        ttft_slo=args.ttft_slo,
+        tpot_slo=args.tpot_slo,
+        progress=not args.json,
     )
 
 

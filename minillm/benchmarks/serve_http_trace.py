@@ -1,0 +1,265 @@
+"""`minillm bench serve-http --trace`: `bench scheduling`'s traffic, sent to a `minillm serve` over HTTP.
+
+The in-process replay (`benchmarks/scheduling/replay.py`) steps an engine through the trace; this
+sends the same trace to a server as its clients would, so what a scheduling policy buys is seen
+from outside, through HTTP, tokenization of answers and the event loop:
+
+  1. `minillm serve` in a child process with the bench's engine flags (--admission among them);
+  2. on the idle server, the SLOs (unless given): 5 x the time to prefill the trace's longest
+     prompt alone (a request of 1 token), and 5 x the time per output token of one request decoding
+     alone, each the smaller of 2 tries. The probes are those prompts reversed (and rotated), so the
+     prefix cache neither helps a probe nor warms the trace;
+  3. every request sent at its arrival time, a chat turn THINK_S after its conversation's previous
+     answer, as one streaming request to /v1/completions with the prompt as token ids, and
+     `max_tokens=output_len` with `ignore_eos`, so it makes exactly the tokens the trace says. A
+     chat turn's prompt is the conversation so far, the previous answer as the client got it: its
+     text, tokenized again (empty when that turn failed);
+  4. per request, from the stream: TTFT (sent -> first chunk) and TPOT (the rest of the tokens over
+     the time they took); goodput is the share of requests with TTFT <= the TTFT SLO and TPOT <=
+     the TPOT SLO, a failed request counting as a miss.
+
+Unlike the in-process replay, nothing skips the server's idle time: a run lasts at least until the
+last arrival. The server's connection and queue limits are raised to the trace's size, so that
+every request reaches the scheduler (the in-process replay has no such limits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
+from minillm.benchmarks.serve_http import (
+    blocks_held,
+    free_port,
+    get,
+    percentile,
+    start_server,
+    stream_completion,
+    wait_idle,
+)
+from minillm.config import ConfigError
+from minillm.progress import progress_bar
+from minillm.report import print_table
+from minillm.tokenizer import Tokenizer
+
+SEED, REQUESTS, RATE, SCALE = 1, 150, 1.0, 0.5  # the trace's defaults (flags of the command)
+SLO_FACTOR = 5  # an SLO is this many times what a request takes on the idle server
+PROBE_TRIES = 2  # each idle measurement is the smallest of this many
+DECODE_PROBE_TOKENS = 32  # output tokens of the batch-1 decode probe
+# the engine switches the report names (all of them are in its serve_args)
+SHOWN_SWITCHES = ("admission", "preemption", "prefix_caching", "max_num_seqs")
+
+
+@dataclass
+class Answered:
+    """What one request got over HTTP."""
+
+    kind: str
+    prompt_len: int
+    text: str
+    tokens: int
+    ttft_s: float | None  # request sent -> first chunk
+    tpot_s: float | None  # (last chunk - first chunk) / (tokens - 1)
+    error: str | None
+
+
+async def send(port: int, model: str, prompt_ids: list[int], max_tokens: int, kind: str = "") -> Answered:
+    """One streaming completion of exactly `max_tokens` tokens; whatever goes wrong is its error."""
+    body = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        result = await stream_completion(port, body)
+    except (OSError, EOFError, RuntimeError, ValueError, IndexError) as err:  # refused, cut, an error event
+        return Answered(kind, len(prompt_ids), "", 0, None, None, f"{type(err).__name__}: {err}"[:200])
+    error = None
+    if result["status"] != 200:
+        error = f"HTTP {result['status']}"
+    elif not result["done"] or result["tokens"] != max_tokens:
+        error = f"the stream ended after {result['tokens']} of {max_tokens} tokens"
+    ttft, tokens = result["ttft_s"], result["tokens"]
+    tpot = (result["end"] - result["sent"] - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    return Answered(kind, len(prompt_ids), result["text"], tokens, ttft, tpot, error)
+
+
+# ----------------------------------------------------------------------------- the SLOs, on the idle server
+
+
+def probe_prompt(prompt_ids: list[int], turn: int) -> list[int]:
+    """`prompt_ids` reversed and rotated by `turn`: as long, and sharing no KV block with it or with
+    another turn's probe (their first tokens differ, and a block's key chains every token before it)."""
+    backwards = prompt_ids[::-1]
+    return backwards[turn:] + backwards[:turn]
+
+
+async def idle_timings(port: int, model: str, trace: list[TraceRequest]) -> dict:
+    """The prefill of the longest prompt the trace knows before it runs (a later chat turn may be
+    longer), and a batch-1 decode step, each the smallest of PROBE_TRIES tries."""
+    known = [r.prompt_ids for r in trace if r.follows is None]
+    longest, shortest = max(known, key=len), min(known, key=len)
+    await send(port, model, probe_prompt(shortest, len(shortest) // 2), 2)  # warm-up: first calls are slow
+    prefills, decodes = [], []
+    for turn in range(PROBE_TRIES):
+        prefills.append(await send(port, model, probe_prompt(longest, turn), 1))
+        decodes.append(await send(port, model, probe_prompt(shortest, turn), DECODE_PROBE_TOKENS))
+    failed = [a.error for a in prefills + decodes if a.error]
+    if failed:
+        raise ConfigError(f"The idle server failed a probe request: {failed[0]}")
+    return {
+        "longest_prompt_tokens": len(longest),
+        "prefill_s": min(a.ttft_s for a in prefills),
+        "decode_prompt_tokens": len(shortest),
+        "decode_tpot_s": min(a.tpot_s for a in decodes),
+    }
+
+
+def slos(idle: dict, ttft_slo: float | None, tpot_slo: float | None) -> dict:
+    """The SLOs given, else SLO_FACTOR x the idle server's timings."""
+    return {
+        "ttft_s": ttft_slo if ttft_slo is not None else SLO_FACTOR * idle["prefill_s"],
+        "tpot_s": tpot_slo if tpot_slo is not None else SLO_FACTOR * idle["decode_tpot_s"],
+        "ttft_from": "--ttft-slo" if ttft_slo is not None else f"{SLO_FACTOR} x the longest prompt's prefill",
+        "tpot_from": "--tpot-slo" if tpot_slo is not None else f"{SLO_FACTOR} x a batch-1 decode step",
+    }
+
+
+# ----------------------------------------------------------------------------- the replay
+
+
+async def replay_http(port: int, model: str, tokenizer: Tokenizer, trace: list[TraceRequest], progress: bool):
+    """Each arrival at its time, each chat turn THINK_S (its `arrival_s`) after its previous turn's
+    answer. Returns what each request got, in trace order, and the wall seconds."""
+    followers = {r.follows: index for index, r in enumerate(trace) if r.follows is not None}
+    answered: list[Answered | None] = [None] * len(trace)
+    start = time.perf_counter()
+
+    async def conversation(index: int, advance) -> None:
+        """One arrival, and the chat turns that follow it (a closed loop: each waits for the last)."""
+        prompt, send_at = trace[index].prompt_ids, trace[index].arrival_s
+        while True:
+            await asyncio.sleep(max(0.0, send_at - (time.perf_counter() - start)))
+            request = trace[index]
+            answered[index] = await send(port, model, prompt, request.output_len, request.kind)
+            advance()
+            if index not in followers:
+                return
+            answer = tokenizer.encode(answered[index].text) if answered[index].error is None else []
+            index = followers[index]
+            prompt = next_turn_prompt(tokenizer, prompt, answer, trace[index].prompt_ids)
+            send_at = time.perf_counter() - start + trace[index].arrival_s
+
+    with progress_bar("trace over HTTP: requests", len(trace), enabled=progress) as advance:
+        await asyncio.gather(
+            *(conversation(index, advance) for index, r in enumerate(trace) if r.follows is None)
+        )
+    return answered, time.perf_counter() - start
+
+
+def served_summary(answered: list[Answered], slo: dict, wall_s: float) -> dict:
+    """The table's numbers: requests, errors, goodput, TTFT and TPOT p50/p99 (of the requests
+    answered), wall time."""
+    ok = [a for a in answered if a.error is None]
+    good = [a for a in ok if a.ttft_s <= slo["ttft_s"] and (a.tpot_s is None or a.tpot_s <= slo["tpot_s"])]
+    ttfts, tpots = [a.ttft_s for a in ok], [a.tpot_s for a in ok if a.tpot_s is not None]
+    return {
+        "requests": len(answered),
+        "errors": len(answered) - len(ok),
+        "output_tokens": sum(a.tokens for a in answered),
+        "goodput": len(good) / len(answered),
+        "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
+        "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
+        "tpot_p50_s": percentile(tpots, 50) if tpots else None,
+        "tpot_p99_s": percentile(tpots, 99) if tpots else None,
+        "wall_s": wall_s,
+        "first_errors": sorted({a.error for a in answered if a.error})[:3],
+    }
+
+
+def limits_for(trace: list[TraceRequest]) -> list[str]:
+    """Server flags that let every request of the trace in at once (the in-process replay has no
+    connection or queue limit)."""
+    room = str(len(trace) + 8)  # + the probes, and a margin
+    return ["--max-connections", room, "--max-waiting-requests", room]
+
+
+def bench_serve_http_trace(
+    model_dir: Path,
+    serve_args: list[str],
+    switches: dict,
+    seed: int = SEED,
+    num_requests: int = REQUESTS,
+    rate: float = RATE,
+    scale: float = SCALE,
+    ttft_slo: float | None = None,
+    tpot_slo: float | None = None,
+    progress: bool = False,
+) -> dict:
+    tokenizer = Tokenizer(model_dir)
+    trace = make_trace(tokenizer, seed, num_requests, rate, scale)
+    port = free_port()
+    server = start_server([*serve_args, *limits_for(trace)], port)
+    try:
+        model = json.loads(get(port, "/v1/models"))["data"][0]["id"]
+        idle = asyncio.run(idle_timings(port, model, trace))
+        slo = slos(idle, ttft_slo, tpot_slo)
+        answered, wall_s = asyncio.run(replay_http(port, model, tokenizer, trace, progress))
+        after = wait_idle(port)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    return {
+        "mode": "trace",
+        "model": model,
+        "serve_args": serve_args,
+        "engine": {name: switches[name] for name in SHOWN_SWITCHES if name in switches},
+        "trace": describe_trace(trace, seed, rate, scale),
+        "idle": idle,
+        "slo": slo,
+        "served": served_summary(answered, slo, wall_s),
+        "blocks_held_after": blocks_held(after),
+    }
+
+
+def _time(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def print_serve_http_trace_report(report: dict, console) -> None:
+    trace, slo, idle, served = report["trace"], report["slo"], report["idle"], report["served"]
+    console.print(
+        f"idle server: the longest prompt ({idle['longest_prompt_tokens']} tokens) prefills in "
+        f"{_time(idle['prefill_s'])}, a batch-1 decode step takes {_time(idle['decode_tpot_s'])}; SLOs: "
+        f"TTFT <= {_time(slo['ttft_s'])} ({slo['ttft_from']}), TPOT <= {_time(slo['tpot_s'])} "
+        f"({slo['tpot_from']})"
+    )
+    print_table(
+        console,
+        f"bench scheduling's trace over HTTP: seed {trace['seed']}, {trace['rate_per_s']:g} arrivals/s, "
+        f"scale {trace['scale']:g}",
+        ["requests", "errors", "goodput", "TTFT p50", "p99", "TPOT p50", "p99", "wall"],
+        [
+            [
+                served["requests"],
+                served["errors"],
+                f"{served['goodput']:.0%}",
+                *(_time(served[f"{name}_s"]) for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
+                f"{served['wall_s']:.1f} s",
+            ]
+        ],
+    )
+    engine = ", ".join(f"{name} {value}" for name, value in report["engine"].items())
+    console.print(f"minillm serve with {engine}; KV blocks held once idle: {report['blocks_held_after']}")
+    for error in served["first_errors"]:
+        console.print(f"error: {error}")
