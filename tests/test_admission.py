@@ -10,10 +10,10 @@ import pytest
 from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
-from minillm.engine.admission import MAX_WAIT_STEPS
+from minillm.engine.admission import MAX_WAIT_STEPS, WINDOW
 from minillm.engine.beam import reference_beam_search
 from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import Sequence
+from minillm.engine.sequence import Sequence, Status
 from minillm.memory import RUNGS, BlockManager, KVCacheManager
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
@@ -110,14 +110,72 @@ def test_lower_priority_values_are_admitted_first():
     assert step(sched) == [urgent]
 
 
-def test_a_large_request_is_admitted_within_the_stated_bound_under_a_stream_of_small_ones(monkeypatch):
+def cached_scheduler(admission, num_blocks=32):
+    return Scheduler(
+        KVCacheManager(BlockManager(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=True)),
+        "continuous",
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        context_len=128,
+        vocab_size=97,
+        admission=admission,
+    )
+
+
+def run_alone(sched, seq):
+    sched.add(seq)
+    while seq.status is not Status.FINISHED:
+        step(sched)
+
+
+@pytest.mark.parametrize("admission, first", [("fcfs", "cold"), ("lpm", "warm"), ("memory+lpm", "warm")])
+def test_lpm_admits_the_request_whose_prefix_is_cached_first(admission, first):
+    """One seat; a request whose prompt is cached (its first 3 blocks) waits behind an older one
+    with nothing cached. Longest prefix first takes the warm one first; fcfs keeps arrival order."""
+    sched = cached_scheduler(admission)
+    shared = [7] * (3 * BLOCK)
+    run_alone(sched, request_with(0, shared + [1], 2))  # leaves its 3 full prompt blocks cached
+    cold, warm = request_with(1, [9] * (3 * BLOCK + 1), 2), request_with(2, shared + [2], 2)
+    sched.add(cold)
+    sched.add(warm)
+    assert step(sched) == [{"cold": cold, "warm": warm}[first]]
+
+
+def request_with(seq_id, prompt, max_tokens):
+    seq = Sequence(
+        seq_id,
+        str(seq_id),
+        prompt,
+        SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        max_len=len(prompt) + max_tokens,
+    )
+    return seq
+
+
+@pytest.mark.parametrize("admission", ["lpm", "memory", "memory+lpm"])
+def test_only_the_oldest_window_of_the_queue_is_ranked(admission):
+    """However long the queue, a policy ranks and tries the WINDOW oldest requests only: the
+    cheapest request, queued beyond them, is not among them."""
+    sched = scheduler(admission, num_blocks=64)
+    for seq_id in range(WINDOW):
+        sched.add(request(seq_id, 20, 8))
+    cheapest = request(WINDOW, 2, 1)
+    sched.add(cheapest)
+    order = sched.admission.order(sched.waiting, sched.steps)
+    assert len(order) == WINDOW and cheapest not in order
+
+
+@pytest.mark.parametrize("admission", ["memory", "memory+lpm"])
+def test_a_large_request_is_admitted_within_the_stated_bound_under_a_stream_of_small_ones(
+    monkeypatch, admission
+):
     """Two small requests arrive every step, each cheaper than the large one: by benefit / cost
     alone the large one would wait forever. Once it has waited MAX_WAIT_STEPS it is due, nobody
     overtakes it, and it starts as soon as the small ones running then have finished."""
 
     def first_step_of_the_large_one(max_wait):
         monkeypatch.setattr("minillm.engine.admission.MAX_WAIT_STEPS", max_wait)
-        sched = scheduler("memory", num_blocks=16)
+        sched = scheduler(admission, num_blocks=16)
         large = request(0, 44, 4)  # 12 of the 16 blocks
         sched.add(large)
         ids = iter(range(1, 10_000))
@@ -157,12 +215,13 @@ def test_the_expected_output_is_learned_from_finished_requests():
         {"host_cache_bytes": 400 * BLOCK * KV_BYTES_PER_TOKEN, "preemption": "swap"},
     ],
 )
-def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, switches):
+@pytest.mark.parametrize("admission", ["memory", "lpm", "memory+lpm"])
+def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, switches, admission):
     rng = random.Random(5)
     system = [rng.randrange(97) for _ in range(2 * BLOCK + 1)]
     prompts = [system + p if i % 2 else p for i, p in enumerate(mixed_prompts(16, seed=4))]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    llm = tight(tiny_dir, tiny_model, **switches)
+    llm = tight(tiny_dir, tiny_model, admission=admission, **switches)
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
     assert llm.engine.num_preemptions > 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from minillm.cli.flags import add_model_args, add_switch, positive_int
 from minillm.cli.measure_memory import add_bench_memory, add_bench_tiers
+from minillm.cli.measure_scheduling import add_bench_scheduling
 from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
 from minillm.cli.measure_staircase import add_bench_staircase
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES
@@ -33,6 +34,7 @@ def add_bench(subparsers) -> None:
         add_bench_prefix,
         add_bench_tiers,
         add_bench_memory,
+        add_bench_scheduling,
         add_bench_staircase,
         add_bench_attention,
         add_bench_chat_view,

@@ -38,11 +38,11 @@ def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progre
     heapq.heapify(due)
     prompts: dict[int, list[int]] = {}
     served: dict[int, Served] = {}
-    skipped = 0.0  # idle seconds the clock has jumped over
+    skipped = 0.0  # idle seconds the trace's clock has jumped over: it runs this far ahead of the wall's
     start = time.perf_counter()
 
     def now() -> float:  # trace time
-        return time.perf_counter() - start - skipped
+        return time.perf_counter() - start + skipped
 
     with progress_bar(f"{label}: requests", len(trace), enabled=progress) as advance:
         while due or engine.has_unfinished_requests():
@@ -51,7 +51,7 @@ def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progre
                 skipped, clock = skipped + due[0][0] - clock, due[0][0]  # idle: jump to the next arrival
             while due and due[0][0] <= clock:
                 arrival, index = heapq.heappop(due)
-                _submit(engine, trace, index, prompts, arrival + start + skipped)
+                _submit(engine, trace, index, prompts, arrival + start - skipped)  # as a perf_counter() value
             for out in engine.step():
                 if not out.finished:
                     continue
@@ -66,7 +66,7 @@ def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progre
                         tokenizer, prompts[index], out.token_ids, trace[follower].prompt_ids
                     )
                     heapq.heappush(due, (now() + trace[follower].arrival_s, follower))
-    busy = time.perf_counter() - start - skipped
+    busy = time.perf_counter() - start  # the wall's time: the idle time was jumped over, never waited
     return [served[index] for index in range(len(trace))], busy, engine.stats.steps
 
 

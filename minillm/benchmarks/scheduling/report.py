@@ -35,9 +35,12 @@ def print_setting(report: dict, console) -> None:
         f"SLOs: TTFT <= {slo['ttft_s']:.2f} s, TPOT <= {slo['tpot_s'] * 1e3:.0f} ms ({slo['how']}); "
         "goodput = the share of requests meeting both"
     )
-    grid = ", ".join(f"{rate:.2f}/s {good:.0%}" for rate, good in loads["grid"])
     rates = ", ".join(f"{load} at {rate:.2f} arrivals/s" for load, rate in loads["rates"].items())
-    console.print(f"loads (fcfs on the tuning seed: {grid}): {rates}")
+    if loads["grid"]:
+        grid = ", ".join(f"{rate:.2f}/s {good:.0%}" for rate, good in loads["grid"])
+        console.print(f"loads, where fcfs reached these goodputs on the tuning seed ({grid}): {rates}")
+    else:
+        console.print(f"loads, as given: {rates}")
 
 
 def print_seeds(report: dict, load: str, console) -> None:
@@ -53,7 +56,7 @@ def print_seeds(report: dict, load: str, console) -> None:
     ]
     print_table(
         console,
-        f"goodput per held-out seed, at the load where fcfs reached {load} on the tuning seed",
+        f"load {load}: goodput per held-out seed",
         ["policy", *(f"seed {seed}" for seed in seeds), "mean"],
         rows,
     )

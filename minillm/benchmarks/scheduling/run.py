@@ -31,7 +31,7 @@ COST_WAITING = (100, 10_000)  # queue lengths the scheduler's own cost is measur
 
 SIZES = {
     "full": {"requests": 150, "scale": 0.35, "kv_tokens": 640, "seeds": (1, 2, 3, 4, 5)},
-    "quick": {"requests": 96, "scale": 0.25, "kv_tokens": 256, "seeds": (1, 2)},
+    "quick": {"requests": 96, "scale": 0.25, "kv_tokens": 320, "seeds": (1, 2)},
 }
 
 
@@ -92,6 +92,16 @@ def calibrate(model, tokenizer, trace, common: dict) -> dict:
         "how": f"TTFT <= {TTFT_TIMES} x the longest prompt ({len(longest)} tokens) prefilled alone, "
         f"TPOT <= {TPOT_TIMES} x a batch-1 decode step",
     }
+
+
+def check_pool(trace, kv_tokens: int) -> None:
+    """The pool must hold the longest prompt with its max_tokens (a chat's later turns may still
+    outgrow it: they fail alone, and count as misses)."""
+    longest = max(len(r.prompt_ids) + r.max_tokens for r in trace)
+    if longest > kv_tokens:
+        raise ConfigError(
+            f"--kv-tokens {kv_tokens} cannot hold the trace's longest request ({longest} tokens); raise it."
+        )
 
 
 def rate_for(points: list[tuple[float, float]], goodput: float) -> float | None:
@@ -234,6 +244,7 @@ def bench_scheduling(
     num_requests: int | None = None,
     kv_tokens: int | None = None,
     seeds: tuple[int, ...] | None = None,
+    rates: tuple[float, ...] | None = None,
     threads: int = 1,
     dtype: str = "auto",
     device: str = "cpu",
@@ -251,8 +262,13 @@ def bench_scheduling(
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         common = {"dtype": dtype, "device": device}
         tuning = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1.0, sizes["scale"])
+        check_pool(tuning, sizes["kv_tokens"])
         slo = calibrate(model, tokenizer, tuning, common)
-        found = find_loads(model, tokenizer, sizes, slo, common, progress)
+        found = (
+            {"capacity_req_s": None, "grid": [], "rates": {f"{rate:g}/s": rate for rate in rates}}
+            if rates
+            else find_loads(model, tokenizer, sizes, slo, common, progress)
+        )
         measured = held_out(model, tokenizer, sizes, found["rates"], slo, common, progress)
         cost = scheduler_cost(model, tokenizer, common)
     finally:

@@ -36,7 +36,7 @@ from minillm.tokenizer import Tokenizer
 
 SYSTEM_PROMPTS, SYSTEM_TOKENS = 4, 256
 THINK_S = 1.0  # a user's mean pause between an answer and the next message of a conversation
-MAX_TOKENS = 512  # what every request declares
+MAX_TOKENS = 256  # what every request declares (a long answer may be cut by it)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,124 @@
+"""`minillm bench scheduling`: the trace is seeded and what its docstring says (shares, Poisson
+arrivals, conversations that resend themselves), the loads are interpolated as stated, and a run
+on a tiny model keeps its promises whatever the timings (greedy tokens equal across policies,
+every request served, goodput a share)."""
+
+import math
+import statistics
+
+import pytest
+from conftest import tiny_with_real_tokenizer
+from test_benchmarks import run_json
+
+from minillm.benchmarks.scheduling.run import POLICIES, rate_for
+from minillm.benchmarks.scheduling.trace import (
+    KINDS,
+    arrivals_for,
+    kind_counts,
+    make_trace,
+    next_turn_prompt,
+)
+from minillm.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer(real_dir):
+    return Tokenizer(real_dir)
+
+
+@pytest.fixture(scope="module")
+def vocab_dir(real_dir, tmp_path_factory):
+    """The tiny random Llama with the real tokenizer, its context long enough for a chat's turns."""
+    return tiny_with_real_tokenizer(
+        tmp_path_factory.mktemp("tiny-sched"), real_dir, max_position_embeddings=2048
+    )
+
+
+def test_the_same_seed_gives_the_same_trace_and_the_rate_only_stretches_it(tokenizer):
+    slow, fast = (make_trace(tokenizer, 3, 60, rate, 0.25) for rate in (1.0, 4.0))
+    assert [r.prompt_ids for r in slow] == [r.prompt_ids for r in make_trace(tokenizer, 3, 60, 1.0, 0.25)]
+    assert [(r.kind, r.prompt_ids, r.output_len, r.follows) for r in slow] == [
+        (r.kind, r.prompt_ids, r.output_len, r.follows) for r in fast
+    ]
+    for a, b in zip(slow, fast):
+        if a.follows is None:
+            assert a.arrival_s == pytest.approx(4 * b.arrival_s)  # exponential gaps at a quarter of the rate
+        else:
+            assert a.arrival_s == b.arrival_s  # a think time: not stretched
+    other = make_trace(tokenizer, 4, 60, 1.0, 0.25)
+    assert [r.prompt_ids for r in other] != [r.prompt_ids for r in slow]
+
+
+def test_kinds_come_in_their_shares_and_conversations_follow_their_turns(tokenizer):
+    trace = make_trace(tokenizer, 1, 150, 2.0, 0.5)
+    arrivals = [r for r in trace if r.follows is None]
+    assert len(arrivals) == arrivals_for(150) and abs(len(trace) - 150) <= 10
+    assert [sum(r.kind == kind.name for r in arrivals) for kind in KINDS] == kind_counts(len(arrivals))
+    followers = [index for index, r in enumerate(trace) if r.follows is not None]
+    assert followers and all(trace[trace[i].follows].kind == "chat" == trace[i].kind for i in followers)
+    assert all(trace[i].follows < i for i in followers)
+    assert len({trace[i].follows for i in followers}) == len(followers)  # a chain, one turn after another
+    times = [r.arrival_s for r in arrivals]
+    assert times == sorted(times)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert statistics.mean(gaps) == pytest.approx(0.5, rel=0.35)  # rate 2/s, ~100 gaps
+    outputs = [r.output_len for r in trace]
+    assert max(outputs) > 4 * statistics.median(outputs)  # heavy-tailed: a few long answers
+    assert all(2 <= r.output_len <= r.max_tokens for r in trace)
+
+
+def test_a_turn_resends_the_conversation_so_far(tokenizer):
+    end = tokenizer.special_tokens["<|im_end|>"]
+    previous, answer, message = [1, 2, 3], [4, 5, end], [6, 7]
+    prompt = next_turn_prompt(tokenizer, previous, answer, message)
+    assert prompt[:6] == previous + answer and prompt[-2:] == message
+    unfinished = next_turn_prompt(tokenizer, previous, [4, 5], message)  # cut by max_tokens: closed here
+    assert unfinished == prompt
+
+
+def test_the_rate_at_a_goodput_is_interpolated_in_log_rate():
+    grid = [(1.0, 1.0), (2.0, 0.9), (4.0, 0.5)]
+    assert rate_for(grid, 0.9) == pytest.approx(2.0)
+    assert rate_for(grid, 0.7) == pytest.approx(math.exp(math.log(2) + 0.5 * math.log(2)))
+    assert rate_for(grid, 0.4) is None and rate_for(grid[:1], 0.9) is None
+
+
+def test_bench_scheduling_json_keeps_its_promises(capsys, vocab_dir):
+    report = run_json(
+        capsys,
+        "bench",
+        "scheduling",
+        "--json",
+        "--quick",
+        "--requests",
+        16,
+        "--seeds",
+        "1,2",
+        "--rates",
+        "2,8",
+        "--model",
+        vocab_dir,
+    )
+    assert report["sizes"]["seeds"] == [1, 2] and report["sizes"]["tuning_seed"] == 0
+    assert list(report["loads"]["rates"].values()) == [2, 8]
+    assert report["outputs_differing_from_fcfs"] == {policy: 0 for policy in POLICIES}
+    for load, by_policy in report["runs"].items():
+        assert list(by_policy) == list(POLICIES)
+        for policy, runs in by_policy.items():
+            assert [run["seed"] for run in runs] == [1, 2]
+            for run in runs:
+                assert run["errors"] == 0 and 0 <= run["goodput"] <= 1
+                assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
+            mean = report["summary"][load][policy]["goodput_mean"]
+            assert mean == pytest.approx(statistics.mean(run["goodput"] for run in runs))
+    cost = report["scheduler_cost_ms"]
+    assert set(cost) == set(POLICIES) and all(
+        ms > 0 for by_waiting in cost.values() for ms in by_waiting.values()
+    )
+
+
+def test_the_tuning_seed_is_refused_as_a_held_out_one(capsys, vocab_dir):
+    from minillm.cli import main
+
+    assert main(["bench", "scheduling", "--seeds", "0,1", "--model", str(vocab_dir)]) != 0
+    assert "tuning seed" in capsys.readouterr().err
