@@ -13,6 +13,7 @@ from test_benchmarks import run_json
 from minillm.benchmarks.scheduling.run import POLICIES, rate_for
 from minillm.benchmarks.scheduling.trace import (
     KINDS,
+    QUESTIONS_ONLY,
     arrivals_for,
     kind_counts,
     make_trace,
@@ -96,6 +97,8 @@ def test_bench_scheduling_json_keeps_its_promises(capsys, vocab_dir):
         "1,2",
         "--rates",
         "2,8",
+        "--dtype",
+        "float32",
         "--model",
         vocab_dir,
     )
@@ -122,3 +125,9 @@ def test_the_tuning_seed_is_refused_as_a_held_out_one(capsys, vocab_dir):
 
     assert main(["bench", "scheduling", "--seeds", "0,1", "--model", str(vocab_dir)]) != 0
     assert "tuning seed" in capsys.readouterr().err
+
+
+def test_a_mix_of_questions_only_has_nothing_to_share(tokenizer):
+    trace = make_trace(tokenizer, 1, 40, 2.0, 0.25, mix=QUESTIONS_ONLY)
+    assert len(trace) == 40 and {r.kind for r in trace} == {"question"}
+    assert all(r.follows is None for r in trace)

@@ -1,4 +1,5 @@
-"""Which waiting request joins the batch next (by arrival, memory cost or reservation), and which never can.
+"""Which waiting request joins the batch next (by arrival, cached prefix, memory cost or reservation),
+and which never can.
 
 Max-length reservation (`admission="reserve"`) is the baseline before paging (Orca, FasterTransformer):
 a request is admitted only when its whole possible length, prompt plus max_tokens, is free for
@@ -37,20 +38,20 @@ builds can decode without a preemption storm.
 
 No starvation (every policy but fcfs and reserve, which never overtake): a request that has waited
 MAX_WAIT_STEPS engine steps, or was preempted, is *due*. Due requests go first, oldest first. With
-memory-aware admission they need no headroom, only their blocks. One that cannot
-start yet has the blocks it needs kept for it: a request behind it is admitted only into blocks
-beyond those (backfilling, as batch schedulers do), so it cannot be overtaken into starving, and
-the queue behind it does not stall either. Every request therefore starts within MAX_WAIT_STEPS
-steps of its arrival plus the steps the sequences running then take to give back its blocks (each
-is bounded by its max_tokens) — the bound `test_admission.py` checks on an adversarial stream of
-small requests.
+lpm a due request that cannot start holds the queue, as fcfs's head does. With memory-aware
+admission it needs no headroom, only its blocks, and has them kept for it: a request behind it is
+admitted only into blocks beyond those (backfilling, as batch schedulers do), so it cannot be
+overtaken into starving, and the queue behind it does not stall either. Every request therefore
+starts within MAX_WAIT_STEPS steps of its arrival plus the steps the sequences running then take
+to give back its blocks (each is bounded by its max_tokens) — the bound `test_admission.py` checks
+on an adversarial stream of small requests. (An earlier version also aged the benefit linearly,
+x (1 + steps waited / MAX_WAIT_STEPS); being due already bounds the wait, so one way to age is kept.)
 
 The policy's own cost stays flat however long the queue: only the first WINDOW waiting requests
 (the oldest, so every due one) are ranked and tried in a step; the rest wait behind them, in
-arrival order, for a place in the window. When
-more than WINDOW requests wait the engine is far behind, and ranking the tail would cost every
-step more than it could win (SGLang drops its cache-aware order for arrival order past 128
-waiting requests, for the same reason).
+arrival order, for a place in the window. When more than WINDOW requests wait the engine is far
+behind, and ranking the tail would cost every step more than it could win (SGLang drops its
+cache-aware order for arrival order past 128 waiting requests, for the same reason).
 """
 
 from __future__ import annotations

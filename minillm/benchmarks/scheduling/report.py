@@ -14,6 +14,7 @@ def print_scheduling_report(report: dict, console) -> None:
     for load in report["summary"]:
         print_seeds(report, load, console)
         print_means(report, load, console)
+        print_kinds(report, load, console)
     print_sustained(report, console)
     print_cost(report, console)
     console.print(what_it_means(report))
@@ -92,6 +93,19 @@ def print_means(report: dict, load: str, console) -> None:
     )
 
 
+def print_kinds(report: dict, load: str, console) -> None:
+    """Which traffic each policy pays for: goodput by request kind, mean over the seeds."""
+    summary = report["summary"][load]
+    kinds = list(summary["fcfs"]["goodput_by_kind_mean"])
+    rows = [
+        [policy, *(f"{summary[policy]['goodput_by_kind_mean'][kind]:.0%}" for kind in kinds)]
+        for policy in summary
+    ]
+    print_table(
+        console, f"load {load}: goodput by kind of request, mean over the seeds", ["policy", *kinds], rows
+    )
+
+
 def print_sustained(report: dict, console) -> None:
     rates = report["sustained_rate"]
     cells = ", ".join(f"{policy} {_rate(rate)}" for policy, rate in rates.items())
@@ -138,10 +152,22 @@ def what_it_means(report: dict) -> str:
             f"x{TARGET_GOODPUT} with p99 TTFT no worse: {'met' if met else 'missed'}), p99 TTFT "
             f"{s['ttft_p99_mean_s']:.2f} against {fcfs['ttft_p99_mean_s']:.2f} s."
         )
-    differing = {p: n for p, n in report["outputs_differing_from_fcfs"].items() if n}
-    said.append(
-        "Greedy outputs: every policy gave fcfs's tokens for every request."
-        if not differing
-        else f"Greedy outputs DIFFER from fcfs's: {differing} (a bug: admission must change order only)."
-    )
+    said.append(greedy_said(report))
     return "\n".join(said)
+
+
+def greedy_said(report: dict) -> str:
+    """Admission changes the order of work, never the tokens: exactly so in float32. In bf16 a
+    token's logits depend on the batch it was computed in (the matmuls round differently), so a
+    near tie can flip when the policy batches it with others."""
+    differing = {p: n for p, n in report["outputs_differing_from_fcfs"].items() if n}
+    if not differing:
+        return "Greedy outputs: every policy gave fcfs's tokens for every request."
+    if report["dtype"] != "float32":
+        return (
+            f"Greedy outputs differ from fcfs's for {differing} requests: in {report['dtype']} a token's "
+            "logits depend on the batch it ran in, so near ties flip; --dtype float32 checks exactness."
+        )
+    return (
+        f"Greedy outputs DIFFER from fcfs's in float32: {differing} (a bug: admission may change order only)."
+    )

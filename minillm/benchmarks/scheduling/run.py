@@ -13,7 +13,7 @@ import torch
 
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.scheduling.replay import replay
-from minillm.benchmarks.scheduling.trace import describe_trace, make_trace
+from minillm.benchmarks.scheduling.trace import KINDS, describe_trace, make_trace
 from minillm.benchmarks.tiers import percentile
 from minillm.config import DTYPES, ConfigError, resolve_dtype
 from minillm.engine import LLM, SamplingParams
@@ -52,12 +52,16 @@ def serve_trace(model, tokenizer, trace, policy: str, sizes: dict, slo: dict, co
     served, busy, steps = replay(engine, tokenizer, trace)
     ttft = [s.ttft for s in served if s.ttft is not None]
     tpot = [s.tpot for s in served if s.tpot is not None]
-    good = sum(
+    good = [
         s.error is None and s.ttft <= slo["ttft_s"] and (s.tpot is None or s.tpot <= slo["tpot_s"])
         for s in served
-    )
+    ]
+    kinds = sorted({s.kind for s in served})
     return {
-        "goodput": good / len(served),
+        "goodput": sum(good) / len(served),
+        "goodput_by_kind": {
+            kind: statistics.mean(g for g, s in zip(good, served) if s.kind == kind) for kind in kinds
+        },
         "errors": sum(s.error is not None for s in served),
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
@@ -116,12 +120,10 @@ def rate_for(points: list[tuple[float, float]], goodput: float) -> float | None:
 
 
 def find_loads(model, tokenizer, sizes: dict, slo: dict, common: dict, progress: bool) -> dict:
-    """On the tuning seed only: fcfs at rates growing by RATE_STEP from half the capacity (requests
-    per busy second when they all arrive at once) until its goodput falls below the lower load's,
-    and the rates where it crosses each load's goodput."""
-    burst = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1e6, sizes["scale"])
-    capacity = len(burst) / serve_trace(model, tokenizer, burst, "fcfs", sizes, slo, common)["busy_s"]
-    rate, grid = 0.5 * capacity * _arrivals_share(burst), []
+    """On the tuning seed only: fcfs at rates growing by RATE_STEP from half its capacity until its
+    goodput falls below the lower load's, and the rates where it crosses each load's goodput."""
+    capacity = capacity_rate(model, tokenizer, sizes, slo, common)
+    rate, grid = 0.5 * capacity, []
     with progress_bar("loads: fcfs on the tuning seed", MAX_PROBES, enabled=progress) as advance:
         while len(grid) < MAX_PROBES and (not grid or grid[-1][1] >= min(LOAD_GOODPUTS)):
             trace = make_trace(tokenizer, TUNING_SEED, sizes["requests"], rate, sizes["scale"])
@@ -135,12 +137,16 @@ def find_loads(model, tokenizer, sizes: dict, slo: dict, common: dict, progress:
             f"fcfs's goodput on the tuning seed did not cross {', '.join(missing)} on the rates tried "
             f"({', '.join(f'{r:.2f}/s: {g:.0%}' for r, g in grid)}); raise --requests or lower --kv-tokens."
         )
-    return {"capacity_req_s": capacity, "grid": grid, "rates": loads}
+    return {"capacity_arrivals_s": capacity, "grid": grid, "rates": loads}
 
 
-def _arrivals_share(trace) -> float:
-    """Arrivals per request (a chat's later turns are not arrivals): rates count arrivals."""
-    return sum(r.follows is None for r in trace) / len(trace)
+def capacity_rate(model, tokenizer, sizes: dict, slo: dict, common: dict, mix: tuple = KINDS) -> float:
+    """Arrivals per second fcfs gets through on the tuning seed: its requests per busy second
+    when they all arrive at once, times the arrivals per request (a chat's later turns are not
+    arrivals; rates count arrivals)."""
+    burst = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1e6, sizes["scale"], mix)
+    busy = serve_trace(model, tokenizer, burst, "fcfs", sizes, slo, common)["busy_s"]
+    return sum(r.follows is None for r in burst) / busy
 
 
 # ----------------------------------------------------------------------------- held-out seeds
@@ -183,8 +189,15 @@ def summarize(runs: dict) -> dict:
                 "ttft_p99_mean_s": statistics.mean(run["ttft_p99_s"] for run in seeds),
                 "tpot_p50_mean_s": statistics.mean(run["tpot_p50_s"] for run in seeds),
                 "preemptions_mean": statistics.mean(run["preemptions"] for run in seeds),
+                "goodput_by_kind_mean": _by_kind_means([run["goodput_by_kind"] for run in seeds]),
             }
     return summary
+
+
+def _by_kind_means(by_kind: list[dict]) -> dict:
+    """Each kind's mean over the seeds whose trace has it (a small trace may lack one)."""
+    kinds = sorted({kind for goodputs in by_kind for kind in goodputs})
+    return {kind: statistics.mean(g[kind] for g in by_kind if kind in g) for kind in kinds}
 
 
 def sustained_rates(runs: dict, loads: dict) -> dict:
@@ -265,7 +278,7 @@ def bench_scheduling(
         check_pool(tuning, sizes["kv_tokens"])
         slo = calibrate(model, tokenizer, tuning, common)
         found = (
-            {"capacity_req_s": None, "grid": [], "rates": {f"{rate:g}/s": rate for rate in rates}}
+            {"capacity_arrivals_s": None, "grid": [], "rates": {f"{rate:g}/s": rate for rate in rates}}
             if rates
             else find_loads(model, tokenizer, sizes, slo, common, progress)
         )

@@ -56,6 +56,9 @@ KINDS = (
     Kind("long answer", 0.10, (16, 32), 192, 0.3),
 )
 CHAT_TURNS = (2, 5)
+QUESTIONS_ONLY = (
+    Kind("question", 1.0, (16, 64), 24, 0.8),
+)  # short requests, nothing shared: no policy's case
 
 
 @dataclass
@@ -114,30 +117,38 @@ def next_turn_prompt(tokenizer: Tokenizer, previous_prompt: list[int], answer: l
     return [*previous_prompt, *closed, *tokenizer.encode("\n"), *message]
 
 
-def kind_counts(num_arrivals: int) -> list[int]:
+def kind_counts(num_arrivals: int, mix: tuple[Kind, ...] = KINDS) -> list[int]:
     """Arrivals of each kind: its share, rounded so they add up (largest remainder)."""
-    exact = [kind.share * num_arrivals for kind in KINDS]
+    exact = [kind.share * num_arrivals for kind in mix]
     counts = [int(n) for n in exact]
-    by_remainder = sorted(range(len(KINDS)), key=lambda i: exact[i] - counts[i], reverse=True)
+    by_remainder = sorted(range(len(mix)), key=lambda i: exact[i] - counts[i], reverse=True)
     for i in by_remainder[: num_arrivals - sum(counts)]:
         counts[i] += 1
     return counts
 
 
-def arrivals_for(num_requests: int) -> int:
+def arrivals_for(num_requests: int, mix: tuple[Kind, ...] = KINDS) -> int:
     """Arrivals that make about `num_requests` requests, a chat bringing its mean number of turns."""
-    chat_share = next(kind.share for kind in KINDS if kind.name == "chat")
+    chat_share = sum(kind.share for kind in mix if kind.name == "chat")
     mean_turns = sum(CHAT_TURNS) / 2
     return max(1, round(num_requests / (1 + chat_share * (mean_turns - 1))))
 
 
-def make_trace(tokenizer: Tokenizer, seed: int, num_requests: int, rate: float, scale: float):
-    """About `num_requests` requests (a chat's turns each count), seeded: the same seed gives the same
-    trace, whatever the rate (the rate only stretches the arrival times)."""
+def make_trace(
+    tokenizer: Tokenizer,
+    seed: int,
+    num_requests: int,
+    rate: float,
+    scale: float,
+    mix: tuple[Kind, ...] = KINDS,
+):
+    """About `num_requests` requests (a chat's turns each count) of the kinds of `mix` in their
+    shares, seeded: the same seed gives the same trace, whatever the rate (the rate only stretches
+    the arrival times)."""
     rng = random.Random(seed)
     prose = _Prose(tokenizer, scale)
-    num_arrivals = arrivals_for(num_requests)
-    kinds = [kind for kind, count in zip(KINDS, kind_counts(num_arrivals)) for _ in range(count)]
+    num_arrivals = arrivals_for(num_requests, mix)
+    kinds = [kind for kind, count in zip(mix, kind_counts(num_arrivals, mix)) for _ in range(count)]
     rng.shuffle(kinds)
     trace: list[TraceRequest] = []
     clock = 0.0
@@ -182,7 +193,7 @@ def describe_trace(trace: list[TraceRequest], seed: int, rate: float, scale: flo
         "arrivals": len(arrivals),
         "rate_per_s": rate,
         "scale": scale,
-        "kinds": {kind.name: sum(r.kind == kind.name for r in trace) for kind in KINDS},
+        "kinds": {kind: sum(r.kind == kind for r in trace) for kind in dict.fromkeys(r.kind for r in trace)},
         "output_tokens": sum(r.output_len for r in trace),
         "output_len_p50_p99": _spread([r.output_len for r in trace]),
         "last_arrival_s": max(r.arrival_s for r in arrivals),
