@@ -15,7 +15,8 @@ The run, in order:
      at both loads, the policies alternating within a seed so drift hits them alike; mean and
      spread over the seeds, greedy outputs compared with fcfs's (order changes, tokens must not).
   4. The rate each policy sustains at 90% goodput, interpolated between the two loads.
-  5. The scheduler's own cost: schedule() per step with 100 and 10,000 requests waiting.
+  5. The scheduler's own cost: schedule() per step with 100 and 10,000 requests waiting
+     (2,000 with --quick).
 
 Every engine has the prefix cache on and the same small device pool; nothing is lossy.
 

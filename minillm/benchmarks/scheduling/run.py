@@ -27,11 +27,17 @@ TTFT_TIMES, TPOT_TIMES = 5, 5  # the SLOs, in multiples of the calibration (as `
 LOAD_GOODPUTS = (0.5, 0.8)  # the two loads: where fcfs reaches these goodputs on the tuning seed
 SUSTAINED = 0.9  # the goodput a sustained rate keeps
 RATE_STEP, MAX_PROBES = 2**0.5, 10  # the tuning seed's rates: each the last times RATE_STEP
-COST_WAITING = (100, 10_000)  # queue lengths the scheduler's own cost is measured at
 
 SIZES = {
-    "full": {"requests": 150, "scale": 0.35, "kv_tokens": 640, "seeds": (1, 2, 3, 4, 5)},
-    "quick": {"requests": 96, "scale": 0.25, "kv_tokens": 320, "seeds": (1, 2)},
+    # cost_waiting: the queue lengths the scheduler's own cost is measured at
+    "full": {
+        "requests": 150,
+        "scale": 0.35,
+        "kv_tokens": 640,
+        "seeds": (1, 2, 3, 4, 5),
+        "cost_waiting": (100, 10_000),
+    },
+    "quick": {"requests": 96, "scale": 0.25, "kv_tokens": 320, "seeds": (1, 2), "cost_waiting": (100, 2_000)},
 }
 
 
@@ -215,15 +221,16 @@ def sustained_rates(runs: dict, loads: dict) -> dict:
 # ----------------------------------------------------------------------------- the scheduler's own cost
 
 
-def scheduler_cost(model, tokenizer, common: dict) -> dict:
-    """schedule()'s time per step (median of 20 steps) with COST_WAITING requests queued, per policy:
-    the policy's own work as the queue grows. Short requests, half of them sharing a system prompt."""
+def scheduler_cost(model, tokenizer, queue_lengths: tuple[int, ...], common: dict) -> dict:
+    """schedule()'s time per step (median of 20 steps) with each of `queue_lengths` requests
+    queued, per policy: the policy's own work as the queue grows. Short requests, half of them
+    sharing a system prompt."""
     rng = random.Random(TUNING_SEED)
     system = [rng.randrange(1000, 20000) for _ in range(128)]
     costs = {}
     for policy in POLICIES:
         costs[policy] = {}
-        for waiting in COST_WAITING:
+        for waiting in queue_lengths:
             engine = llm_for(model, tokenizer, policy, 2048, common).engine
             for index in range(waiting):
                 prompt = (system if index % 2 else []) + [rng.randrange(1000, 20000) for _ in range(32)]
@@ -283,14 +290,19 @@ def bench_scheduling(
             else find_loads(model, tokenizer, sizes, slo, common, progress)
         )
         measured = held_out(model, tokenizer, sizes, found["rates"], slo, common, progress)
-        cost = scheduler_cost(model, tokenizer, common)
+        cost = scheduler_cost(model, tokenizer, sizes["cost_waiting"], common)
     finally:
         torch.set_num_threads(default_threads)
     return {
         "machine": {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "torch_threads": threads},
         "model_dir": str(model_dir),
         "dtype": dtype,
-        "sizes": {**sizes, "seeds": list(sizes["seeds"]), "tuning_seed": TUNING_SEED},
+        "sizes": {
+            **sizes,
+            "seeds": list(sizes["seeds"]),
+            "cost_waiting": list(sizes["cost_waiting"]),
+            "tuning_seed": TUNING_SEED,
+        },
         "trace": describe_trace(tuning, TUNING_SEED, 1.0, sizes["scale"]),
         "slo": slo,
         "loads": found,
