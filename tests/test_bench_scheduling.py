@@ -54,7 +54,7 @@ def test_kinds_come_in_their_shares_and_conversations_follow_their_turns(tokeniz
     trace = make_trace(tokenizer, 1, 150, 2.0, 0.5)
     arrivals = [r for r in trace if r.follows is None]
     assert len(arrivals) == arrivals_for(150) and abs(len(trace) - 150) <= 10
-    assert [sum(r.kind == kind.name for r in arrivals) for kind in KINDS] == kind_counts(len(arrivals))
+    assert [sum(r.kind == kind.name for r in arrivals) for kind in KINDS] == kind_counts(len(arrivals), KINDS)
     followers = [index for index, r in enumerate(trace) if r.follows is not None]
     assert followers and all(trace[trace[i].follows].kind == "chat" == trace[i].kind for i in followers)
     assert all(trace[i].follows < i for i in followers)

@@ -28,9 +28,6 @@ def rate_list(text: str) -> tuple[float, ...]:
 
 
 def add_bench_scheduling(benches) -> None:
-    from minillm.benchmarks.scheduling import SIZES
-
-    full, quick = SIZES["full"], SIZES["quick"]
     scheduling = benches.add_parser(
         "scheduling",
         help="admission policies (fcfs, lpm, memory, memory+lpm) on held-out traces: goodput",
@@ -45,6 +42,24 @@ def add_bench_scheduling(benches) -> None:
         "10,000 requests waiting (2,000 with --quick). Targets are printed beside the numbers, "
         "never asserted.",
     )
+    add_scheduling_size_args(scheduling)
+    scheduling.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads; on a CPU shared with other work more threads wait for each other (default: 1)",
+    )
+    scheduling.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(scheduling, dtype="auto")
+    scheduling.set_defaults(func=cmd_bench_scheduling)
+
+
+def add_scheduling_size_args(scheduling) -> None:
+    """bench scheduling's --quick and the sizes it shrinks, the seeds and the loads; each default is
+    printed for both sizes."""
+    from minillm.benchmarks.scheduling import SIZES
+
+    full, quick = SIZES["full"], SIZES["quick"]
     scheduling.add_argument(
         "--quick",
         action="store_true",
@@ -79,15 +94,6 @@ def add_bench_scheduling(benches) -> None:
         help="the loads as arrival rates per second, comma-separated, instead of the rates where "
         "fcfs reaches 50%% and 80%% goodput on the tuning seed (default: searched)",
     )
-    scheduling.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads; on a CPU shared with other work more threads wait for each other (default: 1)",
-    )
-    scheduling.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(scheduling, dtype="auto")
-    scheduling.set_defaults(func=cmd_bench_scheduling)
 
 
 def cmd_bench_scheduling(args) -> None:

@@ -96,11 +96,12 @@ def chat_prompt(tokenizer: Tokenizer, system: str, user_ids: list[int]) -> list[
     )
 
 
-def kind_counts(num_requests: int) -> list[int]:
-    """Requests of each kind: its share of num_requests, rounded so they add up (largest remainder)."""
-    exact = [kind.share * num_requests for kind in KINDS]
+def kind_counts(num_requests: int, kinds=KINDS) -> list[int]:
+    """Requests of each kind (anything with a `share`): its share of num_requests, rounded so they
+    add up (largest remainder)."""
+    exact = [kind.share * num_requests for kind in kinds]
     counts = [int(n) for n in exact]
-    by_remainder = sorted(range(len(KINDS)), key=lambda i: exact[i] - counts[i], reverse=True)
+    by_remainder = sorted(range(len(kinds)), key=lambda i: exact[i] - counts[i], reverse=True)
     for i in by_remainder[: num_requests - sum(counts)]:
         counts[i] += 1
     return counts

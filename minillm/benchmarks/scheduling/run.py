@@ -12,6 +12,7 @@ import time
 import torch
 
 from minillm.benchmarks import cpu_model
+from minillm.benchmarks.memory.rows import calibrate  # the SLOs: as `bench memory` sets its targets
 from minillm.benchmarks.scheduling.replay import replay
 from minillm.benchmarks.scheduling.trace import KINDS, describe_trace, make_trace
 from minillm.benchmarks.tiers import percentile
@@ -23,7 +24,6 @@ from minillm.weights import load_model
 
 POLICIES = ("fcfs", "lpm", "memory", "memory+lpm")
 TUNING_SEED = 0
-TTFT_TIMES, TPOT_TIMES = 5, 5  # the SLOs, in multiples of the calibration (as `bench memory` sets them)
 LOAD_GOODPUTS = (0.5, 0.8)  # the two loads: where fcfs reaches these goodputs on the tuning seed
 SUSTAINED = 0.9  # the goodput a sustained rate keeps
 RATE_STEP, MAX_PROBES = 2**0.5, 10  # the tuning seed's rates: each the last times RATE_STEP
@@ -82,26 +82,6 @@ def serve_trace(model, tokenizer, trace, policy: str, sizes: dict, slo: dict, co
 
 
 # ----------------------------------------------------------------------------- the SLOs and the loads
-
-
-def calibrate(model, tokenizer, trace, common: dict) -> dict:
-    """On an idle engine (no run that is compared): the trace's longest prompt prefilled alone
-    (best of two) and a batch-1 decode step. The SLOs are multiples of them, as in DistServe."""
-    longest = max((r.prompt_ids for r in trace), key=len)
-    llm = llm_for(model, tokenizer, "fcfs", 4 * len(longest) + 256, common)
-    prefill_s = min(
-        llm.generate([longest], SamplingParams(max_tokens=1, ignore_eos=True))[0].ttft for _ in range(2)
-    )
-    decode = llm.generate([longest[:32]], SamplingParams(max_tokens=17, ignore_eos=True))[0].tpot
-    return {
-        "longest_prompt": len(longest),
-        "prefill_alone_s": prefill_s,
-        "decode_step_s": decode,
-        "ttft_s": TTFT_TIMES * prefill_s,
-        "tpot_s": TPOT_TIMES * decode,
-        "how": f"TTFT <= {TTFT_TIMES} x the longest prompt ({len(longest)} tokens) prefilled alone, "
-        f"TPOT <= {TPOT_TIMES} x a batch-1 decode step",
-    }
 
 
 def check_pool(trace, kv_tokens: int) -> None:
@@ -280,17 +260,7 @@ def bench_scheduling(
     try:
         dtype = resolve_dtype(dtype, device)
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
-        common = {"dtype": dtype, "device": device}
-        tuning = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1.0, sizes["scale"])
-        check_pool(tuning, sizes["kv_tokens"])
-        slo = calibrate(model, tokenizer, tuning, common)
-        found = (
-            {"capacity_arrivals_s": None, "grid": [], "rates": {f"{rate:g}/s": rate for rate in rates}}
-            if rates
-            else find_loads(model, tokenizer, sizes, slo, common, progress)
-        )
-        measured = held_out(model, tokenizer, sizes, found["rates"], slo, common, progress)
-        cost = scheduler_cost(model, tokenizer, sizes["cost_waiting"], common)
+        measured = measure(model, tokenizer, sizes, rates, {"dtype": dtype, "device": device}, progress)
     finally:
         torch.set_num_threads(default_threads)
     return {
@@ -303,12 +273,29 @@ def bench_scheduling(
             "cost_waiting": list(sizes["cost_waiting"]),
             "tuning_seed": TUNING_SEED,
         },
+        **measured,
+    }
+
+
+def measure(model, tokenizer, sizes: dict, rates: tuple[float, ...] | None, common: dict, progress: bool):
+    """The SLOs and the loads from the tuning seed (or the rates given), the held-out runs, the
+    scheduler's cost: the report's measured part, in its order."""
+    tuning = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1.0, sizes["scale"])
+    check_pool(tuning, sizes["kv_tokens"])
+    slo = calibrate(model, tokenizer, tuning, common)
+    found = (
+        {"capacity_arrivals_s": None, "grid": [], "rates": {f"{rate:g}/s": rate for rate in rates}}
+        if rates
+        else find_loads(model, tokenizer, sizes, slo, common, progress)
+    )
+    measured = held_out(model, tokenizer, sizes, found["rates"], slo, common, progress)
+    return {
         "trace": describe_trace(tuning, TUNING_SEED, 1.0, sizes["scale"]),
         "slo": slo,
         "loads": found,
         "summary": summarize(measured["runs"]),
         "sustained_rate": sustained_rates(measured["runs"], found["rates"]),
         "outputs_differing_from_fcfs": measured["outputs_differing_from_fcfs"],
-        "scheduler_cost_ms": cost,
+        "scheduler_cost_ms": scheduler_cost(model, tokenizer, sizes["cost_waiting"], common),
         "runs": measured["runs"],
     }

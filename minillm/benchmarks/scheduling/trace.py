@@ -30,7 +30,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from minillm.benchmarks.memory.trace import SECOND_TEXT
+from minillm.benchmarks.memory.trace import SECOND_TEXT, kind_counts
 from minillm.evaluation import read_text
 from minillm.tokenizer import Tokenizer
 
@@ -115,16 +115,6 @@ def next_turn_prompt(tokenizer: Tokenizer, previous_prompt: list[int], answer: l
     end = tokenizer.special_tokens["<|im_end|>"]
     closed = answer if answer and answer[-1] == end else [*answer, end]
     return [*previous_prompt, *closed, *tokenizer.encode("\n"), *message]
-
-
-def kind_counts(num_arrivals: int, mix: tuple[Kind, ...] = KINDS) -> list[int]:
-    """Arrivals of each kind: its share, rounded so they add up (largest remainder)."""
-    exact = [kind.share * num_arrivals for kind in mix]
-    counts = [int(n) for n in exact]
-    by_remainder = sorted(range(len(mix)), key=lambda i: exact[i] - counts[i], reverse=True)
-    for i in by_remainder[: num_arrivals - sum(counts)]:
-        counts[i] += 1
-    return counts
 
 
 def arrivals_for(num_requests: int, mix: tuple[Kind, ...] = KINDS) -> int:
