@@ -21,6 +21,7 @@ import random
 import pytest
 from test_bad_requests import FailingSampler, raise_fault
 
+from minillm.config import SWITCHES
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
@@ -106,7 +107,7 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
     longest = max(len(prompt) + params.max_tokens for prompt, params in requests)
     blocks = -(-longest // block_size) * rng.choice([1, 2, 4, 20])  # from just fits to plenty
     scheduling = rng.choice(["static", "continuous"])
-    admission = rng.choice(["fcfs", "memory", "reserve"]) if scheduling == "continuous" else "fcfs"
+    admission = rng.choice(SWITCHES["admission"].choices) if scheduling == "continuous" else "fcfs"
     llm = LLM(
         tiny_dir,
         model=tiny_model,
