@@ -19,6 +19,7 @@ the weight packed once.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol
 
 import torch
@@ -36,7 +37,7 @@ class AttentionContext(Protocol):
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether `Matmul` may multiply by this weight through a oneDNN-packed copy: bf16 on a CPU.
+    """Whether `Matmul` may multiply by this weight through its own kernels: bf16 on a CPU.
 
     Measured on a 2-core AMD EPYC (avx512_bf16), one thread, SmolLM2's shapes, weights read from
     memory: torch's bf16 F.linear re-lays the weight out on every call and reaches ~14 GFLOP/s at
@@ -54,12 +55,32 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 
 
 PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed copy; prefill chunks, F.linear
+# Up to this many rows the weight-streaming C++ kernel beats the packed copy. Measured on a 2-core
+# Xeon (AMX), 2 threads, all of SmolLM2's products: 1.3-2.1x at one row, 1.4-1.7x at 2-4, even at 8,
+# 0.6x at 16 (oneDNN's tiles reuse the weight in registers, the kernel re-reads it from L1).
+DENSE_MAX_ROWS = 4
+
+
+@functools.cache
+def dense_kernel():
+    """The CPU kernels' build (kernels_cuda/dense_cpu.cpp), or None where it does not build: the
+    packed copy then takes every decode-sized product."""
+    from minillm.attention.kernels import cpu_kernel  # the build only; attention itself stays out
+    from minillm.config import ConfigError
+
+    try:
+        return cpu_kernel()
+    except ConfigError:
+        return None
 
 
 class Matmul:
-    """x @ weight.T: by oneDNN on a packed copy for a few rows of bf16 on a CPU, else by F.linear.
+    """x @ weight.T, by whichever of three CPU paths is fastest for its shape in bf16:
+    - up to `DENSE_MAX_ROWS` rows: the C++ kernel that streams the weight (`dense_cpu.cpp`);
+    - up to `PACKED_MAX_ROWS`: oneDNN on a copy of the weight packed once;
+    - more rows, other dtypes, other devices: F.linear.
 
-    The copy is made on first use and made again if the weight was replaced or written since
+    The packed copy is made on first use and made again if the weight was replaced or written since
     (torch counts in-place writes in `_version`); it costs the weight's bytes a second time (bf16
     SmolLM2: 269 MB plain + 269 MB packed, the size of the fp32 weights alone).
     """
@@ -69,8 +90,12 @@ class Matmul:
         self.packed_from = None  # (address, version) of the weight it was packed from
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > PACKED_MAX_ROWS or not onednn_packs(weight):
+        rows = x.shape[0]
+        if rows > PACKED_MAX_ROWS or not onednn_packs(weight):
             return F.linear(x, weight)
+        kernel = dense_kernel() if rows <= DENSE_MAX_ROWS else None
+        if kernel is not None and weight.is_contiguous() and kernel.dense_fits(*weight.shape[::-1]):
+            return kernel.dense(x.contiguous(), weight)
         source = (weight.data_ptr(), weight._version)
         if self.packed_from != source:
             self.packed, self.packed_from = torch.ops.mkldnn._reorder_linear_weight(weight.detach()), source

@@ -186,7 +186,7 @@ def test_eval_ppl_json_perplexity_is_exp_of_the_scored_nll(capsys, real_dir):
 
 def check_decoder_rows(report: dict, weight_bytes: int, kv_per_token: int) -> None:
     roof_GBs = report["copy_bandwidth_GBs"]
-    assert roof_GBs > 0
+    assert roof_GBs > 0 and report["read_bandwidth_GBs"] > 0  # the CPU kernels build here
     for name, row in report["decoders"].items():
         tokens = report["naive_tokens"] if name == "naive" else report["new_tokens"]
         kv_read = 0 if name == "naive" else kv_per_token * (report["prompt_len"] + tokens / 2)
@@ -202,7 +202,9 @@ def check_decoder_rows(report: dict, weight_bytes: int, kv_per_token: int) -> No
         assert row["roof_fraction"] == approx(row["bandwidth_GBs"] / roof_GBs) and row["roof_fraction"] > 0, (
             name
         )
+        assert row["read_roof_fraction"] == approx(row["bandwidth_GBs"] / report["read_bandwidth_GBs"]), name
     decoders = report["decoders"]
+    assert report["engine_vs_cached"] == approx(decoders["engine"]["tok_s"] / decoders["cached"]["tok_s"])
     assert report["cached_bfloat16_vs_cached"] == approx(
         decoders["cached_bfloat16"]["tok_s"] / decoders["cached"]["tok_s"]
     )
@@ -231,7 +233,7 @@ def test_bench_decode_json_with_hf_rates_ratios_and_bandwidth_agree(capsys, voca
         vocab_dir,
     )
     assert (report["prompt_len"], report["new_tokens"], report["naive_tokens"]) == (8, 16, 4)
-    assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16", "hf_transformers"}
+    assert set(report["decoders"]) == {"naive", "cached", "engine", "cached_bfloat16", "hf_transformers"}
     weight_bytes = sum(p.nbytes for p in load_model(vocab_dir).parameters())
     check_decoder_rows(report, weight_bytes, kv_bytes_per_token(vocab_dir))
     decoders = report["decoders"]
@@ -258,7 +260,8 @@ def test_bench_decode_json_on_the_real_model_without_hf(capsys, real_dir, real_m
         "--model",
         real_dir,
     )
-    assert set(report["decoders"]) == {"naive", "cached", "cached_bfloat16"} and "cached_vs_hf" not in report
+    assert set(report["decoders"]) == {"naive", "cached", "engine", "cached_bfloat16"}
+    assert "cached_vs_hf" not in report
     check_decoder_rows(report, sum(p.nbytes for p in real_model.parameters()), 46080)
 
 

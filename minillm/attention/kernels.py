@@ -37,7 +37,13 @@ from minillm.memory import QuantizedKVPool
 SOURCES = files("kernels_cuda")  # package data, wherever minillm is installed
 # each build's two kernels (decode, flash prefill) share a header (kv_rows_cpu.h, kv_rows_cuda.h);
 # bindings.cpp declares them to Python
-CPU_SOURCES = ("paged_attention_cpu.cpp", "flash_prefill_cpu.cpp", "kv_write_cpu.cpp", "bindings.cpp")
+CPU_SOURCES = (
+    "paged_attention_cpu.cpp",
+    "flash_prefill_cpu.cpp",
+    "kv_write_cpu.cpp",
+    "dense_cpu.cpp",
+    "bindings.cpp",
+)
 CUDA_SOURCES = ("paged_attention.cu", "flash_prefill.cu", "bindings.cpp")
 CUDA_SOURCE = SOURCES / "paged_attention.cu"  # decode
 CUDA_PREFILL_SOURCE = SOURCES / "flash_prefill.cu"
@@ -50,7 +56,7 @@ CPU_FLAGS = [
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
-    "-DMINILLM_CPU_BUILD",  # bindings.cpp: the CPU build also has kv_write_cpu.cpp's quantize_write
+    "-DMINILLM_CPU_BUILD",  # bindings.cpp: the CPU build also has kv_write_cpu.cpp and dense_cpu.cpp
 ]
 FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format -> the kernels' kv_format
 

@@ -36,3 +36,27 @@ def copy_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, repeats: int 
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
     return 2 * nbytes / best
+
+
+def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float | None:
+    """Bytes read per second, best of `repeats`: the CPU kernels' `read_bytes` summing a buffer
+    larger than the caches on every torch thread. Decode at batch 1 only reads its weights, so this,
+    not the copy roof (which also writes), is the speed a batch-1 step is bounded by. None where the
+    CPU kernels do not build."""
+    import time
+
+    import torch
+
+    from minillm.model import dense_kernel
+
+    kernel = dense_kernel()
+    if kernel is None:
+        return None
+    buffer = torch.ones(nbytes // 8, dtype=torch.int64)
+    kernel.read_bytes(buffer)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernel.read_bytes(buffer)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best

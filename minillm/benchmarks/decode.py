@@ -2,13 +2,15 @@
 
 Decoding one token reads every weight once (and the KV cache so far) to do about 2 FLOPs per
 weight: on a CPU that is a memory-bandwidth problem, not a compute one. So next to tok/s we print
-*bandwidth achieved* = bytes read per step x steps per second, and its ratio to a copy bandwidth
-measured here, now (STREAM's convention: bytes read + bytes written per second).
+*bandwidth achieved* = bytes read per step x steps per second, and its ratio to two roofs measured
+here, now: the read roof (every thread summing a buffer larger than the caches: all a batch-1
+step does with its weights) and the copy roof (STREAM's convention: bytes read + written).
 
 Decoders run on the same prompt and thread settings, interleaved so machine drift hits them
-alike: naive (no cache), cached (contiguous KV cache) and HF transformers `generate` in --dtype,
-and cached in the other precision (fp32 beside bf16): the same step reads half the bytes in bf16.
-Each row reports the median of the repeats, the best, and their spread.
+alike: naive (no cache), cached (contiguous KV cache), the serving engine with one request (paged
+KV, scheduler, sampler: what `minillm serve` runs per token) and HF transformers `generate` in
+--dtype, and cached in the other precision (fp32 beside bf16): the same step reads half the bytes
+in bf16. Each row reports the median of the repeats, the best, and their spread.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from minillm.benchmarks import copy_bandwidth, cpu_model
+from minillm.benchmarks import copy_bandwidth, cpu_model, read_bandwidth
 from minillm.decoding import generate
+from minillm.engine import LLM
 from minillm.evaluation import read_text
 from minillm.report import print_table
 from minillm.sampling import SamplingParams
@@ -38,6 +41,14 @@ def time_minillm(model, prompt_ids: list[int], new_tokens: int, decoder: str) ->
     """Decode tokens per second (prefill excluded)."""
     gen = generate(model, prompt_ids, SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True), decoder)
     return new_tokens / gen.decode_s
+
+
+def time_engine(llm: LLM, prompt_ids: list[int], new_tokens: int) -> float:
+    """The engine with one request: decode tokens per second, from its first token to its last."""
+    first = None
+    for _ in llm.stream(prompt_ids, SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True)):
+        first = first or time.perf_counter()
+    return new_tokens / (time.perf_counter() - first)
 
 
 def time_hf(hf_model, prompt_ids: list[int], new_tokens: int) -> float:
@@ -112,38 +123,46 @@ def tok_s_by_threads(run_cached) -> dict[int, float]:
 
 
 def decoder_row(
-    samples: list[float], model, prompt_len: int, new_tokens: int, naive: bool, roof: float
+    samples: list[float], model, prompt_len: int, new_tokens: int, naive: bool, roofs: dict
 ) -> dict:
-    """One decoder's speed beside the bytes its steps read and the copy roof."""
+    """One decoder's speed beside the bytes its steps read, the copy roof and the read roof."""
     row = summarize(samples)
     step_bytes = bytes_per_step(model, prompt_len, new_tokens, with_kv=not naive)
+    read = roofs["read"]
     return {
         "dtype": str(model.dtype).removeprefix("torch."),
         **row,
         "ms_per_token": 1000 / row["tok_s"],
         "bytes_per_step": step_bytes,
         "bandwidth_GBs": step_bytes * row["tok_s"] / 1e9,
-        "roof_fraction": step_bytes * row["tok_s"] / roof,
-        "best_roof_fraction": step_bytes * row["best_tok_s"] / roof,
+        "roof_fraction": step_bytes * row["tok_s"] / roofs["copy"],
+        "best_roof_fraction": step_bytes * row["best_tok_s"] / roofs["copy"],
+        "read_roof_fraction": step_bytes * row["tok_s"] / read if read else None,
+        "best_read_roof_fraction": step_bytes * row["best_tok_s"] / read if read else None,
     }
 
 
 def time_decoders(
-    models: dict, hf_model, prompt_ids: list[int], tokens: dict[str, int], new_tokens: int, repeats: int
+    model_dir: Path, models: dict, hf_model, prompt_ids: list[int], tokens: dict[str, int], new_tokens: int, repeats: int
 ) -> tuple[dict[str, list[float]], dict[int, float]]:
     """Each decoder's seconds over `repeats` interleaved runs, and the cached one's tok/s by threads."""
 
-    def run_once(name: str) -> float:
+    model = models["cached"]
+    llm = LLM(model_dir, model=model, dtype=str(model.dtype).removeprefix("torch."), max_num_seqs=1)
+
+    def run_once(name: str, n: int | None = None) -> float:
         if name == "hf_transformers":
             return time_hf(hf_model, prompt_ids, new_tokens)
-        return time_minillm(models[name], prompt_ids, tokens[name], "naive" if name == "naive" else "cached")
+        if name == "engine":
+            return time_engine(llm, prompt_ids, n or new_tokens)
+        return time_minillm(models[name], prompt_ids, n or tokens[name], "naive" if name == "naive" else "cached")
 
-    names = list(models) + (["hf_transformers"] if hf_model is not None else [])
+    names = list(models) + ["engine"] + (["hf_transformers"] if hf_model is not None else [])
     runs: dict[str, list[float]] = {name: [] for name in names}
     with torch.inference_mode():
-        for name in models:  # warm-up: first calls allocate, and pack bf16 weights for oneDNN
-            if name != "naive":
-                time_minillm(models[name], prompt_ids, 4, "cached")
+        for name in names:  # warm-up: first calls allocate, build kernels and pack bf16 weights
+            if name not in ("naive", "hf_transformers"):
+                run_once(name, 4)
         for _ in range(repeats):  # interleaved, so machine drift hits every decoder alike
             for name in names:
                 runs[name].append(run_once(name))
@@ -161,8 +180,12 @@ def machine() -> dict:
 
 
 def speedups(decoders: dict, dtype: str) -> dict:
-    """Cached over naive, the other dtype over cached, and cached over HF transformers where it ran."""
-    ratios = {"cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"]}
+    """Cached over naive, the engine and the other dtype over cached, and cached over HF
+    transformers where it ran."""
+    ratios = {
+        "cached_vs_naive": decoders["cached"]["tok_s"] / decoders["naive"]["tok_s"],
+        "engine_vs_cached": decoders["engine"]["tok_s"] / decoders["cached"]["tok_s"],
+    }
     if other_dtype(dtype):
         ratios[f"cached_{other_dtype(dtype)}_vs_cached"] = (
             decoders[f"cached_{other_dtype(dtype)}"]["tok_s"] / decoders["cached"]["tok_s"]
@@ -191,8 +214,8 @@ def bench_decode(
     prompt_ids = bench_prompt(model_dir, prompt_len)  # a missing text fails here, before any model loads
     models, hf_model = decoder_models(model_dir, dtype, include_hf)
     tokens = {name: naive_tokens if name == "naive" else new_tokens for name in models}
-    runs, threads = time_decoders(models, hf_model, prompt_ids, tokens, new_tokens, repeats)
-    roof = copy_bandwidth()
+    runs, threads = time_decoders(model_dir, models, hf_model, prompt_ids, tokens, new_tokens, repeats)
+    roofs = {"copy": copy_bandwidth(), "read": read_bandwidth()}
     decoders = {
         name: decoder_row(
             samples,
@@ -200,7 +223,7 @@ def bench_decode(
             prompt_len,
             tokens.get(name, new_tokens),
             name == "naive",
-            roof,
+            roofs,
         )
         for name, samples in runs.items()
     }
@@ -212,7 +235,8 @@ def bench_decode(
         "new_tokens": new_tokens,
         "naive_tokens": naive_tokens,
         "repeats": repeats,
-        "copy_bandwidth_GBs": roof / 1e9,
+        "copy_bandwidth_GBs": roofs["copy"] / 1e9,
+        "read_bandwidth_GBs": roofs["read"] / 1e9 if roofs["read"] else None,
         "decoders": decoders,
         "cached_tok_s_by_threads": threads,
         **speedups(decoders, dtype),
@@ -234,6 +258,7 @@ def print_decode_report(report: dict, console) -> None:
             "ms/token",
             "MB read/step",
             "GB/s achieved",
+            "of read roof (best)",
             "of copy roof (best)",
         ],
         [
@@ -246,23 +271,28 @@ def print_decode_report(report: dict, console) -> None:
                 f"{d['ms_per_token']:.1f}",
                 f"{d['bytes_per_step'] / 1e6:.0f}",
                 f"{d['bandwidth_GBs']:.1f}",
+                f"{d['read_roof_fraction']:.0%} ({d['best_read_roof_fraction']:.0%})"
+                if d["read_roof_fraction"]
+                else "-",
                 f"{d['roof_fraction']:.0%} ({d['best_roof_fraction']:.0%})",
             ]
             for name, d in report["decoders"].items()
         ],
     )
-    console.print(f"copy bandwidth measured now: {report['copy_bandwidth_GBs']:.1f} GB/s (read + write)")
+    read = report["read_bandwidth_GBs"]
+    read_roof = f"read {read:.1f} GB/s (every thread summing a buffer), " if read else ""
+    console.print(f"measured now: {read_roof}copy {report['copy_bandwidth_GBs']:.1f} GB/s (read + write)")
     console.print(
         "cached decode by torch threads (median of 3): "
         + ", ".join(f"{n}: {v:.1f} tok/s" for n, v in report["cached_tok_s_by_threads"].items())
     )
     console.print(
-        f"cached is {report['cached_vs_naive']:.1f}x naive"
+        f"cached is {report['cached_vs_naive']:.1f}x naive, the engine {report['engine_vs_cached']:.2f}x cached"
         + (f" and {report['cached_vs_hf']:.2f}x HF transformers" if "cached_vs_hf" in report else "")
         + "".join(
             f"; {key.removesuffix('_vs_cached').replace('_', ' ')} is {value:.2f}x cached {report['dtype']}"
             for key, value in report.items()
-            if key.endswith("_vs_cached")
+            if key.startswith("cached_") and key.endswith("_vs_cached")
         )
     )
     console.print(

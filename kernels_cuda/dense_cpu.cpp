@@ -1,0 +1,132 @@
+// Decode's matrix products on a CPU: out = x @ w.T for a few rows of bf16 activations.
+//
+// At decode a step multiplies one row per sequence by every weight matrix, so the product reads
+// each weight once and does two FLOPs per weight read: the memory's read speed, not the vector
+// units, sets its time (lesson 03). A general GEMM library lays its work out for the opposite
+// case (many rows, the weight reused from cache) and reaches about half the read roof here; this
+// kernel only streams the weight rows past the activation rows:
+//
+//   for each group of kGroup weight rows (the threads split the groups):
+//     for each activation row m:          (the group stays in L1 for rows after the first)
+//       acc[j] += x[m, k:k+32] . w[n+j, k:k+32]   for k in steps of 32, j < kGroup
+//       out[m, n+j] = bf16(sum of acc[j]'s lanes)
+//
+// while prefetching the next group's lines, so the loads of one group overlap the sums of the
+// last. With AVX-512 BF16 one instruction (vdpbf16ps) multiplies 32 bf16 pairs into 16 fp32 sums;
+// with AVX2 the bf16 numbers are widened to fp32 (a bf16 is the top half of an fp32) and fused-
+// multiply-added, 8 at a time. Sums are fp32 and rounded to bf16 once, as torch's bf16 matmul
+// does; only their order differs, so the results agree within bf16 rounding (tests/test_dense.py).
+//
+// `read_bytes` is the read roof the benchmarks put beside it: the same threads summing a buffer.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 8;  // weight rows streamed together: 8 sums in flight per activation row
+
+#if defined(__AVX512BF16__)
+constexpr int64_t kStep = 32;  // bf16 numbers per instruction
+
+// out[m, n0 .. n0+kGroup) for one activation row m.
+inline void group_row(const at::BFloat16* x_row, const at::BFloat16* w, at::BFloat16* out_row, int64_t K, int64_t n0,
+                      bool prefetch_next) {
+  __m512 acc[kGroup];
+  for (int j = 0; j < kGroup; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += kStep) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x_row + k);
+    for (int j = 0; j < kGroup; ++j) {
+      const at::BFloat16* w_row = w + (n0 + j) * K;
+      acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(w_row + k));
+      if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(w_row + kGroup * K + k), _MM_HINT_T0);
+    }
+  }
+  for (int j = 0; j < kGroup; ++j) out_row[n0 + j] = at::BFloat16(_mm512_reduce_add_ps(acc[j]));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kStep = 8;  // fp32 lanes per instruction
+
+inline __m256 widened(const at::BFloat16* p) {  // 8 bf16 -> 8 fp32: each becomes the top half
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float lane_sum(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+
+inline void group_row(const at::BFloat16* x_row, const at::BFloat16* w, at::BFloat16* out_row, int64_t K, int64_t n0,
+                      bool prefetch_next) {
+  __m256 acc[kGroup];
+  for (int j = 0; j < kGroup; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += kStep) {
+    const __m256 xv = widened(x_row + k);
+    for (int j = 0; j < kGroup; ++j) {
+      const at::BFloat16* w_row = w + (n0 + j) * K;
+      acc[j] = _mm256_fmadd_ps(xv, widened(w_row + k), acc[j]);
+      if (prefetch_next && k % 32 == 0)  // one prefetch per 64-byte line
+        _mm_prefetch(reinterpret_cast<const char*>(w_row + kGroup * K + k), _MM_HINT_T0);
+    }
+  }
+  for (int j = 0; j < kGroup; ++j) out_row[n0 + j] = at::BFloat16(lane_sum(acc[j]));
+}
+#else
+constexpr int64_t kStep = 1;
+
+inline void group_row(const at::BFloat16* x_row, const at::BFloat16* w, at::BFloat16* out_row, int64_t K, int64_t n0,
+                      bool) {
+  for (int j = 0; j < kGroup; ++j) {
+    float sum = 0.f;
+    for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(x_row[k]) * static_cast<float>(w[(n0 + j) * K + k]);
+    out_row[n0 + j] = at::BFloat16(sum);
+  }
+}
+#endif
+
+}  // namespace
+
+// Whether `dense` takes a product of this shape: bf16, contiguous, K a whole number of vector
+// steps and N of weight groups (every SmolLM2 and Llama projection is).
+bool dense_fits(int64_t K, int64_t N) { return K % kStep == 0 && N % kGroup == 0; }
+
+// x (M, K) bf16 @ w (N, K) bf16 -> (M, N) bf16.
+at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "dense: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "dense: x (M, K) and w (N, K)");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "dense: contiguous x and w");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  TORCH_CHECK(dense_fits(K, N), "dense: K must be a multiple of ", kStep, " and N of ", kGroup);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const at::BFloat16* x_data = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* w_data = w.data_ptr<at::BFloat16>();
+  at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
+  const int64_t groups = N / kGroup;
+  at::parallel_for(0, groups, 16, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g)
+      for (int64_t m = 0; m < M; ++m)  // the next group is fetched while the first row is summed
+        group_row(x_data + m * K, w_data, out_data + m * N, K, g * kGroup, m == 0 && g + 1 < last);
+  });
+  return out;
+}
+
+// Sums `t`'s bytes as 64-bit integers on every torch thread (the compiler vectorizes the loop);
+// the benchmarks time it over a buffer larger than the caches: the fastest this machine reads.
+int64_t read_bytes(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous() && t.nbytes() % 8 == 0, "read_bytes: a contiguous tensor of whole 8-byte words");
+  const int64_t* words = static_cast<const int64_t*>(t.data_ptr());
+  const int64_t n = t.nbytes() / 8;
+  std::vector<int64_t> partial(at::get_num_threads(), 0);
+  at::parallel_for(0, n, 1 << 16, [&](int64_t first, int64_t last) {
+    int64_t sum = 0;
+    for (int64_t i = first; i < last; ++i) sum += words[i];
+    partial[at::get_thread_num()] += sum;
+  });
+  int64_t total = 0;
+  for (int64_t s : partial) total += s;
+  return total;
+}
