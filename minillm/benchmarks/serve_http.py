@@ -294,16 +294,19 @@ def bench_serve_http(
     }
 
 
-def milliseconds(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+def duration(seconds: float | None) -> str:
+    """3 significant digits, in ms below a second; "-" for none."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def per_client(side: dict) -> list[str]:
     """A row's last cells: what one client saw once its first token had come."""
     tok_s = side["decode_tok_s_per_client"]
     return [
-        milliseconds(side["itl_p50_s"]),
-        milliseconds(side["itl_p99_s"]),
+        duration(side["itl_p50_s"]),
+        duration(side["itl_p99_s"]),
         "-" if tok_s is None else f"{tok_s:.1f}",
     ]
 

@@ -21,13 +21,19 @@ from outside, through HTTP, tokenization of answers and the event loop:
 Unlike the in-process replay, nothing skips the server's idle time: a run lasts at least until the
 last arrival. The server's connection and queue limits are raised to the trace's size, so that
 every request reaches the scheduler (the in-process replay has no such limits).
+
+With --url, the same replay against a server already running, any OpenAI-compatible one: steps 2
+to 4 as above (the prompts are token ids of --model's tokenizer), but no child and none of its
+flags, and no KV blocks counted at the end (/metrics is minillm's). --max-tokens makes every
+request decode that many tokens instead of its own length.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from minillm.benchmarks.http_client import (
@@ -35,10 +41,11 @@ from minillm.benchmarks.http_client import (
     completion_body,
     inter_token_s,
     model_name,
+    parse_url,
     stream_completion,
 )
 from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
-from minillm.benchmarks.serve_http import blocks_held, minillm_serve, percentile, wait_idle
+from minillm.benchmarks.serve_http import blocks_held, duration, minillm_serve, percentile, wait_idle
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
 from minillm.report import print_table
@@ -193,40 +200,40 @@ def bench_serve_http_trace(
     ttft_slo: float | None = None,
     tpot_slo: float | None = None,
     progress: bool = False,
+    url: str | None = None,
+    max_tokens: int | None = None,
 ) -> dict:
     tokenizer = Tokenizer(model_dir)
     trace = make_trace(tokenizer, seed, num_requests, rate, scale)
-    with minillm_serve([*serve_args, *limits_for(trace)]) as server:
+    if max_tokens:
+        trace = [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace]
+    serving = nullcontext(parse_url(url)) if url else minillm_serve([*serve_args, *limits_for(trace)])
+    with serving as server:
         model = model_name(server)
         idle = asyncio.run(idle_timings(server, model, trace))
         slo = slos(idle, ttft_slo, tpot_slo)
         answered, wall_s = asyncio.run(replay_http(server, model, tokenizer, trace, progress))
-        after = wait_idle(server)
+        held = None if url else blocks_held(wait_idle(server))
     return {
         "mode": "trace",
+        "url": server.url if url else None,
         "model": model,
-        "serve_args": serve_args,
-        "engine": {name: switches[name] for name in SHOWN_SWITCHES if name in switches},
+        "serve_args": [] if url else serve_args,
+        "engine": {} if url else {name: switches[name] for name in SHOWN_SWITCHES if name in switches},
         "trace": describe_trace(trace, seed, rate, scale),
         "idle": idle,
         "slo": slo,
         "served": served_summary(answered, slo, wall_s),
-        "blocks_held_after": blocks_held(after),
+        "blocks_held_after": held,
     }
-
-
-def _time(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def print_serve_http_trace_report(report: dict, console) -> None:
     trace, slo, idle, served = report["trace"], report["slo"], report["idle"], report["served"]
     console.print(
         f"idle server: the longest prompt ({idle['longest_prompt_tokens']} tokens) prefills in "
-        f"{_time(idle['prefill_s'])}, a batch-1 decode step takes {_time(idle['decode_tpot_s'])}; SLOs: "
-        f"TTFT <= {_time(slo['ttft_s'])} ({slo['ttft_from']}), TPOT <= {_time(slo['tpot_s'])} "
+        f"{duration(idle['prefill_s'])}, a batch-1 decode step takes {duration(idle['decode_tpot_s'])}; "
+        f"SLOs: TTFT <= {duration(slo['ttft_s'])} ({slo['ttft_from']}), TPOT <= {duration(slo['tpot_s'])} "
         f"({slo['tpot_from']})"
     )
     print_table(
@@ -239,12 +246,15 @@ def print_serve_http_trace_report(report: dict, console) -> None:
                 served["requests"],
                 served["errors"],
                 f"{served['goodput']:.0%}",
-                *(_time(served[f"{name}_s"]) for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
+                *(duration(served[f"{name}_s"]) for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
                 f"{served['wall_s']:.1f} s",
             ]
         ],
     )
-    engine = ", ".join(f"{name} {value}" for name, value in report["engine"].items())
-    console.print(f"minillm serve with {engine}; KV blocks held once idle: {report['blocks_held_after']}")
+    if report["url"]:
+        console.print(f"the server at {report['url']}, serving {report['model']}")
+    else:
+        engine = ", ".join(f"{name} {value}" for name, value in report["engine"].items())
+        console.print(f"minillm serve with {engine}; KV blocks held once idle: {report['blocks_held_after']}")
     for error in served["first_errors"]:
         console.print(f"error: {error}")
