@@ -121,7 +121,8 @@ def test_without_usage_the_tokens_are_the_chunks_that_carried_text(capsys, real_
     assert report["tokens_from"] == "chunks"
     assert report["rounds"][0]["output_tokens"] == 2 * 5  # the closing chunk, without text, not counted
     assert DELAY_S * 0.9 < report["rounds"][0]["itl_p50_s"] < DELAY_S * 3
-    assert main(["bench", "serve-http", "--url", url, "--max-tokens", "3", "--model", str(real_dir)]) == 0
+    flags = ["--url", url, "--clients", "2", "--max-tokens", "3", "--model", str(real_dir)]
+    assert main(["bench", "serve-http", *flags]) == 0  # the table, not --json
     printed = " ".join(capsys.readouterr().out.split())  # as one line, however the table wrapped it
     assert FAKE_MODEL in printed and "the server sent no usage" in printed
 
