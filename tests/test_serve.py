@@ -525,6 +525,8 @@ def test_bench_serve_http_reports_speed_latency_and_no_block_left(capsys, model_
         assert (
             report[side]["output_tok_s"] > 0 and 0 < report[side]["ttft_p50_s"] <= report[side]["ttft_p99_s"]
         )
+        assert 0 < report[side]["itl_p50_s"] <= report[side]["itl_p99_s"]  # one client's decode
+        assert report[side]["decode_tok_s_per_client"] > 0
     assert (
         report["server_vs_generate"]
         == report["server"]["output_tok_s"] / report["llm_generate"]["output_tok_s"]

@@ -12,24 +12,38 @@ sides do the same work:
   3. the same clients again, every other one disconnecting after a few chunks: the server must
      abort those (requests_aborted_total) and hold no block once the rest have finished.
 
-The clients are plain asyncio sockets (HTTP/1.1, server-sent events read by hand), so that they
-take as little CPU as possible from the server they measure on a small machine.
+Beside the aggregate, what one client sees once its first token has come, on both sides: the
+inter-token latency (the rest of its tokens over the time they took) p50/p99 over the clients,
+and their mean decode tok/s. The aggregate is the server's throughput; this is how fast a
+single stream reads while it shares each batched step with the others.
+
+The clients are `http_client`'s plain asyncio sockets, so that they take as little CPU as
+possible from the server they measure on a small machine; `serve_http_url` sends the same load to
+any OpenAI-compatible server.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
+from minillm.benchmarks.http_client import (
+    Endpoint,
+    completion_body,
+    get,
+    inter_token_s,
+    model_name,
+    stream_completion,
+)
 from minillm.benchmarks.serve import make_trace
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
@@ -43,91 +57,33 @@ def percentile(values: list[float], q: float) -> float:
     return values[max(0, -(-len(values) * q // 100) - 1)]
 
 
-async def post_stream(port: int, body: dict) -> tuple:
-    """POST body to /v1/completions on 127.0.0.1 and read the status line and headers. Returns
-    (reader, writer, the moment it was sent, the status, whether the body is chunked)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    payload = json.dumps(body).encode()
-    writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(payload), payload)
-    )
-    sent = time.perf_counter()
-    status = (await reader.readline()).split(b" ")[1]
-    chunked = False
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
-    return reader, writer, sent, int(status), chunked
-
-
-async def stream_completion(port: int, body: dict, disconnect_after: int | None = None) -> dict:
-    """POST body (with "stream": true) to /v1/completions on 127.0.0.1 and read the events; with
-    `disconnect_after`, hang up after that many text chunks. Returns text, tokens, timings."""
-    reader, writer, sent, status, chunked = await post_stream(port, body)
-    result = {
-        "status": status,
-        "text": "",
-        "tokens": 0,
-        "ttft_s": None,
-        "chunks": 0,
-        "done": False,
-        "sent": sent,
+def decode_speeds(inter_token: list[float | None]) -> dict:
+    """Each client's decode once its first token has come: the inter-token latency p50/p99 over
+    the clients, and the mean of their tok/s (1 / their inter-token latency)."""
+    inter_token = [s for s in inter_token if s]  # a request of one token has none
+    if not inter_token:
+        return {"itl_p50_s": None, "itl_p99_s": None, "decode_tok_s_per_client": None}
+    return {
+        "itl_p50_s": percentile(inter_token, 50),
+        "itl_p99_s": percentile(inter_token, 99),
+        "decode_tok_s_per_client": sum(1 / s for s in inter_token) / len(inter_token),
     }
-    buffer = b""
-    try:
-        while not result["done"]:
-            if chunked:
-                size = int((await reader.readline()).strip() or b"0", 16)
-                if size == 0:
-                    break
-                buffer += await reader.readexactly(size)
-                await reader.readline()
-            else:
-                data = await reader.read(65536)
-                if not data:
-                    break
-                buffer += data
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                data = event.removeprefix(b"data: ")
-                if data == b"[DONE]":
-                    result["done"] = True
-                    break
-                message = json.loads(data)
-                if "error" in message:
-                    raise RuntimeError(message["error"]["message"])
-                if message.get("usage"):
-                    result["tokens"] = message["usage"]["completion_tokens"]
-                for choice in message["choices"]:
-                    # the first chunk: the first token's text, or the end of an answer without text
-                    if result["ttft_s"] is None:
-                        result["ttft_s"] = time.perf_counter() - sent
-                    result["text"] += choice["text"]
-                    result["chunks"] += 1
-                if disconnect_after is not None and result["chunks"] >= disconnect_after:
-                    return result
-    finally:
-        result["end"] = time.perf_counter()
-        writer.close()
-    return result
 
 
-def get(port: int, path: str) -> bytes:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as response:
-        return response.read()
+# ----------------------------------------------------------------------------- the minillm serve child
 
 
-def metrics(port: int) -> dict:
+def metrics(server: Endpoint) -> dict:
     from minillm.serve.metrics import parse_metrics
 
-    return parse_metrics(get(port, "/metrics").decode())
+    return parse_metrics(get(server, "/metrics").decode())
 
 
-def wait_idle(port: int, timeout: float = 120) -> dict:
+def wait_idle(server: Endpoint, timeout: float = 120) -> dict:
     """/metrics once nothing runs or waits (or the timeout passed)."""
     deadline = time.monotonic() + timeout
     while True:
-        values = metrics(port)
+        values = metrics(server)
         if (
             values["num_requests_running"] == values["num_requests_waiting"] == 0
             or time.monotonic() > deadline
@@ -142,7 +98,7 @@ def free_port() -> int:
 
 
 def start_server(serve_args: list[str], port: int) -> subprocess.Popen:
-    """`minillm serve` in a child process; returns once /health answers."""
+    """`minillm serve` in a child process on 127.0.0.1:port; returns once /health answers."""
     server = subprocess.Popen(
         [
             sys.executable,
@@ -164,7 +120,7 @@ def start_server(serve_args: list[str], port: int) -> subprocess.Popen:
         if server.poll() is not None:
             raise ConfigError(f"minillm serve exited: {server.stderr.read().decode().strip()[-500:]}")
         try:
-            get(port, "/health")
+            get(Endpoint("127.0.0.1", port), "/health")
             return server
         except OSError:
             if time.monotonic() > deadline:
@@ -173,12 +129,32 @@ def start_server(serve_args: list[str], port: int) -> subprocess.Popen:
             time.sleep(0.2)
 
 
+@contextmanager
+def minillm_serve(serve_args: list[str]) -> Iterator[Endpoint]:
+    """`minillm serve` in a child process on a free port while the block runs; stopped after."""
+    port = free_port()
+    server = start_server(serve_args, port)
+    try:
+        yield Endpoint("127.0.0.1", port)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 def blocks_held(values: dict) -> int:
     return values["kv_blocks"]["private"] + values["kv_blocks"]["shared"]
 
 
+# ----------------------------------------------------------------------------- the clients
+
+
+def client_trace(tokenizer: Tokenizer, clients: int, max_tokens: int | None = None) -> list[tuple]:
+    """bench serve's seeded trace, one request per client; with `max_tokens`, every output that long."""
+    return [(prompt, max_tokens or n) for prompt, n in make_trace(tokenizer, clients)]
+
+
 async def run_clients(
-    port: int, model: str, trace, disconnect_after: int | None = None
+    server: Endpoint, model: str, trace, disconnect_after: int | None = None
 ) -> tuple[list[dict], float]:
     """Every request at once, one client each; every other client hangs up after
     `disconnect_after` chunks when given. Returns the results and the elapsed seconds."""
@@ -186,22 +162,34 @@ async def run_clients(
     results = await asyncio.gather(
         *[
             stream_completion(
-                port,
-                {
-                    "model": model,
-                    "prompt": prompt,
-                    "max_tokens": n,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "stream_options": {"include_usage": True},
-                },
+                server,
+                completion_body(model, prompt, n),
                 disconnect_after if disconnect_after is not None and i % 2 else None,
             )
             for i, (prompt, n) in enumerate(trace)
         ]
     )
     return results, max(r["end"] for r in results) - start
+
+
+def clients_summary(results: list[dict], elapsed: float) -> dict:
+    """One round of clients: aggregate output tok/s, TTFT p50/p99, each client's decode speed, and
+    where the token counts came from (the server's usage, or the chunks with text)."""
+    tokens = sum(r["tokens"] for r in results)
+    ttfts = [r["ttft_s"] for r in results]
+    return {
+        "output_tok_s": tokens / elapsed,
+        "elapsed_s": elapsed,
+        "output_tokens": tokens,
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
+        **decode_speeds([inter_token_s(r) for r in results]),
+        "tokens_from": " and ".join(sorted({r["tokens_from"] for r in results})),
+        "all_finished": all(r["done"] and r["status"] == 200 for r in results),
+    }
+
+
+# ----------------------------------------------------------------------------- against LLM.generate
 
 
 def run_generate(llm: LLM, trace, params) -> tuple[dict, list[str]]:
@@ -215,23 +203,17 @@ def run_generate(llm: LLM, trace, params) -> tuple[dict, list[str]]:
             "elapsed_s": elapsed,
             "ttft_p50_s": percentile(ttfts, 50),
             "ttft_p99_s": percentile(ttfts, 99),
+            **decode_speeds([out.tpot for out in outputs]),  # the same measure: the engine's clock
         },
         [out.text for out in outputs],
     )
 
 
-def run_server_round(port: int, model: str, trace, expected: list[str]) -> dict:
-    results, elapsed = asyncio.run(run_clients(port, model, trace))
-    after = wait_idle(port)
-    tokens = sum(r["tokens"] for r in results)
-    ttfts = [r["ttft_s"] for r in results]
+def run_server_round(server: Endpoint, model: str, trace, expected: list[str]) -> dict:
+    results, elapsed = asyncio.run(run_clients(server, model, trace))
+    after = wait_idle(server)
     return {
-        "output_tok_s": tokens / elapsed,
-        "elapsed_s": elapsed,
-        "output_tokens": tokens,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
-        "all_finished": all(r["done"] and r["status"] == 200 for r in results),
+        **clients_summary(results, elapsed),
         "outputs_match_generate": [r["text"] for r in results] == expected,
         "blocks_held_after": blocks_held(after),
     }
@@ -242,12 +224,12 @@ def best(rounds: list[dict]) -> dict:
     return max(rounds, key=lambda run: run["output_tok_s"])
 
 
-def describe_trace(trace) -> dict:
+def describe_trace(trace, max_tokens: int | None = None) -> dict:
     return {
         "prompt_tokens": sum(len(p) for p, _ in trace),
         "output_tokens": sum(n for _, n in trace),
         "prompt_len": "U[16, 320]",
-        "output_len": "U[8, 160]",
+        "output_len": str(max_tokens) if max_tokens else "U[8, 160]",
         "seed": 0,
     }
 
@@ -272,28 +254,23 @@ def bench_serve_http(
     clients: int = 32,
     disconnect_after: int = 4,
     repeats: int = 1,
+    max_tokens: int | None = None,
 ) -> dict:
-    tokenizer = Tokenizer(model_dir)
-    trace = make_trace(tokenizer, clients)
+    trace = client_trace(Tokenizer(model_dir), clients, max_tokens)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in trace]
     llm = LLM(model_dir, **switches)
     llm.generate([trace[0][0]], SamplingParams(max_tokens=4))  # warm-up
-    port = free_port()
-    server = start_server(serve_args, port)
     generate_rounds, server_rounds = [], []
-    try:
-        model = json.loads(get(port, "/v1/models"))["data"][0]["id"]
-        asyncio.run(run_clients(port, model, trace[:1]))  # warm-up
+    with minillm_serve(serve_args) as server:
+        model = model_name(server)
+        asyncio.run(run_clients(server, model, trace[:1]))  # warm-up
         for _ in range(repeats):  # interleaved, so a busy moment on a shared machine hits both sides alike
             generate, expected = run_generate(llm, trace, params)  # the server is idle meanwhile
             generate_rounds.append(generate)
-            server_rounds.append(run_server_round(port, model, trace, expected))
-        aborted_before = metrics(port)["requests_aborted_total"]
-        left, _ = asyncio.run(run_clients(port, model, trace, disconnect_after))
-        after_disconnect = wait_idle(port)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+            server_rounds.append(run_server_round(server, model, trace, expected))
+        aborted_before = metrics(server)["requests_aborted_total"]
+        left, _ = asyncio.run(run_clients(server, model, trace, disconnect_after))
+        after_disconnect = wait_idle(server)
     generate, served = best(generate_rounds), best(server_rounds)
     matched = all(run["outputs_match_generate"] and run["all_finished"] for run in server_rounds)
     return {
@@ -301,7 +278,7 @@ def bench_serve_http(
         "model": model,
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
-        "trace": describe_trace(trace),
+        "trace": describe_trace(trace, max_tokens),
         "serve_args": serve_args,
         "llm_generate": generate,
         "server": served,
@@ -317,6 +294,26 @@ def bench_serve_http(
     }
 
 
+def duration(seconds: float | None) -> str:
+    """3 significant digits, in ms below a second; "-" for none."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
+def per_client(side: dict) -> list[str]:
+    """A row's last cells: what one client saw once its first token had come."""
+    tok_s = side["decode_tok_s_per_client"]
+    return [
+        duration(side["itl_p50_s"]),
+        duration(side["itl_p99_s"]),
+        "-" if tok_s is None else f"{tok_s:.1f}",
+    ]
+
+
+PER_CLIENT_COLUMNS = ["ITL p50", "ITL p99", "tok/s per client"]
+
+
 def print_serve_http_report(report: dict, console) -> None:
     trace, gen, srv = report["trace"], report["llm_generate"], report["server"]
     print_table(
@@ -324,7 +321,7 @@ def print_serve_http_report(report: dict, console) -> None:
         f"{report['clients']} streaming clients at once (prompts {trace['prompt_len']}, "
         f"outputs {trace['output_len']} tokens, greedy), {report['torch_threads']} torch "
         f"thread(s), best of {report['repeats']} interleaved rounds",
-        ["", "output tok/s", "elapsed", "TTFT p50", "TTFT p99"],
+        ["", "output tok/s", "elapsed", "TTFT p50", "TTFT p99", *PER_CLIENT_COLUMNS],
         [
             [
                 "LLM.generate (one process)",
@@ -332,6 +329,7 @@ def print_serve_http_report(report: dict, console) -> None:
                 f"{gen['elapsed_s']:.1f} s",
                 f"{gen['ttft_p50_s']:.2f} s",
                 f"{gen['ttft_p99_s']:.2f} s",
+                *per_client(gen),
             ],
             [
                 "minillm serve + HTTP clients",
@@ -339,6 +337,7 @@ def print_serve_http_report(report: dict, console) -> None:
                 f"{srv['elapsed_s']:.1f} s",
                 f"{srv['ttft_p50_s']:.2f} s",
                 f"{srv['ttft_p99_s']:.2f} s",
+                *per_client(srv),
             ],
         ],
     )

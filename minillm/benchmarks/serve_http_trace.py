@@ -21,26 +21,31 @@ from outside, through HTTP, tokenization of answers and the event loop:
 Unlike the in-process replay, nothing skips the server's idle time: a run lasts at least until the
 last arrival. The server's connection and queue limits are raised to the trace's size, so that
 every request reaches the scheduler (the in-process replay has no such limits).
+
+With --url, the same replay against a server already running, any OpenAI-compatible one: steps 2
+to 4 as above (the prompts are token ids of --model's tokenizer), but no child and none of its
+flags, and no KV blocks counted at the end (/metrics is minillm's). --max-tokens makes every
+request decode that many tokens instead of its own length.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
-from minillm.benchmarks.serve_http import (
-    blocks_held,
-    free_port,
-    get,
-    percentile,
-    start_server,
+from minillm.benchmarks.http_client import (
+    Endpoint,
+    completion_body,
+    inter_token_s,
+    model_name,
+    parse_url,
     stream_completion,
-    wait_idle,
 )
+from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
+from minillm.benchmarks.serve_http import blocks_held, duration, minillm_serve, percentile, wait_idle
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
 from minillm.report import print_table
@@ -67,28 +72,18 @@ class Answered:
     error: str | None
 
 
-async def send(port: int, model: str, prompt_ids: list[int], max_tokens: int, kind: str = "") -> Answered:
+async def send(
+    server: Endpoint, model: str, prompt_ids: list[int], max_tokens: int, kind: str = ""
+) -> Answered:
     """One streaming completion of exactly `max_tokens` tokens; whatever goes wrong is its error."""
-    body = {
-        "model": model,
-        "prompt": prompt_ids,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
     try:
-        result = await stream_completion(port, body)
+        result = await stream_completion(server, completion_body(model, prompt_ids, max_tokens))
     except (OSError, EOFError, RuntimeError, ValueError, IndexError) as err:  # refused, cut, an error event
         return Answered(kind, len(prompt_ids), "", 0, None, None, f"{type(err).__name__}: {err}"[:200])
-    error = None
-    if result["status"] != 200:
-        error = f"HTTP {result['status']}"
-    elif not result["done"] or result["tokens"] != max_tokens:
+    error = result["error"]  # an answer other than 200: its status and the start of its body
+    if error is None and (not result["done"] or result["tokens"] != max_tokens):
         error = f"the stream ended after {result['tokens']} of {max_tokens} tokens"
-    ttft, tokens = result["ttft_s"], result["tokens"]
-    tpot = (result["end"] - result["sent"] - ttft) / (tokens - 1) if ttft is not None and tokens > 1 else None
+    tokens, ttft, tpot = result["tokens"], result["ttft_s"], inter_token_s(result)
     return Answered(kind, len(prompt_ids), result["text"], tokens, ttft, tpot, error)
 
 
@@ -102,16 +97,16 @@ def probe_prompt(prompt_ids: list[int], turn: int) -> list[int]:
     return backwards[turn:] + backwards[:turn]
 
 
-async def idle_timings(port: int, model: str, trace: list[TraceRequest]) -> dict:
+async def idle_timings(server: Endpoint, model: str, trace: list[TraceRequest]) -> dict:
     """The prefill of the longest prompt the trace knows before it runs (a later chat turn may be
     longer), and a batch-1 decode step, each the smallest of PROBE_TRIES tries."""
     known = [r.prompt_ids for r in trace if r.follows is None]
     longest, shortest = max(known, key=len), min(known, key=len)
-    await send(port, model, probe_prompt(shortest, len(shortest) // 2), 2)  # warm-up: first calls are slow
+    await send(server, model, probe_prompt(shortest, len(shortest) // 2), 2)  # warm-up: first calls are slow
     prefills, decodes = [], []
     for turn in range(PROBE_TRIES):
-        prefills.append(await send(port, model, probe_prompt(longest, turn), 1))
-        decodes.append(await send(port, model, probe_prompt(shortest, turn), DECODE_PROBE_TOKENS))
+        prefills.append(await send(server, model, probe_prompt(longest, turn), 1))
+        decodes.append(await send(server, model, probe_prompt(shortest, turn), DECODE_PROBE_TOKENS))
     failed = [a.error for a in prefills + decodes if a.error]
     if failed:
         raise ConfigError(f"The idle server failed a probe request: {failed[0]}")
@@ -136,7 +131,9 @@ def slos(idle: dict, ttft_slo: float | None, tpot_slo: float | None) -> dict:
 # ----------------------------------------------------------------------------- the replay
 
 
-async def replay_http(port: int, model: str, tokenizer: Tokenizer, trace: list[TraceRequest], progress: bool):
+async def replay_http(
+    server: Endpoint, model: str, tokenizer: Tokenizer, trace: list[TraceRequest], progress: bool
+):
     """Each arrival at its time, each chat turn THINK_S (its `arrival_s`) after its previous turn's
     answer. Returns what each request got, in trace order, and the wall seconds."""
     followers = {r.follows: index for index, r in enumerate(trace) if r.follows is not None}
@@ -149,7 +146,7 @@ async def replay_http(port: int, model: str, tokenizer: Tokenizer, trace: list[T
         while True:
             await asyncio.sleep(max(0.0, send_at - (time.perf_counter() - start)))
             request = trace[index]
-            answered[index] = await send(port, model, prompt, request.output_len, request.kind)
+            answered[index] = await send(server, model, prompt, request.output_len, request.kind)
             advance()
             if index not in followers:
                 return
@@ -203,45 +200,40 @@ def bench_serve_http_trace(
     ttft_slo: float | None = None,
     tpot_slo: float | None = None,
     progress: bool = False,
+    url: str | None = None,
+    max_tokens: int | None = None,
 ) -> dict:
     tokenizer = Tokenizer(model_dir)
     trace = make_trace(tokenizer, seed, num_requests, rate, scale)
-    port = free_port()
-    server = start_server([*serve_args, *limits_for(trace)], port)
-    try:
-        model = json.loads(get(port, "/v1/models"))["data"][0]["id"]
-        idle = asyncio.run(idle_timings(port, model, trace))
+    if max_tokens:
+        trace = [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace]
+    serving = nullcontext(parse_url(url)) if url else minillm_serve([*serve_args, *limits_for(trace)])
+    with serving as server:
+        model = model_name(server)
+        idle = asyncio.run(idle_timings(server, model, trace))
         slo = slos(idle, ttft_slo, tpot_slo)
-        answered, wall_s = asyncio.run(replay_http(port, model, tokenizer, trace, progress))
-        after = wait_idle(port)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+        answered, wall_s = asyncio.run(replay_http(server, model, tokenizer, trace, progress))
+        held = None if url else blocks_held(wait_idle(server))
     return {
         "mode": "trace",
+        "url": server.url if url else None,
         "model": model,
-        "serve_args": serve_args,
-        "engine": {name: switches[name] for name in SHOWN_SWITCHES if name in switches},
+        "serve_args": [] if url else serve_args,
+        "engine": {} if url else {name: switches[name] for name in SHOWN_SWITCHES if name in switches},
         "trace": describe_trace(trace, seed, rate, scale),
         "idle": idle,
         "slo": slo,
         "served": served_summary(answered, slo, wall_s),
-        "blocks_held_after": blocks_held(after),
+        "blocks_held_after": held,
     }
-
-
-def _time(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds * 1000:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
 def print_serve_http_trace_report(report: dict, console) -> None:
     trace, slo, idle, served = report["trace"], report["slo"], report["idle"], report["served"]
     console.print(
         f"idle server: the longest prompt ({idle['longest_prompt_tokens']} tokens) prefills in "
-        f"{_time(idle['prefill_s'])}, a batch-1 decode step takes {_time(idle['decode_tpot_s'])}; SLOs: "
-        f"TTFT <= {_time(slo['ttft_s'])} ({slo['ttft_from']}), TPOT <= {_time(slo['tpot_s'])} "
+        f"{duration(idle['prefill_s'])}, a batch-1 decode step takes {duration(idle['decode_tpot_s'])}; "
+        f"SLOs: TTFT <= {duration(slo['ttft_s'])} ({slo['ttft_from']}), TPOT <= {duration(slo['tpot_s'])} "
         f"({slo['tpot_from']})"
     )
     print_table(
@@ -254,12 +246,15 @@ def print_serve_http_trace_report(report: dict, console) -> None:
                 served["requests"],
                 served["errors"],
                 f"{served['goodput']:.0%}",
-                *(_time(served[f"{name}_s"]) for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
+                *(duration(served[f"{name}_s"]) for name in ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")),
                 f"{served['wall_s']:.1f} s",
             ]
         ],
     )
-    engine = ", ".join(f"{name} {value}" for name, value in report["engine"].items())
-    console.print(f"minillm serve with {engine}; KV blocks held once idle: {report['blocks_held_after']}")
+    if report["url"]:
+        console.print(f"the server at {report['url']}, serving {report['model']}")
+    else:
+        engine = ", ".join(f"{name} {value}" for name, value in report["engine"].items())
+        console.print(f"minillm serve with {engine}; KV blocks held once idle: {report['blocks_held_after']}")
     for error in served["first_errors"]:
         console.print(f"error: {error}")

@@ -1,7 +1,8 @@
 """The commands that measure the engine serving many requests: `minillm bench serve` (one seeded
 trace through continuous and static batching and HF transformers), `minillm bench serve-http` (the
-same trace through a `minillm serve` child, N streaming clients) and `minillm bench prefix` (a
-shared system prompt with the prefix cache off and on).
+same trace through a `minillm serve` child, N streaming clients; or through any OpenAI-compatible
+server with --url) and `minillm bench prefix` (a shared system prompt with the prefix cache off
+and on).
 
 As in `measure.py`: each benchmark lives in `minillm.benchmarks` and returns one dict, printed as
 one JSON object with --json, else as its module's tables.
@@ -93,9 +94,29 @@ def add_bench_serve_http(benches) -> None:
         "this process (target >= 80%), p50/p99 time to first token, whether "
         "every client got LLM.generate's text, and the KV blocks still held "
         "once all have finished, and again after half of them hang up "
-        "mid-stream (must be 0). With --trace, bench scheduling's seeded traffic instead, each "
+        "mid-stream (must be 0). Per client: the inter-token latency p50/p99 and decode tok/s. "
+        "With --url, the same clients against a server already running (llama.cpp's, vLLM, "
+        "minillm serve...). With --trace, bench scheduling's seeded traffic instead, each "
         "request at its arrival time: goodput within a TTFT and a TPOT SLO. Needs the serve "
-        'extra: pip install -e ".[serve]".',
+        'extra: pip install -e ".[serve]" (not with --url).',
+    )
+    http.add_argument(
+        "--url",
+        metavar="URL",
+        help="drive the OpenAI-compatible server at URL (http://HOST:PORT) instead of a minillm serve "
+        "child: the same streaming requests to URL/v1/completions (prompt as token ids of --model's "
+        "tokenizer, so serve the same model; ignore_eos), the model named by URL/v1/models; no "
+        "LLM.generate comparison, no /metrics checks, no disconnect round, and the engine flags "
+        "and --threads do not apply. With --repeats, the median and min-max of the rounds. With "
+        "--trace, that trace replayed against URL (no KV blocks check)",
+    )
+    http.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every request decodes exactly N tokens instead of its trace's length (e.g. --clients 1 "
+        "--max-tokens 128: one stream's decode speed)",
     )
     http.add_argument(
         "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
@@ -111,7 +132,7 @@ def add_bench_serve_http(benches) -> None:
         type=positive_int,
         default=1,
         help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
-        "(default: 1)",
+        "(with --url: rounds of the clients, their median and min-max) (default: 1)",
     )
     http.add_argument(
         "--threads",
@@ -184,10 +205,11 @@ def add_trace_args(http) -> None:
 def cmd_bench_serve_http(args) -> None:
     from minillm.benchmarks.serve_http import bench_serve_http, print_serve_http_report
     from minillm.benchmarks.serve_http_trace import print_serve_http_trace_report
+    from minillm.benchmarks.serve_http_url import bench_serve_http_url, print_serve_http_url_report
     from minillm.config import ConfigError
     from minillm.serve import missing_server_packages
 
-    problem = missing_server_packages()
+    problem = None if args.url else missing_server_packages()  # --url needs no server of ours
     if problem:
         raise ConfigError(problem)
     switches = {k: v for k, v in engine_switches(args).items() if k != "model_dir"}
@@ -198,19 +220,26 @@ def cmd_bench_serve_http(args) -> None:
     serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
     if args.trace:
         show(bench_trace_from(args, serve_args, switches), print_serve_http_trace_report, args.json)
-        return
-    show(
-        bench_serve_http(
-            args.model,
-            serve_args,
-            switches,
-            clients=args.clients,
-            disconnect_after=args.disconnect_after,
-            repeats=args.repeats,
-        ),
-        print_serve_http_report,
-        args.json,
-    )
+    elif args.url:
+        show(
+            bench_serve_http_url(args.model, args.url, args.clients, args.max_tokens, args.repeats),
+            print_serve_http_url_report,
+            args.json,
+        )
+    else:
+        show(
+            bench_serve_http(
+                args.model,
+                serve_args,
+                switches,
+                clients=args.clients,
+                disconnect_after=args.disconnect_after,
+                repeats=args.repeats,
+                max_tokens=args.max_tokens,
+            ),
+            print_serve_http_report,
+            args.json,
+        )
 
 
 def bench_trace_from(args, serve_args: list[str], switches: dict) -> dict:
@@ -227,6 +256,8 @@ def bench_trace_from(args, serve_args: list[str], switches: dict) -> dict:
         ttft_slo=args.ttft_slo,
         tpot_slo=args.tpot_slo,
         progress=not args.json,
+        url=args.url,
+        max_tokens=args.max_tokens,
     )
 
 
