@@ -143,7 +143,13 @@ def decoder_row(
 
 
 def time_decoders(
-    model_dir: Path, models: dict, hf_model, prompt_ids: list[int], tokens: dict[str, int], new_tokens: int, repeats: int
+    model_dir: Path,
+    models: dict,
+    hf_model,
+    prompt_ids: list[int],
+    tokens: dict[str, int],
+    new_tokens: int,
+    repeats: int,
 ) -> tuple[dict[str, list[float]], dict[int, float]]:
     """Each decoder's seconds over `repeats` interleaved runs, and the cached one's tok/s by threads."""
 
@@ -155,7 +161,8 @@ def time_decoders(
             return time_hf(hf_model, prompt_ids, new_tokens)
         if name == "engine":
             return time_engine(llm, prompt_ids, n or new_tokens)
-        return time_minillm(models[name], prompt_ids, n or tokens[name], "naive" if name == "naive" else "cached")
+        decoder = "naive" if name == "naive" else "cached"
+        return time_minillm(models[name], prompt_ids, n or tokens[name], decoder)
 
     names = list(models) + ["engine"] + (["hf_transformers"] if hf_model is not None else [])
     runs: dict[str, list[float]] = {name: [] for name in names}
@@ -287,7 +294,8 @@ def print_decode_report(report: dict, console) -> None:
         + ", ".join(f"{n}: {v:.1f} tok/s" for n, v in report["cached_tok_s_by_threads"].items())
     )
     console.print(
-        f"cached is {report['cached_vs_naive']:.1f}x naive, the engine {report['engine_vs_cached']:.2f}x cached"
+        f"cached is {report['cached_vs_naive']:.1f}x naive, "
+        f"the engine {report['engine_vs_cached']:.2f}x cached"
         + (f" and {report['cached_vs_hf']:.2f}x HF transformers" if "cached_vs_hf" in report else "")
         + "".join(
             f"; {key.removesuffix('_vs_cached').replace('_', ' ')} is {value:.2f}x cached {report['dtype']}"
