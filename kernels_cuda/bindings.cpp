@@ -27,6 +27,7 @@ void quantize_write(torch::Tensor k_data, torch::Tensor v_data, torch::Tensor k_
                     torch::Tensor v, int64_t block_size, int64_t kv_format, bool keys_per_channel);
 bool dense_fits(int64_t K, int64_t N);
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 int64_t read_bytes(const at::Tensor& t);
 #endif
 
@@ -37,6 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_write", &quantize_write, "one layer's new keys and values into a quantized KV pool");
   m.def("dense_fits", &dense_fits, "whether dense takes a (K inputs, N outputs) weight");
   m.def("dense", &dense, "x @ w.T for a few rows of bf16, streaming the weight (decode's products)");
+  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows times the weight, in one call");
   m.def("read_bytes", &read_bytes, "sum a tensor's bytes on every thread: the read roof's probe");
 #endif
 }

@@ -17,11 +17,14 @@
 // multiply-added, 8 at a time. Sums are fp32 and rounded to bf16 once, as torch's bf16 matmul
 // does; only their order differs, so the results agree within bf16 rounding (tests/test_dense.py).
 //
-// `read_bytes` is the read roof the benchmarks put beside it: the same threads summing a buffer.
+// `rms_norm` is the other dense operation of a layer, in one call instead of torch's seven small
+// ones (at decode each costs more in dispatch than in arithmetic). `read_bytes` is the read roof
+// the benchmarks put beside the products: the same threads summing a buffer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -110,6 +113,32 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
     for (int64_t g = first; g < last; ++g)
       for (int64_t m = 0; m < M; ++m)  // the next group is fetched while the first row is summed
         group_row(x_data + m * K, w_data, out_data + m * N, K, g * kGroup, m == 0 && g + 1 < last);
+  });
+  return out;
+}
+
+// RMSNorm of bf16 rows, as model.py's torch version computes it: in fp32 each row times
+// 1 / sqrt(mean of its squares + eps), rounded to bf16, then times the weight, rounded again.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "rms_norm: bf16 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: contiguous x (rows, dim) and weight (dim,)");
+  const int64_t rows = x.size(0), dim = x.size(1);
+  at::Tensor out = at::empty_like(x);
+  const at::BFloat16* x_data = x.data_ptr<at::BFloat16>();
+  const at::BFloat16* w_data = weight.data_ptr<at::BFloat16>();
+  at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      const at::BFloat16* row = x_data + r * dim;
+      float squares = 0.f;
+      for (int64_t d = 0; d < dim; ++d) squares += static_cast<float>(row[d]) * static_cast<float>(row[d]);
+      const float scale = 1.f / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
+      for (int64_t d = 0; d < dim; ++d) {
+        const float normed = static_cast<float>(at::BFloat16(static_cast<float>(row[d]) * scale));
+        out_data[r * dim + d] = at::BFloat16(normed * static_cast<float>(w_data[d]));
+      }
+    }
   });
   return out;
 }

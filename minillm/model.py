@@ -122,7 +122,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in fp32 even for bf16 models: the mean of squares loses too much in bf16.
         # F.rms_norm is x * rsqrt(mean(x^2) + eps) in one call instead of four, and gives HF's
-        # bits; the weight multiplies after rounding back to the model's dtype, as in HF.
+        # bits; the weight multiplies after rounding back to the model's dtype, as in HF. bf16 on
+        # a CPU does the same in one C++ call (`dense_cpu.cpp`): torch's version is seven small
+        # operations, ~40 us a row at decode, a tenth of a bf16 step.
+        kernel = dense_kernel() if onednn_packs(self.weight) else None
+        if kernel is not None and x.dim() == 2:
+            return kernel.rms_norm(x.contiguous(), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 

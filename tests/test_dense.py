@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from minillm.decoding import generate
 from minillm.decoding.naive import NaiveDecoder
 from minillm.engine import LLM, SamplingParams
-from minillm.model import DENSE_MAX_ROWS, Linear, dense_kernel, onednn_packs
+from minillm.model import DENSE_MAX_ROWS, Linear, RMSNorm, dense_kernel, onednn_packs
 from minillm.weights import load_model
 
 needs_onednn = pytest.mark.skipif(
@@ -49,6 +49,19 @@ def test_dense_kernel_equals_the_float_product_within_bf16_rounding():
             assert (out.float() - expected).abs().max() <= 2**-7 * expected.abs().max()
             assert torch.equal(out[-1:], kernel.dense(x[-1:].contiguous(), weight))  # rows are independent
     assert not kernel.dense_fits(576, 12) and not kernel.dense_fits(100, 64)  # F.linear or oneDNN then
+
+
+def test_the_bf16_norm_kernel_is_torchs_norm_within_a_bf16_step():
+    """dense_cpu.cpp's rms_norm against model.py's torch formula, on rows of very different sizes."""
+    gen = torch.Generator().manual_seed(2)
+    norm = RMSNorm(576, 1e-5).to(torch.bfloat16)
+    norm.weight.data = torch.randn(576, generator=gen).to(torch.bfloat16)
+    x = (torch.randn(40, 576, generator=gen) * torch.logspace(-3, 3, 40)[:, None]).to(torch.bfloat16)
+    expected = norm.weight * F.rms_norm(x.float(), (576,), eps=1e-5).to(torch.bfloat16)
+    out = norm(x)
+    assert out.dtype == torch.bfloat16 and out.shape == x.shape
+    assert ((out.float() - expected.float()).abs() <= 2**-7 * expected.float().abs() + 1e-30).all()
+    assert torch.equal(norm(x[7:8]), out[7:8])  # a row alone is the same row in a batch
 
 
 def test_a_weight_the_kernel_does_not_fit_takes_the_packed_copy():
