@@ -41,6 +41,8 @@ def check_naive_vs_cached(numbers):
 
 def check_bandwidth_wall(numbers):
     assert numbers["tokens_per_s_largest_batch"] > 1.5 * numbers["tokens_per_s_batch_1"]
+    # a step cannot read its weights faster than the machine reads at all (the caches hold a tenth)
+    assert 0 < numbers["read_roof_fraction_batch_1"] < 1.2
 
 
 def check_fragmentation(numbers):

@@ -105,26 +105,33 @@ class PagedAttention:
 
     def attend(self, layer_idx, q, k, v):
         self.backend.write(self.pool, layer_idx, self.write_slots, k, v)  # this step's keys and values first:
-        out = torch.empty_like(q)  # (N, num_heads, head_dim)      every query attends to its own token too
+        if self.prefill is None:  # every query attends to its own token too
+            return self._decoded(layer_idx, q.contiguous())  # decode only: the rows are the queries, in order
+        out = torch.empty_like(q)  # (N, num_heads, head_dim)
         if self.decode is not None:
-            d = self.decode
-            out[d.rows], mass = self.backend.decode(
-                q[d.rows], self.pool, layer_idx, d.block_tables, d.context_lens, with_mass=d.mass is not None
-            )
-            if d.mass is not None:
-                d.mass[layer_idx] = mass
-        if self.prefill is not None:
-            p = self.prefill
-            out[p.rows], mass = self.backend.prefill(
-                q[p.rows],
-                self.pool,
-                layer_idx,
-                p.block_tables,
-                p.cu_seqlens,
-                p.q_indices,
-                p.context_lens,
-                with_mass=p.mass is not None,
-            )
-            if p.mass is not None:
-                p.mass[layer_idx] = mass
+            out[self.decode.rows] = self._decoded(layer_idx, q[self.decode.rows])
+        p = self.prefill
+        out[p.rows], mass = self.backend.prefill(
+            q[p.rows],
+            self.pool,
+            layer_idx,
+            p.block_tables,
+            p.cu_seqlens,
+            p.q_indices,
+            p.context_lens,
+            with_mass=p.mass is not None,
+        )
+        if p.mass is not None:
+            p.mass[layer_idx] = mass
+        return out
+
+    def _decoded(self, layer_idx: int, queries: torch.Tensor) -> torch.Tensor:
+        """The decode queries (S, num_heads, head_dim), one per sequence, attended; their attention
+        mass kept for H2O when asked."""
+        d = self.decode
+        out, mass = self.backend.decode(
+            queries, self.pool, layer_idx, d.block_tables, d.context_lens, with_mass=d.mass is not None
+        )
+        if d.mass is not None:
+            d.mass[layer_idx] = mass
         return out
