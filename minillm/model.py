@@ -56,9 +56,10 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 
 PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed copy; prefill chunks, F.linear
 # Up to this many rows the weight-streaming C++ kernel beats the packed copy. Measured on a 2-core
-# Xeon (AMX), 2 threads, all of SmolLM2's products: 1.3-2.1x at one row, 1.4-1.7x at 2-4, even at 8,
-# 0.6x at 16 (oneDNN's tiles reuse the weight in registers, the kernel re-reads it from L1).
-DENSE_MAX_ROWS = 4
+# Xeon (AMX), 2 threads, all of SmolLM2's bf16 products in a row, median of 5 interleaved: 2.0x at
+# one row (22 GB/s of weights against 11), 1.7x at 2, 1.4x at 3, 0.9x at 4, 0.5x at 16 (oneDNN's
+# tiles keep a weight in registers across rows; the kernel re-reads it from L1 for each row).
+DENSE_MAX_ROWS = 3
 
 
 @functools.cache
