@@ -165,7 +165,7 @@ def meaning(results: dict) -> str:
 
 def main():
     args, model_dir, model, tokenizer, token_ids = perplexity_setup(
-        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 8, "segment_len": 64}
+        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 4, "segment_len": 32}
     )
 
     console.rule("1. Real keys: a few channels are large for every token")

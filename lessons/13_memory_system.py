@@ -62,13 +62,13 @@ SETTINGS = {
     },
     "quick": {
         "bench_quick": True,
-        "bench_requests": 8,
+        "bench_requests": 6,
         "busy_requests": 6,
         "busy_system_tokens": 48,
         "busy_device_blocks": 16,
         "busy_host_blocks": 16,
         "filler_tokens": 120,
-        "sched_requests": 16,
+        "sched_requests": 8,
     },
 }
 STATES = ["free", "cached", "shared", "private", "host: swapped", "host: spilled"]
@@ -79,8 +79,12 @@ COLORS = ["#eeeeee", "#9ecae1", "#31a354", "#fd8d3c", "#756bb1", "#bcbddc"]
 def three_problems(model_dir, settings: dict) -> dict:
     """`minillm bench memory` on a shortened trace (no load tests); the rows each problem compares
     (scheduling: (3) first come first served against (L), memory-aware with a host tier, both fp32)."""
-    report = bench_memory(
-        model_dir, quick=settings["bench_quick"], num_requests=settings["bench_requests"], load=False
+    report = bench_memory(  # no clients share the cores here (load=False): every torch thread
+        model_dir,
+        quick=settings["bench_quick"],
+        num_requests=settings["bench_requests"],
+        load=False,
+        threads=torch.get_num_threads(),
     )
     rows = report["rows"]
     return {

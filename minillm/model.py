@@ -36,6 +36,9 @@ class AttentionContext(Protocol):
         and returns (N, num_heads, head_dim)."""
 
 
+ONEDNN = torch.backends.mkldnn.is_available()  # asked once: every product of a step asks onednn_packs
+
+
 def onednn_packs(weight: torch.Tensor) -> bool:
     """Whether `Matmul` may multiply by this weight through its own kernels: bf16 on a CPU.
 
@@ -47,11 +50,7 @@ def onednn_packs(weight: torch.Tensor) -> bool:
     1.4-2x slower than oneDNN on this CPU), but its sums would come out in another order and the
     fp32 logits would no longer equal HF transformers' bit for bit: fp32 stays the exact reference.
     """
-    return (
-        weight.device.type == "cpu"
-        and weight.dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-    )
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and ONEDNN
 
 
 PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed copy; prefill chunks, F.linear
