@@ -28,6 +28,7 @@ void quantize_write(torch::Tensor k_data, torch::Tensor v_data, torch::Tensor k_
 bool dense_fits(int64_t K, int64_t N);
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 int64_t read_bytes(const at::Tensor& t);
 #endif
 
@@ -39,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_fits", &dense_fits, "whether dense takes a (K inputs, N outputs) weight");
   m.def("dense", &dense, "x @ w.T for a few rows of bf16, streaming the weight (decode's products)");
   m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows times the weight, in one call");
+  m.def("rope", &rope, "RoPE of bf16 heads, in one call");
   m.def("read_bytes", &read_bytes, "sum a tensor's bytes on every thread: the read roof's probe");
 #endif
 }

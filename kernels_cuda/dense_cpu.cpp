@@ -17,9 +17,9 @@
 // multiply-added, 8 at a time. Sums are fp32 and rounded to bf16 once, as torch's bf16 matmul
 // does; only their order differs, so the results agree within bf16 rounding (tests/test_dense.py).
 //
-// `rms_norm` is the other dense operation of a layer, in one call instead of torch's seven small
-// ones (at decode each costs more in dispatch than in arithmetic). `read_bytes` is the read roof
-// the benchmarks put beside the products: the same threads summing a buffer.
+// `rms_norm` and `rope` are a layer's other dense operations, each in one call instead of torch's
+// seven and five small ones (at decode each costs more in dispatch than in arithmetic). `read_bytes`
+// is the read roof the benchmarks put beside the products: the same threads summing a buffer.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -139,6 +139,40 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
         out_data[r * dim + d] = at::BFloat16(normed * static_cast<float>(w_data[d]));
       }
     }
+  });
+  return out;
+}
+
+// RoPE of bf16 heads, as model.py's `apply_rope` computes it with torch's bf16 operations (each
+// rounds its result): out = bf16(bf16(x * cos) + bf16(rotate_half(x) * signed_sin)), the same bits.
+// x (N, heads, head_dim) with its heads side by side in each row (a row may be part of a wider one:
+// the q and k columns of the fused projection); cos, signed_sin (N, head_dim).
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
+                  signed_sin.scalar_type() == at::kBFloat16,
+              "rope: bf16 only");
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == head_dim, "rope: heads side by side in a row");
+  TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.size(0) == tokens && cos.size(1) == head_dim,
+              "rope: cos and sin (N, head_dim)");
+  at::Tensor out = at::empty({tokens, heads, head_dim}, x.options());
+  const at::BFloat16* x_data = x.data_ptr<at::BFloat16>();
+  at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
+  const at::BFloat16* cos_data = cos.data_ptr<at::BFloat16>();
+  const at::BFloat16* sin_data = signed_sin.data_ptr<at::BFloat16>();
+  const int64_t row_stride = x.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const at::BFloat16* head = x_data + t * row_stride + h * head_dim;
+        at::BFloat16* result = out_data + (t * heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float turned = static_cast<float>(head[d]) * static_cast<float>(cos_data[t * head_dim + d]);
+          const float swapped = static_cast<float>(head[(d + half) % head_dim]);
+          const float moved = swapped * static_cast<float>(sin_data[t * head_dim + d]);
+          result[d] = at::BFloat16(static_cast<float>(at::BFloat16(turned)) + static_cast<float>(at::BFloat16(moved)));
+        }
+      }
   });
   return out;
 }

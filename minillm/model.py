@@ -148,7 +148,11 @@ def rope_tables(config: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """x: (N, heads, head_dim); cos, signed_sin: (N, head_dim).
-    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with x1, x2 the two halves of each head."""
+    (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with x1, x2 the two halves of each head.
+    bf16 on a CPU: the same arithmetic, the same bits, in one C++ call (`dense_cpu.cpp`)."""
+    kernel = dense_kernel() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+    if kernel is not None:
+        return kernel.rope(x, cos, signed_sin)
     swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)
     return x * cos[:, None, :] + swapped * signed_sin[:, None, :]
 

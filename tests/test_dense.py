@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from minillm.decoding import generate
 from minillm.decoding.naive import NaiveDecoder
 from minillm.engine import LLM, SamplingParams
-from minillm.model import DENSE_MAX_ROWS, Linear, RMSNorm, dense_kernel, onednn_packs
+from minillm.model import DENSE_MAX_ROWS, Linear, RMSNorm, apply_rope, dense_kernel, onednn_packs
 from minillm.weights import load_model
 
 needs_onednn = pytest.mark.skipif(
@@ -62,6 +62,18 @@ def test_the_bf16_norm_kernel_is_torchs_norm_within_a_bf16_step():
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     assert ((out.float() - expected.float()).abs() <= 2**-7 * expected.float().abs() + 1e-30).all()
     assert torch.equal(norm(x[7:8]), out[7:8])  # a row alone is the same row in a batch
+
+
+def test_the_bf16_rope_kernel_gives_torchs_bits():
+    """apply_rope's C++ path against the same formula in torch's bf16 operations, on q and k heads
+    that are a view into the wider rows of the fused projection (as the model calls it)."""
+    gen = torch.Generator().manual_seed(3)
+    for tokens in (1, 7, 130):
+        rows = torch.randn(tokens, 960, generator=gen).to(torch.bfloat16)
+        heads = rows[:, :768].view(tokens, 12, 64)
+        cos, sin = (torch.randn(tokens, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+        swapped = heads.roll(32, dims=-1)
+        assert torch.equal(apply_rope(heads, cos, sin), heads * cos[:, None, :] + swapped * sin[:, None, :])
 
 
 def test_a_weight_the_kernel_does_not_fit_takes_the_packed_copy():

@@ -113,6 +113,12 @@ class PagedKVPool:
         shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+        empty = self.k_cache.new_empty(0)
+        no_rows = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._layers = [  # made once: a step asks for every layer's view
+            KVLayer(self.k_cache[layer], self.v_cache[layer], empty, empty, empty, no_rows, "auto", False)
+            for layer in range(config.num_layers)
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -124,9 +130,7 @@ class PagedKVPool:
         return 0
 
     def layer(self, layer: int) -> KVLayer:
-        empty = self.k_cache.new_empty(0)
-        no_rows = torch.empty(0, dtype=torch.int32, device=self.device)
-        return KVLayer(self.k_cache[layer], self.v_cache[layer], empty, empty, empty, no_rows, "auto", False)
+        return self._layers[layer]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (n, kv_heads, head_dim) go into `slots` (n,)."""
