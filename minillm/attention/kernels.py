@@ -8,6 +8,8 @@ numbers in the model's dtype, or int8 / int4 / fp8 with their scales and centres
 blocks' staged keys), dequantize in registers, and can return the attention mass H2O accumulates.
 A third CPU kernel, `quantize_write`, stores a step's keys and values into a quantized pool with
 `QuantizedKVPool`'s torch rounding, in one call per layer instead of some thirty small operations.
+The CPU build also carries `dense_cpu.cpp`, bf16 decode's products, RMSNorm and RoPE: not
+attention, but the same build, so `model.py` asks `cpu_kernel()` for them.
 
 `attention_backend(config)` is what a run gets: `EngineConfig.attention_backend` "cpu" or "cuda"
 names a kernel, "torch" the references, and "auto" (the default) the kernel of the config's device
