@@ -62,7 +62,7 @@ SETTINGS = {
     },
     "quick": {
         "bench_quick": True,
-        "bench_requests": 6,
+        "bench_requests": 8,
         "busy_requests": 6,
         "busy_system_tokens": 48,
         "busy_device_blocks": 16,

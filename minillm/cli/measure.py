@@ -50,11 +50,13 @@ def add_bench_decode(benches) -> None:
     decode = benches.add_parser(
         "decode",
         help="batch-1 decode tok/s: naive vs cached vs HF transformers",
-        description="Batch-1 decode speed of the naive and cached decoders and of HF "
+        description="Batch-1 decode speed of the naive and cached decoders, of the serving "
+        "engine with one request (what minillm serve runs per token) and of HF "
         "transformers' generate on the same weights, and of the cached decoder "
         "in the other precision (float32 beside bfloat16), with bandwidth "
-        "achieved against this machine's measured copy bandwidth: the median "
-        "of interleaved runs, the best and the spread.",
+        "achieved against this machine's read roof (every thread reading a large "
+        "buffer: all a batch-1 step does with its weights) and copy roof, both "
+        "measured now: the median of interleaved runs, the best and the spread.",
     )
     decode.add_argument(
         "--tokens", type=positive_int, default=128, help="new tokens per run for cached and HF (default: 128)"
