@@ -8,7 +8,7 @@ paged_attention_cpu.cpp   decode's C++ twin for CPUs (OpenMP), built and tested 
 flash_prefill_cpu.cpp     flash prefill's C++ twin
 kv_rows_cpu.h             what the two CPU kernels share: how the pool's layer is stored and read
 kv_write_cpu.cpp          the quantized pool's write in one call per layer
-dense_cpu.cpp             bf16 decode's dense work on a CPU: matrix products of 1-3 rows, RMSNorm,
+dense_cpu.cpp             bf16 decode's dense work on a CPU: matrix products of 1-6 rows, RMSNorm,
                           RoPE (model.py calls them), and the read-roof probe the benchmarks use
 bindings.cpp              both builds' Python bindings
 

@@ -7,9 +7,9 @@
 // kernel only streams the weight rows past the activation rows:
 //
 //   for each group of kGroup weight rows (the threads split the groups):
-//     for each activation row m:          (the group stays in L1 for rows after the first)
-//       acc[j] += x[m, k:k+32] . w[n+j, k:k+32]   for k in steps of 32, j < kGroup
-//       out[m, n+j] = bf16(sum of acc[j]'s lanes)
+//     for each tile of up to 3 activation rows:   (the group stays in L1 after the first tile)
+//       acc[i][j] += x[m+i, k:k+32] . w[n+j, k:k+32]   for k in steps of 32, j < kGroup
+//       out[m+i, n+j] = bf16(sum of acc[i][j]'s lanes)
 //
 // while prefetching the next group's lines, so the loads of one group overlap the sums of the
 // last. With AVX-512 BF16 one instruction (vdpbf16ps) multiplies 32 bf16 pairs into 16 fp32 sums;
@@ -31,26 +31,35 @@ namespace {
 
 constexpr int64_t kGroup = 8;  // weight rows streamed together: 8 sums in flight per activation row
 
+// group_rows<MR>: out[m0 .. m0+MR, n0 .. n0+kGroup), MR activation rows against one group of weight
+// rows, each weight vector loaded once for all MR rows. Every sum is the same sequence of
+// instructions whatever MR is, so a row's result does not depend on the rows beside it.
 #if defined(__AVX512BF16__)
-constexpr int64_t kStep = 32;  // bf16 numbers per instruction
+constexpr int64_t kStep = 32;     // bf16 numbers per instruction
+constexpr int kMaxTileRows = 3;   // 3 x 8 sums + 3 activation vectors + 1 weight vector: 28 of 32 registers
 
-// out[m, n0 .. n0+kGroup) for one activation row m.
-inline void group_row(const at::BFloat16* x_row, const at::BFloat16* w, at::BFloat16* out_row, int64_t K, int64_t n0,
-                      bool prefetch_next) {
-  __m512 acc[kGroup];
-  for (int j = 0; j < kGroup; ++j) acc[j] = _mm512_setzero_ps();
+template <int MR>
+inline void group_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t K, int64_t N,
+                       int64_t m0, int64_t n0, bool prefetch_next) {
+  __m512 acc[MR][kGroup];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kGroup; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += kStep) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x_row + k);
+    __m512bh xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_loadu_si512(x + (m0 + i) * K + k);
     for (int j = 0; j < kGroup; ++j) {
       const at::BFloat16* w_row = w + (n0 + j) * K;
-      acc[j] = _mm512_dpbf16_ps(acc[j], xv, (__m512bh)_mm512_loadu_si512(w_row + k));
+      const __m512bh wv = (__m512bh)_mm512_loadu_si512(w_row + k);
       if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(w_row + kGroup * K + k), _MM_HINT_T0);
+      for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
     }
   }
-  for (int j = 0; j < kGroup; ++j) out_row[n0 + j] = at::BFloat16(_mm512_reduce_add_ps(acc[j]));
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < kGroup; ++j) out[(m0 + i) * N + n0 + j] = at::BFloat16(_mm512_reduce_add_ps(acc[i][j]));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kStep = 8;  // fp32 lanes per instruction
+constexpr int64_t kStep = 8;     // fp32 lanes per instruction
+constexpr int kMaxTileRows = 1;  // 16 ymm registers: 8 sums per row already take half
 
 inline __m256 widened(const at::BFloat16* p) {  // 8 bf16 -> 8 fp32: each becomes the top half
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -63,12 +72,14 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
 }
 
-inline void group_row(const at::BFloat16* x_row, const at::BFloat16* w, at::BFloat16* out_row, int64_t K, int64_t n0,
-                      bool prefetch_next) {
+template <int MR>
+inline void group_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t K, int64_t N,
+                       int64_t m0, int64_t n0, bool prefetch_next) {
+  static_assert(MR == 1, "AVX2: one activation row per tile");
   __m256 acc[kGroup];
   for (int j = 0; j < kGroup; ++j) acc[j] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; k += kStep) {
-    const __m256 xv = widened(x_row + k);
+    const __m256 xv = widened(x + m0 * K + k);
     for (int j = 0; j < kGroup; ++j) {
       const at::BFloat16* w_row = w + (n0 + j) * K;
       acc[j] = _mm256_fmadd_ps(xv, widened(w_row + k), acc[j]);
@@ -76,20 +87,35 @@ inline void group_row(const at::BFloat16* x_row, const at::BFloat16* w, at::BFlo
         _mm_prefetch(reinterpret_cast<const char*>(w_row + kGroup * K + k), _MM_HINT_T0);
     }
   }
-  for (int j = 0; j < kGroup; ++j) out_row[n0 + j] = at::BFloat16(lane_sum(acc[j]));
+  for (int j = 0; j < kGroup; ++j) out[m0 * N + n0 + j] = at::BFloat16(lane_sum(acc[j]));
 }
 #else
 constexpr int64_t kStep = 1;
+constexpr int kMaxTileRows = 1;
 
-inline void group_row(const at::BFloat16* x_row, const at::BFloat16* w, at::BFloat16* out_row, int64_t K, int64_t n0,
-                      bool) {
+template <int MR>
+inline void group_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t K, int64_t N,
+                       int64_t m0, int64_t n0, bool) {
+  static_assert(MR == 1, "scalar: one activation row per tile");
   for (int j = 0; j < kGroup; ++j) {
     float sum = 0.f;
-    for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(x_row[k]) * static_cast<float>(w[(n0 + j) * K + k]);
-    out_row[n0 + j] = at::BFloat16(sum);
+    for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(x[m0 * K + k]) * static_cast<float>(w[(n0 + j) * K + k]);
+    out[m0 * N + n0 + j] = at::BFloat16(sum);
   }
 }
 #endif
+
+// Every activation row against one group: in tiles of as many rows as the registers hold, the
+// first tile prefetching the next group.
+inline void group(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t M, int64_t K, int64_t N,
+                  int64_t n0, bool prefetch_next) {
+  int64_t m = 0;
+  if constexpr (kMaxTileRows >= 3)
+    for (; M - m >= 3; m += 3, prefetch_next = false) group_rows<3>(x, w, out, K, N, m, n0, prefetch_next);
+  if constexpr (kMaxTileRows >= 2)
+    for (; M - m >= 2; m += 2, prefetch_next = false) group_rows<2>(x, w, out, K, N, m, n0, prefetch_next);
+  for (; m < M; ++m, prefetch_next = false) group_rows<1>(x, w, out, K, N, m, n0, prefetch_next);
+}
 
 }  // namespace
 
@@ -110,9 +136,7 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
   at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
   const int64_t groups = N / kGroup;
   at::parallel_for(0, groups, 16, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g)
-      for (int64_t m = 0; m < M; ++m)  // the next group is fetched while the first row is summed
-        group_row(x_data + m * K, w_data, out_data + m * N, K, g * kGroup, m == 0 && g + 1 < last);
+    for (int64_t g = first; g < last; ++g) group(x_data, w_data, out_data, M, K, N, g * kGroup, g + 1 < last);
   });
   return out;
 }

@@ -56,9 +56,9 @@ def onednn_packs(weight: torch.Tensor) -> bool:
 PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed copy; prefill chunks, F.linear
 # Up to this many rows the weight-streaming C++ kernel beats the packed copy. Measured on a 2-core
 # Xeon (AMX), 2 threads, all of SmolLM2's bf16 products in a row, median of 5 interleaved: 2.0x at
-# one row (22 GB/s of weights against 11), 1.7x at 2, 1.4x at 3, 0.9x at 4, 0.5x at 16 (oneDNN's
-# tiles keep a weight in registers across rows; the kernel re-reads it from L1 for each row).
-DENSE_MAX_ROWS = 3
+# 1-2 rows (19 GB/s of weights against 10), 1.65x at 3, 1.5x at 4, 1.2-1.3x at 5-6, even at 8
+# (the kernel's tiles hold 3 rows; oneDNN's, on AMX, many more).
+DENSE_MAX_ROWS = 6
 
 
 @functools.cache
