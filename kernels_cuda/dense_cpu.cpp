@@ -72,22 +72,23 @@ inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
 }
 
-template <int MR>
+template <int MR>  // one row at a time (kMaxTileRows is 1 here)
 inline void group_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t K, int64_t N,
                        int64_t m0, int64_t n0, bool prefetch_next) {
-  static_assert(MR == 1, "AVX2: one activation row per tile");
-  __m256 acc[kGroup];
-  for (int j = 0; j < kGroup; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += kStep) {
-    const __m256 xv = widened(x + m0 * K + k);
-    for (int j = 0; j < kGroup; ++j) {
-      const at::BFloat16* w_row = w + (n0 + j) * K;
-      acc[j] = _mm256_fmadd_ps(xv, widened(w_row + k), acc[j]);
-      if (prefetch_next && k % 32 == 0)  // one prefetch per 64-byte line
-        _mm_prefetch(reinterpret_cast<const char*>(w_row + kGroup * K + k), _MM_HINT_T0);
+  for (int64_t m = m0; m < m0 + MR; ++m, prefetch_next = false) {
+    __m256 acc[kGroup];
+    for (int j = 0; j < kGroup; ++j) acc[j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += kStep) {
+      const __m256 xv = widened(x + m * K + k);
+      for (int j = 0; j < kGroup; ++j) {
+        const at::BFloat16* w_row = w + (n0 + j) * K;
+        acc[j] = _mm256_fmadd_ps(xv, widened(w_row + k), acc[j]);
+        if (prefetch_next && k % 32 == 0)  // one prefetch per 64-byte line
+          _mm_prefetch(reinterpret_cast<const char*>(w_row + kGroup * K + k), _MM_HINT_T0);
+      }
     }
+    for (int j = 0; j < kGroup; ++j) out[m * N + n0 + j] = at::BFloat16(lane_sum(acc[j]));
   }
-  for (int j = 0; j < kGroup; ++j) out[m0 * N + n0 + j] = at::BFloat16(lane_sum(acc[j]));
 }
 #else
 constexpr int64_t kStep = 1;
@@ -96,12 +97,12 @@ constexpr int kMaxTileRows = 1;
 template <int MR>
 inline void group_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t K, int64_t N,
                        int64_t m0, int64_t n0, bool) {
-  static_assert(MR == 1, "scalar: one activation row per tile");
-  for (int j = 0; j < kGroup; ++j) {
-    float sum = 0.f;
-    for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(x[m0 * K + k]) * static_cast<float>(w[(n0 + j) * K + k]);
-    out[m0 * N + n0 + j] = at::BFloat16(sum);
-  }
+  for (int64_t m = m0; m < m0 + MR; ++m)
+    for (int j = 0; j < kGroup; ++j) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += static_cast<float>(x[m * K + k]) * static_cast<float>(w[(n0 + j) * K + k]);
+      out[m * N + n0 + j] = at::BFloat16(sum);
+    }
 }
 #endif
 
