@@ -13,8 +13,9 @@ token belongs to which sequence. This is the layout continuous batching needs.
 Two projections are fused for speed, as nano-vllm and gpt-fast do: q, k and v are one matmul
 (`wqkv`), and the SwiGLU gate and up projections are another (`w_gate_up`). `weights.py`
 concatenates the checkpoint's separate matrices into them. Every matmul goes through `Matmul`,
-which picks torch's own kernel or, for decode-sized bf16 products on a CPU, oneDNN on a copy of
-the weight packed once.
+which picks torch's own kernel or, for decode-sized bf16 products on a CPU, a C++ kernel that
+streams the weight (up to 6 rows) or oneDNN on a copy of the weight packed once; bf16 norms and
+RoPE on a CPU take one C++ call each (`kernels_cuda/dense_cpu.cpp`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ ONEDNN = torch.backends.mkldnn.is_available()  # asked once: every product of a 
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether `Matmul` may multiply by this weight through its own kernels: bf16 on a CPU.
+    """Whether `Matmul` may multiply by this weight through a oneDNN-packed copy: bf16 on a CPU.
 
     Measured on a 2-core AMD EPYC (avx512_bf16), one thread, SmolLM2's shapes, weights read from
     memory: torch's bf16 F.linear re-lays the weight out on every call and reaches ~14 GFLOP/s at
@@ -64,7 +65,7 @@ DENSE_MAX_ROWS = 6
 @functools.cache
 def dense_kernel():
     """The CPU kernels' build (kernels_cuda/dense_cpu.cpp), or None where it does not build: the
-    packed copy then takes every decode-sized product."""
+    packed copy then takes every decode-sized product, and torch the norms and RoPE."""
     from minillm.attention.kernels import cpu_kernel  # the build only; attention itself stays out
     from minillm.config import ConfigError
 
@@ -72,6 +73,11 @@ def dense_kernel():
         return cpu_kernel()
     except ConfigError:
         return None
+
+
+def bf16_kernel(t: torch.Tensor):
+    """dense_cpu.cpp's kernels for a bf16 tensor on a CPU (where they build), else None."""
+    return dense_kernel() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
 
 
 class Matmul:
@@ -91,11 +97,11 @@ class Matmul:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > PACKED_MAX_ROWS or not onednn_packs(weight):
-            return F.linear(x, weight)
-        kernel = dense_kernel() if rows <= DENSE_MAX_ROWS else None
+        kernel = bf16_kernel(weight) if rows <= DENSE_MAX_ROWS else None
         if kernel is not None and weight.is_contiguous() and kernel.dense_fits(*weight.shape[::-1]):
             return kernel.dense(x.contiguous(), weight)
+        if rows > PACKED_MAX_ROWS or not onednn_packs(weight):
+            return F.linear(x, weight)
         source = (weight.data_ptr(), weight._version)
         if self.packed_from != source:
             self.packed, self.packed_from = torch.ops.mkldnn._reorder_linear_weight(weight.detach()), source
@@ -125,7 +131,7 @@ class RMSNorm(nn.Module):
         # bits; the weight multiplies after rounding back to the model's dtype, as in HF. bf16 on
         # a CPU does the same in one C++ call (`dense_cpu.cpp`): torch's version is seven small
         # operations, ~40 us a row at decode, a tenth of a bf16 step.
-        kernel = dense_kernel() if onednn_packs(self.weight) else None
+        kernel = bf16_kernel(self.weight)
         if kernel is not None and x.dim() == 2:
             return kernel.rms_norm(x.contiguous(), self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
@@ -150,7 +156,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     """x: (N, heads, head_dim); cos, signed_sin: (N, head_dim).
     (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), with x1, x2 the two halves of each head.
     bf16 on a CPU: the same arithmetic, the same bits, in one C++ call (`dense_cpu.cpp`)."""
-    kernel = dense_kernel() if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+    kernel = bf16_kernel(x)
     if kernel is not None:
         return kernel.rope(x, cos, signed_sin)
     swapped = x.roll(x.shape[-1] // 2, dims=-1)  # (x2, x1)

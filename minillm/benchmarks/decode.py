@@ -250,41 +250,49 @@ def bench_decode(
     }
 
 
+DECODER_COLUMNS = [
+    "decoder",
+    "dtype",
+    "tok/s median",
+    "best",
+    "spread",
+    "ms/token",
+    "MB read/step",
+    "GB/s achieved",
+    "of read roof (best)",
+    "of copy roof (best)",
+]
+
+
+def decoder_cells(name: str, d: dict) -> list[str]:
+    """One decoder's row of the table, in DECODER_COLUMNS' order."""
+    read_roof = (
+        f"{d['read_roof_fraction']:.0%} ({d['best_read_roof_fraction']:.0%})"
+        if d["read_roof_fraction"]
+        else "-"
+    )
+    return [
+        name,
+        d["dtype"],
+        f"{d['tok_s']:.1f}",
+        f"{d['best_tok_s']:.1f}",
+        f"{d['spread']:.0%}",
+        f"{d['ms_per_token']:.1f}",
+        f"{d['bytes_per_step'] / 1e6:.0f}",
+        f"{d['bandwidth_GBs']:.1f}",
+        read_roof,
+        f"{d['roof_fraction']:.0%} ({d['best_roof_fraction']:.0%})",
+    ]
+
+
 def print_decode_report(report: dict, console) -> None:
     print_table(
         console,
         f"batch-1 decode, prompt {report['prompt_len']} tokens, {report['new_tokens']} new "
         f"(naive {report['naive_tokens']}), {report['repeats']} interleaved runs, "
         f"{report['machine']['torch_threads']} threads",
-        [
-            "decoder",
-            "dtype",
-            "tok/s median",
-            "best",
-            "spread",
-            "ms/token",
-            "MB read/step",
-            "GB/s achieved",
-            "of read roof (best)",
-            "of copy roof (best)",
-        ],
-        [
-            [
-                name,
-                d["dtype"],
-                f"{d['tok_s']:.1f}",
-                f"{d['best_tok_s']:.1f}",
-                f"{d['spread']:.0%}",
-                f"{d['ms_per_token']:.1f}",
-                f"{d['bytes_per_step'] / 1e6:.0f}",
-                f"{d['bandwidth_GBs']:.1f}",
-                f"{d['read_roof_fraction']:.0%} ({d['best_read_roof_fraction']:.0%})"
-                if d["read_roof_fraction"]
-                else "-",
-                f"{d['roof_fraction']:.0%} ({d['best_roof_fraction']:.0%})",
-            ]
-            for name, d in report["decoders"].items()
-        ],
+        DECODER_COLUMNS,
+        [decoder_cells(name, d) for name, d in report["decoders"].items()],
     )
     read = report["read_bandwidth_GBs"]
     read_roof = f"read {read:.1f} GB/s (every thread summing a buffer), " if read else ""

@@ -113,6 +113,50 @@ async def read_some(reader: asyncio.StreamReader, chunked: bool) -> bytes:
     return data
 
 
+END_OF_STREAM = "[DONE]"
+
+
+def parse_event(event: bytes) -> dict | str | None:
+    """One server-sent event: its JSON message, END_OF_STREAM, or None for a comment (a keep-alive)
+    or a field these servers do not send; an error event raises RuntimeError."""
+    field, _, value = event.partition(b":")
+    value = value.strip()
+    if field == b"error":  # llama.cpp's server reports a failure so
+        raise RuntimeError(value.decode(errors="replace")[:300])
+    if field != b"data":
+        return None
+    if value == END_OF_STREAM.encode():
+        return END_OF_STREAM
+    message = json.loads(value)
+    if "error" in message:
+        raise RuntimeError(message["error"]["message"])
+    return message
+
+
+def take_message(result: dict, message: dict) -> int:
+    """Add one message's choices (and its usage, if any) to `result`; returns how many of its
+    choices carried text."""
+    if message.get("usage"):
+        result["tokens"] = message["usage"]["completion_tokens"]
+    with_text = 0
+    for choice in message["choices"]:
+        # the first chunk: the first token's text, or the end of an answer without text
+        if result["ttft_s"] is None:
+            result["ttft_s"] = time.perf_counter() - result["sent"]
+        result["text"] += choice["text"]
+        result["chunks"] += 1
+        with_text += bool(choice["text"])
+    return with_text
+
+
+async def error_of(reader: asyncio.StreamReader, chunked: bool, status: int) -> str:
+    """An answer other than 200: its status and the start of its body."""
+    body = b""
+    while data := await read_some(reader, chunked):
+        body += data
+    return f"HTTP {status}: {body.decode(errors='replace').strip()[:300]}"
+
+
 async def stream_completion(endpoint: Endpoint, body: dict, disconnect_after: int | None = None) -> dict:
     """POST body (with "stream": true) to /v1/completions and read the events; with
     `disconnect_after`, hang up after that many text chunks. Returns text, tokens, timings; an
@@ -132,35 +176,16 @@ async def stream_completion(endpoint: Endpoint, body: dict, disconnect_after: in
     text_chunks, buffer = 0, b""
     try:
         if status != 200:  # an error body, not events
-            while data := await read_some(reader, chunked):
-                buffer += data
-            result["error"] = f"HTTP {status}: {buffer.decode(errors='replace').strip()[:300]}"
+            result["error"] = await error_of(reader, chunked, status)
             return result
         while not result["done"] and (data := await read_some(reader, chunked)):
             buffer += data
-            while b"\n\n" in buffer:
+            while b"\n\n" in buffer and not result["done"]:
                 event, buffer = buffer.split(b"\n\n", 1)
-                field, _, value = event.partition(b":")
-                value = value.strip()
-                if field == b"error":  # llama.cpp's server reports a failure so
-                    raise RuntimeError(value.decode(errors="replace")[:300])
-                if field != b"data":  # a comment (a keep-alive), or a field these servers do not send
-                    continue
-                if value == b"[DONE]":
-                    result["done"] = True
-                    break
-                message = json.loads(value)
-                if "error" in message:
-                    raise RuntimeError(message["error"]["message"])
-                if message.get("usage"):
-                    result["tokens"] = message["usage"]["completion_tokens"]
-                for choice in message["choices"]:
-                    # the first chunk: the first token's text, or the end of an answer without text
-                    if result["ttft_s"] is None:
-                        result["ttft_s"] = time.perf_counter() - sent
-                    result["text"] += choice["text"]
-                    result["chunks"] += 1
-                    text_chunks += bool(choice["text"])
+                message = parse_event(event)
+                result["done"] = message == END_OF_STREAM
+                if isinstance(message, dict):
+                    text_chunks += take_message(result, message)
                 if disconnect_after is not None and result["chunks"] >= disconnect_after:
                     return result
     finally:

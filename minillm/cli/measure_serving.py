@@ -100,47 +100,7 @@ def add_bench_serve_http(benches) -> None:
         "request at its arrival time: goodput within a TTFT and a TPOT SLO. Needs the serve "
         'extra: pip install -e ".[serve]" (not with --url).',
     )
-    http.add_argument(
-        "--url",
-        metavar="URL",
-        help="drive the OpenAI-compatible server at URL (http://HOST:PORT) instead of a minillm serve "
-        "child: the same streaming requests to URL/v1/completions (prompt as token ids of --model's "
-        "tokenizer, so serve the same model; ignore_eos), the model named by URL/v1/models; no "
-        "LLM.generate comparison, no /metrics checks, no disconnect round, and the engine flags "
-        "and --threads do not apply. With --repeats, the median and min-max of the rounds. With "
-        "--trace, that trace replayed against URL (no KV blocks check)",
-    )
-    http.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="every request decodes exactly N tokens instead of its trace's length (e.g. --clients 1 "
-        "--max-tokens 128: one stream's decode speed)",
-    )
-    http.add_argument(
-        "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
-    )
-    http.add_argument(
-        "--disconnect-after",
-        type=positive_int,
-        default=4,
-        help="in the second round, every other client hangs up after this many chunks (default: 4)",
-    )
-    http.add_argument(
-        "--repeats",
-        type=positive_int,
-        default=1,
-        help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
-        "(with --url: rounds of the clients, their median and min-max) (default: 1)",
-    )
-    http.add_argument(
-        "--threads",
-        type=positive_int,
-        default=1,
-        help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
-        "other work (here: the clients) more threads wait for each other (default: 1)",
-    )
+    add_client_args(http)
     add_trace_args(http)
     http.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(http)
@@ -240,6 +200,51 @@ def cmd_bench_serve_http(args) -> None:
             print_serve_http_report,
             args.json,
         )
+
+
+def add_client_args(parser) -> None:
+    """Who the clients talk to, how many there are, how long they decode, and how often."""
+    parser.add_argument(
+        "--url",
+        metavar="URL",
+        help="drive the OpenAI-compatible server at URL (http://HOST:PORT) instead of a minillm serve "
+        "child: the same streaming requests to URL/v1/completions (prompt as token ids of --model's "
+        "tokenizer, so serve the same model; ignore_eos), the model named by URL/v1/models; no "
+        "LLM.generate comparison, no /metrics checks, no disconnect round, and the engine flags "
+        "and --threads do not apply. With --repeats, the median and min-max of the rounds. With "
+        "--trace, that trace replayed against URL (no KV blocks check)",
+    )
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every request decodes exactly N tokens instead of its trace's length (e.g. --clients 1 "
+        "--max-tokens 128: one stream's decode speed)",
+    )
+    parser.add_argument(
+        "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
+    )
+    parser.add_argument(
+        "--disconnect-after",
+        type=positive_int,
+        default=4,
+        help="in the second round, every other client hangs up after this many chunks (default: 4)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=1,
+        help="rounds of LLM.generate then the clients, interleaved; the best of each is reported "
+        "(with --url: rounds of the clients, their median and min-max) (default: 1)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
+        "other work (here: the clients) more threads wait for each other (default: 1)",
+    )
 
 
 def bench_trace_from(args, serve_args: list[str], switches: dict) -> dict:
