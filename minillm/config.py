@@ -74,6 +74,11 @@ class EngineConfig:
     disk_cache_dir: str | None = None  # a folder for block files once the host pool is full; None = none
     preemption: str = "auto"  # recompute, swap (needs a tier) or "auto": by measured cost (recompute
     #   without a tier)
+    # --- speculative decoding (minillm.engine.speculative): lossless
+    speculative: str = "none"  # "ngram": guess tokens from the sequence itself, check them in one pass
+    num_speculative_tokens: int = 4  # guesses per sequence per step, at most (vLLM's k)
+    prompt_lookup_min: int = 2  # the shortest n-gram looked up
+    prompt_lookup_max: int = 4  # the longest n-gram looked up (the longest that occurred wins)
 
     def __post_init__(self):
         self._check_choices()
@@ -104,6 +109,7 @@ class EngineConfig:
             )
         self.check_kv_compression()
         self.check_tiers()
+        self.check_speculative()
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("device='cuda' was asked for but torch sees no CUDA GPU; use --device cpu.")
 
@@ -148,6 +154,17 @@ class EngineConfig:
         if self.preemption == "swap" and not self.has_tiers:
             raise ConfigError(
                 "preemption='swap' needs somewhere to swap to: set host_cache_bytes or disk_cache_dir."
+            )
+
+    def check_speculative(self) -> None:
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not (type(value) is int and value >= 1):
+                raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}.")
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ConfigError(
+                f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "
+                f"({self.prompt_lookup_min}): n-grams from min to max tokens are looked up."
             )
 
     @property
@@ -341,6 +358,32 @@ SWITCHES = {
             "when KV blocks run out: recompute the victim, swap its blocks out, or "
             "pick by measured cost (default: %(default)s; recompute without a tier)",
             choices=("recompute", "swap", "auto"),
+        ),
+        # speculative decoding (minillm.engine.speculative)
+        Switch(
+            "speculative",
+            "speculative",
+            "ngram: guess the next tokens from the prompt and output (n-gram lookup) and check "
+            "them in one forward pass; greedy output is unchanged (default: %(default)s)",
+            choices=("none", "ngram"),
+        ),
+        Switch(
+            "num_speculative_tokens",
+            "speculative",
+            "with --speculative: guesses per sequence per step, at most (default: %(default)s)",
+            minimum=1,
+        ),
+        Switch(
+            "prompt_lookup_min",
+            "speculative",
+            "with --speculative ngram: the shortest n-gram looked up (default: %(default)s)",
+            minimum=1,
+        ),
+        Switch(
+            "prompt_lookup_max",
+            "speculative",
+            "with --speculative ngram: the longest n-gram looked up (default: %(default)s)",
+            minimum=1,
         ),
     )
 }

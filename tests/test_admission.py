@@ -77,7 +77,7 @@ def step(sched):
     """One engine step without a model: the scheduled tokens are computed, and every sequence
     whose tokens are all computed samples token 1. Returns the sequences scheduled."""
     schedule = sched.schedule()
-    sched.computed(schedule)
+    sched.computed(schedule, {})
     for item in schedule.sequences:
         if item.seq.num_uncomputed == 0:
             reason = item.seq.append(1, None)

@@ -30,6 +30,7 @@ from minillm.cli.flags import (
     add_model_args,
     add_sampling_args,
     add_switch,
+    add_speculative_args,
     add_tier_args,
     engine_switches,
     sampling_from,
@@ -89,6 +90,7 @@ def add_chat_engine_args(chat) -> None:
         "blocks and preempting) (default: %(default)s)",
     )
     add_tier_args(engine)
+    add_speculative_args(engine)
 
 
 def cmd_chat(args) -> None:

@@ -1,7 +1,7 @@
 """The flags several `minillm` commands share: which model, how to sample, the engine's switches.
 
 Every engine flag is made from its entry in `config.SWITCHES` (name, choices, default, help), in
-groups a command adds beside its own flags: model, engine, KV quantization, eviction, tiers.
+groups a command adds beside its own flags: model, engine, KV quantization, eviction, tiers, speculative decoding.
 `engine_switches` reads them back as EngineConfig fields, and `engine_argv` writes them out again
 as flags for a child `minillm serve`.
 """
@@ -137,6 +137,10 @@ def add_eviction_args(parser: argparse.ArgumentParser) -> None:
 
 def add_tier_args(parser: argparse.ArgumentParser) -> None:
     _add_group(parser, "tiers")
+
+
+def add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    _add_group(parser, "speculative")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -11,6 +11,7 @@ from minillm.cli.flags import (
     add_model_args,
     add_sampling_args,
     add_switch,
+    add_speculative_args,
     add_tier_args,
     engine_switches,
     sampling_from,
@@ -50,6 +51,7 @@ def add_generate(subparsers) -> None:
     )
     add_sampling_args(gen, max_tokens=128)
     add_tier_args(gen)
+    add_speculative_args(gen)
     add_model_args(gen, dtype="auto")
     gen.set_defaults(func=cmd_generate)
 

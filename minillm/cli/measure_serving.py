@@ -17,6 +17,7 @@ from minillm.cli.flags import (
     add_kv_quantization_args,
     add_model_args,
     add_switch,
+    add_speculative_args,
     add_tier_args,
     engine_argv,
     engine_switches,
@@ -107,6 +108,7 @@ def add_bench_serve_http(benches) -> None:
     add_kv_quantization_args(http)
     add_eviction_args(http)
     add_tier_args(http)
+    add_speculative_args(http)
     add_model_args(http)
     http.set_defaults(func=cmd_bench_serve_http)
 

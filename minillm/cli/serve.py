@@ -16,6 +16,7 @@ from minillm.cli.flags import (
     add_eviction_args,
     add_kv_quantization_args,
     add_model_args,
+    add_speculative_args,
     add_tier_args,
     engine_switches,
     positive_float,
@@ -89,6 +90,7 @@ def add_serve(subparsers) -> None:
     add_kv_quantization_args(serve)
     add_eviction_args(serve)
     add_tier_args(serve)
+    add_speculative_args(serve)
     add_model_args(serve, dtype="auto")
     serve.set_defaults(func=cmd_serve)
 

@@ -34,6 +34,7 @@ from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
+from minillm.engine.speculative import NgramProposer, check_guesses
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams
@@ -75,6 +76,11 @@ class LLMEngine:
         self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
         self.kv_cache = KVCacheManager.build(config, model_config, self.model.dtype, self.model.device)
+        self.proposer = None
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
         self.scheduler = Scheduler(
             self.kv_cache,
             config.scheduling,
@@ -83,6 +89,7 @@ class LLMEngine:
             self.context_len,
             model_config.vocab_size,
             config.admission,
+            self.guesses_for if self.proposer is not None else None,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
@@ -174,24 +181,54 @@ class LLMEngine:
         # 2. swaps, spills, copy-on-write before anyone writes; the next step's swap-in behind this pass
         self.kv_cache.apply(schedule.copies, prefetch=schedule.prefetch)
         start = time.perf_counter()
-        hidden, last_rows = self.runner.forward(schedule.sequences)  # 3. one forward pass
+        forward = self.runner.forward(schedule.sequences)  # 3. one forward pass
         self.kv_cache.record_forward(
             sum(item.num_tokens for item in schedule.sequences),
             len(schedule.sequences),
             time.perf_counter() - start,
         )
-        evicted = self.scheduler.computed(schedule)  # 4. prefix blocks registered, budgets kept
+        guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
+        kept, endings = self.check_guesses(guessed, forward) if guessed else ({}, {})
+        evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
         ready = [
             (item.seq, row)
-            for item, row in zip(schedule.sequences, last_rows)
+            for item, row in zip(schedule.sequences, forward.last_rows)
             if item.seq.num_uncomputed == 0
         ]
-        changed = []
+        changed = [item.seq.request_id for item, _ in guessed]
+        for seq, reason in endings.items():
+            self.scheduler.finish(seq, reason)
         if ready:
-            logits = self.runner.logits(hidden, [row for _, row in ready])  # (sequences ready, vocab)
-            changed = self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
-        self.stats.record(schedule, len(ready), evicted, self.memory_stats(), self.kv_cache.end_step())
-        return self.outputs_of(changed)  # 6.
+            logits = self.runner.logits(forward.hidden, [row for _, row in ready])  # (sequences ready, vocab)
+            changed += self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
+        generated = len(ready) + sum(kept.values())
+        self.stats.record(schedule, generated, evicted, self.memory_stats(), self.kv_cache.end_step())
+        return self.outputs_of(list(dict.fromkeys(changed)))  # 6.
+
+    def check_guesses(self, guessed, forward) -> tuple[dict[int, int], dict[Sequence, str]]:
+        """Speculation: each guessing sequence keeps the guesses the model agrees with and one
+        token of its own (`speculative.check_guesses`), appended now. Returns, per sequence id, the
+        tokens it appended (its last token's KV and its kept guesses' are the ones kept), and the
+        sequences that must stop (EOS or length among them)."""
+        rows = [r for item, last in guessed for r in range(last - len(item.guesses), last + 1)]
+        logits = self.runner.logits(forward.hidden, rows)  # (rows, vocab)
+        kept, endings, first = {}, {}, 0
+        for item, _ in guessed:
+            seq, num_rows = item.seq, len(item.guesses) + 1
+            tokens = check_guesses(item.guesses, logits[first : first + num_rows], seq.sampler)
+            first += num_rows
+            self.proposer.record(seq.seq_id, len(item.guesses), len(tokens) - 1)
+            self.stats.record_guesses(len(item.guesses), len(tokens) - 1)
+            appended = 0
+            for token in tokens:
+                appended += 1
+                reason = seq.append(token, self.eos_token_id)
+                if reason:
+                    endings[seq] = reason
+                    break
+            kept[seq.seq_id] = appended
+            self.runner.add_mass(seq, forward.guess_mass.get(seq.seq_id, [])[:appended])
+        return kept, endings
 
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
         """End these requests with `error`; their blocks go back and the engine stays usable."""
@@ -214,8 +251,19 @@ class LLMEngine:
         return outputs
 
     def forget(self, request_id: str) -> None:
+        if self.proposer is not None:
+            for seq in self.requests[request_id]:
+                self.proposer.forget(seq.seq_id)
         del self.requests[request_id]
         self.beam_groups.pop(request_id, None)
+
+    def guesses_for(self, seq: Sequence, most: int) -> list[int]:
+        """At most `most` speculated tokens to follow a decoding sequence. Beams choose among
+        each other's scores, and a custom sampler has no probabilities to check a guess by:
+        neither guesses."""
+        if seq.request_id in self.beam_groups or type(seq.sampler) is not Sampler:
+            return []
+        return self.proposer.propose(seq.seq_id, seq.token_ids, most)
 
     def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
         """Give each ready sequence its next token; return the requests that changed, in order.

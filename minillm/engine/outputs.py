@@ -112,6 +112,12 @@ class EngineStats:
     live_slot_steps: int = 0  # live slots summed over every step (utilization over the whole run)
     reserved_slot_steps: int = 0
     rungs: Counter[str] = field(default_factory=Counter)  # the pressure ladder's rungs taken, over the run
+    # speculative decoding: sequence-steps that guessed, tokens guessed, guesses kept, and guesses
+    #   kept by position (vLLM's spec_decode_num_drafts / _draft_tokens / _accepted_tokens[_per_pos])
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: Counter[int] = field(default_factory=Counter)
     memory: deque[MemoryStats] = field(init=False)  # after each of the last `window` steps
     batches: deque[list[tuple[str, int]]] = field(init=False)  # the same steps: (request_id, tokens computed)
     ladder: deque[dict[str, int]] = field(init=False)  # the same steps: rung -> blocks reclaimed,
@@ -134,6 +140,26 @@ class EngineStats:
         self.memory.append(memory)
         self.ladder.append(rungs)
         self.rungs.update(rungs)
+
+    def record_guesses(self, proposed: int, accepted: int) -> None:
+        """A sequence guessed `proposed` tokens this step and the model kept the first `accepted`."""
+        self.spec_drafts += 1
+        self.spec_draft_tokens += proposed
+        self.spec_accepted_tokens += accepted
+        self.spec_accepted_per_pos.update(range(accepted))
+
+    def speculation(self) -> dict:
+        """Speculative decoding's numbers over the run: guesses made and kept, the acceptance rate,
+        and the tokens each checking pass gave a guessing sequence (its kept guesses and one more)."""
+        drafts = self.spec_drafts
+        return {
+            "drafts": drafts,
+            "draft_tokens": self.spec_draft_tokens,
+            "accepted_tokens": self.spec_accepted_tokens,
+            "acceptance_rate": self.spec_accepted_tokens / self.spec_draft_tokens if drafts else 0.0,
+            "tokens_per_pass": 1 + self.spec_accepted_tokens / drafts if drafts else 1.0,
+            "accepted_per_position": [self.spec_accepted_per_pos[i] for i in range(max(self.spec_accepted_per_pos, default=-1) + 1)],
+        }
 
     def kv_utilization(self) -> float:
         """Live slots / reserved slots, summed over all steps."""

@@ -9,10 +9,14 @@ for each sequence, which slots hold its history. That is everything attention ne
 Decode tokens (one query each) are attended together, and so are prefill chunks (many queries
 each, ragged), by the run's backend: the torch references or the kernels (`attention/kernels.py`).
 Both can report the attention each key received, which the runner adds to the sequence's H2O
-accumulator (the KV cache manager's).
+accumulator (the KV cache manager's). A sequence's speculated tokens (`speculative.py`) follow its
+last one as a small chunk; with H2O each of those rows is attended apart, so that the attention
+of a rejected guess can be left out.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -23,33 +27,52 @@ from minillm.memory import KVCacheManager
 from minillm.model import Transformer
 
 
+@dataclass
+class Forward:
+    """What a forward pass gives: the hidden states (N, hidden), each sequence's last row, and for
+    each sequence that guessed (with H2O) the attention mass of each of its rows, to be added only
+    for the rows whose guesses are kept."""
+
+    hidden: torch.Tensor
+    last_rows: list[int]
+    guess_mass: dict[int, list[tuple[torch.Tensor, int]]]
+
+
 class ModelRunner:
     def __init__(self, model: Transformer, kv_cache: KVCacheManager, backend: Backend):
         self.model, self.kv_cache = model, kv_cache
         self.backend = backend  # attends the step's decode tokens at once, and its prefill chunks at once
 
-    def forward(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, list[int]]:
-        """One forward pass over every scheduled token, sequences laid end to end.
-        Returns the hidden states (N, hidden) and each sequence's last row."""
+    def forward(self, scheduled: list[ScheduledSequence]) -> Forward:
+        """One forward pass over every scheduled token, sequences laid end to end (a sequence's
+        guesses after its last token)."""
         device, kv_cache = self.model.device, self.kv_cache
         token_ids, positions, write_slots, last_rows = [], [], [], []
         decode_rows, decode_tables, decode_lens, decoding = [], [], [], []
         chunks, chunk_tables, prefilling = [], [], []
+        keeps_mass = self.kv_cache.keeps_attention_mass
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             first, end = seq.num_cached, seq.num_cached + n  # cache indices of the new tokens
             row = len(token_ids)
-            token_ids += seq.token_ids[seq.num_computed : seq.num_computed + n]
+            token_ids += seq.token_ids[seq.num_computed : seq.num_computed + n - len(item.guesses)]
+            token_ids += item.guesses
             positions += range(seq.num_computed, seq.num_computed + n)
             write_slots += kv_cache.slots(seq.seq_id, first, end)
+            table = kv_cache.table(seq.seq_id)
             if n == 1:  # one query: a decode token
                 decode_rows.append(row)
-                decode_tables.append(kv_cache.table(seq.seq_id))
+                decode_tables.append(table)
                 decode_lens.append(end)
                 decoding.append((seq, end))
+            elif item.guesses and keeps_mass:  # H2O: each row's attention apart, kept only if its guess is
+                for i in range(n):
+                    chunks.append((row + i, first + i, 1))
+                    chunk_tables.append(table)
+                    prefilling.append((seq, first + i + 1))
             else:
                 chunks.append((row, first, n))
-                chunk_tables.append(kv_cache.table(seq.seq_id))
+                chunk_tables.append(table)
                 prefilling.append((seq, end))
             last_rows.append(row + n - 1)
         mass_layers, kv_heads = self._mass_layers(), self.model.config.num_kv_heads
@@ -63,19 +86,26 @@ class ModelRunner:
         ctx = PagedAttention(kv_cache.pool, slots, decode, prefill, self.backend)
         ids, positions = torch.tensor(token_ids, device=device), torch.tensor(positions, device=device)
         hidden = self.model(ids, positions, ctx)
+        guessing = {item.seq.seq_id for item in scheduled if item.guesses}
+        guess_mass: dict[int, list] = {seq_id: [] for seq_id in guessing}
         for batch, members in ((decode, decoding), (prefill, prefilling)):
             if batch is not None and batch.mass is not None:
-                self._add_mass(batch.mass, members)
-        return hidden, last_rows
+                for i, (seq, end) in enumerate(members):
+                    if seq.seq_id in guessing:
+                        guess_mass[seq.seq_id].append((batch.mass[:, i], end))
+                    else:
+                        self.add_mass(seq, [(batch.mass[:, i], end)])
+        return Forward(hidden, last_rows, guess_mass)
 
     def _mass_layers(self) -> int:
         """With H2O, every layer's attention mass is kept; else none."""
         return self.model.config.num_layers if self.kv_cache.keeps_attention_mass else 0
 
-    def _add_mass(self, mass: torch.Tensor, members) -> None:
-        """mass (layers, S, kv_heads, longest): what each member sequence's entries got this step."""
-        for i, (seq, end) in enumerate(members):
-            self.kv_cache.attention_mass(seq.seq_id, end)[..., :end] += mass[:, i, :, :end]
+    def add_mass(self, seq, masses: list[tuple[torch.Tensor, int]]) -> None:
+        """Add to the sequence's H2O accumulator what its entries got from some of its queries:
+        (mass (layers, kv_heads, longest), entries it covers) each."""
+        for mass, end in masses:
+            self.kv_cache.attention_mass(seq.seq_id, end)[..., :end] += mass[..., :end]
 
     def logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Next-token logits (len(rows), vocab) of the chosen rows of the hidden states."""

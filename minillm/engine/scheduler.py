@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from minillm.engine.admission import admission_problem, longest_held, make_admission
 from minillm.engine.sequence import Sequence, Status
@@ -39,7 +40,8 @@ from minillm.memory import KVCacheManager
 @dataclass
 class ScheduledSequence:
     seq: Sequence
-    num_tokens: int  # tokens to compute this step, starting at seq.num_computed
+    num_tokens: int  # tokens to compute this step, starting at seq.num_computed (its guesses included)
+    guesses: list[int] = field(default_factory=list)  # speculated tokens after its last one, to check
 
 
 @dataclass
@@ -64,8 +66,12 @@ class Scheduler:
         context_len: int,
         vocab_size: int,
         admission: str = "fcfs",
+        guesser: Callable[[Sequence, int], list[int]] | None = None,
     ):
+        """`guesser(seq, most)`: at most `most` speculated tokens to follow a decoding sequence
+        (`speculative.py`), or None without speculation."""
         self.kv_cache = kv_cache
+        self.guesser = guesser
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -141,12 +147,15 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.num_uncomputed == 0:  # preempted in this loop, or a
                 continue  # beam whose scores are in, waiting for its siblings
-            num_tokens, made_room = self._reserve_running(seq, budget)
-            preempted |= made_room
-            if num_tokens:
-                scheduled.append(ScheduledSequence(seq, num_tokens))
+            item = self._with_guesses(seq, budget)
+            if item is None:
+                num_tokens, made_room = self._reserve_running(seq, budget)
+                preempted |= made_room
+                item = ScheduledSequence(seq, num_tokens) if num_tokens else None
+            if item is not None:
+                scheduled.append(item)
                 self._scheduled_ids.add(seq.seq_id)
-                budget -= num_tokens
+                budget -= item.num_tokens
         if self.policy == "continuous" and not preempted:
             self._admit_waiting(scheduled, budget)
         return scheduled, preempted
@@ -164,6 +173,29 @@ class Scheduler:
             if not self._release_waiting(seq):
                 self._preempt(self.running[-1], protect=seq)
         return 0, made_room
+
+    def _with_guesses(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
+        """A decoding sequence's last token and the guesses after it, if it has some and free
+        blocks hold them (guesses never make anyone leave); else None, and it runs as usual. Its
+        guesses stop short of its length limit, the step's budget, and what the KV cache manager
+        can roll back (`room_to_guess`)."""
+        if self.guesser is None or seq.num_uncomputed != 1 or not seq.output_ids:
+            return None
+        most = min(
+            budget - 1,
+            seq.max_len - seq.num_tokens - 1,
+            self.kv_cache.room_to_guess(seq.num_cached, len(seq.prompt_ids), seq.max_len),
+        )
+        guesses = self.guesser(seq, most) if most > 0 else []
+        if not guesses:
+            return None
+        blocks = self.kv_cache.blocks_for
+        extra = blocks(seq.num_cached + 1 + len(guesses)) - blocks(seq.num_cached + 1)
+        if self.kv_cache.num_free_blocks - extra < len(self.running):  # a block left for each to grow
+            return None
+        tokens = [*seq.token_ids, *guesses]
+        grant = self.kv_cache.allocate(seq.seq_id, tokens, seq.num_computed, seq.num_cached, 1 + len(guesses))
+        return ScheduledSequence(seq, grant.num_tokens, guesses) if grant.num_tokens == 1 + len(guesses) else None
 
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         """Start waiting sequences while the budget, seats and the admission policy allow."""
@@ -310,13 +342,19 @@ class Scheduler:
             self.admission.finished(seq)
 
     # ----------------------------------------------------------------- after the forward pass
-    def computed(self, schedule: Schedule) -> int:
-        """The step's tokens now have their K/V in the pool; the KV cache manager registers full
-        blocks and keeps budgets. Returns the entries evicted."""
+    def computed(self, schedule: Schedule, kept: dict[int, int]) -> int:
+        """The step's tokens now have their K/V in the pool. A sequence that guessed keeps
+        `kept[seq_id]` of its tokens (its last and the guesses accepted): the KV cache manager
+        rolls the rest back first. Then it registers full blocks and keeps budgets. Returns the
+        entries evicted."""
         evicted = 0
         for item in schedule.sequences:
             seq = item.seq
-            seq.num_computed += item.num_tokens
+            if item.guesses:
+                seq.num_computed += kept[seq.seq_id]
+                self.kv_cache.truncate(seq.seq_id, seq.num_cached)
+            else:
+                seq.num_computed += item.num_tokens
             counts = (seq.num_computed, seq.num_cached, len(seq.prompt_ids), seq.max_len)
             dropped = self.kv_cache.computed(seq.seq_id, seq.token_ids, *counts)
             seq.num_evicted += dropped

@@ -199,6 +199,17 @@ class Evictor:
     def forget(self, seq_id: int) -> None:
         self._states.pop(seq_id, None)
 
+    def truncate(self, seq_id: int, num_entries: int) -> None:
+        """The sequence's cache was cut back to `num_entries` entries: the scores and positions of
+        the entries after them go (the next tokens' entries start afresh there)."""
+        state = self._states.get(seq_id)
+        if state is None:
+            return
+        if state.mass is not None:
+            state.mass = state.mass[..., :num_entries].contiguous()
+        if state.positions is not None:
+            state.positions = state.positions[..., :num_entries].contiguous()
+
     # ---------------------------------------------------------------- budgets
     def budget(self, max_len: int) -> int:
         """Private entries a sequence of at most `max_len` tokens may keep."""

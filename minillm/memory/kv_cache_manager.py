@@ -196,6 +196,40 @@ class KVCacheManager:
         if self.evictor:
             self.evictor.forget(seq_id)
 
+    # ---------------------------------------------------------------- speculation's rollback
+    def room_to_guess(self, num_cached: int, prompt_len: int, max_len: int) -> int:
+        """Speculated entries a sequence with `num_cached` entries may write after its next token
+        this step, and still roll back exactly (`truncate`): with eviction, only while its cache
+        stays within what it keeps (an eviction between the guesses would have left other
+        entries than decoding one token at a time); with keys scaled per block, not into a
+        block's last slot (that write quantizes the block)."""
+        room = max_len
+        if self.evictor is not None:
+            room = self.evictor.kept(prompt_len, max_len) - num_cached - 1
+        if self.pool.fills_are_final:
+            size = self.block_size
+            room = min(room, size - 1 - (num_cached + 1) % size)
+        return room
+
+    def truncate(self, seq_id: int, num_entries: int) -> None:
+        """Keep only the sequence's first `num_entries` KV entries: the rollback of rejected
+        guesses. Blocks past them go back to the pool (their staged keys with them, at the next
+        `apply`); the block cut into, whose later slots the next tokens write, stops being
+        findable in the prefix cache if this table alone holds it (a shared one is copied before
+        that write) and goes back to staging if it had been quantized; the prefix cache will
+        offer the sequence's blocks again from there; H2O's scores of the entries cut go."""
+        manager, size = self.block_manager, self.block_size
+        manager.truncate(seq_id, num_entries)
+        if num_entries % size:
+            block = manager.table(seq_id)[num_entries // size]
+            if manager.refcount(block) == 1:
+                manager.forget_cached(seq_id, num_entries, num_entries + 1)
+                self.pool.restage_block(block)
+        if manager.prefix_cache:
+            manager.prefix_cache.truncate(seq_id, num_entries // size)
+        if self.evictor:
+            self.evictor.truncate(seq_id, num_entries)
+
     def _forget(self, seq_id: int, num_computed: int) -> None:
         """The sequence's KV is thrown away: it will be recomputed."""
         self.free(seq_id)

@@ -129,6 +129,12 @@ class PagedKVPool:
         """Bytes held in full precision beside the blocks: none, every number lives in its block."""
         return 0
 
+    @property
+    def fills_are_final(self) -> bool:
+        """Does writing a block's last slot change the block's other entries? Not here: each
+        entry is stored as written (speculation may write guesses anywhere and roll them back)."""
+        return False
+
     def layer(self, layer: int) -> KVLayer:
         return self._layers[layer]
 

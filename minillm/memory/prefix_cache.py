@@ -87,6 +87,12 @@ class PrefixCache:
                     self.children.setdefault(parent, set()).add(block)
             self.registered[seq_id] = index + 1
 
+    def truncate(self, seq_id: int, num_blocks: int) -> None:
+        """The sequence was cut back to `num_blocks` full blocks: blocks after them are offered
+        again once they are full of their new content."""
+        if self.registered.get(seq_id, 0) > num_blocks:
+            self.registered[seq_id] = num_blocks
+
     def forget_sequence(self, seq_id: int) -> None:
         self.registered.pop(seq_id, None)
 

@@ -93,6 +93,13 @@ class QuantizedKVPool:
         rows_in_use = int((self.staged_row >= 0).sum())
         return rows_in_use * self.k_staged[0, 0].nbytes if rows_in_use else 0
 
+    @property
+    def fills_are_final(self) -> bool:
+        """Does writing a block's last slot change the block's other entries? With channel scales,
+        yes: it quantizes the block's staged keys with one scale per channel, so a speculated
+        key written there would be baked into the scales of the keys kept (`room_to_guess`)."""
+        return self.key_scales == "channel"
+
     def layer(self, layer: int) -> KVLayer:
         return KVLayer(
             self.k_data[layer],
