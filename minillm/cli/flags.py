@@ -1,7 +1,8 @@
 """The flags several `minillm` commands share: which model, how to sample, the engine's switches.
 
 Every engine flag is made from its entry in `config.SWITCHES` (name, choices, default, help), in
-groups a command adds beside its own flags: model, engine, KV quantization, eviction, tiers, speculative decoding.
+groups a command adds beside its own flags: model, engine, KV quantization, eviction, tiers,
+speculative decoding.
 `engine_switches` reads them back as EngineConfig fields, and `engine_argv` writes them out again
 as flags for a child `minillm serve`.
 """

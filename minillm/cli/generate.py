@@ -10,8 +10,8 @@ from __future__ import annotations
 from minillm.cli.flags import (
     add_model_args,
     add_sampling_args,
-    add_switch,
     add_speculative_args,
+    add_switch,
     add_tier_args,
     engine_switches,
     sampling_from,

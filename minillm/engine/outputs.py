@@ -151,14 +151,14 @@ class EngineStats:
     def speculation(self) -> dict:
         """Speculative decoding's numbers over the run: guesses made and kept, the acceptance rate,
         and the tokens each checking pass gave a guessing sequence (its kept guesses and one more)."""
-        drafts = self.spec_drafts
+        drafts, by_position = self.spec_drafts, self.spec_accepted_per_pos
         return {
             "drafts": drafts,
             "draft_tokens": self.spec_draft_tokens,
             "accepted_tokens": self.spec_accepted_tokens,
             "acceptance_rate": self.spec_accepted_tokens / self.spec_draft_tokens if drafts else 0.0,
             "tokens_per_pass": 1 + self.spec_accepted_tokens / drafts if drafts else 1.0,
-            "accepted_per_position": [self.spec_accepted_per_pos[i] for i in range(max(self.spec_accepted_per_pos, default=-1) + 1)],
+            "accepted_per_position": [by_position[i] for i in range(max(by_position, default=-1) + 1)],
         }
 
     def kv_utilization(self) -> float:

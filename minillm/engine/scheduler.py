@@ -194,8 +194,9 @@ class Scheduler:
         if self.kv_cache.num_free_blocks - extra < len(self.running):  # a block left for each to grow
             return None
         tokens = [*seq.token_ids, *guesses]
-        grant = self.kv_cache.allocate(seq.seq_id, tokens, seq.num_computed, seq.num_cached, 1 + len(guesses))
-        return ScheduledSequence(seq, grant.num_tokens, guesses) if grant.num_tokens == 1 + len(guesses) else None
+        num_tokens = 1 + len(guesses)
+        grant = self.kv_cache.allocate(seq.seq_id, tokens, seq.num_computed, seq.num_cached, num_tokens)
+        return ScheduledSequence(seq, num_tokens, guesses) if grant.num_tokens == num_tokens else None
 
     def _admit_waiting(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         """Start waiting sequences while the budget, seats and the admission policy allow."""

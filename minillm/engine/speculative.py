@@ -61,7 +61,9 @@ class Backoff:
         return True
 
     def record(self, proposed: int, accepted: int) -> None:
-        self.proposed, self.accepted, self.rounds = self.proposed + proposed, self.accepted + accepted, self.rounds + 1
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rounds += 1
         if self.rounds < RECENT:
             return
         if self.accepted < MIN_ACCEPTANCE * self.proposed:
