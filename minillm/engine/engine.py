@@ -193,11 +193,14 @@ class LLMEngine:
         ready = [
             (item.seq, row)
             for item, row in zip(schedule.sequences, forward.last_rows)
-            if item.seq.num_uncomputed == 0
+            if item.seq.num_uncomputed == 0 and not item.guesses
         ]
         changed = [item.seq.request_id for item, _ in guessed]
-        for seq, reason in endings.items():
-            self.scheduler.finish(seq, reason)
+        for seq, reason, error in endings.values():
+            if error is not None:
+                self.end_with_error(seq.request_id, error)
+            elif seq.status is not Status.FINISHED:
+                self.scheduler.finish(seq, reason)
         if ready:
             logits = self.runner.logits(forward.hidden, [row for _, row in ready])  # (sequences ready, vocab)
             changed += self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
@@ -205,18 +208,25 @@ class LLMEngine:
         self.stats.record(schedule, generated, evicted, self.memory_stats(), self.kv_cache.end_step())
         return self.outputs_of(list(dict.fromkeys(changed)))  # 6.
 
-    def check_guesses(self, guessed, forward) -> tuple[dict[int, int], dict[Sequence, str]]:
-        """Speculation: each guessing sequence keeps the guesses the model agrees with and one
-        token of its own (`speculative.check_guesses`), appended now. Returns, per sequence id, the
-        tokens it appended (its last token's KV and its kept guesses' are the ones kept), and the
-        sequences that must stop (EOS or length among them)."""
+    def check_guesses(self, guessed, forward) -> tuple[dict[int, int], dict[int, tuple]]:
+        """Speculation: each guessing sequence keeps the guesses its sampler's draws agree with,
+        and the draw that differed (`speculative.check_guesses`), appended now. Returns, per
+        sequence id, the tokens it appended (its last token's KV and its kept guesses' are the
+        ones kept), and, by sequence id, those that must stop: (seq, reason, None) for EOS or
+        length among its tokens, (seq, "error", why) for a sampler that failed (nothing
+        appended; its request ends alone)."""
         rows = [r for item, last in guessed for r in range(last - len(item.guesses), last + 1)]
         logits = self.runner.logits(forward.hidden, rows)  # (rows, vocab)
         kept, endings, first = {}, {}, 0
         for item, _ in guessed:
             seq, num_rows = item.seq, len(item.guesses) + 1
-            tokens = check_guesses(item.guesses, logits[first : first + num_rows], seq.sampler)
-            first += num_rows
+            rows_of_seq, first = logits[first : first + num_rows], first + num_rows
+            try:
+                tokens = check_guesses(item.guesses, rows_of_seq, lambda row: self.token_of(seq.sampler(row)))
+            except Exception as err:
+                kept[seq.seq_id] = 0
+                endings[seq.seq_id] = (seq, "error", f"Sampling failed ({type(err).__name__}: {err}).")
+                continue
             self.proposer.record(seq.seq_id, len(item.guesses), len(tokens) - 1)
             self.stats.record_guesses(len(item.guesses), len(tokens) - 1)
             appended = 0
@@ -224,7 +234,7 @@ class LLMEngine:
                 appended += 1
                 reason = seq.append(token, self.eos_token_id)
                 if reason:
-                    endings[seq] = reason
+                    endings[seq.seq_id] = (seq, reason, None)
                     break
             kept[seq.seq_id] = appended
             self.runner.add_mass(seq, forward.guess_mass.get(seq.seq_id, [])[:appended])
@@ -259,9 +269,8 @@ class LLMEngine:
 
     def guesses_for(self, seq: Sequence, most: int) -> list[int]:
         """At most `most` speculated tokens to follow a decoding sequence. Beams choose among
-        each other's scores, and a custom sampler has no probabilities to check a guess by:
-        neither guesses."""
-        if seq.request_id in self.beam_groups or type(seq.sampler) is not Sampler:
+        each other's scores, not one draw at a time: they do not guess."""
+        if seq.request_id in self.beam_groups:
             return []
         return self.proposer.propose(seq.seq_id, seq.token_ids, most)
 

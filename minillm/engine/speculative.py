@@ -9,14 +9,20 @@ are the guess (prompt lookup, n-gram speculation in vLLM, llama.cpp and HF trans
 
 Checking. The sequence's last sampled token and its k guesses go through the model as a small
 chunk, causally masked, in the same batched pass as everyone else's tokens. Row i gives the
-logits of the token after guess i - 1; walking the rows, a guess is kept while it is the token
-the model would have chosen there, and at the first disagreement the model's own choice is
-taken instead. After k kept guesses, the last row gives one more token for free. Greedy, the
-model's choice is the argmax, so the output is exactly what decoding one token at a time gives.
-Sampling, the standard rule (Leviathan et al. 2023; Chen et al. 2023) with a guess that is one
-token for sure (q is one-hot): keep guess g with probability p(g), else draw from p with g
-removed and renormalized; the emitted tokens then have exactly the distribution of sampling
-without speculation.
+logits of the token after guess i - 1. Walking the rows, the sequence's own sampler draws each
+row's token exactly as decoding one token at a time would; while the draw equals the guess, the
+guess is kept and the next row is valid; at the first difference the draw is kept instead and the
+walk stops; after k kept guesses the last row gives one more token for free. Greedy, the draw is
+the argmax, so the output is exactly what decoding one token at a time gives.
+
+Sampling, this is the standard rule of speculative sampling (Leviathan et al. 2023; Chen et al.
+2023) for a guess that is one token for sure (q one-hot): a guess g is kept with probability
+min(1, p(g) / q(g)) = p(g), and when it is not, the token comes from the residual max(0, p - q),
+renormalized: p without g. Drawing x from p and keeping g iff x = g does exactly that (x = g has
+probability p(g); given x != g, x is distributed as p without g). So every emitted token has the
+non-speculative distribution, and more: the sampler makes one draw per emitted token, in order,
+as it would without speculation, so a seeded request gives the very tokens it gives without it.
+A custom sampler (teacher forcing) is called the same way, once per token, in order.
 
 Rollback. A rejected guess has already written its K/V into the sequence's blocks; the KV cache
 manager cuts the sequence back (`KVCacheManager.truncate`) before anything is registered or read
@@ -32,10 +38,9 @@ again later (`Backoff`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
-
-from minillm.sampling import Sampler
 
 # A sequence whose guesses were kept less often than this, over its recent guesses, stops
 # guessing for a while (tuned on Alice's passages, `minillm bench speculative`).
@@ -123,19 +128,15 @@ class NgramProposer:
         return len(self._indexes)
 
 
-def check_guesses(guesses: list[int], logits: torch.Tensor, sampler: Sampler) -> list[int]:
-    """The tokens to append: the longest prefix of `guesses` the model agrees with, then one token
-    of the model's own. logits (len(guesses) + 1, vocab): row i scores the token after guess i - 1."""
-    if sampler.params.greedy:
-        choices = logits.argmax(dim=-1).tolist()
-        kept = 0
-        while kept < len(guesses) and guesses[kept] == choices[kept]:
-            kept += 1
-        return guesses[:kept] + [choices[kept]]
-    for i, guess in enumerate(guesses):
-        probs = sampler.filtered_probs(logits[i].cpu())  # float64, (vocab,)
-        if torch.rand((), generator=sampler.generator, dtype=torch.float64) < probs[guess]:
-            continue
-        probs[guess] = 0  # rejected: draw from what is left of p (p - q, clipped, renormalized)
-        return guesses[:i] + [int(torch.multinomial(probs / probs.sum(), 1, generator=sampler.generator))]
-    return guesses + [sampler(logits[-1])]
+def check_guesses(
+    guesses: list[int], logits: torch.Tensor, sample: Callable[[torch.Tensor], int]
+) -> list[int]:
+    """The tokens to append: the longest prefix of `guesses` the model's draws agree with, then
+    the draw that differed (or, all kept, one more). logits (len(guesses) + 1, vocab): row i
+    scores the token after guess i - 1; `sample` draws a token from a row (the sequence's sampler)."""
+    tokens = []
+    for row, guess in zip(logits, [*guesses, None]):
+        tokens.append(sample(row))
+        if tokens[-1] != guess:
+            break
+    return tokens
