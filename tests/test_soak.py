@@ -2,12 +2,14 @@
 
 Each set-up draws a block size, a pool from just big enough to many times that, prefix caching
 on or off, static or continuous scheduling (admitting first come first served, by memory cost, or
-by max-length reservation), a token budget, and tiers (none, a host pool that
-may overflow to disk, disk alone) with a preemption policy (`auto` flips a seeded coin per victim
-instead of timing the machine, so every set-up replays exactly); its requests mix greedy ones,
-seeded parallel samples and beams, some sharing a prefix, and some are aborted mid-flight.
+by max-length reservation), a token budget, tiers (none, a host pool that may overflow to disk,
+disk alone) with a preemption policy (`auto` flips a seeded coin per victim instead of timing the
+machine, so every set-up replays exactly), and speculative decoding on or off; its requests mix
+greedy ones, seeded parallel samples and beams, some sharing a prefix, and some are aborted
+mid-flight.
 Every greedy output must equal naive decoding, every sample the same seeded naive draw, every beam
-set the reference search; no exception; every block free after each drain. A failure names its
+set the reference search; no exception; every block free after each drain, and no block the
+prefix cache still offers holds tokens no request had (a rejected guess). A failure names its
 set-up's seed, so it reproduces alone: `pytest tests/test_soak.py -k "setup_7"`.
 
 A second soak mixes bad requests among good streams, joining at random steps: temperatures too
@@ -119,6 +121,7 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
         max_num_batched_tokens=rng.choice([8, 32, 512]),
         max_num_seqs=rng.choice([4, 16]),
         **random_tiers(rng, block_size, tmp_path),
+        speculative=rng.choice(["none", "ngram"]),
     )
     outputs, aborted = run_with_aborts(llm, rng, requests)
     for (request_id, out), (prompt, params) in zip(outputs.items(), requests):
@@ -130,6 +133,31 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks, seed
     assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0, seed
+    if manager.prefix_cache:
+        assert_no_stale_entry(manager.prefix_cache, requests, outputs, aborted)
+    if llm.engine.proposer is not None:
+        assert len(llm.engine.proposer) == 0, seed  # no sequence's n-gram index outlived it
+
+
+def assert_no_stale_entry(cache, requests, outputs, aborted) -> None:
+    """Every block the prefix cache still vouches for holds a prefix of tokens some request
+    really had (its prompt and one of its outputs): none holds a rejected guess. The tokens of an
+    aborted request's output, and of the beams a search dropped, are unknown: blocks that begin
+    with such a request's prompt are not checked further."""
+    finished, open_ended = [], []
+    for (request_id, out), (prompt, params) in zip(outputs.items(), requests):
+        if request_id in aborted or params.beam_width > 1:
+            open_ended.append(prompt)
+        else:
+            finished += [prompt + sample for sample in out.samples]
+    for block in cache.entries:
+        chain = []
+        while block is not None:
+            chain[:0] = cache.entries[block].tokens
+            block = cache.entries[block].parent
+        assert any(tokens[: len(chain)] == chain for tokens in finished) or any(
+            chain[: len(prompt)] == prompt[: len(chain)] for prompt in open_ended
+        ), chain
 
 
 def random_good_request(rng: random.Random) -> tuple[list[int], SamplingParams]:
@@ -156,7 +184,14 @@ def test_bad_requests_among_good_streams_change_none_of_their_tokens(tiny_dir, t
     good = [random_good_request(rng) for _ in range(8)]
     bad = [random_bad_request(rng) for _ in range(5)]
     blocks = rng.choice([24, 64, 400])  # tight (preemption) to plenty
-    llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=blocks * 4 * KV_BYTES_PER_TOKEN)
+    speculative = "ngram" if seed % 2 else "none"  # a failing sampler may fail checking a guess
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=4,
+        kv_cache_bytes=blocks * 4 * KV_BYTES_PER_TOKEN,
+        speculative=speculative,
+    )
     engine, final = llm.engine, {}
     arrivals = sorted(
         [(rng.randint(0, 12), "good", i) for i in range(len(good))]
