@@ -103,6 +103,7 @@ def test_a_temperature_too_small_to_divide_by_replies_as_greedy(chat_dir, parts)
     [
         ("block_size 4", {"block_size": 4}),
         ("prefix_caching off", {"prefix_caching": False}),
+        ("speculative ngram", {"speculative": "ngram"}),
         ("kv_dtype int4", {"kv_dtype": "int4"}),
         ("eviction window 16", {"eviction": "window", "kv_budget": 16}),
     ],

@@ -66,7 +66,11 @@ def server(model_dir):
     """(base URL, EngineLoop) of a server running in this process until the module ends."""
     engine = LLMEngine(
         EngineConfig(
-            model_dir=model_dir, kv_cache_bytes=4 << 20, prefix_caching=True, max_num_seqs=MAX_NUM_SEQS
+            model_dir=model_dir,
+            kv_cache_bytes=4 << 20,
+            prefix_caching=True,
+            max_num_seqs=MAX_NUM_SEQS,
+            speculative="ngram",  # every answer must still equal LLM.generate's, which does not guess
         )
     )
     engine_loop = EngineLoop(engine)
@@ -130,6 +134,10 @@ def test_models_health_and_metrics_describe_the_server(server, client):
         "num_requests_waiting",
         "generation_tokens_per_second",
         "generation_tokens_total",
+        "spec_decode_num_drafts_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        "spec_decode_num_accepted_tokens_per_pos_total",
     ):
         assert name in values
 
@@ -271,6 +279,8 @@ def test_twenty_concurrent_streams_finish_right_and_free_every_block(server, cli
     assert after["generation_tokens_total"] - before["generation_tokens_total"] == sum(n for _, n in jobs)
     engine = server[1].engine
     assert max(len(batch) for batch in engine.stats.batches) > 1  # the streams really shared steps
+    kept = after["spec_decode_num_accepted_tokens_total"] - before["spec_decode_num_accepted_tokens_total"]
+    assert kept > 0  # and some streams got several tokens a step, checked guesses
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, client):

@@ -115,20 +115,21 @@ class Chat(SessionCommands):
         view = LiveView(self.console, engine, meter) if live else None
         if not live:
             self.console.print("[bold blue]smol>[/bold blue] ", end="")
-        text, out = "", None
+        text, out, shown = "", None, 0
         with view or contextlib.nullcontext():
-            for out in self.llm.stream(prompt_ids, self.params):
+            for out in self.llm.stream(prompt_ids, self.params):  # a step may bring several tokens
                 meter.reused_tokens = engine.prefix_hit_tokens() - hits_before
-                if not out.token_ids:
-                    continue
-                meter.count_token()
-                if out.token_ids[-1] != tokenizer.eos_token_id:
-                    piece = decoder.feed(out.token_ids[-1])
+                for token in out.token_ids[shown:]:
+                    meter.count_token()
+                    if token == tokenizer.eos_token_id:
+                        continue
+                    piece = decoder.feed(token)
                     text += piece
                     if view:
                         view.feed(piece)
                     else:
                         self.console.print(piece, end="", markup=False, highlight=False)
+                shown = len(out.token_ids)
         rest = decoder.flush()
         if live:  # the drawing is gone: the reply stays, printed once
             self.console.print(Text("smol> ", style="bold blue") + Text(text + rest))

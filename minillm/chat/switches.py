@@ -3,8 +3,9 @@
 Each switch has a name a user types, a parser that turns the typed value into the fields it
 changes (an `EngineConfig` field, a `SamplingParams` field, or the chat's own view), and whether
 it is lossy: a lossless switch (block size, prefix caching, pool size, attention backend,
-admission, preemption) must give the very tokens it gave before, a lossy one (KV quantization,
-eviction and its trigger, bf16, sampling) may not, and `/compare` shows where they part. The
+admission, preemption, speculative decoding) must give the very tokens it gave before, a lossy
+one (KV quantization, eviction and its trigger, bf16, sampling) may not, and `/compare` shows
+where they part. The
 engine switches are `config.SWITCHES`' own (their choices, minimum, parser, lossy or not); this
 module says which the chat offers. A value that cannot be parsed raises `ValueError` with one line
 that says what would be accepted; the engine checks the combination (`EngineConfig`), so a switch
@@ -111,6 +112,8 @@ ENGINE_SETTINGS = {
     "admission": "",
     "eviction_trigger": "",
     "preemption": "",
+    "speculative": "",
+    "num_speculative_tokens": "guesses per step, at most",
 }
 
 

@@ -1,6 +1,7 @@
 """`minillm generate`: one prompt, streamed to the terminal, on the single-sequence decoders
-(naive, cached) or, with --decoder paged, on the serving engine; --json prints one object with the
-ids, the text, the timings and (paged) the memory per tier.
+(naive, cached) or, with --decoder paged, on the serving engine (where --speculative guesses
+tokens from the prompt); --json prints one object with the ids, the text, the timings and (paged)
+the memory per tier and the speculation's numbers.
 
 `runtime_from` loads the one model and tokenizer that generate and info run on.
 """
@@ -16,7 +17,7 @@ from minillm.cli.flags import (
     engine_switches,
     sampling_from,
 )
-from minillm.config import EngineConfig
+from minillm.config import ConfigError, EngineConfig
 from minillm.report import console, err_console, print_json
 from minillm.runtime import Runtime
 
@@ -57,6 +58,8 @@ def add_generate(subparsers) -> None:
 
 
 def cmd_generate(args) -> None:
+    if args.speculative != "none" and args.decoder != "paged":
+        raise ConfigError("--speculative runs on the serving engine: add --decoder paged.")
     runtime = runtime_from(args)
     params = sampling_from(args)
     prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
@@ -97,10 +100,12 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
     from minillm.engine import LLM
 
     llm = LLM(model=runtime.model, tokenizer=runtime.tokenizer, **engine_switches(args))
-    out, text = None, runtime.tokenizer.stream_decoder()
-    for out in llm.stream(prompt_ids, params):
-        if not args.json and out.token_ids and out.token_ids[-1] != runtime.tokenizer.eos_token_id:
-            console.print(text.feed(out.token_ids[-1]), end="", markup=False, highlight=False)
+    out, text, shown = None, runtime.tokenizer.stream_decoder(), 0
+    for out in llm.stream(prompt_ids, params):  # a step may bring several tokens (speculation)
+        for token in out.token_ids[shown:]:
+            if not args.json and token != runtime.tokenizer.eos_token_id:
+                console.print(text.feed(token), end="", markup=False, highlight=False)
+        shown = len(out.token_ids)
     if out.error:
         raise ValueError(out.error)
     if not args.json:
@@ -116,6 +121,7 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
             "decoder": "paged",
             "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot},
             **_engine_memory(llm.engine),
+            "speculation": llm.engine.stats.speculation(),
         }
     )
 

@@ -29,6 +29,21 @@ def metric_values(engine_loop: EngineLoop) -> dict:
         "request_success_total": dict(finished),
         "requests_aborted_total": engine_loop.aborted,
         "engine_steps_total": engine.stats.steps,
+        **_speculation_values(engine.stats.speculation(), engine.config),
+    }
+
+
+def _speculation_values(numbers: dict, config) -> dict:
+    """Speculative decoding's counters as vLLM names them (0 without speculation; one position
+    per guess a sequence may make)."""
+    positions = config.num_speculative_tokens if config.speculative != "none" else 0
+    per_position = numbers["accepted_per_position"]
+    per_position += [0] * (positions - len(per_position))
+    return {
+        "spec_decode_num_drafts_total": numbers["drafts"],
+        "spec_decode_num_draft_tokens_total": numbers["draft_tokens"],
+        "spec_decode_num_accepted_tokens_total": numbers["accepted_tokens"],
+        "spec_decode_num_accepted_tokens_per_pos_total": dict(enumerate(per_position)),
     }
 
 
@@ -60,8 +75,19 @@ METRIC_HELP = {
     "request_success_total": ("counter", "Requests finished, by finish reason."),
     "requests_aborted_total": ("counter", "Requests aborted because their client disconnected."),
     "engine_steps_total": ("counter", "Engine steps (one batched forward pass each)."),
+    "spec_decode_num_drafts_total": ("counter", "Speculation: times a sequence guessed tokens to check."),
+    "spec_decode_num_draft_tokens_total": ("counter", "Speculation: tokens guessed."),
+    "spec_decode_num_accepted_tokens_total": ("counter", "Speculation: guessed tokens the model kept."),
+    "spec_decode_num_accepted_tokens_per_pos_total": (
+        "counter",
+        "Speculation: guessed tokens kept, by position in the guess (0 is the first).",
+    ),
 }
-LABELS = {"kv_blocks": "state", "request_success_total": "finished_reason"}
+LABELS = {
+    "kv_blocks": "state",
+    "request_success_total": "finished_reason",
+    "spec_decode_num_accepted_tokens_per_pos_total": "position",
+}
 
 
 def _memory_values(memory) -> dict:
