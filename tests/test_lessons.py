@@ -124,6 +124,19 @@ def check_memory_system(numbers):
     assert all(0 <= share <= 1 for share in goodputs.values())
 
 
+def check_speculation(numbers):
+    # greedy guessing never changes a token, and a quoted passage is guessed right
+    assert numbers["quote_identical"] and numbers["sky_identical"]
+    assert numbers["quote_acceptance"] > 0.5 and numbers["quote_tokens_per_pass"] > 1.5
+    # the rejected guesses' blocks went back, and the prefix cache vouches for no rejected token
+    assert numbers["rollback_kept"] < numbers["rollback_guesses"]
+    assert numbers["rollback_blocks_freed"] > 0 and numbers["rollback_freed_blocks_free"]
+    assert numbers["rollback_stale_prefix_entries"] == 0
+    assert numbers["rollback_probe_hit_tokens"] <= numbers["rollback_kept_entries"]
+    rates = numbers["break_even_batch_1"] + numbers["break_even_batch_16"]
+    assert all(rate is None or 0 <= rate <= 1 for rate in rates)
+
+
 @pytest.mark.parametrize(
     "name, makes_plot, check",
     [
@@ -140,6 +153,7 @@ def check_memory_system(numbers):
         ("11_tiers", True, check_tiers),
         ("12_kernel", False, check_kernel),  # tables only
         ("13_memory_system", True, check_memory_system),
+        ("14_speculation", True, check_speculation),
     ],
 )
 def test_lesson_runs_saves_and_its_claim_holds(name, makes_plot, check, real_dir, tmp_path):
