@@ -289,6 +289,28 @@ def check_paged_memory(run: dict) -> None:
     assert run["wasted_slots_per_step"] >= 0 and run["block_table_entries_per_seq"] > 0
 
 
+def test_bench_speculative_json_counts_and_ratios_agree(capsys, vocab_dir):
+    report = run_json(
+        capsys,
+        *("bench", "speculative", "--json", "--max-tokens", 12, "--repeats", 2, "--batch", 3),
+        *("--model", vocab_dir),
+    )
+    assert set(report["sets"]) == {"input-grounded", "open-ended"} and report["dtype"] == "float32"
+    guessed = 0
+    for runs in report["sets"].values():
+        one, many = runs["batch_1"], runs["batched"]
+        assert one["identical"] and many["identical"]  # float32: speculation changes no token
+        assert len(one["prompts"]) == 4 and many["sequences"] == 3
+        for run in (one, many):
+            guessed += run["draft_tokens"]
+            if run["drafts"]:
+                assert run["acceptance_rate"] == approx(run["accepted_tokens"] / run["draft_tokens"])
+                assert run["tokens_per_pass"] == approx(1 + run["accepted_tokens"] / run["drafts"])
+            low, high = run["speedup_range"]
+            assert 0 < low <= run["speedup"] <= high
+    assert guessed > 0
+
+
 def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir):
     report = run_json(
         capsys,

@@ -1,5 +1,5 @@
-"""The commands that measure: `minillm bench decode|attention|chat-view` (speed), and `minillm bench
-all` (every benchmark, written to files); the engine serving many requests, `bench
+"""The commands that measure: `minillm bench decode|speculative|attention|chat-view` (speed), and
+`minillm bench all` (every benchmark, written to files); the engine serving many requests, `bench
 serve|serve-http|prefix`, is `measure_serving.py`; what the memory system's choices cost, `bench
 tiers|memory` and `eval ppl`, is `measure_memory.py`; the serving staircase, `bench staircase`,
 is `measure_staircase.py`.
@@ -18,7 +18,7 @@ from minillm.cli.measure_memory import add_bench_memory, add_bench_tiers
 from minillm.cli.measure_scheduling import add_bench_scheduling
 from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
 from minillm.cli.measure_staircase import add_bench_staircase
-from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES
+from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES, ConfigError
 from minillm.report import console, print_json, show
 
 
@@ -29,6 +29,7 @@ def add_bench(subparsers) -> None:
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     for add_command in (
         add_bench_decode,
+        add_bench_speculative,
         add_bench_serve,
         add_bench_serve_http,
         add_bench_prefix,
@@ -93,6 +94,64 @@ def cmd_bench_decode(args) -> None:
             repeats=args.repeats,
         ),
         print_decode_report,
+        args.json,
+    )
+
+
+# ----------------------------------------------------------------------------- bench speculative
+
+
+def add_bench_speculative(benches) -> None:
+    spec = benches.add_parser(
+        "speculative",
+        help="decode with and without n-gram speculation: input-grounded vs open-ended prompts",
+        description="Greedy decode without and with speculative decoding from the prompt "
+        "(n-gram lookup), interleaved, on input-grounded prompts (repeat, quote, summarize a "
+        "passage; edit a function's source) and open-ended chat prompts: batch-1 decode tok/s "
+        "and a batch's wall time, the speedup (median ratio over runs, min-max), acceptance, "
+        "tokens per checking pass, and whether the tokens are the very same. The 'tune' "
+        "prompts are what the speculation's constants were chosen on; 'report' are others.",
+    )
+    spec.add_argument(
+        "--prompts",
+        choices=["report", "tune"],
+        default="report",
+        help="which prompt set: report (lcet10, textwrap) or tune (Alice, statistics) (default: report)",
+    )
+    spec.add_argument(
+        "--max-tokens", type=positive_int, default=128, help="new tokens per request at most (default: 128)"
+    )
+    spec.add_argument(
+        "--repeats", type=positive_int, default=3, help="interleaved runs of each side (default: 3)"
+    )
+    spec.add_argument(
+        "--batch", type=positive_int, default=16, help="sequences in the batched run (default: 16)"
+    )
+    for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+        add_switch(spec, name)
+    spec.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(spec)
+    spec.set_defaults(func=cmd_bench_speculative)
+
+
+def cmd_bench_speculative(args) -> None:
+    from minillm.benchmarks.speculative import bench_speculative, print_speculative_report
+
+    if args.prompt_lookup_max < args.prompt_lookup_min:
+        raise ConfigError("--prompt-lookup-max must be at least --prompt-lookup-min.")
+    show(
+        bench_speculative(
+            args.model,
+            dtype=args.dtype,
+            prompts=args.prompts,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            batch=args.batch,
+            num_speculative_tokens=args.num_speculative_tokens,
+            prompt_lookup_min=args.prompt_lookup_min,
+            prompt_lookup_max=args.prompt_lookup_max,
+        ),
+        print_speculative_report,
         args.json,
     )
 

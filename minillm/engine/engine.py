@@ -182,11 +182,12 @@ class LLMEngine:
         self.kv_cache.apply(schedule.copies, prefetch=schedule.prefetch)
         start = time.perf_counter()
         forward = self.runner.forward(schedule.sequences)  # 3. one forward pass
-        self.kv_cache.record_forward(
-            sum(item.num_tokens for item in schedule.sequences),
-            len(schedule.sequences),
-            time.perf_counter() - start,
-        )
+        seconds, rows = time.perf_counter() - start, sum(item.num_tokens for item in schedule.sequences)
+        self.kv_cache.record_forward(rows, len(schedule.sequences), seconds)
+        if self.proposer is not None and all(
+            item.num_tokens == 1 or item.guesses for item in schedule.sequences
+        ):
+            self.proposer.cost.record(rows, seconds)  # a decode pass: what guesses are priced by
         guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
         kept, endings = self.check_guesses(guessed, forward) if guessed else ({}, {})
         evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
@@ -267,12 +268,12 @@ class LLMEngine:
         del self.requests[request_id]
         self.beam_groups.pop(request_id, None)
 
-    def guesses_for(self, seq: Sequence, most: int) -> list[int]:
-        """At most `most` speculated tokens to follow a decoding sequence. Beams choose among
-        each other's scores, not one draw at a time: they do not guess."""
+    def guesses_for(self, seq: Sequence, most: int, batch: int) -> list[int]:
+        """At most `most` speculated tokens to follow a decoding sequence, among `batch` running
+        ones. Beams choose among each other's scores, not one draw at a time: they do not guess."""
         if seq.request_id in self.beam_groups:
             return []
-        return self.proposer.propose(seq.seq_id, seq.token_ids, most)
+        return self.proposer.propose(seq.seq_id, seq.token_ids, most, batch)
 
     def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
         """Give each ready sequence its next token; return the requests that changed, in order.

@@ -66,10 +66,10 @@ class Scheduler:
         context_len: int,
         vocab_size: int,
         admission: str = "fcfs",
-        guesser: Callable[[Sequence, int], list[int]] | None = None,
+        guesser: Callable[[Sequence, int, int], list[int]] | None = None,
     ):
-        """`guesser(seq, most)`: at most `most` speculated tokens to follow a decoding sequence
-        (`speculative.py`), or None without speculation."""
+        """`guesser(seq, most, batch)`: at most `most` speculated tokens to follow a decoding
+        sequence among `batch` running ones (`speculative.py`), or None without speculation."""
         self.kv_cache = kv_cache
         self.guesser = guesser
         self.policy = policy
@@ -186,7 +186,7 @@ class Scheduler:
             seq.max_len - seq.num_tokens - 1,
             self.kv_cache.room_to_guess(seq.num_cached, len(seq.prompt_ids), seq.max_len),
         )
-        guesses = self.guesser(seq, most) if most > 0 else []
+        guesses = self.guesser(seq, most, len(self.running)) if most > 0 else []
         if not guesses:
             return None
         blocks = self.kv_cache.blocks_for

@@ -29,10 +29,14 @@ manager cuts the sequence back (`KVCacheManager.truncate`) before anything is re
 again: blocks past the kept tokens go back to the pool, and no prefix-cache entry ever covers a
 rejected token.
 
-When it pays. Every guess is an extra row in the pass. Where the pass is bound by reading the
-weights, rows are nearly free; but a sequence whose guesses keep failing only pays for them, so
-`NgramProposer` stops guessing for a sequence whose recent guesses were mostly wrong, and tries
-again later (`Backoff`).
+When it pays. Every guess is an extra row in the pass, and a row costs time: little where the pass
+is bound by reading the weights (batch 1), more as the batch grows and the pass turns to compute.
+The engine fits what a decode pass costs, seconds = fixed + per_row x rows, to its own passes
+(`PassCost`); a kept guess saves its sequence a step (its row, and its share of the fixed cost
+among the batch's sequences), a guess costs a row. So the i-th guess of a sequence is worth
+making while acceptance^i x (per_row + fixed / batch) >= per_row, acceptance being the rate at
+which that sequence's guesses were kept lately (`NgramProposer`). A sequence whose guesses keep
+failing stops guessing, and its estimate drifts back towards the prior, so it tries again later.
 """
 
 from __future__ import annotations
@@ -42,50 +46,55 @@ from typing import Callable
 
 import torch
 
-# A sequence whose guesses were kept less often than this, over its recent guesses, stops
-# guessing for a while (tuned on Alice's passages, `minillm bench speculative`).
-MIN_ACCEPTANCE = 0.3
-RECENT = 4  # guesses an acceptance rate is judged over
-MAX_PAUSE = 16  # steps a sequence rests at most before it guesses again
+PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance estimate before its first check
+LAST_WEIGHT = 0.5  # the weight of the last check in a sequence's estimate
+RECOVERY = 0.05  # each step it does not guess, the estimate moves this share back to the prior
+COST_MEMORY = 0.98  # PassCost's decay per pass: it remembers about the last 50 passes
 
 
-@dataclass
-class Backoff:
-    """A sequence's recent guesses: how many were proposed and kept, and how long it rests."""
+class PassCost:
+    """seconds = fixed + per_row x rows, fitted by least squares to the decode passes (no prompt
+    chunk) seen lately, each pass weighing COST_MEMORY times less than the next."""
 
-    proposed: int = 0
-    accepted: int = 0
-    rounds: int = 0  # guesses since the last judgment
-    pause: int = 0  # steps left without guessing
-    next_pause: int = 1  # the rest after the next bad judgment (doubles up to MAX_PAUSE)
+    def __init__(self):
+        self._sums = [0.0] * 5  # weighted count, rows, seconds, rows^2, rows x seconds
 
-    def may_guess(self) -> bool:
-        if self.pause:
-            self.pause -= 1
-            return False
-        return True
+    def record(self, rows: int, seconds: float) -> None:
+        for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            self._sums[i] = COST_MEMORY * self._sums[i] + value
 
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
-        self.rounds += 1
-        if self.rounds < RECENT:
-            return
-        if self.accepted < MIN_ACCEPTANCE * self.proposed:
-            self.pause, self.next_pause = self.next_pause, min(2 * self.next_pause, MAX_PAUSE)
-        else:
-            self.next_pause = 1
-        self.proposed = self.accepted = self.rounds = 0
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed, per_row) seconds, or None before passes of two different sizes were seen."""
+        count, rows, seconds, rows2, rows_seconds = self._sums
+        spread = count * rows2 - rows * rows
+        if count < 2 or spread <= 1e-6 * count * count:
+            return None
+        per_row = max(0.0, (count * rows_seconds - rows * seconds) / spread)
+        return max(0.0, (seconds - per_row * rows) / count), per_row
+
+    def guesses_worth(self, acceptance: float, batch: int, most: int) -> int:
+        """How many guesses (up to `most`) pay for their rows, for a sequence whose guesses are kept
+        at rate `acceptance`, among `batch` decoding sequences. Until the fit exists, all."""
+        fit = self.fit()
+        if fit is None:
+            return most
+        fixed, per_row = fit
+        saved_per_kept = per_row + fixed / max(1, batch)
+        count, chance = 0, acceptance
+        while count < most and chance * saved_per_kept >= per_row:
+            count, chance = count + 1, chance * acceptance
+        return count
 
 
 @dataclass
 class _Index:
     """Where each n-gram of a sequence last ended, for every n asked: n-gram -> the index just
-    past it (where its continuation starts), grown as tokens are appended."""
+    past it (where its continuation starts), grown as tokens are appended; and how often its
+    guesses were kept lately."""
 
     ends: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # continuation starts indexed so far
-    backoff: Backoff = field(default_factory=Backoff)
+    acceptance: float = PRIOR_ACCEPTANCE
 
 
 class NgramProposer:
@@ -95,18 +104,22 @@ class NgramProposer:
 
     def __init__(self, num_tokens: int, min_n: int, max_n: int):
         self.num_tokens, self.min_n, self.max_n = num_tokens, min_n, max_n
+        self.cost = PassCost()
         self._indexes: dict[int, _Index] = {}  # seq_id -> its n-gram index
 
-    def propose(self, seq_id: int, token_ids: list[int], limit: int) -> list[int]:
-        """At most min(k, limit) guessed tokens to follow `token_ids`, or none."""
+    def propose(self, seq_id: int, token_ids: list[int], limit: int, batch: int = 1) -> list[int]:
+        """At most `limit` guessed tokens to follow `token_ids` (and at most k, and as many as pay
+        among `batch` decoding sequences), or none."""
         index = self._indexes.setdefault(seq_id, _Index())
-        if limit <= 0 or not index.backoff.may_guess():
+        limit = self.cost.guesses_worth(index.acceptance, batch, min(self.num_tokens, limit))
+        if limit <= 0:
+            index.acceptance += RECOVERY * (PRIOR_ACCEPTANCE - index.acceptance)
             return []
         self._grow(index, token_ids)
         for n in range(min(self.max_n, len(token_ids) - 1), self.min_n - 1, -1):
             start = index.ends.get(tuple(token_ids[-n:]))
             if start is not None:
-                return token_ids[start : start + min(self.num_tokens, limit)]
+                return token_ids[start : start + limit]
         return []
 
     def _grow(self, index: _Index, token_ids: list[int]) -> None:
@@ -117,8 +130,11 @@ class NgramProposer:
         index.indexed = max(index.indexed, len(token_ids))
 
     def record(self, seq_id: int, proposed: int, accepted: int) -> None:
-        """How the sequence's last guesses fared: it guesses less when they keep failing."""
-        self._indexes[seq_id].backoff.record(proposed, accepted)
+        """How the sequence's last guesses fared: `accepted` of `proposed` kept, in order, so
+        accepted + 1 were tried if one failed (the rate a geometric run of keeps is estimated by)."""
+        tried = accepted + (accepted < proposed)
+        index = self._indexes[seq_id]
+        index.acceptance += LAST_WEIGHT * (accepted / tried - index.acceptance)
 
     def forget(self, seq_id: int) -> None:
         self._indexes.pop(seq_id, None)
