@@ -92,8 +92,8 @@ class StepRecorder:
         self.guesses: list[int] = []
         self.written = self.rolled_back = None
 
-    def guess(self, seq, most: int) -> list[int]:
-        self.guesses = self._guesser(seq, most)
+    def guess(self, seq, most: int, batch: int) -> list[int]:
+        self.guesses = self._guesser(seq, most, batch)
         return self.guesses
 
     def truncate(self, seq_id: int, num_entries: int) -> None:
