@@ -660,8 +660,9 @@ def meaning(step: dict, price: dict, evens: dict, results: dict) -> str:
         )
     ends = (
         f"(4) Greedy, with {same}: " + "; ".join(parts) + f".{runs} Guessing pays where the output "
-        "repeats its input (or itself), as far as a pass's extra rows stay cheap; where guesses fail "
-        "the engine stops guessing for a while, so it loses little."
+        "repeats its input (or itself), as far as a pass's extra rows stay cheap; a sequence guesses "
+        "only as far as its recent acceptance pays for the rows at the engine's measured price, so "
+        "where guesses fail it soon stops and loses little."
     )
     return f"{kv} {rows} {ends}"
 
