@@ -37,12 +37,7 @@ from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 K = 4  # guesses per pass in parts 1 and 4 (the engine's default num_speculative_tokens)
-SPECULATION = {
-    "speculative": "ngram",
-    "num_speculative_tokens": K,
-    "prompt_lookup_min": 2,
-    "prompt_lookup_max": 4,
-}
+SPECULATION = {"speculative": "ngram", "num_speculative_tokens": K}  # n-grams: the engine's defaults
 DEMO_BLOCK = 4  # part 1's block size: small, so that a step's guesses reach into blocks of their own
 SETTINGS = {
     "default": {

@@ -77,8 +77,8 @@ class EngineConfig:
     # --- speculative decoding (minillm.engine.speculative): lossless
     speculative: str = "none"  # "ngram": guess tokens from the sequence itself, check them in one pass
     num_speculative_tokens: int = 4  # guesses per sequence per step, at most (vLLM's k)
-    prompt_lookup_min: int = 2  # the shortest n-gram looked up
-    prompt_lookup_max: int = 4  # the longest n-gram looked up (the longest that occurred wins)
+    prompt_lookup_min: int = 3  # the shortest n-gram looked up (3..6 kept the most guesses on the
+    prompt_lookup_max: int = 6  #   tuning prompts; the longest n-gram that occurred wins)
 
     def __post_init__(self):
         self._check_choices()

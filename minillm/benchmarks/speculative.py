@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from minillm.benchmarks import cpu_model
-from minillm.config import DTYPES
+from minillm.config import DTYPES, EngineConfig
 from minillm.engine import LLM
 from minillm.evaluation import DEFAULT_TEXT, TECHNICAL_TEXT, read_text
 from minillm.report import print_table
@@ -192,9 +192,9 @@ def bench_speculative(
     max_tokens: int = 128,
     repeats: int = 3,
     batch: int = 16,
-    num_speculative_tokens: int = 4,
-    prompt_lookup_min: int = 2,
-    prompt_lookup_max: int = 4,
+    num_speculative_tokens: int = EngineConfig.num_speculative_tokens,
+    prompt_lookup_min: int = EngineConfig.prompt_lookup_min,
+    prompt_lookup_max: int = EngineConfig.prompt_lookup_max,
 ) -> dict:
     model, tokenizer = load_model(model_dir, DTYPES[dtype]), Tokenizer(model_dir)
     plain = LLM(model_dir, model=model, tokenizer=tokenizer, dtype=dtype)

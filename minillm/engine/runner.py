@@ -10,8 +10,9 @@ Decode tokens (one query each) are attended together, and so are prefill chunks 
 each, ragged), by the run's backend: the torch references or the kernels (`attention/kernels.py`).
 Both can report the attention each key received, which the runner adds to the sequence's H2O
 accumulator (the KV cache manager's). A sequence's speculated tokens (`speculative.py`) follow its
-last one as a small chunk; with H2O each of those rows is attended apart, so that the attention
-of a rejected guess can be left out.
+last one; each of those rows is attended as a decode query of its own, over the entries up to its
+own (the causal mask of a chunk, at the cost of a decode), and its attention is kept apart, so
+that a rejected guess's can be left out of H2O's scores.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class ModelRunner:
         token_ids, positions, write_slots, last_rows = [], [], [], []
         decode_rows, decode_tables, decode_lens, decoding = [], [], [], []
         chunks, chunk_tables, prefilling = [], [], []
-        keeps_mass = self.kv_cache.keeps_attention_mass
         for item in scheduled:
             seq, n = item.seq, item.num_tokens
             first, end = seq.num_cached, seq.num_cached + n  # cache indices of the new tokens
@@ -60,16 +60,12 @@ class ModelRunner:
             positions += range(seq.num_computed, seq.num_computed + n)
             write_slots += kv_cache.slots(seq.seq_id, first, end)
             table = kv_cache.table(seq.seq_id)
-            if n == 1:  # one query: a decode token
-                decode_rows.append(row)
-                decode_tables.append(table)
-                decode_lens.append(end)
-                decoding.append((seq, end))
-            elif item.guesses and keeps_mass:  # H2O: each row's attention apart, kept only if its guess is
-                for i in range(n):
-                    chunks.append((row + i, first + i, 1))
-                    chunk_tables.append(table)
-                    prefilling.append((seq, first + i + 1))
+            if n == 1 or item.guesses:  # one query (a decode token), or a token and its guesses: each
+                for i in range(n):  # row a query of its own over the entries up to its own
+                    decode_rows.append(row + i)
+                    decode_tables.append(table)
+                    decode_lens.append(first + i + 1)
+                    decoding.append((seq, first + i + 1))
             else:
                 chunks.append((row, first, n))
                 chunk_tables.append(table)
