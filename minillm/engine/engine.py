@@ -182,12 +182,8 @@ class LLMEngine:
         self.kv_cache.apply(schedule.copies, prefetch=schedule.prefetch)
         start = time.perf_counter()
         forward = self.runner.forward(schedule.sequences)  # 3. one forward pass
-        seconds, rows = time.perf_counter() - start, sum(item.num_tokens for item in schedule.sequences)
-        self.kv_cache.record_forward(rows, len(schedule.sequences), seconds)
-        if self.proposer is not None and all(
-            item.num_tokens == 1 or item.guesses for item in schedule.sequences
-        ):
-            self.proposer.cost.record(rows, seconds)  # a decode pass: what guesses are priced by
+        rows = sum(item.num_tokens for item in schedule.sequences)
+        self.kv_cache.record_forward(rows, len(schedule.sequences), time.perf_counter() - start)
         guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
         kept, endings = self.check_guesses(guessed, forward) if guessed else ({}, {})
         evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
@@ -205,6 +201,9 @@ class LLMEngine:
         if ready:
             logits = self.runner.logits(forward.hidden, [row for _, row in ready])  # (sequences ready, vocab)
             changed += self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
+        decoding = all(item.num_tokens == 1 or item.guesses for item in schedule.sequences)
+        if self.proposer is not None and decoding:  # what guesses are priced by: a decode step's
+            self.proposer.cost.record(rows, time.perf_counter() - start)  # pass, logits and checks
         generated = len(ready) + sum(kept.values())
         self.stats.record(schedule, generated, evicted, self.memory_stats(), self.kv_cache.end_step())
         return self.outputs_of(list(dict.fromkeys(changed)))  # 6.

@@ -31,7 +31,7 @@ rejected token.
 
 When it pays. Every guess is an extra row in the pass, and a row costs time: little where the pass
 is bound by reading the weights (batch 1), more as the batch grows and the pass turns to compute.
-The engine fits what a decode pass costs, seconds = fixed + per_row x rows, to its own passes
+The engine fits what a decode step costs, seconds = fixed + per_row x rows, to its own steps
 (`PassCost`); a kept guess saves its sequence a step (its row, and its share of the fixed cost
 among the batch's sequences), a guess costs a row. So the i-th guess of a sequence is worth
 making while acceptance^i x (per_row + fixed / batch) >= per_row, acceptance being the rate at
@@ -49,12 +49,13 @@ import torch
 PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance estimate before its first check
 LAST_WEIGHT = 0.5  # the weight of the last check in a sequence's estimate
 RECOVERY = 0.05  # each step it does not guess, the estimate moves this share back to the prior
-COST_MEMORY = 0.98  # PassCost's decay per pass: it remembers about the last 50 passes
+COST_MEMORY = 0.98  # PassCost's decay per step: it remembers about the last 50 steps
 
 
 class PassCost:
-    """seconds = fixed + per_row x rows, fitted by least squares to the decode passes (no prompt
-    chunk) seen lately, each pass weighing COST_MEMORY times less than the next."""
+    """seconds = fixed + per_row x rows, fitted by least squares to the decode steps (no prompt
+    chunk: the pass, its logits and the checks) seen lately, each weighing COST_MEMORY times
+    less than the next."""
 
     def __init__(self):
         self._sums = [0.0] * 5  # weighted count, rows, seconds, rows^2, rows x seconds
