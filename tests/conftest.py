@@ -142,3 +142,14 @@ def real_text_ids(real_tokenizer) -> list[int]:
     from minillm.evaluation import read_text
 
     return real_tokenizer.encode(read_text(TEXTS_DIR / "alice29.txt"))
+
+
+@pytest.fixture(scope="module")
+def always_guess():
+    """Speculation guesses as far as it may, whatever the machine's measured price of a row:
+    exactness tests then exercise guesses and rollbacks on every step, independent of timing."""
+    from minillm.engine.speculative import PassCost
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PassCost, "guesses_worth", lambda self, acceptance, batch, most: most)
+        yield

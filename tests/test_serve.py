@@ -62,7 +62,7 @@ def model_dir(real_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(model_dir):
+def server(model_dir, always_guess):
     """(base URL, EngineLoop) of a server running in this process until the module ends."""
     engine = LLMEngine(
         EngineConfig(

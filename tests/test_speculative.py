@@ -19,12 +19,18 @@ from minillm.config import ConfigError, EngineConfig
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
-from minillm.engine.speculative import NgramProposer, check_guesses
+from minillm.engine.speculative import NgramProposer, PassCost, check_guesses
 from minillm.memory import KVCacheManager
 from minillm.sampling import Sampler
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 GREEDY = SamplingParams(max_tokens=40, ignore_eos=True)
+PRICED = PassCost.guesses_worth  # before `always_guess` replaces it
+
+
+@pytest.fixture(autouse=True)
+def _always_guess(always_guess):
+    """Every test here guesses as far as it may (`conftest.always_guess`)."""
 
 
 def prompts(count, seed, longest=30):
@@ -37,7 +43,15 @@ def naive(model, prompt, params=GREEDY):
 
 
 def speculating(tiny_dir, tiny_model, **switches):
-    return LLM(tiny_dir, model=tiny_model, speculative="ngram", **{"block_size": 4, **switches})
+    """Short n-grams: the tiny model's loops are short."""
+    return LLM(
+        tiny_dir,
+        model=tiny_model,
+        speculative="ngram",
+        prompt_lookup_min=1,
+        prompt_lookup_max=3,
+        **{"block_size": 4, **switches},
+    )
 
 
 def assert_guessed_both_ways(llm):
@@ -68,6 +82,22 @@ def test_the_proposer_continues_the_latest_occurrence_of_the_longest_ngram():
     assert proposer.propose(3, growing, limit=3) == [3, 1, 2]  # latest (1, 2) before the end: followed by 3
     growing += [3, 9]
     assert proposer.propose(3, growing, limit=3) == []  # the index grew: 9 is new
+
+
+def test_a_guess_is_made_while_its_chance_pays_for_its_row():
+    cost = PassCost()
+    cost.guesses_worth = lambda *args, **kwargs: PRICED(cost, *args, **kwargs)  # the real rule here
+    assert cost.guesses_worth(0.1, batch=1, most=4) == 4  # no fit yet: guess, and measure
+    for rows in (1, 2, 3, 5, 1, 4):  # seconds = 20 ms + 2 ms per row
+        cost.record(rows, 0.020 + 0.002 * rows)
+    fixed, per_row = cost.fit()
+    assert fixed == pytest.approx(0.020) and per_row == pytest.approx(0.002)
+    # batch 1: a kept guess saves 22 ms for a 2 ms row, so it pays from a chance of 1/11
+    assert cost.guesses_worth(0.5, batch=1, most=4) == 3  # 0.5, 0.25, 0.125 >= 0.091 > 0.0625
+    assert cost.guesses_worth(0.05, batch=1, most=4) == 0
+    # batch 20: it saves 2 + 1 ms, so a guess needs a chance of 2/3
+    assert cost.guesses_worth(0.9, batch=20, most=4) == 3  # 0.9, 0.81, 0.73 >= 0.67 > 0.66
+    assert cost.guesses_worth(0.6, batch=20, most=4) == 0
 
 
 def test_greedy_check_keeps_the_agreeing_prefix_and_the_models_next_token():
