@@ -40,6 +40,9 @@ def resolve_dtype(name: str, device: str = "cpu") -> str:
     return "bfloat16" if native else "float32"
 
 
+MAX_LOOKUP = 32  # the longest n-gram speculation may look up (each token indexes one per length)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Every switch of a run: the model, the paged KV memory and its scheduling, KV compression,
@@ -161,6 +164,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not (type(value) is int and value >= 1):
                 raise ConfigError(f"{name} must be a whole number >= 1, not {value!r}.")
+        if self.prompt_lookup_max > MAX_LOOKUP:
+            raise ConfigError(
+                f"prompt_lookup_max must be at most {MAX_LOOKUP}, not {self.prompt_lookup_max}: every "
+                "token indexes an n-gram of each length up to it."
+            )
         if self.prompt_lookup_max < self.prompt_lookup_min:
             raise ConfigError(
                 f"prompt_lookup_max ({self.prompt_lookup_max}) must be at least prompt_lookup_min "

@@ -299,6 +299,8 @@ def test_a_later_request_finds_no_kv_of_a_rejected_guess(tiny_dir, tiny_model):
 def test_speculation_switches_are_checked(tiny_dir, tiny_model):
     with pytest.raises(ConfigError, match="prompt_lookup_max"):
         LLM(tiny_dir, model=tiny_model, speculative="ngram", prompt_lookup_min=3, prompt_lookup_max=2)
+    with pytest.raises(ConfigError, match="prompt_lookup_max must be at most"):
+        LLM(tiny_dir, model=tiny_model, speculative="ngram", prompt_lookup_max=10**6)
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         LLM(tiny_dir, model=tiny_model, speculative="ngram", num_speculative_tokens=0)
     with pytest.raises(ConfigError, match="speculative must be one of"):

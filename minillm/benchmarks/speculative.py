@@ -234,6 +234,21 @@ def bench_speculative(
     }
 
 
+def _report_row(kind: str, run: str, plain: str, guessing: str, numbers: dict) -> list[str]:
+    """One run's row of the report: the two sides as given, then the ratio and the counters."""
+    low, high = numbers["speedup_range"]
+    return [
+        kind,
+        run,
+        plain,
+        guessing,
+        f"{numbers['speedup']:.2f}x ({low:.2f}-{high:.2f})",
+        f"{numbers['acceptance_rate']:.2f}",
+        f"{numbers['tokens_per_pass']:.2f}",
+        "yes" if numbers["identical"] else "NO",
+    ]
+
+
 def print_speculative_report(result: dict, console) -> None:
     spec = result["speculation"]
     console.print(
@@ -246,29 +261,12 @@ def print_speculative_report(result: dict, console) -> None:
     for kind, runs in result["sets"].items():
         one, many = runs["batch_1"], runs["batched"]
         rows.append(
-            [
-                kind,
-                "batch 1 (decode tok/s)",
-                f"{one['plain_tok_s']:.1f}",
-                f"{one['ngram_tok_s']:.1f}",
-                f"{one['speedup']:.2f}x ({one['speedup_range'][0]:.2f}-{one['speedup_range'][1]:.2f})",
-                f"{one['acceptance_rate']:.2f}",
-                f"{one['tokens_per_pass']:.2f}",
-                "yes" if one["identical"] else "NO",
-            ]
+            _report_row(
+                kind, "batch 1 (decode tok/s)", f"{one['plain_tok_s']:.1f}", f"{one['ngram_tok_s']:.1f}", one
+            )
         )
-        rows.append(
-            [
-                kind,
-                f"batch {many['sequences']} (wall s)",
-                f"{many['plain_s']:.2f}",
-                f"{many['ngram_s']:.2f}",
-                f"{many['speedup']:.2f}x ({many['speedup_range'][0]:.2f}-{many['speedup_range'][1]:.2f})",
-                f"{many['acceptance_rate']:.2f}",
-                f"{many['tokens_per_pass']:.2f}",
-                "yes" if many["identical"] else "NO",
-            ]
-        )
+        batch = f"batch {many['sequences']} (wall s)"
+        rows.append(_report_row(kind, batch, f"{many['plain_s']:.2f}", f"{many['ngram_s']:.2f}", many))
     print_table(
         console,
         "without and with speculation (speedup: median ratio over runs, min-max)",

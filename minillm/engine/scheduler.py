@@ -353,7 +353,8 @@ class Scheduler:
             seq = item.seq
             if item.guesses:
                 seq.num_computed += kept[seq.seq_id]
-                self.kv_cache.truncate(seq.seq_id, seq.num_cached)
+                if kept[seq.seq_id] < item.num_tokens:  # some were rejected: their K/V goes
+                    self.kv_cache.truncate(seq.seq_id, seq.num_cached)
             else:
                 seq.num_computed += item.num_tokens
             counts = (seq.num_computed, seq.num_cached, len(seq.prompt_ids), seq.max_len)
