@@ -28,6 +28,7 @@ from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
 from minillm.memory import SwapCost
+from minillm.memory.events import Replayer
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 NUM_SETUPS = int(os.environ.get("SOAK_SETUPS", 200))
@@ -83,18 +84,31 @@ def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[l
     ]
 
 
+def assert_replayed(replayer: Replayer, kv_cache) -> None:
+    """The state rebuilt from the KV events alone equals the block manager's."""
+    manager = kv_cache.block_manager
+    cache = manager.prefix_cache.entries if manager.prefix_cache else {}
+    replayer.check(manager.block_tables, manager.refcounts, {block: e.key for block, e in cache.items()})
+
+
 def run_with_aborts(llm, rng: random.Random, requests) -> tuple[dict, set]:
+    """Run the requests, aborting some; after every step and abort, the state replayed from the
+    KV events must equal the block manager's."""
     engine, final, aborted = llm.engine, {}, set()
+    replayer = Replayer()
+    engine.kv_cache.subscribe(replayer)
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
+        assert_replayed(replayer, engine.kv_cache)
         waiting = [request_id for request_id in ids if request_id not in final and request_id not in aborted]
         if waiting and rng.random() < 0.05:
             victim = rng.choice(waiting)
             engine.abort(victim)
             aborted.add(victim)
+            assert_replayed(replayer, engine.kv_cache)
     return {request_id: final.get(request_id) for request_id in ids}, aborted
 
 

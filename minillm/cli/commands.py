@@ -32,6 +32,7 @@ from minillm.cli.flags import (
     add_speculative_args,
     add_switch,
     add_tier_args,
+    add_trace_arg,
     engine_switches,
     sampling_from,
 )
@@ -41,6 +42,7 @@ from minillm.cli.measure_memory import add_eval
 from minillm.cli.serve import add_serve
 from minillm.config import DTYPES, ConfigError, resolve_dtype
 from minillm.report import console, print_json
+from minillm.tracing import tracing
 
 # ----------------------------------------------------------------------------- chat
 
@@ -72,6 +74,7 @@ def add_chat(subparsers) -> None:
     )
     add_sampling_args(chat, max_tokens=256)
     add_chat_engine_args(chat)
+    add_trace_arg(chat)
     add_model_args(chat, dtype="auto")
     chat.set_defaults(func=cmd_chat)
 
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "dtype", None) == "auto":  # every command below sees the precision it runs in
         args.dtype = resolve_dtype("auto", getattr(args, "device", "cpu"))
     try:
-        return args.func(args) or 0  # a command that can partly fail returns 1 (bench all)
+        with tracing(getattr(args, "trace_file", None)):
+            return args.func(args) or 0  # a command that can partly fail returns 1 (bench all)
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)  # one line, never wrapped
         return 2

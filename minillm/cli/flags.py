@@ -150,6 +150,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_group(parser.add_argument_group("engine (EngineConfig switches)"), "engine")
 
 
+def add_trace_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trace",
+        dest="trace_file",
+        metavar="FILE",
+        default=None,
+        help="write every KV event of the run's engines (a block allocated, filled, cached, hit, "
+        "copied, swapped, spilled, evicted, freed) to FILE as JSON lines; read it with "
+        "`minillm trace show FILE`",
+    )
+
+
 def _declared(args) -> list[Switch]:
     """The switches whose flags the command of `args` declared (in a group, or one by one with
     `add_switch`, as chat declares eviction_trigger)."""

@@ -14,6 +14,7 @@ from minillm.cli.flags import (
     add_speculative_args,
     add_switch,
     add_tier_args,
+    add_trace_arg,
     engine_switches,
     sampling_from,
 )
@@ -53,6 +54,7 @@ def add_generate(subparsers) -> None:
     add_sampling_args(gen, max_tokens=128)
     add_tier_args(gen)
     add_speculative_args(gen)
+    add_trace_arg(gen)
     add_model_args(gen, dtype="auto")
     gen.set_defaults(func=cmd_generate)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.cli.flags import add_model_args, add_switch, positive_int
+from minillm.cli.flags import add_model_args, add_switch, add_trace_arg, positive_int
 from minillm.cli.measure_memory import add_bench_memory, add_bench_tiers
 from minillm.cli.measure_scheduling import add_bench_scheduling
 from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
@@ -42,6 +42,9 @@ def add_bench(subparsers) -> None:
         add_bench_all,
     ):
         add_command(benches)
+    for name, command in benches.choices.items():
+        if name != "serve-http":  # its --trace is a request trace to replay; its engine is `minillm serve`'s
+            add_trace_arg(command)
 
 
 # ----------------------------------------------------------------------------- bench decode

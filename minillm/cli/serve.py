@@ -18,6 +18,7 @@ from minillm.cli.flags import (
     add_model_args,
     add_speculative_args,
     add_tier_args,
+    add_trace_arg,
     engine_switches,
     positive_float,
     positive_int,
@@ -91,6 +92,7 @@ def add_serve(subparsers) -> None:
     add_eviction_args(serve)
     add_tier_args(serve)
     add_speculative_args(serve)
+    add_trace_arg(serve)
     add_model_args(serve, dtype="auto")
     serve.set_defaults(func=cmd_serve)
 

@@ -36,9 +36,11 @@ from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
 from minillm.engine.speculative import NgramProposer, check_guesses
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
+from minillm.memory.events import Step
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams
 from minillm.tokenizer import Tokenizer
+from minillm.tracing import attach
 from minillm.weights import load_model, model_fingerprint
 
 
@@ -76,6 +78,7 @@ class LLMEngine:
         self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
         self.kv_cache = KVCacheManager.build(config, model_config, self.model.dtype, self.model.device)
+        attach(self.kv_cache)  # `--trace FILE`: this engine's KV events go into the command's trace
         self.proposer = None
         if config.speculative == "ngram":
             self.proposer = NgramProposer(
@@ -97,6 +100,7 @@ class LLMEngine:
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
+        self.num_steps = 0
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -166,6 +170,8 @@ class LLMEngine:
         """Run one iteration; return an output for every request that got a token or ended."""
         outputs = self.outputs_of([seq.request_id for seq in self.rejected])
         self.rejected.clear()
+        self.num_steps += 1
+        self.kv_cache.begin_step(self.num_steps)  # the memory system's events of this step carry its number
         self.kv_cache.finish_prefetch()  # last step's background copies are done before anything is decided
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
         if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
@@ -184,6 +190,7 @@ class LLMEngine:
         forward = self.runner.forward(schedule.sequences)  # 3. one forward pass
         rows = sum(item.num_tokens for item in schedule.sequences)
         self.kv_cache.record_forward(rows, len(schedule.sequences), time.perf_counter() - start)
+        read = [item.seq.num_cached + item.num_tokens for item in schedule.sequences]  # entries read
         guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
         kept, endings = self.check_guesses(guessed, forward) if guessed else ({}, {})
         evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
@@ -206,6 +213,10 @@ class LLMEngine:
             self.proposer.cost.record(rows, time.perf_counter() - start)  # pass, logits and checks
         generated = len(ready) + sum(kept.values())
         self.stats.record(schedule, generated, evicted, self.memory_stats(), self.kv_cache.end_step())
+        if self.kv_cache.events:  # somebody follows the memory system: say who ran
+            ran = zip(schedule.sequences, read)
+            who = tuple((item.seq.seq_id, item.seq.request_id, item.num_tokens, n) for item, n in ran)
+            self.kv_cache.emit(Step(time.perf_counter() - start, who))
         return self.outputs_of(list(dict.fromkeys(changed)))  # 6.
 
     def check_guesses(self, guessed, forward) -> tuple[dict[int, int], dict[int, tuple]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from minillm.memory import events as ev
 from minillm.memory.free_blocks import FreeBlocks
 from minillm.memory.prefix_cache import PrefixCache
 
@@ -62,7 +63,8 @@ class BlockManager:
         self._free = FreeBlocks(num_blocks, host_blocks)
         self.refcounts: Counter[int] = Counter()
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> block ids
-        self.prefix_cache = PrefixCache(block_size) if prefix_caching else None
+        self.events = ev.KVEvents()  # every change of a block's life, told to subscribers (events.py)
+        self.prefix_cache = PrefixCache(block_size, self.events) if prefix_caching else None
         self.copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy, in decision order
         self.num_copies = 0  # copy-on-write copies made
         self.num_spilled = 0  # cached prefix blocks moved to the host tier instead of dropped
@@ -127,6 +129,8 @@ class BlockManager:
         prefix block, that block moves to the host tier (spill) when there is one, else is dropped."""
         block = self._free.take("device")
         if self.prefix_cache and block in self.prefix_cache.entries:
+            if self.events:
+                self.events.emit(ev.Reused(block))
             self.num_reclaimed += 1
             self._reclaimed_since += 1
             self._spill(block)
@@ -144,6 +148,8 @@ class BlockManager:
             self.copies.append((block, host))
             self.prefix_cache.move(block, host)
             self.num_spilled += 1
+            if self.events:
+                self.events.emit(ev.Spilled(block, host))
         self._drop(host)  # a spilled block is held by no table: free, but findable
 
     def _take_block(self, tier: str) -> int:
@@ -175,6 +181,8 @@ class BlockManager:
         table = self.block_tables.setdefault(seq_id, [])
         for _ in range(missing):
             table.append(self._take_free_block())
+            if self.events:
+                self.events.emit(ev.Allocated(seq_id, table[-1]))
 
     def copy_on_write(self, seq_id: int, start: int, end: int) -> None:
         """Give the sequence private copies of the shared blocks positions start..end-1 will
@@ -188,6 +196,8 @@ class BlockManager:
             table[index] = self._take_free_block()
             self.copies.append((shared, table[index]))
             self.num_copies += 1
+            if self.events:
+                self.events.emit(ev.CopiedOnWrite(seq_id, index, shared, table[index]))
 
     def forget_cached(self, seq_id: int, start: int, end: int) -> None:
         """Positions start..end-1 are about to be rewritten with other entries (eviction), in
@@ -212,9 +222,11 @@ class BlockManager:
             if self.refcounts[block] == 0:
                 self._free.take_out(block)
             self.refcounts[block] += 1
-        self.block_tables[seq_id] = [
-            block if self.tier(block) == "device" else self._bring_back(block) for block in blocks
-        ]
+        table = [block if self.tier(block) == "device" else self._bring_back(block) for block in blocks]
+        self.block_tables[seq_id] = table
+        if self.events:
+            brought_back = tuple((old, new) for old, new in zip(blocks, table) if old != new)
+            self.events.emit(ev.Hit(seq_id, tuple(table), brought_back))
 
     def _bring_back(self, host: int) -> int:
         """A spilled prefix block (taken out of the host free list) returns to a device block,
@@ -234,21 +246,30 @@ class BlockManager:
         for block in table:
             self.refcounts[block] += 1
         self.block_tables[child_id] = list(table)
+        if self.events:
+            self.events.emit(ev.Forked(parent_id, child_id))
 
     def truncate(self, seq_id: int, num_tokens: int) -> None:
-        """Keep only the blocks holding the first `num_tokens` entries (eviction shrank the sequence)."""
-        table = self.table(seq_id)
-        for block in table[self.blocks_for(num_tokens) :]:
+        """Keep only the blocks holding the first `num_tokens` entries (eviction shrank the
+        sequence, or speculation rolled it back)."""
+        table, kept = self.table(seq_id), self.blocks_for(num_tokens)
+        if len(table) <= kept:
+            return
+        for block in table[kept:]:
             self._drop(block)
-        del table[self.blocks_for(num_tokens) :]
+        del table[kept:]
+        if self.events:
+            self.events.emit(ev.Truncated(seq_id, kept))
 
     def free(self, seq_id: int) -> None:
         """Drop the sequence's table, in whatever tiers it lies; blocks nobody else holds are free."""
         for block in self.table(seq_id):
             self._drop(block)
-        del self.block_tables[seq_id]
+        table = self.block_tables.pop(seq_id)
         if self.prefix_cache:
             self.prefix_cache.forget_sequence(seq_id)
+        if self.events:
+            self.events.emit(ev.Freed(seq_id, tuple(table)))
 
     # ---------------------------------------------------------------- moving between tiers
     def held_off_device(self, seq_ids: list[int]) -> Counter[int]:
@@ -291,6 +312,8 @@ class BlockManager:
             self._drop(block, holders)
         for seq_id in seq_ids:
             self._repoint(self.block_tables[seq_id], moved)
+        if self.events:
+            self.events.emit(ev.SwappedOut(tuple(seq_ids), tuple(moved.items())))
 
     def can_swap_in(self, seq_ids: list[int], extra: int = 0) -> bool:
         return len(self.held_off_device(seq_ids)) + extra <= self.num_free_blocks
@@ -306,6 +329,8 @@ class BlockManager:
             self._drop(block, self.refcounts[block])
         for table in self.block_tables.values():
             self._repoint(table, moved)
+        if self.events:
+            self.events.emit(ev.SwappedIn(tuple(seq_ids), tuple(moved.items())))
 
     @staticmethod
     def _repoint(table: list[int], moved: dict[int, int]) -> None:
@@ -383,6 +408,16 @@ class BlockManager:
         else:
             ids = self._free.ids(tier)
         return [self.block_state(block) for block in ids]
+
+    def subscribe(self, subscriber: ev.Subscriber, bytes_per_token: int = 0) -> None:
+        """Tell `subscriber` every change from now on, starting with a `Snapshot` of the state now."""
+        cached = self.prefix_cache.described() if self.prefix_cache else ()
+        tables = {seq_id: tuple(table) for seq_id, table in self.block_tables.items()}
+        snapshot = ev.Snapshot(
+            self.num_blocks, self.num_host_blocks, self.block_size, bytes_per_token, tables, cached
+        )
+        subscriber(self.events.step, snapshot)
+        self.events.add(subscriber)
 
     def check_invariants(self) -> None:
         holders = Counter(block for table in self.block_tables.values() for block in table)

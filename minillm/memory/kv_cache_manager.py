@@ -13,6 +13,7 @@ the CacheManager). It owns every part of the memory system and answers in the sc
     take_copies()        every block copy decided (swaps, spills, copy-on-write), in order
     apply(...)           ...performed by the tiers before the forward pass that reads them
     snapshot(...)        one read-only picture of all of it (`accounting.MemorySnapshot`)
+    subscribe(...)       every change of a block's life from now on, as events (`events.py`)
 
 Inside, each part keeps its one job: `BlockManager` (tables, refcounts, free lists, tier ids),
 `PrefixCache` (blocks found by content), the pools (tensors), `TieredKV` (host and disk, the
@@ -37,6 +38,7 @@ import torch
 from minillm.config import EngineConfig, ModelConfig
 from minillm.memory.accounting import MemorySnapshot, MemoryStats, block_states, paged_stats, take_snapshot
 from minillm.memory.block_manager import BlockManager
+from minillm.memory.events import EntriesEvicted, Event, Filled, Subscriber
 from minillm.memory.eviction import Evictor
 from minillm.memory.pressure import PressureLadder
 from minillm.memory.sessions import load_session, save_session
@@ -74,6 +76,8 @@ class KVCacheManager:
         self.swap_cost = SwapCost(tiers) if tiers and (tiers.host or tiers.disk) else None
         self.ladder = PressureLadder(block_manager, preemption, self.swap_cost, eviction_trigger)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self.events = block_manager.events
+        self._full_blocks: dict[int, int] = {}  # seq_id -> leading blocks known full (for `Filled`)
 
     @classmethod
     def build(cls, config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device) -> KVCacheManager:
@@ -193,6 +197,7 @@ class KVCacheManager:
         """The sequence is done (or starts over): its blocks go back, its eviction state goes."""
         if self.block_manager.has_table(seq_id):
             self.block_manager.free(seq_id)
+        self._full_blocks.pop(seq_id, None)
         if self.evictor:
             self.evictor.forget(seq_id)
 
@@ -227,6 +232,7 @@ class KVCacheManager:
                 self.pool.restage_block(block)
         if manager.prefix_cache:
             manager.prefix_cache.truncate(seq_id, num_entries // size)
+        self._cut_full(seq_id, num_entries)
         if self.evictor:
             self.evictor.truncate(seq_id, num_entries)
 
@@ -327,13 +333,33 @@ class KVCacheManager:
         their K/V in the pool: newly full blocks become findable in the prefix cache, and a
         sequence over its budget evicts. Returns the entries it dropped."""
         cache = self.block_manager.prefix_cache
+        self._tell_filled(seq_id, num_cached)
         if cache and num_cached == num_computed:  # once it evicts, its table no longer maps positions
             cache.register(seq_id, self.block_manager.table(seq_id), token_ids, num_computed)
         if not self.ladder.evicts_now():
             return 0
         dropped = self.evictor.shrink(seq_id, num_cached, num_computed, prompt_len, max_len)
         self.ladder.took("evict", dropped)
+        if dropped:
+            self._cut_full(seq_id, num_cached - dropped)
+            if self.events:
+                self.events.emit(EntriesEvicted(seq_id, dropped))
         return dropped
+
+    def _tell_filled(self, seq_id: int, num_entries: int) -> None:
+        """`Filled` for each block the sequence's `num_entries` entries newly fill."""
+        full, done = num_entries // self.block_size, self._full_blocks.get(seq_id, 0)
+        if full <= done:
+            return
+        self._full_blocks[seq_id] = full
+        if self.events:
+            table, quantized = self.block_manager.table(seq_id), self.pool.quantized
+            for index in range(done, full):
+                self.events.emit(Filled(seq_id, table[index], quantized))
+
+    def _cut_full(self, seq_id: int, num_entries: int) -> None:
+        if self._full_blocks.get(seq_id, 0) > num_entries // self.block_size:
+            self._full_blocks[seq_id] = num_entries // self.block_size
 
     def end_step(self) -> dict[str, int]:
         """This step's rungs of the pressure ladder, in ladder order."""
@@ -349,6 +375,24 @@ class KVCacheManager:
         """Load a parked session's KV as cached prefix blocks; returns (its token ids, its extra)."""
         self.finish_prefetch()
         return load_session(Path(path), self.block_manager, self.tiers, identity)
+
+    # ---------------------------------------------------------------- events (events.py)
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """`subscriber(step, event)` hears every change of a block's life from now on, first a
+        `Snapshot` of the state now."""
+        self.block_manager.subscribe(subscriber, self.pool.bytes_per_slot)
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self.events.remove(subscriber)
+
+    def begin_step(self, step: int) -> None:
+        """The events from now on belong to engine step `step`."""
+        self.events.step = step
+
+    def emit(self, event: Event) -> None:
+        """An event from the engine (a `Step`), told to the subscribers if any."""
+        if self.events:
+            self.events.emit(event)
 
     # ---------------------------------------------------------------- pictures and numbers
     def memory_stats(self, live_tokens: dict[int, int]) -> MemoryStats:

@@ -129,6 +129,8 @@ class PagedKVPool:
         """Bytes held in full precision beside the blocks: none, every number lives in its block."""
         return 0
 
+    quantized = False  # are the numbers stored in another format than the model's dtype?
+
     @property
     def fills_are_final(self) -> bool:
         """Does writing a block's last slot change the block's other entries? Not here: each

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from minillm.memory.events import KVEvents, Registered, Uncached
+
 
 @dataclass
 class Entry:
@@ -31,8 +33,9 @@ class Entry:
 
 
 class PrefixCache:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, events: KVEvents | None = None):
         self.block_size = block_size
+        self.events = events if events is not None else KVEvents()  # the block manager's, shared
         self.block_of: dict[int, int] = {}  # key -> block
         self.entries: dict[int, Entry] = {}  # block -> its entry
         self.children: dict[int, set[int]] = {}  # block -> cached blocks whose parent it is
@@ -85,6 +88,9 @@ class PrefixCache:
                 self.entries[block] = Entry(key, parent, self._block_tokens(token_ids, index))
                 if parent is not None:
                     self.children.setdefault(parent, set()).add(block)
+                if self.events:
+                    parent_key = parent_entry.key if parent_entry else None
+                    self.events.emit(Registered(block, key, parent_key, self.entries[block].tokens))
             self.registered[seq_id] = index + 1
 
     def truncate(self, seq_id: int, num_blocks: int) -> None:
@@ -102,6 +108,8 @@ class PrefixCache:
         if entry is None:
             return
         del self.block_of[entry.key]
+        if self.events:
+            self.events.emit(Uncached(block, entry.key))
         if entry.parent is not None:
             self.children.get(entry.parent, set()).discard(block)
         for child in self.children.pop(block, set()):
@@ -122,6 +130,28 @@ class PrefixCache:
             self.entries[child].parent = new_block
         if children:
             self.children[new_block] = children
+
+    def described(self) -> tuple[tuple[int, int, int | None, tuple[int, ...]], ...]:
+        """(block, key, parent key, tokens) of every entry, each parent before its children."""
+        order: dict[int, None] = {}
+
+        def visit(block: int) -> None:
+            parent = self.entries[block].parent
+            if parent is not None and parent not in order:
+                visit(parent)
+            order[block] = None
+
+        for block in self.entries:
+            if block not in order:
+                visit(block)
+        return tuple(
+            (block, self.entries[block].key, self._parent_key(block), self.entries[block].tokens)
+            for block in order
+        )
+
+    def _parent_key(self, block: int) -> int | None:
+        parent = self.entries[block].parent
+        return None if parent is None else self.entries[parent].key
 
     @property
     def hit_rate(self) -> float:

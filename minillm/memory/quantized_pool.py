@@ -42,6 +42,8 @@ class QuantizedKVPool:
     restores staged keys) and the step's writes from growing or taking rows under each other.
     """
 
+    quantized = True
+
     def __init__(
         self,
         config: ModelConfig,
