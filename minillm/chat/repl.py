@@ -39,6 +39,7 @@ COMMANDS = {  # command -> (its arguments, what it does); /help prints them in t
     "/compare": ("SWITCH VALUE", "answer the last prompt again with the switch changed, side by side"),
     "/memory": ("", "every KV block, per tier, and the engine's accounting"),
     "/stats": ("", "the last reply: prompt reuse, first token, decode speed, KV memory"),
+    "/why": ("", "why the last prompt's prefix-cache hit ended where it did (the token it parted at)"),
     "/save": ("[NAME]", "park the conversation (KV and messages) as session NAME"),
     "/load": ("NAME", "resume session NAME (parking this one first): its messages, its KV as cached blocks"),
     "/sessions": ("", "list the parked sessions"),
@@ -251,6 +252,13 @@ class Chat(SessionCommands):
 
     def do_stats(self, _: str) -> None:
         self.say(self.stats(), style="none")
+
+    def do_why(self, _: str) -> None:
+        if self.last is None:
+            self.say("no reply yet")
+            return
+        report = self.last[0].prefix_miss_report()
+        self.say(report["summary"] if report else "prefix caching is off: /set prefix_caching on")
 
     def do_reset(self, _: str) -> None:
         self.reset()

@@ -124,6 +124,7 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
             "timings": {"ttft_s": out.ttft, "tpot_s": out.tpot},
             **_engine_memory(llm.engine),
             "speculation": llm.engine.stats.speculation(),
+            "prefix_miss": out.prefix_miss_report(),  # why the prefix cache hit what it did (None: off)
         }
     )
 

@@ -16,6 +16,7 @@ from minillm.config import ConfigError
 from minillm.engine.scheduler import Schedule
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory import MemoryStats
+from minillm.memory.prefix_cache import PrefixMiss
 from minillm.tokenizer import Tokenizer
 
 
@@ -46,6 +47,7 @@ class RequestOutput:
     num_preemptions: int
     samples: list[list[int]] = field(default_factory=list)
     tokenizer: Tokenizer | None = field(default=None, repr=False)
+    prefix_miss: PrefixMiss | None = None  # why the prompt's prefix-cache hit ended there (cache on)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -95,7 +97,62 @@ class RequestOutput:
             sum(seq.num_preemptions for seq in seqs),
             [list(seq.output_ids) for seq in seqs],
             tokenizer,
+            first.prefix_miss,
         )
+
+    def prefix_miss_report(self) -> dict | None:
+        """The prefix-cache miss, explained (`describe_miss`); None with prefix caching off."""
+        if self.prefix_miss is None:
+            return None
+        return describe_miss(self.prefix_miss, self.prompt_token_ids, self.tokenizer)
+
+
+def describe_miss(miss: PrefixMiss, prompt_ids: list[int], tokenizer: Tokenizer | None) -> dict:
+    """A `PrefixMiss` for people: its numbers, the text just before the prompt parted from the
+    cached (or recent) one, both continuations, and one sentence saying what happened."""
+
+    def text(ids) -> str:
+        return tokenizer.decode(list(ids)) if tokenizer else " ".join(map(str, ids))
+
+    report = {
+        "cause": miss.cause,
+        "prompt_tokens": miss.prompt_tokens,
+        "cacheable_tokens": miss.cacheable_tokens,
+        "cached_tokens": miss.cached_tokens,
+        "recomputed_tokens": miss.recomputed_tokens,
+        "diverged_at": miss.diverged_at,
+    }
+    if miss.diverged_at is not None:
+        at = miss.diverged_at
+        report |= {
+            "before": text(prompt_ids[max(0, at - 8) : at]),
+            "prompt_text": text(miss.ours),
+            "cached_text": text(miss.theirs),
+        }
+    report["summary"] = _miss_sentence(miss, report)
+    return report
+
+
+def _miss_sentence(miss: PrefixMiss, report: dict) -> str:
+    cached = f"{miss.cached_tokens} of {miss.cacheable_tokens} cacheable prompt tokens came from the cache"
+    if miss.cause == "hit":
+        if not miss.cacheable_tokens:
+            return "The prompt fills no block: there was nothing to find in the prefix cache."
+        return f"Every full block hit: {cached}."
+    if miss.cause == "new":
+        return f"{cached}; no cached or recent prompt begins like this one."
+    where = f"token {miss.diverged_at}, after {report['before']!r}: this prompt has {report['prompt_text']!r}"
+    other = f"the other {report['cached_text']!r}" if miss.theirs else "the other prompt ended there"
+    if miss.cause == "evicted":
+        return (
+            f"{cached}; a recent prompt shared {miss.diverged_at} tokens, but their blocks have left the "
+            f"cache (reused for other content, or not computed yet). It parts at {where}, {other}."
+        )
+    return (
+        f"{cached}; it parts from the cached prompt at {where}, {other}. Everything from that "
+        f"token's block on is recomputed: move what changes per request (a timestamp, a name) to the "
+        f"end of the prompt, or normalize it."
+    )
 
 
 @dataclass

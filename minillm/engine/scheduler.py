@@ -238,6 +238,8 @@ class Scheduler:
         grant = self.kv_cache.allocate(seq.seq_id, seq.token_ids, seq.num_computed, seq.num_cached, budget)
         if grant.restart:
             seq.restart(grant.num_computed)
+        if seq.prefix_miss is None:  # why its first lookup hit what it hit
+            seq.prefix_miss = grant.miss
         return grant.num_tokens
 
     def _release_waiting(self, keep: Sequence) -> bool:

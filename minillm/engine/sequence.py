@@ -17,6 +17,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from minillm.memory.prefix_cache import PrefixMiss
 from minillm.sampling import Sampler, SamplingParams
 
 
@@ -47,6 +48,7 @@ class Sequence:
     num_preemptions: int = 0
     priority: int = 0  # admission by memory serves lower values first (vLLM's convention)
     arrival_step: int = 0  # the scheduler's step count when it was queued: its age in steps
+    prefix_miss: PrefixMiss | None = None  # why its prompt's prefix-cache hit ended where it did
 
     def __post_init__(self):
         self.sampler = Sampler(self.params, self.sample_index)

@@ -40,6 +40,7 @@ from minillm.memory.accounting import MemorySnapshot, MemoryStats, block_states,
 from minillm.memory.block_manager import BlockManager
 from minillm.memory.events import EntriesEvicted, Event, Filled, Subscriber
 from minillm.memory.eviction import Evictor
+from minillm.memory.prefix_cache import PrefixMiss
 from minillm.memory.pressure import PressureLadder
 from minillm.memory.sessions import load_session, save_session
 from minillm.memory.tiers import SwapCost, TieredKV
@@ -52,11 +53,13 @@ class Allocation:
     """What `allocate` granted: `num_tokens` to compute now (0: memory is short, try later),
     starting at `num_computed`. `restart`: the sequence starts afresh (it held no blocks, or its
     swapped-out KV was lost), its cache holding exactly its first `num_computed` tokens, those
-    the prefix cache gave (0 without a hit)."""
+    the prefix cache gave (0 without a hit). `miss`: why the prefix cache's hit ended where it
+    did, when the sequence looked its prompt up (it started, with prefix caching on)."""
 
     num_tokens: int
     num_computed: int
     restart: bool
+    miss: PrefixMiss | None = None
 
 
 class KVCacheManager:
@@ -164,13 +167,14 @@ class KVCacheManager:
             self.counters["swapped_in"] += 1
         if not manager.can_grow(seq_id, end, adopting=hits, copies=copies):
             return Allocation(0, num_computed, starting)
+        miss = None
         if cache and starting:
-            cache.record_lookup(token_ids, len(hits))
+            miss = cache.record_lookup(token_ids, hits)
             manager.adopt(seq_id, hits)
             num_computed = skipped
         manager.grow(seq_id, end)
         manager.copy_on_write(seq_id, start, end)
-        return Allocation(num_tokens, num_computed, starting)
+        return Allocation(num_tokens, num_computed, starting, miss)
 
     def _can_come_back(self, seq_id: int, num_tokens: int, num_cached: int, budget: int) -> bool:
         """Can the swapped sequence's blocks return and take its next chunk? Not if a disk file is

@@ -16,10 +16,18 @@ recently freed block first (LRU), and only then is its entry dropped — or, wit
 block spills there and its entry follows it (`move`), so a later hit copies it back instead of
 recomputing it. A prompt that is entirely
 cached still recomputes its last token, to get the logits the next token is sampled from.
+
+A cache that silently stops hitting is the classic failure (a timestamp in the system prompt
+makes every prefix different), so every lookup also says why it ended where it did
+(`PrefixMiss`): where the prompt first differs from the best cached chain (the cached blocks
+that follow the last hit), or, when the chain simply ends, from the closest of the last few
+prompts — then blocks they shared have left the cache (reused for other content), or were not
+computed yet.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from minillm.memory.events import KVEvents, Registered, Uncached
@@ -32,14 +40,60 @@ class Entry:
     tokens: tuple[int, ...]
 
 
+RECENT_PROMPTS = 16  # prompts kept to explain a miss where the cached chain ends
+RECENT_TOKENS = 4096  # ...each up to this many tokens
+SHOWN_TOKENS = 8  # tokens of each side kept from where they differ
+
+
+@dataclass(frozen=True)
+class PrefixMiss:
+    """Why a prompt's prefix-cache hit ended where it did. `cause`:
+        "hit"       every full block a hit can cover (all but the last token's) was cached
+        "diverged"  the prompt differs at token `diverged_at` from a cached or a recent prompt;
+                    the block holding that token, and every later one, must be computed
+        "evicted"   a recent prompt shared more full blocks than the cache still holds (they
+                    were reused for other content, or not computed yet)
+        "new"       no cached block and no recent prompt begins like it
+    `ours` / `theirs`: a few token ids of the prompt and of the other from `diverged_at` on
+    (`theirs` is empty where the other prompt ended)."""
+
+    cause: str
+    prompt_tokens: int
+    cacheable_tokens: int
+    cached_tokens: int
+    diverged_at: int | None = None
+    ours: tuple[int, ...] = ()
+    theirs: tuple[int, ...] = ()
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Prompt tokens in full blocks that were computed although a hit could have covered them."""
+        return self.cacheable_tokens - self.cached_tokens
+
+
+def common_length(a, b) -> int:
+    """How many leading items two sequences share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if a[:middle] == b[:middle] else (low, middle)
+    return low
+
+
 class PrefixCache:
     def __init__(self, block_size: int, events: KVEvents | None = None):
         self.block_size = block_size
         self.events = events if events is not None else KVEvents()  # the block manager's, shared
         self.block_of: dict[int, int] = {}  # key -> block
         self.entries: dict[int, Entry] = {}  # block -> its entry
-        self.children: dict[int, set[int]] = {}  # block -> cached blocks whose parent it is
+        self.children: dict[int | None, set[int]] = {}  # block -> cached blocks whose parent it is
+        #   (None -> the first blocks of chains)
         self.registered: dict[int, int] = {}  # seq_id -> how many of its leading blocks were offered
+        self.recent: deque[tuple[int, ...]] = deque(maxlen=RECENT_PROMPTS)  # the last prompts looked up
+        self.misses: dict[str, int] = {}  # cause -> lookups (`PrefixMiss.cause`)
         self.queried_tokens = 0  # prompt tokens of every lookup
         self.queried_blocks = 0  # full blocks a lookup could have hit
         self.hit_blocks = 0
@@ -66,10 +120,43 @@ class PrefixCache:
         """Does the cache vouch for this block's content? (Then nobody may write it.)"""
         return block in self.entries
 
-    def record_lookup(self, token_ids: list[int], hits: int) -> None:
+    def record_lookup(self, token_ids: list[int], hits: list[int]) -> PrefixMiss:
+        """Count a lookup whose hit is `hits` (`lookup`'s blocks), and say why it ended there."""
         self.queried_tokens += len(token_ids)
         self.queried_blocks += (len(token_ids) - 1) // self.block_size
-        self.hit_blocks += hits
+        self.hit_blocks += len(hits)
+        miss = self.explain(token_ids, hits)
+        self.misses[miss.cause] = self.misses.get(miss.cause, 0) + 1
+        self.recent.append(tuple(token_ids[:RECENT_TOKENS]))
+        return miss
+
+    def explain(self, token_ids: list[int], hits: list[int]) -> PrefixMiss:
+        """Where `token_ids` parts from the best cached chain past its hit `hits`, or else from
+        the closest recent prompt (see `PrefixMiss`)."""
+        size, prompt = self.block_size, tuple(token_ids)
+        cacheable, cached = (len(prompt) - 1) // size * size, len(hits) * size
+        counts = (len(prompt), cacheable, cached)
+        if cached == cacheable:
+            return PrefixMiss("hit", *counts)
+        following = self.children.get(hits[-1] if hits else None, ())
+        block_tokens = prompt[cached : cached + size]
+        best = max(following, key=lambda b: common_length(self.entries[b].tokens, block_tokens), default=None)
+        shared = cached + (common_length(self.entries[best].tokens, block_tokens) if best is not None else 0)
+        if best is not None and (hits or shared):  # the cached chain goes on, with other tokens
+            theirs = self.entries[best].tokens[shared - cached :]
+            return self._parted("diverged", counts, prompt, shared, theirs)
+        shared, other = max(((common_length(p, prompt), p) for p in self.recent), default=(0, ()))
+        theirs = other[shared : shared + SHOWN_TOKENS]
+        if shared // size * size > cached:
+            return self._parted("evicted", counts, prompt, shared, theirs)
+        if shared > cached and shared < cacheable:
+            return self._parted("diverged", counts, prompt, shared, theirs)
+        return PrefixMiss("new", *counts)
+
+    @staticmethod
+    def _parted(cause: str, counts: tuple, prompt: tuple[int, ...], shared: int, theirs) -> PrefixMiss:
+        ours = prompt[shared : shared + SHOWN_TOKENS]
+        return PrefixMiss(cause, *counts, shared, ours, tuple(theirs[:SHOWN_TOKENS]))
 
     def register(self, seq_id: int, table: list[int], token_ids: list[int], num_computed: int) -> None:
         """Offer the sequence's newly full and computed blocks to the cache."""
@@ -86,8 +173,7 @@ class PrefixCache:
                     break  # the same content is cached in another block already
                 self.block_of[key] = block
                 self.entries[block] = Entry(key, parent, self._block_tokens(token_ids, index))
-                if parent is not None:
-                    self.children.setdefault(parent, set()).add(block)
+                self.children.setdefault(parent, set()).add(block)
                 if self.events:
                     parent_key = parent_entry.key if parent_entry else None
                     self.events.emit(Registered(block, key, parent_key, self.entries[block].tokens))
@@ -110,8 +196,7 @@ class PrefixCache:
         del self.block_of[entry.key]
         if self.events:
             self.events.emit(Uncached(block, entry.key))
-        if entry.parent is not None:
-            self.children.get(entry.parent, set()).discard(block)
+        self.children.get(entry.parent, set()).discard(block)
         for child in self.children.pop(block, set()):
             self.evict(child)
 
@@ -121,10 +206,9 @@ class PrefixCache:
         entry = self.entries.pop(block)
         self.entries[new_block] = entry
         self.block_of[entry.key] = new_block
-        if entry.parent is not None:
-            siblings = self.children[entry.parent]
-            siblings.discard(block)
-            siblings.add(new_block)
+        siblings = self.children[entry.parent]
+        siblings.discard(block)
+        siblings.add(new_block)
         children = self.children.pop(block, set())
         for child in children:
             self.entries[child].parent = new_block
@@ -167,4 +251,5 @@ class PrefixCache:
             "prefill_tokens_saved": hit_tokens,
             "token_hit_rate": hit_tokens / self.queried_tokens if self.queried_tokens else 0.0,
             "cached_blocks": len(self.entries),
+            "lookups": dict(self.misses),  # cause -> lookups (`PrefixMiss`: hit, diverged, evicted, new)
         }

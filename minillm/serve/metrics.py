@@ -68,6 +68,11 @@ METRIC_HELP = {
     "prefix_cache_queries_total": ("counter", "Prompt tokens in full blocks looked up in the prefix cache."),
     "prefix_cache_hits_total": ("counter", "Of those, tokens found (not computed again)."),
     "prefix_cache_hit_rate": ("gauge", "prefix_cache_hits_total / prefix_cache_queries_total."),
+    "prefix_cache_lookups_total": (
+        "counter",
+        "Prompt lookups by why their hit ended there: hit (every full block), diverged (the prompt "
+        "parts from a cached or recent one), evicted (blocks a recent prompt shared are gone), new.",
+    ),
     "prompt_tokens_total": ("counter", "Prompt tokens of the requests accepted."),
     "generation_tokens_total": ("counter", "Tokens generated."),
     "generation_tokens_per_second": ("gauge", "Tokens generated per second over the last 10 s."),
@@ -83,10 +88,12 @@ METRIC_HELP = {
         "Speculation: guessed tokens kept, by position in the guess (0 is the first).",
     ),
 }
+MISS_CAUSES = ("hit", "diverged", "evicted", "new")
 LABELS = {
     "kv_blocks": "state",
     "request_success_total": "finished_reason",
     "spec_decode_num_accepted_tokens_per_pos_total": "position",
+    "prefix_cache_lookups_total": "cause",
 }
 
 
@@ -115,6 +122,9 @@ def _memory_values(memory) -> dict:
         "prefix_cache_queries_total": cache["queried_blocks"] * block_size if cache else 0,
         "prefix_cache_hits_total": cache["hit_blocks"] * block_size if cache else 0,
         "prefix_cache_hit_rate": cache["hit_rate"] if cache else 0.0,
+        "prefix_cache_lookups_total": {
+            cause: (cache["lookups"].get(cause, 0) if cache else 0) for cause in MISS_CAUSES
+        },
     }
 
 
