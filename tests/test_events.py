@@ -38,7 +38,8 @@ def run_checked(llm: LLM, rng: random.Random, num_requests: int) -> Replayer:
     engine.kv_cache.subscribe(replayer)
     shared = [rng.randrange(97) for _ in range(rng.randint(6, 24))]
     for _ in range(num_requests):
-        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(97) for _ in range(rng.randint(1, 20))]
+        own = [rng.randrange(97) for _ in range(rng.randint(1, 20))]
+        prompt = (shared if rng.random() < 0.5 else []) + own
         n = rng.choice([1, 1, 2])
         params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, seed=1, max_tokens=rng.randint(1, 24))
         engine.add_request(prompt, params)
@@ -92,7 +93,8 @@ def test_a_trace_file_replays_to_the_same_state(tiny_dir, tiny_model, tmp_path):
         replayed.apply(event)
         kinds.add(type(event).__name__)
         assert event_from_json(event.to_json()) == event
-    assert (replayed.tables, replayed.refcounts, replayed.cached) == (live.tables, live.refcounts, live.cached)
+    assert replayed.tables == live.tables and replayed.refcounts == live.refcounts
+    assert replayed.cached == live.cached
     assert {"Snapshot", "Allocated", "Registered", "Hit", "Filled", "Freed", "Step"} <= kinds
     steps = [step for step, _, event in run if type(event).__name__ == "Step"]
     assert steps == list(range(1, len(steps) + 1)) == list(range(1, llm.engine.num_steps + 1))
