@@ -7,11 +7,13 @@ client or twenty at once; a client that disconnects must get its request aborted
 freed; every bad request a 4xx with OpenAI's error body, never a 500.
 """
 
+import http.client
 import json
 import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -138,8 +140,126 @@ def test_models_health_and_metrics_describe_the_server(server, client):
         "spec_decode_num_draft_tokens_total",
         "spec_decode_num_accepted_tokens_total",
         "spec_decode_num_accepted_tokens_per_pos_total",
+        "prefix_cache_lookups_total",
     ):
         assert name in values
+
+
+# ----------------------------------------------------------------------------- /v1/kv_events
+
+
+class EventStreamReader:
+    """A client of /v1/kv_events in a thread of its own: every message's events, handed to `apply`."""
+
+    def __init__(self, url: str, apply):
+        parts = urllib.parse.urlsplit(url)
+        self.conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+        self.conn.request("GET", parts.path + "?" + parts.query)
+        self.response = self.conn.getresponse()
+        assert self.response.status == 200, self.response.read()
+        self.apply, self.messages, self.lock = apply, 0, threading.Lock()
+        self.thread = threading.Thread(target=self.read, daemon=True)
+        self.thread.start()
+
+    def read(self) -> None:
+        try:
+            for line in self.response:
+                if line.startswith(b"data: "):
+                    with self.lock:
+                        for item in json.loads(line[6:])["events"]:
+                            self.apply(item)
+                        self.messages += 1
+        except (OSError, ValueError):  # closed by `close`
+            pass
+
+    def close(self) -> None:
+        self.conn.sock.shutdown(socket.SHUT_RDWR)  # the reading thread's next read ends
+        self.thread.join(timeout=10)
+        self.conn.close()
+
+
+def until_equal(reader: EventStreamReader, rebuilt, real, timeout: float = 20):
+    deadline = time.monotonic() + timeout
+    while True:
+        with reader.lock:
+            if rebuilt() == real():
+                return
+        assert time.monotonic() < deadline, f"the stream never caught up: {rebuilt()} != {real()}"
+        time.sleep(0.05)
+
+
+def test_kv_events_rebuild_the_prefix_cache_a_router_would_route_by(server, client):
+    """A router that keeps only the stream's BlockStored / BlockRemoved / AllBlocksCleared knows
+    which block hashes are cached, per tier, as the server's prefix cache holds them."""
+    known: set = set()
+
+    def apply(item):
+        if item["type"] == "AllBlocksCleared":
+            known.clear()
+        elif item["type"] == "BlockStored":
+            known.add((item["block_hashes"][0], item["medium"]))
+        else:
+            known.remove((item["block_hashes"][0], item["medium"]))
+
+    manager = server[1].engine.kv_cache.block_manager
+    client.completions.create(model="tiny", prompt=PROMPTS[0] * 3, max_tokens=4)  # cached before joining
+    wait_until_idle(server)
+    reader = EventStreamReader(server[0] + "/v1/kv_events", apply)
+    try:
+        shared = "A long shared instruction that every request starts with, " * 4
+        for prompt in PROMPTS[:4]:
+            client.completions.create(model="tiny", prompt=shared + prompt, max_tokens=6)
+        wait_until_idle(server)
+
+        def cached():
+            return {(entry.key, manager.tier(block)) for block, entry in manager.prefix_cache.entries.items()}
+
+        until_equal(reader, lambda: set(known), cached)
+        assert len(known) > 4 and reader.messages >= 2
+    finally:
+        reader.close()
+    assert fetch_status(server[0] + "/v1/kv_events?events=everything") == 400
+
+
+def test_kv_events_all_rebuild_every_block_table(server, client):
+    from minillm.memory.events import Replayer, event_from_json
+
+    replayer = Replayer()
+    reader = EventStreamReader(
+        server[0] + "/v1/kv_events?events=all", lambda item: replayer.apply(event_from_json(item))
+    )
+    manager = server[1].engine.kv_cache.block_manager
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=8), PROMPTS))
+        wait_until_idle(server)
+
+        def state(tables, refcounts, cached):
+            return (
+                {k: list(v) for k, v in tables.items()},
+                {b: c for b, c in refcounts.items() if c},
+                cached,
+            )
+
+        until_equal(
+            reader,
+            lambda: state(replayer.tables, replayer.refcounts, replayer.cached),
+            lambda: state(
+                manager.block_tables,
+                manager.refcounts,
+                {b: e.key for b, e in manager.prefix_cache.entries.items()},
+            ),
+        )
+    finally:
+        reader.close()
+
+
+def fetch_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as err:
+        return err.code
 
 
 def test_greedy_completions_equal_llm_generate(client, reference):

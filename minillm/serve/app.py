@@ -6,6 +6,8 @@
     GET  /health                200 while the engine loop runs
     GET  /metrics               Prometheus text: KV blocks per state, KV usage, prefix-cache hit
                                 rate, requests running and waiting, tokens/s, counters
+    GET  /v1/kv_events          the KV cache's events as server-sent events (`kv_events.py`), for
+                                a KV-aware router or a dashboard; open like /metrics, or keyed
 
 Every route runs on the event loop; the engine runs in a thread of its own (`engine_loop.py`). A
 request is checked before anything reaches the engine, each refusal in OpenAI's error body:
@@ -40,6 +42,7 @@ from minillm.config import ConfigError
 from minillm.serve.commands import RequestRefused
 from minillm.serve.endpoints import parse_chat, parse_completion
 from minillm.serve.engine_loop import EngineLoop, Submission
+from minillm.serve.kv_events import FORMATS, KVEventFeed
 from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import metric_values, prometheus
 from minillm.serve.protocol import APIError, Job, error_body, parse_json, shown
@@ -138,7 +141,8 @@ def _add_completion_routes(
 def _add_status_routes(
     app: FastAPI, engine_loop: EngineLoop, model_name: str, keyed: list, metrics_keyed: list | None
 ) -> None:
-    """GET /v1/models, /health and /metrics (not there when `metrics_keyed` is None: turned off)."""
+    """GET /v1/models, /health, /metrics and /v1/kv_events (the last two not there when
+    `metrics_keyed` is None: turned off)."""
     engine = engine_loop.engine
 
     @app.get("/v1/models", dependencies=keyed)
@@ -171,8 +175,27 @@ def _add_status_routes(
             prometheus(await engine_loop.call(metric_values)), media_type="text/plain; version=0.0.4"
         )
 
-    if metrics_keyed is not None:
+    async def kv_events(events: str = "vllm"):
+        if events not in FORMATS:
+            raise APIError(400, f"events must be one of {', '.join(FORMATS)}, not {shown(events)}.", "events")
+        if not engine_loop.alive:
+            return _unavailable(engine_loop)
+        feed, kv_cache = KVEventFeed(asyncio.get_running_loop()), engine.kv_cache
+        feed.unsubscribe = lambda: kv_cache.unsubscribe(feed)
+        await engine_loop.call(lambda _: kv_cache.subscribe(feed))  # between two steps: a true snapshot
+
+        async def stream():
+            try:
+                async for message in feed.messages(events, lambda: engine_loop.alive):
+                    yield message
+            finally:  # the client went away, or the engine stopped
+                feed.unsubscribe()
+
+        return StreamingResponse(stream(), media_type="text/event-stream")
+
+    if metrics_keyed is not None:  # what is cached says what others asked: the same access as /metrics
         app.get("/metrics", dependencies=metrics_keyed)(metrics)
+        app.get("/v1/kv_events", dependencies=metrics_keyed)(kv_events)
 
 
 def _unavailable(engine_loop: EngineLoop) -> JSONResponse:

@@ -1,0 +1,88 @@
+"""GET /v1/kv_events: the memory system's events as a server-sent-event stream.
+
+A KV-aware router (Dynamo, llm-d) sends each prompt to the replica whose prefix cache already
+holds its leading blocks; to know that, it follows each replica's KV events. vLLM publishes them
+over ZMQ; this server streams them over HTTP, one message per engine step that changed something:
+
+    data: {"step": 42, "ts": 1764650000.1, "events": [{"type": "BlockStored", ...}, ...]}
+
+`?events=vllm` (the default) sends vLLM's shape only (`BlockStored`, `BlockRemoved`,
+`AllBlocksCleared`, as `memory/events.VllmEvents` derives them); `?events=all` sends every event
+of a block's life (`Allocated`, `Hit`, `SwappedOut`, ..., and `Step`), as `--trace` writes them.
+A stream begins with the state at the moment it joined (`AllBlocksCleared` and a `BlockStored`
+per cached block; or the `Snapshot`), so a client that rebuilds from the stream alone is right
+from its first message on.
+
+The engine thread only collects a step's events and hands the batch over at the step's end;
+translating and encoding happen on the event loop. A client that reads too slowly to keep up
+(more than `MAX_BATCHES` waiting) is cut off with a last error message instead of growing the
+server's memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from minillm.memory.events import Event, Snapshot, Step, VllmEvents
+
+MAX_BATCHES = 1024  # steps a stream may fall behind before it is cut off
+KEEPALIVE_S = 15.0  # an idle stream sends a comment this often (a gone client is noticed)
+FORMATS = ("vllm", "all")
+
+
+class KVEventFeed:
+    """One client's subscription: called on the engine thread, read on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.batches: asyncio.Queue = asyncio.Queue()
+        self.pending: list[Event] = []  # this step's events so far (engine thread)
+        self.queued = 0  # batches handed over and not yet read (approximate across threads)
+        self.unsubscribe = None  # set by the route: how the feed takes itself off the engine
+
+    def __call__(self, step: int, event: Event) -> None:
+        """On the engine thread: collect, and hand the batch over at the end of a step."""
+        self.pending.append(event)
+        if isinstance(event, (Step, Snapshot)):
+            batch, self.pending = (step, self.pending), []
+            self.queued += 1
+            if self.queued > MAX_BATCHES:
+                self.unsubscribe()
+                batch = None  # the reader's signal: it fell behind
+            try:
+                self.loop.call_soon_threadsafe(self.batches.put_nowait, batch)
+            except RuntimeError:  # the client's event loop has closed
+                self.unsubscribe()
+
+    async def messages(self, shape: str, alive):
+        """Server-sent events, one per batch with something to say, while `alive()` (the engine
+        loop runs); a comment line when idle for KEEPALIVE_S."""
+        vllm, idle = VllmEvents(), 0.0
+        while True:
+            try:
+                batch = await asyncio.wait_for(self.batches.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if not alive():
+                    return
+                idle += 1.0
+                if idle >= KEEPALIVE_S:
+                    idle = 0.0
+                    yield ": idle\n\n"
+                continue
+            self.queued -= 1
+            if batch is None:
+                yield _sse({"error": f"This stream fell {MAX_BATCHES} steps behind and was closed."})
+                return
+            step, events = batch
+            if shape == "vllm":
+                items = [item for event in events for item in vllm(event)]
+            else:
+                items = [event.to_json() for event in events]
+            if items:
+                yield _sse({"step": step, "ts": time.time(), "events": items})
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
