@@ -914,3 +914,41 @@ def test_a_size_with_nothing_to_measure_is_one_clear_line(capsys, real_dir, argv
     code = main(argv + ["--json"] + (["--model", str(real_dir)] if argv[1] != "attention" else []))
     out, err = capsys.readouterr()
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and option in err, err
+
+
+# ----------------------------------------------------------------------------- --trace
+
+
+def test_trace_flag_writes_one_replayable_run_per_engine(capsys, vocab_dir, tmp_path):
+    """`--trace FILE` on a bench that builds several engines: one run each, every run starting
+    from its Snapshot and replaying to an empty pool (every request ended), with Step events."""
+    from minillm.memory.events import Replayer, Step
+    from minillm.tracing import read_trace
+
+    path = tmp_path / "prefix.jsonl"
+    argv = [
+        "bench",
+        "prefix",
+        "--json",
+        "--requests",
+        "3",
+        "--system-tokens",
+        "40",
+        "--model",
+        str(vocab_dir),
+    ]
+    assert main([*argv, "--trace", str(path)]) == 0
+    capsys.readouterr()
+    runs = read_trace(path)
+    assert len(runs) >= 2  # without and with the prefix cache, at least
+    for run in runs.values():
+        replayer = Replayer()
+        for _, _, event in run:
+            replayer.apply(event)
+        assert not replayer.tables and not replayer.refcounts
+        assert any(isinstance(event, Step) for _, _, event in run)
+    generate = ["generate", "Hi", "--decoder", "paged", "--max-tokens", "3", "--model", str(vocab_dir)]
+    assert main([*generate, "--trace", str(tmp_path / "generate.jsonl")]) == 0
+    assert len(read_trace(tmp_path / "generate.jsonl")) == 1
+    assert main([*generate, "--trace", str(tmp_path / "no-such-folder" / "x.jsonl")]) == 2
+    assert "Cannot write the trace" in capsys.readouterr().err
