@@ -224,7 +224,7 @@ class BlockManager:
             self.refcounts[block] += 1
         table = [block if self.tier(block) == "device" else self._bring_back(block) for block in blocks]
         self.block_tables[seq_id] = table
-        if self.events:
+        if self.events and table:
             brought_back = tuple((old, new) for old, new in zip(blocks, table) if old != new)
             self.events.emit(ev.Hit(seq_id, tuple(table), brought_back))
 

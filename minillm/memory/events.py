@@ -321,7 +321,7 @@ class Replayer:
         del table[e.num_blocks :]
 
     def _Freed(self, e: Freed) -> None:
-        for block in self.tables.pop(e.seq_id):
+        for block in self.tables.pop(e.seq_id, []):
             self._release(block)
 
     def _Reused(self, e: Reused) -> None:
@@ -331,12 +331,12 @@ class Replayer:
 
     def check(self, tables: dict[int, list[int]], refcounts: dict[int, int], cached: dict[int, int]) -> None:
         """Raise AssertionError at the first difference from the real state: tables (seq_id ->
-        blocks), refcounts (block -> count, zeros allowed), cached (block -> key)."""
+        blocks; an empty one counts as none), refcounts (block -> count, zeros allowed), cached
+        (block -> key)."""
         real = {block: count for block, count in refcounts.items() if count}
-        for seq_id in set(tables) | set(self.tables):
-            assert self.tables.get(seq_id) == tables.get(seq_id), (
-                f"sequence {seq_id}: replayed table {self.tables.get(seq_id)} != {tables.get(seq_id)}"
-            )
+        for seq_id in set(tables) | set(self.tables):  # a table of no blocks is no table
+            replayed, held = self.tables.get(seq_id) or [], tables.get(seq_id) or []
+            assert replayed == held, f"sequence {seq_id}: replayed table {replayed} != {held}"
         for block in set(real) | set(self.refcounts):
             assert self.refcounts[block] == real.get(block, 0), (
                 f"block {block}: replayed refcount {self.refcounts[block]} != {real.get(block, 0)}"
