@@ -218,3 +218,21 @@ def test_the_engine_reports_the_miss_per_request(tiny_dir, tiny_model):
     report = out.prefix_miss_report()
     assert report["cause"] == "diverged" and report["diverged_at"] == 9 and report["cached_tokens"] == 8
     assert "token 9" in report["summary"]
+
+
+def test_a_subscriber_that_fails_is_dropped_and_the_requests_go_on(tiny_dir, tiny_model, tmp_path):
+    llm = busy_llm(tiny_dir, tiny_model, random.Random(2), tmp_path)
+    calls = []
+
+    def full_disk(step, event):
+        calls.append(event)
+        if len(calls) > 1:  # takes its Snapshot, then the disk is full
+            raise OSError(28, "No space left on device")
+
+    replayer = Replayer()
+    llm.engine.kv_cache.subscribe(full_disk)
+    llm.engine.kv_cache.subscribe(replayer)
+    outs = llm.generate([list(range(30))] * 3, SamplingParams(max_tokens=8))
+    assert all(out.error is None and len(out.token_ids) == 8 for out in outs)
+    assert len(calls) == 2  # the Snapshot, then the event it failed on
+    assert_replayed(replayer, llm.engine.kv_cache)

@@ -34,6 +34,7 @@ names ("device", "host", "disk") as the medium.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
@@ -41,6 +42,7 @@ from typing import Callable
 from minillm.memory.free_blocks import tier_of
 
 Subscriber = Callable[[int, "Event"], None]
+log = logging.getLogger("minillm")
 
 
 class Event:
@@ -220,8 +222,14 @@ class KVEvents:
             self._subscribers.remove(subscriber)
 
     def emit(self, event: Event) -> None:
+        """Tell every subscriber. One that raises is dropped with a warning: a broken listener
+        (a full disk under a trace, a bug) must not fail the step that told it."""
         for subscriber in list(self._subscribers):
-            subscriber(self.step, event)
+            try:
+                subscriber(self.step, event)
+            except Exception as err:
+                log.warning("a KV event subscriber failed (%s: %s) and was dropped", type(err).__name__, err)
+                self.remove(subscriber)
 
 
 # ---------------------------------------------------------------------------- rebuilding the state
