@@ -125,6 +125,9 @@ def spread_cell(spread: dict, keys=("median", "p90", "max")) -> str:
 
 def print_report(report: dict, console) -> None:
     print_runs(report, console)
+    if not report["steps"]:
+        console.print(f"Run {report['run']} has no engine step: nothing ran on its memory.")
+        return
     print_lifetimes(report["lifetimes"], console)
     print_reuse(report["reuse"], console)
     print_spills(report["spills"], console)
