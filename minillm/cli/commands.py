@@ -40,6 +40,7 @@ from minillm.cli.generate import add_generate, runtime_from
 from minillm.cli.measure import add_bench
 from minillm.cli.measure_memory import add_eval
 from minillm.cli.serve import add_serve
+from minillm.cli.trace import add_trace
 from minillm.config import DTYPES, ConfigError, resolve_dtype
 from minillm.report import console, print_json
 from minillm.tracing import tracing
@@ -182,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="First fetch the default weights: python weights_fetch.py",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_command in (add_generate, add_chat, add_serve, add_info, add_bench, add_eval):
+    for add_command in (add_generate, add_chat, add_serve, add_info, add_bench, add_eval, add_trace):
         add_command(subparsers)
     return parser
 
