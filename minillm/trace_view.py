@@ -26,7 +26,6 @@ those changes at the end. `minillm trace show FILE` prints it (`cli/trace.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
@@ -88,47 +87,6 @@ class Trip:
     blocks_in: int = 0
     back_step: int | None = None
     freed: bool = False  # its table was freed while away (aborted, or recomputed later)
-
-
-# ---------------------------------------------------------------------------- the events, in order
-@dataclass(frozen=True, slots=True)
-class BroughtBack(ev.Event):
-    """One move of a Hit: a spilled block's content (and its cache entry) back in a device block."""
-
-    host: int
-    block: int
-
-
-def in_order(events: list[tuple[int, float, ev.Event]]) -> list[tuple[int, float, ev.Event]]:
-    """The events with each Hit's bring-backs told where they happened. A hit brings its spilled
-    blocks back one by one, each into a device block it takes first, and taking one may spill
-    that block's cached content into a host block an earlier bring-back of the same hit just
-    freed (or evict it there); the Hit that lists the moves is told only after all of that. So
-    each move becomes a `BroughtBack` before the take of the next device block (its Reused),
-    and the Hit keeps only its table."""
-    ordered: list[tuple[int, float, ev.Event]] = []
-    for step, seconds, event in events:
-        if not (isinstance(event, ev.Hit) and event.brought_back):
-            ordered.append((step, seconds, event))
-            continue
-        start = len(ordered)  # the takes' events: the Reused, Spilled, Uncached just before the Hit
-        while start and ordered[start - 1][0] == step and type(ordered[start - 1][2]) in TAKE_EVENTS:
-            start -= 1
-        position = {device: index for index, (_, device) in enumerate(event.brought_back)}
-        moves = [(step, seconds, BroughtBack(host, device)) for host, device in event.brought_back]
-        rebuilt, done = [], 0
-        for item in ordered[start:]:
-            if isinstance(item[2], ev.Reused) and position.get(item[2].block, -1) >= done:
-                rebuilt += moves[done : position[item[2].block]]  # the moves before this take
-                done = position[item[2].block]
-            rebuilt.append(item)
-        ordered[start:] = (
-            rebuilt + moves[done:] + [(step, seconds, dataclasses.replace(event, brought_back=()))]
-        )
-    return ordered
-
-
-TAKE_EVENTS = (ev.Reused, ev.Spilled, ev.Uncached)  # what taking a device block may tell
 
 
 # ---------------------------------------------------------------------------- the walk
@@ -204,17 +162,17 @@ class RunView:
         self._register(e.key, step)
         return [e.block]
 
-    def _BroughtBack(self, step: int, e: BroughtBack) -> list[int]:
-        self.pool.cached[e.block] = self.pool.cached.pop(e.host)  # the entry follows, as a hit's
+    def _BroughtBack(self, step: int, e: ev.BroughtBack) -> list[int]:
+        """A spilled content starts again in a device block of its own (the Hit that follows holds it)."""
+        self.pool.apply(e)
         self._end(e.block, step, "reused")
-        self.lives_now[e.block] = Life(self.pool.tier(e.block), step, cached_since=step)  # the hit holds it
+        self.lives_now[e.block] = Life(self.pool.tier(e.block), step, cached_since=step)
         spill = self.spills_now.pop(e.host, None)
         if spill is not None:
             spill.brought_back = step
         return [e.host, e.block]
 
     def _Hit(self, step: int, e: ev.Hit) -> list[int]:
-        """(Its bring-backs were applied before it, as `BroughtBack`s: `in_order`.)"""
         was_held = {block: self.pool.refcounts[block] > 0 for block in e.blocks}
         self.pool.apply(e)
         for block in e.blocks:
@@ -467,7 +425,7 @@ def walk(events: list[tuple[int, float, ev.Event]]) -> RunView:
     replay (a block released that nobody held, a hit on a block the cache does not hold) mean the
     file was not written by one run in order: a `TraceError` names the first."""
     view = RunView()
-    for number, (step, _, event) in enumerate(in_order(events), 1):
+    for number, (step, _, event) in enumerate(events, 1):
         try:
             view.apply(step, event)
         except (KeyError, IndexError, AssertionError) as err:

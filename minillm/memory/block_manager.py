@@ -212,9 +212,7 @@ class BlockManager:
     def adopt(self, seq_id: int, blocks: list[int]) -> None:
         """Start a new sequence's table with cached blocks (a prefix hit): share, don't recompute.
         A block spilled to the host tier comes back to a device block first. Every hit is held
-        before any block is taken for that (a take may spill or reuse the free block it lands
-        on), and the host blocks left go back only after the last take, so no spill lands in
-        one while the hit is under way (the events tell the hit as one)."""
+        before any block is taken for that: a take may spill or reuse the free block it lands on."""
         if seq_id in self.block_tables:
             raise BlockManagerError(f"sequence {seq_id} already has a block table")
         for block in blocks:
@@ -225,13 +223,9 @@ class BlockManager:
                 self._free.take_out(block)
             self.refcounts[block] += 1
         table = [block if self.tier(block) == "device" else self._bring_back(block) for block in blocks]
-        for block in blocks:
-            if self.tier(block) != "device":
-                self._free.give_back(block)
         self.block_tables[seq_id] = table
         if self.events and table:
-            brought_back = tuple((old, new) for old, new in zip(blocks, table) if old != new)
-            self.events.emit(ev.Hit(seq_id, tuple(table), brought_back))
+            self.events.emit(ev.Hit(seq_id, tuple(table)))
 
     def _bring_back(self, host: int) -> int:
         """A spilled prefix block (taken out of the host free list) returns to a device block,
@@ -239,6 +233,9 @@ class BlockManager:
         block = self._take_free_block()
         self.copies.append((host, block))
         self.prefix_cache.move(host, block)
+        if self.events:  # told now: the next take may spill into the host block it leaves
+            self.events.emit(ev.BroughtBack(host, block))
+        self._free.give_back(host)
         self.num_spill_hits += 1
         return block
 
@@ -324,14 +321,12 @@ class BlockManager:
 
     def swap_in(self, seq_ids: list[int]) -> None:
         """Bring every host or disk block of these tables back to a device block. Every table that
-        holds such a block (a sibling still swapped out) follows it, so it stays shared. The blocks
-        left go back after the last take, so no spill lands in one mid-swap."""
+        holds such a block (a sibling still swapped out) follows it, so it stays shared."""
         moved = {}
         for block in self.held_off_device(seq_ids):
             moved[block] = self._take_free_block()
             self.copies.append((block, moved[block]))
             self.refcounts[moved[block]] = self.refcounts[block]
-        for block in moved:
             self._drop(block, self.refcounts[block])
         for table in self.block_tables.values():
             self._repoint(table, moved)

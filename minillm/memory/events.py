@@ -8,8 +8,8 @@ The block manager and the prefix cache tell every change of a block's life to wh
     Reused         ...and it had held a cached prefix block, whose content is lost (or spilled)
     Filled         a block's last slot was written (`quantized`: a compressed pool sealed it)
     Registered     a full block becomes findable by its content in the prefix cache
-    Hit            a new sequence starts with cached blocks instead of computing them (shared),
-                   bringing spilled ones back from the host tier first
+    BroughtBack    a spilled block a prompt hits comes back from the host tier to a device block
+    Hit            a new sequence starts with cached blocks instead of computing them (shared)
     Forked         a parallel sample or beam shares every block of its parent
     CopiedOnWrite  a sequence about to write a shared block gets a private copy
     SwappedOut/In  sequences' blocks move between the device pool and the host or disk tier
@@ -92,12 +92,20 @@ class Registered(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class BroughtBack(Event):
+    """A spilled block's content, and its cache entry, back in device block `block` (held by the
+    `Hit` that follows)."""
+
+    host: int
+    block: int
+
+
+@dataclass(frozen=True, slots=True)
 class Hit(Event):
-    """`blocks`: the new table; `brought_back`: (host block, device block) of the spilled ones."""
+    """`blocks`: the new table (cached device blocks, and those just brought back)."""
 
     seq_id: int
     blocks: tuple[int, ...]
-    brought_back: tuple[tuple[int, int], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,8 +179,8 @@ class Step(Event):
 
 EVENT_TYPES = {
     cls.__name__: cls
-    for cls in (Snapshot, Allocated, Reused, Filled, Registered, Hit, Forked, CopiedOnWrite, SwappedOut)
-    + (SwappedIn, Spilled, EntriesEvicted, Truncated, Freed, Uncached, Step)
+    for cls in (Snapshot, Allocated, Reused, Filled, Registered, BroughtBack, Hit, Forked, CopiedOnWrite)
+    + (SwappedOut, SwappedIn, Spilled, EntriesEvicted, Truncated, Freed, Uncached, Step)
 }
 
 
@@ -278,14 +286,13 @@ class Replayer:
     def _Allocated(self, e: Allocated) -> None:
         self._hold(e.seq_id, e.block)
 
+    def _BroughtBack(self, e: BroughtBack) -> None:
+        self.cached[e.block] = self.cached.pop(e.host)
+
     def _Hit(self, e: Hit) -> None:
-        fresh = {device for _, device in e.brought_back}
-        for host, device in e.brought_back:
-            self.cached[device] = self.cached.pop(host)
         self.tables[e.seq_id] = []
         for block in e.blocks:
             self._hold(e.seq_id, block)
-        assert not fresh - set(e.blocks), "a block brought back that the table does not hold"
 
     def _Forked(self, e: Forked) -> None:
         for block in self.tables[e.parent_id]:
@@ -407,6 +414,6 @@ class VllmEvents:
             return [removed]
         if isinstance(event, Spilled):
             return self._moved(event.block, event.host)
-        if isinstance(event, Hit):
-            return [item for host, device in event.brought_back for item in self._moved(host, device)]
+        if isinstance(event, BroughtBack):
+            return self._moved(event.host, event.block)
         return []
