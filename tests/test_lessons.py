@@ -137,6 +137,19 @@ def check_speculation(numbers):
     assert all(rate is None or 0 <= rate <= 1 for rate in rates)
 
 
+def check_life_of_a_block(numbers):
+    summary, trap = numbers["summary"], numbers["trap"]
+    assert summary["steps"] == numbers["run"]["steps"] and summary["requests"] == numbers["run"]["requests"]
+    # the system prompt's blocks serve several requests; the pool was short: spills and a swap
+    assert summary["reuse"]["requests_per_hit_block"]["max"] >= 2
+    assert summary["spills"]["spilled"] > 0 and summary["swaps"]["round_trips"] > 0
+    # the timestamp parts every prompt inside the system prompt's first blocks; normalized, it hits
+    trapped, fixed = trap["trapped"], trap["normalized"]
+    assert trapped["cause"] == "diverged" and trapped["diverged_at"] < 32
+    assert trapped["cached_tokens"] < fixed["cached_tokens"]
+    assert fixed["diverged_at"] > trapped["diverged_at"]
+
+
 @pytest.mark.parametrize(
     "name, makes_plot, check",
     [
@@ -154,6 +167,7 @@ def check_speculation(numbers):
         ("12_kernel", False, check_kernel),  # tables only
         ("13_memory_system", True, check_memory_system),
         ("14_speculation", True, check_speculation),
+        ("15_life_of_a_block", True, check_life_of_a_block),
     ],
 )
 def test_lesson_runs_saves_and_its_claim_holds(name, makes_plot, check, real_dir, tmp_path):

@@ -150,8 +150,8 @@ def _miss_sentence(miss: PrefixMiss, report: dict) -> str:
         )
     return (
         f"{cached}; it parts from the cached prompt at {where}, {other}. Everything from that "
-        f"token's block on is recomputed: move what changes per request (a timestamp, a name) to the "
-        f"end of the prompt, or normalize it."
+        "token's block on is computed again; if what differs there changes with every request (a "
+        "timestamp, an id), move it to the end of the prompt or normalize it."
     )
 
 
