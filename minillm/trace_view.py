@@ -41,6 +41,7 @@ BLOCK_STATES = ("free", "cached", "private", "shared")  # codes 0..3; 0 is the b
 PLACES = ("none", "waiting", "device", "host", "disk", "mixed")  # codes 0..5; 0: no request yet/any more
 TIER_PLACE = {"device": 2, "host": 3, "disk": 4}
 MIXED = 5
+MAX_GRID_CELLS = 400_000_000  # blocks x steps drawn at most (one byte each, before aggregation)
 
 
 # ---------------------------------------------------------------------------- what is kept
@@ -370,6 +371,11 @@ class RunView:
         """(blocks, steps) of state codes, rows by block id, and the rows of each tier."""
         num_device, num_host = self.pool.num_blocks, self.pool.host_blocks
         num_rows = max(self.top_block + 1, num_device + num_host)
+        if num_rows * len(self.step_numbers) > MAX_GRID_CELLS:  # a file that claims a huge pool
+            raise TraceError(
+                f"The timeline would have {num_rows:,} blocks x {len(self.step_numbers):,} steps; "
+                "too many to draw: use --no-plot for the numbers."
+            )
         grid = _fill(self.block_changes, num_rows, len(self.step_numbers), lambda block: block)
         tiers = {"device": range(0, num_device), "host": range(num_device, num_device + num_host)}
         tiers["disk"] = range(num_device + num_host, num_rows)

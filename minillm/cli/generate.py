@@ -51,6 +51,11 @@ def add_generate(subparsers) -> None:
     add_switch(
         gen, "kv_cache_bytes", help="with --decoder paged: the device KV pool in MiB (default: %(default)s)"
     )
+    add_switch(
+        gen,
+        "prefix_caching",
+        help='with --decoder paged: the prefix cache on; --json\'s "prefix_miss" says what it found',
+    )
     add_sampling_args(gen, max_tokens=128)
     add_tier_args(gen)
     add_speculative_args(gen)
@@ -62,6 +67,8 @@ def add_generate(subparsers) -> None:
 def cmd_generate(args) -> None:
     if args.speculative != "none" and args.decoder != "paged":
         raise ConfigError("--speculative runs on the serving engine: add --decoder paged.")
+    if args.prefix_caching and args.decoder != "paged":
+        raise ConfigError("--prefix-caching runs on the serving engine: add --decoder paged.")
     runtime = runtime_from(args)
     params = sampling_from(args)
     prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
