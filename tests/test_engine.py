@@ -230,8 +230,9 @@ def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
         "prompt_tokens": 9 + 11,
         "prefill_tokens_saved": 8,
         "token_hit_rate": 8 / 20,
-        "cached_blocks": 3,
-    }  # the 2 shared, and the second request's third block (filled by its first output)
+        "cached_blocks": 3,  # the 2 shared, and the second request's third block (filled by its first output)
+        "lookups": {"new": 1, "hit": 1},  # nothing cached yet; then every full block a hit can cover
+    }
 
 
 def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
