@@ -420,3 +420,17 @@ def test_a_bad_launch_flag_is_one_line(chat_dir, capsys):
     assert main(["chat", "--preemption", "swap", "--model", str(chat_dir)]) == 2  # no tier to swap to
     err = capsys.readouterr().err
     assert err.startswith("error: preemption='swap' needs somewhere to swap to") and err.count("\n") == 1
+
+
+def test_why_says_where_the_last_prompts_prefix_hit_ended(chat_dir, parts):
+    chat = new_chat(chat_dir, parts)
+    chat.command("/why")
+    assert "no reply yet" in printed(chat)
+    chat.reply("Say hello.")
+    chat.reply("And once more, please.")  # the first turn's blocks are cached: the second finds them
+    chat.command("/why")
+    miss = chat.last[0].prefix_miss
+    assert miss.cached_tokens > 0 and miss.cause in ("hit", "diverged")
+    assert f"{miss.cached_tokens} of {miss.cacheable_tokens} cacheable prompt tokens" in " ".join(
+        printed(chat).split()
+    )
