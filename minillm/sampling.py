@@ -1,5 +1,9 @@
 """From logits to the next token: greedy, temperature, top-k, top-p, with a seed.
 
+`logprobs=k` also reports each chosen token's log-probability under the model's own distribution
+(the raw logits' log-softmax, before temperature and cuts, as vLLM reports by default) and the k
+most likely tokens' (`token_logprob`).
+
 `temperature=0` is greedy decoding (argmax), the mode every exactness test uses. Otherwise the
 logits are divided by the temperature, cut to the k most likely tokens and then to the smallest
 set whose probability reaches p ("nucleus"), and one token is drawn. Each request owns a seeded
@@ -21,6 +25,7 @@ import torch
 # Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): the distribution is then
 # argmax's to within float precision anyway, and logits / 1e-300 would overflow to inf and NaN.
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # most likely tokens reported per position at most (vLLM's max_logprobs default)
 
 
 def is_real(value) -> bool:
@@ -43,15 +48,23 @@ class SamplingParams:
     n: int = 1  # parallel samples of one prompt; they share the prompt's KV blocks
     beam_width: int = 1  # > 1: beam search (greedy over total log-probability) instead of sampling
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
+    logprobs: int | None = None  # report each new token's log-probability and the k most likely (0..20)
 
     def __post_init__(self):
         problems = [
             problem
-            for problem in (self.number_problem(), self.count_problem(), self.seed_problem())
+            for problem in (
+                self.number_problem(),
+                self.count_problem(),
+                self.seed_problem(),
+                self.logprobs_problem(),
+            )
             if problem
         ]
         if not problems and self.beam_width > 1 and (not self.greedy or self.n != 1):
             problems.append("beam search is deterministic: use it with temperature=0 and n=1")
+        if not problems and self.beam_width > 1 and self.logprobs is not None:
+            problems.append("logprobs are reported for samples, not beams (a beam's score is its sum)")
         if problems:
             raise ValueError("; ".join(problems) + ".")
 
@@ -76,6 +89,14 @@ class SamplingParams:
                 return f"{name} must be an integer >= {minimum}{meaning}, got {value!r}"
         return None
 
+    def logprobs_problem(self) -> str | None:
+        value = self.logprobs
+        if value is None or (
+            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS
+        ):
+            return None
+        return f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+
     def seed_problem(self) -> str | None:
         """Sample i of n is seeded with seed + i, and a torch seed has 64 bits."""
         if self.seed is None:
@@ -97,6 +118,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability, and the most likely tokens' (most likely first)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:
+    """logits: (vocab_size,) the raw logits the token was drawn from."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # (vocab_size,)
+    best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
+    pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
+    return TokenLogprob(token_id, float(logprobs[token_id]), pairs)
 
 
 class Sampler:

@@ -952,3 +952,16 @@ def test_trace_flag_writes_one_replayable_run_per_engine(capsys, vocab_dir, tmp_
     assert len(read_trace(tmp_path / "generate.jsonl")) == 1
     assert main([*generate, "--trace", str(tmp_path / "no-such-folder" / "x.jsonl")]) == 2
     assert "Cannot write the trace" in capsys.readouterr().err
+
+
+def test_generate_json_logprobs_are_the_greedy_tokens_and_the_most_likely(capsys, vocab_dir):
+    report = run_json(
+        capsys, "generate", "Hi", "--decoder", "paged", "--json", "--max-tokens", 4, "--logprobs", 3,
+        "--model", vocab_dir,
+    )  # fmt: skip
+    logprobs = report["logprobs"]
+    assert [lp["token_id"] for lp in logprobs] == report["generated_ids"]
+    for lp in logprobs:  # greedy: the chosen token is the most likely one
+        assert len(lp["top"]) == 3 and lp["top"][0]["token_id"] == lp["token_id"]
+        assert lp["logprob"] == lp["top"][0]["logprob"] <= 0
+        assert [t["logprob"] for t in lp["top"]] == sorted((t["logprob"] for t in lp["top"]), reverse=True)

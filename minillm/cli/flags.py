@@ -125,6 +125,7 @@ def sampling_from(args):
         top_p=args.top_p,
         max_tokens=args.max_tokens,
         seed=args.seed,
+        logprobs=getattr(args, "logprobs", None),  # generate's own flag
     )
 
 

@@ -17,10 +17,12 @@ from minillm.cli.flags import (
     add_trace_arg,
     engine_switches,
     sampling_from,
+    whole_number,
 )
 from minillm.config import ConfigError, EngineConfig
 from minillm.report import console, err_console, print_json
 from minillm.runtime import Runtime
+from minillm.sampling import MAX_LOGPROBS
 
 
 def runtime_from(args) -> Runtime:
@@ -57,6 +59,14 @@ def add_generate(subparsers) -> None:
         help='with --decoder paged: the prefix cache on; --json\'s "prefix_miss" says what it found',
     )
     add_sampling_args(gen, max_tokens=128)
+    gen.add_argument(
+        "--logprobs",
+        type=whole_number(0, "a count of most likely tokens", MAX_LOGPROBS),
+        default=None,
+        metavar="K",
+        help=f"with --decoder paged --json: each new token's log-probability and the K (0-{MAX_LOGPROBS}) "
+        "most likely tokens' at its position",
+    )
     add_tier_args(gen)
     add_speculative_args(gen)
     add_trace_arg(gen)
@@ -67,6 +77,8 @@ def add_generate(subparsers) -> None:
 def cmd_generate(args) -> None:
     if args.speculative != "none" and args.decoder != "paged":
         raise ConfigError("--speculative runs on the serving engine: add --decoder paged.")
+    if args.logprobs is not None and (args.decoder != "paged" or not args.json):
+        raise ConfigError("--logprobs is reported by the serving engine: add --decoder paged --json.")
     if args.prefix_caching and args.decoder != "paged":
         raise ConfigError("--prefix-caching runs on the serving engine: add --decoder paged.")
     runtime = runtime_from(args)
@@ -132,8 +144,23 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
             **_engine_memory(llm.engine),
             "speculation": llm.engine.stats.speculation(),
             "prefix_miss": out.prefix_miss_report(),  # why the prefix cache hit what it did (None: off)
+            "logprobs": logprobs_report(out.logprobs[0], runtime.tokenizer) if out.logprobs else None,
         }
     )
+
+
+def logprobs_report(logprobs, tokenizer) -> list[dict]:
+    """generate --json's log-probabilities: per new token, its text, id, log-probability and the
+    most likely tokens at its position."""
+    return [
+        {
+            "token": tokenizer.decode([lp.token_id]),
+            "token_id": lp.token_id,
+            "logprob": lp.logprob,
+            "top": [{"token": tokenizer.decode([t]), "token_id": t, "logprob": v} for t, v in lp.top],
+        }
+        for lp in logprobs
+    ]
 
 
 def _engine_memory(engine) -> dict:

@@ -38,7 +38,7 @@ from minillm.engine.speculative import NgramProposer, check_guesses
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
 from minillm.memory.events import Step
 from minillm.model import Transformer
-from minillm.sampling import Sampler, SamplingParams
+from minillm.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
 from minillm.tokenizer import Tokenizer
 from minillm.tracing import attach
 from minillm.weights import load_model, model_fingerprint
@@ -241,9 +241,9 @@ class LLMEngine:
             self.proposer.record(seq.seq_id, len(item.guesses), len(tokens) - 1)
             self.stats.record_guesses(len(item.guesses), len(tokens) - 1)
             appended = 0
-            for token in tokens:
+            for row, token in zip(rows_of_seq, tokens):  # row i's logits drew token i
                 appended += 1
-                reason = seq.append(token, self.eos_token_id)
+                reason = seq.append(token, self.eos_token_id, logprob_of(seq, row, token))
                 if reason:
                     endings[seq.seq_id] = (seq, reason, None)
                     break
@@ -315,7 +315,8 @@ class LLMEngine:
             )
             return True
         for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
-            reason = sample.append(self.token_of(sample.sampler(logits)), self.eos_token_id)
+            token = self.token_of(sample.sampler(logits))
+            reason = sample.append(token, self.eos_token_id, logprob_of(sample, logits, token))
             if reason:
                 self.scheduler.finish(sample, reason)
         return True
@@ -383,6 +384,12 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+
+def logprob_of(seq: Sequence, logits: torch.Tensor, token: int) -> TokenLogprob | None:
+    """The token's log-probability under `logits` (vocab,), if the sequence's request asks."""
+    top = seq.params.logprobs
+    return None if top is None else token_logprob(logits, token, top)
 
 
 def token_list(prompt) -> list:

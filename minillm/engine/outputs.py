@@ -17,6 +17,7 @@ from minillm.engine.scheduler import Schedule
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory import MemoryStats
 from minillm.memory.prefix_cache import PrefixMiss
+from minillm.sampling import TokenLogprob
 from minillm.tokenizer import Tokenizer
 
 
@@ -29,6 +30,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked (SamplingParams.logprobs)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class RequestOutput:
     samples: list[list[int]] = field(default_factory=list)
     tokenizer: Tokenizer | None = field(default=None, repr=False)
     prefix_miss: PrefixMiss | None = None  # why the prompt's prefix-cache hit ended there (cache on)
+    logprobs: list[list[TokenLogprob]] | None = None  # per sample, per token (when asked)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -67,8 +70,9 @@ class RequestOutput:
         def reason(ids: list[int]) -> str | None:
             return ("stop" if ids and ids[-1] == eos else ended) if self.finished else None
 
+        logprobs = self.logprobs or [None] * len(self.samples or [self.token_ids])
         return [
-            CompletionOutput(i, self.decode(ids), list(ids), reason(ids))
+            CompletionOutput(i, self.decode(ids), list(ids), reason(ids), logprobs[i])
             for i, ids in enumerate(self.samples or [self.token_ids])
         ]
 
@@ -98,6 +102,7 @@ class RequestOutput:
             [list(seq.output_ids) for seq in seqs],
             tokenizer,
             first.prefix_miss,
+            [list(seq.logprobs) for seq in seqs] if first.params.logprobs is not None else None,
         )
 
     def prefix_miss_report(self) -> dict | None:

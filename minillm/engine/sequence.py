@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from minillm.memory.prefix_cache import PrefixMiss
-from minillm.sampling import Sampler, SamplingParams
+from minillm.sampling import Sampler, SamplingParams, TokenLogprob
 
 
 class Status(enum.Enum):
@@ -49,6 +49,7 @@ class Sequence:
     priority: int = 0  # admission by memory serves lower values first (vLLM's convention)
     arrival_step: int = 0  # the scheduler's step count when it was queued: its age in steps
     prefix_miss: PrefixMiss | None = None  # why its prompt's prefix-cache hit ended where it did
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if params ask
 
     def __post_init__(self):
         self.sampler = Sampler(self.params, self.sample_index)
@@ -81,11 +82,16 @@ class Sequence:
         """Its cache now holds exactly its first `num_computed` tokens (0, or prefix-cache hits)."""
         self.num_computed, self.num_evicted = num_computed, 0
 
-    def append(self, token_id: int, eos_token_id: int | None) -> str | None:
-        """Add a sampled token; return why the sequence must stop now ("eos", "length"), or None.
-        Finishing is the scheduler's call: it also gives the blocks back."""
+    def append(
+        self, token_id: int, eos_token_id: int | None, logprob: TokenLogprob | None = None
+    ) -> str | None:
+        """Add a sampled token (with its log-probability, if asked); return why the sequence must
+        stop now ("eos", "length"), or None. Finishing is the scheduler's call: it also gives the
+        blocks back."""
         now = time.perf_counter()
         self.output_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
         self._token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
@@ -104,6 +110,7 @@ class Sequence:
             self.max_len,
             sample_index,
             output_ids=list(self.output_ids),
+            logprobs=list(self.logprobs),
             num_computed=self.num_computed,
             num_evicted=self.num_evicted,
             status=self.status,
