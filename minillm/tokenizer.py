@@ -61,6 +61,10 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """One token's bytes (part of a character, for some): what the API's logprobs report."""
+        return self.encoding.decode_single_token_bytes(token_id)
+
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 

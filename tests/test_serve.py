@@ -282,6 +282,43 @@ def test_greedy_completions_equal_llm_generate(client, reference):
     assert got.choices[0].text == greedy(reference, ids, 12).text
 
 
+def test_completion_logprobs_are_llm_generates_in_openais_shape(client, reference):
+    tokenizer = reference.engine.tokenizer
+    for prompt in PROMPTS[:2]:
+        expected = greedy(reference, prompt, 10, logprobs=3)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=3)
+        logprobs = got.choices[0].logprobs
+        want = expected.logprobs[0]
+        assert logprobs.tokens == [tokenizer.token_bytes(lp.token_id).decode(errors="replace") for lp in want]
+        assert logprobs.token_logprobs == pytest.approx([lp.logprob for lp in want], abs=1e-5)
+        for top, lp in zip(logprobs.top_logprobs, want):
+            assert len(top) == 3 and max(top.values()) == pytest.approx(lp.top[0][1], abs=1e-5)
+        text = got.choices[0].text
+        assert logprobs.text_offset[0] == 0 and logprobs.text_offset == sorted(logprobs.text_offset)
+        assert all(offset <= len(text) for offset in logprobs.text_offset)
+
+
+def test_chat_logprobs_and_top_logprobs(client, reference):
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    got = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = got.choices[0].logprobs.content
+    prompt = reference.engine.tokenizer.encode_chat(messages)
+    expected = greedy(reference, prompt, 6, logprobs=2).logprobs[0]
+    assert [item.logprob for item in content] == pytest.approx([lp.logprob for lp in expected], abs=1e-5)
+    assert all(len(item.top_logprobs) == 2 and item.top_logprobs[0].token == item.token for item in content)
+    assert bytes(content[0].bytes).decode(errors="replace") == content[0].token
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    for fields, message in (
+        ({"top_logprobs": 2}, "needs 'logprobs': true"),
+        ({"logprobs": True, "stream": True}, "not yet send logprobs in a stream"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=message):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **fields)
+
+
 def test_chat_answers_with_the_chat_template(client, reference):
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -454,7 +491,7 @@ BAD_COMPLETIONS = [  # (fields beside model, what the message says)
     ({"prompt": "Hello", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "Hello", "seed": -1}, "seed"),
     ({"prompt": "Hello", "stop": 5}, "stop"),
-    ({"prompt": "Hello", "logprobs": 2}, "does not support 'logprobs'"),
+    ({"prompt": "Hello", "logprobs": "two"}, "'logprobs' must be an integer"),
     ({"prompt": "Hello", "echo": True}, "does not support 'echo'"),
     ({"prompt": "Hello", "presence_penalty": 0.5}, "does not support 'presence_penalty'"),
     ({"prompt": "Hello", "repetition_penalty": 1.2}, "Unknown field 'repetition_penalty'"),

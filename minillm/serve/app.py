@@ -325,6 +325,8 @@ class Answer:
                 continue
             tokens = out.samples[j] if j < len(out.samples) else []
             text = choice.update(tokens, out.finish_reason if out.finished else None)
+            if out.logprobs is not None and j < len(out.logprobs):
+                choice.logprobs = out.logprobs[j][: choice.num_tokens]
             if text or choice.done:
                 changed.append((index * n + j, text, choice.done))
         if not out.finished and all(c.done for c in self.choices[index * n : (index + 1) * n]):

@@ -69,7 +69,7 @@ def parse_completion(
             ids.append(tokenizer.encode(p))
         else:
             ids.append(list(p))
-    common = parse_common(body, 16, limits)
+    common = parse_common(body, 16, limits, chat=False)
     return make_job("completion", model, ids, common, context_len, vocab_size, limits)
 
 
@@ -129,5 +129,5 @@ def parse_chat(
         prompt = tokenizer.encode_chat(conversation)
     except ValueError as err:  # ConfigError: no chat template in this checkpoint
         raise APIError(400, str(err)) from None
-    common = parse_common(body, None, limits)
+    common = parse_common(body, None, limits, chat=True)
     return make_job("chat", model, [prompt], common, context_len, vocab_size, limits)

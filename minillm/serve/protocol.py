@@ -16,8 +16,10 @@ Parameters and where they go:
     stop                                a string or a list; found in the text here, the engine
                                         request aborted once every choice has stopped
     stream, stream_options              server-sent events; include_usage adds a last chunk of usage
-Anything else that changes the output (logprobs, echo, penalties, logit_bias, tools, ...) gets a
-400 that names it; an unknown field a 400 that lists the ones minillm takes.
+    logprobs (completions: 0-20)        SamplingParams.logprobs: each new token's log-probability and
+    logprobs + top_logprobs (chat)      the k most likely (not yet with stream: true)
+Anything else that changes the output (echo, penalties, logit_bias, tools, ...) gets a 400 that
+names it; an unknown field a 400 that lists the ones minillm takes.
 
 Whatever JSON a client sends gets a 4xx, never a 500: `parse_json` refuses, before any check reads
 the body, nesting deeper than MAX_DEPTH, integers of 2**64 or more (a 401-digit temperature would
@@ -37,7 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from minillm.config import prompt_problem
-from minillm.sampling import SamplingParams, is_real
+from minillm.sampling import MAX_LOGPROBS, SamplingParams, is_real
 from minillm.serve.limits import ServeLimits
 
 MAX_DEPTH = 32  # a chat is 5 levels deep (body, messages, message, content parts, part)
@@ -105,14 +107,13 @@ COMMON_FIELDS = (
     "stream_options",
     "ignore_eos",
     "user",
+    "logprobs",
 )
 COMPLETION_FIELDS = ("prompt", *COMMON_FIELDS)
-CHAT_FIELDS = ("messages", "max_completion_tokens", *COMMON_FIELDS)
+CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
 # fields minillm knows but does not implement: refused unless they ask for nothing (their default)
 UNSUPPORTED = {
     "echo": (False,),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "presence_penalty": (None, 0),
@@ -243,7 +244,7 @@ def parse_stop(body: dict, limits: ServeLimits) -> list[str]:
     return stops
 
 
-def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits) -> dict:
+def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits, chat: bool) -> dict:
     """The fields both endpoints share, checked; max_tokens is None when the context decides it."""
     options = typed(body, "stream_options", dict, {}, 'an object like {"include_usage": true}')
     if set(options) - {"include_usage"}:
@@ -259,7 +260,13 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
     max_tokens = typed(body, "max_tokens", int, default_max_tokens, "an integer >= 1")
     if body.get("max_completion_tokens") is not None:
         max_tokens = typed(body, "max_completion_tokens", int, None, "an integer >= 1")
+    logprobs = parse_logprobs(body, chat)
+    if logprobs is not None and stream:
+        raise APIError(
+            400, "minillm does not yet send logprobs in a stream; leave out stream or logprobs.", "logprobs"
+        )
     return {
+        "logprobs": logprobs,
         "max_tokens": max_tokens,
         "temperature": typed(body, "temperature", float, 1.0, "a number >= 0"),
         "top_p": typed(body, "top_p", float, 1.0, "a number in (0, 1]"),
@@ -271,6 +278,18 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
         "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
         "stop": parse_stop(body, limits),
     }
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """The most likely tokens to report per position, or None for no logprobs. Completions say
+    `logprobs: k`; chat says `logprobs: true` and `top_logprobs: k` (OpenAI's two shapes)."""
+    if not chat:
+        return typed(body, "logprobs", int, None, f"an integer in [0, {MAX_LOGPROBS}]")
+    wanted = typed(body, "logprobs", bool, False, "true or false")
+    top = typed(body, "top_logprobs", int, None, f"an integer in [0, {MAX_LOGPROBS}]")
+    if top is not None and not wanted:
+        raise APIError(400, "'top_logprobs' needs 'logprobs': true.", "top_logprobs")
+    return (top or 0) if wanted else None
 
 
 def make_job(
@@ -311,6 +330,7 @@ def make_job(
             seed=common["seed"],
             n=common["n"],
             ignore_eos=common["ignore_eos"],
+            logprobs=common["logprobs"],
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from minillm.sampling import TokenLogprob
 from minillm.serve.protocol import Job
 from minillm.tokenizer import Tokenizer
 
@@ -33,7 +34,8 @@ class ChoiceText:
         max_new_tokens: int,
         ignore_eos: bool,
     ):
-        self.decoder = tokenizer.stream_decoder()
+        self.tokenizer, self.decoder = tokenizer, tokenizer.stream_decoder()
+        self.logprobs: list[TokenLogprob] = []  # of the tokens taken, when the request asked
         self.stop, self.eos, self.max_new, self.ignore_eos = stop, eos_token_id, max_new_tokens, ignore_eos
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text, self.sent, self.num_tokens = "", 0, 0
@@ -87,19 +89,59 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+def logprobs_body(job: Job, choice: ChoiceText) -> dict | None:
+    """The choice's logprobs in the endpoint's shape (OpenAI's): for completions the parallel
+    lists tokens, token_logprobs, top_logprobs ({token: logprob}) and text_offset (where each
+    token's text starts in the choice's text); for chat a list of {token, logprob, bytes,
+    top_logprobs}. Every token the choice took is there, its EOS and a stop string's too."""
+    if job.params.logprobs is None:
+        return None
+    tokenizer = choice.tokenizer
+
+    def text(token_id: int) -> str:
+        return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    if job.kind == "chat":
+        return {
+            "content": [
+                {
+                    "token": text(lp.token_id),
+                    "logprob": lp.logprob,
+                    "bytes": list(tokenizer.token_bytes(lp.token_id)),
+                    "top_logprobs": [
+                        {"token": text(t), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
+                        for t, v in lp.top
+                    ],
+                }
+                for lp in choice.logprobs
+            ]
+        }
+    offsets, decoder, length = [], tokenizer.stream_decoder(), 0
+    for lp in choice.logprobs:
+        offsets.append(length)
+        if lp.token_id != tokenizer.eos_token_id:  # EOS is never text (ChoiceText)
+            length += len(decoder.feed(lp.token_id))
+    return {
+        "tokens": [text(lp.token_id) for lp in choice.logprobs],
+        "token_logprobs": [lp.logprob for lp in choice.logprobs],
+        "top_logprobs": [{text(t): v for t, v in lp.top} for lp in choice.logprobs],
+        "text_offset": offsets,
+    }
+
+
 def choice_body(job: Job, index: int, choice: ChoiceText) -> dict:
     if job.kind == "chat":
         return {
             "index": index,
             "message": {"role": "assistant", "content": choice.text},
-            "logprobs": None,
+            "logprobs": logprobs_body(job, choice),
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
     return {
         "index": index,
         "text": choice.text,
-        "logprobs": None,
+        "logprobs": logprobs_body(job, choice),
         "finish_reason": choice.finish_reason,
         "stop_reason": choice.stop_reason,
     }
