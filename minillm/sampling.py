@@ -4,6 +4,14 @@
 (the raw logits' log-softmax, before temperature and cuts, as vLLM reports by default) and the k
 most likely tokens' (`token_logprob`).
 
+Before any of that, the logits controls users expect from the OpenAI API and vLLM, each with
+vLLM's meaning (`process_logits`): `min_tokens` (EOS and the stop tokens cannot be drawn before
+it), `logit_bias` (added to a token's logit), `repetition_penalty` (a token already in the prompt
+or the output has its logit divided by it if positive, multiplied if negative),
+`frequency_penalty` (minus the penalty times the token's count in the output) and
+`presence_penalty` (minus the penalty once if it is in the output). `stop_token_ids` end a
+sequence like EOS.
+
 `temperature=0` is greedy decoding (argmax), the mode every exactness test uses. Otherwise the
 logits are divided by the temperature, cut to the k most likely tokens and then to the smallest
 set whose probability reaches p ("nucleus"), and one token is drawn. Each request owns a seeded
@@ -49,6 +57,12 @@ class SamplingParams:
     beam_width: int = 1  # > 1: beam search (greedy over total log-probability) instead of sampling
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
     logprobs: int | None = None  # report each new token's log-probability and the k most likely (0..20)
+    presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0; 1 is off: a seen token's logit / it (> 0) or * it (< 0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to logits
+    min_tokens: int = 0  # EOS and stop_token_ids are not drawn before this many new tokens
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the sequence as EOS does
 
     def __post_init__(self):
         problems = [
@@ -58,11 +72,14 @@ class SamplingParams:
                 self.count_problem(),
                 self.seed_problem(),
                 self.logprobs_problem(),
+                self.logits_problem(),
             )
             if problem
         ]
         if not problems and self.beam_width > 1 and (not self.greedy or self.n != 1):
             problems.append("beam search is deterministic: use it with temperature=0 and n=1")
+        if not problems and self.beam_width > 1 and self.processes_logits:
+            problems.append("penalties, logit_bias and min_tokens apply to samples, not beams")
         if not problems and self.beam_width > 1 and self.logprobs is not None:
             problems.append("logprobs are reported for samples, not beams (a beam's score is its sum)")
         if problems:
@@ -97,6 +114,46 @@ class SamplingParams:
             return None
         return f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
 
+    def logits_problem(self) -> str | None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (is_real(value) and -2 <= value <= 2):
+                return f"{name} must be a number in [-2, 2] (0 is off), got {value!r}"
+        if not (is_real(self.repetition_penalty) and self.repetition_penalty > 0):
+            return f"repetition_penalty must be a number > 0 (1 is off), got {self.repetition_penalty!r}"
+        bias = self.logit_bias
+        if not isinstance(bias, tuple) or not all(
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and _is_id(pair[0])
+            and is_real(pair[1])
+            and -100 <= pair[1] <= 100
+            for pair in bias
+        ):
+            return f"logit_bias must be (token id, bias in [-100, 100]) pairs, got {shown_short(bias)}"
+        if not (
+            isinstance(self.min_tokens, int)
+            and not isinstance(self.min_tokens, bool)
+            and self.min_tokens >= 0
+        ):
+            return f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
+        if isinstance(self.max_tokens, int) and self.min_tokens > self.max_tokens:
+            return f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})"
+        if not isinstance(self.stop_token_ids, tuple) or not all(map(_is_id, self.stop_token_ids)):
+            return f"stop_token_ids must be token ids (integers >= 0), got {shown_short(self.stop_token_ids)}"
+        return None
+
+    @property
+    def processes_logits(self) -> bool:
+        """Does any control change the logits before sampling (`process_logits`)?"""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
+
     def seed_problem(self) -> str | None:
         """Sample i of n is seeded with seed + i, and a torch seed has 64 bits."""
         if self.seed is None:
@@ -118,6 +175,44 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _is_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def shown_short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    eos_token_id: int | None,
+) -> torch.Tensor:
+    """logits (vocab,) -> the logits after the request's controls (module docstring), in vLLM's
+    order: min_tokens, logit_bias, then the repetition, frequency and presence penalties."""
+    logits = logits.float().clone()
+    vocab = logits.numel()
+    if len(output_ids) < params.min_tokens:
+        banned = [t for t in (eos_token_id, *params.stop_token_ids) if t is not None and t < vocab]
+        logits[banned] = float("-inf")
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias])
+        logits.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype))
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long)
+        if seen.numel():
+            values = logits[seen]
+            penalty = params.repetition_penalty
+            logits[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor(output_ids), minlength=vocab)[:vocab].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
 
 
 @dataclass(frozen=True)

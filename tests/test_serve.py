@@ -298,6 +298,30 @@ def test_completion_logprobs_are_llm_generates_in_openais_shape(client, referenc
         assert all(offset <= len(text) for offset in logprobs.text_offset)
 
 
+def test_penalties_bias_min_tokens_and_stop_token_ids_equal_llm_generate(client, reference):
+    fields = {
+        "presence_penalty": 0.7,
+        "frequency_penalty": 0.4,
+        "repetition_penalty": 1.3,
+        "logit_bias": {"30": 3.5},
+        "min_tokens": 3,
+    }
+    params = {**fields, "logit_bias": ((30, 3.5),)}
+    for prompt in PROMPTS[:2]:
+        expected = greedy(reference, prompt, 12, **params)
+        got = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body=fields
+        )
+        assert got.choices[0].text == expected.text
+    first = greedy(reference, PROMPTS[0], 12).token_ids[2]  # end where the third token comes
+    expected = greedy(reference, PROMPTS[0], 12, stop_token_ids=(first,))
+    got = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=12, temperature=0, extra_body={"stop_token_ids": [first]}
+    )
+    assert got.choices[0].text == expected.text and got.choices[0].finish_reason == "stop"
+    assert got.usage.completion_tokens == len(expected.token_ids) <= 3
+
+
 def test_chat_logprobs_and_top_logprobs(client, reference):
     messages = [{"role": "user", "content": PROMPTS[0]}]
     got = client.chat.completions.create(
@@ -493,8 +517,10 @@ BAD_COMPLETIONS = [  # (fields beside model, what the message says)
     ({"prompt": "Hello", "stop": 5}, "stop"),
     ({"prompt": "Hello", "logprobs": "two"}, "'logprobs' must be an integer"),
     ({"prompt": "Hello", "echo": True}, "does not support 'echo'"),
-    ({"prompt": "Hello", "presence_penalty": 0.5}, "does not support 'presence_penalty'"),
-    ({"prompt": "Hello", "repetition_penalty": 1.2}, "Unknown field 'repetition_penalty'"),
+    ({"prompt": "Hello", "presence_penalty": 3}, "presence_penalty must be a number in"),
+    ({"prompt": "Hello", "logit_bias": {"x": 1}}, "'logit_bias' maps token ids"),
+    ({"prompt": "Hello", "logit_bias": {"99999999": 1}}, "take token ids in"),
+    ({"prompt": "Hello", "guided_json": {}}, "Unknown field 'guided_json'"),
     ({"prompt": "Hello", "stream_options": {"include_usage": True}}, "only allowed with stream"),
     ({"prompt": "Hello", "n": MAX_NUM_SEQS + 1}, "max_num_seqs"),  # refused by the engine's admission
     ({"prompt": {"text": "Hello"}}, "'prompt' must be"),

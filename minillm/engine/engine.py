@@ -38,14 +38,19 @@ from minillm.engine.speculative import NgramProposer, check_guesses
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
 from minillm.memory.events import Step
 from minillm.model import Transformer
-from minillm.sampling import Sampler, SamplingParams, TokenLogprob, token_logprob
+from minillm.sampling import Sampler, SamplingParams, TokenLogprob, process_logits, token_logprob
 from minillm.tokenizer import Tokenizer
 from minillm.tracing import attach
 from minillm.weights import load_model, model_fingerprint
 
 
-def check_request_args(params: SamplingParams, arrival_time, priority, sampler) -> None:
+def check_request_args(params: SamplingParams, arrival_time, priority, sampler, vocab_size: int) -> None:
     """`add_request`'s arguments beside the prompt, each refused with a line saying what it takes."""
+    named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+    if any(t >= vocab_size for t in named):
+        raise ValueError(
+            f"logit_bias and stop_token_ids take token ids in [0, {vocab_size}), got {max(named)}"
+        )
     if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > 64:
         raise ValueError(
             f"priority must be a whole number in [-64, 64] (lower is served first), not {priority!r}"
@@ -119,7 +124,7 @@ class LLMEngine:
         logits (vocab,) that returns a token id, e.g. teacher forcing (`evaluation.TeacherForcing`),
         which scores a given text through the cache instead of choosing tokens."""
         params = params or SamplingParams()
-        check_request_args(params, arrival_time, priority, sampler)
+        check_request_args(params, arrival_time, priority, sampler, self.model.config.vocab_size)
         seq_id = next(self.seq_ids)
         request_id = request_id if request_id is not None else str(seq_id)
         if request_id in self.requests:
@@ -233,7 +238,13 @@ class LLMEngine:
             seq, num_rows = item.seq, len(item.guesses) + 1
             rows_of_seq, first = logits[first : first + num_rows], first + num_rows
             try:
-                tokens = check_guesses(item.guesses, rows_of_seq, lambda row: self.token_of(seq.sampler(row)))
+                drawn: list[int] = []  # row i is drawn after guesses[:i]: the tokens before it
+
+                def sample(row, seq=seq, guesses=item.guesses, drawn=drawn) -> int:
+                    drawn.append(self.draw(seq, row, guesses[: len(drawn)]))
+                    return drawn[-1]
+
+                tokens = check_guesses(item.guesses, rows_of_seq, sample)
             except Exception as err:
                 kept[seq.seq_id] = 0
                 endings[seq.seq_id] = (seq, "error", f"Sampling failed ({type(err).__name__}: {err}).")
@@ -315,11 +326,20 @@ class LLMEngine:
             )
             return True
         for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
-            token = self.token_of(sample.sampler(logits))
+            token = self.draw(sample, logits)
             reason = sample.append(token, self.eos_token_id, logprob_of(sample, logits, token))
             if reason:
                 self.scheduler.finish(sample, reason)
         return True
+
+    def draw(self, seq: Sequence, logits: torch.Tensor, pending: list[int] = ()) -> int:
+        """`seq`'s next token from logits (vocab,): its request's penalties and bias first (its
+        tokens so far, then `pending`: guesses drawn before this row), then its sampler."""
+        if seq.params.processes_logits:
+            logits = process_logits(
+                logits, seq.params, seq.prompt_ids, [*seq.output_ids, *pending], self.eos_token_id
+            )
+        return self.token_of(seq.sampler(logits))
 
     def token_of(self, chosen) -> int:
         """A sampler's choice, checked: a custom sampler's id outside the vocabulary would fail

@@ -51,11 +51,13 @@ class RequestOutput:
     tokenizer: Tokenizer | None = field(default=None, repr=False)
     prefix_miss: PrefixMiss | None = None  # why the prompt's prefix-cache hit ended there (cache on)
     logprobs: list[list[TokenLogprob]] | None = None  # per sample, per token (when asked)
+    stop_token_ids: tuple[int, ...] = ()  # tokens that ended a sample as EOS does (SamplingParams)
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             raise ConfigError("This engine has no tokenizer; read token_ids instead of text.")
-        return self.tokenizer.decode([t for t in token_ids if t != self.tokenizer.eos_token_id])
+        hidden = {self.tokenizer.eos_token_id, *self.stop_token_ids}  # a stop token ends, it is not text
+        return self.tokenizer.decode([t for t in token_ids if t not in hidden])
 
     @property
     def text(self) -> str:
@@ -67,8 +69,10 @@ class RequestOutput:
         eos = self.tokenizer.eos_token_id if self.tokenizer else None
         ended = "length" if self.finish_reason in ("eos", "length") else self.finish_reason
 
+        stops = {eos, *self.stop_token_ids}
+
         def reason(ids: list[int]) -> str | None:
-            return ("stop" if ids and ids[-1] == eos else ended) if self.finished else None
+            return ("stop" if ids and ids[-1] in stops else ended) if self.finished else None
 
         logprobs = self.logprobs or [None] * len(self.samples or [self.token_ids])
         return [
@@ -103,6 +107,7 @@ class RequestOutput:
             tokenizer,
             first.prefix_miss,
             [list(seq.logprobs) for seq in seqs] if first.params.logprobs is not None else None,
+            first.params.stop_token_ids,
         )
 
     def prefix_miss_report(self) -> dict | None:

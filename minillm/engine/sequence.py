@@ -95,7 +95,7 @@ class Sequence:
         self._token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
-        if token_id == eos_token_id and not self.params.ignore_eos:
+        if token_id == eos_token_id and not self.params.ignore_eos or token_id in self.params.stop_token_ids:
             return "eos"
         return "length" if self.num_tokens >= self.max_len else None
 

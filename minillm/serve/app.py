@@ -308,6 +308,7 @@ class Answer:
                 engine.eos_token_id,
                 scheduler.max_len(len(prompt), job.params.max_tokens) - len(prompt),  # new tokens at most
                 job.params.ignore_eos,
+                job.params.stop_token_ids,
             )
             for prompt in job.prompts
             for _ in range(n)

@@ -18,8 +18,12 @@ Parameters and where they go:
     stream, stream_options              server-sent events; include_usage adds a last chunk of usage
     logprobs (completions: 0-20)        SamplingParams.logprobs: each new token's log-probability and
     logprobs + top_logprobs (chat)      the k most likely (not yet with stream: true)
-Anything else that changes the output (echo, penalties, logit_bias, tools, ...) gets a 400 that
-names it; an unknown field a 400 that lists the ones minillm takes.
+    presence_penalty, frequency_penalty SamplingParams fields of the same names (OpenAI's); logit_bias
+    logit_bias                          is {"token id": bias}, as OpenAI sends it
+    repetition_penalty, min_tokens,     vLLM's extra parameters, the SamplingParams fields
+    stop_token_ids
+Anything else that changes the output (echo, tools, response_format, ...) gets a 400 naming it;
+an unknown field a 400 that lists the ones minillm takes.
 
 Whatever JSON a client sends gets a 4xx, never a 500: `parse_json` refuses, before any check reads
 the body, nesting deeper than MAX_DEPTH, integers of 2**64 or more (a 401-digit temperature would
@@ -42,6 +46,7 @@ from minillm.config import prompt_problem
 from minillm.sampling import MAX_LOGPROBS, SamplingParams, is_real
 from minillm.serve.limits import ServeLimits
 
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_DEPTH = 32  # a chat is 5 levels deep (body, messages, message, content parts, part)
 INTEGER_BOUND = 2**64  # no field takes more (a seed is below 2**64); a bigger one is refused unread
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -108,6 +113,12 @@ COMMON_FIELDS = (
     "ignore_eos",
     "user",
     "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "stop_token_ids",
 )
 COMPLETION_FIELDS = ("prompt", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
@@ -116,9 +127,6 @@ UNSUPPORTED = {
     "echo": (False,),
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -267,6 +275,12 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
         )
     return {
         "logprobs": logprobs,
+        "presence_penalty": typed(body, "presence_penalty", float, 0.0, "a number in [-2, 2]"),
+        "frequency_penalty": typed(body, "frequency_penalty", float, 0.0, "a number in [-2, 2]"),
+        "repetition_penalty": typed(body, "repetition_penalty", float, 1.0, "a number > 0 (1 is off)"),
+        "logit_bias": parse_logit_bias(body),
+        "min_tokens": typed(body, "min_tokens", int, 0, "an integer >= 0"),
+        "stop_token_ids": parse_stop_token_ids(body, limits),
         "max_tokens": max_tokens,
         "temperature": typed(body, "temperature", float, 1.0, "a number >= 0"),
         "top_p": typed(body, "top_p", float, 1.0, "a number in (0, 1]"),
@@ -278,6 +292,38 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
         "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
         "stop": parse_stop(body, limits),
     }
+
+
+def parse_logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (keys are strings in JSON), at most MAX_LOGIT_BIAS of them."""
+    bias = typed(body, "logit_bias", dict, {}, 'an object like {"50256": -100}')
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(
+            400, f"'logit_bias' takes at most {MAX_LOGIT_BIAS} tokens, not {len(bias)}.", "logit_bias"
+        )
+    pairs = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 9) or not is_real(value):
+            raise APIError(
+                400,
+                f"'logit_bias' maps token ids to numbers, not {shown(key)}: {shown(value)}.",
+                "logit_bias",
+            )
+        pairs.append((int(key), float(value)))
+    return tuple(sorted(pairs))
+
+
+def parse_stop_token_ids(body: dict, limits: ServeLimits) -> tuple[int, ...]:
+    ids = typed(body, "stop_token_ids", list, [], "a list of token ids")
+    if len(ids) > limits.max_stop_strings or not all(
+        isinstance(t, int) and not isinstance(t, bool) for t in ids
+    ):
+        raise APIError(
+            400,
+            f"'stop_token_ids' must be at most {limits.max_stop_strings} token ids, not {shown(ids)}.",
+            "stop_token_ids",
+        )
+    return tuple(ids)
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -331,9 +377,20 @@ def make_job(
             n=common["n"],
             ignore_eos=common["ignore_eos"],
             logprobs=common["logprobs"],
+            presence_penalty=common["presence_penalty"],
+            frequency_penalty=common["frequency_penalty"],
+            repetition_penalty=common["repetition_penalty"],
+            logit_bias=common["logit_bias"],
+            min_tokens=common["min_tokens"],
+            stop_token_ids=common["stop_token_ids"],
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
+    named = [t for t, _ in params.logit_bias] + list(params.stop_token_ids)
+    if any(t >= vocab_size for t in named):
+        raise APIError(
+            400, f"logit_bias and stop_token_ids take token ids in [0, {vocab_size}), got {max(named)}."
+        )
     return Job(kind, model, prompts, params, common["stop"], common["stream"], common["include_usage"])
 
 

@@ -33,10 +33,12 @@ class ChoiceText:
         eos_token_id: int | None,
         max_new_tokens: int,
         ignore_eos: bool,
+        stop_token_ids: tuple[int, ...] = (),
     ):
         self.tokenizer, self.decoder = tokenizer, tokenizer.stream_decoder()
         self.logprobs: list[TokenLogprob] = []  # of the tokens taken, when the request asked
         self.stop, self.eos, self.max_new, self.ignore_eos = stop, eos_token_id, max_new_tokens, ignore_eos
+        self.stop_token_ids = stop_token_ids
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text, self.sent, self.num_tokens = "", 0, 0
         self.finish_reason: str | None = None
@@ -53,7 +55,7 @@ class ChoiceText:
             return ""
         searched_from = max(0, len(self.text) - self.hold)
         for token in token_ids[self.num_tokens :]:
-            if token != self.eos:  # never text, as in RequestOutput.text (even with ignore_eos)
+            if token != self.eos and token not in self.stop_token_ids:  # never text, as in RequestOutput.text
                 self.text += self.decoder.feed(token)
         self.num_tokens = len(token_ids)
         ended_by_engine = self.ended(token_ids)
@@ -76,7 +78,9 @@ class ChoiceText:
     def ended(self, token_ids: list[int]) -> str | None:
         """Whether this sample has ended by the engine's rules (it may end before its request does,
         when the request has n samples): EOS, or max_tokens (or the context) reached."""
-        if token_ids and token_ids[-1] == self.eos and not self.ignore_eos:
+        if token_ids and (
+            token_ids[-1] == self.eos and not self.ignore_eos or token_ids[-1] in self.stop_token_ids
+        ):
             return "stop"
         return "length" if len(token_ids) >= self.max_new else None
 
@@ -117,9 +121,10 @@ def logprobs_body(job: Job, choice: ChoiceText) -> dict | None:
             ]
         }
     offsets, decoder, length = [], tokenizer.stream_decoder(), 0
+    hidden = {tokenizer.eos_token_id, *job.params.stop_token_ids}  # never text (ChoiceText)
     for lp in choice.logprobs:
         offsets.append(length)
-        if lp.token_id != tokenizer.eos_token_id:  # EOS is never text (ChoiceText)
+        if lp.token_id not in hidden:
             length += len(decoder.feed(lp.token_id))
     return {
         "tokens": [text(lp.token_id) for lp in choice.logprobs],
