@@ -57,6 +57,7 @@ class SamplingParams:
     beam_width: int = 1  # > 1: beam search (greedy over total log-probability) instead of sampling
     ignore_eos: bool = False  # benchmarks decode a fixed number of tokens
     logprobs: int | None = None  # report each new token's log-probability and the k most likely (0..20)
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first (vLLM's)
     presence_penalty: float = 0.0  # [-2, 2]: subtracted once from every token already in the output
     frequency_penalty: float = 0.0  # [-2, 2]: subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # > 0; 1 is off: a seen token's logit / it (> 0) or * it (< 0)
@@ -80,7 +81,7 @@ class SamplingParams:
             problems.append("beam search is deterministic: use it with temperature=0 and n=1")
         if not problems and self.beam_width > 1 and self.processes_logits:
             problems.append("penalties, logit_bias and min_tokens apply to samples, not beams")
-        if not problems and self.beam_width > 1 and self.logprobs is not None:
+        if not problems and self.beam_width > 1 and (self.logprobs, self.prompt_logprobs) != (None, None):
             problems.append("logprobs are reported for samples, not beams (a beam's score is its sum)")
         if problems:
             raise ValueError("; ".join(problems) + ".")
@@ -107,12 +108,14 @@ class SamplingParams:
         return None
 
     def logprobs_problem(self) -> str | None:
-        value = self.logprobs
-        if value is None or (
-            isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS
-        ):
-            return None
-        return f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None or (
+                isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_LOGPROBS
+            ):
+                continue
+            return f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}"
+        return None
 
     def logits_problem(self) -> str | None:
         for name in ("presence_penalty", "frequency_penalty"):

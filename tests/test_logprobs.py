@@ -72,3 +72,26 @@ def test_no_logprobs_unless_asked(tiny_dir, tiny_model):
 def test_bad_logprobs_are_one_clear_error(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**fields)
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [
+        {"max_num_batched_tokens": 8},  # the prompt in chunks
+        {"prefix_caching": True, "block_size": 4},  # a scored prompt computes what the cache holds
+        {"kv_cache_bytes": 12 * 4 * KV_BYTES_PER_TOKEN, "block_size": 4, "max_num_batched_tokens": 16},
+    ],
+    ids=["chunked", "prefix-cache", "preemption"],
+)
+def test_prompt_logprobs_equal_the_naive_decoders_log_softmax(tiny_dir, tiny_model, switches):
+    rng = random.Random(1)
+    shared = [rng.randrange(97) for _ in range(12)]
+    prompts = [shared + [rng.randrange(97) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    llm = LLM(tiny_dir, model=tiny_model, **switches)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2))  # cached, for the prefix-cache case
+    params = SamplingParams(max_tokens=8, ignore_eos=True, prompt_logprobs=2, n=2, temperature=1.0, seed=1)
+    for out, prompt in zip(llm.generate(prompts, params), prompts):
+        assert (
+            out.error is None and out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        )
+        check_against_naive(tiny_model, prompt[:1], prompt[1:], out.prompt_logprobs[1:], 2)

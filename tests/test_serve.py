@@ -322,6 +322,33 @@ def test_penalties_bias_min_tokens_and_stop_token_ids_equal_llm_generate(client,
     assert got.usage.completion_tokens == len(expected.token_ids) <= 3
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_an_evaluation_harness_asks(client, reference):
+    """lm-evaluation-harness's local-completions: prompt = context + continuation, echo, logprobs
+    1, max_tokens 1; the continuation's log-likelihood is read from the prompt's token_logprobs."""
+    tokenizer = reference.engine.tokenizer
+    prompt = PROMPTS[1] + " It is blue."
+    prompt_ids = tokenizer.encode(prompt)
+    expected = greedy(reference, prompt, 1, prompt_logprobs=1, logprobs=1)
+    got = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, temperature=0, logprobs=1, echo=True
+    )
+    choice = got.choices[0]
+    assert choice.text == prompt + expected.text
+    scored = choice.logprobs.token_logprobs
+    assert (
+        len(scored) == len(prompt_ids) + 1 and scored[0] is None and choice.logprobs.top_logprobs[0] is None
+    )
+    want = [lp.logprob for lp in expected.prompt_logprobs[1:]] + [expected.logprobs[0][0].logprob]
+    assert scored[1:] == pytest.approx(want, abs=1e-5)
+    assert choice.logprobs.text_offset[: len(prompt_ids)] == sorted(
+        choice.logprobs.text_offset[: len(prompt_ids)]
+    )
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="not yet echo the prompt in a stream"):
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, stream=True)
+
+
 def test_chat_logprobs_and_top_logprobs(client, reference):
     messages = [{"role": "user", "content": PROMPTS[0]}]
     got = client.chat.completions.create(
@@ -516,7 +543,8 @@ BAD_COMPLETIONS = [  # (fields beside model, what the message says)
     ({"prompt": "Hello", "seed": -1}, "seed"),
     ({"prompt": "Hello", "stop": 5}, "stop"),
     ({"prompt": "Hello", "logprobs": "two"}, "'logprobs' must be an integer"),
-    ({"prompt": "Hello", "echo": True}, "does not support 'echo'"),
+    ({"prompt": "Hello", "echo": "yes"}, "'echo' must be true or false"),
+    ({"prompt": "Hello", "response_format": {"type": "json_object"}}, "does not support 'response_format'"),
     ({"prompt": "Hello", "presence_penalty": 3}, "presence_penalty must be a number in"),
     ({"prompt": "Hello", "logit_bias": {"x": 1}}, "'logit_bias' maps token ids"),
     ({"prompt": "Hello", "logit_bias": {"99999999": 1}}, "take token ids in"),

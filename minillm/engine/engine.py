@@ -196,6 +196,7 @@ class LLMEngine:
         rows = sum(item.num_tokens for item in schedule.sequences)
         self.kv_cache.record_forward(rows, len(schedule.sequences), time.perf_counter() - start)
         read = [item.seq.num_cached + item.num_tokens for item in schedule.sequences]  # entries read
+        self.score_prompts(schedule, forward)  # before `computed` moves num_computed on
         guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
         kept, endings = self.check_guesses(guessed, forward) if guessed else ({}, {})
         evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
@@ -261,6 +262,26 @@ class LLMEngine:
             kept[seq.seq_id] = appended
             self.runner.add_mass(seq, forward.guess_mass.get(seq.seq_id, [])[:appended])
         return kept, endings
+
+    def score_prompts(self, schedule: Schedule, forward) -> None:
+        """`prompt_logprobs`: each prompt token's log-probability (after the first), from the rows
+        of this step's chunk that predict it: row p scores token p + 1. A token already scored (a
+        prompt recomputed after a preemption) is not scored again."""
+        wanted = []  # (seq, row, token position scored)
+        for item, last in zip(schedule.sequences, forward.last_rows):
+            seq = item.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            start, end = seq.num_computed, seq.num_computed + item.num_tokens
+            first_row = last - item.num_tokens + 1
+            for position in range(max(start, len(seq.prompt_logprobs)), min(end, len(seq.prompt_ids) - 1)):
+                wanted.append((seq, first_row + position - start, position + 1))
+        if not wanted:
+            return
+        logits = self.runner.logits(forward.hidden, [row for _, row, _ in wanted])  # (scored, vocab)
+        for (seq, _, target), row_logits in zip(wanted, logits):
+            top = seq.params.prompt_logprobs
+            seq.prompt_logprobs.append(token_logprob(row_logits, seq.prompt_ids[target], top))
 
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
         """End these requests with `error`; their blocks go back and the engine stays usable."""

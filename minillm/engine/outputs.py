@@ -52,6 +52,7 @@ class RequestOutput:
     prefix_miss: PrefixMiss | None = None  # why the prompt's prefix-cache hit ended there (cache on)
     logprobs: list[list[TokenLogprob]] | None = None  # per sample, per token (when asked)
     stop_token_ids: tuple[int, ...] = ()  # tokens that ended a sample as EOS does (SamplingParams)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -108,6 +109,7 @@ class RequestOutput:
             first.prefix_miss,
             [list(seq.logprobs) for seq in seqs] if first.params.logprobs is not None else None,
             first.params.stop_token_ids,
+            [None, *first.prompt_logprobs] if first.params.prompt_logprobs is not None else None,
         )
 
     def prefix_miss_report(self) -> dict | None:

@@ -235,7 +235,9 @@ class Scheduler:
     def _reserve(self, seq: Sequence, budget: int) -> int:
         """Ask for the blocks of the sequence's next chunk; return its length, or 0 if memory is
         short. A sequence that starts afresh starts past its prefix-cache hits (or at 0)."""
-        grant = self.kv_cache.allocate(seq.seq_id, seq.token_ids, seq.num_computed, seq.num_cached, budget)
+        counts = (seq.num_computed, seq.num_cached, budget)
+        # a prompt to be scored computes every token: a prefix-cache hit would have no logits
+        grant = self.kv_cache.allocate(seq.seq_id, seq.token_ids, *counts, seq.params.prompt_logprobs is None)
         if grant.restart:
             seq.restart(grant.num_computed)
         if seq.prefix_miss is None:  # why its first lookup hit what it hit

@@ -50,6 +50,7 @@ class Sequence:
     arrival_step: int = 0  # the scheduler's step count when it was queued: its age in steps
     prefix_miss: PrefixMiss | None = None  # why its prompt's prefix-cache hit ended where it did
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if params ask
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (if asked)
 
     def __post_init__(self):
         self.sampler = Sampler(self.params, self.sample_index)
@@ -111,6 +112,7 @@ class Sequence:
             sample_index,
             output_ids=list(self.output_ids),
             logprobs=list(self.logprobs),
+            prompt_logprobs=self.prompt_logprobs,  # the same prompt: shared, never changed again
             num_computed=self.num_computed,
             num_evicted=self.num_evicted,
             status=self.status,

@@ -143,13 +143,21 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- giving blocks
     def allocate(
-        self, seq_id: int, token_ids: list[int], num_computed: int, num_cached: int, budget: int
+        self,
+        seq_id: int,
+        token_ids: list[int],
+        num_computed: int,
+        num_cached: int,
+        budget: int,
+        use_cache: bool = True,
     ) -> Allocation:
         """Blocks for the sequence's next chunk of at most `budget` tokens, or num_tokens=0 if memory
         is short. A sequence without blocks first looks for its prompt's leading blocks in the prefix
-        cache: those tokens need no computing at all. A swapped-out one comes back first (or, if
+        cache (unless `use_cache` is False: it needs every prompt token's logits): those tokens need
+        no computing at all. A swapped-out one comes back first (or, if
         its KV can no longer come back, starts over)."""
-        manager, cache = self.block_manager, self.block_manager.prefix_cache
+        manager = self.block_manager
+        cache = manager.prefix_cache if use_cache else None
         if manager.is_swapped(seq_id) and not self._can_come_back(seq_id, len(token_ids), num_cached, budget):
             self._forget(seq_id, num_computed)
             num_computed = num_cached = 0

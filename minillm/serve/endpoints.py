@@ -8,6 +8,8 @@ Both run in a worker thread (`app.py`): tokenizing a long prompt must not stall 
 
 from __future__ import annotations
 
+import dataclasses
+
 from minillm.serve.limits import ServeLimits
 from minillm.serve.protocol import (
     CHAT_FIELDS,
@@ -18,6 +20,7 @@ from minillm.serve.protocol import (
     make_job,
     parse_common,
     shown,
+    typed,
 )
 from minillm.tokenizer import Tokenizer
 
@@ -70,7 +73,16 @@ def parse_completion(
         else:
             ids.append(list(p))
     common = parse_common(body, 16, limits, chat=False)
-    return make_job("completion", model, ids, common, context_len, vocab_size, limits)
+    echo = typed(body, "echo", bool, False, "true or false")
+    if echo and common["stream"]:
+        raise APIError(
+            400, "minillm does not yet echo the prompt in a stream; leave out stream or echo.", "echo"
+        )
+    job = make_job("completion", model, ids, common, context_len, vocab_size, limits)
+    if echo:  # with logprobs, the prompt's tokens are scored too (every one computed: no prefix hit)
+        job.echo = True
+        job.params = dataclasses.replace(job.params, prompt_logprobs=job.params.logprobs)
+    return job
 
 
 def message_text(message, index: int) -> dict[str, str]:

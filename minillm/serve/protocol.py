@@ -18,11 +18,13 @@ Parameters and where they go:
     stream, stream_options              server-sent events; include_usage adds a last chunk of usage
     logprobs (completions: 0-20)        SamplingParams.logprobs: each new token's log-probability and
     logprobs + top_logprobs (chat)      the k most likely (not yet with stream: true)
+    echo (completions)                  the prompt first: its text, and with logprobs its tokens'
+                                        (SamplingParams.prompt_logprobs; not yet with stream: true)
     presence_penalty, frequency_penalty SamplingParams fields of the same names (OpenAI's); logit_bias
     logit_bias                          is {"token id": bias}, as OpenAI sends it
     repetition_penalty, min_tokens,     vLLM's extra parameters, the SamplingParams fields
     stop_token_ids
-Anything else that changes the output (echo, tools, response_format, ...) gets a 400 naming it;
+Anything else that changes the output (tools, response_format, ...) gets a 400 naming it;
 an unknown field a 400 that lists the ones minillm takes.
 
 Whatever JSON a client sends gets a 4xx, never a 500: `parse_json` refuses, before any check reads
@@ -120,11 +122,10 @@ COMMON_FIELDS = (
     "min_tokens",
     "stop_token_ids",
 )
-COMPLETION_FIELDS = ("prompt", *COMMON_FIELDS)
+COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
 # fields minillm knows but does not implement: refused unless they ask for nothing (their default)
 UNSUPPORTED = {
-    "echo": (False,),
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -147,6 +148,7 @@ class Job:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False  # completions: the prompt's text (and with logprobs its logprobs) first
     id: str = ""
     created: int = 0
 

@@ -37,6 +37,8 @@ class ChoiceText:
     ):
         self.tokenizer, self.decoder = tokenizer, tokenizer.stream_decoder()
         self.logprobs: list[TokenLogprob] = []  # of the tokens taken, when the request asked
+        self.prompt_ids: list[int] = []  # echo: the prompt, its text and its logprobs first
+        self.prompt_logprobs: list[TokenLogprob | None] = []
         self.stop, self.eos, self.max_new, self.ignore_eos = stop, eos_token_id, max_new_tokens, ignore_eos
         self.stop_token_ids = stop_token_ids
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -120,18 +122,27 @@ def logprobs_body(job: Job, choice: ChoiceText) -> dict | None:
                 for lp in choice.logprobs
             ]
         }
+    ids = [lp.token_id for lp in choice.logprobs]
+    entries: list[TokenLogprob | None] = list(choice.logprobs)
+    if job.echo:  # the prompt's tokens first; its first has no log-probability
+        ids, entries = choice.prompt_ids + ids, list(choice.prompt_logprobs) + entries
     offsets, decoder, length = [], tokenizer.stream_decoder(), 0
     hidden = {tokenizer.eos_token_id, *job.params.stop_token_ids}  # never text (ChoiceText)
-    for lp in choice.logprobs:
+    for token_id in ids:
         offsets.append(length)
-        if lp.token_id not in hidden:
-            length += len(decoder.feed(lp.token_id))
+        if token_id not in hidden:
+            length += len(decoder.feed(token_id))
     return {
-        "tokens": [text(lp.token_id) for lp in choice.logprobs],
-        "token_logprobs": [lp.logprob for lp in choice.logprobs],
-        "top_logprobs": [{text(t): v for t, v in lp.top} for lp in choice.logprobs],
+        "tokens": [text(token_id) for token_id in ids],
+        "token_logprobs": [lp.logprob if lp else None for lp in entries],
+        "top_logprobs": [{text(t): v for t, v in lp.top} if lp else None for lp in entries],
         "text_offset": offsets,
     }
+
+
+def choice_text(job: Job, choice: ChoiceText) -> str:
+    """The choice's text, after the prompt's with echo."""
+    return (choice.tokenizer.decode(choice.prompt_ids) if job.echo else "") + choice.text
 
 
 def choice_body(job: Job, index: int, choice: ChoiceText) -> dict:
@@ -145,7 +156,7 @@ def choice_body(job: Job, index: int, choice: ChoiceText) -> dict:
         }
     return {
         "index": index,
-        "text": choice.text,
+        "text": choice_text(job, choice),
         "logprobs": logprobs_body(job, choice),
         "finish_reason": choice.finish_reason,
         "stop_reason": choice.stop_reason,
