@@ -112,6 +112,16 @@ def test_a_bad_trace_file_is_one_clear_error(tmp_path):
         read_trace(tmp_path / "missing.jsonl")
 
 
+def route(known: set, item: dict) -> None:
+    """What a KV-aware router keeps of vLLM's events: the (block hash, medium) pairs cached."""
+    if item["type"] == "AllBlocksCleared":
+        known.clear()
+    elif item["type"] == "BlockStored":
+        known.add((item["block_hashes"][0], item["medium"]))
+    else:
+        known.remove((item["block_hashes"][0], item["medium"]))
+
+
 def test_vllm_events_rebuild_the_prefix_cache_per_medium(tiny_dir, tiny_model, tmp_path):
     """A router that keeps only BlockStored / BlockRemoved / AllBlocksCleared knows, at every
     step, exactly which block hashes each tier's prefix cache holds."""
@@ -121,12 +131,7 @@ def test_vllm_events_rebuild_the_prefix_cache_per_medium(tiny_dir, tiny_model, t
 
     def router(step, event):
         for item in view(event):
-            if item["type"] == "AllBlocksCleared":
-                known.clear()
-            elif item["type"] == "BlockStored":
-                known.add((item["block_hashes"][0], item["medium"]))
-            else:
-                known.remove((item["block_hashes"][0], item["medium"]))
+            route(known, item)
 
     shared = [rng.randrange(97) for _ in range(20)]
     for _ in range(20):

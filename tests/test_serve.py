@@ -22,6 +22,7 @@ import pytest
 import torch
 from conftest import tiny_with_real_tokenizer
 from serving import running_server
+from test_events import route
 
 from minillm.cli import main
 from minillm.config import EngineConfig
@@ -192,19 +193,10 @@ def test_kv_events_rebuild_the_prefix_cache_a_router_would_route_by(server, clie
     """A router that keeps only the stream's BlockStored / BlockRemoved / AllBlocksCleared knows
     which block hashes are cached, per tier, as the server's prefix cache holds them."""
     known: set = set()
-
-    def apply(item):
-        if item["type"] == "AllBlocksCleared":
-            known.clear()
-        elif item["type"] == "BlockStored":
-            known.add((item["block_hashes"][0], item["medium"]))
-        else:
-            known.remove((item["block_hashes"][0], item["medium"]))
-
     manager = server[1].engine.kv_cache.block_manager
     client.completions.create(model="tiny", prompt=PROMPTS[0] * 3, max_tokens=4)  # cached before joining
     wait_until_idle(server)
-    reader = EventStreamReader(server[0] + "/v1/kv_events", apply)
+    reader = EventStreamReader(server[0] + "/v1/kv_events", lambda item: route(known, item))
     try:
         shared = "A long shared instruction that every request starts with, " * 4
         for prompt in PROMPTS[:4]:

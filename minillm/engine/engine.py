@@ -195,7 +195,8 @@ class LLMEngine:
         forward = self.runner.forward(schedule.sequences)  # 3. one forward pass
         rows = sum(item.num_tokens for item in schedule.sequences)
         self.kv_cache.record_forward(rows, len(schedule.sequences), time.perf_counter() - start)
-        read = [item.seq.num_cached + item.num_tokens for item in schedule.sequences]  # entries read
+        listened = bool(self.kv_cache.events)  # somebody follows the memory system: say who ran
+        read = [item.seq.num_cached + item.num_tokens for item in schedule.sequences] if listened else []
         self.score_prompts(schedule, forward)  # before `computed` moves num_computed on
         guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
         kept, endings = self.check_guesses(guessed, forward) if guessed else ({}, {})
@@ -219,7 +220,7 @@ class LLMEngine:
             self.proposer.cost.record(rows, time.perf_counter() - start)  # pass, logits and checks
         generated = len(ready) + sum(kept.values())
         self.stats.record(schedule, generated, evicted, self.memory_stats(), self.kv_cache.end_step())
-        if self.kv_cache.events:  # somebody follows the memory system: say who ran
+        if listened:
             ran = zip(schedule.sequences, read)
             who = tuple((item.seq.seq_id, item.seq.request_id, item.num_tokens, n) for item, n in ran)
             self.kv_cache.emit(Step(time.perf_counter() - start, who))

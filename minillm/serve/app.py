@@ -42,7 +42,7 @@ from minillm.config import ConfigError
 from minillm.serve.commands import RequestRefused
 from minillm.serve.endpoints import parse_chat, parse_completion
 from minillm.serve.engine_loop import EngineLoop, Submission
-from minillm.serve.kv_events import FORMATS, KVEventFeed
+from minillm.serve.kv_events import FORMATS, event_stream
 from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import metric_values, prometheus
 from minillm.serve.protocol import APIError, Job, error_body, parse_json, shown
@@ -180,18 +180,7 @@ def _add_status_routes(
             raise APIError(400, f"events must be one of {', '.join(FORMATS)}, not {shown(events)}.", "events")
         if not engine_loop.alive:
             return _unavailable(engine_loop)
-        feed, kv_cache = KVEventFeed(asyncio.get_running_loop()), engine.kv_cache
-        feed.unsubscribe = lambda: kv_cache.unsubscribe(feed)
-        await engine_loop.call(lambda _: kv_cache.subscribe(feed))  # between two steps: a true snapshot
-
-        async def stream():
-            try:
-                async for message in feed.messages(events, lambda: engine_loop.alive):
-                    yield message
-            finally:  # the client went away, or the engine stopped
-                feed.unsubscribe()
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(await event_stream(engine_loop, events), media_type="text/event-stream")
 
     if metrics_keyed is not None:  # what is cached says what others asked: the same access as /metrics
         app.get("/metrics", dependencies=metrics_keyed)(metrics)

@@ -35,9 +35,24 @@ def parse_completion(
 ) -> Job:
     """POST /v1/completions: prompt is a string, a list of strings, a list of token ids, or a list
     of lists of token ids (a batch: one choice per prompt, n each, at most
-    `max_prompts_per_request`, counted before any is tokenized)."""
+    `max_prompts_per_request`, counted before any is tokenized). `echo` puts the prompt first."""
     check_fields(body, COMPLETION_FIELDS)
-    prompt = body.get("prompt")
+    ids = _completion_prompts(body.get("prompt"), tokenizer, limits)
+    common = parse_common(body, 16, limits, chat=False)
+    echo = typed(body, "echo", bool, False, "true or false")
+    if echo and common["stream"]:
+        raise APIError(
+            400, "minillm does not yet echo the prompt in a stream; leave out stream or echo.", "echo"
+        )
+    job = make_job("completion", model, ids, common, context_len, vocab_size, limits)
+    if echo:  # with logprobs, the prompt's tokens are scored too (every one computed: no prefix hit)
+        job.echo = True
+        job.params = dataclasses.replace(job.params, prompt_logprobs=job.params.logprobs)
+    return job
+
+
+def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ServeLimits) -> list[list[int]]:
+    """A completion's prompt (a string, token ids, or a list of either) as token-id lists."""
     if isinstance(prompt, str):
         prompts = [prompt]
     elif (
@@ -72,17 +87,7 @@ def parse_completion(
             ids.append(tokenizer.encode(p))
         else:
             ids.append(list(p))
-    common = parse_common(body, 16, limits, chat=False)
-    echo = typed(body, "echo", bool, False, "true or false")
-    if echo and common["stream"]:
-        raise APIError(
-            400, "minillm does not yet echo the prompt in a stream; leave out stream or echo.", "echo"
-        )
-    job = make_job("completion", model, ids, common, context_len, vocab_size, limits)
-    if echo:  # with logprobs, the prompt's tokens are scored too (every one computed: no prefix hit)
-        job.echo = True
-        job.params = dataclasses.replace(job.params, prompt_logprobs=job.params.logprobs)
-    return job
+    return ids
 
 
 def message_text(message, index: int) -> dict[str, str]:

@@ -84,5 +84,22 @@ class KVEventFeed:
                 yield _sse({"step": step, "ts": time.time(), "events": items})
 
 
+async def event_stream(engine_loop, shape: str):
+    """A new client's messages: subscribed on the engine thread between two steps (so its first
+    message is the state then), unsubscribed however the stream ends."""
+    feed, kv_cache = KVEventFeed(asyncio.get_running_loop()), engine_loop.engine.kv_cache
+    feed.unsubscribe = lambda: kv_cache.unsubscribe(feed)
+    await engine_loop.call(lambda _: kv_cache.subscribe(feed))
+
+    async def stream():
+        try:
+            async for message in feed.messages(shape, lambda: engine_loop.alive):
+                yield message
+        finally:  # the client went away, or the engine stopped
+            feed.unsubscribe()
+
+    return stream()
+
+
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
