@@ -10,7 +10,8 @@ it), `logit_bias` (added to a token's logit), `repetition_penalty` (a token alre
 or the output has its logit divided by it if positive, multiplied if negative),
 `frequency_penalty` (minus the penalty times the token's count in the output) and
 `presence_penalty` (minus the penalty once if it is in the output). `stop_token_ids` end a
-sequence like EOS.
+sequence like EOS. `structured` (a `StructuredOutput`: a JSON schema, a regex, a choice) masks
+every token that would leave its grammar, before all of these (`structured.py`).
 
 `temperature=0` is greedy decoding (argmax), the mode every exactness test uses. Otherwise the
 logits are divided by the temperature, cut to the k most likely tokens and then to the smallest
@@ -29,6 +30,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from minillm.structured import StructuredOutput
 
 # Temperatures below this are greedy, as in vLLM (its _SAMPLING_EPS): the distribution is then
 # argmax's to within float precision anyway, and logits / 1e-300 would overflow to inf and NaN.
@@ -64,6 +67,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) added to logits
     min_tokens: int = 0  # EOS and stop_token_ids are not drawn before this many new tokens
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the sequence as EOS does
+    structured: StructuredOutput | None = None  # the output must match this grammar (structured.py)
 
     def __post_init__(self):
         problems = [
@@ -83,6 +87,8 @@ class SamplingParams:
             problems.append("penalties, logit_bias and min_tokens apply to samples, not beams")
         if not problems and self.beam_width > 1 and (self.logprobs, self.prompt_logprobs) != (None, None):
             problems.append("logprobs are reported for samples, not beams (a beam's score is its sum)")
+        if not problems and self.structured is not None:
+            problems += self.structured_problem()
         if problems:
             raise ValueError("; ".join(problems) + ".")
 
@@ -145,6 +151,15 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, tuple) or not all(map(_is_id, self.stop_token_ids)):
             return f"stop_token_ids must be token ids (integers >= 0), got {shown_short(self.stop_token_ids)}"
         return None
+
+    def structured_problem(self) -> list[str]:
+        if not isinstance(self.structured, StructuredOutput):
+            return [f"structured must be a StructuredOutput, got {type(self.structured).__name__}"]
+        if self.beam_width > 1:
+            return ["structured output constrains samples, not beams"]
+        if self.ignore_eos:
+            return ["structured output ends at EOS when its grammar is complete: leave out ignore_eos"]
+        return []
 
     @property
     def processes_logits(self) -> bool:

@@ -38,6 +38,8 @@ class Tokenizer:
             )
         spec = json.loads((model_dir / CONFIG_FILE).read_text())
         ranks = load_tiktoken_bpe(str(model_dir / RANKS_FILE))
+        self.ranks: dict[bytes, int] = dict(ranks)  # the vocabulary's tokens (bytes -> id), as written
+        self.pattern: str = spec["pattern"]  # the pre-tokenizer's regex
         self.vocab_size: int = spec["vocab_size"]
         self.special_tokens: dict[str, int] = spec["special_tokens"]
         self.eos_token_id: int = self.special_tokens[spec["eos_token"]]
@@ -47,7 +49,7 @@ class Tokenizer:
             ranks.setdefault(bytes([byte]), self.vocab_size + byte)
         self.encoding = tiktoken.Encoding(
             name=model_dir.name,
-            pat_str=spec["pattern"],
+            pat_str=self.pattern,
             mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
         )

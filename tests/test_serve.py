@@ -17,6 +17,7 @@ import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import jsonschema
 import openai
 import pytest
 import torch
@@ -29,6 +30,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.metrics import parse_metrics
+from minillm.structured import StructuredOutput
 
 CONTEXT = 1024
 MAX_NUM_SEQS = 32
@@ -362,6 +364,32 @@ def test_chat_logprobs_and_top_logprobs(client, reference):
             client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **fields)
 
 
+def test_structured_output_through_the_openai_client_matches_its_schema(client, reference):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    messages = [{"role": "user", "content": "A person, as JSON."}]
+    answer = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=48,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}},
+    )
+    text = answer.choices[0].message.content
+    jsonschema.validate(json.loads(text), schema)
+    spec = StructuredOutput.of_schema(schema)
+    prompt = reference.engine.tokenizer.encode_chat(messages)
+    assert text == greedy(reference, prompt, 48, structured=spec).outputs[0].text
+    choice = client.completions.create(
+        model="tiny", prompt="Pick:", max_tokens=8, extra_body={"guided_choice": ["left", "right"]}
+    )
+    assert choice.choices[0].text in ("left", "right") and choice.choices[0].finish_reason == "stop"
+
+
 def test_chat_answers_with_the_chat_template(client, reference):
     messages = [
         {"role": "system", "content": "Be brief."},
@@ -536,11 +564,12 @@ BAD_COMPLETIONS = [  # (fields beside model, what the message says)
     ({"prompt": "Hello", "stop": 5}, "stop"),
     ({"prompt": "Hello", "logprobs": "two"}, "'logprobs' must be an integer"),
     ({"prompt": "Hello", "echo": "yes"}, "'echo' must be true or false"),
-    ({"prompt": "Hello", "response_format": {"type": "json_object"}}, "does not support 'response_format'"),
+    ({"prompt": "Hello", "response_format": {"type": "xml"}}, "type must be"),
+    ({"prompt": "Hello", "guided_regex": "[a-"}, "invalid regex"),  # refused by the engine's compiler
     ({"prompt": "Hello", "presence_penalty": 3}, "presence_penalty must be a number in"),
     ({"prompt": "Hello", "logit_bias": {"x": 1}}, "'logit_bias' maps token ids"),
     ({"prompt": "Hello", "logit_bias": {"99999999": 1}}, "take token ids in"),
-    ({"prompt": "Hello", "guided_json": {}}, "Unknown field 'guided_json'"),
+    ({"prompt": "Hello", "guided_json": {}, "guided_choice": ["a"]}, "one structured output"),
     ({"prompt": "Hello", "stream_options": {"include_usage": True}}, "only allowed with stream"),
     ({"prompt": "Hello", "n": MAX_NUM_SEQS + 1}, "max_num_seqs"),  # refused by the engine's admission
     ({"prompt": {"text": "Hello"}}, "'prompt' must be"),

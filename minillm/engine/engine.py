@@ -39,6 +39,7 @@ from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
 from minillm.memory.events import Step
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams, TokenLogprob, process_logits, token_logprob
+from minillm.structured import Grammars
 from minillm.tokenizer import Tokenizer
 from minillm.tracing import attach
 from minillm.weights import load_model, model_fingerprint
@@ -106,6 +107,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
         self.num_steps = 0
+        self._grammars: Grammars | None = None  # built on the first structured-output request
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -137,6 +139,8 @@ class LLMEngine:
         )
         if sampler is not None:
             seq.sampler = sampler
+        if params.structured is not None:
+            seq.grammar = self.grammars().start(params.structured)
         if arrival_time is not None:
             seq.arrival_time = arrival_time
         seq.priority = priority
@@ -146,6 +150,14 @@ class LLMEngine:
         if not self.scheduler.add(seq):
             self.rejected.append(seq)
         return request_id
+
+    def grammars(self) -> Grammars:
+        """Structured output's grammar compiler for this engine's vocabulary."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
+            self._grammars = Grammars(self.tokenizer)
+        return self._grammars
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks go back, and the engine forgets it (no output follows)."""
@@ -243,6 +255,7 @@ class LLMEngine:
                 drawn: list[int] = []  # row i is drawn after guesses[:i]: the tokens before it
 
                 def sample(row, seq=seq, guesses=item.guesses, drawn=drawn) -> int:
+                    self.constrain([seq], row.unsqueeze(0))  # its grammar moved on with each draw
                     drawn.append(self.draw(seq, row, guesses[: len(drawn)]))
                     return drawn[-1]
 
@@ -324,6 +337,7 @@ class LLMEngine:
         vocabulary) ends alone with the error: the others keep exactly the tokens they drew, each
         from its own generator, and nothing wrong reaches the next forward pass."""
         changed: dict[str, None] = {}
+        self.constrain(ready, logits)
         for seq, seq_logits in zip(ready, logits):
             if seq.status is Status.FINISHED:  # its request failed earlier in this loop
                 continue
@@ -354,14 +368,27 @@ class LLMEngine:
                 self.scheduler.finish(sample, reason)
         return True
 
+    def constrain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Structured output: logits (rows, vocab), in place, row i keeping only the tokens
+        seqs[i]'s grammar allows next; one batched mask (`structured.py`)."""
+        if any(seq.grammar is not None for seq in seqs):
+            self.grammars().mask_logits(logits, [seq.grammar for seq in seqs])
+
     def draw(self, seq: Sequence, logits: torch.Tensor, pending: list[int] = ()) -> int:
-        """`seq`'s next token from logits (vocab,): its request's penalties and bias first (its
-        tokens so far, then `pending`: guesses drawn before this row), then its sampler."""
+        """`seq`'s next token from logits (vocab,), masked by its grammar if it has one: its
+        request's penalties and bias first (its tokens so far, then `pending`: guesses drawn
+        before this row), then its sampler; the token moves its grammar on."""
         if seq.params.processes_logits:
             logits = process_logits(
                 logits, seq.params, seq.prompt_ids, [*seq.output_ids, *pending], self.eos_token_id
             )
-        return self.token_of(seq.sampler(logits))
+        grammar = seq.grammar
+        if grammar is not None and not torch.isfinite(logits).any():
+            raise ValueError("no token is left to draw: min_tokens or logit_bias bans all the grammar allows")
+        token = self.token_of(seq.sampler(logits))
+        if grammar is not None:
+            grammar.advance(token)
+        return token
 
     def token_of(self, chosen) -> int:
         """A sampler's choice, checked: a custom sampler's id outside the vocabulary would fail

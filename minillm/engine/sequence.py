@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from minillm.memory.prefix_cache import PrefixMiss
 from minillm.sampling import Sampler, SamplingParams, TokenLogprob
+from minillm.structured import GrammarState
 
 
 class Status(enum.Enum):
@@ -51,6 +52,7 @@ class Sequence:
     prefix_miss: PrefixMiss | None = None  # why its prompt's prefix-cache hit ended where it did
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if params ask
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (if asked)
+    grammar: GrammarState | None = None  # structured output: where its output is in the grammar
 
     def __post_init__(self):
         self.sampler = Sampler(self.params, self.sample_index)
@@ -113,6 +115,7 @@ class Sequence:
             output_ids=list(self.output_ids),
             logprobs=list(self.logprobs),
             prompt_logprobs=self.prompt_logprobs,  # the same prompt: shared, never changed again
+            grammar=self.grammar.fork() if self.grammar is not None else None,
             num_computed=self.num_computed,
             num_evicted=self.num_evicted,
             status=self.status,

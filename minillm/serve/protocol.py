@@ -37,6 +37,7 @@ its value cut short (`shown`), so a 20 MB prompt is not sent back. The sizes a r
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import reprlib
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from minillm.config import prompt_problem
 from minillm.sampling import MAX_LOGPROBS, SamplingParams, is_real
 from minillm.serve.limits import ServeLimits
+from minillm.structured import StructuredOutput
 
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 MAX_DEPTH = 32  # a chat is 5 levels deep (body, messages, message, content parts, part)
@@ -101,6 +103,15 @@ SHORT_REPR.maxlist = SHORT_REPR.maxdict = SHORT_REPR.maxtuple = SHORT_REPR.maxse
 
 # ----------------------------------------------------------------------------- requests
 
+# structured output, as OpenAI asks for it (response_format) and vLLM (the others, each alone)
+STRUCTURED_FIELDS = (
+    "response_format",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
 COMMON_FIELDS = (
     "model",
     "max_tokens",
@@ -121,6 +132,7 @@ COMMON_FIELDS = (
     "logit_bias",
     "min_tokens",
     "stop_token_ids",
+    *STRUCTURED_FIELDS,
 )
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
 CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
@@ -133,7 +145,6 @@ UNSUPPORTED = {
     "functions": (None, []),
     "function_call": (None, "none"),
     "parallel_tool_calls": (None, False, True),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -293,6 +304,7 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
         "stream": stream,
         "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
         "stop": parse_stop(body, limits),
+        "structured": parse_structured(body),
     }
 
 
@@ -326,6 +338,66 @@ def parse_stop_token_ids(body: dict, limits: ServeLimits) -> tuple[int, ...]:
             "stop_token_ids",
         )
     return tuple(ids)
+
+
+def parse_structured(body: dict) -> StructuredOutput | None:
+    """What the output must match, from whichever one field asks: OpenAI's response_format
+    ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema": ...}}), vLLM's
+    guided_json / guided_regex / guided_choice / guided_grammar, or its structured_outputs
+    object ({"json" | "regex" | "choice" | "grammar" | "json_object": ...})."""
+    asked = [name for name in STRUCTURED_FIELDS if body.get(name) is not None]
+    asked = [name for name in asked if not (name == "response_format" and body[name] == {"type": "text"})]
+    if len(asked) > 1:
+        raise APIError(400, f"Ask for one structured output, not {' and '.join(asked)}.", asked[1])
+    if not asked:
+        return None
+    name, value = asked[0], body[asked[0]]
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            if not isinstance(value, dict) or not value:
+                raise ValueError(f'give an object like {{"regex": "[0-9]+"}}, not {shown(value)}')
+            spec = dict(value)
+            takes = [f.name for f in dataclasses.fields(StructuredOutput)]
+            if set(spec) - set(takes):
+                raise ValueError(f"takes {', '.join(takes)}, not {shown(sorted(set(spec) - set(takes)))}")
+            if "json" in spec:
+                spec["json"] = _schema_text(spec["json"])
+            if isinstance(spec.get("choice"), list):
+                spec["choice"] = tuple(spec["choice"])
+            return StructuredOutput(**spec)
+        if name == "guided_json":
+            return StructuredOutput(json=_schema_text(value))
+        if name == "guided_choice":
+            return StructuredOutput(choice=tuple(value) if isinstance(value, list) else value)
+        return StructuredOutput(**{name.removeprefix("guided_"): value})
+    except ValueError as err:
+        raise APIError(400, f"'{name}': {err}.", name) from None
+
+
+def _response_format(value) -> StructuredOutput:
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "json_object":
+        return StructuredOutput(json_object=True)
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError('json_schema needs {"name": ..., "schema": {...}}')
+        return StructuredOutput(json=_schema_text(spec["schema"]))
+    raise ValueError(f'type must be "text", "json_object" or "json_schema", not {shown(kind or value)}')
+
+
+def _schema_text(schema) -> str:
+    """A JSON schema given as an object or as its JSON text, as JSON text."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError:
+            raise ValueError("the schema is not valid JSON") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"a JSON schema is an object, not {shown(schema)}")
+    return json.dumps(schema)
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -385,6 +457,7 @@ def make_job(
             logit_bias=common["logit_bias"],
             min_tokens=common["min_tokens"],
             stop_token_ids=common["stop_token_ids"],
+            structured=common["structured"],
         )
     except ValueError as err:
         raise APIError(400, str(err)) from None
