@@ -45,6 +45,7 @@ class Tokenizer:
         self.eos_token_id: int = self.special_tokens[spec["eos_token"]]
         self.chat_format: str | None = spec.get("chat_format")
         self.default_system_prompt: str | None = spec.get("default_system_prompt")
+        self.chat_template: str | None = spec.get("chat_template")  # Jinja, for clients that render it
         for byte in range(256):  # bytes without a token: ranks past the vocabulary, dropped by encode
             ranks.setdefault(bytes([byte]), self.vocab_size + byte)
         self.encoding = tiktoken.Encoding(
@@ -58,6 +59,12 @@ class Tokenizer:
         """Plain text to ids. Special-token strings in the text are encoded as text, never as
         control tokens: a user cannot forge `<|im_end|>` by typing it."""
         ids = self.encoding.encode_ordinary(text)
+        return [i for i in ids if i < self.vocab_size]
+
+    def encode_with_special_tokens(self, text: str) -> list[int]:
+        """Text to ids where each special-token string is that token (`<|im_end|>` -> 2), as Hugging
+        Face's tokenizers read text: for a client that renders the chat template itself."""
+        ids = self.encoding.encode(text, allowed_special="all")
         return [i for i in ids if i < self.vocab_size]
 
     def decode(self, ids: list[int]) -> str:

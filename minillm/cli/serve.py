@@ -51,7 +51,8 @@ def add_serve(subparsers) -> None:
         description=textwrap.fill(
             "Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
             '/v1/chat/completions ("stream": true sends server-sent events), GET /v1/models, /health and '
-            "/metrics (Prometheus text). One engine loop (the main thread; HTTP runs in another) batches "
+            "/metrics (Prometheus text), and the tokenizer's: POST /tokenize, /detokenize, GET "
+            "/tokenizer_info. One engine loop (the main thread; HTTP runs in another) batches "
             "every request in flight; a client that disconnects aborts its request and its KV blocks go "
             "back at once. "
             'Needs the serve extra: pip install -e ".[serve]".',

@@ -8,6 +8,8 @@
                                 rate, requests running and waiting, tokens/s, counters
     GET  /v1/kv_events          the KV cache's events as server-sent events (`kv_events.py`), for
                                 a KV-aware router or a dashboard; open like /metrics, or keyed
+    POST /tokenize, /detokenize the server's tokenizer (`tokenize.py`, vLLM's routes), keyed like
+    GET  /tokenizer_info        /v1/*: what an evaluation harness tokenizes its prompts with
 
 Every route runs on the event loop; the engine runs in a thread of its own (`engine_loop.py`). A
 request is checked before anything reaches the engine, each refusal in OpenAI's error body:
@@ -47,6 +49,7 @@ from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import metric_values, prometheus
 from minillm.serve.protocol import APIError, Job, error_body, parse_json, shown
 from minillm.serve.responses import DONE, ChoiceText, chunk, delta_choice, response_body, sse, usage
+from minillm.serve.tokenize import detokenize, tokenize, tokenizer_info
 
 METRICS_ACCESS = ("open", "keyed", "off")  # /metrics for anyone, for the API key's holders, or not at all
 
@@ -77,6 +80,7 @@ def build_app(
     keyed = [Depends(api_key_check(api_key))] if api_key else []
     _add_error_handlers(app)
     _add_completion_routes(app, engine_loop, model_name, limits, keyed)
+    _add_tokenizer_routes(app, engine_loop, model_name, limits, keyed)
     _add_status_routes(app, engine_loop, model_name, keyed, {"open": [], "keyed": keyed}.get(metrics))
     return app
 
@@ -136,6 +140,30 @@ def _add_completion_routes(
     @app.post("/v1/chat/completions", dependencies=keyed)
     async def chat_completions(request: Request):
         return await _answer(request, parse_chat, engine_loop, model_name, limits)
+
+
+def _add_tokenizer_routes(
+    app: FastAPI, engine_loop: EngineLoop, model_name: str, limits: ServeLimits, keyed: list
+) -> None:
+    """POST /tokenize and /detokenize, parsed in a worker thread like a completion; GET /tokenizer_info."""
+    engine = engine_loop.engine
+
+    @app.post("/tokenize", dependencies=keyed)
+    async def tokenize_route(request: Request):
+        raw = await read_body(request, limits)
+        args = (engine.tokenizer, model_name, engine.context_len, limits)
+        return await asyncio.to_thread(lambda: tokenize(parse_json(raw), *args))
+
+    @app.post("/detokenize", dependencies=keyed)
+    async def detokenize_route(request: Request):
+        raw = await read_body(request, limits)
+        return await asyncio.to_thread(
+            lambda: detokenize(parse_json(raw), engine.tokenizer, model_name, limits)
+        )
+
+    @app.get("/tokenizer_info", dependencies=keyed)
+    async def tokenizer_info_route():
+        return tokenizer_info(engine.tokenizer, engine.model.config.bos_token_id, engine.context_len)
 
 
 def _add_status_routes(

@@ -5,11 +5,18 @@ past `limit_concurrency` with a 503 itself, but has no deadline for a request's 
 keep-alive timer restarts on every byte, so a client that sends one byte a second (slowloris)
 holds its connection, and one of the few a server allows, for ever. `ReadTimeoutProtocol` is
 uvicorn's HTTP/1.1 protocol with that deadline; the body's is the app's (`app.read_body`).
+
+It also turns off Nagle's algorithm on every connection. asyncio does that only for a socket made
+with proto IPPROTO_TCP, and `socket.create_server` (how `minillm serve` takes its address before
+the weights load) makes proto 0: uvicorn writes a response's head and body apart, so on a
+keep-alive connection the body waited for the client's delayed ACK, 40 ms a request (an
+evaluation harness sends thousands of small ones).
 """
 
 from __future__ import annotations
 
 import functools
+import socket
 
 from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -28,6 +35,9 @@ class ReadTimeoutProtocol(H11Protocol):
         self.head_deadline = None
 
     def connection_made(self, transport) -> None:
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # see the module's docstring
         super().connection_made(transport)
         self.start_head_deadline()
 
