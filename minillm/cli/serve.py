@@ -36,8 +36,9 @@ examples:
        -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 16}'
   curl http://127.0.0.1:8000/metrics              # KV blocks per state, hit rate, queue, tokens/s
 
-Sampling defaults are the OpenAI API's (temperature 1; 0 is greedy), set per request. What minillm
-does not implement (logprobs, echo, penalties, tools, ...) gets a 400 that names it. Bodies must be
+Sampling defaults are the OpenAI API's (temperature 1; 0 is greedy), set per request. Logprobs, echo,
+penalties, logit_bias and structured output (response_format, guided_json, ...) are taken; what
+minillm does not implement (tools, functions, best_of, suffix) gets a 400 that names it. Bodies must be
 Content-Type: application/json (a web page cannot post that cross-origin without asking).
 """
 

@@ -24,7 +24,10 @@ Parameters and where they go:
     logit_bias                          is {"token id": bias}, as OpenAI sends it
     repetition_penalty, min_tokens,     vLLM's extra parameters, the SamplingParams fields
     stop_token_ids
-Anything else that changes the output (tools, response_format, ...) gets a 400 naming it;
+    response_format, guided_json,       SamplingParams.structured (`parse_structured`): the output
+    guided_regex, guided_choice,        must match a JSON schema, any JSON object, a regex, one of
+    guided_grammar, structured_outputs  the strings, a Lark grammar (`minillm/structured.py`)
+Anything else that changes the output (tools, functions, ...) gets a 400 naming it;
 an unknown field a 400 that lists the ones minillm takes.
 
 Whatever JSON a client sends gets a 4xx, never a 500: `parse_json` refuses, before any check reads
