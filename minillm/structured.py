@@ -19,8 +19,9 @@ Why llguidance and not xgrammar (both measured on SmolLM2's 49,152-token vocabul
 CPU, in README's "Structured output"):
 - llguidance has no dependencies and imports in 0.02 s.
 - xgrammar needs transformers, triton and pydantic, and imports in 2.6 s.
-- Both compile a schema in a few milliseconds and fill a mask in 5-60 us per token. At batch 16
-  that is under 1% of a decode step's time here.
+- Both compile a schema in a few milliseconds and fill a mask in 5-60 us per token. Unpacking
+  and applying the mask here costs 2.3 ms per step at batch 16, and decode ran at 0.91x the
+  unconstrained tok/s end to end (README's "Structured output").
 
 What a request may ask for (`StructuredOutput`, vLLM's `structured_outputs` / `guided_*`):
 - `json`: a JSON schema.
@@ -126,8 +127,8 @@ class Grammars:
     """Compiles requests' grammars for one vocabulary, and masks a batch of logits by them.
     Built on the first constrained request (the vocabulary index takes ~0.2 s)."""
 
-    def __init__(self, tokenizer):
-        self.vocab_size = tokenizer.vocab_size
+    def __init__(self, tokenizer, vocab_size: int):
+        self.vocab_size = vocab_size  # the model's logits width (a vocabulary may be padded past the tokens)
         self._tokenizer = llguidance.LLTokenizer.from_tiktoken(
             encoder=tokenizer.ranks,
             special_tokens=tokenizer.special_tokens,
@@ -146,18 +147,17 @@ class Grammars:
         return GrammarState(matcher)
 
     def mask_logits(self, logits: torch.Tensor, states: list[GrammarState | None]) -> None:
-        """logits (rows, vocab), in place: row i keeps only the tokens states[i] allows (a row
-        whose state is None is left alone; a complete grammar allows EOS alone). One bitmask for
-        all rows, filled in parallel."""
-        rows = [i for i, state in enumerate(states) if state is not None]
-        if not rows:
+        """logits (rows, vocab_size), in place: row i keeps only the tokens states[i] allows (a
+        row whose state is None keeps all; a complete grammar allows EOS alone). One bitmask for
+        all rows, filled in parallel, applied by one masked_fill_."""
+        constrained = [(state.matcher, row) for row, state in enumerate(states) if state is not None]
+        if not constrained:
             return
-        bitmask = llguidance.torch.allocate_token_bitmask(len(rows), self.vocab_size)  # (rows, words) int32
-        matchers = [(states[i].matcher, k) for k, i in enumerate(rows)]
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
-        allowed = unpack_bits(bitmask, logits.shape[-1])  # (rows, vocab) bool
-        index = torch.tensor(rows)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        bitmask = llguidance.torch.allocate_token_bitmask(
+            len(states), self.vocab_size
+        )  # (rows, words), all set
+        llguidance.torch.fill_next_token_bitmask_par(self._executor, constrained, bitmask)
+        logits.masked_fill_(~unpack_bits(bitmask, self.vocab_size), float("-inf"))
 
 
 def one_line(message: str, most: int = 300) -> str:
@@ -166,12 +166,11 @@ def one_line(message: str, most: int = 300) -> str:
     return text if len(text) <= most else text[: most - 3] + "..."
 
 
+BIT_VALUES = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
 def unpack_bits(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """(rows, words) int32, bit b of word w for token 32 * w + b -> (rows, vocab_size) bool; a
-    token past the mask (a model's padded vocabulary) is not allowed."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1).bool()  # (rows, words * 32)
-    allowed = torch.zeros(bitmask.shape[0], vocab_size, dtype=torch.bool)
-    width = min(vocab_size, bits.shape[1])
-    allowed[:, :width] = bits[:, :width]
-    return allowed
+    """(rows, words) int32, bit b of word w for token 32 * w + b -> (rows, vocab_size) bool.
+    Read as little-endian bytes, bit b of byte k is token 8 * k + b."""
+    as_bytes = bitmask.view(torch.uint8)  # (rows, 4 * words)
+    return (as_bytes.unsqueeze(-1) & BIT_VALUES).ne(0).flatten(1)[:, :vocab_size]

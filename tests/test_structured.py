@@ -228,7 +228,13 @@ def test_unpacked_bits_are_the_librarys_mask(model_dir, llm):
     llguidance.torch.fill_next_token_bitmask(state.matcher, bitmask, 0)
     bias = torch.frombuffer(bytearray(state.matcher.compute_logit_bias()), dtype=torch.uint8)
     assert torch.equal(unpack_bits(bitmask, grammars.vocab_size)[0], bias[: grammars.vocab_size] > 0)
-    assert unpack_bits(bitmask, grammars.vocab_size + 5)[0, grammars.vocab_size :].sum() == 0
+    padded = Grammars(
+        llm.engine.tokenizer, grammars.vocab_size + 64
+    )  # a model's vocabulary padded past the tokens
+    logits = torch.zeros(2, padded.vocab_size)
+    padded.mask_logits(logits, [padded.start(StructuredOutput(regex="[a-z]+")), None])
+    assert torch.isinf(logits[0, grammars.vocab_size :]).all() and torch.isfinite(logits[0]).any()
+    assert torch.isfinite(logits[1]).all(), "a row without a grammar keeps every token"
 
 
 def test_a_grammar_that_cannot_compile_fails_its_request_alone_in_one_line(llm):

@@ -156,7 +156,7 @@ class LLMEngine:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
-            self._grammars = Grammars(self.tokenizer)
+            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
         return self._grammars
 
     def abort(self, request_id: str) -> None:
@@ -383,7 +383,7 @@ class LLMEngine:
                 logits, seq.params, seq.prompt_ids, [*seq.output_ids, *pending], self.eos_token_id
             )
         grammar = seq.grammar
-        if grammar is not None and not torch.isfinite(logits).any():
+        if grammar is not None and seq.params.processes_logits and not torch.isfinite(logits).any():
             raise ValueError("no token is left to draw: min_tokens or logit_bias bans all the grammar allows")
         token = self.token_of(seq.sampler(logits))
         if grammar is not None:

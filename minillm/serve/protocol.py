@@ -354,29 +354,29 @@ def parse_structured(body: dict) -> StructuredOutput | None:
         raise APIError(400, f"Ask for one structured output, not {' and '.join(asked)}.", asked[1])
     if not asked:
         return None
-    name, value = asked[0], body[asked[0]]
+    name = asked[0]
     try:
-        if name == "response_format":
-            return _response_format(value)
-        if name == "structured_outputs":
-            if not isinstance(value, dict) or not value:
-                raise ValueError(f'give an object like {{"regex": "[0-9]+"}}, not {shown(value)}')
-            spec = dict(value)
-            takes = [f.name for f in dataclasses.fields(StructuredOutput)]
-            if set(spec) - set(takes):
-                raise ValueError(f"takes {', '.join(takes)}, not {shown(sorted(set(spec) - set(takes)))}")
-            if "json" in spec:
-                spec["json"] = _schema_text(spec["json"])
-            if isinstance(spec.get("choice"), list):
-                spec["choice"] = tuple(spec["choice"])
-            return StructuredOutput(**spec)
-        if name == "guided_json":
-            return StructuredOutput(json=_schema_text(value))
-        if name == "guided_choice":
-            return StructuredOutput(choice=tuple(value) if isinstance(value, list) else value)
-        return StructuredOutput(**{name.removeprefix("guided_"): value})
+        return _response_format(body[name]) if name == "response_format" else _structured(name, body[name])
     except ValueError as err:
         raise APIError(400, f"'{name}': {err}.", name) from None
+
+
+def _structured(name: str, value) -> StructuredOutput:
+    """vLLM's guided_<kind>: value, or structured_outputs: {kind: value}; a schema may be JSON
+    text or an object, choices come as a JSON list."""
+    if name != "structured_outputs":
+        value = {name.removeprefix("guided_"): value}
+    elif not isinstance(value, dict) or not value:
+        raise ValueError(f'give an object like {{"regex": "[0-9]+"}}, not {shown(value)}')
+    takes = [f.name for f in dataclasses.fields(StructuredOutput)]
+    if set(value) - set(takes):
+        raise ValueError(f"takes {', '.join(takes)}, not {shown(sorted(set(value) - set(takes)))}")
+    spec = dict(value)
+    if "json" in spec:
+        spec["json"] = _schema_text(spec["json"])
+    if isinstance(spec.get("choice"), list):
+        spec["choice"] = tuple(spec["choice"])
+    return StructuredOutput(**spec)
 
 
 def _response_format(value) -> StructuredOutput:
