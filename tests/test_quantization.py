@@ -305,18 +305,20 @@ def test_eviction_through_a_quantized_pool_costs_what_quantizing_costs(
 
 
 # Bounds per format over 159 teacher-forced positions of real text (the start of Alice), next to
-# what was measured there (AMD EPYC, fp32 weights): max |logit error| (logits span about 30), mean
+# what was measured there (fp32 weights): max |logit error| (logits span about 30), mean
 # KL(full || quantized) and max KL(full || quantized) in nats per position, share of positions
-# whose argmax is unchanged. Headroom: the logit error x1.35, the mean KL x2.5, the max KL x1.7,
-# each rounded up to two significant digits; the argmax share 0.03 lower (5 positions), rounded down.
-#  format  key scales  bounds: error, mean KL, max KL, argmax     measured
+# whose argmax is unchanged. The max KL is one position's and moves with the machine's fp32
+# rounding (fp8 channel: 0.0115 and 0.0181 on two AMD EPYCs, 0.0310 in a CI run); the rest moves
+# by a few percent. Headroom: the logit error x1.35, the mean KL x2.5, the max KL x2 over the
+# largest seen, each rounded up to two significant digits; the argmax share 0.03 lower (5
+# positions), rounded down.
 KL_BOUNDS = [
-    ("int8", "channel", 0.38, 0.00021, 0.002, 0.96),  # 0.276, 0.000082, 0.00112, 0.994
-    ("int8", "token", 0.93, 0.0013, 0.011, 0.97),  # 0.687, 0.000515, 0.00595, 1.000
-    ("fp8", "channel", 1.7, 0.0047, 0.031, 0.93),  # 1.21, 0.00186, 0.0181, 0.962
-    ("fp8", "token", 8.0, 0.073, 2.0, 0.85),  # 5.87, 0.0292, 1.14, 0.881
-    ("int4", "channel", 4.7, 0.049, 0.32, 0.85),  # 3.48, 0.0196, 0.187, 0.887
-    ("int4", "token", 13.0, 0.46, 4.2, 0.66),  # 9.2, 0.184, 2.43, 0.692
+    ("int8", "channel", 0.38, 0.00021, 0.0023, 0.96),  # 0.276, 0.000082, 0.00112, 0.994
+    ("int8", "token", 0.93, 0.0013, 0.012, 0.97),  # 0.687, 0.000515, 0.00595, 1.000
+    ("fp8", "channel", 1.7, 0.0047, 0.062, 0.93),  # 1.21, 0.00186, 0.0310, 0.962
+    ("fp8", "token", 8.0, 0.073, 2.3, 0.85),  # 5.87, 0.0292, 1.14, 0.881
+    ("int4", "channel", 4.7, 0.049, 0.38, 0.85),  # 3.48, 0.0196, 0.187, 0.887
+    ("int4", "token", 13.0, 0.46, 4.9, 0.66),  # 9.2, 0.184, 2.43, 0.692
 ]
 
 
