@@ -37,7 +37,19 @@ class AttentionContext(Protocol):
         and returns (N, num_heads, head_dim)."""
 
 
-ONEDNN = torch.backends.mkldnn.is_available()  # asked once: every product of a step asks onednn_packs
+def _onednn_packs_bf16() -> bool:
+    """Whether this CPU's oneDNN packs bf16 weights: it needs avx512bw/vl/dq or avx_ne_convert, so
+    an AVX2-only CPU (an AMD EPYC here had neither) refuses, and its products take F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
+ONEDNN = _onednn_packs_bf16()  # asked once: every product of a step asks onednn_packs
 
 
 def onednn_packs(weight: torch.Tensor) -> bool:

@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from minillm.decoding import generate
 from minillm.decoding.naive import NaiveDecoder
 from minillm.engine import LLM, SamplingParams
-from minillm.model import DENSE_MAX_ROWS, Linear, RMSNorm, apply_rope, dense_kernel, onednn_packs
+from minillm.model import DENSE_MAX_ROWS, ONEDNN, Linear, RMSNorm, apply_rope, dense_kernel, onednn_packs
 from minillm.weights import load_model
 
 needs_onednn = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
+    not ONEDNN, reason="this CPU's oneDNN packs no bf16 (it needs avx512bw/vl/dq or avx_ne_convert)"
 )
 
 
