@@ -339,8 +339,79 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_evaluation_harness_asks(clie
     )
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
-    with pytest.raises(openai.BadRequestError, match="not yet echo the prompt in a stream"):
-        client.completions.create(model="tiny", prompt=prompt, max_tokens=1, echo=True, stream=True)
+
+
+def streamed_choices(chunks, chat: bool) -> dict[int, dict]:
+    """Each choice's text and logprobs put back together from a stream's chunks, in the body's
+    shape: completions' parallel lists joined, chat's content lists joined."""
+    joined: dict[int, dict] = {}
+    for c in chunks:
+        for choice in c.choices:
+            got = joined.setdefault(choice.index, {"text": "", "logprobs": None, "finish_reason": None})
+            got["text"] += (choice.delta.content or "") if chat else choice.text
+            got["finish_reason"] = choice.finish_reason or got["finish_reason"]
+            if choice.logprobs is not None:
+                part = choice.logprobs.model_dump()
+                if got["logprobs"] is None:
+                    got["logprobs"] = part
+                else:
+                    for key, values in part.items():
+                        if isinstance(values, list):  # chat's refusal is None throughout
+                            got["logprobs"][key] += values
+    return joined
+
+
+def whole_choices(answer, chat: bool) -> dict[int, dict]:
+    return {
+        c.index: {
+            "text": c.message.content if chat else c.text,
+            "logprobs": c.logprobs.model_dump() if c.logprobs is not None else None,
+            "finish_reason": c.finish_reason,
+        }
+        for c in answer.choices
+    }
+
+
+def same_answer(a, b) -> bool:
+    """Equal, log-probabilities within 1e-5 (two runs may batch a request with different others)."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= 1e-5
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_answer(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(map(same_answer, a, b))
+    return a == b
+
+
+def test_a_stream_carries_the_logprobs_and_echo_of_the_whole_answer(client, reference):
+    """Streamed, each chunk carries the logprobs of the tokens since its choice's last chunk, and
+    with echo a choice's first chunk starts with its prompt: the chunks joined equal the answer
+    sent in one body, token for token, offsets counted across chunks; through n samples, a batch
+    of prompts and a stop string (tokens whose text is held back go with the next chunk)."""
+    full = greedy(reference, PROMPTS[2], 40, ignore_eos=True).text
+    at = max(k for k in range(1, len(full) - 3) if full.find(full[k : k + 3]) == k)
+    requests = [
+        dict(prompt=PROMPTS[0], max_tokens=20, temperature=0, logprobs=3),
+        dict(prompt=[PROMPTS[1], PROMPTS[4]], max_tokens=12, temperature=1.0, n=2, seed=3, logprobs=1),
+        dict(prompt=PROMPTS[2], max_tokens=40, temperature=0, logprobs=2, stop=full[at : at + 3]),
+        dict(prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=1, echo=True),
+        dict(prompt=[PROMPTS[3], PROMPTS[5]], max_tokens=4, temperature=0, echo=True),
+    ]
+    for fields in requests:
+        extra = {"ignore_eos": True}
+        whole = whole_choices(client.completions.create(model="tiny", extra_body=extra, **fields), chat=False)
+        chunks = list(client.completions.create(model="tiny", stream=True, extra_body=extra, **fields))
+        assert len(chunks) > len(whole)  # it really streamed
+        assert same_answer(streamed_choices(chunks, chat=False), whole)
+    assert whole[0]["text"].startswith(PROMPTS[3]) and whole[1]["text"].startswith(PROMPTS[5])
+
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    for fields in (dict(temperature=0), dict(temperature=1.0, seed=5, n=2)):
+        asked = dict(model="tiny", messages=messages, max_tokens=16, logprobs=True, top_logprobs=2, **fields)
+        whole = whole_choices(client.chat.completions.create(**asked), chat=True)
+        chunks = list(client.chat.completions.create(stream=True, **asked))
+        assert same_answer(streamed_choices(chunks, chat=True), whole)
+        assert len(whole[0]["logprobs"]["content"]) == 16
 
 
 def test_chat_logprobs_and_top_logprobs(client, reference):
@@ -356,12 +427,8 @@ def test_chat_logprobs_and_top_logprobs(client, reference):
     assert bytes(content[0].bytes).decode(errors="replace") == content[0].token
     plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, temperature=0)
     assert plain.choices[0].logprobs is None
-    for fields, message in (
-        ({"top_logprobs": 2}, "needs 'logprobs': true"),
-        ({"logprobs": True, "stream": True}, "not yet send logprobs in a stream"),
-    ):
-        with pytest.raises(openai.BadRequestError, match=message):
-            client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, **fields)
+    with pytest.raises(openai.BadRequestError, match="needs 'logprobs': true"):
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
 
 
 def test_structured_output_through_the_openai_client_matches_its_schema(client, reference):

@@ -48,7 +48,16 @@ from minillm.serve.kv_events import FORMATS, event_stream
 from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import metric_values, prometheus
 from minillm.serve.protocol import APIError, Job, error_body, parse_json, shown
-from minillm.serve.responses import DONE, ChoiceText, chunk, delta_choice, response_body, sse, usage
+from minillm.serve.responses import (
+    DONE,
+    ChoiceText,
+    LogprobsWriter,
+    chunk,
+    delta_choice,
+    response_body,
+    sse,
+    usage,
+)
 from minillm.serve.tokenize import detokenize, tokenize, tokenizer_info
 
 METRICS_ACCESS = ("open", "keyed", "off")  # /metrics for anyone, for the API key's holders, or not at all
@@ -330,6 +339,8 @@ class Answer:
             for prompt in job.prompts
             for _ in range(n)
         ]
+        scored = job.params.logprobs is not None
+        self.writers = [LogprobsWriter(job, engine.tokenizer) if scored else None for _ in self.choices]
 
     def update(self, index: int, out) -> list[tuple[int, str, bool]]:
         """Feed prompt `index`'s output to its choices; (choice, new text, just finished) for each
@@ -353,6 +364,11 @@ class Answer:
             self.submission.abort(index, "stop")
         return changed
 
+    def logprobs(self, index: int) -> dict | None:
+        """Choice `index`'s logprobs since they were last taken, when the request asked."""
+        writer = self.writers[index]
+        return writer.take(self.choices[index]) if writer is not None else None
+
     def usage(self) -> dict:
         return usage(sum(map(len, self.job.prompts)), sum(c.num_tokens for c in self.choices))
 
@@ -369,19 +385,28 @@ class Answer:
             self.submission.close("stop")
         if any(not c.done for c in self.choices):  # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(response_body(self.job, self.choices, self.usage()))
+        logprobs = [self.logprobs(i) for i in range(len(self.choices))]
+        return JSONResponse(response_body(self.job, self.choices, logprobs, self.usage()))
 
     async def events(self, request: Request):
-        """The stream: one chunk per choice that changed, [DONE] last. An engine failure after the
-        stream has begun arrives as an error event (vLLM's way), then [DONE]."""
+        """The stream: one chunk per choice that changed, [DONE] last; with echo, a choice's first
+        chunk starts with its prompt. An engine failure after the stream has begun arrives as an
+        error event (vLLM's way), then [DONE]."""
         job, watcher = self.job, asyncio.create_task(watch_disconnect(request, self.submission))
+        echoed = set()  # choices whose prompt has been sent
         try:
             if job.kind == "chat":
                 for i in range(len(self.choices)):
                     yield chunk(job, [delta_choice(job, i, "", first=True)])
             async for index, out in self.submission.outputs():
                 for i, text, finished in self.update(index, out):
-                    yield chunk(job, [delta_choice(job, i, text, self.choices[i] if finished else None)])
+                    choice = self.choices[i]
+                    if job.echo and i not in echoed:
+                        text = choice.prompt_text + text
+                        echoed.add(i)
+                    yield chunk(
+                        job, [delta_choice(job, i, text, self.logprobs(i), choice if finished else None)]
+                    )
             if job.include_usage:
                 yield chunk(job, [], self.usage())
             yield DONE

@@ -40,10 +40,6 @@ def parse_completion(
     ids = _completion_prompts(body.get("prompt"), tokenizer, limits)
     common = parse_common(body, 16, limits, chat=False)
     echo = typed(body, "echo", bool, False, "true or false")
-    if echo and common["stream"]:
-        raise APIError(
-            400, "minillm does not yet echo the prompt in a stream; leave out stream or echo.", "echo"
-        )
     job = make_job("completion", model, ids, common, context_len, vocab_size, limits)
     if echo:  # with logprobs, the prompt's tokens are scored too (every one computed: no prefix hit)
         job.echo = True

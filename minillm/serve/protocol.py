@@ -17,9 +17,9 @@ Parameters and where they go:
                                         request aborted once every choice has stopped
     stream, stream_options              server-sent events; include_usage adds a last chunk of usage
     logprobs (completions: 0-20)        SamplingParams.logprobs: each new token's log-probability and
-    logprobs + top_logprobs (chat)      the k most likely (not yet with stream: true)
+    logprobs + top_logprobs (chat)      the k most likely; a stream's chunk carries its new tokens'
     echo (completions)                  the prompt first: its text, and with logprobs its tokens'
-                                        (SamplingParams.prompt_logprobs; not yet with stream: true)
+                                        (SamplingParams.prompt_logprobs); a stream's first chunk
     presence_penalty, frequency_penalty SamplingParams fields of the same names (OpenAI's); logit_bias
     logit_bias                          is {"token id": bias}, as OpenAI sends it
     repetition_penalty, min_tokens,     vLLM's extra parameters, the SamplingParams fields
@@ -285,10 +285,6 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
     if body.get("max_completion_tokens") is not None:
         max_tokens = typed(body, "max_completion_tokens", int, None, "an integer >= 1")
     logprobs = parse_logprobs(body, chat)
-    if logprobs is not None and stream:
-        raise APIError(
-            400, "minillm does not yet send logprobs in a stream; leave out stream or logprobs.", "logprobs"
-        )
     return {
         "logprobs": logprobs,
         "presence_penalty": typed(body, "presence_penalty", float, 0.0, "a number in [-2, 2]"),

@@ -47,6 +47,10 @@ class ChoiceText:
         self.stop_reason: str | None = None
 
     @property
+    def prompt_text(self) -> str:
+        return self.tokenizer.decode(self.prompt_ids)
+
+    @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
@@ -95,82 +99,86 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def logprobs_body(job: Job, choice: ChoiceText) -> dict | None:
-    """The choice's logprobs in the endpoint's shape (OpenAI's): for completions the parallel
-    lists tokens, token_logprobs, top_logprobs ({token: logprob}) and text_offset (where each
-    token's text starts in the choice's text); for chat a list of {token, logprob, bytes,
+class LogprobsWriter:
+    """One choice's logprobs in the endpoint's shape (OpenAI's), a few tokens at a time: each
+    `take` writes the tokens the choice took since the last (the prompt's first, with echo), so a
+    stream's chunks together hold what one body holds. For completions, the parallel lists tokens,
+    token_logprobs, top_logprobs ({token: logprob}) and text_offset (where each token's text starts
+    in the choice's text, counted across takes); for chat, a list of {token, logprob, bytes,
     top_logprobs}. Every token the choice took is there, its EOS and a stop string's too."""
-    if job.params.logprobs is None:
-        return None
-    tokenizer = choice.tokenizer
 
-    def text(token_id: int) -> str:
-        return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+    def __init__(self, job: Job, tokenizer: Tokenizer):
+        self.job, self.tokenizer = job, tokenizer
+        self.written = 0  # of the choice's tokens
+        self.prompt_written = not job.echo
+        self.decoder, self.length = tokenizer.stream_decoder(), 0  # text_offset's running count
+        self.hidden = {tokenizer.eos_token_id, *job.params.stop_token_ids}  # never text (ChoiceText)
 
-    if job.kind == "chat":
+    def take(self, choice: ChoiceText) -> dict:
+        ids = [lp.token_id for lp in choice.logprobs[self.written :]]
+        entries: list[TokenLogprob | None] = list(choice.logprobs[self.written :])
+        self.written = len(choice.logprobs)
+        if not self.prompt_written:  # the prompt's tokens first; its first has no log-probability
+            ids, entries = choice.prompt_ids + ids, list(choice.prompt_logprobs) + entries
+            self.prompt_written = True
+        if self.job.kind == "chat":
+            return {"content": [self._chat_entry(lp) for lp in entries]}
         return {
-            "content": [
-                {
-                    "token": text(lp.token_id),
-                    "logprob": lp.logprob,
-                    "bytes": list(tokenizer.token_bytes(lp.token_id)),
-                    "top_logprobs": [
-                        {"token": text(t), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
-                        for t, v in lp.top
-                    ],
-                }
-                for lp in choice.logprobs
-            ]
+            "tokens": [self._text(token_id) for token_id in ids],
+            "token_logprobs": [lp.logprob if lp else None for lp in entries],
+            "top_logprobs": [{self._text(t): v for t, v in lp.top} if lp else None for lp in entries],
+            "text_offset": [self._offset(token_id) for token_id in ids],
         }
-    ids = [lp.token_id for lp in choice.logprobs]
-    entries: list[TokenLogprob | None] = list(choice.logprobs)
-    if job.echo:  # the prompt's tokens first; its first has no log-probability
-        ids, entries = choice.prompt_ids + ids, list(choice.prompt_logprobs) + entries
-    offsets, decoder, length = [], tokenizer.stream_decoder(), 0
-    hidden = {tokenizer.eos_token_id, *job.params.stop_token_ids}  # never text (ChoiceText)
-    for token_id in ids:
-        offsets.append(length)
-        if token_id not in hidden:
-            length += len(decoder.feed(token_id))
-    return {
-        "tokens": [text(token_id) for token_id in ids],
-        "token_logprobs": [lp.logprob if lp else None for lp in entries],
-        "top_logprobs": [{text(t): v for t, v in lp.top} if lp else None for lp in entries],
-        "text_offset": offsets,
-    }
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _chat_entry(self, lp: TokenLogprob) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            token_bytes = self.tokenizer.token_bytes(token_id)
+            return {"token": self._text(token_id), "logprob": logprob, "bytes": list(token_bytes)}
+
+        return {**item(lp.token_id, lp.logprob), "top_logprobs": [item(t, v) for t, v in lp.top]}
+
+    def _offset(self, token_id: int) -> int:
+        """Where this token's text starts; the next token's starts after it."""
+        offset = self.length
+        if token_id not in self.hidden:
+            self.length += len(self.decoder.feed(token_id))
+        return offset
 
 
 def choice_text(job: Job, choice: ChoiceText) -> str:
     """The choice's text, after the prompt's with echo."""
-    return (choice.tokenizer.decode(choice.prompt_ids) if job.echo else "") + choice.text
+    return (choice.prompt_text if job.echo else "") + choice.text
 
 
-def choice_body(job: Job, index: int, choice: ChoiceText) -> dict:
+def choice_body(job: Job, index: int, choice: ChoiceText, logprobs: dict | None) -> dict:
     if job.kind == "chat":
         return {
             "index": index,
             "message": {"role": "assistant", "content": choice.text},
-            "logprobs": logprobs_body(job, choice),
+            "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
     return {
         "index": index,
         "text": choice_text(job, choice),
-        "logprobs": logprobs_body(job, choice),
+        "logprobs": logprobs,
         "finish_reason": choice.finish_reason,
         "stop_reason": choice.stop_reason,
     }
 
 
-def response_body(job: Job, choices: list[ChoiceText], usage_: dict) -> dict:
-    """The whole answer of a request that did not stream."""
+def response_body(job: Job, choices: list[ChoiceText], logprobs: list[dict | None], usage_: dict) -> dict:
+    """The whole answer of a request that did not stream; `logprobs` holds each choice's."""
     return {
         "id": job.id,
         "object": "chat.completion" if job.kind == "chat" else "text_completion",
         "created": job.created,
         "model": job.model,
-        "choices": [choice_body(job, i, c) for i, c in enumerate(choices)],
+        "choices": [choice_body(job, i, c, lp) for i, (c, lp) in enumerate(zip(choices, logprobs))],
         "usage": usage_,
     }
 
@@ -190,9 +198,15 @@ def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> str:
 
 
 def delta_choice(
-    job: Job, index: int, text: str, choice: ChoiceText | None = None, first: bool = False
+    job: Job,
+    index: int,
+    text: str,
+    logprobs: dict | None = None,
+    choice: ChoiceText | None = None,
+    first: bool = False,
 ) -> dict:
-    """A stream chunk's choice: new text, and the finish reason on the choice's last chunk."""
+    """A stream chunk's choice: new text, the logprobs of the tokens taken since the choice's last
+    chunk, and the finish reason on the choice's last chunk."""
     finish = choice.finish_reason if choice is not None else None
     stop_reason = choice.stop_reason if choice is not None else None
     if job.kind == "chat":
@@ -204,14 +218,14 @@ def delta_choice(
         return {
             "index": index,
             "delta": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
             "stop_reason": stop_reason,
         }
     return {
         "index": index,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish,
         "stop_reason": stop_reason,
     }
