@@ -311,6 +311,25 @@ def test_bench_speculative_json_counts_and_ratios_agree(capsys, vocab_dir):
     assert guessed > 0
 
 
+def test_bench_structured_json_sides_and_mask_agree(capsys, vocab_dir):
+    report = run_json(
+        capsys,
+        *("bench", "structured", "--json", "--batch", 3, "--max-tokens", 8, "--repeats", 2),
+        *("--model", vocab_dir),
+    )
+    sides = report["sides"]
+    assert list(sides) == ["free", "regex", "json"] and report["batch"] == 3
+    assert sides["free"]["tokens_per_sequence"] == sides["regex"]["tokens_per_sequence"] == 8  # same work
+    assert 1 <= sides["json"]["tokens_per_sequence"] <= 8
+    for side in sides.values():
+        low, high = side["decode_tok_s_range"]
+        assert 0 < low <= side["decode_tok_s"] <= high and side["ratio"] > 0
+    assert sides["free"]["ratio"] == 1 and sides["free"]["mask_ms"] is None
+    for name in ("regex", "json"):
+        assert 0 < sides[name]["mask_ms"] <= sides[name]["mask_max_ms"]
+    assert report["free_step_ms"] == approx(1e3 * 3 / sides["free"]["decode_tok_s"])
+
+
 def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir):
     report = run_json(
         capsys,

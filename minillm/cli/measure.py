@@ -1,4 +1,5 @@
-"""The commands that measure: `minillm bench decode|speculative|attention|chat-view` (speed), and
+"""The commands that measure: `minillm bench decode|speculative|structured|attention|chat-view`
+(speed), and
 `minillm bench all` (every benchmark, written to files); the engine serving many requests, `bench
 serve|serve-http|prefix`, is `measure_serving.py`; what the memory system's choices cost, `bench
 tiers|memory` and `eval ppl`, is `measure_memory.py`; the serving staircase, `bench staircase`,
@@ -30,6 +31,7 @@ def add_bench(subparsers) -> None:
     for add_command in (
         add_bench_decode,
         add_bench_speculative,
+        add_bench_structured,
         add_bench_serve,
         add_bench_serve_http,
         add_bench_prefix,
@@ -153,6 +155,44 @@ def cmd_bench_speculative(args) -> None:
             prompt_lookup_max=args.prompt_lookup_max,
         ),
         print_speculative_report,
+        args.json,
+    )
+
+
+# ----------------------------------------------------------------------------- bench structured
+
+
+def add_bench_structured(benches) -> None:
+    structured = benches.add_parser(
+        "structured",
+        help="decode with and without a grammar (regex, JSON schema): what the mask costs a step",
+        description="A batch of chat prompts decoded greedily, interleaved: free, constrained to "
+        "a regex that cannot end before max_tokens (the same tokens' work plus the mask), and to a "
+        "small JSON schema. Decode tok/s once every sequence has its first token, the ratio to "
+        "free (median over runs, min-max), and the mask alone (Grammars.mask_logits) per step.",
+    )
+    structured.add_argument(
+        "--batch", type=positive_int, default=16, help="sequences decoded at once (default: 16)"
+    )
+    structured.add_argument(
+        "--max-tokens", type=positive_int, default=64, help="new tokens per sequence at most (default: 64)"
+    )
+    structured.add_argument(
+        "--repeats", type=positive_int, default=3, help="interleaved runs of each side (default: 3)"
+    )
+    structured.add_argument("--json", action="store_true", help="print one JSON object")
+    add_model_args(structured)
+    structured.set_defaults(func=cmd_bench_structured)
+
+
+def cmd_bench_structured(args) -> None:
+    from minillm.benchmarks.structured import bench_structured, print_structured_report
+
+    show(
+        bench_structured(
+            args.model, dtype=args.dtype, batch=args.batch, max_tokens=args.max_tokens, repeats=args.repeats
+        ),
+        print_structured_report,
         args.json,
     )
 
