@@ -235,11 +235,13 @@ def process_logits(
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """A chosen token's log-probability, and the most likely tokens' (most likely first)."""
+    """A chosen token's log-probability, its rank in the vocabulary (1: the most likely), and the
+    most likely tokens' (most likely first)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
+    rank: int
 
 
 def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob:
@@ -247,7 +249,8 @@ def token_logprob(logits: torch.Tensor, token_id: int, top: int) -> TokenLogprob
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # (vocab_size,)
     best = torch.topk(logprobs, min(top, logprobs.numel())) if top else None
     pairs = tuple(zip(best.indices.tolist(), best.values.tolist())) if best is not None else ()
-    return TokenLogprob(token_id, float(logprobs[token_id]), pairs)
+    chosen = logprobs[token_id]
+    return TokenLogprob(token_id, float(chosen), pairs, int((logprobs > chosen).sum()) + 1)
 
 
 class Sampler:

@@ -19,9 +19,10 @@ Why llguidance and not xgrammar (both measured on SmolLM2's 49,152-token vocabul
 CPU, in README's "Structured output"):
 - llguidance has no dependencies and imports in 0.02 s.
 - xgrammar needs transformers, triton and pydantic, and imports in 2.6 s.
-- Both compile a schema in a few milliseconds and fill a mask in 5-60 us per token. Unpacking
-  and applying the mask here costs 2.3 ms per step at batch 16, and decode ran at 0.91x the
-  unconstrained tok/s end to end (README's "Structured output").
+- Both compile a schema in a few milliseconds and fill a mask in 5-60 us per token. The whole
+  mask (fill, unpack, apply) costs 2-12 ms per step at batch 16 depending on the CPU, and decode
+  under a grammar ran at 0.98x the unconstrained tok/s (`minillm bench structured`, README's
+  "Structured output").
 
 What a request may ask for (`StructuredOutput`, vLLM's `structured_outputs` / `guided_*`):
 - `json`: a JSON schema.

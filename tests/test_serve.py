@@ -341,6 +341,46 @@ def test_echo_with_logprobs_scores_the_prompt_as_an_evaluation_harness_asks(clie
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
 
 
+def test_prompt_logprobs_are_llm_generates_in_vllms_shape(client, reference):
+    """vLLM's prompt_logprobs: per prompt token after the first, {id: {logprob, rank,
+    decoded_token}} for the token and the k most likely; a completion's in each choice, a chat's in
+    the response; not in a stream (as vLLM)."""
+    tokenizer = reference.engine.tokenizer
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    for chat, prompt in ((False, PROMPTS[1]), (True, tokenizer.encode_chat(messages))):
+        if chat:
+            answer = client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=2,
+                temperature=0,
+                extra_body={"prompt_logprobs": 2},
+            )
+            got = answer.model_extra["prompt_logprobs"]
+        else:
+            answer = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2}
+            )
+            got = answer.choices[0].model_extra["prompt_logprobs"]
+        expected = greedy(reference, prompt, 2, prompt_logprobs=2).prompt_logprobs
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        assert got[0] is None and len(got) == len(expected) == len(ids)
+        for token_id, entries, want in zip(ids[1:], got[1:], expected[1:]):
+            chosen = entries[str(token_id)]
+            assert chosen["logprob"] == pytest.approx(want.logprob, abs=1e-5)
+            assert chosen["decoded_token"] == tokenizer.decode([token_id])
+            top = [int(t) for t, _ in want.top]
+            assert chosen["rank"] == top.index(token_id) + 1 if token_id in top else chosen["rank"] > 2
+            assert {int(t) for t in entries} == {token_id, *top}
+            assert [entries[str(t)]["rank"] for t in top] == [1, 2]
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs is not sent in a stream"):
+        client.completions.create(
+            model="tiny", prompt=PROMPTS[0], stream=True, extra_body={"prompt_logprobs": 1}
+        )
+    plain = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=1)
+    assert plain.choices[0].model_extra["prompt_logprobs"] is None
+
+
 def streamed_choices(chunks, chat: bool) -> dict[int, dict]:
     """Each choice's text and logprobs put back together from a stream's chunks, in the body's
     shape: completions' parallel lists joined, chat's content lists joined."""

@@ -356,8 +356,7 @@ class Answer:
             text = choice.update(tokens, out.finish_reason if out.finished else None)
             if out.logprobs is not None and j < len(out.logprobs):
                 choice.logprobs = out.logprobs[j][: choice.num_tokens]
-            if self.job.echo:
-                choice.prompt_ids, choice.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
+            choice.prompt_ids, choice.prompt_logprobs = out.prompt_token_ids, out.prompt_logprobs or []
             if text or choice.done:
                 changed.append((index * n + j, text, choice.done))
         if not out.finished and all(c.done for c in self.choices[index * n : (index + 1) * n]):

@@ -43,7 +43,8 @@ def parse_completion(
     job = make_job("completion", model, ids, common, context_len, vocab_size, limits)
     if echo:  # with logprobs, the prompt's tokens are scored too (every one computed: no prefix hit)
         job.echo = True
-        job.params = dataclasses.replace(job.params, prompt_logprobs=job.params.logprobs)
+        if job.params.prompt_logprobs is None:
+            job.params = dataclasses.replace(job.params, prompt_logprobs=job.params.logprobs)
     return job
 
 

@@ -20,6 +20,8 @@ Parameters and where they go:
     logprobs + top_logprobs (chat)      the k most likely; a stream's chunk carries its new tokens'
     echo (completions)                  the prompt first: its text, and with logprobs its tokens'
                                         (SamplingParams.prompt_logprobs); a stream's first chunk
+    prompt_logprobs                     vLLM's: each prompt token's {id: {logprob, rank,
+                                        decoded_token}} and the k most likely's (not in a stream)
     presence_penalty, frequency_penalty SamplingParams fields of the same names (OpenAI's); logit_bias
     logit_bias                          is {"token id": bias}, as OpenAI sends it
     repetition_penalty, min_tokens,     vLLM's extra parameters, the SamplingParams fields
@@ -129,6 +131,7 @@ COMMON_FIELDS = (
     "ignore_eos",
     "user",
     "logprobs",
+    "prompt_logprobs",
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
@@ -285,8 +288,12 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
     if body.get("max_completion_tokens") is not None:
         max_tokens = typed(body, "max_completion_tokens", int, None, "an integer >= 1")
     logprobs = parse_logprobs(body, chat)
+    prompt_logprobs = typed(body, "prompt_logprobs", int, None, f"an integer in [0, {MAX_LOGPROBS}]")
+    if prompt_logprobs is not None and stream:  # as vLLM: a prompt's logprobs come in one body
+        raise APIError(400, "prompt_logprobs is not sent in a stream; leave out stream.", "prompt_logprobs")
     return {
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "presence_penalty": typed(body, "presence_penalty", float, 0.0, "a number in [-2, 2]"),
         "frequency_penalty": typed(body, "frequency_penalty", float, 0.0, "a number in [-2, 2]"),
         "repetition_penalty": typed(body, "repetition_penalty", float, 1.0, "a number > 0 (1 is off)"),
@@ -450,6 +457,7 @@ def make_job(
             n=common["n"],
             ignore_eos=common["ignore_eos"],
             logprobs=common["logprobs"],
+            prompt_logprobs=common["prompt_logprobs"],
             presence_penalty=common["presence_penalty"],
             frequency_penalty=common["frequency_penalty"],
             repetition_penalty=common["repetition_penalty"],

@@ -148,6 +148,27 @@ class LogprobsWriter:
         return offset
 
 
+def prompt_logprobs_body(job: Job, choice: ChoiceText) -> list[dict | None] | None:
+    """vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank,
+    decoded_token}} for the token and the k most likely."""
+    if job.params.prompt_logprobs is None:
+        return None
+    tokenizer = choice.tokenizer
+
+    def entry(token_id: int, logprob: float, rank: int) -> dict:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+
+    return [
+        None
+        if lp is None
+        else {
+            str(lp.token_id): entry(lp.token_id, lp.logprob, lp.rank),
+            **{str(t): entry(t, v, rank) for rank, (t, v) in enumerate(lp.top, 1) if t != lp.token_id},
+        }
+        for lp in choice.prompt_logprobs
+    ]
+
+
 def choice_text(job: Job, choice: ChoiceText) -> str:
     """The choice's text, after the prompt's with echo."""
     return (choice.prompt_text if job.echo else "") + choice.text
@@ -168,12 +189,15 @@ def choice_body(job: Job, index: int, choice: ChoiceText, logprobs: dict | None)
         "logprobs": logprobs,
         "finish_reason": choice.finish_reason,
         "stop_reason": choice.stop_reason,
+        "prompt_logprobs": prompt_logprobs_body(job, choice),
     }
 
 
 def response_body(job: Job, choices: list[ChoiceText], logprobs: list[dict | None], usage_: dict) -> dict:
-    """The whole answer of a request that did not stream; `logprobs` holds each choice's."""
-    return {
+    """The whole answer of a request that did not stream; `logprobs` holds each choice's. A chat's
+    prompt_logprobs are the response's (vLLM's place: one conversation), a completion's each
+    choice's (each prompt of a batch its own)."""
+    body = {
         "id": job.id,
         "object": "chat.completion" if job.kind == "chat" else "text_completion",
         "created": job.created,
@@ -181,6 +205,9 @@ def response_body(job: Job, choices: list[ChoiceText], logprobs: list[dict | Non
         "choices": [choice_body(job, i, c, lp) for i, (c, lp) in enumerate(zip(choices, logprobs))],
         "usage": usage_,
     }
+    if job.kind == "chat":
+        body["prompt_logprobs"] = prompt_logprobs_body(job, choices[0])
+    return body
 
 
 def chunk(job: Job, choices: list[dict], usage_: dict | None = None) -> str:
