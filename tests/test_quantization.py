@@ -264,10 +264,10 @@ class RecordingLogits(TeacherForcing):
 
 
 def teacher_forced_logits(llm, segment: list[int]) -> torch.Tensor:
-    request_id = llm.engine.add_request(
-        segment[:1], SamplingParams(max_tokens=len(segment) - 1, ignore_eos=True)
+    scorer = RecordingLogits(segment[1:])
+    llm.engine.add_request(
+        segment[:1], SamplingParams(max_tokens=len(segment) - 1, ignore_eos=True), sampler=scorer
     )
-    scorer = llm.engine.requests[request_id][0].sampler = RecordingLogits(segment[1:])
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     return torch.stack(scorer.logits)  # (len - 1, vocab)
