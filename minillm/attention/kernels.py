@@ -64,20 +64,25 @@ FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format 
 
 
 def build(name: str, compile_it: Callable) -> object:
-    """compile_it(name), with one line on stderr the first time this machine builds `name`, and
-    a ConfigError saying what failed if it does not build."""
+    """compile_it(name), with a line on stderr before and after the first time this machine builds
+    `name` (how long it took), and a ConfigError saying what failed if it does not build."""
     folders = _build_folders(name)
     _remove_stale_locks(folders)
-    if not any((folder / f"{name}.so").exists() for folder in folders):
+    first_build = not any((folder / f"{name}.so").exists() for folder in folders)
+    if first_build:
         _say_once(f"minillm: building the {name} kernels (once per machine, about a minute)...")
+    started = time.perf_counter()
     try:
-        return compile_it(name)
+        kernel = compile_it(name)
     except Exception as err:  # compiler missing, compile error, ...
         lines = str(err).strip().splitlines() or [type(err).__name__]
         reason = next((line for line in lines if "error" in line.lower()), lines[-1]).strip()
         raise ConfigError(
             f"The {name} kernel did not build ({reason}); use attention_backend='torch'."
         ) from err
+    if first_build:  # a build is reported as a build, never as the first request's latency
+        _say_once(f"minillm: built the {name} kernels in {time.perf_counter() - started:.0f} s (cached)")
+    return kernel
 
 
 STALE_LOCK_S = 20 * 60  # a build takes one to six minutes; a lock this old is a killed build's
