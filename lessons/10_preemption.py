@@ -82,7 +82,7 @@ def recompute_seconds(llm, prompt: list[int], repeats: int) -> float:
 
 def swap_memory(model, block_size: int, num_tokens: int) -> tuple[BlockManager, TieredKV]:
     """A device pool and a host pool of `num_tokens` tokens each, the block manager over both, and
-    the tiers that copy between them: the parts the engine builds (`LLMEngine.build_memory`)."""
+    the tiers that copy between them: the parts the engine builds (`KVCacheManager.build`)."""
     budget = tokens_to_bytes(model, num_tokens, block_size)
     device = make_pool(model.config, budget, block_size, "auto", "channel", model.dtype, model.device)
     host = make_pool(

@@ -178,6 +178,10 @@ class LLMEngine:
         seq = self.requests[request_id][0]
         return seq.error if seq.status is Status.FINISHED and seq.finish_reason == "error" else None
 
+    def max_len(self, prompt_len: int, max_tokens: int | None) -> int:
+        """Where a request's sequence stops: prompt + max_tokens within the context (or the pool's end)."""
+        return self.scheduler.max_len(prompt_len, max_tokens)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.rejected)
 
@@ -190,7 +194,9 @@ class LLMEngine:
         self.num_steps += 1
         self.kv_cache.begin_step(self.num_steps)  # the memory system's events of this step carry its number
         self.kv_cache.finish_prefetch()  # last step's background copies are done before anything is decided
+        started = time.perf_counter()
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
+        self.stats.schedule_s.append(time.perf_counter() - started)
         if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
             stuck = {seq.request_id for seq in self.scheduler.unfinished()}
             return outputs + self.fail(stuck, "The scheduler found nothing it could run (a bug in minillm).")

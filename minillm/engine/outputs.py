@@ -191,10 +191,11 @@ class EngineStats:
     batches: deque[list[tuple[str, int]]] = field(init=False)  # the same steps: (request_id, tokens computed)
     ladder: deque[dict[str, int]] = field(init=False)  # the same steps: rung -> blocks reclaimed,
     #   sequences preempted, entries evicted (only the rungs taken)
+    schedule_s: deque[float] = field(init=False)  # the same steps: seconds the scheduler took to decide
 
     def __post_init__(self):
         self.memory, self.batches = deque(maxlen=self.window), deque(maxlen=self.window)
-        self.ladder = deque(maxlen=self.window)
+        self.ladder, self.schedule_s = deque(maxlen=self.window), deque(maxlen=self.window)
 
     def record(
         self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats, rungs: dict[str, int]

@@ -58,7 +58,7 @@ newcomers of that head (`pool.move_entries`), and the blocks after the first `ke
 step at the budget moves at most n entries per head, not the whole cache.
 
 Slots then no longer hold tokens in position order, so the sequence carries each entry's position
-per layer and KV head beside its H2O scores (`Sequence.kv_positions`), moved with them. The policy
+per layer and KV head beside its H2O scores (`Evictor.positions`), moved with them. The policy
 sees every head's entries sorted by position (`kept_entries`, as if the cache had been rewritten
 in order), so it keeps what it kept when it was: window and sinks by position, H2O by score
 outside a recent window by position.

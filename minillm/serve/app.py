@@ -11,7 +11,7 @@
     POST /tokenize, /detokenize the server's tokenizer (`tokenize.py`, vLLM's routes), keyed like
     GET  /tokenizer_info        /v1/*: what an evaluation harness tokenizes its prompts with
 
-Every route runs on the event loop; the engine runs in a thread of its own (`engine_loop.py`). A
+Every route runs on the event loop; the engine runs on one thread (`engine_loop.py`). A
 request is checked before anything reaches the engine, each refusal in OpenAI's error body:
     401  /v1/* without the server's key, when it has one (`--api-key`, vLLM's: Authorization: Bearer)
     415  a body that is not Content-Type: application/json: a web page may post text/plain to any
@@ -326,13 +326,13 @@ class Answer:
 
     def __init__(self, job: Job, submission: Submission, engine):
         self.job, self.submission = job, submission
-        n, scheduler = job.params.n, engine.scheduler
+        n = job.params.n
         self.choices = [
             ChoiceText(
                 engine.tokenizer,
                 job.stop,
                 engine.eos_token_id,
-                scheduler.max_len(len(prompt), job.params.max_tokens) - len(prompt),  # new tokens at most
+                engine.max_len(len(prompt), job.params.max_tokens) - len(prompt),  # new tokens at most
                 job.params.ignore_eos,
                 job.params.stop_token_ids,
             )
