@@ -23,7 +23,8 @@ from minillm.decoding.naive import sequence_logits
 from minillm.engine import LLMEngine
 from minillm.engine.llm import LLM
 from minillm.sampling import SamplingParams
-from minillm.serve.protocol import APIError, parse_structured
+from minillm.serve.errors import APIError
+from minillm.serve.fields import parse_structured
 from minillm.structured import Grammars, StructuredOutput, unpack_bits
 
 WORD = {"type": "string", "maxLength": 6}

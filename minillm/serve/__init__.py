@@ -1,10 +1,12 @@
 """`minillm serve`: the engine behind an OpenAI-compatible HTTP server (vLLM's routes and shapes).
 
-protocol.py     request bodies -> Jobs (prompt ids, SamplingParams, stop strings), OpenAI's error
-                body; no web framework
+errors.py       OpenAI's error body (APIError), and JSON no client can make the server fail with
+fields.py       the fields both endpoints share, each read and checked (typed, parse_common, ...)
+protocol.py     which fields a request takes, and the Job it becomes (prompt ids, SamplingParams,
+                stop strings); no web framework in these three
 endpoints.py    each endpoint's own body: a completion's prompt, a chat's messages
 responses.py    each choice's text as tokens arrive, response and stream-chunk bodies
-engine_loop.py  the engine in its own thread, fed by a command queue; Submission, one HTTP
+engine_loop.py  the engine on one thread, fed by a command queue; Submission, one HTTP
                 request's side (outputs as they come, abort on close)
 commands.py     what crosses between the threads: Add, Abort, Call, Stop, and each request's Reply
 app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics;

@@ -44,10 +44,11 @@ from minillm.config import ConfigError
 from minillm.serve.commands import RequestRefused
 from minillm.serve.endpoints import parse_chat, parse_completion
 from minillm.serve.engine_loop import EngineLoop, Submission
+from minillm.serve.errors import APIError, error_body, parse_json, shown
 from minillm.serve.kv_events import FORMATS, event_stream
 from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import metric_values, prometheus
-from minillm.serve.protocol import APIError, Job, error_body, parse_json, shown
+from minillm.serve.protocol import Job
 from minillm.serve.responses import (
     DONE,
     ChoiceText,

@@ -10,18 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from minillm.serve.errors import APIError, shown
+from minillm.serve.fields import parse_common, typed
 from minillm.serve.limits import ServeLimits
-from minillm.serve.protocol import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    APIError,
-    Job,
-    check_fields,
-    make_job,
-    parse_common,
-    shown,
-    typed,
-)
+from minillm.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS, Job, check_fields, make_job
 from minillm.tokenizer import Tokenizer
 
 

@@ -27,8 +27,10 @@ vocabulary, more tokens than `max_request_tokens` is a 400 that names the field,
 from __future__ import annotations
 
 from minillm.serve.endpoints import message_text
+from minillm.serve.errors import APIError, shown
+from minillm.serve.fields import typed
 from minillm.serve.limits import ServeLimits
-from minillm.serve.protocol import APIError, check_fields, shown, typed
+from minillm.serve.protocol import check_fields
 from minillm.tokenizer import Tokenizer
 
 TOKENIZE_FIELDS = ("model", "prompt", "add_special_tokens")
