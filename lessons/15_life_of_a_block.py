@@ -29,7 +29,7 @@ import matplotlib
 matplotlib.use("Agg")
 from _common import console, lesson_args, require_model, save_numbers, table  # noqa: E402
 
-from minillm import trace_view  # noqa: E402
+from minillm import trace  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
@@ -159,11 +159,9 @@ def show_trap(trap: dict) -> None:
 def read_back(path, out) -> tuple[dict, str | None]:
     """The run's events read back from the trace file, summarized and drawn (`minillm trace show`)."""
     (events,) = read_trace(path).values()
-    view = trace_view.walk(events)
-    summary = trace_view.summarize(view)
-    cell = trace_view.draw(
-        view, out / "15_life_of_a_block.png", "lesson 15: one busy run, every block's life"
-    )
+    view = trace.walk(events)
+    summary = trace.summarize(view)
+    cell = trace.draw(view, out / "15_life_of_a_block.png", "lesson 15: one busy run, every block's life")
     return summary, cell
 
 

@@ -9,7 +9,7 @@ the run began:
     {"run": 0, "step": 12, "t": 0.8312, "type": "Allocated", "seq_id": 3, "block": 41}
 
 A run's first line is its `Snapshot` (pool sizes, the state it started from). `read_trace`
-gives the runs back as event lists; `minillm trace show` draws them (`trace_view.py`).
+gives the runs back as event lists; `minillm trace show` draws them (`minillm/trace/`).
 """
 
 from __future__ import annotations

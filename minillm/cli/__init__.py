@@ -6,7 +6,7 @@ serve.py            serve: the HTTP server
 measure.py          bench decode|attention|chat-view|all: the commands that measure speed
 measure_serving.py  bench serve|serve-http|prefix: the engine under many requests
 measure_memory.py   bench tiers|memory and eval: what the memory system's choices cost
-trace.py            trace show: a --trace file's KV memory, summarized and drawn (trace_view.py)
+trace.py            trace show: a --trace file's KV memory, summarized and drawn (minillm/trace/)
 flags.py            the flag groups several commands share, made from `config.SWITCHES`
 """
 

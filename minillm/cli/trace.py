@@ -5,7 +5,7 @@
     minillm trace show run.jsonl --run 1 --plot run1.png
     minillm trace show run.jsonl --json --no-plot
 
-The numbers come from `trace_view.py` (one walk over the run's events); this module only chooses
+The numbers come from `minillm/trace/` (one walk over the run's events); this module only chooses
 the run, prints the tables (or one JSON object) and says where the picture went.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from minillm import trace_view
+from minillm import trace
 from minillm.report import err_console, print_table, show
 from minillm.tracing import read_trace
 
@@ -36,10 +36,10 @@ DESCRIPTION = (
 
 
 def add_trace(subparsers) -> None:
-    trace = subparsers.add_parser(
+    trace_parser = subparsers.add_parser(
         "trace", help="read a --trace file: the KV memory's data flow", description=DESCRIPTION
     )
-    commands = trace.add_subparsers(dest="trace_command", required=True, metavar="COMMAND")
+    commands = trace_parser.add_subparsers(dest="trace_command", required=True, metavar="COMMAND")
     trace_show = commands.add_parser(
         "show", help="summarize a run of a trace and draw its timeline", description=DESCRIPTION
     )
@@ -65,13 +65,13 @@ def add_trace(subparsers) -> None:
 
 def cmd_trace_show(args) -> None:
     runs = read_trace(args.file)  # a TraceError (a ValueError) is main's one-line error, exit 2
-    described = trace_view.describe_runs(runs)
-    run = trace_view.busiest(described) if args.run is None else args.run
+    described = trace.describe_runs(runs)
+    run = trace.busiest(described) if args.run is None else args.run
     if run not in runs:
         raise ValueError(f"{args.file} has no run {run}; its runs are {', '.join(map(str, runs))}.")
-    view = trace_view.walk(runs[run])
+    view = trace.walk(runs[run])
     report = {"file": str(args.file), "run": run, "run_chosen": "busiest" if args.run is None else "--run"}
-    report |= {"runs": described} | trace_view.summarize(view)
+    report |= {"runs": described} | trace.summarize(view)
     report["plot"], report["plot_cells"] = None, None
     if not args.no_plot and view.step_numbers:
         path = args.plot or args.file.with_suffix(".png")
@@ -80,15 +80,15 @@ def cmd_trace_show(args) -> None:
     show(report, print_report, args.json)
 
 
-def draw(view: trace_view.RunView, path: Path, report: dict) -> str | None:
+def draw(view: trace.RunView, path: Path, report: dict) -> str | None:
     pool = report["pool"]
     title = (
         f"KV memory of run {report['run']} of {Path(report['file']).name}: {pool['device_blocks']} device"
         f" + {pool['host_blocks']} host blocks of {pool['block_size']} tokens, {report['steps']} steps, "
-        f"{trace_view.plural(report['requests'], 'request')}"
+        f"{trace.plural(report['requests'], 'request')}"
     )
     try:
-        cells = trace_view.draw(view, path, title)
+        cells = trace.draw(view, path, title)
     except OSError as err:
         raise ValueError(
             f"Cannot write the timeline to {path} ({err.strerror}); pick another --plot."
@@ -165,7 +165,7 @@ def print_lifetimes(lifetimes: dict, console) -> None:
         console.print(f"  {tier} contents ended: {ended}")
 
 
-ENDINGS = {  # trace_view.Life.end, said
+ENDINGS = {  # trace.records.Life.end, said
     "reused": "reused for new content",
     "uncached": "forgotten while cached",
     "freed": "freed uncached",

@@ -1,4 +1,4 @@
-"""`trace_view` and `minillm trace show`: numbers read from a traced run equal what the run did.
+"""`minillm.trace` and `minillm trace show`: numbers read from a traced run equal what the run did.
 
 Each run here is small enough to reason out by hand: the free blocks are taken least recently
 freed first (`free_blocks.py`), a cached block taken for new content spills to the host tier's
@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from minillm import trace_view
+from minillm import trace
 from minillm.cli import main
 from minillm.engine import LLM, SamplingParams
 from minillm.tracing import read_trace, tracing
@@ -51,12 +51,12 @@ def prefix_run(tiny_dir, tiny_model, tmp_path_factory):
         )
         one_at_a_time(llm, [X, Y, Z, D, E])
     (events,) = read_trace(path).values()
-    return path, llm, trace_view.walk(events)
+    return path, llm, trace.walk(events)
 
 
 def test_the_prefix_blocks_two_requests_share_are_hit_by_both(prefix_run):
     _, _, view = prefix_run
-    reuse = trace_view.summarize(view)["reuse"]
+    reuse = trace.summarize(view)["reuse"]
     assert reuse["registered"] == 5  # X0 X1, Y0, Z0 Z1; D and E add only partial blocks
     assert reuse["hit"] == 2 and reuse["never_hit"] == 3
     assert reuse["requests_per_hit_block"]["max"] == reuse["requests_per_hit_block"]["median"] == 2
@@ -68,7 +68,7 @@ def test_the_prefix_blocks_two_requests_share_are_hit_by_both(prefix_run):
 
 def test_spills_brought_back_and_spills_never_read_again(prefix_run):
     _, _, view = prefix_run
-    spills = trace_view.summarize(view)["spills"]
+    spills = trace.summarize(view)["spills"]
     assert spills["spilled"] == 4  # X0 X1 in step 3, Y0 in step 4, Z0 in step 5
     assert spills["brought_back"] == 2  # X0 X1 by D, a step after they left
     assert spills["steps_on_host_before_back"]["max"] == 1
@@ -86,19 +86,19 @@ def test_a_hit_that_brings_blocks_back_replays_to_the_block_managers_state(prefi
 
 def test_every_request_reads_its_whole_prompt_once_and_lives_on_the_device(prefix_run):
     _, _, view = prefix_run
-    summary = trace_view.summarize(view)
+    summary = trace.summarize(view)
     prompts = [X, Y, Z, D, E]
     assert summary["steps"] == summary["requests"] == 5
     assert summary["reads"]["total_bytes"] == sum(map(len, prompts)) * KV_BYTES_PER_TOKEN
     assert summary["reads"]["bytes_per_step"]["max"] == len(D) * KV_BYTES_PER_TOKEN
     assert summary["places"]["request_steps"] == {"waiting": 0, "device": 5, "host": 0, "disk": 0, "mixed": 0}
-    lanes, requests = view.request_rows()
-    assert lanes.shape == (5, 5) and (np.diag(lanes) == trace_view.PLACES.index("device")).all()
+    lanes, requests = trace.request_rows(view)
+    assert lanes.shape == (5, 5) and (np.diag(lanes) == trace.PLACES.index("device")).all()
 
 
 def test_block_lifetimes_count_each_content_and_its_cached_wait(prefix_run):
     _, _, view = prefix_run
-    device = trace_view.summarize(view)["lifetimes"]["device"]
+    device = trace.summarize(view)["lifetimes"]["device"]
     # X 3 blocks, Y 2, Z 3, D 1 new and 2 brought back, E 1
     assert device["contents"] == 12
     assert device["held_steps"]["max"] == 2  # X0 X1 brought back: held by D in step 4, by E in step 5
@@ -121,12 +121,12 @@ def swap_run(tiny_dir, tiny_model, tmp_path_factory):
         )
         llm.generate([list(range(1, 9)), list(range(20, 28))], SamplingParams(max_tokens=20, ignore_eos=True))
     (events,) = read_trace(path).values()
-    return path, llm, trace_view.walk(events)
+    return path, llm, trace.walk(events)
 
 
 def test_a_swapped_sequence_makes_a_round_trip(swap_run):
     _, llm, view = swap_run
-    swaps = trace_view.summarize(view)["swaps"]
+    swaps = trace.summarize(view)["swaps"]
     counters = llm.engine.kv_cache.counters
     assert counters["swapped_out"] >= 1
     assert swaps["round_trips"] == counters["swapped_in"] == counters["swapped_out"]
@@ -137,7 +137,7 @@ def test_a_swapped_sequence_makes_a_round_trip(swap_run):
 
 def test_a_request_lives_on_the_host_for_the_steps_its_sequence_was_away(swap_run):
     _, _, view = swap_run
-    summary = trace_view.summarize(view)
+    summary = trace.summarize(view)
     away = {row["request"]: row["steps_away"] for row in summary["swaps"]["per_sequence"]}
     host = {row["request"]: row["host"] for row in summary["places"]["per_request"] if row["host"]}
     assert host == away
@@ -151,9 +151,9 @@ def test_a_cell_shows_its_most_frequent_state_that_is_not_free():
         ],
         dtype=np.uint8,
     )
-    cells = trace_view.aggregate(grid, 2, 2, len(trace_view.BLOCK_STATES))
+    cells = trace.aggregate(grid, 2, 2, len(trace.BLOCK_STATES))
     assert cells.tolist() == [[3, 1, 3]]  # free is the most frequent in the first, yet not drawn
-    assert trace_view.aggregate(np.zeros((3, 3), np.uint8), 2, 2, 4).tolist() == [[0, 0], [0, 0]]
+    assert trace.aggregate(np.zeros((3, 3), np.uint8), 2, 2, 4).tolist() == [[0, 0], [0, 0]]
 
 
 def test_trace_show_prints_tables_and_writes_the_timeline(prefix_run, tmp_path, capsys):
@@ -177,7 +177,7 @@ def test_trace_show_without_matplotlib_says_how_to_install_it_and_still_prints(
     prefix_run, tmp_path, capsys, monkeypatch
 ):
     path, _, _ = prefix_run
-    monkeypatch.setattr(trace_view, "pyplot", lambda: None)
+    monkeypatch.setattr(trace.picture, "pyplot", lambda: None)
     assert main(["trace", "show", str(path), "--plot", str(tmp_path / "no.png")]) == 0
     captured = capsys.readouterr()
     assert "pip install matplotlib" in captured.err and len(captured.err.strip().splitlines()) == 1
