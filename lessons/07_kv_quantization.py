@@ -24,7 +24,7 @@ from minillm.memory.quantization import FORMATS, dequantize, quantize  # noqa: E
 
 TARGETS = {"int8": 0.05, "int4": 0.5}  # perplexity increase we aim to stay under
 # The text scored by default: every scored token is one decode step (~65 ms on the 2-core development VM), so
-# 4 x 160 tokens keep a run near 10-14 s (`minillm eval ppl` scores 4 x 512: the README's numbers).
+# 4 x 160 tokens keep a run near 10-14 s (`minillm eval ppl` scores 4 x 512: docs/memory.md's numbers).
 SEGMENTS, SEGMENT_LEN = 4, 160
 RUNS = [
     ("auto", "channel"),

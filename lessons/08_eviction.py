@@ -32,7 +32,7 @@ LABELS = {"h2o": "H2O", "sinks": "sinks + window", "window": "window only"}
 TARGET_BUDGET, TARGET_RATIO = 0.2, 1.10
 # The text scored by default: every scored token is one decode step (~70-100 ms for the 6 segments on
 # the 2-core development VM, shared), so 3 x 160 tokens of each text keep the lesson near 2 minutes
-# (`minillm eval ppl` scores 4 x 512: the README's numbers).
+# (`minillm eval ppl` scores 4 x 512: docs/memory.md's numbers).
 SEGMENTS, SEGMENT_LEN = 3, 160
 
 

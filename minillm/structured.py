@@ -16,13 +16,13 @@ threads). One `masked_fill` applies it to the logits (`mask_logits`). There is n
 over the vocabulary.
 
 Why llguidance and not xgrammar (both measured on SmolLM2's 49,152-token vocabulary, on this
-CPU, in README's "Structured output"):
+CPU, in docs/structured.md):
 - llguidance has no dependencies and imports in 0.02 s.
 - xgrammar needs transformers, triton and pydantic, and imports in 2.6 s.
 - Both compile a schema in a few milliseconds and fill a mask in 5-60 us per token. The whole
   mask (fill, unpack, apply) costs 2-12 ms per step at batch 16 depending on the CPU, and decode
-  under a grammar ran at 0.98x the unconstrained tok/s (`minillm bench structured`, README's
-  "Structured output").
+  under a grammar ran at 0.98x the unconstrained tok/s (`minillm bench structured`,
+  docs/structured.md).
 
 What a request may ask for (`StructuredOutput`, vLLM's `structured_outputs` / `guided_*`):
 - `json`: a JSON schema.

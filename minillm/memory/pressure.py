@@ -11,7 +11,7 @@ climbing the rungs cheapest first:
               It costs nothing now, at most a later prefill (or a copy back from host).
   2. compress the KV of idle sequences re-stored in a smaller format: not built. minillm's device
               pool holds one format (`kv_dtype`), so this rung has no memory to hand out; a
-              quantized store for the idle would be a tier of its own (see README).
+              quantized store for the idle would be a tier of its own (docs/memory.md).
   3. preempt  a running sequence leaves the device: by swap to the host or disk tier, or by
               recompute, whichever the measured cost model says is cheaper for it (`SwapCost`).
               It costs time, never quality.

@@ -1,4 +1,4 @@
-"""`minillm bench all`: every benchmark in one command, so every number the README claims can be
+"""`minillm bench all`: every benchmark in one command, so every number the docs claim can be
 reproduced by running one thing.
 
 It runs each benchmark's own function (`bench_decode`, `bench_serve`, ... and `eval_ppl` for a
