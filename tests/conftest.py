@@ -1,96 +1,16 @@
-"""Shared fixtures: a tiny random Llama (fast, made here) and the real SmolLM2 checkpoint.
+"""Shared fixtures: a tiny random Llama (fast, made here) and the real SmolLM2 checkpoint; and the
+hook that sorts tests into tiers (see the markers in pyproject.toml). Plain helpers live in helpers.py.
 
 The real checkpoint is fetched by the README's first command (`python weights_fetch.py`); the
 tests need it and say so instead of skipping, because exactness on real weights is the point.
 The same command writes the real texts the tests read into TEXTS_DIR.
 """
 
-import json
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-
-REAL_MODEL_DIR = Path(
-    os.environ.get("MINILLM_MODEL_DIR", Path(__file__).parent.parent / "weights" / "SmolLM2-135M-Instruct")
-)
-GGUF_CACHE = REAL_MODEL_DIR.parent / ".downloads" / REAL_MODEL_DIR.name
-TEXTS_DIR = REAL_MODEL_DIR.parent / "texts"  # alice29.txt, lcet10.txt (see minillm/fetch/texts.py)
-
-TINY_CONFIG = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 97,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 256,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "mlp_bias": False,
-    "torch_dtype": "float32",
-}
-
-
-def random_llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights under Hugging Face names, scaled so activations stay O(1)."""
-    gen = torch.Generator().manual_seed(seed)
-    d, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-
-    def rand(*shape, scale=None):
-        scale = scale if scale is not None else shape[-1] ** -0.5
-        return torch.randn(*shape, generator=gen) * scale
-
-    tensors = {
-        "model.embed_tokens.weight": rand(config["vocab_size"], d, scale=1.0),
-        "model.norm.weight": 1 + rand(d, scale=0.1),
-    }
-    if not config["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = rand(config["vocab_size"], d)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": 1 + rand(d, scale=0.1),
-            p + "post_attention_layernorm.weight": 1 + rand(d, scale=0.1),
-            p + "self_attn.q_proj.weight": rand(nh * hd, d),
-            p + "self_attn.k_proj.weight": rand(nkv * hd, d),
-            p + "self_attn.v_proj.weight": rand(nkv * hd, d),
-            p + "self_attn.o_proj.weight": rand(d, nh * hd),
-            p + "mlp.gate_proj.weight": rand(inter, d),
-            p + "mlp.up_proj.weight": rand(inter, d),
-            p + "mlp.down_proj.weight": rand(d, inter),
-        }
-    return tensors
-
-
-def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, folder / "model.safetensors")
-    return folder
-
-
-def tiny_with_real_tokenizer(folder: Path, real_dir: Path, **config_overrides) -> Path:
-    """The tiny random Llama with the real model's tokenizer (vocabulary and chat template) in
-    `folder`: real text in, random-weight speed."""
-    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
-    config = {**TINY_CONFIG, "vocab_size": vocab_size, **config_overrides}
-    write_checkpoint(folder, config, random_llama_tensors(config))
-    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
-        shutil.copy(real_dir / name, folder)
-    return folder
+from helpers import REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -153,3 +73,37 @@ def always_guess():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PassCost, "guesses_worth", lambda self, acceptance, batch, most: most)
         yield
+
+
+# Test tiers (markers registered in pyproject.toml): tests are marked by what they use, so a new
+# test lands in the right tier without remembering to mark it.
+_REAL_FIXTURES = {"real_dir", "real_model", "real_tokenizer", "hf_model", "real_text_ids"}
+_REAL_WEIGHT_FIXTURES = {"real_model", "hf_model", "real_text_ids"}
+_SLOW_MODULES = {"test_lessons", "test_real_model", "test_benchmarks", "test_soak", "test_serve_soak"}
+_KERNEL_NAMES = ("cpu_kernel", "flash_prefill_kernel", "quantize_write_kernel", "cuda", "nvcc")
+
+
+def _tiers_of(item) -> set[str]:
+    fixtures = set(getattr(item, "fixturenames", ()))
+    module = item.module.__name__.rpartition(".")[2] if getattr(item, "module", None) else ""
+    name = item.originalname if hasattr(item, "originalname") else item.name
+    tiers = set()
+    if fixtures & _REAL_FIXTURES:
+        tiers.add("real_model")
+    if fixtures & _REAL_WEIGHT_FIXTURES or module in _SLOW_MODULES:
+        tiers.add("slow")
+    if module.startswith("test_serve"):
+        tiers.add("server")
+    if module == "test_kernels" and any(word in name for word in _KERNEL_NAMES):
+        tiers.add("kernel_build")
+        if "cuda" in name:
+            tiers.add("gpu")
+        if "nvcc" in name:
+            tiers.add("slow")
+    return tiers
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for tier in _tiers_of(item):
+            item.add_marker(tier)

@@ -5,7 +5,7 @@ import re
 import shutil
 
 import pytest
-from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from helpers import TINY_CONFIG, random_llama_tensors, write_checkpoint
 
 from minillm.cli import main
 from minillm.config import DTYPES, ConfigError, EngineConfig, ModelConfig, resolve_dtype

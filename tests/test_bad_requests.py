@@ -7,6 +7,7 @@ free and the next requests equal naive decoding."""
 import re
 
 import pytest
+from helpers import FailingSampler, raise_fault
 
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
@@ -62,21 +63,6 @@ def test_a_temperature_too_small_to_divide_by_is_greedy_and_fails_nobody(tiny_di
     for out, good in zip((outputs[0], outputs[2]), GOOD):
         assert out.token_ids == generate(tiny_model, good, PARAMS, "naive").token_ids
     assert_serves_good_requests(tiny_model, llm)
-
-
-class FailingSampler:
-    """Greedy for `good_tokens` tokens, then `fault()`: raises, or returns what it returns."""
-
-    def __init__(self, good_tokens: int, fault):
-        self.good_tokens, self.fault, self.calls = good_tokens, fault, 0
-
-    def __call__(self, logits):
-        self.calls += 1
-        return int(logits.argmax()) if self.calls <= self.good_tokens else self.fault()
-
-
-def raise_fault():
-    raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
 
 @pytest.mark.parametrize(

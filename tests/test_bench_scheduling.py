@@ -7,8 +7,7 @@ import math
 import statistics
 
 import pytest
-from conftest import tiny_with_real_tokenizer
-from test_benchmarks import run_json
+from helpers import run_json, tiny_with_real_tokenizer
 
 from minillm.benchmarks.scheduling.run import POLICIES, rate_for
 from minillm.benchmarks.scheduling.trace import (

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REAL_MODEL_DIR, tiny_with_real_tokenizer
+from helpers import REAL_MODEL_DIR, run_json, strict_json, tiny_with_real_tokenizer
 
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.all import BENCHMARKS, SIZES
@@ -31,30 +31,6 @@ from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 ALICE = REAL_MODEL_DIR.parent / "texts" / "alice29.txt"  # fetched by `python weights_fetch.py`
-
-
-def strict_json(text: str) -> dict:
-    """json.loads, but refusing what Python's json accepts and JSON does not: NaN, Infinity, a
-    number too large for a float (1e999 -> inf), and anything beside the one object."""
-
-    def refuse(constant):
-        raise ValueError(f"{constant} is not JSON")
-
-    def finite(number: str) -> float:
-        if not math.isfinite(float(number)):
-            raise ValueError(f"{number} is not a finite number")
-        return float(number)
-
-    report = json.loads(text, parse_constant=refuse, parse_float=finite)
-    assert isinstance(report, dict) and text.count("\n") == 1, "one JSON object on one line"
-    return report
-
-
-def run_json(capsys, *argv) -> dict:
-    code = main([str(arg) for arg in argv])
-    out = capsys.readouterr().out
-    assert code == 0, out
-    return strict_json(out)
 
 
 def approx(value):

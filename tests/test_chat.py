@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import tiny_with_real_tokenizer
 from rich.console import Console
 from safetensors import SafetensorError
 
@@ -26,7 +27,6 @@ from minillm.engine import LLM, SamplingParams
 from minillm.memory import bytes_per_slot
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
-from tests.conftest import tiny_with_real_tokenizer
 
 REPO = Path(__file__).parent.parent
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

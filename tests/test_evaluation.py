@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import TEXTS_DIR
+from helpers import TEXTS_DIR
 
 from minillm.cli import main
 from minillm.config import ConfigError

@@ -7,7 +7,7 @@ listening no event is even built; the prefix-miss explainer names the token a pr
 import random
 
 import pytest
-from test_soak import KV_BYTES_PER_TOKEN, assert_replayed
+from helpers import KV_BYTES_PER_TOKEN, assert_replayed, route
 
 from minillm.engine import LLM, SamplingParams
 from minillm.memory.events import EVENT_TYPES, KVEvents, Replayer, VllmEvents, event_from_json
@@ -110,16 +110,6 @@ def test_a_bad_trace_file_is_one_clear_error(tmp_path):
         read_trace(bad)
     with pytest.raises(TraceError, match="No trace file"):
         read_trace(tmp_path / "missing.jsonl")
-
-
-def route(known: set, item: dict) -> None:
-    """What a KV-aware router keeps of vLLM's events: the (block hash, medium) pairs cached."""
-    if item["type"] == "AllBlocksCleared":
-        known.clear()
-    elif item["type"] == "BlockStored":
-        known.add((item["block_hashes"][0], item["medium"]))
-    else:
-        known.remove((item["block_hashes"][0], item["medium"]))
 
 
 def test_vllm_events_rebuild_the_prefix_cache_per_medium(tiny_dir, tiny_model, tmp_path):

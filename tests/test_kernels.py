@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from helpers import TINY_CONFIG, random_llama_tensors, write_checkpoint
 
 from minillm.attention.kernels import CUDA_PREFILL_SOURCE, CUDA_SOURCE, STALE_LOCK_S, build, kernel_backend
 from minillm.attention.reference import causal_attention, paged_decode_attention, paged_prefill_attention

@@ -14,7 +14,7 @@ import json
 import lm_eval
 import pytest
 import torch
-from conftest import TEXTS_DIR
+from helpers import TEXTS_DIR
 from serving import running_server
 
 from minillm.config import EngineConfig

@@ -3,7 +3,7 @@ copy-on-write, memory accounting with scales, and the real model's logits under 
 
 import pytest
 import torch
-from conftest import TINY_CONFIG
+from helpers import TINY_CONFIG
 from references import replay_quantized, run_recorded
 
 from minillm.config import ConfigError, ModelConfig

@@ -21,9 +21,8 @@ import jsonschema
 import openai
 import pytest
 import torch
-from conftest import tiny_with_real_tokenizer
+from helpers import route, tiny_with_real_tokenizer
 from serving import running_server
-from test_events import route
 
 from minillm.cli import main
 from minillm.config import EngineConfig

@@ -11,7 +11,7 @@ import asyncio
 import json
 
 import pytest
-from conftest import tiny_with_real_tokenizer
+from helpers import tiny_with_real_tokenizer
 
 from minillm.benchmarks import serve_http_trace
 from minillm.benchmarks.scheduling.trace import make_trace, next_turn_prompt

@@ -15,7 +15,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import tiny_with_real_tokenizer
+from helpers import tiny_with_real_tokenizer
 from serving import running_server
 
 from minillm.benchmarks.serve import make_trace

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import tiny_with_real_tokenizer
+from helpers import ANY_JSON, tiny_with_real_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import fetch, running_server
@@ -119,19 +119,6 @@ def test_hostile_json_gets_a_4xx_that_names_the_field_without_echoing_it(server,
         assert error["param"] == param
 
 
-JSON_LEAF = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.sampled_from([10**400, -(10**30), 2**64, -1, 0, 1]),
-    st.floats(),  # NaN and infinities too, written as JSON's NaN / Infinity
-    st.text(st.characters(categories=["L", "N", "P", "Zs", "Cs"]), max_size=12),  # Cs: lone surrogates
-)
-ANY_JSON = st.recursive(
-    JSON_LEAF,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
-    max_leaves=8,
-)
 PLAUSIBLE = {  # values near the valid ones, so the fuzz reaches past the first check
     "prompt": st.one_of(
         st.text(max_size=24),

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-from conftest import tiny_with_real_tokenizer
+from helpers import tiny_with_real_tokenizer
 from serving import fetch, running_server
 
 from minillm.config import EngineConfig

@@ -13,12 +13,11 @@ import urllib.parse
 
 import jinja2
 import pytest
-from conftest import tiny_with_real_tokenizer
 from fastapi.testclient import TestClient
+from helpers import ANY_JSON, tiny_with_real_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import fetch, running_server
-from test_serve_limits import ANY_JSON
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine

@@ -9,6 +9,7 @@ import re
 
 import pytest
 import torch
+from helpers import TINY_CONFIG, random_llama_tensors, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -17,7 +18,6 @@ from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.memory import SessionError
 from minillm.weights import load_model
-from tests.conftest import TINY_CONFIG, random_llama_tensors, write_checkpoint
 
 BLOCK = 4
 POOL = dict(

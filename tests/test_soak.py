@@ -21,16 +21,13 @@ import os
 import random
 
 import pytest
-from test_bad_requests import FailingSampler, raise_fault
+from helpers import KV_BYTES_PER_TOKEN, FailingSampler, assert_replayed, expected_outputs, raise_fault
 
 from minillm.config import SWITCHES
-from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
-from minillm.engine.beam import reference_beam_search
 from minillm.memory import SwapCost
 from minillm.memory.events import Replayer
 
-KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 NUM_SETUPS = int(os.environ.get("SOAK_SETUPS", 200))
 
 
@@ -62,33 +59,6 @@ def random_tiers(rng: random.Random, block_size: int, folder) -> dict:
         **tiers,
         "preemption": rng.choice(["auto", "swap", "recompute"] if host_blocks or disk else ["auto"]),
     }
-
-
-def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[list[int]]:
-    """What an independent reference gives: naive decoding, seeded naive draws, the reference search."""
-    if params.beam_width > 1:
-        return reference_beam_search(model, prompt, params.beam_width, params.max_tokens, None)
-    return [
-        generate(
-            model,
-            prompt,
-            SamplingParams(
-                temperature=params.temperature,
-                seed=(params.seed or 0) + i,
-                max_tokens=params.max_tokens,
-                ignore_eos=True,
-            ),
-            "naive",
-        ).token_ids
-        for i in range(params.n)
-    ]
-
-
-def assert_replayed(replayer: Replayer, kv_cache) -> None:
-    """The state rebuilt from the KV events alone equals the block manager's."""
-    manager = kv_cache.block_manager
-    cache = manager.prefix_cache.entries if manager.prefix_cache else {}
-    replayer.check(manager.block_tables, manager.refcounts, {block: e.key for block, e in cache.items()})
 
 
 def run_with_aborts(llm, rng: random.Random, requests) -> tuple[dict, set]:

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from test_soak import expected_outputs
+from helpers import expected_outputs
 
 from minillm.config import ConfigError, EngineConfig
 from minillm.decoding import generate

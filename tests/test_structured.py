@@ -16,7 +16,7 @@ import jsonschema
 import llguidance
 import pytest
 import torch
-from conftest import tiny_with_real_tokenizer
+from helpers import tiny_with_real_tokenizer
 
 from minillm.config import EngineConfig
 from minillm.decoding.naive import sequence_logits

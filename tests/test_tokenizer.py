@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import GGUF_CACHE, TEXTS_DIR
+from helpers import GGUF_CACHE, TEXTS_DIR
 
 STDLIB = Path(os.path.dirname(os.__file__))
 CORPUS = {

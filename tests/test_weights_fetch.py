@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import GGUF_CACHE, REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors
+from helpers import GGUF_CACHE, REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors
 from safetensors.torch import load_file, save_file
 
 import weights_fetch

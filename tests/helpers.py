@@ -1,0 +1,197 @@
+"""Helpers the tests share: the tiny random Llama's config and checkpoint writer, where the real
+checkpoint and texts live, the independent references the soaks check against, and small tools
+(a failing sampler, strict JSON, a KV-event router). Fixtures and hooks stay in conftest.py; test
+modules import from here, never from each other.
+"""
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from minillm.decoding import generate
+from minillm.engine import SamplingParams
+from minillm.engine.beam import reference_beam_search
+from minillm.memory.events import Replayer
+
+REAL_MODEL_DIR = Path(
+    os.environ.get("MINILLM_MODEL_DIR", Path(__file__).parent.parent / "weights" / "SmolLM2-135M-Instruct")
+)
+GGUF_CACHE = REAL_MODEL_DIR.parent / ".downloads" / REAL_MODEL_DIR.name
+TEXTS_DIR = REAL_MODEL_DIR.parent / "texts"  # alice29.txt, lcet10.txt (see minillm/fetch/texts.py)
+
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "mlp_bias": False,
+    "torch_dtype": "float32",
+}
+
+
+def random_llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random weights under Hugging Face names, scaled so activations stay O(1)."""
+    gen = torch.Generator().manual_seed(seed)
+    d, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+
+    def rand(*shape, scale=None):
+        scale = scale if scale is not None else shape[-1] ** -0.5
+        return torch.randn(*shape, generator=gen) * scale
+
+    tensors = {
+        "model.embed_tokens.weight": rand(config["vocab_size"], d, scale=1.0),
+        "model.norm.weight": 1 + rand(d, scale=0.1),
+    }
+    if not config["tie_word_embeddings"]:
+        tensors["lm_head.weight"] = rand(config["vocab_size"], d)
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        tensors |= {
+            p + "input_layernorm.weight": 1 + rand(d, scale=0.1),
+            p + "post_attention_layernorm.weight": 1 + rand(d, scale=0.1),
+            p + "self_attn.q_proj.weight": rand(nh * hd, d),
+            p + "self_attn.k_proj.weight": rand(nkv * hd, d),
+            p + "self_attn.v_proj.weight": rand(nkv * hd, d),
+            p + "self_attn.o_proj.weight": rand(d, nh * hd),
+            p + "mlp.gate_proj.weight": rand(inter, d),
+            p + "mlp.up_proj.weight": rand(inter, d),
+            p + "mlp.down_proj.weight": rand(d, inter),
+        }
+    return tensors
+
+
+def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(tensors, folder / "model.safetensors")
+    return folder
+
+
+def tiny_with_real_tokenizer(folder: Path, real_dir: Path, **config_overrides) -> Path:
+    """The tiny random Llama with the real model's tokenizer (vocabulary and chat template) in
+    `folder`: real text in, random-weight speed."""
+    vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
+    config = {**TINY_CONFIG, "vocab_size": vocab_size, **config_overrides}
+    write_checkpoint(folder, config, random_llama_tensors(config))
+    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
+        shutil.copy(real_dir / name, folder)
+    return folder
+
+
+# The tiny model's KV bytes per token, its soaks' references, and the KV events they replay.
+KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
+
+
+def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """What an independent reference gives: naive decoding, seeded naive draws, the reference search."""
+    if params.beam_width > 1:
+        return reference_beam_search(model, prompt, params.beam_width, params.max_tokens, None)
+    return [
+        generate(
+            model,
+            prompt,
+            SamplingParams(
+                temperature=params.temperature,
+                seed=(params.seed or 0) + i,
+                max_tokens=params.max_tokens,
+                ignore_eos=True,
+            ),
+            "naive",
+        ).token_ids
+        for i in range(params.n)
+    ]
+
+
+def assert_replayed(replayer: Replayer, kv_cache) -> None:
+    """The state rebuilt from the KV events alone equals the block manager's."""
+    manager = kv_cache.block_manager
+    cache = manager.prefix_cache.entries if manager.prefix_cache else {}
+    replayer.check(manager.block_tables, manager.refcounts, {block: e.key for block, e in cache.items()})
+
+
+def route(known: set, item: dict) -> None:
+    """What a KV-aware router keeps of vLLM's events: the (block hash, medium) pairs cached."""
+    if item["type"] == "AllBlocksCleared":
+        known.clear()
+    elif item["type"] == "BlockStored":
+        known.add((item["block_hashes"][0], item["medium"]))
+    else:
+        known.remove((item["block_hashes"][0], item["medium"]))
+
+
+# Bad requests: a sampler that fails after a few good tokens.
+class FailingSampler:
+    """Greedy for `good_tokens` tokens, then `fault()`: raises, or returns what it returns."""
+
+    def __init__(self, good_tokens: int, fault):
+        self.good_tokens, self.fault, self.calls = good_tokens, fault, 0
+
+    def __call__(self, logits):
+        self.calls += 1
+        return int(logits.argmax()) if self.calls <= self.good_tokens else self.fault()
+
+
+def raise_fault():
+    raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+
+# JSON: strict parsing of a `--json` command's output, and any JSON value for a fuzz test.
+def strict_json(text: str) -> dict:
+    """json.loads, but refusing what Python's json accepts and JSON does not: NaN, Infinity, a
+    number too large for a float (1e999 -> inf), and anything beside the one object."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    def finite(number: str) -> float:
+        if not math.isfinite(float(number)):
+            raise ValueError(f"{number} is not a finite number")
+        return float(number)
+
+    report = json.loads(text, parse_constant=refuse, parse_float=finite)
+    assert isinstance(report, dict) and text.count("\n") == 1, "one JSON object on one line"
+    return report
+
+
+def run_json(capsys, *argv) -> dict:
+    from minillm.cli import main  # here, so every test session need not import the CLI
+
+    code = main([str(arg) for arg in argv])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    return strict_json(out)
+
+
+JSON_LEAF = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([10**400, -(10**30), 2**64, -1, 0, 1]),
+    st.floats(),  # NaN and infinities too, written as JSON's NaN / Infinity
+    st.text(st.characters(categories=["L", "N", "P", "Zs", "Cs"]), max_size=12),  # Cs: lone surrogates
+)
+ANY_JSON = st.recursive(
+    JSON_LEAF,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
