@@ -12,15 +12,13 @@ token belongs to which sequence. This is the layout continuous batching needs.
 
 Two projections are fused for speed, as nano-vllm and gpt-fast do: q, k and v are one matmul
 (`wqkv`), and the SwiGLU gate and up projections are another (`w_gate_up`). `weights.py`
-concatenates the checkpoint's separate matrices into them. Every matmul goes through `Matmul`,
-which picks torch's own kernel or, for decode-sized bf16 products on a CPU, a C++ kernel that
-streams the weight (up to 6 rows) or oneDNN on a copy of the weight packed once; bf16 norms and
-RoPE on a CPU take one C++ call each (`kernels_cuda/dense_cpu.cpp`).
+concatenates the checkpoint's separate matrices into them. Every matmul goes through `Matmul`
+(`matmul.py`: torch's F.linear, or for decode-sized bf16 products on a CPU a faster kernel); bf16
+norms and RoPE on a CPU take one C++ call each (`kernels_cuda/dense_cpu.cpp`).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Protocol
 
 import torch
@@ -28,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.config import ModelConfig
+from minillm.matmul import Linear, Matmul, bf16_kernel
 
 
 class AttentionContext(Protocol):
@@ -35,100 +34,6 @@ class AttentionContext(Protocol):
         """q: (N, num_heads, head_dim); k, v: (N, num_kv_heads, head_dim) for this step's tokens.
         Stores k, v wherever this context keeps its cache, attends over each token's history,
         and returns (N, num_heads, head_dim)."""
-
-
-def _onednn_packs_bf16() -> bool:
-    """Whether this CPU's oneDNN packs bf16 weights: it needs avx512bw/vl/dq or avx_ne_convert, so
-    an AVX2-only CPU (an AMD EPYC here had neither) refuses, and its products take F.linear."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except RuntimeError:
-        return False
-    return True
-
-
-ONEDNN = _onednn_packs_bf16()  # asked once: every product of a step asks onednn_packs
-
-
-def onednn_packs(weight: torch.Tensor) -> bool:
-    """Whether `Matmul` may multiply by this weight through a oneDNN-packed copy: bf16 on a CPU.
-
-    Measured on a 2-core AMD EPYC (avx512_bf16), one thread, SmolLM2's shapes, weights read from
-    memory: torch's bf16 F.linear re-lays the weight out on every call and reaches ~14 GFLOP/s at
-    one row (14 GB/s of weights); a copy packed once reaches ~25 (1.8x, in every run) and 0.9-1.5x
-    at 16 rows. From 64 rows on it is no faster, and at 256 often slower (0.7-1.0x), so prefill-
-    sized products keep F.linear (`PACKED_MAX_ROWS`). fp32 would gain too (torch's fp32 BLAS runs
-    1.4-2x slower than oneDNN on this CPU), but its sums would come out in another order and the
-    fp32 logits would no longer equal HF transformers' bit for bit: fp32 stays the exact reference.
-    """
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and ONEDNN
-
-
-PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed copy; prefill chunks, F.linear
-# Up to this many rows the weight-streaming C++ kernel beats the packed copy. Measured on a 2-core
-# Xeon (AMX), 2 threads, all of SmolLM2's bf16 products in a row, median of 5 interleaved: 2.0x at
-# 1-2 rows (19 GB/s of weights against 10), 1.65x at 3, 1.5x at 4, 1.2-1.3x at 5-6, even at 8
-# (the kernel's tiles hold 3 rows; oneDNN's, on AMX, many more).
-DENSE_MAX_ROWS = 6
-
-
-@functools.cache
-def dense_kernel():
-    """The CPU kernels' build (kernels_cuda/dense_cpu.cpp), or None where it does not build: the
-    packed copy then takes every decode-sized product, and torch the norms and RoPE."""
-    from minillm.attention.kernels import cpu_kernel  # the build only; attention itself stays out
-    from minillm.config import ConfigError
-
-    try:
-        return cpu_kernel()
-    except ConfigError:
-        return None
-
-
-def bf16_kernel(t: torch.Tensor):
-    """dense_cpu.cpp's kernels for a bf16 tensor on a CPU (where they build), else None."""
-    return dense_kernel() if t.dtype == torch.bfloat16 and t.device.type == "cpu" else None
-
-
-class Matmul:
-    """x @ weight.T, by whichever of three CPU paths is fastest for its shape in bf16:
-    - up to `DENSE_MAX_ROWS` rows: the C++ kernel that streams the weight (`dense_cpu.cpp`);
-    - up to `PACKED_MAX_ROWS`: oneDNN on a copy of the weight packed once;
-    - more rows, other dtypes, other devices: F.linear.
-
-    The packed copy is made on first use and made again if the weight was replaced or written since
-    (torch counts in-place writes in `_version`); it costs the weight's bytes a second time (bf16
-    SmolLM2: 269 MB plain + 269 MB packed, the size of the fp32 weights alone).
-    """
-
-    def __init__(self):
-        self.packed: torch.Tensor | None = None
-        self.packed_from = None  # (address, version) of the weight it was packed from
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        kernel = bf16_kernel(weight) if rows <= DENSE_MAX_ROWS else None
-        if kernel is not None and weight.is_contiguous() and kernel.dense_fits(*weight.shape[::-1]):
-            return kernel.dense(x.contiguous(), weight)
-        if rows > PACKED_MAX_ROWS or not onednn_packs(weight):
-            return F.linear(x, weight)
-        source = (weight.data_ptr(), weight._version)
-        if self.packed_from != source:
-            self.packed, self.packed_from = torch.ops.mkldnn._reorder_linear_weight(weight.detach()), source
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-
-
-class Linear(nn.Linear):
-    """A bias-free nn.Linear whose product goes through `Matmul`."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-        self.matmul = Matmul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight)
 
 
 class RMSNorm(nn.Module):

@@ -1,5 +1,5 @@
 """The dense part of a step in bf16: the weight-streaming C++ kernel and the oneDNN-packed matmul
-`model.py` uses for bf16 on a CPU compute what torch's bf16 F.linear computes within bf16
+`matmul.py` gives bf16 on a CPU compute what torch's bf16 F.linear computes within bf16
 rounding, the packed copy follows writes to its weight, and the engine's greedy tokens in bf16
 equal the naive decoder's in bf16 (the oracle in the same dtype) but at ties."""
 
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from minillm.decoding import generate
 from minillm.decoding.naive import NaiveDecoder
 from minillm.engine import LLM, SamplingParams
-from minillm.model import DENSE_MAX_ROWS, ONEDNN, Linear, RMSNorm, apply_rope, dense_kernel, onednn_packs
+from minillm.matmul import DENSE_MAX_ROWS, ONEDNN, Linear, dense_kernel, onednn_packs
+from minillm.model import RMSNorm, apply_rope
 from minillm.weights import load_model
 
 needs_onednn = pytest.mark.skipif(

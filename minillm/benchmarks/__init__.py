@@ -47,7 +47,7 @@ def read_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float | None:
 
     import torch
 
-    from minillm.model import dense_kernel
+    from minillm.matmul import dense_kernel
 
     kernel = dense_kernel()
     if kernel is None:
