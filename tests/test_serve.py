@@ -32,6 +32,7 @@ from minillm.serve.metrics import parse_metrics
 from minillm.structured import StructuredOutput
 
 CONTEXT = 1024
+LONG_STREAM = 100_000  # tokens: a stream no machine ends before Ctrl-C reaches it
 MAX_NUM_SEQS = 32
 PROMPTS = [
     "The capital of France is",
@@ -885,14 +886,20 @@ def test_bench_serve_http_reports_speed_latency_and_no_block_left(capsys, model_
     assert left["blocks_held_after"] == left["requests_left"] == 0
 
 
-def test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c(model_dir):
+def test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c(real_dir, tmp_path):
     """`minillm serve` as a user runs it: the engine in the main thread, HTTP beside it; Ctrl-C
-    ends a stream in flight with an error event and [DONE], and the process exits."""
+    ends a stream in flight with an error event and [DONE], and the process exits.
+
+    Ctrl-C goes out once the stream's first chunk is here, and the stream asks for 100,000 tokens
+    (the model's context is made long enough): however fast the machine, it is still running."""
     import http.client
     import signal
     import subprocess
     import sys
 
+    model_dir = tiny_with_real_tokenizer(
+        tmp_path, real_dir, max_position_embeddings=LONG_STREAM + 1024, tie_word_embeddings=True
+    )
     with socket.create_server(("127.0.0.1", 0)) as probe:
         port = probe.getsockname()[1]
     proc = subprocess.Popen(
@@ -932,7 +939,7 @@ def test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c(model_dir):
                 {
                     "model": "tiny",
                     "prompt": PROMPTS[0],
-                    "max_tokens": 1000,
+                    "max_tokens": LONG_STREAM,
                     "stream": True,
                     "ignore_eos": True,
                 }
