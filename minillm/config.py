@@ -10,7 +10,7 @@ own config, `ModelConfig`, is read from config.json in `minillm.model_config`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -46,42 +46,38 @@ MAX_LOOKUP = 32  # the longest n-gram speculation may look up (each token indexe
 @dataclass(frozen=True)
 class EngineConfig:
     """Every switch of a run: the model, the paged KV memory and its scheduling, KV compression,
-    the tiers below the device pool. `SWITCHES` (below) says how each is spelled and what it takes."""
+    the tiers below the device pool. `SWITCHES` (below) says what each does, how it is spelled and
+    what it takes."""
 
     model_dir: Path = DEFAULT_MODEL_DIR
-    dtype: str = "float32"  # or bfloat16, float16; "auto" becomes the device's fastest (`resolve_dtype`)
+    dtype: str = "float32"
     device: str = "cpu"
-    max_seq_len: int | None = None  # defaults to the model's context length
-    # --- the serving engine (minillm.engine): paged KV memory and scheduling
-    block_size: int = 16  # token slots per KV block
-    kv_cache_bytes: int = 512 * 2**20  # the KV pool's budget; it is cut into blocks
-    scheduling: str = "continuous"  # iteration-level batching, or "static" (a batch at a time)
-    admission: str = "fcfs"  # who joins first: arrival order, "lpm" (longest cached prefix first),
-    #   "memory" (benefit / KV cost, with headroom), "memory+lpm" (lpm's order, memory's room), or
-    #   "reserve" (fcfs, each request holding its maximum length: the pre-paging baseline)
-    max_num_seqs: int = 64  # sequences running at once
-    max_num_batched_tokens: int = 512  # tokens computed per step; a longer prefill is chunked
-    prefix_caching: bool = False  # share the KV of full prompt blocks computed for earlier requests
-    attention_backend: str = "auto"  # the C++ or CUDA kernels, the torch reference, or "auto": the
-    #   kernel this machine builds (C++ on cpu, CUDA on a GPU), torch if it does not build
-    flash_prefill: bool = True  # with a kernel backend, prefill chunks go through its flash kernel too
-    # --- KV compression (minillm.memory.quantization, minillm.memory.eviction); both lossy
-    kv_dtype: str = "auto"  # "auto" (the model's dtype), int8, int4 (two per byte) or fp8 (e4m3)
-    kv_key_scales: str = "channel"  # quantized keys share a scale per channel of a block, or per token
-    eviction: str = "none"  # h2o (heavy hitters + recent), sinks (first tokens + recent), window
-    kv_budget: int | float | None = None  # with eviction: entries kept per sequence (int) or fraction (float)
-    eviction_trigger: str = "always"  # with eviction: keep the budget always, or only under "pressure"
-    #   (the pressure ladder's last rung, after a step that ran short of blocks)
-    # --- tiers (minillm.memory.tiers): where KV goes when it leaves the device pool
-    host_cache_bytes: int = 0  # a host pool for swapped-out blocks and spilled prefix blocks; 0 = none
-    disk_cache_dir: str | None = None  # a folder for block files once the host pool is full; None = none
-    preemption: str = "auto"  # recompute, swap (needs a tier) or "auto": by measured cost (recompute
-    #   without a tier)
-    # --- speculative decoding (minillm.engine.speculative): lossless
-    speculative: str = "none"  # "ngram": guess tokens from the sequence itself, check them in one pass
-    num_speculative_tokens: int = 4  # guesses per sequence per step, at most (vLLM's k)
-    prompt_lookup_min: int = 3  # the shortest n-gram looked up (3..6 kept the most guesses on the
-    prompt_lookup_max: int = 6  #   tuning prompts; the longest n-gram that occurred wins)
+    max_seq_len: int | None = None  # None: the model's context length
+    # the serving engine (minillm.engine): paged KV memory and scheduling
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 2**20
+    scheduling: str = "continuous"
+    admission: str = "fcfs"  # "reserve" is the pre-paging baseline
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    prefix_caching: bool = False
+    attention_backend: str = "auto"
+    flash_prefill: bool = True
+    # KV compression (minillm.memory.quantization, minillm.memory.eviction); both lossy
+    kv_dtype: str = "auto"  # int4 packs two per byte; fp8 is e4m3
+    kv_key_scales: str = "channel"
+    eviction: str = "none"  # h2o: heavy hitters + recent; sinks: first tokens + recent
+    kv_budget: int | float | None = None  # int: tokens kept per sequence; float: a fraction of its length
+    eviction_trigger: str = "always"
+    # tiers (minillm.memory.tiers): where KV goes when it leaves the device pool
+    host_cache_bytes: int = 0
+    disk_cache_dir: str | None = None
+    preemption: str = "auto"  # swap needs a tier
+    # speculative decoding (minillm.engine.speculative): lossless
+    speculative: str = "none"
+    num_speculative_tokens: int = 4  # vLLM's k
+    prompt_lookup_min: int = 3  # 3..6 kept the most guesses on the tuning prompts
+    prompt_lookup_max: int = 6
 
     def __post_init__(self):
         self._check_choices()
@@ -209,14 +205,14 @@ class Switch:
     Its default is the field's."""
 
     name: str  # the EngineConfig field
-    group: str  # its flag group in cli/flags.py; "" for a switch only the API sets
-    help: str = ""  # the flag's --help; argparse writes %(default)s as the default
+    help: str  # what it does, the flag's --help; argparse writes %(default)s as the default
     choices: tuple[str, ...] = ()  # a choice switch takes one of these
     minimum: int | None = None  # a whole-number switch takes this or more (in the flag's unit)
     parse: Callable[[str], object] | None = None  # text -> value for the rest; ValueError says why
     flag: str = ""  # the flag's name (and the chat's), when it is not the field's
     scale: int = 1  # the flag's value times this is the field's (MiB -> bytes)
     lossy: bool = False  # changes what the weights or the KV hold, so the tokens may differ
+    group: str = ""  # its flag group in cli/flags.py (its key in `_TABLE`); "" for none
 
     @property
     def dest(self) -> str:
@@ -243,96 +239,83 @@ class Switch:
 
 
 _FIELD_DEFAULTS = {f.name: f.default for f in fields(EngineConfig)}
-SWITCHES = {
-    switch.name: switch
-    for switch in (
-        # model: which checkpoint, in which precision, where
+_TABLE = {
+    "model": (  # which checkpoint, in which precision, where
         Switch(
             "model_dir",
-            "model",
             "checkpoint folder written by weights_fetch.py (default: %(default)s)",
             parse=Path,
             flag="model",
         ),
         Switch(
             "dtype",
-            "model",
             "weights and KV dtype; auto: bfloat16 where the device computes it natively, else float32 "
             "(default: %(default)s)",
             choices=("auto", *DTYPES),
             lossy=True,
         ),
-        Switch("device", "model", "cpu or cuda (default: %(default)s)"),
-        # engine: paged KV memory and scheduling
+        Switch("device", "cpu or cuda (default: %(default)s)"),
+    ),
+    "engine": (  # paged KV memory and scheduling
         Switch(
             "kv_cache_bytes",
-            "engine",
             "the device KV pool in MiB (default: %(default)s)",
             minimum=1,
             flag="kv_cache_mb",
             scale=2**20,
         ),
-        Switch("block_size", "engine", "token slots per KV block (default: %(default)s)", minimum=1),
-        Switch("max_num_seqs", "engine", "sequences running at once (default: %(default)s)", minimum=1),
+        Switch("block_size", "token slots per KV block (default: %(default)s)", minimum=1),
+        Switch("max_num_seqs", "sequences running at once (default: %(default)s)", minimum=1),
         Switch(
             "max_num_batched_tokens",
-            "engine",
             "tokens computed per step; a longer prefill is chunked (default: %(default)s)",
             minimum=1,
         ),
-        Switch(
-            "max_seq_len", "engine", "tokens one sequence may hold (default: the model's context)", minimum=2
-        ),
+        Switch("max_seq_len", "tokens one sequence may hold (default: the model's context)", minimum=2),
         Switch(
             "prefix_caching",
-            "engine",
             "share the KV of full prompt blocks computed for earlier requests (default: off)",
         ),
         Switch(
             "attention_backend",
-            "engine",
             "attention: the C++ (cpu) or CUDA kernel, the torch reference, or auto: the kernel for "
             "the device if it builds, else torch (default: %(default)s)",
             choices=("auto", "torch", "cpu", "cuda"),
         ),
         Switch(
             "flash_prefill",
-            "engine",
             "with a kernel backend, attend prefill chunks with its flash kernel, not torch (default: on)",
         ),
         Switch(
             "scheduling",
-            "engine",
             "iteration-level batching, or a new batch only when the last has finished (default: %(default)s)",
             choices=("continuous", "static"),
         ),
         Switch(
             "admission",
-            "engine",
             "who joins the batch first: fcfs (arrival order), lpm (longest cached prefix first), "
             "memory (benefit per KV cost, keeping headroom to grow), memory+lpm (lpm's order, "
             "memory's headroom), or reserve (fcfs, each request holding its maximum length) "
             "(default: %(default)s)",
             choices=("fcfs", "lpm", "memory", "memory+lpm", "reserve"),
         ),
-        # KV quantization (minillm.memory.quantization)
+    ),
+    "kv_quantization": (  # minillm.memory.quantization
         Switch(
             "kv_dtype",
-            "kv_quantization",
             "store the KV cache as int8, int4 or fp8 with scales (default: %(default)s, the model dtype)",
             choices=("auto", "int8", "int4", "fp8"),
             lossy=True,
         ),
         Switch(
             "kv_key_scales",
-            "kv_quantization",
             "quantized keys share a scale per channel of a block, or per token (default: %(default)s)",
             choices=("channel", "token"),
             lossy=True,
         ),
-        # eviction (minillm.memory.eviction)
+    ),
+    "eviction": (  # minillm.memory.eviction
         Switch(
-            "eviction",
             "eviction",
             "drop KV entries beyond --kv-budget: h2o, sinks or window (default: %(default)s)",
             choices=("none", "h2o", "sinks", "window"),
@@ -340,36 +323,39 @@ SWITCHES = {
         ),
         Switch(
             "kv_budget",
-            "eviction",
             "with --eviction: entries kept per sequence, as tokens (256) or a fraction (0.2)",
             parse=parse_kv_budget,
             lossy=True,
         ),
-        Switch("eviction_trigger", "", choices=("always", "pressure"), lossy=True),
-        # tiers (minillm.memory.tiers)
+    ),
+    "": (  # in no shared flag group: the chat adds it itself (cli/commands.py)
+        Switch(
+            "eviction_trigger",
+            "with --eviction: keep every sequence within --kv-budget always, or only after a step "
+            "in which the KV pool ran short (the pressure ladder's last rung, after reclaiming cached "
+            "blocks and preempting) (default: %(default)s)",
+            choices=("always", "pressure"),
+            lossy=True,
+        ),
+    ),
+    "tiers": (  # minillm.memory.tiers
         Switch(
             "host_cache_bytes",
-            "tiers",
             "a host pool (MiB) for swapped-out and spilled KV blocks; 0 is none (default: %(default)s)",
             minimum=0,
             flag="host_cache_mb",
             scale=2**20,
         ),
-        Switch(
-            "disk_cache_dir",
-            "tiers",
-            "a folder for KV block files once the host pool is full (default: none)",
-        ),
+        Switch("disk_cache_dir", "a folder for KV block files once the host pool is full (default: none)"),
         Switch(
             "preemption",
-            "tiers",
             "when KV blocks run out: recompute the victim, swap its blocks out, or "
             "pick by measured cost (default: %(default)s; recompute without a tier)",
             choices=("recompute", "swap", "auto"),
         ),
-        # speculative decoding (minillm.engine.speculative)
+    ),
+    "speculative": (  # minillm.engine.speculative
         Switch(
-            "speculative",
             "speculative",
             "ngram: guess the next tokens from the prompt and output (n-gram lookup) and check "
             "them in one forward pass; greedy output is unchanged (default: %(default)s)",
@@ -377,21 +363,21 @@ SWITCHES = {
         ),
         Switch(
             "num_speculative_tokens",
-            "speculative",
             "with --speculative: guesses per sequence per step, at most (default: %(default)s)",
             minimum=1,
         ),
         Switch(
             "prompt_lookup_min",
-            "speculative",
             "with --speculative ngram: the shortest n-gram looked up (default: %(default)s)",
             minimum=1,
         ),
         Switch(
             "prompt_lookup_max",
-            "speculative",
             "with --speculative ngram: the longest n-gram looked up (default: %(default)s)",
             minimum=1,
         ),
-    )
+    ),
+}
+SWITCHES = {
+    switch.name: replace(switch, group=group) for group, switches in _TABLE.items() for switch in switches
 }

@@ -4,17 +4,17 @@
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
 It adds every prompt to an `LLMEngine` and steps it until all have finished; `stream` yields one
-request's output token by token. The keyword switches are `EngineConfig` fields.
+request's output token by token. The keyword switches are `EngineConfig` fields, as `config.SWITCHES`
+declares them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Iterator
 from typing import Sequence as Seq
 
-from minillm.config import DEFAULT_MODEL_DIR, ConfigError, EngineConfig
+from minillm.config import DEFAULT_MODEL_DIR, SWITCHES, ConfigError, EngineConfig
 from minillm.engine.engine import LLMEngine
 from minillm.engine.outputs import RequestOutput
 from minillm.model import Transformer
@@ -22,7 +22,7 @@ from minillm.progress import progress_bar
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 
-SWITCHES = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model_dir")
+_KEYWORDS = tuple(name for name in SWITCHES if name != "model_dir")  # model_dir is the first argument
 
 
 class LLM:
@@ -36,9 +36,9 @@ class LLM:
         tokenizer: Tokenizer | None = None,
         **switches,
     ):
-        unknown = [name for name in switches if name not in SWITCHES]
+        unknown = [name for name in switches if name not in _KEYWORDS]
         if unknown:
-            raise ConfigError(f"LLM has no switch {unknown[0]!r}; the switches are {', '.join(SWITCHES)}.")
+            raise ConfigError(f"LLM has no switch {unknown[0]!r}; the switches are {', '.join(_KEYWORDS)}.")
         self.engine = LLMEngine(EngineConfig(model_dir=Path(model_dir), **switches), model, tokenizer)
 
     def generate(
