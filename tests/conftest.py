@@ -80,6 +80,11 @@ def always_guess():
 _REAL_FIXTURES = {"real_dir", "real_model", "real_tokenizer", "hf_model", "real_text_ids"}
 _REAL_WEIGHT_FIXTURES = {"real_model", "hf_model", "real_text_ids"}
 _SLOW_MODULES = {"test_lessons", "test_real_model", "test_benchmarks", "test_soak", "test_serve_soak"}
+# Cases over ~10 s (measured on a loaded 2-core CPU) whose format another case keeps in the fast tier.
+_SLOW_CASES = {
+    f"test_quantized_engine_equals_a_fake_quantized_no_cache_reference[{case}]"
+    for case in ("int4-channel", "fp8-channel", "int4-token", "int8-token")
+}
 _KERNEL_NAMES = ("cpu_kernel", "flash_prefill_kernel", "quantize_write_kernel", "cuda", "nvcc")
 
 
@@ -90,7 +95,7 @@ def _tiers_of(item) -> set[str]:
     tiers = set()
     if fixtures & _REAL_FIXTURES:
         tiers.add("real_model")
-    if fixtures & _REAL_WEIGHT_FIXTURES or module in _SLOW_MODULES:
+    if fixtures & _REAL_WEIGHT_FIXTURES or module in _SLOW_MODULES or item.name in _SLOW_CASES:
         tiers.add("slow")
     if module.startswith("test_serve"):
         tiers.add("server")

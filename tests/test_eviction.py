@@ -102,6 +102,7 @@ def test_a_budget_covering_the_sequence_is_exact(tiny_dir, tiny_model, policy):
     assert llm.engine.num_preemptions > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, budget", [("h2o", 12), ("sinks", 12), ("window", 7), ("h2o", 0.3)])
 def test_exactly_the_budget_is_kept_and_the_rest_given_back(tiny_dir, tiny_model, policy, budget):
     prompts, params = mixed(6, seed=2)

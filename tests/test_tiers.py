@@ -117,6 +117,7 @@ def test_a_block_comes_back_from_host_and_disk_bit_for_bit(tiny_model, tmp_path,
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_dtype, key_scales", [("int8", "channel"), ("int4", "channel"), ("fp8", "token")])
 def test_quantized_engine_with_swaps_equals_the_quantized_reference(
     tiny_dir, tiny_model, kv_dtype, key_scales
@@ -409,6 +410,7 @@ def test_memory_stats_count_every_tier(tiny_dir, tiny_model):
     assert final["host_total_slots"] == llm.engine.kv_cache.block_manager.num_host_blocks * BLOCK
 
 
+@pytest.mark.slow
 def test_cli_generate_on_the_engine_reports_memory_per_tier(capsys, real_dir):
     argv = ["generate", "The sky is", "--max-tokens", "6", "--json", "--model", str(real_dir)]
     assert main(argv) == 0
@@ -420,6 +422,7 @@ def test_cli_generate_on_the_engine_reports_memory_per_tier(capsys, real_dir):
     assert paged["preemption"]["mode"] == "auto" and paged["preemption"]["tokens_recomputed"] == 0
 
 
+@pytest.mark.slow
 def test_prefetched_swap_ins_copy_behind_the_forward_pass_and_stay_exact(tiny_dir, tiny_model):
     prompts = mixed_prompts(30, seed=3)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
