@@ -11,6 +11,7 @@ from typing import Iterator
 
 from minillm.config import EngineConfig
 from minillm.decoding import Generation, generate, stream
+from minillm.matmul import bf16_kernel
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -20,6 +21,9 @@ class Runtime:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model = load_model(config.model_dir, config.torch_dtype, config.device)
+        # bf16 on a CPU decodes through the C++ products: a first run builds them here, so the
+        # build is reported as a build (kernels.build says how long), not as a first token's latency
+        bf16_kernel(next(self.model.parameters()))
         self.context_len = self.model.config.context_len(config.max_seq_len)
         self.tokenizer = Tokenizer(config.model_dir)
 
