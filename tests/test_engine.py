@@ -287,7 +287,11 @@ def test_a_long_lived_engine_keeps_nothing_of_answered_requests(tiny_dir, tiny_m
         rejected = engine.add_request([], SamplingParams())
         engine.abort(engine.add_request([], SamplingParams()))  # rejected, then aborted before any step
         assert [out.request_id for out in engine.step()] == [rejected]
-        assert not engine.has_unfinished_requests() and engine.requests == {} and engine.beam_groups == {}
+        assert (
+            not engine.has_unfinished_requests()
+            and engine.requests == {}
+            and engine.chooser.beam_groups == {}
+        )
         runs[window] = engine.stats, [out.samples for out in outputs]
     (short, short_samples), (full, full_samples) = runs[5], runs[10_000]
     assert short_samples == full_samples and short.steps == full.steps > 5

@@ -1,8 +1,8 @@
 """The serving engine: requests in, tokens out, one batched forward pass per step.
 
 `LLMEngine.step()` is the algorithm, one call per stage into the object that owns it:
-  1. the scheduler picks sequences and token counts (decode tokens, prefill chunks), growing
-     their block tables — or preempting when blocks run out (`scheduler.py`);
+  1. the scheduler picks sequences and token counts (decode tokens, prefill chunks), asking the
+     KV cache manager for their blocks — or preempting when blocks run out (`scheduler.py`);
   2. the tiers perform the block copies the scheduler decided — swaps between the device pool
      and the host or disk tier, prefix spills, copy-on-write — in order (`memory/tiers.py`),
      and start copying back, in the background, the swapped sequence that runs next (prefetch);
@@ -11,8 +11,9 @@
      block table (`runner.py`, `attention/paged.py`);
   4. the scheduler hears what was computed: full blocks become findable in the prefix cache,
      sequences over their eviction budget drop entries;
-  5. every sequence whose tokens are all computed samples its next token (n samples fork at
-     their first token; beams advance together, `beam.py`); finished ones release their blocks;
+  5. the token chooser checks guesses, scores prompts, and gives every sequence whose tokens are
+     all computed its next token (n samples fork at their first token; beams advance together),
+     `token_choice.py`; finished ones release their blocks;
   6. one `RequestOutput` for every request that changed (`outputs.py`).
 
 `LLM` (`llm.py`) wraps it with a vLLM-shaped API.
@@ -29,16 +30,16 @@ import torch
 
 from minillm.attention.kernels import attention_backend
 from minillm.config import ConfigError, EngineConfig
-from minillm.engine.beam import BeamGroup
 from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Schedule, Scheduler
 from minillm.engine.sequence import Sequence, Status
-from minillm.engine.speculative import NgramProposer, check_guesses
+from minillm.engine.speculative import NgramProposer
+from minillm.engine.token_choice import TokenChooser
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
 from minillm.memory.events import Step
 from minillm.model import Transformer
-from minillm.sampling import Sampler, SamplingParams, TokenLogprob, process_logits, token_logprob
+from minillm.sampling import Sampler, SamplingParams
 from minillm.structured import Grammars
 from minillm.tokenizer import Tokenizer
 from minillm.tracing import attach
@@ -102,12 +103,23 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
-        self.beam_groups: dict[str, BeamGroup] = {}
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
         self.num_steps = 0
         self._grammars: Grammars | None = None  # built on the first structured-output request
+        self.chooser = TokenChooser(  # guess checks, prompt scoring, sampling, constraints, forks
+            self.runner,
+            self.scheduler,
+            self.requests,
+            self.stats,
+            self.eos_token_id,
+            model_config.vocab_size,
+            self.grammars,
+            self.proposer,
+            lambda: next(self.seq_ids),
+            self.end_with_error,
+        )
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -146,7 +158,7 @@ class LLMEngine:
         seq.priority = priority
         self.requests[request_id] = [seq]
         if params.beam_width > 1:
-            self.beam_groups[request_id] = BeamGroup(params.beam_width, live=[(seq, 0.0)])
+            self.chooser.start_beams(request_id, params.beam_width, seq)
         if not self.scheduler.add(seq):
             self.rejected.append(seq)
         return request_id
@@ -215,9 +227,9 @@ class LLMEngine:
         self.kv_cache.record_forward(rows, len(schedule.sequences), time.perf_counter() - start)
         listened = bool(self.kv_cache.events)  # somebody follows the memory system: say who ran
         read = [item.seq.num_cached + item.num_tokens for item in schedule.sequences] if listened else []
-        self.score_prompts(schedule, forward)  # before `computed` moves num_computed on
+        self.chooser.score_prompts(schedule, forward)  # before `computed` moves num_computed on
         guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
-        kept, endings = self.check_guesses(guessed, forward) if guessed else ({}, {})
+        kept, endings = self.chooser.check_guesses(guessed, forward) if guessed else ({}, {})
         evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
         ready = [
             (item.seq, row)
@@ -232,7 +244,7 @@ class LLMEngine:
                 self.scheduler.finish(seq, reason)
         if ready:
             logits = self.runner.logits(forward.hidden, [row for _, row in ready])  # (sequences ready, vocab)
-            changed += self.sample([seq for seq, _ in ready], logits)  # 5. next tokens
+            changed += self.chooser.sample([seq for seq, _ in ready], logits)  # 5. next tokens
         decoding = all(item.num_tokens == 1 or item.guesses for item in schedule.sequences)
         if self.proposer is not None and decoding:  # what guesses are priced by: a decode step's
             self.proposer.cost.record(rows, time.perf_counter() - start)  # pass, logits and checks
@@ -243,65 +255,6 @@ class LLMEngine:
             who = tuple((item.seq.seq_id, item.seq.request_id, item.num_tokens, n) for item, n in ran)
             self.kv_cache.emit(Step(time.perf_counter() - start, who))
         return self.outputs_of(list(dict.fromkeys(changed)))  # 6.
-
-    def check_guesses(self, guessed, forward) -> tuple[dict[int, int], dict[int, tuple]]:
-        """Speculation: each guessing sequence keeps the guesses its sampler's draws agree with,
-        and the draw that differed (`speculative.check_guesses`), appended now. Returns, per
-        sequence id, the tokens it appended (its last token's KV and its kept guesses' are the
-        ones kept), and, by sequence id, those that must stop: (seq, reason, None) for EOS or
-        length among its tokens, (seq, "error", why) for a sampler that failed (nothing
-        appended; its request ends alone)."""
-        rows = [r for item, last in guessed for r in range(last - len(item.guesses), last + 1)]
-        logits = self.runner.logits(forward.hidden, rows)  # (rows, vocab)
-        kept, endings, first = {}, {}, 0
-        for item, _ in guessed:
-            seq, num_rows = item.seq, len(item.guesses) + 1
-            rows_of_seq, first = logits[first : first + num_rows], first + num_rows
-            try:
-                drawn: list[int] = []  # row i is drawn after guesses[:i]: the tokens before it
-
-                def sample(row, seq=seq, guesses=item.guesses, drawn=drawn) -> int:
-                    self.constrain([seq], row.unsqueeze(0))  # its grammar moved on with each draw
-                    drawn.append(self.draw(seq, row, guesses[: len(drawn)]))
-                    return drawn[-1]
-
-                tokens = check_guesses(item.guesses, rows_of_seq, sample)
-            except Exception as err:
-                kept[seq.seq_id] = 0
-                endings[seq.seq_id] = (seq, "error", f"Sampling failed ({type(err).__name__}: {err}).")
-                continue
-            self.proposer.record(seq.seq_id, len(item.guesses), len(tokens) - 1)
-            self.stats.record_guesses(len(item.guesses), len(tokens) - 1)
-            appended = 0
-            for row, token in zip(rows_of_seq, tokens):  # row i's logits drew token i
-                appended += 1
-                reason = seq.append(token, self.eos_token_id, logprob_of(seq, row, token))
-                if reason:
-                    endings[seq.seq_id] = (seq, reason, None)
-                    break
-            kept[seq.seq_id] = appended
-            self.runner.add_mass(seq, forward.guess_mass.get(seq.seq_id, [])[:appended])
-        return kept, endings
-
-    def score_prompts(self, schedule: Schedule, forward) -> None:
-        """`prompt_logprobs`: each prompt token's log-probability (after the first), from the rows
-        of this step's chunk that predict it: row p scores token p + 1. A token already scored (a
-        prompt recomputed after a preemption) is not scored again."""
-        wanted = []  # (seq, row, token position scored)
-        for item, last in zip(schedule.sequences, forward.last_rows):
-            seq = item.seq
-            if seq.params.prompt_logprobs is None:
-                continue
-            start, end = seq.num_computed, seq.num_computed + item.num_tokens
-            first_row = last - item.num_tokens + 1
-            for position in range(max(start, len(seq.prompt_logprobs)), min(end, len(seq.prompt_ids) - 1)):
-                wanted.append((seq, first_row + position - start, position + 1))
-        if not wanted:
-            return
-        logits = self.runner.logits(forward.hidden, [row for _, row, _ in wanted])  # (scored, vocab)
-        for (seq, _, target), row_logits in zip(wanted, logits):
-            top = seq.params.prompt_logprobs
-            seq.prompt_logprobs.append(token_logprob(row_logits, seq.prompt_ids[target], top))
 
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
         """End these requests with `error`; their blocks go back and the engine stays usable."""
@@ -324,96 +277,12 @@ class LLMEngine:
         return outputs
 
     def forget(self, request_id: str) -> None:
-        if self.proposer is not None:
-            for seq in self.requests[request_id]:
-                self.proposer.forget(seq.seq_id)
+        self.chooser.forget(request_id)
         del self.requests[request_id]
-        self.beam_groups.pop(request_id, None)
 
     def guesses_for(self, seq: Sequence, most: int, batch: int) -> list[int]:
-        """At most `most` speculated tokens to follow a decoding sequence, among `batch` running
-        ones. Beams choose among each other's scores, not one draw at a time: they do not guess."""
-        if seq.request_id in self.beam_groups:
-            return []
-        return self.proposer.propose(seq.seq_id, seq.token_ids, most, batch)
-
-    def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
-        """Give each ready sequence its next token; return the requests that changed, in order.
-        A request whose sampling fails (its own sampler raised, or chose no token of the
-        vocabulary) ends alone with the error: the others keep exactly the tokens they drew, each
-        from its own generator, and nothing wrong reaches the next forward pass."""
-        changed: dict[str, None] = {}
-        self.constrain(ready, logits)
-        for seq, seq_logits in zip(ready, logits):
-            if seq.status is Status.FINISHED:  # its request failed earlier in this loop
-                continue
-            try:
-                if not self.sample_one(seq, seq_logits):
-                    continue
-            except Exception as err:
-                self.end_with_error(seq.request_id, f"Sampling failed ({type(err).__name__}: {err}).")
-            changed[seq.request_id] = None
-        return list(changed)
-
-    def sample_one(self, seq: Sequence, logits: torch.Tensor) -> bool:
-        """The next token of `seq` (and of its forks) from its logits (vocab,); False when it is a
-        beam still waiting for its siblings' scores, so nothing changed."""
-        group = self.beam_groups.get(seq.request_id)
-        if group is not None:
-            if not group.offer(seq, logits):
-                return False
-            # every live beam has its next-token scores: choose
-            self.requests[seq.request_id][:] = group.advance(
-                self.scheduler, lambda: next(self.seq_ids), self.eos_token_id
-            )
-            return True
-        for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
-            token = self.draw(sample, logits)
-            reason = sample.append(token, self.eos_token_id, logprob_of(sample, logits, token))
-            if reason:
-                self.scheduler.finish(sample, reason)
-        return True
-
-    def constrain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """Structured output: logits (rows, vocab), in place, row i keeping only the tokens
-        seqs[i]'s grammar allows next; one batched mask (`structured.py`)."""
-        if any(seq.grammar is not None for seq in seqs):
-            self.grammars().mask_logits(logits, [seq.grammar for seq in seqs])
-
-    def draw(self, seq: Sequence, logits: torch.Tensor, pending: list[int] = ()) -> int:
-        """`seq`'s next token from logits (vocab,), masked by its grammar if it has one: its
-        request's penalties and bias first (its tokens so far, then `pending`: guesses drawn
-        before this row), then its sampler; the token moves its grammar on."""
-        if seq.params.processes_logits:
-            logits = process_logits(
-                logits, seq.params, seq.prompt_ids, [*seq.output_ids, *pending], self.eos_token_id
-            )
-        grammar = seq.grammar
-        if grammar is not None and seq.params.processes_logits and not torch.isfinite(logits).any():
-            raise ValueError("no token is left to draw: min_tokens or logit_bias bans all the grammar allows")
-        token = self.token_of(seq.sampler(logits))
-        if grammar is not None:
-            grammar.advance(token)
-        return token
-
-    def token_of(self, chosen) -> int:
-        """A sampler's choice, checked: a custom sampler's id outside the vocabulary would fail
-        the next forward pass, and with it every sequence in that step."""
-        vocab_size = self.model.config.vocab_size
-        if isinstance(chosen, bool) or not isinstance(chosen, int) or not 0 <= chosen < vocab_size:
-            raise ValueError(f"the sampler chose {chosen!r}, not a token id in [0, {vocab_size})")
-        return chosen
-
-    def samples_of(self, seq: Sequence) -> list[Sequence]:
-        """The sequences that sample from `seq`'s logits: itself, and when a request with n > 1
-        samples for the first time, n - 1 forks sharing its blocks (parallel sampling)."""
-        if seq.params.n == 1 or len(self.requests[seq.request_id]) == seq.params.n:
-            return [seq]
-        forks = [seq.fork(next(self.seq_ids), index) for index in range(1, seq.params.n)]
-        for child in forks:
-            self.scheduler.fork(seq, child)
-        self.requests[seq.request_id] += forks
-        return [seq, *forks]
+        """The scheduler's guesser: speculated tokens to follow `seq` (`TokenChooser.guesses_for`)."""
+        return self.chooser.guesses_for(seq, most, batch)
 
     # ----------------------------------------------------------------- sessions (memory/sessions.py)
     def session_identity(self) -> dict[str, str]:
@@ -447,10 +316,6 @@ class LLMEngine:
         ]
         return self.kv_cache.snapshot(sequences, {"preemptions": self.scheduler.num_preemptions})
 
-    def block_states(self) -> dict[str, list[str]]:
-        """Every block's state per tier (see `MemorySnapshot`), for the chat's memory view."""
-        return self.kv_cache.block_states()
-
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens the prefix cache has saved from prefill so far (0 without a cache)."""
         cache = self.kv_cache.block_manager.prefix_cache
@@ -459,12 +324,6 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
-
-
-def logprob_of(seq: Sequence, logits: torch.Tensor, token: int) -> TokenLogprob | None:
-    """The token's log-probability under `logits` (vocab,), if the sequence's request asks."""
-    top = seq.params.logprobs
-    return None if top is None else token_logprob(logits, token, top)
 
 
 def token_list(prompt) -> list:
