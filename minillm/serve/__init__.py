@@ -11,9 +11,12 @@ engine_loop.py  the engine on one thread, fed by a command queue; Submission, on
 commands.py     what crosses between the threads: Add, Abort, Call, Stop, and each request's Reply
 app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics;
                 the checks at the door (API key, JSON only, body size and time, the waiting room)
+answer.py       one request's answer as outputs arrive: a JSON body at the end, or server-sent
+                events; what the client no longer waits for is aborted
 limits.py       ServeLimits: what one client may ask for, each bound a `minillm serve` flag
 connections.py  uvicorn as the server runs it: a cap on connections, a deadline for a request's head
 metrics.py      /metrics: the snapshot and the loop's counters in Prometheus' text format
+kv_events.py    /v1/kv_events: the KV events streamed as server-sent events; VllmEvents, vLLM's shape
 
 FastAPI and uvicorn are an optional extra: pip install -e ".[serve]".
 """
