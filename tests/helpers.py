@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from minillm.decoding import generate
 from minillm.engine import SamplingParams
 from minillm.engine.beam import reference_beam_search
-from minillm.memory.events import Replayer
+from minillm.memory.replay import Replayer
 
 REAL_MODEL_DIR = Path(
     os.environ.get("MINILLM_MODEL_DIR", Path(__file__).parent.parent / "weights" / "SmolLM2-135M-Instruct")

@@ -917,7 +917,8 @@ def test_a_size_with_nothing_to_measure_is_one_clear_line(capsys, real_dir, argv
 def test_trace_flag_writes_one_replayable_run_per_engine(capsys, vocab_dir, tmp_path):
     """`--trace FILE` on a bench that builds several engines: one run each, every run starting
     from its Snapshot and replaying to an empty pool (every request ended), with Step events."""
-    from minillm.memory.events import Replayer, Step
+    from minillm.memory.events import Step
+    from minillm.memory.replay import Replayer
     from minillm.tracing import read_trace
 
     path = tmp_path / "prefix.jsonl"

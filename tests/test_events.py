@@ -10,8 +10,10 @@ import pytest
 from helpers import KV_BYTES_PER_TOKEN, assert_replayed, route
 
 from minillm.engine import LLM, SamplingParams
-from minillm.memory.events import EVENT_TYPES, KVEvents, Replayer, VllmEvents, event_from_json
+from minillm.memory.events import EVENT_TYPES, KVEvents, event_from_json
 from minillm.memory.prefix_cache import PrefixCache
+from minillm.memory.replay import Replayer
+from minillm.serve.kv_events import VllmEvents
 from minillm.tracing import TraceError, read_trace, tracing
 
 

@@ -216,7 +216,8 @@ def test_kv_events_rebuild_the_prefix_cache_a_router_would_route_by(server, clie
 
 
 def test_kv_events_all_rebuild_every_block_table(server, client):
-    from minillm.memory.events import Replayer, event_from_json
+    from minillm.memory.events import event_from_json
+    from minillm.memory.replay import Replayer
 
     replayer = Replayer()
     reader = EventStreamReader(

@@ -26,7 +26,7 @@ from helpers import KV_BYTES_PER_TOKEN, FailingSampler, assert_replayed, expecte
 from minillm.config import SWITCHES
 from minillm.engine import LLM, SamplingParams
 from minillm.memory import SwapCost
-from minillm.memory.events import Replayer
+from minillm.memory.replay import Replayer
 
 NUM_SETUPS = int(os.environ.get("SOAK_SETUPS", 200))
 

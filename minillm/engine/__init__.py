@@ -5,11 +5,13 @@
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
 sequence.py   a request's tokens, how many have K/V computed, its timings
-scheduler.py  admission, block tables, chunked prefill, preemption, copy-on-write, forks, finishing
+scheduler.py  admission, token budget, chunked prefill, preemption, forks, finishing (memory it asks
+              of the KV cache manager: block tables, copy-on-write)
 runner.py     one step's schedule -> one model forward (token ids, positions, slots, block tables)
 beam.py       beam search: a group of beams that advances itself
 outputs.py    RequestOutput (per request) and EngineStats (per run)
 engine.py     LLMEngine: add_request / step / abort
+token_choice.py  TokenChooser: guess checks, prompt scoring, sampling, constraints, forks
 llm.py        LLM: generate / stream
 """
 

@@ -11,6 +11,8 @@ sessions.py          a conversation's KV parked in one file, resumed by a later 
 pressure.py          the pressure ladder: reclaim, preempt, evict, cheapest first
 arena.py             the "traditional" baseline: one max-length reservation per request
 accounting.py        one place that answers: reserved, live, shared, utilization; MemorySnapshot
+events.py            KV events: every change of a block's life, its JSON round trip, the bus
+replay.py            Replayer: the block state rebuilt from the events alone (the tests' oracle)
 
 It imports neither the engine nor attention: they call into it.
 """

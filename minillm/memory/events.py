@@ -24,22 +24,18 @@ A subscriber is any callable `(step, event)`. Subscribing first hands it a `Snap
 now (pool sizes, every table, every cached block), so it can follow from any moment on. With
 nobody subscribed an event costs one truth test of an empty list, before it is even built.
 
-Two readers come with the events. `Replayer` rebuilds every block's refcount, state and table
-membership from the events alone; the tests compare it with the block manager after every step,
-so an event the code forgets to send fails them. `VllmEvents` derives what a KV-aware router
-consumes from vLLM (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`), with this engine's tier
-names ("device", "host", "disk") as the medium.
+Every event goes through a file and back (`to_json`, `event_from_json`): `--trace` writes them
+(`tracing.py`). Two readers come with them: `replay.py` rebuilds the block state from
+the events alone (the oracle the tests and `minillm trace show` use), and `serve/kv_events.py`
+derives vLLM's shape from them for a KV-aware router.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
-
-from minillm.memory.free_blocks import tier_of
 
 Subscriber = Callable[[int, "Event"], None]
 log = logging.getLogger("minillm")
@@ -238,182 +234,3 @@ class KVEvents:
             except Exception as err:
                 log.warning("a KV event subscriber failed (%s: %s) and was dropped", type(err).__name__, err)
                 self.remove(subscriber)
-
-
-# ---------------------------------------------------------------------------- rebuilding the state
-class Replayer:
-    """Every block's refcount, table membership and prefix-cache entry, from the events alone.
-    It knows nothing of the block manager: feed it a stream (`apply`), then compare (`check`)."""
-
-    def __init__(self):
-        self.num_blocks = self.host_blocks = self.block_size = 0
-        self.bytes_per_token = 0
-        self.tables: dict[int, list[int]] = {}
-        self.refcounts: Counter[int] = Counter()
-        self.cached: dict[int, int] = {}  # block -> key
-
-    def __call__(self, step: int, event: Event) -> None:
-        self.apply(event)
-
-    def tier(self, block: int) -> str:
-        return tier_of(block, self.num_blocks, self.host_blocks)
-
-    def state(self, block: int) -> str:
-        """As `BlockManager.block_state`: free, cached, shared or private."""
-        if self.refcounts[block] == 0:
-            return "cached" if block in self.cached else "free"
-        return "shared" if self.refcounts[block] > 1 or block in self.cached else "private"
-
-    def apply(self, event: Event) -> None:
-        getattr(self, "_" + type(event).__name__)(event)
-
-    def _hold(self, seq_id: int, block: int) -> None:
-        self.tables.setdefault(seq_id, []).append(block)
-        self.refcounts[block] += 1
-
-    def _release(self, block: int, holders: int = 1) -> None:
-        self.refcounts[block] -= holders
-        if self.refcounts[block] == 0:
-            del self.refcounts[block]
-
-    def _Snapshot(self, e: Snapshot) -> None:
-        self.num_blocks, self.host_blocks, self.block_size = e.num_blocks, e.host_blocks, e.block_size
-        self.bytes_per_token = e.bytes_per_token
-        self.tables = {seq_id: list(table) for seq_id, table in e.tables.items()}
-        self.refcounts = Counter(block for table in e.tables.values() for block in table)
-        self.cached = {block: key for block, key, _, _ in e.cached}
-
-    def _Allocated(self, e: Allocated) -> None:
-        self._hold(e.seq_id, e.block)
-
-    def _BroughtBack(self, e: BroughtBack) -> None:
-        self.cached[e.block] = self.cached.pop(e.host)
-
-    def _Hit(self, e: Hit) -> None:
-        self.tables[e.seq_id] = []
-        for block in e.blocks:
-            self._hold(e.seq_id, block)
-
-    def _Forked(self, e: Forked) -> None:
-        for block in self.tables[e.parent_id]:
-            self._hold(e.child_id, block)
-        self.tables.setdefault(e.child_id, [])
-
-    def _CopiedOnWrite(self, e: CopiedOnWrite) -> None:
-        self._release(e.source)
-        self.tables[e.seq_id][e.index] = e.block
-        self.refcounts[e.block] += 1
-
-    def _SwappedOut(self, e: SwappedOut) -> None:
-        held = Counter(block for seq_id in e.seq_ids for block in self.tables[seq_id])
-        for source, destination in e.moves:
-            self.refcounts[destination] = held[source]
-            self._release(source, held[source])
-        moved = dict(e.moves)
-        for seq_id in e.seq_ids:
-            self.tables[seq_id] = [moved.get(block, block) for block in self.tables[seq_id]]
-
-    def _SwappedIn(self, e: SwappedIn) -> None:
-        for source, destination in e.moves:
-            self.refcounts[destination] = self.refcounts.pop(source)
-        moved = dict(e.moves)
-        for seq_id, table in self.tables.items():
-            self.tables[seq_id] = [moved.get(block, block) for block in table]
-
-    def _Spilled(self, e: Spilled) -> None:
-        self.cached[e.host] = self.cached.pop(e.block)
-
-    def _Registered(self, e: Registered) -> None:
-        self.cached[e.block] = e.key
-
-    def _Uncached(self, e: Uncached) -> None:
-        del self.cached[e.block]
-
-    def _Truncated(self, e: Truncated) -> None:
-        table = self.tables[e.seq_id]
-        for block in table[e.num_blocks :]:
-            self._release(block)
-        del table[e.num_blocks :]
-
-    def _Freed(self, e: Freed) -> None:
-        for block in self.tables.pop(e.seq_id, []):
-            self._release(block)
-
-    def _Reused(self, e: Reused) -> None:
-        """The content's end is told by Spilled or Uncached; nothing held changes."""
-
-    _Filled = _EntriesEvicted = _Step = _Reused
-
-    def check(self, tables: dict[int, list[int]], refcounts: dict[int, int], cached: dict[int, int]) -> None:
-        """Raise AssertionError at the first difference from the real state: tables (seq_id ->
-        blocks; an empty one counts as none), refcounts (block -> count, zeros allowed), cached
-        (block -> key)."""
-        real = {block: count for block, count in refcounts.items() if count}
-        for seq_id in set(tables) | set(self.tables):  # a table of no blocks is no table
-            replayed, held = self.tables.get(seq_id) or [], tables.get(seq_id) or []
-            assert replayed == held, f"sequence {seq_id}: replayed table {replayed} != {held}"
-        for block in set(real) | set(self.refcounts):
-            assert self.refcounts[block] == real.get(block, 0), (
-                f"block {block}: replayed refcount {self.refcounts[block]} != {real.get(block, 0)}"
-            )
-        for block in set(cached) | set(self.cached):
-            assert self.cached.get(block) == cached.get(block), (
-                f"block {block}: replayed prefix-cache key {self.cached.get(block)} != {cached.get(block)}"
-            )
-
-
-# ---------------------------------------------------------------------------- vLLM's shape
-class VllmEvents:
-    """vLLM's KV events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) derived from ours: what
-    a KV-aware router (Dynamo, llm-d) keeps to send a prompt where its prefix is cached. Call it
-    with each event in order; it returns the vLLM-shaped dicts that event makes (often none)."""
-
-    def __init__(self):
-        self.num_blocks = self.host_blocks = self.block_size = 0
-        self.content: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> key, parent, tokens
-
-    def _medium(self, block: int) -> str:
-        return tier_of(block, self.num_blocks, self.host_blocks)
-
-    def _stored(self, block: int) -> dict:
-        key, parent_key, tokens = self.content[block]
-        return {
-            "type": "BlockStored",
-            "block_hashes": [key],
-            "parent_block_hash": parent_key,
-            "token_ids": list(tokens),
-            "block_size": self.block_size,
-            "lora_id": None,
-            "medium": self._medium(block),
-        }
-
-    def _removed(self, block: int) -> dict:
-        key = self.content[block][0]
-        return {"type": "BlockRemoved", "block_hashes": [key], "medium": self._medium(block)}
-
-    def _moved(self, source: int, destination: int) -> list[dict]:
-        removed = self._removed(source)
-        self.content[destination] = self.content.pop(source)
-        return [removed, self._stored(destination)]
-
-    def __call__(self, event: Event) -> list[dict]:
-        if isinstance(event, Snapshot):
-            self.num_blocks, self.host_blocks, self.block_size = (
-                event.num_blocks,
-                event.host_blocks,
-                event.block_size,
-            )
-            self.content = {block: (key, parent, tokens) for block, key, parent, tokens in event.cached}
-            return [{"type": "AllBlocksCleared"}] + [self._stored(block) for block, *_ in event.cached]
-        if isinstance(event, Registered):
-            self.content[event.block] = (event.key, event.parent_key, event.tokens)
-            return [self._stored(event.block)]
-        if isinstance(event, Uncached):
-            removed = self._removed(event.block)
-            del self.content[event.block]
-            return [removed]
-        if isinstance(event, Spilled):
-            return self._moved(event.block, event.host)
-        if isinstance(event, BroughtBack):
-            return self._moved(event.host, event.block)
-        return []

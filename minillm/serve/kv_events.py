@@ -7,7 +7,7 @@ over ZMQ; this server streams them over HTTP, one message per engine step that c
     data: {"step": 42, "ts": 1764650000.1, "events": [{"type": "BlockStored", ...}, ...]}
 
 `?events=vllm` (the default) sends vLLM's shape only (`BlockStored`, `BlockRemoved`,
-`AllBlocksCleared`, as `memory/events.VllmEvents` derives them); `?events=all` sends every event
+`AllBlocksCleared`, as `VllmEvents` below derives them); `?events=all` sends every event
 of a block's life (`Allocated`, `Hit`, `SwappedOut`, ..., and `Step`), as `--trace` writes them.
 A stream begins with the state at the moment it joined (`AllBlocksCleared` and a `BlockStored`
 per cached block; or the `Snapshot`), so a client that rebuilds from the stream alone is right
@@ -25,11 +25,68 @@ import asyncio
 import json
 import time
 
-from minillm.memory.events import Event, Snapshot, Step, VllmEvents
+from minillm.memory.events import BroughtBack, Event, Registered, Snapshot, Spilled, Step, Uncached
+from minillm.memory.free_blocks import tier_of
 
 MAX_BATCHES = 1024  # steps a stream may fall behind before it is cut off
 KEEPALIVE_S = 15.0  # an idle stream sends a comment this often (a gone client is noticed)
 FORMATS = ("vllm", "all")
+
+
+class VllmEvents:
+    """vLLM's KV events (`BlockStored`, `BlockRemoved`, `AllBlocksCleared`) derived from ours: what
+    a KV-aware router (Dynamo, llm-d) keeps to send a prompt where its prefix is cached. Call it
+    with each event in order; it returns the vLLM-shaped dicts that event makes (often none)."""
+
+    def __init__(self):
+        self.num_blocks = self.host_blocks = self.block_size = 0
+        self.content: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> key, parent, tokens
+
+    def _medium(self, block: int) -> str:
+        return tier_of(block, self.num_blocks, self.host_blocks)
+
+    def _stored(self, block: int) -> dict:
+        key, parent_key, tokens = self.content[block]
+        return {
+            "type": "BlockStored",
+            "block_hashes": [key],
+            "parent_block_hash": parent_key,
+            "token_ids": list(tokens),
+            "block_size": self.block_size,
+            "lora_id": None,
+            "medium": self._medium(block),
+        }
+
+    def _removed(self, block: int) -> dict:
+        key = self.content[block][0]
+        return {"type": "BlockRemoved", "block_hashes": [key], "medium": self._medium(block)}
+
+    def _moved(self, source: int, destination: int) -> list[dict]:
+        removed = self._removed(source)
+        self.content[destination] = self.content.pop(source)
+        return [removed, self._stored(destination)]
+
+    def __call__(self, event: Event) -> list[dict]:
+        if isinstance(event, Snapshot):
+            self.num_blocks, self.host_blocks, self.block_size = (
+                event.num_blocks,
+                event.host_blocks,
+                event.block_size,
+            )
+            self.content = {block: (key, parent, tokens) for block, key, parent, tokens in event.cached}
+            return [{"type": "AllBlocksCleared"}] + [self._stored(block) for block, *_ in event.cached]
+        if isinstance(event, Registered):
+            self.content[event.block] = (event.key, event.parent_key, event.tokens)
+            return [self._stored(event.block)]
+        if isinstance(event, Uncached):
+            removed = self._removed(event.block)
+            del self.content[event.block]
+            return [removed]
+        if isinstance(event, Spilled):
+            return self._moved(event.block, event.host)
+        if isinstance(event, BroughtBack):
+            return self._moved(event.host, event.block)
+        return []
 
 
 class KVEventFeed:

@@ -3,7 +3,7 @@
 Before optimizing memory, draw its data flow: where each block's content comes from, how long it
 lives, who reads it again and how soon, what a spill or a swap bought. A pool snapshot shows none
 of that; the events a run wrote (`--trace FILE`, `tracing.py`) show all of it. This package walks
-one run's events once, in order, with a `Replayer` (`memory/events.py`) rebuilding the pool
+one run's events once, in order, with a `Replayer` (`memory/replay.py`) rebuilding the pool
 beside it, and keeps what the questions need:
 
     lifetimes   each content a block gets (allocated, copied on write, brought back, swapped to

@@ -1,7 +1,7 @@
 """The walk over a run: one pass through its KV events, in order, with the pool rebuilt beside it.
 
 `walk` feeds each (step, event) to a `RunView`, whose handler for that event type replays it on a
-`Replayer` (`memory/events.py`, the pool as the events say it is) and updates what the questions
+`Replayer` (`memory/replay.py`, the pool as the events say it is) and updates what the questions
 need: each block content's life, each prefix entry's hits, each spill and swap trip
 (`records.py`), the KV bytes each request read. The walk stays cheap on long runs: a step records
 only the blocks and sequences its events touched, as changes (`timeline.record_change`); the
@@ -11,7 +11,7 @@ pictures are filled from those changes at the end (`timeline.py`).
 from __future__ import annotations
 
 from minillm.memory import events as ev
-from minillm.memory.events import Replayer
+from minillm.memory.replay import Replayer
 from minillm.trace.records import BLOCK_STATES, MIXED, TIER_PLACE, Life, PrefixEntry, Spill, Trip
 from minillm.trace.timeline import record_change
 from minillm.tracing import TraceError
