@@ -30,10 +30,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 from minillm.engine.admission import admission_problem, longest_held, make_admission
 from minillm.engine.sequence import Sequence, Status
+from minillm.engine.speculative import Guesser, guesses_that_fit
 from minillm.memory import KVCacheManager
 
 
@@ -49,11 +49,9 @@ class Schedule:
     """One step's work: the sequences and their token counts, and the blocks to copy first."""
 
     sequences: list[ScheduledSequence] = field(default_factory=list)
-    # (source, destination) blocks: swaps, spills, copy-on-write, in the order decided; all done before
-    # the forward pass
+    # (source, destination) blocks: swaps, spills, copy-on-write, in order; all done before the pass
     copies: list[tuple[int, int]] = field(default_factory=list)
-    # swap-ins for the next step, done during it
-    prefetch: list[tuple[int, int]] = field(default_factory=list)
+    prefetch: list[tuple[int, int]] = field(default_factory=list)  # the next step's swap-ins, during it
 
 
 class Scheduler:
@@ -66,15 +64,14 @@ class Scheduler:
         context_len: int,
         vocab_size: int,
         admission: str = "fcfs",
-        guesser: Callable[[Sequence, int, int], list[int]] | None = None,
+        guesser: Guesser | None = None,
     ):
         """`guesser(seq, most, batch)`: at most `most` speculated tokens to follow a decoding
         sequence among `batch` running ones (`speculative.py`), or None without speculation."""
         self.kv_cache = kv_cache
         self.guesser = guesser
         self.policy = policy
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.context_len, self.vocab_size = context_len, vocab_size
         self.admission = make_admission(admission, kv_cache)
         self.steps = 0  # schedules made: the clock a waiting request ages by
@@ -94,14 +91,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> bool:
         """Queue a new request's sequence, or finish it with the reason it can never run (it
         fails alone; the others go on). Returns whether it was queued."""
-        problem = admission_problem(
-            seq,
-            self.kv_cache,
-            self.context_len,
-            self.vocab_size,
-            self.max_num_seqs,
-            self.max_num_batched_tokens,
-        )
+        limits = (self.context_len, self.vocab_size, self.max_num_seqs, self.max_num_batched_tokens)
+        problem = admission_problem(seq, self.kv_cache, *limits)
         if problem:
             seq.finish("error", problem)
             return False
@@ -123,9 +114,7 @@ class Scheduler:
         queues behind it, or it would take the room back."""
         self.steps += 1
         scheduled, preempted = self._schedule_pass()
-        while (
-            not scheduled and any(seq.num_uncomputed for seq in self.waiting) and (self.running or preempted)
-        ):
+        while not scheduled and (self.running or preempted) and any(s.num_uncomputed for s in self.waiting):
             if self.running:
                 self._preempt(self.running[-1], front=False)
             scheduled, preempted = self._schedule_pass()
@@ -176,25 +165,14 @@ class Scheduler:
 
     def _with_guesses(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
         """A decoding sequence's last token and the guesses after it, if it has some and free
-        blocks hold them (guesses never make anyone leave); else None, and it runs as usual. Its
-        guesses stop short of its length limit, the step's budget, and what the KV cache manager
-        can roll back (`room_to_guess`)."""
+        blocks hold them (`speculative.guesses_that_fit`); else None, and it runs as usual."""
         if self.guesser is None or seq.num_uncomputed != 1 or not seq.output_ids:
             return None
-        most = min(
-            budget - 1,
-            seq.max_len - seq.num_tokens - 1,
-            self.kv_cache.room_to_guess(seq.num_cached, len(seq.prompt_ids), seq.max_len),
-        )
-        guesses = self.guesser(seq, most, len(self.running)) if most > 0 else []
+        guesses = guesses_that_fit(self.kv_cache, self.guesser, seq, budget, len(self.running))
         if not guesses:
             return None
-        blocks = self.kv_cache.blocks_for
-        extra = blocks(seq.num_cached + 1 + len(guesses)) - blocks(seq.num_cached + 1)
-        if self.kv_cache.num_free_blocks - extra < len(self.running):  # a block left for each to grow
-            return None
-        tokens = [*seq.token_ids, *guesses]
         num_tokens = 1 + len(guesses)
+        tokens = [*seq.token_ids, *guesses]
         grant = self.kv_cache.allocate(seq.seq_id, tokens, seq.num_computed, seq.num_cached, num_tokens)
         return ScheduledSequence(seq, num_tokens, guesses) if grant.num_tokens == num_tokens else None
 
