@@ -8,7 +8,7 @@ and gives its blocks back. Two ways, two costs:
     copies of its KV bytes, plus a fixed cost per block (a `read_block` / `write_block` call
     each way, Python included), so the same tokens in smaller blocks swap dearer.
 We measure both with the real model and the engine's own parts — a prefill through the engine;
-the block manager's `swap_out` / `swap_in`, performed by `TieredKV.copy`, on a device and a host
+the block manager's tier moves (`swap_out` / `swap_in`), performed by `TieredKV.copy`, on a device and a host
 pool built here as the engine builds them — against sequence length and block size. Then
 `preemption="auto"` serves a trace on a tight KV budget, beside "recompute" and "swap", and we
 read what it chose and the measured cost model behind each choice (`memory/tiers.py`, `SwapCost`).
@@ -106,9 +106,9 @@ def swap_seconds(manager: BlockManager, tiers: TieredKV, num_tokens: int, repeat
     for _ in range(repeats):
         manager.grow(VICTIM, num_tokens)
         start = time.perf_counter()
-        manager.swap_out([VICTIM])
+        manager.moves.swap_out([VICTIM])
         tiers.copy(manager.take_copies())  # device -> host
-        manager.swap_in([VICTIM])
+        manager.moves.swap_in([VICTIM])
         tiers.copy(manager.take_copies())  # host -> device
         best = min(best, time.perf_counter() - start)
         manager.free(VICTIM)

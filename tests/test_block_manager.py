@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm.memory.accounting import arena_stats, paged_stats
+from minillm.memory.accounting import arena_stats, block_states, paged_stats
 from minillm.memory.arena import ContiguousArena
 from minillm.memory.block_manager import BlockManager, BlockManagerError
 
@@ -85,11 +85,12 @@ def test_block_states_name_what_each_block_holds():
     manager.prefix_cache.register(1, manager.table(1), tokens, 5)
     manager.fork(1, 2)
     manager.grow(3, 2)
-    assert [manager.block_state(b) for b in manager.table(1)] == ["shared"] * 3
-    assert manager.block_state(manager.table(3)[0]) == "private"
+    states = block_states(manager)["device"]
+    assert [states[b] for b in manager.table(1)] == ["shared"] * 3
+    assert states[manager.table(3)[0]] == "private"
     manager.free(1)
     manager.free(2)  # the registered blocks stay findable; the third was never full
-    assert sorted(manager.block_state(b) for b in range(6)) == [
+    assert sorted(block_states(manager)["device"]) == [
         "cached",
         "cached",
         "free",

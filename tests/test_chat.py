@@ -144,12 +144,12 @@ def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dty
         prompt = parts[1].encode_chat([{"role": "user", "content": f"Question {turn}: " + "why? " * 30}])
         for step, out in enumerate(chat.llm.stream(prompt, SamplingParams(max_tokens=20, ignore_eos=True))):
             if step % 7 == 3 or out.finished:
-                tiers, stats = engine.block_states(), engine.memory_stats()
+                tiers, stats = engine.snapshot().blocks, engine.memory_stats()
                 device, host = state_counts(tiers["device"]), state_counts(tiers["host"])
                 assert (device["private"] + device["filling"] + device["shared"]) * 16 == stats.reserved_slots
                 assert device["free"] + device["cached"] == manager.num_free_blocks
                 assert device["cached"] == sum(
-                    manager.tier(b) == "device" and manager.refcount(b) == 0
+                    manager.tier(b) == "device" and manager.refcounts[b] == 0
                     for b in manager.prefix_cache.entries
                 )
                 assert device["filling"] <= 1 and (kv_dtype != "auto" or device["filling"] == 0)
@@ -165,7 +165,7 @@ def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dty
                 assert lines[0] == f"blocks: {names} of 12"
                 swapped = host["private"] + host["shared"]
                 assert lines[1].startswith(f"host: {swapped} swapped out, {host['cached']} spilled")
-    assert manager.num_spilled > 0  # the host row had something to show
+    assert manager.moves.num_spilled > 0  # the host row had something to show
     assert (filling_seen > 0) == (kv_dtype != "auto")  # an int8 reply's last block fills in full precision
 
 

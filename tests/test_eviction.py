@@ -481,7 +481,7 @@ def test_a_shared_prefix_is_never_written_or_dropped_while_its_sequences_evict(t
         engine.step()
         for block in shared:
             assert cache.holds(block)
-            assert manager.refcount(block) == len(engine.scheduler.running)  # every running request holds it
+            assert manager.refcounts[block] == len(engine.scheduler.running)  # every running request holds it
             for name, tensor in engine.kv_cache.pool.read_block(block).items():
                 assert torch.equal(tensor, stored[block][name])
         manager.check_invariants()

@@ -172,4 +172,4 @@ def wait_until_idle(engine_loop: EngineLoop, timeout: float = 30) -> None:
         assert time.monotonic() < deadline, "the engine did not drain"
         time.sleep(0.02)
     manager.check_invariants()
-    assert manager.blocks_in_use("host") == 0
+    assert not manager.held("host")

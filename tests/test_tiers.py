@@ -54,7 +54,7 @@ def assert_swapped_and_drained(llm):
     assert counters["recomputed_tokens"] == 0  # swap preemption throws no work away
     manager.check_invariants()
     assert manager.num_free_blocks == manager.num_blocks
-    assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0
+    assert not manager.held("host") and not manager.held("disk")
 
 
 @pytest.mark.parametrize(
@@ -172,11 +172,11 @@ def test_a_shared_block_moves_once_and_stays_shared():
     manager = BlockManager(8, 4, host_blocks=8)
     manager.grow(1, 10)  # 3 blocks
     manager.fork(1, 2)  # the two tables share all 3
-    manager.swap_out([1, 2])
+    manager.moves.swap_out([1, 2])
     assert len(manager.take_copies()) == 3  # 3 moves, not 6
-    assert manager.table(1) == manager.table(2) and all(manager.refcount(b) == 2 for b in manager.table(1))
+    assert manager.table(1) == manager.table(2) and all(manager.refcounts[b] == 2 for b in manager.table(1))
     assert manager.num_free_blocks == 8
-    manager.swap_in([1, 2])
+    manager.moves.swap_in([1, 2])
     assert len(manager.take_copies()) == 3 and manager.table(1) == manager.table(2)
     manager.check_invariants()
 
@@ -185,9 +185,9 @@ def test_a_block_others_still_use_is_copied_for_the_victim_and_stays_put():
     manager = BlockManager(8, 4, host_blocks=8)
     manager.grow(1, 8)
     manager.fork(1, 2)  # sequence 2 keeps running on the device
-    manager.swap_out([1])
+    manager.moves.swap_out([1])
     assert all(manager.tier(b) == "host" for b in manager.table(1))
-    assert all(manager.tier(b) == "device" and manager.refcount(b) == 1 for b in manager.table(2))
+    assert all(manager.tier(b) == "device" and manager.refcounts[b] == 1 for b in manager.table(2))
     manager.check_invariants()
 
 
@@ -221,6 +221,7 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
     leaked or freed twice in any tier, refcounts equal the tables holding a block, copies never
     read a block that was reused before the copy, and every tier drains to all-free."""
     manager = BlockManager(num_blocks, block_size, prefix_caching=True, host_blocks=host_blocks, disk=disk)
+    moves = manager.moves
     content: dict[int, tuple] = {}  # block -> what it holds, replayed from the manager's copies
     lengths: dict[int, int] = {}
     tokens = {}
@@ -236,7 +237,7 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
             content.setdefault(block, ("seq", seq_id, index))
 
     for op, seq_id, amount in ops:
-        swapped = manager.is_swapped(seq_id)
+        swapped = moves.is_swapped(seq_id)
         if op == "grow" and seq_id not in lengths and manager.can_grow(seq_id, amount):
             manager.grow(seq_id, amount)
             lengths[seq_id], tokens[seq_id] = amount, [seq_id % 3] * amount
@@ -259,12 +260,12 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
         elif op == "free" and seq_id in lengths:
             manager.free(seq_id)
             del lengths[seq_id]
-        elif op == "swap_out" and seq_id in lengths and not swapped and manager.can_swap_out([seq_id]):
-            manager.swap_out([seq_id])
+        elif op == "swap_out" and seq_id in lengths and not swapped and moves.can_swap_out([seq_id]):
+            moves.swap_out([seq_id])
         elif op == "swap_in" and swapped:
-            group = [s for s in lengths if manager.is_swapped(s)]
-            if manager.can_swap_in(group):
-                manager.swap_in(group)
+            group = [s for s in lengths if moves.is_swapped(s)]
+            if moves.can_swap_in(group):
+                moves.swap_in(group)
         elif op == "cache" and seq_id in lengths and not swapped:
             manager.prefix_cache.register(seq_id, manager.table(seq_id), tokens[seq_id], lengths[seq_id])
         replay()
@@ -274,7 +275,7 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
     replay()
     manager.check_invariants()
     assert manager.num_free_blocks == num_blocks
-    assert manager.blocks_in_use("host") == manager.blocks_in_use("disk") == 0
+    assert not manager.held("host") and not manager.held("disk")
 
 
 def corrupt_every_block_file(llm, damage):
@@ -382,7 +383,7 @@ def test_prefix_blocks_spill_to_host_and_come_back(tiny_dir, tiny_model):
         saved[host] = llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks
         llm.engine.kv_cache.block_manager.check_invariants()
     assert saved[64] >= 2 * max(saved[0], 1)
-    assert llm.engine.kv_cache.block_manager.num_spill_hits > 0
+    assert llm.engine.kv_cache.moves.num_spill_hits > 0
 
 
 def test_tier_switches_are_checked(tiny_dir, tiny_model, tmp_path):

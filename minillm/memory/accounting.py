@@ -73,10 +73,10 @@ def paged_stats(
         live_slots=sum(live_tokens.values()),
         external_fragmentation_slots=0,
         bytes_per_slot=bytes_per_slot,
-        shared_slots=manager.shared_device_blocks() * size,
+        shared_slots=sum(held - 1 for held in manager.held("device").values()) * size,
         host_total_slots=manager.num_host_blocks * size,
-        host_reserved_slots=manager.blocks_in_use("host") * size,
-        disk_reserved_slots=manager.blocks_in_use("disk") * size,
+        host_reserved_slots=len(manager.held("host")) * size,
+        disk_reserved_slots=len(manager.held("disk")) * size,
         bytes_moved=dict(bytes_moved or {}),
     )
 
@@ -164,13 +164,29 @@ class MemorySnapshot:
         return [seq for seq in self.sequences if seq.status == "waiting"]
 
 
-def block_states(manager: BlockManager, pool) -> dict[str, list[str]]:
-    """Every block's state per tier the manager has (`BlockManager.block_state`), and "filling" for a
+def block_states(manager: BlockManager, pool=None) -> dict[str, list[str]]:
+    """Every block's state per tier the manager has, by id: the device and host pools whole, the
+    disk's block files in use. "free"; "cached" (free, but its content is findable in the prefix
+    cache: the first to go under pressure); "shared" (held by several tables, or by one and
+    findable by requests to come); "private" (one table's alone); with a `pool`, "filling" for a
     private device block of a quantized pool whose keys still wait in full precision (in the first
     layer; every layer stages the same blocks)."""
+    cached = manager.prefix_cache.entries if manager.prefix_cache else {}
+
+    def state(block: int) -> str:
+        if manager.refcounts[block] == 0:
+            return "cached" if block in cached else "free"
+        return "shared" if manager.refcounts[block] > 1 or block in cached else "private"
+
+    first_disk = manager.num_blocks + manager.num_host_blocks
+    ids = {
+        "device": range(manager.num_blocks),
+        "host": range(manager.num_blocks, first_disk),
+        "disk": sorted(manager.held("disk")),
+    }
     tiers = ["device"] + ["host"] * bool(manager.num_host_blocks) + ["disk"] * manager.disk
-    states = {tier: manager.block_states(tier) for tier in tiers}
-    for block in pool.staged_blocks(0):
+    states = {tier: [state(block) for block in ids[tier]] for tier in tiers}
+    for block in pool.staged_blocks(0) if pool else ():
         if states["device"][block] == "private":
             states["device"][block] = "filling"
     return states
@@ -196,9 +212,9 @@ def take_snapshot(
     counters = {
         **counters,
         "copy_on_write": manager.num_copies,
-        "spilled": manager.num_spilled,
-        "spill_hits": manager.num_spill_hits,
-        "reclaimed": manager.num_reclaimed,
+        "spilled": manager.moves.num_spilled,
+        "spill_hits": manager.moves.num_spill_hits,
+        "reclaimed": manager.moves.num_reclaimed,
     }
     rates = {tier: rate for tier in ("host", "disk") if (rate := tiers.copy_rate(tier)) is not None}
     return MemorySnapshot(

@@ -1,16 +1,26 @@
-"""Free blocks of every tier, and the numbering that says which tier a block id lies in.
+"""The block ledger: each tier's free blocks, every held block's reference count, the copies due.
 
 Block ids run on across the tiers: 0..D-1 are device blocks (the pool attention reads), the next
 H ids are host blocks, and the ids after those are block files on disk, numbered as needed. Each
 tier keeps its free blocks least recently freed first, the order in which a free block that still
 holds a cached prefix (findable while it waits) is taken for new content; an OrderedDict, so a
-prefix hit can take one out of the middle. The block manager owns one of these; only it calls in.
+prefix hit can take one out of the middle.
+
+A block is free iff its reference count is 0: `take`, `hold` and `drop` change both together, so
+that invariant is kept in one place. Every copy decided between blocks (copy-on-write, swaps,
+spills, bring-backs) waits in one queue, in the order decided, for whoever owns the tensors.
+The block manager owns one ledger and shares it with its tier moves (`block_moves.py`); only they
+call in.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import count
+
+
+class BlockManagerError(RuntimeError):
+    """Misuse of the block manager (a bug in the caller), e.g. freeing a sequence twice."""
 
 
 def tier_of(block: int, num_device: int, num_host: int) -> str:
@@ -19,14 +29,17 @@ def tier_of(block: int, num_device: int, num_host: int) -> str:
     return "host" if block < num_device + num_host else "disk"
 
 
-class FreeBlocks:
+class BlockLedger:
     def __init__(self, num_device: int, num_host: int):
         self.num_device, self.num_host = num_device, num_host
         self._device: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_device))
         self._host: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_device, num_device + num_host))
         self._disk: list[int] = []  # block files no longer in use, to be written again
         self._new_disk_ids = count(num_device + num_host)
+        self.refcounts: Counter[int] = Counter()  # held block -> tables holding it (read it, change it here)
+        self._copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy, in decision order
 
+    # ---------------------------------------------------------------- which tier, how many
     def tier(self, block: int) -> str:
         return tier_of(block, self.num_device, self.num_host)
 
@@ -40,16 +53,38 @@ class FreeBlocks:
             return range(self.num_device)
         return range(self.num_device, self.num_device + self.num_host)
 
-    def take(self, tier: str) -> int:
-        """A free block of the tier: the least recently freed one (on disk, any file, or a new one)."""
+    def held(self, tier: str) -> dict[int, int]:
+        """The tier's held blocks -> how many tables hold each."""
+        return {block: held for block, held in self.refcounts.items() if held and self.tier(block) == tier}
+
+    # ---------------------------------------------------------------- free <-> held
+    def take(self, tier: str, holders: int = 1) -> int:
+        """A free block of the tier, now held by `holders` tables: the least recently freed one (on
+        disk, any file no longer in use, or a new one)."""
         if tier == "disk":
-            return self._disk.pop() if self._disk else next(self._new_disk_ids)
-        block, _ = (self._device if tier == "device" else self._host).popitem(last=False)
+            block = self._disk.pop() if self._disk else next(self._new_disk_ids)
+        else:
+            block, _ = (self._device if tier == "device" else self._host).popitem(last=False)
+        self.refcounts[block] = holders
         return block
 
     def take_out(self, block: int) -> None:
-        """This free device or host block is taken by name (a prefix hit)."""
+        """This free device or host block is taken by name (a prefix hit), not yet held."""
         del (self._device if self.tier(block) == "device" else self._host)[block]
+
+    def hold(self, block: int) -> None:
+        """One more table holds the block; a free one (a cached prefix block) stops being free."""
+        if self.refcounts[block] == 0:
+            self.take_out(block)
+        self.refcounts[block] += 1
+
+    def drop(self, block: int, holders: int = 1) -> None:
+        """`holders` tables let go of the block; at refcount 0 it is free again (a cached block
+        keeps its prefix-cache entry)."""
+        self.refcounts[block] -= holders
+        if self.refcounts[block] == 0:
+            del self.refcounts[block]
+            self.give_back(block)
 
     def give_back(self, block: int) -> None:
         """The block is free again, the most recently freed of its tier."""
@@ -62,3 +97,12 @@ class FreeBlocks:
     def listed(self) -> list[int]:
         """Every free block of every tier (the invariants check that none is listed twice)."""
         return [*self._device, *self._host, *self._disk]
+
+    # ---------------------------------------------------------------- the copy queue
+    def copy(self, source: int, destination: int) -> None:
+        self._copies.append((source, destination))
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copies decided since the last call, in order; they are the caller's to perform."""
+        copies, self._copies = self._copies, []
+        return copies

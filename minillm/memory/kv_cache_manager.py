@@ -15,10 +15,11 @@ the CacheManager). It owns every part of the memory system and answers in the sc
     snapshot(...)        one read-only picture of all of it (`accounting.MemorySnapshot`)
     subscribe(...)       every change of a block's life from now on, as events (`events.py`)
 
-Inside, each part keeps its one job: `BlockManager` (tables, refcounts, free lists, tier ids),
-`PrefixCache` (blocks found by content), the pools (tensors), `TieredKV` (host and disk, the
-copies), `Evictor` (budgets, and every sequence's H2O scores and entry positions: one owner),
-`SwapCost` (swap or recompute, measured), `PressureLadder` (what to give up first).
+Inside, each part keeps its one job: `BlockManager` (tables, refcounts, copy-on-write) and its
+`TierMoves` (swaps, spills, bring-backs over the same tables), `PrefixCache` (blocks found by
+content), the pools (tensors), `TieredKV` (host and disk, the copies), `Evictor` (budgets, and
+every sequence's H2O scores and entry positions: one owner), `SwapCost` (swap or recompute,
+measured), `PressureLadder` (what to give up first).
 
 When the device pool runs short, the pressure ladder (`pressure.py`) says what to give up,
 cheapest first: reclaim cached blocks nobody holds, preempt (swap or recompute, measured), evict
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 from minillm.config import EngineConfig, ModelConfig
-from minillm.memory.accounting import MemorySnapshot, MemoryStats, block_states, paged_stats, take_snapshot
+from minillm.memory.accounting import MemorySnapshot, MemoryStats, paged_stats, take_snapshot
 from minillm.memory.block_manager import BlockManager
 from minillm.memory.events import EntriesEvicted, Event, Filled, Subscriber
 from minillm.memory.eviction import Evictor
@@ -74,10 +75,13 @@ class KVCacheManager:
         """`preemption`: "recompute", "swap" or "auto"; `eviction_trigger`: None (no eviction),
         "always" or "pressure"."""
         self.block_manager, self.tiers, self.evictor = block_manager, tiers, evictor
+        self.moves = block_manager.moves  # swaps, spills, bring-backs over the block manager's tables
+        self.block_size = block_manager.block_size
+        self.num_blocks = block_manager.num_blocks  # device blocks: the pool attention reads
         self.pool = tiers.device if tiers else None  # what attention reads and writes
         # swap or recompute is only a question with somewhere to swap to: without, nothing is timed
         self.swap_cost = SwapCost(tiers) if tiers and (tiers.host or tiers.disk) else None
-        self.ladder = PressureLadder(block_manager, preemption, self.swap_cost, eviction_trigger)
+        self.ladder = PressureLadder(self.moves, preemption, self.swap_cost, eviction_trigger)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.events = block_manager.events
         self._full_blocks: dict[int, int] = {}  # seq_id -> leading blocks known full (for `Filled`)
@@ -100,15 +104,6 @@ class KVCacheManager:
 
     # ---------------------------------------------------------------- what the scheduler asks
     @property
-    def block_size(self) -> int:
-        return self.block_manager.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        """Device blocks: the pool attention reads."""
-        return self.block_manager.num_blocks
-
-    @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
@@ -124,10 +119,10 @@ class KVCacheManager:
         return len(self.block_manager.table(seq_id)) if self.has_blocks(seq_id) else 0
 
     def is_swapped(self, seq_id: int) -> bool:
-        return self.block_manager.is_swapped(seq_id)
+        return self.moves.is_swapped(seq_id)
 
     def holders_of_device_blocks(self) -> set[int]:
-        return self.block_manager.holders_of_device_blocks()
+        return self.moves.holders_of_device_blocks()
 
     def cached_prefix_blocks(self, seq_id: int, token_ids: list[int]) -> int:
         """Leading blocks of a sequence not yet started that the prefix cache holds."""
@@ -154,11 +149,10 @@ class KVCacheManager:
         """Blocks for the sequence's next chunk of at most `budget` tokens, or num_tokens=0 if memory
         is short. A sequence without blocks first looks for its prompt's leading blocks in the prefix
         cache (unless `use_cache` is False: it needs every prompt token's logits): those tokens need
-        no computing at all. A swapped-out one comes back first (or, if
-        its KV can no longer come back, starts over)."""
-        manager = self.block_manager
+        no computing at all. A swapped-out one comes back first (or, if its KV cannot, starts over)."""
+        manager, moves = self.block_manager, self.moves
         cache = manager.prefix_cache if use_cache else None
-        if manager.is_swapped(seq_id) and not self._can_come_back(seq_id, len(token_ids), num_cached, budget):
+        if moves.is_swapped(seq_id) and not self._can_come_back(seq_id, len(token_ids), num_cached, budget):
             self._forget(seq_id, num_computed)
             num_computed = num_cached = 0
         starting = not manager.has_table(seq_id)
@@ -168,10 +162,10 @@ class KVCacheManager:
         start = num_cached + skipped  # cache index of the chunk's first token
         end = start + num_tokens
         copies = len(manager.shared_blocks(seq_id, start, end))
-        if manager.is_swapped(seq_id):  # its blocks come back first, then it grows
-            if not manager.can_swap_in([seq_id], extra=manager.blocks_missing(seq_id, end) + copies):
+        if moves.is_swapped(seq_id):  # its blocks come back first, then it grows
+            if not moves.can_swap_in([seq_id], extra=manager.blocks_missing(seq_id, end) + copies):
                 return Allocation(0, num_computed, starting)
-            manager.swap_in([seq_id])
+            moves.swap_in([seq_id])
             self.counters["swapped_in"] += 1
         if not manager.can_grow(seq_id, end, adopting=hits, copies=copies):
             return Allocation(0, num_computed, starting)
@@ -190,7 +184,7 @@ class KVCacheManager:
         each must now copy, say, where recomputing it alone would fit."""
         manager = self.block_manager
         start, end = num_cached, num_cached + min(num_tokens - num_cached, budget)
-        off_device = manager.held_off_device([seq_id])
+        off_device = self.moves.held_off_device([seq_id])
         needed = (
             len(off_device)
             + manager.blocks_missing(seq_id, end)
@@ -239,7 +233,7 @@ class KVCacheManager:
         manager.truncate(seq_id, num_entries)
         if num_entries % size:
             block = manager.table(seq_id)[num_entries // size]
-            if manager.refcount(block) == 1:
+            if manager.refcounts[block] == 1:
                 manager.forget_cached(seq_id, num_entries, num_entries + 1)
                 self.pool.restage_block(block)
         if manager.prefix_cache:
@@ -262,7 +256,7 @@ class KVCacheManager:
         disk) and keeps its tables; otherwise the victim alone is freed, to be recomputed.
         Returns the sequences that left."""
         if swap_group and self.ladder.prefers_swap(list(swap_group), sum(swap_group.values())):
-            self.block_manager.swap_out(list(swap_group))
+            self.moves.swap_out(list(swap_group))
             self.counters["swapped_out"] += len(swap_group)
             left = list(swap_group)
         else:
@@ -275,11 +269,11 @@ class KVCacheManager:
         """Bring a swapped-out sequence back now if its blocks fit with `spare_blocks` left free (and
         its disk files read back): it runs from the next step on, its copies behind this step's
         forward pass (`apply`) instead of delaying one."""
-        manager = self.block_manager
-        fits = manager.can_swap_in([seq_id], extra=spare_blocks)
-        if not fits or not self.tiers.readable(manager.held_off_device([seq_id])):
+        moves = self.moves
+        fits = moves.can_swap_in([seq_id], extra=spare_blocks)
+        if not fits or not self.tiers.readable(moves.held_off_device([seq_id])):
             return False
-        manager.swap_in([seq_id])
+        moves.swap_in([seq_id])
         self.counters["swapped_in"] += 1
         self.counters["prefetched"] += 1
         return True
@@ -295,7 +289,8 @@ class KVCacheManager:
         staged, and start `prefetch` in the background (`finish_prefetch` waits for it)."""
         if copies:
             self.tiers.copy(copies)
-        self.pool.forget_free_blocks(self.block_manager.is_free)
+        refcounts = self.block_manager.refcounts
+        self.pool.forget_free_blocks(lambda block: refcounts[block] == 0)
         if prefetch:
             self.tiers.start_prefetch(list(prefetch))
 
@@ -410,10 +405,6 @@ class KVCacheManager:
     def memory_stats(self, live_tokens: dict[int, int]) -> MemoryStats:
         """live_tokens: seq_id -> KV entries it stores in the device pool now."""
         return paged_stats(self.block_manager, live_tokens, self.pool.bytes_per_slot, self.tiers.moved())
-
-    def block_states(self) -> dict[str, list[str]]:
-        """Every block's state per tier (see `accounting.MemorySnapshot`)."""
-        return block_states(self.block_manager, self.pool)
 
     def snapshot(self, sequences: list[tuple], counters: dict[str, int]) -> MemorySnapshot:
         """The picture. `sequences`: (seq_id, request_id, status, num_computed, num_cached, max_len)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minillm.memory.block_manager import BlockManager
+from minillm.memory.block_moves import TierMoves
 from minillm.memory.tiers import SwapCost
 
 RUNGS = ("reclaim", "preempt", "evict")  # the rungs built, in the order they are taken
@@ -37,11 +37,12 @@ RUNGS = ("reclaim", "preempt", "evict")  # the rungs built, in the order they ar
 
 class PressureLadder:
     def __init__(
-        self, manager: BlockManager, preemption: str, swap_cost: SwapCost | None, eviction_trigger: str | None
+        self, moves: TierMoves, preemption: str, swap_cost: SwapCost | None, eviction_trigger: str | None
     ):
-        """`preemption`: "recompute", "swap" or "auto"; `eviction_trigger`: None (no eviction allowed),
-        "always" (a fixed budget every step) or "pressure" (rung 4)."""
-        self.manager, self.preemption, self.swap_cost = manager, preemption, swap_cost
+        """`moves`: the block manager's tier moves; `preemption`: "recompute", "swap" or "auto";
+        `eviction_trigger`: None (no eviction allowed), "always" (a fixed budget every step) or
+        "pressure" (rung 4)."""
+        self.moves, self.preemption, self.swap_cost = moves, preemption, swap_cost
         self.eviction_trigger = eviction_trigger
         # this step's rungs: blocks reclaimed, sequences preempted, evicted
         self.rungs: Counter[str] = Counter()
@@ -50,13 +51,12 @@ class PressureLadder:
         """Rung 3 for these sequences (a request's running samples or beams, `tokens` computed in
         all): swap if a tier can take their device blocks and the policy, or for "auto" the
         measured cost model, prefers it to recomputing the tokens."""
-        manager = self.manager
-        if self.preemption == "recompute" or not manager.can_swap_out(seq_ids):
+        if self.preemption == "recompute" or not self.moves.can_swap_out(seq_ids):
             return False
         if self.preemption == "swap":
             return True
-        blocks = {b for seq_id in seq_ids for b in manager.table(seq_id) if manager.tier(b) == "device"}
-        return self.swap_cost.prefers_swap(tokens, len(blocks), manager.swap_out_tier(len(blocks)))
+        blocks = self.moves.device_blocks(seq_ids)
+        return self.swap_cost.prefers_swap(tokens, blocks, self.moves.swap_out_tier(blocks))
 
     def took(self, rung: str, amount: int = 1) -> None:
         self.rungs[rung] += amount
@@ -71,9 +71,9 @@ class PressureLadder:
         return self.eviction_trigger == "always" or (self.eviction_trigger == "pressure" and self._short)
 
     def end_step(self) -> dict[str, int]:
-        """This step's rungs, in ladder order (the blocks reclaimed are the block manager's count);
+        """This step's rungs, in ladder order (the blocks reclaimed are the tier moves' count);
         the counts start again for the next step."""
-        self.took("reclaim", self.manager.take_reclaimed())
+        self.took("reclaim", self.moves.take_reclaimed())
         taken = {rung: self.rungs[rung] for rung in RUNGS if self.rungs[rung]}
         self.rungs = Counter()
         return taken
