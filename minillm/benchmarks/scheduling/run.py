@@ -15,13 +15,15 @@ from minillm.benchmarks.memory.rows import calibrate  # the SLOs: as `bench memo
 from minillm.benchmarks.scheduling.replay import replay
 from minillm.benchmarks.scheduling.trace import KINDS, describe_trace, make_trace
 from minillm.benchmarks.tiers import percentile
-from minillm.config import DTYPES, ConfigError, resolve_dtype
+from minillm.config import DTYPES, SWITCHES, ConfigError, resolve_dtype
 from minillm.engine import LLM, SamplingParams
 from minillm.progress import progress_bar
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
-POLICIES = ("fcfs", "lpm", "memory", "memory+lpm")
+# every admission order the engine has; reserve (fcfs, each request holding its maximum length) is
+# the pre-paging baseline `bench memory` measures, not a way of choosing who joins
+POLICIES = tuple(choice for choice in SWITCHES["admission"].choices if choice != "reserve")
 TUNING_SEED = 0
 LOAD_GOODPUTS = (0.5, 0.8)  # the two loads: where fcfs reaches these goodputs on the tuning seed
 SUSTAINED = 0.9  # the goodput a sustained rate keeps
