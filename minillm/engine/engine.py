@@ -37,7 +37,7 @@ from minillm.engine.sequence import Sequence, Status
 from minillm.engine.speculative import NgramProposer
 from minillm.engine.token_choice import TokenChooser
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
-from minillm.memory.events import Step
+from minillm.memory.events import Step, Subscriber
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams
 from minillm.structured import Grammars
@@ -107,6 +107,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
         self.num_steps = 0
+        self._checked_guesses: dict[int, list[int]] = {}  # seq_id -> the guesses the last step checked
         self._grammars: Grammars | None = None  # built on the first structured-output request
         self.chooser = TokenChooser(  # guess checks, prompt scoring, sampling, constraints, forks
             self.runner,
@@ -229,6 +230,7 @@ class LLMEngine:
         read = [item.seq.num_cached + item.num_tokens for item in schedule.sequences] if listened else []
         self.chooser.score_prompts(schedule, forward)  # before `computed` moves num_computed on
         guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
+        self._checked_guesses = {item.seq.seq_id: list(item.guesses) for item, _ in guessed}
         kept, endings = self.chooser.check_guesses(guessed, forward) if guessed else ({}, {})
         evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
         ready = [
@@ -315,6 +317,19 @@ class LLMEngine:
             for seq in self.scheduler.unfinished()
         ]
         return self.kv_cache.snapshot(sequences, {"preemptions": self.scheduler.num_preemptions})
+
+    def checked_guesses(self) -> dict[int, list[int]]:
+        """Speculation in the last step: seq_id -> the tokens guessed after its last token and
+        checked in that pass, kept or not (`speculative.py`); empty when nobody guessed."""
+        return dict(self._checked_guesses)
+
+    def subscribe(self, subscriber: Subscriber) -> None:
+        """`subscriber(step, event)` hears every change of a block's life from now on, first a
+        `Snapshot` of the state now (`memory/events.py`)."""
+        self.kv_cache.subscribe(subscriber)
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        self.kv_cache.unsubscribe(subscriber)
 
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens the prefix cache has saved from prefill so far (0 without a cache)."""

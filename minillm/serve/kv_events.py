@@ -144,9 +144,9 @@ class KVEventFeed:
 async def event_stream(engine_loop, shape: str):
     """A new client's messages: subscribed on the engine thread between two steps (so its first
     message is the state then), unsubscribed however the stream ends."""
-    feed, kv_cache = KVEventFeed(asyncio.get_running_loop()), engine_loop.engine.kv_cache
-    feed.unsubscribe = lambda: kv_cache.unsubscribe(feed)
-    await engine_loop.call(lambda _: kv_cache.subscribe(feed))
+    feed, engine = KVEventFeed(asyncio.get_running_loop()), engine_loop.engine
+    feed.unsubscribe = lambda: engine.unsubscribe(feed)
+    await engine_loop.call(lambda _: engine.subscribe(feed))
 
     async def stream():
         try:
