@@ -33,6 +33,8 @@ from _common import console, lesson_args, require_model, save_numbers, save_plot
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.engine.scheduler import ScheduledSequence  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
+from minillm.memory.events import Registered, Truncated  # noqa: E402
+from minillm.memory.replay import Replayer  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
@@ -75,34 +77,41 @@ def pool_bytes(model, tokens: int, sequences: int = 1) -> int:
 
 # ---------------------------------------------------------------- 1. rollback in KV
 class StepRecorder:
-    """Sees one engine step from inside, changing nothing: it wraps the scheduler's guesser (the
-    guesses proposed) and the KV cache manager's `truncate` (the sequence's block table with the
-    guesses written, and after the cut)."""
+    """Follows the memory system's events, changing nothing (`engine.subscribe`): a `Replayer`
+    (`memory/replay.py`) rebuilds every block table from them, and at the sequence's `Truncated`
+    (speculation's rollback) the recorder pictures its table as the guesses wrote it and after
+    the cut. It also keeps the tokens each prefix-cache entry vouches for (`Registered`)."""
 
-    def __init__(self, engine):
-        self.cache = engine.kv_cache.block_manager.prefix_cache
-        self.kv_cache, self.scheduler = engine.kv_cache, engine.scheduler
-        self._guesser, self._truncate = self.scheduler.guesser, self.kv_cache.truncate
-        self.scheduler.guesser, self.kv_cache.truncate = self.guess, self.truncate
-        self.guesses: list[int] = []
+    def __init__(self, engine, seq_id: int):
+        self.seq_id, self.replayer = seq_id, Replayer()
+        self.vouched: dict[int, tuple[int, ...]] = {}  # block -> the tokens its cache entry stands for
         self.written = self.rolled_back = None
+        engine.subscribe(self)
 
-    def guess(self, seq, most: int, batch: int) -> list[int]:
-        self.guesses = self._guesser(seq, most, batch)
-        return self.guesses
+    def __call__(self, step: int, event) -> None:
+        cut = isinstance(event, Truncated) and event.seq_id == self.seq_id
+        if cut:
+            self.written = self.picture()
+        self.replayer.apply(event)
+        if cut:
+            self.rolled_back = self.picture()
+        if isinstance(event, Registered):
+            self.vouched[event.block] = event.tokens
 
-    def truncate(self, seq_id: int, num_entries: int) -> None:
-        self.written = self.picture(seq_id)
-        self._truncate(seq_id, num_entries)
-        self.rolled_back = self.picture(seq_id)
+    def cached_tokens(self, block: int) -> tuple[int, ...] | None:
+        """The tokens the prefix cache vouches for in `block`, or None if it vouches for none."""
+        return self.vouched.get(block) if block in self.replayer.cached else None
 
-    def picture(self, seq_id: int) -> dict:
-        """The sequence's block table, which of its blocks the prefix cache vouches for, free blocks."""
-        table = list(self.kv_cache.table(seq_id))
+    def picture(self) -> dict:
+        """The sequence's block table, which of its blocks the prefix cache vouches for, free blocks
+        (a block is free iff no table holds it), all as the events tell it."""
+        replayer = self.replayer
+        table = list(replayer.tables.get(self.seq_id, []))
+        held = sum(replayer.tier(block) == "device" for block in replayer.refcounts)
         return {
             "table": table,
-            "cached": {block for block in table if self.cache.holds(block)},
-            "free": self.kv_cache.num_free_blocks,
+            "cached": {block for block in table if block in replayer.cached},
+            "free": replayer.num_blocks - held,
         }
 
 
@@ -118,59 +127,75 @@ def rollback_step(model, tokenizer, prompt: list[int], max_tokens: int) -> dict:
         **SPECULATION,
     )
     engine = llm.engine
-    recorder = StepRecorder(engine)
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     seq = engine.requests[request_id][0]
+    recorder = StepRecorder(engine, seq.seq_id)
     found = None
     while engine.has_unfinished_requests() and found is None:
-        before = recorder.picture(seq.seq_id) if seq.output_ids else None
-        entries_before, num_outputs = seq.num_cached, len(seq.output_ids)
-        recorder.guesses, recorder.written = [], None
-        engine.step()
-        if recorder.written is None or seq.finish_reason:  # no guesses this step, or it ended
-            continue
-        kept = len(seq.output_ids) - num_outputs - 1  # guesses kept; the last token appended is the model's
-        freed = [b for b in recorder.written["table"] if b not in recorder.rolled_back["table"]]
-        if kept < len(recorder.guesses) and freed:
-            found = {
-                "before": before,
-                "written": recorder.written,
-                "rolled_back": recorder.rolled_back,
-                "after": recorder.picture(seq.seq_id),
-                "entries_before": entries_before,
-                "guesses": recorder.guesses,
-                "kept": kept,
-                "model_token": seq.output_ids[num_outputs + kept],
-                "freed": freed,
-                "token_ids": list(seq.token_ids),
-                "num_computed": seq.num_computed,
-            }
+        found = watched_step(engine, seq, recorder)
     if found is None:
         raise RuntimeError(f"no rejected guess freed a block in {max_tokens} tokens; raise demo_tokens")
-    cache = recorder.cache
-    # a later prompt made of the kept tokens and then the rejected guesses: what the cache hands it
-    kept_entries = found["entries_before"] + 1 + found["kept"]
-    probe = found["token_ids"][:kept_entries] + found["guesses"][found["kept"] :] + [0]
     found |= {
-        "freed_are_free": all(engine.kv_cache.block_manager.is_free(block) for block in found["freed"]),
-        "probe_hit_tokens": len(cache.lookup(probe)) * DEMO_BLOCK,
-        "kept_entries": kept_entries,
-        "stale_entries": stale_entries(cache, found),
+        "freed_are_free": not any(recorder.replayer.refcounts[block] for block in found["freed"]),
+        "kept_entries": found["entries_before"] + 1 + found["kept"],
+        "stale_entries": stale_entries(recorder, found),
         "kv_bytes_per_token": model.config.kv_bytes_per_token(model.dtype),
     }
     engine.abort(request_id)
+    found["probe_hit_tokens"] = probe_hit_tokens(engine, found)
     return found
 
 
-def stale_entries(cache, step: dict) -> int:
+def watched_step(engine, seq, recorder: StepRecorder) -> dict | None:
+    """One engine step; what it did to `seq`'s blocks if it rejected guesses and its rollback
+    freed a block, else None."""
+    before = recorder.picture() if seq.output_ids else None
+    entries_before, num_outputs = seq.num_cached, len(seq.output_ids)
+    recorder.written = None
+    engine.step()
+    guesses = engine.checked_guesses().get(seq.seq_id, [])
+    if recorder.written is None or seq.finish_reason:  # no guesses cut back this step, or it ended
+        return None
+    kept = len(seq.output_ids) - num_outputs - 1  # guesses kept; the last token appended is the model's
+    freed = [b for b in recorder.written["table"] if b not in recorder.rolled_back["table"]]
+    if kept == len(guesses) or not freed:
+        return None
+    return {
+        "before": before,
+        "written": recorder.written,
+        "rolled_back": recorder.rolled_back,
+        "after": recorder.picture(),
+        "entries_before": entries_before,
+        "guesses": guesses,
+        "kept": kept,
+        "model_token": seq.output_ids[num_outputs + kept],
+        "freed": freed,
+        "token_ids": list(seq.token_ids),
+        "num_computed": seq.num_computed,
+    }
+
+
+def probe_hit_tokens(engine, step: dict) -> int:
+    """What the prefix cache hands a later prompt made of the kept tokens and then the rejected
+    guesses: the prompt tokens its first lookup found cached."""
+    kept = step["kept_entries"]
+    probe = step["token_ids"][:kept] + step["guesses"][step["kept"] :] + [0]
+    hits_before = engine.prefix_hit_tokens()
+    engine.add_request(probe, SamplingParams(max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    return engine.prefix_hit_tokens() - hits_before
+
+
+def stale_entries(recorder: StepRecorder, step: dict) -> int:
     """Prefix-cache entries that vouch for anything but the sequence's computed tokens after the
     step: one on a block the rollback freed (it held only rejected guesses), or on a block of its
     table whose tokens are not the sequence's there or not all computed."""
-    stale = sum(cache.holds(block) for block in step["freed"])
+    stale = sum(recorder.cached_tokens(block) is not None for block in step["freed"])
     for index, block in enumerate(step["after"]["table"]):
-        entry = cache.entries.get(block)
+        tokens = recorder.cached_tokens(block)
         span = slice(index * DEMO_BLOCK, (index + 1) * DEMO_BLOCK)
-        if entry and (entry.tokens != tuple(step["token_ids"][span]) or span.stop > step["num_computed"]):
+        if tokens and (tokens != tuple(step["token_ids"][span]) or span.stop > step["num_computed"]):
             stale += 1
     return stale
 
@@ -501,27 +526,37 @@ def show_end_to_end(results: dict, price: dict, new_tokens: int) -> None:
 def plot(price: dict, evens: dict, results: dict, out_dir) -> None:
     fig, (ax_rows, ax_even, ax_speed) = plt.subplots(1, 3, figsize=(16, 4.4))
     rows = list(range(1, len(price["seconds"][1]) + 1))
+    plot_rows(ax_rows, price, rows)
+    plot_break_even(ax_even, evens, results, rows[:-1])  # k guesses: k + 1 rows
+    plot_end_to_end(ax_speed, results)
+    fig.tight_layout()
+    save_plot(fig, out_dir, "14_speculation.png")
+
+
+def plot_rows(ax, price: dict, rows: list[int]) -> None:
     for batch, seconds in price["seconds"].items():
-        ax_rows.plot(rows, [s / seconds[0] for s in seconds], marker="o", label=f"batch {batch}")
-    ax_rows.plot(
+        ax.plot(rows, [s / seconds[0] for s in seconds], marker="o", label=f"batch {batch}")
+    ax.plot(
         rows,
         [s / price["head_seconds"][0] for s in price["head_seconds"]],
         marker=".",
         linestyle=":",
         label="output projection alone",
     )
-    ax_rows.plot(rows, rows, linestyle="--", color="grey", label="every row full price")
-    ax_rows.axhline(1, color="grey", linewidth=0.8)
-    ax_rows.set(
+    ax.plot(rows, rows, linestyle="--", color="grey", label="every row full price")
+    ax.axhline(1, color="grey", linewidth=0.8)
+    ax.set(
         xlabel="query rows per sequence (k + 1)",
         ylabel="pass time / 1-row pass",
         title="2. The price of a row",
         xticks=rows,
     )
-    ax_rows.legend(fontsize=8)
-    ks = rows[:-1]  # k guesses: k + 1 rows
+    ax.legend(fontsize=8)
+
+
+def plot_break_even(ax, evens: dict, results: dict, ks: list[int]) -> None:
     for batch, marker in ((1, "o"), (BATCH, "s")):
-        ax_even.plot(
+        ax.plot(
             ks,
             [1.05 if rate is None else rate for rate in evens[batch]],
             marker=marker,
@@ -529,32 +564,33 @@ def plot(price: dict, evens: dict, results: dict, out_dir) -> None:
         )
     guessing = [(name, r) for name, r in results.items() if r["speculative"]["drafts"]]
     for (name, r), color in zip(guessing, ("#2ca02c", "#d62728", "#9467bd")):
-        ax_even.axhline(
+        ax.axhline(
             r["speculative"]["acceptance_rate"], color=color, linestyle="--", label=f"measured: {name[:24]}"
         )
-    ax_even.set(
+    ax.set(
         xlabel="k guesses",
         ylabel="acceptance rate",
         ylim=(0, 1.1),
         title="3. Guessing pays above the line (1.05: never)",
         xticks=ks,
     )
-    ax_even.legend(fontsize=7)
+    ax.legend(fontsize=7)
+
+
+def plot_end_to_end(ax, results: dict) -> None:
     names = list(results)
     x = range(len(names))
-    ax_speed.bar([i - 0.2 for i in x], [results[n]["plain"]["tok_s"] for n in names], 0.4, label="plain")
-    ax_speed.bar(
+    ax.bar([i - 0.2 for i in x], [results[n]["plain"]["tok_s"] for n in names], 0.4, label="plain")
+    ax.bar(
         [i + 0.2 for i in x],
         [results[n]["speculative"]["tok_s"] for n in names],
         0.4,
         label=f"guessing, k = {K}",
     )
-    ax_speed.set_xticks(list(x), [n[:22] for n in names], fontsize=8)
+    ax.set_xticks(list(x), [n[:22] for n in names], fontsize=8)
     same = "same tokens" if all(r["identical"] for r in results.values()) else "TOKENS DIFFER"
-    ax_speed.set(ylabel="decode tokens/s, batch 1", title=f"4. End to end ({same})")
-    ax_speed.legend(fontsize=8)
-    fig.tight_layout()
-    save_plot(fig, out_dir, "14_speculation.png")
+    ax.set(ylabel="decode tokens/s, batch 1", title=f"4. End to end ({same})")
+    ax.legend(fontsize=8)
 
 
 def numbers_of(step: dict, price: dict, evens: dict, results: dict) -> dict:
@@ -595,6 +631,11 @@ def numbers_of(step: dict, price: dict, evens: dict, results: dict) -> dict:
 
 
 def meaning(step: dict, price: dict, evens: dict, results: dict) -> str:
+    return f"{meaning_of_costs(step, price, evens)} {meaning_end_to_end(results, price['seconds'][1])}"
+
+
+def meaning_of_costs(step: dict, price: dict, evens: dict) -> str:
+    """Parts 1 to 3: what a rejected guess costs in KV, what a row costs, where guessing pays."""
     one, many, head = price["seconds"][1], price["seconds"][BATCH], price["head_seconds"]
     k = min(K, len(one) - 1)
     rejected = len(step["guesses"]) - step["kept"]
@@ -619,22 +660,25 @@ def meaning(step: dict, price: dict, evens: dict, results: dict) -> str:
         f"acceptance rate of {shown_rate(evens[1][k - 1])} at batch 1 and {shown_rate(evens[BATCH][k - 1])} "
         f"at batch {BATCH}."
     )
-    parts = []
-    for name, r in results.items():
-        guessed = r["speculative"]
-        if not guessed["drafts"]:
-            parts.append(
-                f"{OPEN_PROMPTS.get(name, 'quoting the passage')!r} never guessed, so its "
-                f"{r['speedup']:.2f}x is the clock's noise"
-            )
-            continue
-        verdict = "paid" if r["speedup"] > 1.1 else "lost" if r["speedup"] < 0.9 else "about broke even"
-        parts.append(
-            f"{OPEN_PROMPTS.get(name, 'quoting the passage')!r} guessed in {guessed['drafts']} of "
-            f"{guessed['passes']} passes, kept {guessed['acceptance_rate']:.2f} of the guesses, and "
-            f"{verdict}: {r['speedup']:.2f}x (part 2's price predicts "
-            f"{predicted_speedup(guessed, one):.2f}x)"
-        )
+    return f"{kv} {rows}"
+
+
+def verdict(name: str, r: dict, price: list[float]) -> str:
+    """How guessing went for one prompt of part 4, against what part 2's batch-1 `price` predicts."""
+    guessed, prompt = r["speculative"], OPEN_PROMPTS.get(name, "quoting the passage")
+    if not guessed["drafts"]:
+        return f"{prompt!r} never guessed, so its {r['speedup']:.2f}x is the clock's noise"
+    outcome = "paid" if r["speedup"] > 1.1 else "lost" if r["speedup"] < 0.9 else "about broke even"
+    return (
+        f"{prompt!r} guessed in {guessed['drafts']} of {guessed['passes']} passes, kept "
+        f"{guessed['acceptance_rate']:.2f} of the guesses, and {outcome}: {r['speedup']:.2f}x "
+        f"(part 2's price predicts {predicted_speedup(guessed, price):.2f}x)"
+    )
+
+
+def meaning_end_to_end(results: dict, price: list[float]) -> str:
+    """Part 4: where guessing paid, and how real guesses differ from the formula's."""
+    parts = [verdict(name, r, price) for name, r in results.items()]
     same = (
         "the same tokens each time" if all(r["identical"] for r in results.values()) else "DIFFERENT TOKENS"
     )
@@ -659,7 +703,7 @@ def meaning(step: dict, price: dict, evens: dict, results: dict) -> str:
         "only as far as its recent acceptance pays for the rows at the engine's measured price, so "
         "where guesses fail it soon stops and loses little."
     )
-    return f"{kv} {rows} {ends}"
+    return ends
 
 
 def main() -> None:
