@@ -35,7 +35,9 @@ from _common import console, lesson_args, require_model, save_numbers, save_plot
 from minillm.benchmarks import copy_bandwidth  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
-from minillm.memory import BlockManager, TieredKV, make_pool  # noqa: E402
+from minillm.memory.block_manager import BlockManager  # noqa: E402
+from minillm.memory.pool import make_pool  # noqa: E402
+from minillm.memory.tiers import TieredKV  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 

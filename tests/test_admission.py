@@ -14,7 +14,9 @@ from minillm.engine.admission import MAX_WAIT_STEPS, WINDOW
 from minillm.engine.beam import reference_beam_search
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence, Status
-from minillm.memory import RUNGS, BlockManager, KVCacheManager
+from minillm.memory import KVCacheManager
+from minillm.memory.block_manager import BlockManager
+from minillm.memory.pressure import RUNGS
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 BLOCK = 4

@@ -13,7 +13,8 @@ from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import BeamGroup, reference_beam_search, select
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.memory import BlockManager, KVCacheManager
+from minillm.memory import KVCacheManager
+from minillm.memory.block_manager import BlockManager
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 

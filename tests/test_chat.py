@@ -24,7 +24,7 @@ from minillm.chat.compare import first_difference
 from minillm.chat.view import STATES, state_counts, summary_lines
 from minillm.config import SWITCHES
 from minillm.engine import LLM, SamplingParams
-from minillm.memory import bytes_per_slot
+from minillm.memory.pool import bytes_per_slot
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 

@@ -13,7 +13,8 @@ from minillm.engine import LLM, SamplingParams
 from minillm.engine.outputs import EngineStats
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence
-from minillm.memory import BlockManager, KVCacheManager
+from minillm.memory import KVCacheManager
+from minillm.memory.block_manager import BlockManager
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model: layers 3, kv heads 2, head_dim 16, fp32
 

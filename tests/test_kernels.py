@@ -28,7 +28,9 @@ from minillm.attention.reference import causal_attention, paged_decode_attention
 from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
-from minillm.memory import FORMATS, PagedKVPool, QuantizedKVPool
+from minillm.memory.pool import PagedKVPool
+from minillm.memory.quantization import FORMATS
+from minillm.memory.quantized_pool import QuantizedKVPool
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 HAS_CUDA = torch.cuda.is_available()

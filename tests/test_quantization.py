@@ -10,9 +10,9 @@ from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import TeacherForcing
-from minillm.memory import TieredKV
 from minillm.memory.pool import QuantizedKVPool
 from minillm.memory.quantization import FORMATS, dequantize, pack_int4, quantize, unpack_int4
+from minillm.memory.tiers import TieredKV
 
 FP8_RELATIVE = 2.0**-4  # e4m3 has 3 mantissa bits: rounding is within half a step, 1/16 of the value
 FP8_SUBNORMAL = 2.0**-10  # below 2^-6 the steps are 2^-9 (in units of the scale)

@@ -25,8 +25,8 @@ from helpers import KV_BYTES_PER_TOKEN, FailingSampler, assert_replayed, expecte
 
 from minillm.config import SWITCHES
 from minillm.engine import LLM, SamplingParams
-from minillm.memory import SwapCost
 from minillm.memory.replay import Replayer
+from minillm.memory.tiers import SwapCost
 
 NUM_SETUPS = int(os.environ.get("SOAK_SETUPS", 200))
 

@@ -20,7 +20,10 @@ from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
-from minillm.memory import FORMATS, BlockManager, DiskTier, SwapCost, TieredKV, make_pool
+from minillm.memory.block_manager import BlockManager
+from minillm.memory.pool import make_pool
+from minillm.memory.quantization import FORMATS
+from minillm.memory.tiers import DiskTier, SwapCost, TieredKV
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 BLOCK = 4

@@ -34,7 +34,7 @@ import torch
 
 from minillm.attention.reference import paged_decode_attention, paged_prefill_attention
 from minillm.config import ConfigError, EngineConfig
-from minillm.memory import QuantizedKVPool
+from minillm.memory.quantized_pool import QuantizedKVPool
 
 SOURCES = files("kernels_cuda")  # package data, wherever minillm is installed
 # each build's two kernels (decode, flash prefill) share a header (kv_rows_cpu.h, kv_rows_cuda.h);

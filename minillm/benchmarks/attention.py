@@ -27,7 +27,7 @@ from minillm.attention.kernels import kernel_backend
 from minillm.attention.reference import paged_decode_attention
 from minillm.benchmarks import copy_bandwidth
 from minillm.config import SWITCHES, ConfigError, ModelConfig
-from minillm.memory import bytes_per_slot, make_pool
+from minillm.memory.pool import bytes_per_slot, make_pool
 from minillm.report import print_table
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16

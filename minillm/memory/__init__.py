@@ -2,6 +2,8 @@
 
 kv_cache_manager.py  KVCacheManager: the one door the scheduler talks to about memory
 block_manager.py     blocks, block tables, reference counts, copy-on-write (PagedAttention)
+block_moves.py       tier moves over the same tables: swap out and in, spill, bring back
+free_blocks.py       the block ledger: each tier's free blocks, refcounts, the copies decided
 prefix_cache.py      full blocks found again by their content (hash chains, LRU reuse)
 pool.py              the KV tensors: PagedKVPool (model dtype), QuantizedKVPool; make_pool sizes one
 quantization.py      int8 / int4 / fp8 formats with scales: quantize, dequantize, bytes per token
@@ -14,52 +16,13 @@ accounting.py        one place that answers: reserved, live, shared, utilization
 events.py            KV events: every change of a block's life, its JSON round trip, the bus
 replay.py            Replayer: the block state rebuilt from the events alone (the tests' oracle)
 
-It imports neither the engine nor attention: they call into it.
+It imports neither the engine nor attention: they call into it, through the door this package
+exports (`KVCacheManager`, and what it hands back). Code that needs one part by name (a test of
+the block manager, a benchmark that builds a pool) imports it from that part's module.
 """
 
-from minillm.memory.accounting import MemorySnapshot, MemoryStats, SequenceView, arena_stats, paged_stats
-from minillm.memory.arena import ContiguousArena
-from minillm.memory.block_manager import BlockManager, BlockManagerError
-from minillm.memory.eviction import NUM_SINKS, Evictor, budget_for, kept_entries
-from minillm.memory.kv_cache_manager import Allocation, KVCacheManager
-from minillm.memory.pool import PagedKVPool, QuantizedKVPool, bytes_per_slot, make_pool
-from minillm.memory.prefix_cache import PrefixCache
-from minillm.memory.pressure import RUNGS, PressureLadder
-from minillm.memory.quantization import FORMATS, KVFormat, bytes_per_token, dequantize, quantize
-from minillm.memory.sessions import SessionError, load_session, save_session
-from minillm.memory.tiers import DiskTier, SwapCost, TieredKV
+from minillm.memory.accounting import MemorySnapshot, MemoryStats
+from minillm.memory.kv_cache_manager import KVCacheManager
+from minillm.memory.sessions import SessionError
 
-__all__ = [
-    "Allocation",
-    "BlockManager",
-    "BlockManagerError",
-    "ContiguousArena",
-    "DiskTier",
-    "Evictor",
-    "FORMATS",
-    "KVCacheManager",
-    "KVFormat",
-    "MemorySnapshot",
-    "MemoryStats",
-    "NUM_SINKS",
-    "PagedKVPool",
-    "PressureLadder",
-    "PrefixCache",
-    "QuantizedKVPool",
-    "RUNGS",
-    "SequenceView",
-    "SessionError",
-    "SwapCost",
-    "TieredKV",
-    "arena_stats",
-    "budget_for",
-    "bytes_per_slot",
-    "bytes_per_token",
-    "dequantize",
-    "kept_entries",
-    "load_session",
-    "make_pool",
-    "paged_stats",
-    "quantize",
-    "save_session",
-]
+__all__ = ["KVCacheManager", "MemorySnapshot", "MemoryStats", "SessionError"]
