@@ -17,7 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from minillm.config import SWITCHES, Switch, parse_kv_budget
+from minillm.config import SWITCHES
+from minillm.switches import Switch, parse_kv_budget
 
 
 @dataclass(frozen=True)

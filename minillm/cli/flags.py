@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import math
 
-from minillm.config import SWITCHES, Switch
+from minillm.config import SWITCHES
+from minillm.switches import Switch
 
 # the attention backends a CPU benchmark can be asked for
 CPU_BACKENDS = tuple(b for b in SWITCHES["attention_backend"].choices if b != "cuda")

@@ -1,0 +1,215 @@
+"""The switches, declared once: how each EngineConfig field is spelled, what it takes, what it does.
+
+`_TABLE` lists every switch of `EngineConfig` (`config.py`) in its flag group, with its help
+written once. From it come EngineConfig's check of the choices, the flags of every command
+(`cli/flags.py`), the chat's /set and /compare (`chat/switches.py`) and the server's child argv
+(`cli/flags.engine_argv`). A switch's default is never written here: it is its field's, bound
+when `config.py` builds `SWITCHES` (`declared_switches`), so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_kv_budget(text: str) -> int | float:
+    """'256' is a number of tokens, '0.2' a fraction of the sequence's full length."""
+    try:
+        return float(text) if "." in text else int(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is neither a token count (256) nor a fraction (0.2)") from None
+
+
+@dataclass(frozen=True)
+class Switch:
+    """How one EngineConfig field is spelled and what it takes. Its default is the field's."""
+
+    name: str  # the EngineConfig field
+    help: str  # what it does, the flag's --help; argparse writes %(default)s as the default
+    choices: tuple[str, ...] = ()  # a choice switch takes one of these
+    minimum: int | None = None  # a whole-number switch takes this or more (in the flag's unit)
+    parse: Callable[[str], object] | None = None  # text -> value for the rest; ValueError says why
+    flag: str = ""  # the flag's name (and the chat's), when it is not the field's
+    scale: int = 1  # the flag's value times this is the field's (MiB -> bytes)
+    lossy: bool = False  # changes what the weights or the KV hold, so the tokens may differ
+    group: str = ""  # its flag group in cli/flags.py (its key in `_TABLE`); "" for none
+    field_default: object = None  # the EngineConfig field's default, bound by `declared_switches`
+
+    @property
+    def dest(self) -> str:
+        """The flag's name with underscores: the argparse attribute, the word /set takes."""
+        return self.flag or self.name
+
+    @property
+    def option(self) -> str:
+        return "--" + self.dest.replace("_", "-")
+
+    @property
+    def default(self):
+        """The field's default, in the flag's unit."""
+        value = self.field_default
+        return value // self.scale if self.scale > 1 else value
+
+    @property
+    def on_off(self) -> bool:
+        return isinstance(self.default, bool)
+
+    def field_value(self, value):
+        """A flag's value as the field holds it."""
+        return value * self.scale if self.scale > 1 else value
+
+
+_TABLE = {
+    "model": (  # which checkpoint, in which precision, where
+        Switch(
+            "model_dir",
+            "checkpoint folder written by weights_fetch.py (default: %(default)s)",
+            parse=Path,
+            flag="model",
+        ),
+        Switch(
+            "dtype",
+            "weights and KV dtype; auto: bfloat16 where the device computes it natively, else float32 "
+            "(default: %(default)s)",
+            choices=("auto", *DTYPES),
+            lossy=True,
+        ),
+        Switch("device", "cpu or cuda (default: %(default)s)"),
+    ),
+    "engine": (  # paged KV memory and scheduling
+        Switch(
+            "kv_cache_bytes",
+            "the device KV pool in MiB (default: %(default)s)",
+            minimum=1,
+            flag="kv_cache_mb",
+            scale=2**20,
+        ),
+        Switch("block_size", "token slots per KV block (default: %(default)s)", minimum=1),
+        Switch("max_num_seqs", "sequences running at once (default: %(default)s)", minimum=1),
+        Switch(
+            "max_num_batched_tokens",
+            "tokens computed per step; a longer prefill is chunked (default: %(default)s)",
+            minimum=1,
+        ),
+        Switch("max_seq_len", "tokens one sequence may hold (default: the model's context)", minimum=2),
+        Switch(
+            "prefix_caching",
+            "share the KV of full prompt blocks computed for earlier requests (default: off)",
+        ),
+        Switch(
+            "attention_backend",
+            "attention: the C++ (cpu) or CUDA kernel, the torch reference, or auto: the kernel for "
+            "the device if it builds, else torch (default: %(default)s)",
+            choices=("auto", "torch", "cpu", "cuda"),
+        ),
+        Switch(
+            "flash_prefill",
+            "with a kernel backend, attend prefill chunks with its flash kernel, not torch (default: on)",
+        ),
+        Switch(
+            "scheduling",
+            "iteration-level batching, or a new batch only when the last has finished (default: %(default)s)",
+            choices=("continuous", "static"),
+        ),
+        Switch(
+            "admission",
+            "who joins the batch first: fcfs (arrival order), lpm (longest cached prefix first), "
+            "memory (benefit per KV cost, keeping headroom to grow), memory+lpm (lpm's order, "
+            "memory's headroom), or reserve (fcfs, each request holding its maximum length) "
+            "(default: %(default)s)",
+            choices=("fcfs", "lpm", "memory", "memory+lpm", "reserve"),
+        ),
+    ),
+    "kv_quantization": (  # minillm.memory.quantization
+        Switch(
+            "kv_dtype",
+            "store the KV cache as int8, int4 or fp8 with scales (default: %(default)s, the model dtype)",
+            choices=("auto", "int8", "int4", "fp8"),
+            lossy=True,
+        ),
+        Switch(
+            "kv_key_scales",
+            "quantized keys share a scale per channel of a block, or per token (default: %(default)s)",
+            choices=("channel", "token"),
+            lossy=True,
+        ),
+    ),
+    "eviction": (  # minillm.memory.eviction
+        Switch(
+            "eviction",
+            "drop KV entries beyond --kv-budget: h2o, sinks or window (default: %(default)s)",
+            choices=("none", "h2o", "sinks", "window"),
+            lossy=True,
+        ),
+        Switch(
+            "kv_budget",
+            "with --eviction: entries kept per sequence, as tokens (256) or a fraction (0.2)",
+            parse=parse_kv_budget,
+            lossy=True,
+        ),
+    ),
+    "": (  # in no shared flag group: the chat adds it itself (cli/commands.py)
+        Switch(
+            "eviction_trigger",
+            "with --eviction: keep every sequence within --kv-budget always, or only after a step "
+            "in which the KV pool ran short (the pressure ladder's last rung, after reclaiming cached "
+            "blocks and preempting) (default: %(default)s)",
+            choices=("always", "pressure"),
+            lossy=True,
+        ),
+    ),
+    "tiers": (  # minillm.memory.tiers
+        Switch(
+            "host_cache_bytes",
+            "a host pool (MiB) for swapped-out and spilled KV blocks; 0 is none (default: %(default)s)",
+            minimum=0,
+            flag="host_cache_mb",
+            scale=2**20,
+        ),
+        Switch("disk_cache_dir", "a folder for KV block files once the host pool is full (default: none)"),
+        Switch(
+            "preemption",
+            "when KV blocks run out: recompute the victim, swap its blocks out, or "
+            "pick by measured cost (default: %(default)s; recompute without a tier)",
+            choices=("recompute", "swap", "auto"),
+        ),
+    ),
+    "speculative": (  # minillm.engine.speculative
+        Switch(
+            "speculative",
+            "ngram: guess the next tokens from the prompt and output (n-gram lookup) and check "
+            "them in one forward pass; greedy output is unchanged (default: %(default)s)",
+            choices=("none", "ngram"),
+        ),
+        Switch(
+            "num_speculative_tokens",
+            "with --speculative: guesses per sequence per step, at most (default: %(default)s)",
+            minimum=1,
+        ),
+        Switch(
+            "prompt_lookup_min",
+            "with --speculative ngram: the shortest n-gram looked up (default: %(default)s)",
+            minimum=1,
+        ),
+        Switch(
+            "prompt_lookup_max",
+            "with --speculative ngram: the longest n-gram looked up (default: %(default)s)",
+            minimum=1,
+        ),
+    ),
+}
+
+
+def declared_switches(field_defaults: dict[str, object]) -> dict[str, Switch]:
+    """Every switch by its field's name, knowing its flag group and its field's default."""
+    return {
+        switch.name: replace(switch, group=group, field_default=field_defaults[switch.name])
+        for group, switches in _TABLE.items()
+        for switch in switches
+    }
