@@ -86,13 +86,7 @@ def add_chat_engine_args(chat) -> None:
     add_switch(engine, "admission")
     add_kv_quantization_args(engine)
     add_eviction_args(engine)
-    add_switch(
-        engine,
-        "eviction_trigger",
-        help="with --eviction: keep every sequence within --kv-budget always, or only after a step "
-        "in which the KV pool ran short (the pressure ladder's last rung, after reclaiming cached "
-        "blocks and preempting) (default: %(default)s)",
-    )
+    add_switch(engine, "eviction_trigger")  # in no group: only the chat takes it
     add_tier_args(engine)
     add_speculative_args(engine)
 

@@ -43,23 +43,41 @@ Content-Type: application/json (a web page cannot post that cross-origin without
 """
 
 
+SERVE_DESCRIPTION = textwrap.fill(
+    "Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
+    '/v1/chat/completions ("stream": true sends server-sent events), GET /v1/models, /health and '
+    "/metrics (Prometheus text), and the tokenizer's: POST /tokenize, /detokenize, GET "
+    "/tokenizer_info. One engine loop (the main thread; HTTP runs in another) batches "
+    "every request in flight; a client that disconnects aborts its request and its KV blocks go "
+    "back at once. "
+    'Needs the serve extra: pip install -e ".[serve]".',
+    100,
+)
+
+
 def add_serve(subparsers) -> None:
     serve = subparsers.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server on the engine (vLLM's routes)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=SERVE_EXAMPLES,
-        description=textwrap.fill(
-            "Serve the model over HTTP with the OpenAI API as vLLM serves it: POST /v1/completions and "
-            '/v1/chat/completions ("stream": true sends server-sent events), GET /v1/models, /health and '
-            "/metrics (Prometheus text), and the tokenizer's: POST /tokenize, /detokenize, GET "
-            "/tokenizer_info. One engine loop (the main thread; HTTP runs in another) batches "
-            "every request in flight; a client that disconnects aborts its request and its KV blocks go "
-            "back at once. "
-            'Needs the serve extra: pip install -e ".[serve]".',
-            100,
-        ),
+        description=SERVE_DESCRIPTION,
     )
+    add_server_args(serve)
+    add_access_args(serve)
+    add_limit_args(serve)
+    add_engine_args(serve)
+    add_kv_quantization_args(serve)
+    add_eviction_args(serve)
+    add_tier_args(serve)
+    add_speculative_args(serve)
+    add_trace_arg(serve)
+    add_model_args(serve, dtype="auto")
+    serve.set_defaults(func=cmd_serve)
+
+
+def add_server_args(serve) -> None:
+    """Where it listens, the name it answers to, the engine's threads, uvicorn's log level."""
     serve.add_argument(
         "--host",
         default="127.0.0.1",
@@ -87,16 +105,6 @@ def add_serve(subparsers) -> None:
         default="info",
         help="uvicorn's log level; info logs every request (default: info)",
     )
-    add_access_args(serve)
-    add_limit_args(serve)
-    add_engine_args(serve)
-    add_kv_quantization_args(serve)
-    add_eviction_args(serve)
-    add_tier_args(serve)
-    add_speculative_args(serve)
-    add_trace_arg(serve)
-    add_model_args(serve, dtype="auto")
-    serve.set_defaults(func=cmd_serve)
 
 
 def add_access_args(serve) -> None:
