@@ -9,8 +9,8 @@ every server does the same work.
 Servers, all with the same batch size (`max_num_seqs`):
   - minillm continuous: iteration-level scheduling over paged KV memory;
   - minillm static: the same engine, but a new batch starts only when the last one has finished;
-  - HF transformers static: `generate` on left-padded batches; a batch runs until its longest
-    request is done, and only each request's own tokens count as output.
+  - HF transformers static (`hf_baseline.py`): `generate` on left-padded batches; a batch runs
+    until its longest request is done, and only each request's own tokens count as output.
 
 Beside output tok/s, each server's *achieved GFLOP/s*: the model FLOPs of the trace's useful work
 (every prompt token and every output token but the last goes through the layers once, each output
@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from minillm.benchmarks.hf_baseline import hf_static
 from minillm.config import DTYPES, ConfigError, ModelConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import read_text
@@ -154,57 +155,6 @@ def run_minillm(
         "wasted_slots_per_step": (paged - live) / engine.stats.steps,
         "block_table_entries_per_seq": table_entries / max(running_samples, 1),
     }
-
-
-class TokenClock:
-    """A `generate` streamer that notes when each new token (of the whole batch) appears."""
-
-    def __init__(self):
-        self.times: list[float] = []
-        self.saw_prompt = False
-
-    def put(self, value):
-        if self.saw_prompt:
-            self.times.append(time.perf_counter())
-        self.saw_prompt = True
-
-    def end(self):
-        pass
-
-
-def hf_static(hf_model, trace, batch_size: int) -> tuple[list[dict], float]:
-    """HF transformers' `generate` on left-padded batches of `batch_size`, in trace order, greedy:
-    each request's tokens, TTFT and TPOT (None for a single token), and the elapsed seconds. A batch
-    runs until its longest request is done; request i is done when its own n-th token appears, and
-    only those n tokens are its output."""
-    start = time.perf_counter()
-    requests = []
-    for first in range(0, len(trace), batch_size):
-        batch = trace[first : first + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=hf_model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=hf_model.device)
-        longest = max(n for _, n in batch)
-        clock = TokenClock()
-        with torch.inference_mode():
-            generated = hf_model.generate(
-                ids,
-                attention_mask=mask,
-                max_new_tokens=longest,
-                min_new_tokens=longest,
-                do_sample=False,
-                pad_token_id=0,
-                streamer=clock,
-            )  # (batch, width + longest)
-        for row, (_, n) in enumerate(batch):
-            requests.append(
-                {
-                    "token_ids": generated[row, width : width + n].tolist(),
-                    "ttft": clock.times[0] - start,
-                    "tpot": (clock.times[n - 1] - clock.times[0]) / (n - 1) if n > 1 else None,
-                }
-            )
-    return requests, time.perf_counter() - start
 
 
 def run_hf(hf_model, trace, batch_size: int) -> dict:

@@ -3,7 +3,7 @@ minillm engines, and each row against the one before (ratios, greedy tokens)."""
 
 from __future__ import annotations
 
-from minillm.benchmarks.serve import hf_static
+from minillm.benchmarks.hf_baseline import hf_static
 from minillm.benchmarks.tiers import blocks_for, percentile, run_trace
 from minillm.benchmarks.tiers.preemption import Request
 from minillm.config import DTYPES, ConfigError, EngineConfig
