@@ -4,11 +4,12 @@ The prompts are `bench serve`'s seeded trace (prompts U[16, 320] tokens of real 
 U[8, 160] tokens decoded greedily to exactly that length, EOS ignored), one per client, so both
 sides do the same work:
   1. `LLM.generate` on all of them in this process (no HTTP): output tok/s, time to first token;
-  2. `minillm serve` in a child process with the same engine switches, and N streaming clients
-     (default 32) sending their requests at once to /v1/completions: aggregate output tok/s (all
-     clients' tokens over the time from the first request sent to the last [DONE]), p50 and p99
-     time to first token (request sent -> first text chunk), and whether every client got
-     `LLM.generate`'s text; then /metrics, once idle: the KV blocks still held (must be 0);
+  2. `minillm serve` in a child process (`serve_child.py`) with the same engine switches, and N
+     streaming clients (default 32) sending their requests at once to /v1/completions: aggregate
+     output tok/s (all clients' tokens over the time from the first request sent to the last
+     [DONE]), p50 and p99 time to first token (request sent -> first text chunk), and whether
+     every client got `LLM.generate`'s text; then /metrics, once idle: the KV blocks still held
+     (must be 0);
   3. the same clients again, every other one disconnecting after a few chunks: the server must
      abort those (requests_aborted_total) and hold no block once the rest have finished.
 
@@ -25,13 +26,7 @@ any OpenAI-compatible server.
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -39,13 +34,12 @@ import torch
 from minillm.benchmarks.http_client import (
     Endpoint,
     completion_body,
-    get,
     inter_token_s,
     model_name,
     stream_completion,
 )
 from minillm.benchmarks.serve import make_trace
-from minillm.config import ConfigError
+from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
 from minillm.engine import LLM, SamplingParams
 from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
@@ -68,81 +62,6 @@ def decode_speeds(inter_token: list[float | None]) -> dict:
         "itl_p99_s": percentile(inter_token, 99),
         "decode_tok_s_per_client": sum(1 / s for s in inter_token) / len(inter_token),
     }
-
-
-# ----------------------------------------------------------------------------- the minillm serve child
-
-
-def metrics(server: Endpoint) -> dict:
-    from minillm.serve.metrics import parse_metrics
-
-    return parse_metrics(get(server, "/metrics").decode())
-
-
-def wait_idle(server: Endpoint, timeout: float = 120) -> dict:
-    """/metrics once nothing runs or waits (or the timeout passed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        values = metrics(server)
-        if (
-            values["num_requests_running"] == values["num_requests_waiting"] == 0
-            or time.monotonic() > deadline
-        ):
-            return values
-        time.sleep(0.1)
-
-
-def free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as sock:
-        return sock.getsockname()[1]
-
-
-def start_server(serve_args: list[str], port: int) -> subprocess.Popen:
-    """`minillm serve` in a child process on 127.0.0.1:port; returns once /health answers."""
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "minillm.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-            *serve_args,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        env={**os.environ},
-    )
-    deadline = time.monotonic() + 300
-    while True:
-        if server.poll() is not None:
-            raise ConfigError(f"minillm serve exited: {server.stderr.read().decode().strip()[-500:]}")
-        try:
-            get(Endpoint("127.0.0.1", port), "/health")
-            return server
-        except OSError:
-            if time.monotonic() > deadline:
-                server.kill()
-                raise ConfigError("minillm serve did not answer /health within 300 s.") from None
-            time.sleep(0.2)
-
-
-@contextmanager
-def minillm_serve(serve_args: list[str]) -> Iterator[Endpoint]:
-    """`minillm serve` in a child process on a free port while the block runs; stopped after."""
-    port = free_port()
-    server = start_server(serve_args, port)
-    try:
-        yield Endpoint("127.0.0.1", port)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-
-
-def blocks_held(values: dict) -> int:
-    return values["kv_blocks"]["private"] + values["kv_blocks"]["shared"]
 
 
 # ----------------------------------------------------------------------------- the clients

@@ -45,7 +45,8 @@ from minillm.benchmarks.http_client import (
     stream_completion,
 )
 from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
-from minillm.benchmarks.serve_http import blocks_held, duration, minillm_serve, percentile, wait_idle
+from minillm.benchmarks.serve_child import blocks_held, minillm_serve, wait_idle
+from minillm.benchmarks.serve_http import duration, percentile
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
 from minillm.report import print_table
