@@ -57,13 +57,7 @@ def bench_staircase(
     torch.set_num_threads(threads)
     try:
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
-        trace = make_trace(
-            tokenizer,
-            sizes["requests"],
-            SEED,
-            check_range("--prompt-len", sizes["prompt_len"]),
-            check_range("--output-len", sizes["output_len"]),
-        )
+        trace = _trace(tokenizer, sizes)
         kv_tokens = kv_tokens or 2 * worst_case(trace)
         budget = kv_budget(trace, kv_tokens, model.config.kv_bytes_per_token(model.dtype))
         common = {"dtype": dtype, "device": device, "attention_backend": device.split(":")[0]}
@@ -95,6 +89,13 @@ def _sizes(quick: bool, **given) -> dict:
     if sizes["requests"] < 1:
         raise ConfigError(f"bench staircase needs at least 1 request (--requests {sizes['requests']}).")
     return sizes
+
+
+def _trace(tokenizer, sizes: dict) -> list[tuple[list[int], int]]:
+    """The run's requests, (prompt ids, output length) each, drawn from SEED within the ranges."""
+    prompt_len = check_range("--prompt-len", sizes["prompt_len"])
+    output_len = check_range("--output-len", sizes["output_len"])
+    return make_trace(tokenizer, sizes["requests"], SEED, prompt_len, output_len)
 
 
 def _describe(trace, sizes: dict) -> dict:
