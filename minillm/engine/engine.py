@@ -255,7 +255,7 @@ class LLMEngine:
         if listened:
             ran = zip(schedule.sequences, read)
             who = tuple((item.seq.seq_id, item.seq.request_id, item.num_tokens, n) for item, n in ran)
-            self.kv_cache.emit(Step(time.perf_counter() - start, who))
+            self.kv_cache.events.emit(Step(time.perf_counter() - start, who))
         return self.outputs_of(list(dict.fromkeys(changed)))  # 6.
 
     def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:

@@ -71,9 +71,6 @@ class BlockManager:
     def tier(self, block: int) -> str:
         return self._ledger.tier(block)
 
-    def is_free(self, block: int) -> bool:
-        return self.refcounts[block] == 0
-
     def held(self, tier: str) -> dict[int, int]:
         """The tier's blocks that tables hold -> how many tables hold each."""
         return self._ledger.held(tier)

@@ -39,7 +39,7 @@ import torch
 from minillm.config import EngineConfig, ModelConfig
 from minillm.memory.accounting import MemorySnapshot, MemoryStats, paged_stats, take_snapshot
 from minillm.memory.block_manager import BlockManager
-from minillm.memory.events import EntriesEvicted, Event, Filled, Subscriber
+from minillm.memory.events import EntriesEvicted, Filled, Subscriber
 from minillm.memory.eviction import Evictor
 from minillm.memory.prefix_cache import PrefixMiss
 from minillm.memory.pressure import PressureLadder
@@ -395,11 +395,6 @@ class KVCacheManager:
     def begin_step(self, step: int) -> None:
         """The events from now on belong to engine step `step`."""
         self.events.step = step
-
-    def emit(self, event: Event) -> None:
-        """An event from the engine (a `Step`), told to the subscribers if any."""
-        if self.events:
-            self.events.emit(event)
 
     # ---------------------------------------------------------------- pictures and numbers
     def memory_stats(self, live_tokens: dict[int, int]) -> MemoryStats:
