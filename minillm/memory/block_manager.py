@@ -62,6 +62,7 @@ class BlockManager:
         self.prefix_cache = PrefixCache(block_size, self.events) if prefix_caching else None
         self.moves = TierMoves(self._ledger, self.block_tables, self.prefix_cache, self.events, disk)
         self.num_copies = 0  # copy-on-write copies made
+        self._full: dict[int, int] = {}  # seq_id -> leading blocks known full (told as `Filled`)
 
     # ---------------------------------------------------------------- counting
     @property
@@ -170,10 +171,24 @@ class BlockManager:
         if self.events:
             self.events.emit(ev.Forked(parent_id, child_id))
 
+    def filled(self, seq_id: int, num_entries: int, quantized: bool) -> None:
+        """The sequence's first `num_entries` entries are written: `Filled` for each block they
+        newly fill (`quantized`: the pool is a quantized one)."""
+        full, done = num_entries // self.block_size, self._full.get(seq_id, 0)
+        if full <= done:
+            return
+        self._full[seq_id] = full
+        if self.events:
+            table = self.table(seq_id)
+            for index in range(done, full):
+                self.events.emit(ev.Filled(seq_id, table[index], quantized))
+
     def truncate(self, seq_id: int, num_tokens: int) -> None:
         """Keep only the blocks holding the first `num_tokens` entries (eviction shrank the
-        sequence, or speculation rolled it back)."""
+        sequence, or speculation rolled it back); blocks cut into are no longer full."""
         table, kept = self.table(seq_id), self.blocks_for(num_tokens)
+        if self._full.get(seq_id, 0) > num_tokens // self.block_size:
+            self._full[seq_id] = num_tokens // self.block_size
         if len(table) <= kept:
             return
         for block in table[kept:]:
@@ -187,6 +202,7 @@ class BlockManager:
         for block in self.table(seq_id):
             self._ledger.drop(block)
         table = self.block_tables.pop(seq_id)
+        self._full.pop(seq_id, None)
         if self.prefix_cache:
             self.prefix_cache.forget_sequence(seq_id)
         if self.events:

@@ -39,7 +39,7 @@ import torch
 from minillm.config import EngineConfig, ModelConfig
 from minillm.memory.accounting import MemorySnapshot, MemoryStats, paged_stats, take_snapshot
 from minillm.memory.block_manager import BlockManager
-from minillm.memory.events import EntriesEvicted, Filled, Subscriber
+from minillm.memory.events import EntriesEvicted, Subscriber
 from minillm.memory.eviction import Evictor
 from minillm.memory.prefix_cache import PrefixMiss
 from minillm.memory.pressure import PressureLadder
@@ -84,7 +84,6 @@ class KVCacheManager:
         self.ladder = PressureLadder(self.moves, preemption, self.swap_cost, eviction_trigger)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.events = block_manager.events
-        self._full_blocks: dict[int, int] = {}  # seq_id -> leading blocks known full (for `Filled`)
 
     @classmethod
     def build(cls, config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device) -> KVCacheManager:
@@ -203,7 +202,6 @@ class KVCacheManager:
         """The sequence is done (or starts over): its blocks go back, its eviction state goes."""
         if self.block_manager.has_table(seq_id):
             self.block_manager.free(seq_id)
-        self._full_blocks.pop(seq_id, None)
         if self.evictor:
             self.evictor.forget(seq_id)
 
@@ -238,7 +236,6 @@ class KVCacheManager:
                 self.pool.restage_block(block)
         if manager.prefix_cache:
             manager.prefix_cache.truncate(seq_id, num_entries // size)
-        self._cut_full(seq_id, num_entries)
         if self.evictor:
             self.evictor.truncate(seq_id, num_entries)
 
@@ -340,33 +337,16 @@ class KVCacheManager:
         their K/V in the pool: newly full blocks become findable in the prefix cache, and a
         sequence over its budget evicts. Returns the entries it dropped."""
         cache = self.block_manager.prefix_cache
-        self._tell_filled(seq_id, num_cached)
+        self.block_manager.filled(seq_id, num_cached, self.pool.quantized)
         if cache and num_cached == num_computed:  # once it evicts, its table no longer maps positions
             cache.register(seq_id, self.block_manager.table(seq_id), token_ids, num_computed)
         if not self.ladder.evicts_now():
             return 0
         dropped = self.evictor.shrink(seq_id, num_cached, num_computed, prompt_len, max_len)
         self.ladder.took("evict", dropped)
-        if dropped:
-            self._cut_full(seq_id, num_cached - dropped)
-            if self.events:
-                self.events.emit(EntriesEvicted(seq_id, dropped))
+        if dropped and self.events:
+            self.events.emit(EntriesEvicted(seq_id, dropped))
         return dropped
-
-    def _tell_filled(self, seq_id: int, num_entries: int) -> None:
-        """`Filled` for each block the sequence's `num_entries` entries newly fill."""
-        full, done = num_entries // self.block_size, self._full_blocks.get(seq_id, 0)
-        if full <= done:
-            return
-        self._full_blocks[seq_id] = full
-        if self.events:
-            table, quantized = self.block_manager.table(seq_id), self.pool.quantized
-            for index in range(done, full):
-                self.events.emit(Filled(seq_id, table[index], quantized))
-
-    def _cut_full(self, seq_id: int, num_entries: int) -> None:
-        if self._full_blocks.get(seq_id, 0) > num_entries // self.block_size:
-            self._full_blocks[seq_id] = num_entries // self.block_size
 
     def end_step(self) -> dict[str, int]:
         """This step's rungs of the pressure ladder, in ladder order."""
