@@ -50,7 +50,7 @@ class Replayer:
         return tier_of(block, self.num_blocks, self.host_blocks)
 
     def state(self, block: int) -> str:
-        """As `BlockManager.block_state`: free, cached, shared or private."""
+        """As `accounting.block_states` says it: free, cached, shared or private."""
         if self.refcounts[block] == 0:
             return "cached" if block in self.cached else "free"
         return "shared" if self.refcounts[block] > 1 or block in self.cached else "private"
