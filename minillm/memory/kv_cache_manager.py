@@ -79,6 +79,7 @@ class KVCacheManager:
         self.block_size = block_manager.block_size
         self.num_blocks = block_manager.num_blocks  # device blocks: the pool attention reads
         self.pool = tiers.device if tiers else None  # what attention reads and writes
+        self._quantized = self.pool is not None and self.pool.quantized  # told in each `Filled`
         # swap or recompute is only a question with somewhere to swap to: without, nothing is timed
         self.swap_cost = SwapCost(tiers) if tiers and (tiers.host or tiers.disk) else None
         self.ladder = PressureLadder(self.moves, preemption, self.swap_cost, eviction_trigger)
@@ -337,7 +338,7 @@ class KVCacheManager:
         their K/V in the pool: newly full blocks become findable in the prefix cache, and a
         sequence over its budget evicts. Returns the entries it dropped."""
         cache = self.block_manager.prefix_cache
-        self.block_manager.filled(seq_id, num_cached, self.pool.quantized)
+        self.block_manager.filled(seq_id, num_cached, self._quantized)
         if cache and num_cached == num_computed:  # once it evicts, its table no longer maps positions
             cache.register(seq_id, self.block_manager.table(seq_id), token_ids, num_computed)
         if not self.ladder.evicts_now():
