@@ -6,11 +6,18 @@ tests need it and say so instead of skipping, because exactness on real weights 
 The same command writes the real texts the tests read into TEXTS_DIR.
 """
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
-from helpers import REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint
+# The suite runs on pytest-xdist, one worker per core (pyproject's addopts). Each worker gets one torch
+# thread, and so do the programs its tests start: two OpenMP pools spinning on the same cores slow
+# each other many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from helpers import REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
