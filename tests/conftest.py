@@ -91,6 +91,12 @@ _SLOW_MODULES = {"test_lessons", "test_real_model", "test_benchmarks", "test_soa
 _SLOW_CASES = {
     f"test_quantized_engine_equals_a_fake_quantized_no_cache_reference[{case}]"
     for case in ("int4-channel", "fp8-channel", "int4-token", "int8-token")
+} | {  # real weights through a whole decode or a benchmark run: 15-45 s each under xdist here
+    "test_bf16_engine_matches_bf16_cached_decoding_on_the_real_model",
+    "test_dequantized_tensors_match_transformers_gguf_reader",
+    "test_bench_scheduling_json_keeps_its_promises",
+    "test_bench_serve_http_reports_speed_latency_and_no_block_left",
+    "test_trace_over_http_answers_every_request_and_reports_goodput",
 }
 _KERNEL_NAMES = ("cpu_kernel", "flash_prefill_kernel", "quantize_write_kernel", "cuda", "nvcc")
 
