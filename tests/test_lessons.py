@@ -1,8 +1,9 @@
 """Every lesson runs as a user runs it (`python lessons/X.py --quick --out DIR`, into a fresh folder),
 saves its plot and its headline numbers, and its claim points the way its closing sentence says.
 
---quick keeps each lesson to seconds (short generations, short text); the claims checked hold
-exactly (token ids, counts, bytes) or by a wide margin (a 3x speed-up), never by a tight timing."""
+--quick keeps each lesson short (short generations, short text; the README lists the times); the
+claims checked hold exactly (token ids, counts, bytes) or by a wide margin (a 3x speed-up), never by
+a tight timing."""
 
 import json
 import subprocess
