@@ -38,7 +38,7 @@ SEGMENTS, SEGMENT_LEN = 3, 160
 
 def main():
     args, model_dir, model, tokenizer, alice = perplexity_setup(
-        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 1, "segment_len": 64}
+        __doc__, segments=SEGMENTS, segment_len=SEGMENT_LEN, quick={"segments": 1, "segment_len": 32}
     )
     texts = {"Alice": alice, "lcet10": tokenizer.encode(read_text(TECHNICAL_TEXT))}
 

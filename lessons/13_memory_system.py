@@ -62,13 +62,13 @@ SETTINGS = {
     },
     "quick": {
         "bench_quick": True,
-        "bench_requests": 8,
+        "bench_requests": 4,
         "busy_requests": 6,
         "busy_system_tokens": 48,
         "busy_device_blocks": 16,
         "busy_host_blocks": 16,
         "filler_tokens": 120,
-        "sched_requests": 8,
+        "sched_requests": 4,
     },
 }
 STATES = ["free", "cached", "shared", "private", "host: swapped", "host: spilled"]
