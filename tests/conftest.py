@@ -17,7 +17,14 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from helpers import REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors, write_checkpoint  # noqa: E402
+from helpers import (  # noqa: E402
+    REAL_MODEL_DIR,
+    TEXTS_DIR,
+    TINY_CONFIG,
+    NaiveReference,
+    random_llama_tensors,
+    write_checkpoint,
+)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +64,15 @@ def real_tokenizer(real_dir):
 
 
 @pytest.fixture(scope="session")
+def naive_real(real_model, real_tokenizer, tmp_path_factory) -> NaiveReference:
+    """naive_real(prompt_ids, max_tokens): the naive decoder's greedy ids on the real model, decoded
+    once per session (the workers of one xdist run share the folder above their own)."""
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    return NaiveReference(real_model, real_tokenizer.eos_token_id, shared / "naive_real")
+
+
+@pytest.fixture(scope="session")
 def hf_model(real_dir):
     from transformers import LlamaForCausalLM
 
@@ -84,8 +100,8 @@ def always_guess():
 
 # Test tiers (markers registered in pyproject.toml): tests are marked by what they use, so a new
 # test lands in the right tier without remembering to mark it.
-_REAL_FIXTURES = {"real_dir", "real_model", "real_tokenizer", "hf_model", "real_text_ids"}
-_REAL_WEIGHT_FIXTURES = {"real_model", "hf_model", "real_text_ids"}
+_REAL_FIXTURES = {"real_dir", "real_model", "real_tokenizer", "hf_model", "real_text_ids", "naive_real"}
+_REAL_WEIGHT_FIXTURES = {"real_model", "hf_model", "real_text_ids", "naive_real"}
 _SLOW_MODULES = {"test_lessons", "test_real_model", "test_benchmarks", "test_soak", "test_serve_soak"}
 # Cases over ~10 s (measured on a loaded 2-core CPU) whose format another case keeps in the fast tier.
 _SLOW_CASES = {

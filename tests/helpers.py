@@ -195,3 +195,47 @@ ANY_JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
     max_leaves=8,
 )
+
+
+# ---------------------------------------------------------------- the real model's naive reference
+# Real-model prompts the exactness tests share, so the naive decoder (minutes of recomputation on
+# a small CPU) runs once per prompt per test session, not once per test.
+REAL_PLAIN_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+REAL_CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about memory.",
+    "Explain in two sentences why the sky is blue.",
+]
+
+
+class NaiveReference:
+    """Greedy token ids of the naive decoder on one model, kept in `folder` for the rest of the
+    test session and shared by every test (and every xdist worker) that asks for the same prompt.
+
+    A greedy naive decode has no state but its token ids, so the first n tokens of a longer run
+    are the n-token run, and a run resumed from prompt + stored tokens is the run continued: an
+    ask for more tokens than are stored decodes only the rest. A lock per prompt makes a second
+    worker wait for the first one's answer instead of decoding it again."""
+
+    def __init__(self, model, eos_token_id: int, folder: Path):
+        self.model, self.eos_token_id, self.folder = model, eos_token_id, folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
+        import fcntl
+        import hashlib
+
+        name = hashlib.sha256(json.dumps([self.eos_token_id, prompt_ids]).encode()).hexdigest()[:32]
+        path = self.folder / f"{name}.json"
+        with open(self.folder / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            tokens, ended = json.loads(path.read_text()) if path.exists() else ([], False)
+            if len(tokens) < max_tokens and not ended:
+                rest = SamplingParams(max_tokens=max_tokens - len(tokens))
+                tokens = (
+                    tokens
+                    + generate(self.model, prompt_ids + tokens, rest, "naive", self.eos_token_id).token_ids
+                )
+                ended = tokens[-1] == self.eos_token_id
+                path.write_text(json.dumps([tokens, ended]))
+        return tokens[:max_tokens]

@@ -5,6 +5,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
+from helpers import REAL_CHAT_QUESTIONS, REAL_PLAIN_PROMPTS
 
 import minillm.engine.sequence as sequence_module
 from minillm.config import ConfigError
@@ -159,18 +160,11 @@ def test_bad_switches_are_refused_with_the_reason(tiny_dir, tiny_model, switches
         LLM(tiny_dir, model=tiny_model, **switches)
 
 
-def test_real_model_engine_matches_naive(real_dir, real_model, real_tokenizer):
-    prompts = [
-        "The capital of France is",
-        "def fibonacci(n):",
-        "Once upon a time",
-        "1, 2, 3, 4,",
-        "The GNU General Public License is",
-    ] + [
-        real_tokenizer.encode_chat([{"role": "user", "content": q}])
-        for q in ("What is 2 + 2?", "Name three colors.", "Say hello in French.")
+def test_real_model_engine_matches_naive(real_dir, real_model, real_tokenizer, naive_real):
+    prompts = REAL_PLAIN_PROMPTS + [
+        real_tokenizer.encode_chat([{"role": "user", "content": q}]) for q in REAL_CHAT_QUESTIONS
     ]
-    params = [SamplingParams(max_tokens=n) for n in (12, 20, 8, 16, 10, 12, 18, 9)]
+    params = [SamplingParams(max_tokens=n) for n in (12, 20, 8, 16, 12, 18, 9)]
     # 6 blocks of 16 tokens: fewer than the batch wants, so sequences get preempted and recomputed
     llm = LLM(
         real_dir,
@@ -181,7 +175,7 @@ def test_real_model_engine_matches_naive(real_dir, real_model, real_tokenizer):
     outputs = llm.generate(prompts, params)
     for out, prompt, sp in zip(outputs, prompts, params):
         ids = real_tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        assert out.token_ids == generate(real_model, ids, sp, "naive", real_tokenizer.eos_token_id).token_ids
+        assert out.token_ids == naive_real(ids, sp.max_tokens)
     assert llm.engine.num_preemptions > 0
     assert outputs[0].text == real_tokenizer.decode(outputs[0].token_ids)
 

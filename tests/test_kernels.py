@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from helpers import REAL_PLAIN_PROMPTS, TINY_CONFIG, random_llama_tensors, write_checkpoint
 
 from minillm.attention.kernels import CUDA_PREFILL_SOURCE, CUDA_SOURCE, STALE_LOCK_S, build, kernel_backend
 from minillm.attention.reference import causal_attention, paged_decode_attention, paged_prefill_attention
@@ -342,17 +342,14 @@ def test_engine_with_cpu_kernel_equals_the_torch_backend_on_lossy_switches(tiny_
     assert outputs["cpu"] == outputs["torch"]
 
 
-def test_engine_with_cpu_kernel_on_the_real_model(real_dir, real_model, real_tokenizer):
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+def test_engine_with_cpu_kernel_on_the_real_model(real_dir, real_model, real_tokenizer, naive_real):
+    prompts = REAL_PLAIN_PROMPTS[:3]
     params = SamplingParams(max_tokens=24)
     llm = LLM(
         real_dir, model=real_model, tokenizer=real_tokenizer, attention_backend="cpu", kv_cache_bytes=64 << 20
     )
     for out, prompt in zip(llm.generate(prompts, params), prompts):
-        ids = real_tokenizer.encode(prompt)
-        assert (
-            out.token_ids == generate(real_model, ids, params, "naive", real_tokenizer.eos_token_id).token_ids
-        )
+        assert out.token_ids == naive_real(real_tokenizer.encode(prompt), params.max_tokens)
 
 
 def test_the_wheel_carries_the_kernel_sources(tmp_path):

@@ -157,7 +157,7 @@ def test_cached_blocks_always_hold_the_prompts_tokens(prompts, actions):
         manager.check_invariants()
 
 
-def test_real_model_with_prefix_cache_matches_naive(real_dir, real_model, real_tokenizer):
+def test_real_model_with_prefix_cache_matches_naive(real_dir, real_model, real_tokenizer, naive_real):
     system = "You are a careful assistant. " * 12
     prompts = [
         real_tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
@@ -169,10 +169,7 @@ def test_real_model_with_prefix_cache_matches_naive(real_dir, real_model, real_t
     )
     outputs = run_one_by_one(llm, prompts, [params] * 4)
     for out, prompt in zip(outputs, prompts):
-        assert (
-            out.token_ids
-            == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
-        )
+        assert out.token_ids == naive_real(prompt, params.max_tokens)
     assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= 3 * (len(prompts[0]) // 16 - 1)
 
 

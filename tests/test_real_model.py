@@ -7,6 +7,7 @@ these weights (a different summation order in fp32), so it is checked with that 
 
 import pytest
 import torch
+from helpers import REAL_CHAT_QUESTIONS
 
 from minillm.decoding import generate
 from minillm.decoding.cached import CachedDecoder
@@ -14,12 +15,6 @@ from minillm.decoding.naive import sequence_logits
 from minillm.sampling import SamplingParams
 
 POSITIONS = 96  # > 64 positions of real text
-
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about memory.",
-    "Explain in two sentences why the sky is blue.",
-]
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +59,8 @@ def test_logits_match_hf_default_sdpa_within_its_own_spread(real_model, hf_model
     assert (sequence_logits(real_model, ids) - sdpa).abs().max() <= max(2 * spread, 1e-4)
 
 
-@pytest.mark.parametrize("prompt", CHAT_PROMPTS)
-def test_greedy_chat_reply_is_identical_to_hf(real_model, real_tokenizer, hf_model, prompt):
+@pytest.mark.parametrize("prompt", REAL_CHAT_QUESTIONS)
+def test_greedy_chat_reply_is_identical_to_hf(real_model, real_tokenizer, hf_model, naive_real, prompt):
     ids = real_tokenizer.encode_chat([{"role": "user", "content": prompt}])
     with torch.no_grad():
         hf_out = hf_model.generate(
@@ -77,10 +72,9 @@ def test_greedy_chat_reply_is_identical_to_hf(real_model, real_tokenizer, hf_mod
             pad_token_id=real_tokenizer.eos_token_id,
         )
     expected = hf_out[0, len(ids) :].tolist()
-    params = SamplingParams(max_tokens=40)
-    for decoder in ("naive", "cached"):
-        ours = generate(real_model, ids, params, decoder, eos_token_id=real_tokenizer.eos_token_id)
-        assert ours.token_ids == expected, decoder
+    assert naive_real(ids, 40) == expected
+    ours = generate(real_model, ids, SamplingParams(max_tokens=40), "cached", real_tokenizer.eos_token_id)
+    assert ours.token_ids == expected
 
 
 def perplexity(model, ids):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REAL_CHAT_QUESTIONS
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from references import replay_quantized, run_recorded
@@ -437,8 +438,8 @@ def test_prefetched_swap_ins_copy_behind_the_forward_pass_and_stay_exact(tiny_di
     assert_swapped_and_drained(llm)
 
 
-def test_real_model_with_swaps_at_every_turn_equals_naive(real_dir, real_model, real_tokenizer):
-    questions = ["What is the capital of France?", "Name three colors.", "Why is the sea salty?", "Say hi."]
+def test_real_model_with_swaps_at_every_turn_equals_naive(real_dir, real_model, real_tokenizer, naive_real):
+    questions = REAL_CHAT_QUESTIONS + ["Name three colors."]  # four: the pool cannot hold them all
     prompts = [real_tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     params = SamplingParams(max_tokens=12)
     per_block = real_model.config.kv_bytes_per_token(torch.float32) * 16
@@ -453,8 +454,5 @@ def test_real_model_with_swaps_at_every_turn_equals_naive(real_dir, real_model, 
     )
     outputs = llm.generate(prompts, params)
     for out, prompt in zip(outputs, prompts):
-        assert (
-            out.token_ids
-            == generate(real_model, prompt, params, "naive", real_tokenizer.eos_token_id).token_ids
-        )
+        assert out.token_ids == naive_real(prompt, params.max_tokens)
     assert_swapped_and_drained(llm)
