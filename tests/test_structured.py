@@ -14,6 +14,7 @@ import re
 
 import jsonschema
 import llguidance
+import llguidance.numpy
 import pytest
 import torch
 from helpers import tiny_with_real_tokenizer
@@ -225,8 +226,8 @@ def test_n_samples_each_follow_their_own_grammar_state(llm):
 def test_unpacked_bits_are_the_librarys_mask(model_dir, llm):
     grammars = llm.engine.grammars()
     state = grammars.start(StructuredOutput.of_schema(SCHEMAS[11]))
-    bitmask = llguidance.torch.allocate_token_bitmask(1, grammars.vocab_size)
-    llguidance.torch.fill_next_token_bitmask(state.matcher, bitmask, 0)
+    bitmask = torch.from_numpy(llguidance.numpy.allocate_token_bitmask(1, grammars.vocab_size))
+    llguidance.numpy.fill_next_token_bitmask(state.matcher, bitmask.numpy(), 0)
     bias = torch.frombuffer(bytearray(state.matcher.compute_logit_bias()), dtype=torch.uint8)
     assert torch.equal(unpack_bits(bitmask, grammars.vocab_size)[0], bias[: grammars.vocab_size] > 0)
     padded = Grammars(
