@@ -103,16 +103,26 @@ def always_guess():
 _REAL_FIXTURES = {"real_dir", "real_model", "real_tokenizer", "hf_model", "real_text_ids", "naive_real"}
 _REAL_WEIGHT_FIXTURES = {"real_model", "hf_model", "real_text_ids", "naive_real"}
 _SLOW_MODULES = {"test_lessons", "test_real_model", "test_benchmarks", "test_soak", "test_serve_soak"}
-# Cases over ~10 s (measured on a loaded 2-core CPU) whose format another case keeps in the fast tier.
+# Cases that run in the full suite only: each is slow on a loaded 2-core CPU, and a faster test
+# covers what it checks in the fast tier.
 _SLOW_CASES = {
-    f"test_quantized_engine_equals_a_fake_quantized_no_cache_reference[{case}]"
-    for case in ("int4-channel", "fp8-channel", "int4-token", "int8-token")
-} | {  # real weights through a whole decode or a benchmark run: 15-45 s each under xdist here
+    # a KV format whose other cases stay fast (10-14 s each)
+    *(
+        f"test_quantized_engine_equals_a_fake_quantized_no_cache_reference[{case}]"
+        for case in ("int4-channel", "fp8-channel", "int4-token", "int8-token")
+    ),
+    # real weights through a whole decode or a benchmark run (15-45 s each)
     "test_bf16_engine_matches_bf16_cached_decoding_on_the_real_model",
     "test_dequantized_tensors_match_transformers_gguf_reader",
     "test_bench_scheduling_json_keeps_its_promises",
     "test_bench_serve_http_reports_speed_latency_and_no_block_left",
     "test_trace_over_http_answers_every_request_and_reports_goodput",
+    # a program started as a user starts it (7-12 s each); in-process tests cover what it drives
+    "test_cli_chat_session_survives_a_restart",
+    "test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c",
+    "test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal",
+    "test_the_builder_writes_the_task_and_a_folder_transformers_loads",
+    "test_cli_eval_ppl_json",
 }
 _KERNEL_NAMES = ("cpu_kernel", "flash_prefill_kernel", "quantize_write_kernel", "cuda", "nvcc")
 
@@ -137,7 +147,29 @@ def _tiers_of(item) -> set[str]:
     return tiers
 
 
-def pytest_collection_modifyitems(config, items):
+# A test with three or more parametrized cases keeps every third (its first, fourth, ...) in the fast
+# tier; the full suite runs them all. The cases vary a switch or a format, and the ones kept still
+# span the variations.
+FAST_CASE_STRIDE = 3
+
+
+def _cases_left_to_the_full_suite(items) -> set[str]:
+    cases: dict[str, list[str]] = {}
     for item in items:
-        for tier in _tiers_of(item):
+        if hasattr(item, "callspec"):
+            cases.setdefault(item.nodeid.partition("[")[0], []).append(item.nodeid)
+    return {
+        nodeid
+        for ids in cases.values()
+        if len(ids) >= FAST_CASE_STRIDE
+        for index, nodeid in enumerate(ids)
+        if index % FAST_CASE_STRIDE
+    }
+
+
+def pytest_collection_modifyitems(config, items):
+    full_suite_only = _cases_left_to_the_full_suite(items)
+    for item in items:
+        tiers = _tiers_of(item) | ({"slow"} if item.nodeid in full_suite_only else set())
+        for tier in tiers:
             item.add_marker(tier)
