@@ -20,7 +20,9 @@
 // `rms_norm` and `rope` are a layer's other dense operations, each in one call instead of torch's
 // seven and five small ones (at decode each costs more in dispatch than in arithmetic). `read_bytes`
 // is the read roof the benchmarks put beside the products: the same threads summing a buffer.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

@@ -33,9 +33,12 @@
 //     sums its entry's probability over the warp's rows and adds it into mass atomically (the
 //     block's warps, and the sequence's other query tiles, share entries).
 //
-// Like paged_attention.cu it launches on the default stream and includes only ATen/ATen.h
-// and kv_rows_cuda.h, so it compiles against a CPU-only torch.
-#include <ATen/ATen.h>
+// Like paged_attention.cu it launches on the default stream and includes only the ATen headers it
+// uses and kv_rows_cuda.h, so it compiles against a CPU-only torch.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 
 #include <type_traits>
 #include <vector>

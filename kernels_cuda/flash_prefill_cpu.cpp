@@ -25,7 +25,10 @@
 // With mass (H2O), a task takes all of a sequence's queries for its KV head (tiles in order, so no
 // two tasks add into the same entries) and, once a tile's m and l are final, walks its keys a
 // second time to add each entry's probability.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <omp.h>
 

@@ -11,7 +11,7 @@
 //   staged_row   (num_blocks,) int32: a block's row in k_staged, -1 once its keys are quantized
 // A stored number x means x * scale + center. Slot of cache index t: block_table[t / bs] * bs + t % bs.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>

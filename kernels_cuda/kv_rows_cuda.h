@@ -3,10 +3,10 @@
 // int4 two per byte or fp8 e4m3 bytes; fp16 (scale, center) pairs per channel of a block or per
 // token; staged exact keys of blocks still filling): a stored number x means x * scale + center.
 //
-// It includes only ATen/ATen.h (the Python bindings are bindings.cpp's), so the kernels also
+// It includes only ATen's tensor (the Python bindings are bindings.cpp's), so the kernels also
 // compile against a CPU-only torch.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 

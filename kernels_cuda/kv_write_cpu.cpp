@@ -15,7 +15,7 @@
 // false. Keys scaled per channel go to their block's staging row (the pool gives a block its row
 // before the write), and a block whose last slot this write fills is quantized from its staging
 // row, one scale per (head, channel) over its block_size tokens; the pool then gives the row back.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 

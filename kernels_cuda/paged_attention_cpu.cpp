@@ -24,7 +24,10 @@
 // exp(score - m) and the running weighted sum of values acc, rescaled by exp(m_old - m_new) when
 // a block raises the maximum. Then it converts the block's values into the tile and adds them,
 // their per-token scales folded into the softmax weights. One pass over the history.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 
 #include "kv_rows_cpu.h"
