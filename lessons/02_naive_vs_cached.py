@@ -76,7 +76,7 @@ def main():
         lambda parser: parser.add_argument(
             "--tokens", type=int, default=200, help="new tokens to generate (default: 200)"
         ),
-        quick={"tokens": 40},
+        quick={"tokens": 24},
     )
 
     model_dir = require_model()
