@@ -34,7 +34,8 @@ int64_t read_bytes(const at::Tensor& t);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_decode", &paged_attention_decode, "decode attention over the paged KV pool");
-  m.def("paged_attention_prefill", &paged_attention_prefill, "flash attention for prefill chunks over the paged KV pool");
+  m.def("paged_attention_prefill", &paged_attention_prefill,
+        "flash attention for prefill chunks over the paged KV pool");
 #ifdef MINILLM_CPU_BUILD
   m.def("quantize_write", &quantize_write, "one layer's new keys and values into a quantized KV pool");
   m.def("dense_fits", &dense_fits, "whether dense takes a (K inputs, N outputs) weight");

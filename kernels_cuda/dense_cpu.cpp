@@ -37,8 +37,8 @@ constexpr int64_t kGroup = 8;  // weight rows streamed together: 8 sums in fligh
 // rows, each weight vector loaded once for all MR rows. Every sum is the same sequence of
 // instructions whatever MR is, so a row's result does not depend on the rows beside it.
 #if defined(__AVX512BF16__)
-constexpr int64_t kStep = 32;     // bf16 numbers per instruction
-constexpr int kMaxTileRows = 3;   // 3 x 8 sums + 3 activation vectors + 1 weight vector: 28 of 32 registers
+constexpr int64_t kStep = 32;    // bf16 numbers per instruction
+constexpr int kMaxTileRows = 3;  // 3 x 8 sums + 3 activation vectors + 1 weight vector: 28 of 32 registers
 
 template <int MR>
 inline void group_rows(const at::BFloat16* x, const at::BFloat16* w, at::BFloat16* out, int64_t K, int64_t N,

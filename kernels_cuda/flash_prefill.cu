@@ -54,7 +54,7 @@ constexpr int kRowsPerWarp = 8;
 constexpr int kRows = kNumWarps * kRowsPerWarp;  // query rows per block: (query, query head) pairs
 constexpr int kEntries = kWarpSize;              // entries per key / value tile: one per lane
 
-struct Ragged {  // the step's queries, and where each sequence's history lies
+struct Ragged {                 // the step's queries, and where each sequence's history lies
   const int32_t* block_tables;  // (num_seqs, max_blocks)
   const int32_t* cu_seqlens;    // (num_seqs + 1,)
   const int32_t* q_indices;     // (num_queries,)
@@ -78,7 +78,8 @@ __device__ void load_tile(float* tile, const Pool& pool, const int32_t* table, i
     float x;
     if (staged >= 0) {  // a block still filling: its exact keys
       const int64_t staged_slot = static_cast<int64_t>(staged) * bs + t % bs;
-      x = static_cast<float>(static_cast<const scalar_t*>(pool.k_staged)[(staged_slot * pool.num_kv_heads + kv_head) * HEAD_DIM + d]);
+      x = static_cast<float>(
+          static_cast<const scalar_t*>(pool.k_staged)[(staged_slot * pool.num_kv_heads + kv_head) * HEAD_DIM + d]);
     } else {
       x = load_number<scalar_t, FORMAT>((KEYS ? pool.k : pool.v) + row * pool.row_bytes, d);
       if constexpr (FORMAT != kModelDtype) {  // keys per channel of their block, or per token; values per token
@@ -109,7 +110,7 @@ __device__ inline void score(float (&s)[kRowsPerWarp], const float* q_rows, cons
 }
 
 template <typename scalar_t, int64_t FORMAT, int HEAD_DIM>
-__global__ void __launch_bounds__(kNumWarps * kWarpSize)
+__global__ void __launch_bounds__(kNumWarps* kWarpSize)
     flash_prefill_kernel(scalar_t* __restrict__ out, float* __restrict__ mass, int mass_width,
                          const scalar_t* __restrict__ query, const Pool pool, const Ragged ragged, float scale) {
   constexpr int kDimsPerLane = HEAD_DIM / kWarpSize;
@@ -127,9 +128,9 @@ __global__ void __launch_bounds__(kNumWarps * kWarpSize)
     return (static_cast<int64_t>(first_query + r / group) * num_heads + kv_head * group + r % group) * HEAD_DIM;
   };
 
-  __shared__ float q_tile[kRows * HEAD_DIM];             // the block's queries, times 1 / sqrt(head_dim)
-  __shared__ float kv_tile[kEntries * (HEAD_DIM + 1)];   // a key tile, then a value tile
-  __shared__ float p_tile[kRows * kEntries];             // each row's probabilities for the tile's entries
+  __shared__ float q_tile[kRows * HEAD_DIM];            // the block's queries, times 1 / sqrt(head_dim)
+  __shared__ float kv_tile[kEntries * (HEAD_DIM + 1)];  // a key tile, then a value tile
+  __shared__ float p_tile[kRows * kEntries];            // each row's probabilities for the tile's entries
   for (int e = threadIdx.x; e < kRows * HEAD_DIM; e += blockDim.x) {
     const int r = row0 + e / HEAD_DIM;
     q_tile[e] = r < rows ? static_cast<float>(query[offset_of(r) + e % HEAD_DIM]) * scale : 0.f;
@@ -157,7 +158,7 @@ __global__ void __launch_bounds__(kNumWarps * kWarpSize)
     for (int i = 0; i < kRowsPerWarp; ++i) {  // the online softmax, row by row (m_new is the warp's)
       const float m_new = fmaxf(m[i], warp_max(s[i]));
       float p = 0.f, correction = 1.f;
-      if (m_new != -INFINITY) {  // else the row sees nothing (yet): a row past the chunk
+      if (m_new != -INFINITY) {           // else the row sees nothing (yet): a row past the chunk
         correction = expf(m[i] - m_new);  // 0 on the row's first tile (m = -inf)
         p = s[i] == -INFINITY ? 0.f : expf(s[i] - m_new);
         l[i] = l[i] * correction + warp_sum(p);
@@ -210,10 +211,10 @@ void launch(at::Tensor& out, float* mass, int mass_width, const at::Tensor& quer
   const float scale = 1.f / sqrtf(static_cast<float>(head_dim));
   if (head_dim == 64) {
     flash_prefill_kernel<scalar_t, FORMAT, 64><<<grid, threads>>>(out.data_ptr<scalar_t>(), mass, mass_width,
-                                                                   query.data_ptr<scalar_t>(), pool, ragged, scale);
+                                                                  query.data_ptr<scalar_t>(), pool, ragged, scale);
   } else {
     flash_prefill_kernel<scalar_t, FORMAT, 128><<<grid, threads>>>(out.data_ptr<scalar_t>(), mass, mass_width,
-                                                                    query.data_ptr<scalar_t>(), pool, ragged, scale);
+                                                                   query.data_ptr<scalar_t>(), pool, ragged, scale);
   }
   const cudaError_t status = cudaGetLastError();
   TORCH_CHECK(status == cudaSuccess, "paged_attention_prefill launch failed: ", cudaGetErrorString(status));
@@ -221,40 +222,54 @@ void launch(at::Tensor& out, float* mass, int mass_width, const at::Tensor& quer
 
 }  // namespace
 
-std::vector<at::Tensor> paged_attention_prefill(at::Tensor query, at::Tensor k, at::Tensor v,
-                                                   at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
-                                                   at::Tensor staged_row, at::Tensor block_tables,
-                                                   at::Tensor cu_seqlens, at::Tensor q_indices,
-                                                   at::Tensor context_lens, int64_t block_size, int64_t kv_format,
-                                                   bool keys_per_channel, bool with_mass) {
+std::vector<at::Tensor> paged_attention_prefill(at::Tensor query, at::Tensor k, at::Tensor v, at::Tensor k_scale,
+                                                at::Tensor v_scale, at::Tensor k_staged, at::Tensor staged_row,
+                                                at::Tensor block_tables, at::Tensor cu_seqlens, at::Tensor q_indices,
+                                                at::Tensor context_lens, int64_t block_size, int64_t kv_format,
+                                                bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, cu_seqlens, q_indices, context_lens}, k, v, k_scale, v_scale,
                             k_staged, staged_row, block_size, kv_format, keys_per_channel);
   const auto dtype = query.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
               "the query must be float32, float16 or bfloat16");
   const int64_t num_seqs = context_lens.numel();
-  TORCH_CHECK(cu_seqlens.numel() == num_seqs + 1 && q_indices.numel() == query.size(0) &&
-                  block_tables.size(0) == num_seqs, "cu_seqlens, q_indices and block_tables must match the queries");
+  TORCH_CHECK(
+      cu_seqlens.numel() == num_seqs + 1 && q_indices.numel() == query.size(0) && block_tables.size(0) == num_seqs,
+      "cu_seqlens, q_indices and block_tables must match the queries");
   auto out = at::empty_like(query);
   const int64_t width = num_seqs > 0 ? context_lens.max().item<int32_t>() : 0;
   const auto fp32 = query.options().dtype(at::kFloat);
   auto mass = with_mass ? at::zeros({num_seqs, k.size(1), width}, fp32) : at::empty({0}, fp32);
   if (query.size(0) == 0) return {out, mass};  // no queries: nothing to launch
-  const Ragged ragged{block_tables.data_ptr<int32_t>(), cu_seqlens.data_ptr<int32_t>(), q_indices.data_ptr<int32_t>(),
-                      static_cast<int>(num_seqs), static_cast<int>(block_tables.size(1)),
-                      static_cast<int>(query.size(1)), static_cast<int>(query.size(1) / k.size(1))};
+  const Ragged ragged{block_tables.data_ptr<int32_t>(),
+                      cu_seqlens.data_ptr<int32_t>(),
+                      q_indices.data_ptr<int32_t>(),
+                      static_cast<int>(num_seqs),
+                      static_cast<int>(block_tables.size(1)),
+                      static_cast<int>(query.size(1)),
+                      static_cast<int>(query.size(1) / k.size(1))};
   float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;
   auto by_format = [&](auto dtype_tag) {
     using scalar_t = decltype(dtype_tag);
     switch (kv_format) {
-      case kInt8: launch<scalar_t, kInt8>(out, mass_ptr, width, query, pool, ragged); break;
-      case kInt4: launch<scalar_t, kInt4>(out, mass_ptr, width, query, pool, ragged); break;
-      case kFp8: launch<scalar_t, kFp8>(out, mass_ptr, width, query, pool, ragged); break;
-      default: launch<scalar_t, kModelDtype>(out, mass_ptr, width, query, pool, ragged);
+      case kInt8:
+        launch<scalar_t, kInt8>(out, mass_ptr, width, query, pool, ragged);
+        break;
+      case kInt4:
+        launch<scalar_t, kInt4>(out, mass_ptr, width, query, pool, ragged);
+        break;
+      case kFp8:
+        launch<scalar_t, kFp8>(out, mass_ptr, width, query, pool, ragged);
+        break;
+      default:
+        launch<scalar_t, kModelDtype>(out, mass_ptr, width, query, pool, ragged);
     }
   };
-  if (dtype == at::kFloat) by_format(float{});
-  else if (dtype == at::kHalf) by_format(at::Half{});
-  else by_format(at::BFloat16{});
+  if (dtype == at::kFloat)
+    by_format(float{});
+  else if (dtype == at::kHalf)
+    by_format(at::Half{});
+  else
+    by_format(at::BFloat16{});
   return {out, mass};
 }

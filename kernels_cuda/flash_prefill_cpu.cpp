@@ -72,9 +72,11 @@ inline void key_row(const Pool& pool, int64_t slot, int64_t kv_head, float* __re
     load_row<scalar_t, FORMAT>(stored, hd, out);
     if (pool.keys_per_channel) {
       const at::Half* pairs = pool.k_scale + (block * pool.num_kv_heads + kv_head) * hd * 2;
-      for (int64_t d = 0; d < hd; ++d) out[d] = out[d] * static_cast<float>(pairs[2 * d]) + static_cast<float>(pairs[2 * d + 1]);
+      for (int64_t d = 0; d < hd; ++d)
+        out[d] = out[d] * static_cast<float>(pairs[2 * d]) + static_cast<float>(pairs[2 * d + 1]);
     } else {
-      const float scale = static_cast<float>(pool.k_scale[2 * row]), center = static_cast<float>(pool.k_scale[2 * row + 1]);
+      const float scale = static_cast<float>(pool.k_scale[2 * row]),
+                  center = static_cast<float>(pool.k_scale[2 * row + 1]);
       for (int64_t d = 0; d < hd; ++d) out[d] = out[d] * scale + center;
     }
   }
@@ -86,7 +88,8 @@ inline void value_row(const Pool& pool, int64_t slot, int64_t kv_head, float* __
   const int64_t row = slot * pool.num_kv_heads + kv_head, hd = pool.head_dim;
   load_row<scalar_t, FORMAT>(static_cast<const char*>(pool.v) + row * pool.row_bytes, hd, out);
   if constexpr (FORMAT != kModelDtype) {
-    const float scale = static_cast<float>(pool.v_scale[2 * row]), center = static_cast<float>(pool.v_scale[2 * row + 1]);
+    const float scale = static_cast<float>(pool.v_scale[2 * row]),
+                center = static_cast<float>(pool.v_scale[2 * row + 1]);
     for (int64_t d = 0; d < hd; ++d) out[d] = out[d] * scale + center;
   }
 }
@@ -96,10 +99,18 @@ template <int64_t HEAD_DIM>
 struct Tile {
   int64_t rows, head_dim;
   std::vector<float> q, acc, m, l, scores, probs;  // q, acc (rows, head_dim); m, l (rows); scores, probs (rows, kTile)
-  std::vector<float> keys_t, values;         // the key tile transposed (head_dim, kTile); values (kTile, head_dim)
+  std::vector<float> keys_t, values;  // the key tile transposed (head_dim, kTile); values (kTile, head_dim)
   Tile(int64_t max_rows, int64_t hd)
-      : rows(0), head_dim(HEAD_DIM ? HEAD_DIM : hd), q(max_rows * head_dim), acc(max_rows * head_dim), m(max_rows),
-        l(max_rows), scores(max_rows * kTile), probs(max_rows * kTile), keys_t(head_dim * kTile), values(kTile * head_dim) {}
+      : rows(0),
+        head_dim(HEAD_DIM ? HEAD_DIM : hd),
+        q(max_rows * head_dim),
+        acc(max_rows * head_dim),
+        m(max_rows),
+        l(max_rows),
+        scores(max_rows * kTile),
+        probs(max_rows * kTile),
+        keys_t(head_dim * kTile),
+        values(kTile * head_dim) {}
 
   // scores[r][j] = q[r] . key j for the tile's keys (the ones past n score 0 and are masked later).
   // Four rows at a time: each load of a transposed key row feeds four rows' 16-wide sums, which
@@ -165,9 +176,8 @@ struct Tile {
 };
 
 template <typename scalar_t, int64_t FORMAT, int64_t HEAD_DIM>
-void prefill(const at::Tensor& query, const Pool& pool, const at::Tensor& block_tables,
-             const at::Tensor& q_indices, const std::vector<Work>& work,
-             at::Tensor& out, float* mass, int64_t mass_width) {
+void prefill(const at::Tensor& query, const Pool& pool, const at::Tensor& block_tables, const at::Tensor& q_indices,
+             const std::vector<Work>& work, at::Tensor& out, float* mass, int64_t mass_width) {
   const int64_t num_heads = query.size(1), hd = HEAD_DIM ? HEAD_DIM : pool.head_dim;
   const int64_t group = num_heads / pool.num_kv_heads, bs = pool.block_size, max_blocks = block_tables.size(1);
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
@@ -219,7 +229,8 @@ void prefill(const at::Tensor& query, const Pool& pool, const at::Tensor& block_
         for (int64_t first = 0; first < seen; first += kTile) {
           const int64_t n = std::min(kTile, seen - first);
           load_keys(table, task.kv_head, first, n);
-          for (int64_t j = 0; j < n; ++j) value_row<scalar_t, FORMAT>(pool, slot_of(table, first + j, bs), task.kv_head, &tile.values[j * hd]);
+          for (int64_t j = 0; j < n; ++j)
+            value_row<scalar_t, FORMAT>(pool, slot_of(table, first + j, bs), task.kv_head, &tile.values[j * hd]);
           masked_scores(q_index, first, n);
           for (int64_t r = 0; r < tile.rows; ++r) {  // the online softmax, row by row
             const float* s = &tile.scores[r * kTile];
@@ -284,17 +295,17 @@ std::vector<Work> plan(const at::Tensor& cu_seqlens, const at::Tensor& q_indices
 
 }  // namespace
 
-std::vector<at::Tensor> paged_attention_prefill(at::Tensor query, at::Tensor k, at::Tensor v,
-                                                   at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
-                                                   at::Tensor staged_row, at::Tensor block_tables,
-                                                   at::Tensor cu_seqlens, at::Tensor q_indices,
-                                                   at::Tensor context_lens, int64_t block_size, int64_t kv_format,
-                                                   bool keys_per_channel, bool with_mass) {
+std::vector<at::Tensor> paged_attention_prefill(at::Tensor query, at::Tensor k, at::Tensor v, at::Tensor k_scale,
+                                                at::Tensor v_scale, at::Tensor k_staged, at::Tensor staged_row,
+                                                at::Tensor block_tables, at::Tensor cu_seqlens, at::Tensor q_indices,
+                                                at::Tensor context_lens, int64_t block_size, int64_t kv_format,
+                                                bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, cu_seqlens, q_indices, context_lens}, k, v, k_scale, v_scale,
                             k_staged, staged_row, block_size, kv_format, keys_per_channel);
   const int64_t head_dim = query.size(2), num_seqs = context_lens.numel();
-  TORCH_CHECK(cu_seqlens.numel() == num_seqs + 1 && q_indices.numel() == query.size(0) &&
-                  block_tables.size(0) == num_seqs, "cu_seqlens, q_indices and block_tables must match the queries");
+  TORCH_CHECK(
+      cu_seqlens.numel() == num_seqs + 1 && q_indices.numel() == query.size(0) && block_tables.size(0) == num_seqs,
+      "cu_seqlens, q_indices and block_tables must match the queries");
   TORCH_CHECK(head_dim <= 512, "head_dim must be at most 512");
   auto out = at::empty_like(query);
   const int64_t width = num_seqs > 0 ? context_lens.max().item<int32_t>() : 0;
@@ -306,9 +317,12 @@ std::vector<at::Tensor> paged_attention_prefill(at::Tensor query, at::Tensor k, 
     using scalar_t = decltype(dtype);
     auto run = [&](auto format) {
       constexpr int64_t FORMAT = decltype(format)::value;
-      if (head_dim == 64) prefill<scalar_t, FORMAT, 64>(query, pool, block_tables, q_indices, work, out, mass_ptr, width);
-      else if (head_dim == 128) prefill<scalar_t, FORMAT, 128>(query, pool, block_tables, q_indices, work, out, mass_ptr, width);
-      else prefill<scalar_t, FORMAT, 0>(query, pool, block_tables, q_indices, work, out, mass_ptr, width);
+      if (head_dim == 64)
+        prefill<scalar_t, FORMAT, 64>(query, pool, block_tables, q_indices, work, out, mass_ptr, width);
+      else if (head_dim == 128)
+        prefill<scalar_t, FORMAT, 128>(query, pool, block_tables, q_indices, work, out, mass_ptr, width);
+      else
+        prefill<scalar_t, FORMAT, 0>(query, pool, block_tables, q_indices, work, out, mass_ptr, width);
     };
     with_format(kv_format, run);
   });

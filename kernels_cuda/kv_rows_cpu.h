@@ -26,7 +26,8 @@ inline const float* fp8_table() {  // every e4m3 byte's value, computed once
   static const std::vector<float> table = [] {
     std::vector<float> values(256);
     for (int bits = 0; bits < 256; ++bits)
-      values[bits] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
+      values[bits] =
+          static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(bits), c10::Float8_e4m3fn::from_bits()));
     return values;
   }();
   return table.data();
@@ -73,7 +74,6 @@ inline float exp_nonpositive(float x) {
   return p * two_k;
 }
 
-
 struct Pool {  // one layer of the KV pool, as the kernel reads it
   const void* k;
   const void* v;
@@ -89,14 +89,16 @@ struct Pool {  // one layer of the KV pool, as the kernel reads it
 // The pool's layer as a Pool, after checking what the kernels rely on (one line says what is wrong).
 inline Pool pool_of(const at::Tensor& query, const std::vector<at::Tensor>& indices, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& k_scale, const at::Tensor& v_scale,
-                    const at::Tensor& k_staged, const at::Tensor& staged_row, int64_t block_size,
-                    int64_t kv_format, bool keys_per_channel) {
+                    const at::Tensor& k_staged, const at::Tensor& staged_row, int64_t block_size, int64_t kv_format,
+                    bool keys_per_channel) {
   for (const auto& t : {query, k, v, k_scale, v_scale, k_staged, staged_row})
     TORCH_CHECK(t.is_contiguous(), "the query and the pool's tensors must be contiguous");
-  for (const auto& t : indices) TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kInt,
-                                            "block tables, lengths and indices must be contiguous int32");
+  for (const auto& t : indices)
+    TORCH_CHECK(t.is_contiguous() && t.scalar_type() == at::kInt,
+                "block tables, lengths and indices must be contiguous int32");
   TORCH_CHECK(staged_row.scalar_type() == at::kInt, "staged_row must be int32");
-  TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8, "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
+  TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8,
+              "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
   TORCH_CHECK(query.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   const int64_t head_dim = query.size(2), per_byte = kv_format == kInt4 ? 2 : 1;
   TORCH_CHECK(k.size(2) * per_byte == head_dim, "the cache rows must hold head_dim numbers");
@@ -104,26 +106,39 @@ inline Pool pool_of(const at::Tensor& query, const std::vector<at::Tensor>& indi
     TORCH_CHECK(k.scalar_type() == query.scalar_type(), "a cache in the model's dtype must have the query's dtype");
   } else {
     TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf && k_scale.numel() > 0 &&
-                    v_scale.numel() > 0, "a quantized cache needs fp16 k_scale and v_scale");
+                    v_scale.numel() > 0,
+                "a quantized cache needs fp16 k_scale and v_scale");
     TORCH_CHECK(!keys_per_channel || (staged_row.numel() > 0 && k_staged.scalar_type() == query.scalar_type()),
                 "keys quantized per channel need staged_row and k_staged in the query's dtype");
   }
-  return Pool{k.data_ptr(), v.data_ptr(),
+  return Pool{k.data_ptr(),
+              v.data_ptr(),
               kv_format == kModelDtype ? nullptr : k_scale.data_ptr<at::Half>(),
               kv_format == kModelDtype ? nullptr : v_scale.data_ptr<at::Half>(),
               k_staged.numel() > 0 ? k_staged.data_ptr() : nullptr,
               kv_format != kModelDtype && keys_per_channel ? staged_row.data_ptr<int32_t>() : nullptr,
-              keys_per_channel, k.size(2) * k.element_size(), k.size(1), head_dim, block_size};
+              keys_per_channel,
+              k.size(2) * k.element_size(),
+              k.size(1),
+              head_dim,
+              block_size};
 }
 
 // f(scalar_t{}) for the query's dtype: float, half or bfloat16 (the model's dtypes)
 template <typename F>
 inline void with_dtype(at::ScalarType dtype, F&& f) {
   switch (dtype) {
-    case at::kFloat: f(float{}); break;
-    case at::kHalf: f(at::Half{}); break;
-    case at::kBFloat16: f(at::BFloat16{}); break;
-    default: TORCH_CHECK(false, "the query must be float32, float16 or bfloat16");
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kHalf:
+      f(at::Half{});
+      break;
+    case at::kBFloat16:
+      f(at::BFloat16{});
+      break;
+    default:
+      TORCH_CHECK(false, "the query must be float32, float16 or bfloat16");
   }
 }
 
@@ -131,10 +146,17 @@ inline void with_dtype(at::ScalarType dtype, F&& f) {
 template <typename F>
 inline void with_format(int64_t kv_format, F&& f) {
   switch (kv_format) {
-    case kInt8: f(std::integral_constant<int64_t, kInt8>{}); break;
-    case kInt4: f(std::integral_constant<int64_t, kInt4>{}); break;
-    case kFp8: f(std::integral_constant<int64_t, kFp8>{}); break;
-    default: f(std::integral_constant<int64_t, kModelDtype>{});
+    case kInt8:
+      f(std::integral_constant<int64_t, kInt8>{});
+      break;
+    case kInt4:
+      f(std::integral_constant<int64_t, kInt4>{});
+      break;
+    case kFp8:
+      f(std::integral_constant<int64_t, kFp8>{});
+      break;
+    default:
+      f(std::integral_constant<int64_t, kModelDtype>{});
   }
 }
 

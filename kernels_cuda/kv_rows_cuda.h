@@ -64,8 +64,8 @@ struct Pool {  // one layer of the KV pool, as the kernels read it
 // `indices`: the block tables, lengths and query indices, all int32 on the GPU.
 inline Pool pool_of(const at::Tensor& query, const std::vector<at::Tensor>& indices, const at::Tensor& k,
                     const at::Tensor& v, const at::Tensor& k_scale, const at::Tensor& v_scale,
-                    const at::Tensor& k_staged, const at::Tensor& staged_row, int64_t block_size,
-                    int64_t kv_format, bool keys_per_channel) {
+                    const at::Tensor& k_staged, const at::Tensor& staged_row, int64_t block_size, int64_t kv_format,
+                    bool keys_per_channel) {
   TORCH_CHECK(query.is_cuda() && k.is_cuda() && v.is_cuda(), "all tensors must be on the GPU");
   for (const auto& t : {query, k, v, k_scale, v_scale, k_staged, staged_row})
     TORCH_CHECK(t.is_contiguous(), "the query and the pool's tensors must be contiguous");
@@ -73,25 +73,30 @@ inline Pool pool_of(const at::Tensor& query, const std::vector<at::Tensor>& indi
     TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == at::kInt,
                 "block tables, lengths and indices must be contiguous int32 on the GPU");
   TORCH_CHECK(staged_row.scalar_type() == at::kInt, "staged_row must be int32");
-  TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8, "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
-  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128,
-              "the CUDA kernels support head_dim 64 and 128 (got ", query.size(2), "); use attention_backend='torch'");
+  TORCH_CHECK(kv_format >= kModelDtype && kv_format <= kFp8,
+              "kv_format must be 0 (model dtype), 1 (int8), 2 (int4) or 3 (fp8)");
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "the CUDA kernels support head_dim 64 and 128 (got ",
+              query.size(2), "); use attention_backend='torch'");
   TORCH_CHECK(query.size(1) % k.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
   TORCH_CHECK(k.size(2) * (kv_format == kInt4 ? 2 : 1) == query.size(2), "the cache rows must hold head_dim numbers");
   if (kv_format == kModelDtype) {
     TORCH_CHECK(k.scalar_type() == query.scalar_type(), "a cache in the model's dtype must have the query's dtype");
   } else {
     TORCH_CHECK(k_scale.scalar_type() == at::kHalf && v_scale.scalar_type() == at::kHalf && k_scale.numel() > 0 &&
-                    v_scale.numel() > 0, "a quantized cache needs fp16 k_scale and v_scale");
+                    v_scale.numel() > 0,
+                "a quantized cache needs fp16 k_scale and v_scale");
     TORCH_CHECK(!keys_per_channel || (staged_row.numel() > 0 && k_staged.scalar_type() == query.scalar_type()),
                 "keys quantized per channel need staged_row and k_staged in the query's dtype");
   }
-  return Pool{static_cast<const char*>(k.data_ptr()), static_cast<const char*>(v.data_ptr()),
+  return Pool{static_cast<const char*>(k.data_ptr()),
+              static_cast<const char*>(v.data_ptr()),
               kv_format == kModelDtype ? nullptr : k_scale.data_ptr<at::Half>(),
               kv_format == kModelDtype ? nullptr : v_scale.data_ptr<at::Half>(),
               k_staged.numel() > 0 ? k_staged.data_ptr() : nullptr,
               kv_format != kModelDtype && keys_per_channel ? staged_row.data_ptr<int32_t>() : nullptr,
-              keys_per_channel, k.size(2) * k.element_size(), static_cast<int>(k.size(1)),
+              keys_per_channel,
+              k.size(2) * k.element_size(),
+              static_cast<int>(k.size(1)),
               static_cast<int>(block_size)};
 }
 

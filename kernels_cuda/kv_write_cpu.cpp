@@ -70,7 +70,8 @@ void quantize_row(const float* x, int64_t head_dim, float qmax, int64_t kv_forma
                   at::Half* scale_center) {
   const auto [low, high] = std::minmax_element(x, x + head_dim);
   scale_and_center(*low, *high, qmax, scale_center);
-  for (int64_t d = 0; d < head_dim; ++d) put(row, d, stored_byte(scaled(x[d], scale_center), qmax, kv_format), kv_format);
+  for (int64_t d = 0; d < head_dim; ++d)
+    put(row, d, stored_byte(scaled(x[d], scale_center), qmax, kv_format), kv_format);
 }
 
 template <typename scalar_t>
@@ -97,8 +98,8 @@ void quantize_block(const scalar_t* staged, int64_t block, int64_t block_size, i
       at::Half* scale_center = k_scale + ((block * heads + h) * head_dim + c) * 2;
       scale_and_center(low, high, qmax, scale_center);
       for (int64_t t = 0; t < block_size; ++t)
-        put(block_rows + t * heads * row_bytes, c, stored_byte(scaled(channel[t * token_stride], scale_center), qmax, kv_format),
-            kv_format);
+        put(block_rows + t * heads * row_bytes, c,
+            stored_byte(scaled(channel[t * token_stride], scale_center), qmax, kv_format), kv_format);
     }
   }
 }
@@ -150,9 +151,9 @@ void write_layer(const at::Tensor& k_data, const at::Tensor& v_data, const at::T
 
 }  // namespace
 
-void quantize_write(at::Tensor k_data, at::Tensor v_data, at::Tensor k_scale, at::Tensor v_scale,
-                    at::Tensor k_staged, at::Tensor staged_row, at::Tensor slots, at::Tensor k, at::Tensor v,
-                    int64_t block_size, int64_t kv_format, bool keys_per_channel) {
+void quantize_write(at::Tensor k_data, at::Tensor v_data, at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
+                    at::Tensor staged_row, at::Tensor slots, at::Tensor k, at::Tensor v, int64_t block_size,
+                    int64_t kv_format, bool keys_per_channel) {
   for (const auto& t : {k_data, v_data, k_scale, v_scale, k_staged, staged_row, slots, k, v})
     TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "quantize_write takes contiguous CPU tensors");
   TORCH_CHECK(kv_format == kInt8 || kv_format == kInt4 || kv_format == kFp8,
@@ -167,7 +168,8 @@ void quantize_write(at::Tensor k_data, at::Tensor v_data, at::Tensor k_scale, at
     const int64_t* slot = slots.data_ptr<int64_t>();
     const int32_t* rows = staged_row.data_ptr<int32_t>();
     for (int64_t i = 0; i < slots.numel(); ++i)
-      TORCH_CHECK(rows[slot[i] / block_size] >= 0, "quantize_write: block ", slot[i] / block_size, " has no staging row");
+      TORCH_CHECK(rows[slot[i] / block_size] >= 0, "quantize_write: block ", slot[i] / block_size,
+                  " has no staging row");
   }
   kv_rows::with_dtype(k.scalar_type(), [&](auto zero) {
     using scalar_t = decltype(zero);

@@ -77,12 +77,14 @@ __global__ void paged_attention_decode_kernel(scalar_t* __restrict__ out, float*
       const int d = lane + i * kWarpSize;
       float k;
       if (staged_row >= 0) {  // a block still filling: its exact keys
-        k = static_cast<float>(staged[((static_cast<int64_t>(staged_row) * bs + t % bs) * num_kv_heads + kv_head) * HEAD_DIM + d]);
+        k = static_cast<float>(
+            staged[((static_cast<int64_t>(staged_row) * bs + t % bs) * num_kv_heads + kv_head) * HEAD_DIM + d]);
       } else {
         k = load_number<scalar_t, FORMAT>(pool.k + row * pool.row_bytes, d);
         if (FORMAT != kModelDtype) {
-          const at::Half* pair = pool.keys_per_channel ? pool.k_scale + ((block * num_kv_heads + kv_head) * HEAD_DIM + d) * 2
-                                                       : pool.k_scale + row * 2;
+          const at::Half* pair = pool.keys_per_channel
+                                     ? pool.k_scale + ((block * num_kv_heads + kv_head) * HEAD_DIM + d) * 2
+                                     : pool.k_scale + row * 2;
           k = k * static_cast<float>(pair[0]) + static_cast<float>(pair[1]);
         }
       }
@@ -145,14 +147,14 @@ __global__ void paged_attention_decode_kernel(scalar_t* __restrict__ out, float*
 }
 
 template <typename scalar_t, int64_t FORMAT>
-void launch(at::Tensor& out, float* mass, float* raw_scores, int mass_width, const at::Tensor& query,
-            const Pool& pool, const at::Tensor& block_tables, const at::Tensor& context_lens) {
+void launch(at::Tensor& out, float* mass, float* raw_scores, int mass_width, const at::Tensor& query, const Pool& pool,
+            const at::Tensor& block_tables, const at::Tensor& context_lens) {
   const int num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const dim3 grid(num_seqs, num_heads), threads(kNumWarps * kWarpSize);
   const float scale = 1.f / sqrtf(static_cast<float>(head_dim));
-#define MINILLM_LAUNCH(HEAD_DIM)                                                                               \
-  paged_attention_decode_kernel<scalar_t, FORMAT, HEAD_DIM><<<grid, threads>>>(                               \
-      out.data_ptr<scalar_t>(), mass, raw_scores, mass_width, query.data_ptr<scalar_t>(), pool,              \
+#define MINILLM_LAUNCH(HEAD_DIM)                                                                \
+  paged_attention_decode_kernel<scalar_t, FORMAT, HEAD_DIM><<<grid, threads>>>(                 \
+      out.data_ptr<scalar_t>(), mass, raw_scores, mass_width, query.data_ptr<scalar_t>(), pool, \
       block_tables.data_ptr<int32_t>(), context_lens.data_ptr<int32_t>(), block_tables.size(1), num_heads, scale)
   if (head_dim == 64) {
     MINILLM_LAUNCH(64);
@@ -166,11 +168,10 @@ void launch(at::Tensor& out, float* mass, float* raw_scores, int mass_width, con
 
 }  // namespace
 
-std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, at::Tensor v,
-                                                  at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
-                                                  at::Tensor staged_row, at::Tensor block_tables,
-                                                  at::Tensor context_lens, int64_t block_size, int64_t kv_format,
-                                                  bool keys_per_channel, bool with_mass) {
+std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, at::Tensor v, at::Tensor k_scale,
+                                               at::Tensor v_scale, at::Tensor k_staged, at::Tensor staged_row,
+                                               at::Tensor block_tables, at::Tensor context_lens, int64_t block_size,
+                                               int64_t kv_format, bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, context_lens}, k, v, k_scale, v_scale, k_staged, staged_row,
                             block_size, kv_format, keys_per_channel);
   auto out = at::empty_like(query);
@@ -182,10 +183,17 @@ std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, a
   float* scores_ptr = with_mass ? raw_scores.data_ptr<float>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, query.scalar_type(), "paged_attention_decode", [&] {
     switch (kv_format) {
-      case kInt8: launch<scalar_t, kInt8>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens); break;
-      case kInt4: launch<scalar_t, kInt4>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens); break;
-      case kFp8: launch<scalar_t, kFp8>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens); break;
-      default: launch<scalar_t, kModelDtype>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens);
+      case kInt8:
+        launch<scalar_t, kInt8>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens);
+        break;
+      case kInt4:
+        launch<scalar_t, kInt4>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens);
+        break;
+      case kFp8:
+        launch<scalar_t, kFp8>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens);
+        break;
+      default:
+        launch<scalar_t, kModelDtype>(out, mass_ptr, scores_ptr, width, query, pool, block_tables, context_lens);
     }
   });
   return {out, mass};

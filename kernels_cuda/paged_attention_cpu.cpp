@@ -73,10 +73,9 @@ inline void add_weighted_rows(float* __restrict acc, float correction, const flo
   }
 }
 
-
 template <typename scalar_t, int64_t FORMAT, int64_t HEAD_DIM>
-void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_tables,
-            const at::Tensor& context_lens, at::Tensor& out, float* mass, int64_t mass_width) {
+void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
+            at::Tensor& out, float* mass, int64_t mass_width) {
   // HEAD_DIM known at compile time (64, 128) lets the compiler unroll the row loops into a few vector
   // registers; 0 reads it from the pool (any other head_dim)
   const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = HEAD_DIM ? HEAD_DIM : pool.head_dim;
@@ -131,7 +130,8 @@ void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_t
                                               head_dim, &tile[j * head_dim]);
           } else {
             for (int64_t j = 0; j < n; ++j)
-              load_row<scalar_t, FORMAT>(k_bytes + (row0 + j * num_kv_heads) * pool.row_bytes, head_dim, &tile[j * head_dim]);
+              load_row<scalar_t, FORMAT>(k_bytes + (row0 + j * num_kv_heads) * pool.row_bytes, head_dim,
+                                         &tile[j * head_dim]);
           }
           if (!exact && pool.keys_per_channel) {  // one (scale, center) per channel of the block
             const at::Half* pairs = pool.k_scale + (block * num_kv_heads + kv_head) * head_dim * 2;
@@ -198,11 +198,13 @@ void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_t
       scalar_t* out_rows = out_all + seq * num_heads * head_dim;
       for (int64_t h = 0; h < num_heads; ++h)
         for (int64_t d = 0; d < head_dim; ++d)
-          out_rows[h * head_dim + d] = static_cast<scalar_t>(l[h] > 0.f ? (acc[h * head_dim + d] + center_acc[h]) / l[h] : 0.f);
+          out_rows[h * head_dim + d] =
+              static_cast<scalar_t>(l[h] > 0.f ? (acc[h * head_dim + d] + center_acc[h]) / l[h] : 0.f);
       if (mass) {  // each entry's probability under every query head of a KV head's group, summed
         for (int64_t h = 0; h < num_heads; ++h) {
           float* row = mass + (seq * num_kv_heads + h / group) * mass_width;
-          for (int64_t t = 0; t < context_len; ++t) row[t] += exp_nonpositive(raw_scores[h * context_len + t] - m[h]) / l[h];
+          for (int64_t t = 0; t < context_len; ++t)
+            row[t] += exp_nonpositive(raw_scores[h * context_len + t] - m[h]) / l[h];
         }
       }
     }
@@ -211,11 +213,10 @@ void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_t
 
 }  // namespace
 
-std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, at::Tensor v,
-                                                  at::Tensor k_scale, at::Tensor v_scale, at::Tensor k_staged,
-                                                  at::Tensor staged_row, at::Tensor block_tables,
-                                                  at::Tensor context_lens, int64_t block_size, int64_t kv_format,
-                                                  bool keys_per_channel, bool with_mass) {
+std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, at::Tensor v, at::Tensor k_scale,
+                                               at::Tensor v_scale, at::Tensor k_staged, at::Tensor staged_row,
+                                               at::Tensor block_tables, at::Tensor context_lens, int64_t block_size,
+                                               int64_t kv_format, bool keys_per_channel, bool with_mass) {
   const Pool pool = pool_of(query, {block_tables, context_lens}, k, v, k_scale, v_scale, k_staged, staged_row,
                             block_size, kv_format, keys_per_channel);
   const int64_t head_dim = query.size(2);
@@ -228,9 +229,12 @@ std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, a
     using scalar_t = decltype(dtype);
     auto run = [&](auto format) {
       constexpr int64_t FORMAT = decltype(format)::value;
-      if (head_dim == 64) decode<scalar_t, FORMAT, 64>(query, pool, block_tables, context_lens, out, mass_ptr, width);
-      else if (head_dim == 128) decode<scalar_t, FORMAT, 128>(query, pool, block_tables, context_lens, out, mass_ptr, width);
-      else decode<scalar_t, FORMAT, 0>(query, pool, block_tables, context_lens, out, mass_ptr, width);
+      if (head_dim == 64)
+        decode<scalar_t, FORMAT, 64>(query, pool, block_tables, context_lens, out, mass_ptr, width);
+      else if (head_dim == 128)
+        decode<scalar_t, FORMAT, 128>(query, pool, block_tables, context_lens, out, mass_ptr, width);
+      else
+        decode<scalar_t, FORMAT, 0>(query, pool, block_tables, context_lens, out, mass_ptr, width);
     };
     with_format(kv_format, run);
   });
