@@ -168,6 +168,9 @@ def _cases_left_to_the_full_suite(items) -> set[str]:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The lessons go first: each runs for 0.5-2 minutes, and the workers then end together on
+    # short tests instead of one worker finishing the last lesson alone.
+    items.sort(key=lambda item: item.path.name != "test_lessons.py")
     full_suite_only = _cases_left_to_the_full_suite(items)
     for item in items:
         tiers = _tiers_of(item) | ({"slow"} if item.nodeid in full_suite_only else set())
