@@ -5,7 +5,7 @@ Decode at batch 1 reads every weight to make one token. Speculative decoding fro
 sequence, and checks the guesses in the same pass as the token before them: k + 1 query rows
 instead of 1. Each kept guess is a token that needed no pass of its own; a rejected guess has
 already written its K/V into the sequence's blocks, and the KV cache manager cuts them back
-(`KVCacheManager.truncate`). With the real model:
+(`Rollback.truncate`, `memory/rollback.py`). With the real model:
   1. rollback in KV: one real engine step whose guesses are rejected — the block table before
      the step, with the guesses written, after the truncate; which blocks came back, and that no
      prefix-cache entry covers a rejected token;
@@ -30,9 +30,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 
+from minillm.attention.kernels import attention_backend  # noqa: E402
+from minillm.config import EngineConfig  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
+from minillm.engine.runner import ModelRunner  # noqa: E402
 from minillm.engine.scheduler import ScheduledSequence  # noqa: E402
+from minillm.engine.sequence import Sequence  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
+from minillm.memory import KVCacheManager  # noqa: E402
 from minillm.memory.events import Registered, Truncated  # noqa: E402
 from minillm.memory.replay import Replayer  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
@@ -242,44 +247,44 @@ def show_rollback(step: dict, tokenizer) -> None:
 
 
 # ---------------------------------------------------------------- 2. the price of a row
-def resident(model, tokenizer, contexts: list[list[int]], max_rows: int):
-    """An engine whose sequences have prefilled their contexts (one pass) and sampled a token: each
-    is decoding, its last token not yet computed, with blocks for `max_rows` rows reserved as the
-    scheduler reserves them for guesses."""
-    llm = LLM(
-        model=model,
-        tokenizer=tokenizer,
-        max_num_seqs=len(contexts),
-        max_num_batched_tokens=sum(len(context) for context in contexts),
-        kv_cache_bytes=pool_bytes(
-            model, sum(len(context) + max_rows + 8 for context in contexts), len(contexts)
-        ),
-    )
-    engine = llm.engine
-    request_ids = [
-        engine.add_request(context, SamplingParams(max_tokens=max_rows + 8, ignore_eos=True))
-        for context in contexts
+def resident(model, contexts: list[list[int]], max_rows: int):
+    """The parts an engine assembles for one forward pass, built here as the engine builds them: a
+    KV cache manager and a model runner over it. Each sequence has prefilled its context but its
+    last token (one pass), and holds blocks for `max_rows` rows from there, as the scheduler
+    reserves them for a decoding sequence's guesses."""
+    kv_bytes = pool_bytes(model, sum(len(context) + max_rows + 8 for context in contexts), len(contexts))
+    config = EngineConfig(kv_cache_bytes=kv_bytes, dtype=str(model.dtype).removeprefix("torch."))
+    kv_cache = KVCacheManager.build(config, model.config, model.dtype, model.device)
+    runner = ModelRunner(model, kv_cache, attention_backend(config))
+    params = SamplingParams(max_tokens=max_rows + 8, ignore_eos=True)
+    seqs = [
+        Sequence(i, str(i), context, params, len(context) + max_rows + 8)
+        for i, context in enumerate(contexts)
     ]
-    engine.step()
-    seqs = [engine.requests[request_id][0] for request_id in request_ids]
+    prefill = []
     for seq in seqs:
+        grant = kv_cache.allocate(seq.seq_id, seq.token_ids, 0, 0, seq.num_tokens - 1)
+        prefill.append(ScheduledSequence(seq, grant.num_tokens))
+    runner.forward(prefill)
+    for seq in seqs:
+        seq.num_computed = seq.num_tokens - 1
         tokens = seq.token_ids + seq.prompt_ids[: max_rows - 1]  # any guesses: their values cost nothing
-        grant = engine.kv_cache.allocate(seq.seq_id, tokens, seq.num_computed, seq.num_cached, max_rows)
+        grant = kv_cache.allocate(seq.seq_id, tokens, seq.num_computed, seq.num_cached, max_rows)
         assert grant.num_tokens == max_rows
-    return engine, seqs
+    return runner, seqs
 
 
 @torch.inference_mode()
-def pass_seconds(engine, seqs, rows: int) -> float:
+def pass_seconds(runner, seqs, rows: int) -> float:
     """One pass as a step with guesses runs it: each sequence's last token and rows - 1 guesses,
     laid end to end (`ModelRunner.forward`; one row is a decode query, more are a small prefill
     chunk, as in a real step), then the logits of each of those rows. Nothing is kept
     (num_computed does not move): the next pass writes the same slots again."""
     scheduled = [ScheduledSequence(seq, rows, seq.prompt_ids[: rows - 1]) for seq in seqs]
     start = time.perf_counter()
-    forward = engine.runner.forward(scheduled)
+    forward = runner.forward(scheduled)
     checked = [row for last in forward.last_rows for row in range(last - rows + 1, last + 1)]
-    engine.runner.logits(forward.hidden, checked)  # (len(seqs) * rows, vocab)
+    runner.logits(forward.hidden, checked)  # (len(seqs) * rows, vocab)
     return time.perf_counter() - start
 
 
@@ -304,13 +309,13 @@ def median_by_rows(measure, max_rows: int, repeats: int) -> list[float]:
     return [statistics.median(times[rows]) for rows in times]
 
 
-def price_of_rows(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
+def price_of_rows(model, text_ids: list[int], settings: dict) -> dict:
     max_rows, repeats = settings["max_rows"], settings["repeats"]
     costs = {}
     for batch, context in ((1, settings["context_1"]), (BATCH, settings["context_16"])):
         contexts = [text_ids[i * context : (i + 1) * context] for i in range(batch)]
-        engine, seqs = resident(model, tokenizer, contexts, max_rows)
-        costs[batch] = median_by_rows(lambda rows: pass_seconds(engine, seqs, rows), max_rows, repeats)
+        runner, seqs = resident(model, contexts, max_rows)
+        costs[batch] = median_by_rows(lambda rows: pass_seconds(runner, seqs, rows), max_rows, repeats)
     head = median_by_rows(lambda rows: head_seconds(model, rows), max_rows, repeats)
     return {
         "seconds": costs,
@@ -720,7 +725,7 @@ def main() -> None:
     show_rollback(step, tokenizer)
 
     console.rule("2. The price of a row: one pass over 1 .. k + 1 query rows per sequence")
-    price = price_of_rows(model, tokenizer, text_ids, settings)
+    price = price_of_rows(model, text_ids, settings)
     show_rows(price)
 
     console.rule("3. When guessing pays: the break-even acceptance rate")

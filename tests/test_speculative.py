@@ -253,7 +253,7 @@ def test_random_rollbacks_keep_the_invariants_and_leave_no_stale_prefix_entry(ti
             next_id += 1
         elif action < 0.3:  # a deeper cut, into blocks computed (and registered) earlier
             cut = rng.randint(1, len(tokens))
-            kv.truncate(seq_id, cut)
+            kv.rollback.truncate(seq_id, cut)
             live[seq_id] = tokens[:cut]
         else:
             guesses = [rng.randrange(5) for _ in range(rng.randint(1, 4))]
@@ -263,7 +263,7 @@ def test_random_rollbacks_keep_the_invariants_and_leave_no_stale_prefix_entry(ti
             if grant.num_tokens:
                 kv.slots(seq_id, n, len(written))  # every slot written must be writable
                 kept = rng.randint(1, len(guesses) + 1)
-                kv.truncate(seq_id, n + kept)
+                kv.rollback.truncate(seq_id, n + kept)
                 live[seq_id] = written[: n + kept]
                 kv.computed(seq_id, live[seq_id], n + kept, n + kept, 1, 1000)
             kv.take_copies()

@@ -336,7 +336,7 @@ class Scheduler:
             if item.guesses:
                 seq.num_computed += kept[seq.seq_id]
                 if kept[seq.seq_id] < item.num_tokens:  # some were rejected: their K/V goes
-                    self.kv_cache.truncate(seq.seq_id, seq.num_cached)
+                    self.kv_cache.rollback.truncate(seq.seq_id, seq.num_cached)
             else:
                 seq.num_computed += item.num_tokens
             counts = (seq.num_computed, seq.num_cached, len(seq.prompt_ids), seq.max_len)

@@ -25,9 +25,9 @@ as it would without speculation, so a seeded request gives the very tokens it gi
 A custom sampler (teacher forcing) is called the same way, once per token, in order.
 
 Rollback. A rejected guess has already written its K/V into the sequence's blocks; the KV cache
-manager cuts the sequence back (`KVCacheManager.truncate`) before anything is registered or read
-again: blocks past the kept tokens go back to the pool, and no prefix-cache entry ever covers a
-rejected token.
+manager's `Rollback` (`memory/rollback.py`) cuts the sequence back before anything is registered
+or read again: blocks past the kept tokens go back to the pool, and no prefix-cache entry ever
+covers a rejected token.
 
 When it pays. Every guess is an extra row in the pass, and a row costs time: little where the pass
 is bound by reading the weights (batch 1), more as the batch grows and the pass turns to compute.
@@ -176,7 +176,7 @@ def guesses_that_fit(
     most = min(
         budget - 1,
         seq.max_len - seq.num_tokens - 1,
-        kv_cache.room_to_guess(seq.num_cached, len(seq.prompt_ids), seq.max_len),
+        kv_cache.rollback.room_to_guess(seq.num_cached, len(seq.prompt_ids), seq.max_len),
     )
     guesses = guesser(seq, most, batch) if most > 0 else []
     if not guesses:

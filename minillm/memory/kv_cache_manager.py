@@ -14,6 +14,7 @@ the CacheManager). It owns every part of the memory system and answers in the sc
     apply(...)           ...performed by the tiers before the forward pass that reads them
     snapshot(...)        one read-only picture of all of it (`accounting.MemorySnapshot`)
     subscribe(...)       every change of a block's life from now on, as events (`events.py`)
+    rollback             how far a sequence may guess, and its rejected guesses cut (`rollback.py`)
 
 Inside, each part keeps its one job: `BlockManager` (tables, refcounts, copy-on-write) and its
 `TierMoves` (swaps, spills, bring-backs over the same tables), `PrefixCache` (blocks found by
@@ -43,6 +44,7 @@ from minillm.memory.events import EntriesEvicted, Subscriber
 from minillm.memory.eviction import Evictor
 from minillm.memory.prefix_cache import PrefixMiss
 from minillm.memory.pressure import PressureLadder
+from minillm.memory.rollback import Rollback
 from minillm.memory.sessions import load_session, save_session
 from minillm.memory.tiers import SwapCost, TieredKV
 
@@ -85,6 +87,7 @@ class KVCacheManager:
         self.ladder = PressureLadder(self.moves, preemption, self.swap_cost, eviction_trigger)
         self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self.events = block_manager.events
+        self.rollback = Rollback(block_manager, self.pool, evictor)  # speculation's guesses undone
 
     @classmethod
     def build(cls, config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device) -> KVCacheManager:
@@ -205,40 +208,6 @@ class KVCacheManager:
             self.block_manager.free(seq_id)
         if self.evictor:
             self.evictor.forget(seq_id)
-
-    # ---------------------------------------------------------------- speculation's rollback
-    def room_to_guess(self, num_cached: int, prompt_len: int, max_len: int) -> int:
-        """Speculated entries a sequence with `num_cached` entries may write after its next token
-        this step, and still roll back exactly (`truncate`): with eviction, only while its cache
-        stays within what it keeps (an eviction between the guesses would have left other
-        entries than decoding one token at a time); with keys scaled per block, not into a
-        block's last slot (that write quantizes the block)."""
-        room = max_len
-        if self.evictor is not None:
-            room = self.evictor.kept(prompt_len, max_len) - num_cached - 1
-        if self.pool.fills_are_final:
-            size = self.block_size
-            room = min(room, size - 1 - (num_cached + 1) % size)
-        return room
-
-    def truncate(self, seq_id: int, num_entries: int) -> None:
-        """Keep only the sequence's first `num_entries` KV entries: the rollback of rejected
-        guesses. Blocks past them go back to the pool (their staged keys with them, at the next
-        `apply`); the block cut into, whose later slots the next tokens write, stops being
-        findable in the prefix cache if this table alone holds it (a shared one is copied before
-        that write) and goes back to staging if it had been quantized; the prefix cache will
-        offer the sequence's blocks again from there; H2O's scores of the entries cut go."""
-        manager, size = self.block_manager, self.block_size
-        manager.truncate(seq_id, num_entries)
-        if num_entries % size:
-            block = manager.table(seq_id)[num_entries // size]
-            if manager.refcounts[block] == 1:
-                manager.forget_cached(seq_id, num_entries, num_entries + 1)
-                self.pool.restage_block(block)
-        if manager.prefix_cache:
-            manager.prefix_cache.truncate(seq_id, num_entries // size)
-        if self.evictor:
-            self.evictor.truncate(seq_id, num_entries)
 
     def _forget(self, seq_id: int, num_computed: int) -> None:
         """The sequence's KV is thrown away: it will be recomputed."""
