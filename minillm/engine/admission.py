@@ -27,8 +27,9 @@ Memory-aware admission (`admission="memory"`) prices every waiting request:
     benefit = 2 ** -priority
 
 and admits by benefit / cost, best first, while memory lasts; one that does not fit now lets a
-smaller one behind it in. The expected output is learned: the mean output length of finished
-requests, capped by each request's max_tokens (max_tokens itself until a request has finished).
+smaller one behind it in. The expected output is learned: the mean output length of the (latest HISTORY) finished
+requests that ran longer than this one has so far, capped by its max_tokens (max_tokens itself
+while none has).
 Priority is vLLM's: lower values go first. `admission="memory+lpm"` orders as lpm does (ties by
 benefit / cost) and admits with memory-aware's room rules below.
 
@@ -39,13 +40,13 @@ builds can decode without a preemption storm.
 No starvation (every policy but fcfs and reserve, which never overtake): a request that has waited
 MAX_WAIT_STEPS engine steps, or was preempted, is *due*. Due requests go first, oldest first. With
 lpm a due request that cannot start holds the queue, as fcfs's head does. With memory-aware
-admission it needs no headroom, only its blocks, and has them kept for it: a request behind it is
-admitted only into blocks beyond those (backfilling, as batch schedulers do), so it cannot be
-overtaken into starving, and the queue behind it does not stall either. Every request therefore
-starts within MAX_WAIT_STEPS steps of its arrival plus the steps the sequences running then take
-to give back its blocks (each is bounded by its max_tokens) — the bound `test_admission.py` checks
-on an adversarial stream of small requests. (An earlier version also aged the benefit linearly,
-x (1 + steps waited / MAX_WAIT_STEPS); being due already bounds the wait, so one way to age is kept.)
+admission it waits, like any other, for its first chunk's blocks and the running ones' headroom
+(admitted without the headroom it would only be preempted again), and has its blocks kept for
+it: a request behind it is admitted only into blocks beyond those (backfilling, as batch
+schedulers do), so it cannot be overtaken into starving. Every request therefore starts within
+MAX_WAIT_STEPS steps of its arrival plus the steps the sequences running then take to give back
+its blocks (each is bounded by its max_tokens) — the bound `test_admission.py` checks on an
+adversarial stream of small requests.
 
 The policy's own cost stays flat however long the queue: only the first WINDOW waiting requests
 (the oldest, so every due one) are ranked and tried in a step; the rest wait behind them, in
@@ -56,6 +57,8 @@ cache-aware order for arrival order past 128 waiting requests, for the same reas
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right, insort
+from collections import deque
 from collections.abc import Iterable
 from itertools import islice
 
@@ -64,6 +67,7 @@ from minillm.engine.sequence import Sequence
 from minillm.memory import KVCacheManager
 
 MAX_WAIT_STEPS = 32  # steps after which a waiting request is due: served first, its blocks kept for it
+HISTORY = 1024  # finished requests the expected output is learned from (the latest)
 WINDOW = 128  # waiting requests ranked each step (the oldest); the rest keep arrival order behind them
 
 
@@ -135,7 +139,8 @@ class MemoryAware:
 
     def __init__(self, manager: KVCacheManager):
         self.manager = manager
-        self.outputs_finished = self.output_tokens = 0  # what finished requests generated, to learn from
+        self.finished_lengths: list[int] = []  # the last HISTORY finished requests' output lengths, sorted
+        self._finish_order: deque[int] = deque()  # the same lengths, in the order they finished
         self._headroom: tuple[tuple, int] | None = None  # (the batch it was counted for, its blocks)
         self._cached: dict[int, int] = {}  # seq_id -> prefix blocks cached, looked up this step
 
@@ -178,13 +183,18 @@ class MemoryAware:
 
     # ---------------------------------------------------------------- growth and headroom
     def expected_output(self, seq: Sequence) -> int:
-        """Output tokens this request is expected to generate in all: the mean of finished requests',
-        capped by its max_tokens (and at least what it has generated)."""
+        """Output tokens this request is expected to generate in all, given what it has generated:
+        the mean of the finished requests that ran longer than that, capped by its max_tokens.
+
+        Conditioning on "longer than it has run" matters: the first requests to finish are the
+        short ones, and their mean would promise a long-running sequence almost no more growth.
+        One that has outlived every finished request is expected to run to its max_tokens."""
         most = seq.max_len - len(seq.prompt_ids)  # max_tokens, or what the context (or pool) leaves
-        if not self.outputs_finished:
+        generated = len(seq.output_ids)
+        longer = self.finished_lengths[bisect_right(self.finished_lengths, generated) :]
+        if not longer:
             return most
-        mean = round(self.output_tokens / self.outputs_finished)
-        return max(len(seq.output_ids) + 1, min(most, mean))
+        return max(generated + 1, min(most, round(sum(longer) / len(longer))))
 
     def peak_tokens(self, seq: Sequence) -> int:
         return min(seq.max_len, len(seq.prompt_ids) + self.expected_output(seq))
@@ -212,17 +222,23 @@ class MemoryAware:
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
         """Do the free blocks, less the `kept` ones due requests wait for, cover this request's first
-        chunk and the running ones' headroom? A due request needs no headroom; with nothing
-        running there is none to keep, and whatever fits may start."""
+        chunk and the running ones' headroom? A due request waits for headroom too (admitted
+        without it, it would be preempted again as the batch grows); with nothing running there is
+        none to keep, and whatever fits may start."""
         if not running:
             return True
-        headroom = 0 if is_due(seq, step) else self.headroom(running, step)
-        return self.blocks_to_start(seq, budget) + headroom + kept <= self.manager.num_free_blocks
+        return (
+            self.blocks_to_start(seq, budget) + self.headroom(running, step) + kept
+            <= self.manager.num_free_blocks
+        )
 
     def finished(self, seq: Sequence) -> None:
         """Learn from a sequence that ran to its end (eos or length)."""
-        self.outputs_finished += 1
-        self.output_tokens += len(seq.output_ids)
+        length = len(seq.output_ids)
+        insort(self.finished_lengths, length)
+        self._finish_order.append(length)
+        if len(self._finish_order) > HISTORY:  # forget the oldest, so traffic that changes is followed
+            del self.finished_lengths[bisect_left(self.finished_lengths, self._finish_order.popleft())]
 
 
 class MemoryAwareLongestPrefix(MemoryAware):
