@@ -203,6 +203,20 @@ def test_the_expected_output_is_learned_from_finished_requests():
     fresh = request(9, 4, 200)
     assert sched.admission.expected_output(fresh) == 10  # learned, not max_tokens
     assert sched.admission.expected_output(request(10, 4, 3)) == 3  # capped by max_tokens
+    survivor = request(11, 4, 200)
+    for _ in range(12):
+        survivor.append(1, None)
+    assert sched.admission.expected_output(survivor) == 200  # it outlived every finished one
+
+
+def test_a_due_request_waits_for_the_running_ones_headroom():
+    """Admitted without headroom, a due request would be preempted again as the batch grows."""
+    sched = scheduler("memory", num_blocks=9)
+    sched.add(request(0, 4, 30))  # holds 1 block of 4 tokens, grows to 9: a headroom of 8
+    step(sched)
+    due = request(1, 4, 2)
+    due.num_preemptions = 1  # preempted once: due
+    assert not sched.admission.has_room(due, sched.running, 64, 0, sched.steps)
 
 
 # ---------------------------------------------------------------- only the order changes

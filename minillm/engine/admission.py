@@ -27,9 +27,9 @@ Memory-aware admission (`admission="memory"`) prices every waiting request:
     benefit = 2 ** -priority
 
 and admits by benefit / cost, best first, while memory lasts; one that does not fit now lets a
-smaller one behind it in. The expected output is learned: the mean output length of the (latest HISTORY) finished
-requests that ran longer than this one has so far, capped by its max_tokens (max_tokens itself
-while none has).
+smaller one behind it in. The expected output is learned: the mean output length of the
+(latest HISTORY) finished requests that ran longer than this one has so far, capped by its
+max_tokens (max_tokens itself while none has).
 Priority is vLLM's: lower values go first. `admission="memory+lpm"` orders as lpm does (ties by
 benefit / cost) and admits with memory-aware's room rules below.
 
