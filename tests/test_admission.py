@@ -10,7 +10,7 @@ import pytest
 from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
-from minillm.engine.admission import MAX_WAIT_STEPS, WINDOW
+from minillm.engine.admission import HISTORY, MAX_WAIT_STEPS, WINDOW, MemoryAware
 from minillm.engine.beam import reference_beam_search
 from minillm.engine.scheduler import Scheduler
 from minillm.engine.sequence import Sequence, Status
@@ -207,6 +207,16 @@ def test_the_expected_output_is_learned_from_finished_requests():
     for _ in range(12):
         survivor.append(1, None)
     assert sched.admission.expected_output(survivor) == 200  # it outlived every finished one
+
+
+def test_the_expected_output_follows_the_latest_finished_requests_only():
+    """A long run keeps HISTORY lengths, not all of them: traffic that changes is followed."""
+    admission = MemoryAware(KVCacheManager(BlockManager(num_blocks=4, block_size=BLOCK)))
+    for length in [100] * HISTORY + [10] * HISTORY:  # long answers, then only short ones
+        finished = request(0, 4, length)
+        finished.output_ids.extend([1] * length)
+        admission.finished(finished)
+    assert admission.expected_output(request(1, 4, 500)) == 10  # all kept, the mean would be 55
 
 
 def test_a_due_request_waits_for_the_running_ones_headroom():

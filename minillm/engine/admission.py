@@ -60,7 +60,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable
-from itertools import islice
+from itertools import accumulate, islice
 
 from minillm.config import prompt_problem
 from minillm.engine.sequence import Sequence
@@ -139,7 +139,8 @@ class MemoryAware:
 
     def __init__(self, manager: KVCacheManager):
         self.manager = manager
-        self.finished_lengths: list[int] = []  # the last HISTORY finished requests' output lengths, sorted
+        self._finished_lengths: list[int] = []  # the last HISTORY finished requests' output lengths, sorted
+        self._length_sums: list[int] = [0]  # _length_sums[i]: the sum of the i shortest of them
         self._finish_order: deque[int] = deque()  # the same lengths, in the order they finished
         self._headroom: tuple[tuple, int] | None = None  # (the batch it was counted for, its blocks)
         self._cached: dict[int, int] = {}  # seq_id -> prefix blocks cached, looked up this step
@@ -190,11 +191,12 @@ class MemoryAware:
         short ones, and their mean would promise a long-running sequence almost no more growth.
         One that has outlived every finished request is expected to run to its max_tokens."""
         most = seq.max_len - len(seq.prompt_ids)  # max_tokens, or what the context (or pool) leaves
-        generated = len(seq.output_ids)
-        longer = self.finished_lengths[bisect_right(self.finished_lengths, generated) :]
-        if not longer:
+        generated, lengths = len(seq.output_ids), self._finished_lengths
+        shorter = bisect_right(lengths, generated)  # finished ones that ran no longer than this one has
+        if shorter == len(lengths):
             return most
-        return max(generated + 1, min(most, round(sum(longer) / len(longer))))
+        mean_longer = (self._length_sums[-1] - self._length_sums[shorter]) / (len(lengths) - shorter)
+        return max(generated + 1, min(most, round(mean_longer)))
 
     def peak_tokens(self, seq: Sequence) -> int:
         return min(seq.max_len, len(seq.prompt_ids) + self.expected_output(seq))
@@ -234,11 +236,12 @@ class MemoryAware:
 
     def finished(self, seq: Sequence) -> None:
         """Learn from a sequence that ran to its end (eos or length)."""
-        length = len(seq.output_ids)
-        insort(self.finished_lengths, length)
+        length, lengths = len(seq.output_ids), self._finished_lengths
+        insort(lengths, length)
         self._finish_order.append(length)
         if len(self._finish_order) > HISTORY:  # forget the oldest, so traffic that changes is followed
-            del self.finished_lengths[bisect_left(self.finished_lengths, self._finish_order.popleft())]
+            del lengths[bisect_left(lengths, self._finish_order.popleft())]
+        self._length_sums = list(accumulate(lengths, initial=0))  # once per finish, not per lookup
 
 
 class MemoryAwareLongestPrefix(MemoryAware):
