@@ -88,7 +88,7 @@ def step(sched):
     return [item.seq for item in schedule.sequences]
 
 
-@pytest.mark.parametrize("admission, small_ones_admitted", [("fcfs", 0), ("memory", 2)])
+@pytest.mark.parametrize("admission, small_ones_admitted", [("fcfs", 0), ("memory", 1)])
 def test_fcfs_lets_one_huge_request_hold_the_small_ones_behind_it(admission, small_ones_admitted):
     sched = scheduler(admission)
     first = request(0, 20, 8)
@@ -101,7 +101,8 @@ def test_fcfs_lets_one_huge_request_hold_the_small_ones_behind_it(admission, sma
     started = step(sched)
     assert first in started and huge not in started
     assert sum(seq in started for seq in small) == small_ones_admitted
-    # memory-aware stops at 2: a third would eat the blocks the running ones are expected to grow into
+    # memory-aware stops at 1: with a second, the batch would need 7 + 2 + 2 of the 10 blocks at its
+    # peak (step 4, as the small ones end)
 
 
 def test_lower_priority_values_are_admitted_first():
@@ -219,14 +220,17 @@ def test_the_expected_output_follows_the_latest_finished_requests_only():
     assert admission.expected_output(request(1, 4, 500)) == 10  # all kept, the mean would be 55
 
 
-def test_a_due_request_waits_for_the_running_ones_headroom():
-    """Admitted without headroom, a due request would be preempted again as the batch grows."""
+def test_a_due_request_waits_for_the_batchs_headroom():
+    """Admitted without headroom, a due request would be preempted again as the batch grows; one
+    that ends before the batch peaks fits in the blocks the others will need only later."""
     sched = scheduler("memory", num_blocks=9)
-    sched.add(request(0, 4, 30))  # holds 1 block of 4 tokens, grows to 9: a headroom of 8
+    sched.add(request(0, 4, 30))  # 5 tokens in 2 blocks after its first step, 34 in 9 at its end
     step(sched)
-    due = request(1, 4, 2)
-    due.num_preemptions = 1  # preempted once: due
-    assert not sched.admission.has_room(due, sched.running, 64, 0, sched.steps)
+    long_due, short_due = request(1, 4, 20), request(2, 4, 2)
+    for due in (long_due, short_due):
+        due.num_preemptions = 1  # preempted once: due
+    assert not sched.admission.has_room(long_due, sched.running, 64, 0, sched.steps)  # 7 + 6 at step 20
+    assert sched.admission.has_room(short_due, sched.running, 64, 0, sched.steps)  # 2 + 2 at step 2
 
 
 # ---------------------------------------------------------------- only the order changes
@@ -246,10 +250,13 @@ def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, sw
     rng = random.Random(5)
     system = [rng.randrange(97) for _ in range(2 * BLOCK + 1)]
     prompts = [system + p if i % 2 else p for i, p in enumerate(mixed_prompts(16, seed=4))]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    # short answers first teach memory-aware admission to expect short ones: the long ones after
+    # outgrow its headroom, and it must preempt
+    params = [SamplingParams(max_tokens=3 if i < 6 else 16, ignore_eos=True) for i in range(len(prompts))]
     llm = tight(tiny_dir, tiny_model, admission=admission, **switches)
     outputs = llm.generate(prompts, params)
-    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    expected = [naive(tiny_model, prompt, each) for prompt, each in zip(prompts, params)]
+    assert [out.token_ids for out in outputs] == expected
     assert llm.engine.num_preemptions > 0
     if switches.get("prefix_caching"):
         assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0
@@ -347,8 +354,9 @@ def test_max_length_reservation_never_preempts_and_holds_fewer(tiny_dir, tiny_mo
 
 def test_the_ladder_reclaims_cached_blocks_before_it_preempts_and_never_evicts_unasked(tiny_dir, tiny_model):
     """Warm requests leave their prompts' blocks cached and unheld; a burst then needs the whole
-    pool. The cached blocks go first (reclaim), a preemption only after, no eviction at all."""
-    llm = tight(tiny_dir, tiny_model, blocks=16, prefix_caching=True)
+    pool. The cached blocks go first (reclaim), a preemption only after, no eviction at all. (First
+    come first served, which does not keep headroom: the ladder is what is tested.)"""
+    llm = tight(tiny_dir, tiny_model, blocks=16, prefix_caching=True, admission="fcfs")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm.generate(mixed_prompts(3, seed=7), params)  # leaves cached blocks behind
     burst = mixed_prompts(10, seed=8)
@@ -366,7 +374,8 @@ def test_the_ladder_reclaims_cached_blocks_before_it_preempts_and_never_evicts_u
 
 def test_eviction_under_pressure_waits_for_a_shortage(tiny_dir, tiny_model):
     """With room, the pressure trigger evicts nothing and the output is naive's; short of room,
-    it evicts only after steps that had to preempt."""
+    it evicts only after steps that had to preempt (first come first served, which does not keep
+    headroom, so the short pool preempts)."""
     prompts, params = mixed_prompts(10, seed=9), SamplingParams(max_tokens=20, ignore_eos=True)
     switches = dict(eviction="h2o", kv_budget=12, eviction_trigger="pressure")
     roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **switches)
@@ -374,7 +383,7 @@ def test_eviction_under_pressure_waits_for_a_shortage(tiny_dir, tiny_model):
         naive(tiny_model, prompt, params) for prompt in prompts
     ]
     assert roomy.engine.stats.tokens_evicted == 0
-    short = tight(tiny_dir, tiny_model, blocks=14, **switches)
+    short = tight(tiny_dir, tiny_model, blocks=14, admission="fcfs", **switches)
     short.generate(prompts, params)
     ladder = list(short.engine.stats.ladder)
     assert short.engine.stats.tokens_evicted > 0

@@ -33,14 +33,16 @@ max_tokens (max_tokens itself while none has).
 Priority is vLLM's: lower values go first. `admission="memory+lpm"` orders as lpm does (ties by
 benefit / cost) and admits with memory-aware's room rules below.
 
-Headroom: it admits only while the blocks left free cover what the running sequences are
-expected to grow into (their expected output less what they have generated), so the batch it
-builds can decode without a preemption storm.
+Headroom: it admits only while the blocks left free cover what the batch, this request in it, is
+expected to grow into: its peak over time, as each sequence decodes its expected output and then
+gives its blocks back (`growth.py`). Not the sum of each one's own peak, which would keep idle the
+blocks of those that finish before the others peak. So the batch it builds can decode without a
+preemption storm.
 
 No starvation (every policy but fcfs and reserve, which never overtake): a request that has waited
 MAX_WAIT_STEPS engine steps, or was preempted, is *due*. Due requests go first, oldest first. With
 lpm a due request that cannot start holds the queue, as fcfs's head does. With memory-aware
-admission it waits, like any other, for its first chunk's blocks and the running ones' headroom
+admission it waits, like any other, for its first chunk's blocks and the batch's headroom
 (admitted without the headroom it would only be preempted again), and has its blocks kept for
 it: a request behind it is admitted only into blocks beyond those (backfilling, as batch
 schedulers do), so it cannot be overtaken into starving. Every request therefore starts within
@@ -63,6 +65,7 @@ from collections.abc import Iterable
 from itertools import accumulate, islice
 
 from minillm.config import prompt_problem
+from minillm.engine.growth import GrowthProfile
 from minillm.engine.sequence import Sequence
 from minillm.memory import KVCacheManager
 
@@ -142,7 +145,7 @@ class MemoryAware:
         self._finished_lengths: list[int] = []  # the last HISTORY finished requests' output lengths, sorted
         self._length_sums: list[int] = [0]  # _length_sums[i]: the sum of the i shortest of them
         self._finish_order: deque[int] = deque()  # the same lengths, in the order they finished
-        self._headroom: tuple[tuple, int] | None = None  # (the batch it was counted for, its blocks)
+        self._profile: tuple | None = None  # (the batch it was built for, its GrowthProfile, blocks held)
         self._cached: dict[int, int] = {}  # seq_id -> prefix blocks cached, looked up this step
 
     # ---------------------------------------------------------------- the order
@@ -201,19 +204,21 @@ class MemoryAware:
     def peak_tokens(self, seq: Sequence) -> int:
         return min(seq.max_len, len(seq.prompt_ids) + self.expected_output(seq))
 
-    def headroom(self, running: list[Sequence], step: int) -> int:
-        """Blocks the running sequences are expected to grow into. Counted once per step and batch:
-        a step asks for every waiting request it tries, and the batch changes when one is admitted."""
+    def profile(self, running: list[Sequence], step: int) -> tuple[GrowthProfile, int]:
+        """The running sequences' growth over the steps ahead, and the blocks they hold now. Built
+        once per step and batch: a step asks for every waiting request it tries, and the batch
+        changes when one is admitted."""
         batch = (step, len(running), running[-1].seq_id if running else None)  # changes as they join or leave
-        if self._headroom is None or self._headroom[0] != batch:
-            manager = self.manager
-            blocks = sum(
-                max(0, manager.blocks_for(self.peak_tokens(seq)) - manager.num_held(seq.seq_id))
-                for seq in running
-                if manager.has_blocks(seq.seq_id)
-            )
-            self._headroom = (batch, blocks)
-        return self._headroom[1]
+        if self._profile is None or self._profile[0] != batch:
+            manager, rows, held = self.manager, [], 0
+            for seq in running:
+                if manager.has_blocks(seq.seq_id):
+                    held += manager.num_held(seq.seq_id)
+                    steps_left = max(0, self.peak_tokens(seq) - seq.num_tokens)
+                    forks = seq.params.num_outputs if not seq.output_ids else 1  # its samples to come
+                    rows += [(seq.num_tokens, steps_left)] + [(0, steps_left)] * (forks - 1)
+            self._profile = (batch, GrowthProfile(rows, manager.block_size), held)
+        return self._profile[1], self._profile[2]
 
     def blocks_to_start(self, seq: Sequence, budget: int) -> int:
         """New blocks its first chunk takes: the chunk's, less the prompt blocks the prefix cache gives."""
@@ -224,15 +229,19 @@ class MemoryAware:
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
         """Do the free blocks, less the `kept` ones due requests wait for, cover this request's first
-        chunk and the running ones' headroom? A due request waits for headroom too (admitted
-        without it, it would be preempted again as the batch grows); with nothing running there is
-        none to keep, and whatever fits may start."""
+        chunk, and the batch's growth with it to its peak over time? A due request waits for that
+        room too (admitted without it, it would be preempted again as the batch grows); with
+        nothing running there is no growth to keep room for, and whatever fits may start."""
         if not running:
             return True
-        return (
-            self.blocks_to_start(seq, budget) + self.headroom(running, step) + kept
-            <= self.manager.num_free_blocks
-        )
+        manager = self.manager
+        profile, held = self.profile(running, step)
+        new_tokens = max(0, seq.num_tokens - self.cached_blocks(seq) * manager.block_size)
+        steps = max(0, self.peak_tokens(seq) - seq.num_tokens)
+        forks = seq.params.num_outputs if not seq.output_ids else 1
+        growth = profile.peak_with(new_tokens, steps, forks) - held
+        free = manager.num_free_blocks - kept
+        return self.blocks_to_start(seq, budget) <= free and growth <= free
 
     def finished(self, seq: Sequence) -> None:
         """Learn from a sequence that ran to its end (eos or length)."""
