@@ -598,9 +598,10 @@ def test_bench_memory_json_rows_keep_their_promises(capsys, vocab_dir):
 
 
 def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkeypatch, vocab_dir):
-    """One KV budget for four rows; each row's ratios are its numbers over the row before's, and
-    "greedy identical" counts requests whose tokens match: row (3)'s first request is given one
-    wrong token here, so row (4), exact against (3) otherwise, must count one request fewer."""
+    """One KV budget for four rows, on one trace per seed; each row's ratios are its numbers over
+    the row before's, seed by seed, the summary their medians, and "greedy identical" counts
+    requests whose tokens match over every seed: row (3)'s first request is given one wrong token
+    here in each seed, so row (4), exact against (3) otherwise, must count one request fewer each."""
     run_minillm_row = staircase_rows.run_minillm_row
 
     def one_wrong_token_in_row_3(*args, **kwargs):
@@ -623,6 +624,13 @@ def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkey
         "--output-len",
         4,
         8,
+        "--seeds",
+        1,
+        2,
+        "--dtype",
+        "float32",
+        "--threads",
+        1,
         "--attention-context",
         256,
         "--attention-chunk",
@@ -632,25 +640,38 @@ def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkey
         "--model",
         vocab_dir,
     )
-    trace = make_trace(Tokenizer(vocab_dir), 3, 0, (40, 80), (4, 8))
-    worst = max(len(p) for p, _ in trace) + max(n for _, n in trace)
-    assert report["trace"]["output_tokens"] == sum(n for _, n in trace)
+    traces = [make_trace(Tokenizer(vocab_dir), 3, seed, (40, 80), (4, 8)) for seed in (1, 2)]
+    worst = 80 + 8  # the longest prompt and output the ranges allow: what a static server sizes for
+    assert [run["seed"] for run in report["runs"]] == report["trace"]["seeds"] == [1, 2]
+    for run, trace in zip(report["runs"], traces):
+        assert run["trace"]["output_tokens"] == sum(n for _, n in trace)
     assert report["trace"]["worst_case_tokens"] == worst and report["machine"]["torch_threads"] == 1
     budget, per_token = report["budget"], kv_bytes_per_token(vocab_dir)
-    assert budget["kv_tokens"] == 2 * worst and budget["kv_bytes"] == -(-2 * worst // 16) * 16 * per_token
-    assert budget["hf_batch_size"] == budget["kv_bytes"] // (worst * per_token) == 2
+    assert budget["kv_tokens"] == 3 * worst and budget["kv_bytes"] == -(-3 * worst // 16) * 16 * per_token
+    assert budget["hf_batch_size"] == budget["kv_bytes"] // (worst * per_token) == 3
 
-    rows = report["rows"]
-    assert list(rows) == ["hf", "paged", "int8", "flash"]
+    for run in report["runs"]:
+        rows = run["rows"]
+        assert list(rows) == ["hf", "paged", "int8", "flash"]
+        for name, row in rows.items():
+            assert row["output_tok_s"] * row["elapsed_s"] == approx(run["trace"]["output_tokens"]), name
+            assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["elapsed_s"], name
+            assert 0 < row["tpot_p50_s"] <= row["tpot_p99_s"], name
+            assert 0 < row["kv_bytes_peak"] <= budget["kv_bytes"] and 1 <= row["peak_seqs"] <= 3, name
+            assert (row["preemptions"] == 0) == (row["recomputed_tokens"] == 0), name
+        for before, row in zip(rows.values(), list(rows.values())[1:]):
+            for key in ("output_tok_s", "ttft_p50_s", "tpot_p50_s"):
+                assert row[f"{key}_vs_before"] == approx(row[key] / before[key]), (row["label"], key)
+        assert rows["paged"]["switches"]["admission"] == "memory"
+
+    rows = report["rows"]  # the summary: medians over the seeds, min and max beside them
     for name, row in rows.items():
-        assert row["output_tok_s"] * row["elapsed_s"] == approx(report["trace"]["output_tokens"]), name
-        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] <= row["elapsed_s"], name
-        assert 0 < row["tpot_p50_s"] <= row["tpot_p99_s"], name
-        assert 0 < row["kv_bytes_peak"] <= budget["kv_bytes"] and 1 <= row["peak_seqs"] <= 3, name
-        assert (row["preemptions"] == 0) == (row["recomputed_tokens"] == 0), name
-    for before, row in zip(rows.values(), list(rows.values())[1:]):
-        for key in ("output_tok_s", "ttft_p50_s", "tpot_p50_s"):
-            assert row[f"{key}_vs_before"] == approx(row[key] / before[key]), (row["label"], key)
+        for key in ("output_tok_s", "output_tok_s_vs_before", "ttft_p50_s", "peak_seqs"):
+            seen = [run["rows"][name][key] for run in report["runs"]]
+            if None in seen:
+                assert row[key] is None, (name, key)
+                continue
+            assert row[key] == approx(sum(seen) / 2) and row["spread"][key] == [min(seen), max(seen)]
     assert rows["hf"]["output_tok_s_vs_before"] is None and rows["hf"]["compared_with"] is None
     # the same bytes: whole fp32 blocks, ~3x as many int8 ones (the tiny model's scales weigh more)
     assert rows["paged"]["blocks"] == budget["kv_bytes"] // (16 * per_token)
@@ -661,11 +682,12 @@ def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkey
         ("paged", False),
         ("int8", True),
     ]
-    assert rows["paged"]["requests_identical"] == 3 and rows["paged"]["greedy_identical"] == 1.0
-    assert rows["flash"]["requests_identical"] == 2 and rows["flash"]["greedy_identical"] == approx(2 / 3)
+    assert rows["paged"]["requests_identical"] == rows["paged"]["requests_compared"] == 6
+    assert rows["paged"]["greedy_identical"] == 1.0
+    assert rows["flash"]["requests_identical"] == 4 and rows["flash"]["greedy_identical"] == approx(4 / 6)
     said = " ".join(report["what_it_means"])
-    assert "(4) gave (3)'s greedy tokens for 2 of 3 requests (a lossless step; each difference" in said
-    assert "(2) gave (1)'s greedy tokens for 3 of 3 requests (a lossless step)." in said
+    assert "(4) gave (3)'s greedy tokens for 4 of 6 requests (a lossless step; each difference" in said
+    assert "(2) gave (1)'s greedy tokens for 6 of 6 requests (a lossless step)." in said
     assert f"x{rows['flash']['output_tok_s_vs_before']:.2f} output tok/s" in said
     assert ("ran short of blocks" in said) == any(row["preemptions"] for row in rows.values())
 
@@ -776,6 +798,7 @@ TINY_SIZES = {  # every benchmark at the sizes of its own test above, for the ti
     },
     "memory": {"quick": True, "num_requests": 16, "rate": 1e9, "kv_tokens": 128, "load": False},
     "staircase": {
+        "seeds": (1,),
         "num_requests": 2,
         "prompt_len": (40, 80),
         "output_len": (4, 8),

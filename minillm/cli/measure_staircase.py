@@ -1,5 +1,5 @@
 """`minillm bench staircase`: HF transformers -> paged + continuous -> + int8 KV -> + flash prefill,
-on one trace of long prompts and one KV byte budget.
+on decode-heavy traces (one per seed) and one KV byte budget that binds.
 
 As in `measure.py`: the benchmark lives in `minillm.benchmarks` and returns one dict, printed as
 one JSON object with --json, else as its module's tables.
@@ -18,30 +18,31 @@ def add_bench_staircase(benches) -> None:
     staircase = benches.add_parser(
         "staircase",
         help="the serving staircase: HF -> paged + continuous -> + int8 KV -> + flash prefill",
-        description="One seeded trace of long prompts (real prose) and long greedy answers "
-        "(EOS ignored), all arriving at once, served on ONE KV byte budget by four "
-        "rows, each adding one step: (1) HF transformers' generate on static "
-        "left-padded batches, its batch the most that fits the budget at the "
-        "trace's worst case (longest prompt + longest output); (2) minillm's paged KV "
-        "and continuous batching (C++ decode kernel, torch prefill attention); (3) + "
-        "int8 KV in the same bytes; (4) + the C++ flash prefill kernel. Per row: KV "
-        "bytes (budget and peak in use), sequences at once, output tok/s, TTFT and "
-        "TPOT p50/p99, the ratio to the row before, and the fraction of requests "
-        "whose greedy tokens equal the row before's (reported, not asserted). Then "
-        "prefill attention alone at a long context, torch reference vs flash kernel, "
-        "fp32 and int8 pools; and what the numbers mean, computed from them.",
+        description="Per seed, a trace of chat-like requests (prompts cut from real prose, "
+        "long greedy answers, EOS ignored), all arriving at once, served on ONE KV byte "
+        "budget that binds: by default it holds HF's static batch of 3 worst cases "
+        "(longest prompt + longest output), while the traffic could use several times "
+        "that. Four rows, each adding one step: (1) HF transformers' generate on static "
+        "left-padded batches; (2) minillm's paged KV and continuous batching with "
+        "memory-aware admission (C++ decode kernel, torch prefill attention); (3) + "
+        "int8 KV in the same bytes; (4) + the C++ flash prefill kernel. Per row, the "
+        "median over the seeds (min-max beside it): KV bytes (budget and peak in use), "
+        "sequences at once, preemptions, output tok/s, TTFT and TPOT p50/p99, the ratio "
+        "to the row before (seed by seed), and the requests whose greedy tokens equal "
+        "the row before's (reported, not asserted; compare lossless rows in float32). "
+        "Then prefill attention alone at a long context, torch reference vs flash "
+        "kernel; and what the numbers mean, computed from them.",
     )
     add_trace_args(staircase, full, quick)
     add_attention_args(staircase, full, quick)
     staircase.add_argument(
         "--threads",
         type=positive_int,
-        default=1,
-        help="torch threads for every row; on a CPU shared with other work more threads wait for "
-        "each other (default: 1)",
+        default=2,
+        help="torch threads for every row; on a CPU shared with other work, fewer (default: 2)",
     )
     staircase.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(staircase)
+    add_model_args(staircase, dtype="auto")
     staircase.set_defaults(func=cmd_bench_staircase)
 
 
@@ -51,8 +52,17 @@ def add_trace_args(staircase, full: dict, quick: dict) -> None:
         "--quick",
         action="store_true",
         help=f"{quick['requests']} requests, prompts U{list(quick['prompt_len'])}, outputs "
-        f"U{list(quick['output_len'])} tokens (under 2 minutes on one thread of a 2-core CPU; the "
-        "default takes under 10)",
+        f"U{list(quick['output_len'])} tokens, seed {' '.join(map(str, quick['seeds']))} (under 2 "
+        "minutes on a 2-core CPU; the default takes under 10)",
+    )
+    staircase.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="SEED",
+        help=f"one trace per seed, each served by every row; the table shows medians and min-max "
+        f"(default: {' '.join(map(str, full['seeds']))}; the defaults were chosen on seed 0)",
     )
     staircase.add_argument(
         "--requests",
@@ -76,8 +86,8 @@ def add_trace_args(staircase, full: dict, quick: dict) -> None:
         type=positive_int,
         default=None,
         help="every row's KV budget, in tokens of KV in the model's dtype (an int8 pool cuts the same "
-        "bytes into ~3.5x the blocks) (default: twice the trace's longest prompt + longest output, "
-        "so HF's static batch is 2)",
+        "bytes into ~1.7x the blocks in bfloat16, ~3.5x in float32) (default: 3 x (the longest "
+        "prompt + the longest output), so HF's static batch is 3)",
     )
     staircase.add_argument("--no-hf", action="store_true", help="skip row (1), HF transformers")
 
@@ -115,6 +125,7 @@ def cmd_bench_staircase(args) -> None:
             num_requests=args.requests,
             prompt_len=tuple(args.prompt_len) if args.prompt_len else None,
             output_len=tuple(args.output_len) if args.output_len else None,
+            seeds=tuple(args.seeds) if args.seeds else None,
             kv_tokens=args.kv_tokens,
             include_hf=not args.no_hf,
             attention_context=args.attention_context,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from statistics import median
+
 from minillm.report import print_table
 
 NOISE = 0.05  # a step that moves tok/s or TTFT p50 by less than this did not pay (nor cost)
@@ -22,12 +24,13 @@ def what_it_means(report: dict) -> list[str]:
     rows = list(report["rows"].values())
     said = _steps_said(rows) + _preemptions_said(rows, report)
     if len(rows) > 2:
-        first, last = rows[0], rows[-1]
+        first, last = list(report["rows"])[0], list(report["rows"])[-1]
+        runs = [run["rows"] for run in report["runs"]]
         said.append(
-            f"From {first['step']} to {last['step']}, on the same "
-            f"{report['budget']['kv_bytes'] / 2**20:.0f} MiB of KV: "
-            f"x{last['output_tok_s'] / first['output_tok_s']:.2f} output tok/s, "
-            f"x{last['ttft_p50_s'] / first['ttft_p50_s']:.2f} TTFT p50."
+            f"From {rows[0]['step']} to {rows[-1]['step']}, on the same "
+            f"{report['budget']['kv_bytes'] / 2**20:.0f} MiB of KV (medians of each seed's ratio): "
+            f"x{median(r[last]['output_tok_s'] / r[first]['output_tok_s'] for r in runs):.2f} output tok/s, "
+            f"x{median(r[last]['ttft_p50_s'] / r[first]['ttft_p50_s'] for r in runs):.2f} TTFT p50."
         )
     return said + _greedy_said(rows, report) + [_prefill_said(report)]
 
@@ -36,19 +39,23 @@ def _steps_said(rows: list[dict]) -> list[str]:
     return [
         f"{row['label']}: x{row['output_tok_s_vs_before']:.2f} output tok/s and x"
         f"{row['ttft_p50_s_vs_before']:.2f} TTFT p50 against {before['step']}, "
-        f"{before['peak_seqs']} -> {row['peak_seqs']} sequences at once: {verdict(row)}."
+        f"{before['peak_seqs']:g} -> {row['peak_seqs']:g} sequences at once: {verdict(row)}."
         for before, row in zip(rows, rows[1:])
     ]
 
 
 def _preemptions_said(rows: list[dict], report: dict) -> list[str]:
     return [
-        f"{row['step']} ran short of blocks: {row['preemptions']} preemptions recomputed "
-        f"{row['recomputed_tokens']:,} tokens, on top of the trace's "
-        f"{report['trace']['prompt_tokens']:,} prompt tokens."
+        f"{row['step']} ran short of blocks: {row['preemptions']:g} preemptions recomputed "
+        f"{row['recomputed_tokens']:,.0f} tokens (medians over the seeds), on top of a trace's "
+        f"{_median_prompt_tokens(report):,.0f} prompt tokens."
         for row in rows
         if row["preemptions"]
     ]
+
+
+def _median_prompt_tokens(report: dict) -> float:
+    return median(run["trace"]["prompt_tokens"] for run in report["runs"])
 
 
 def _greedy_said(rows: list[dict], report: dict) -> list[str]:
@@ -59,7 +66,7 @@ def _greedy_said(rows: list[dict], report: dict) -> list[str]:
             flipped = row["lossless_step"] and row["greedy_identical"] < 1
             said.append(
                 f"{row['step']} gave {report['rows'][row['compared_with']]['step']}'s greedy "
-                f"tokens for {row['requests_identical']} of {report['trace']['requests']} requests "
+                f"tokens for {row['requests_identical']} of {row['requests_compared']} requests "
                 f"(a {kind} step"
                 + (
                     "; each difference is a near-tie that another order of float sums flipped, or a bug"
@@ -94,10 +101,19 @@ def ratio(value: float | None) -> str:
     return "" if value is None else f"x{value:.2f}"
 
 
+def spread(row: dict, key: str, cell) -> str:
+    """A median and, when the seeds differ, their min-max beside it, each shown by `cell`."""
+    if row[key] is None:
+        return ""
+    low, high = row["spread"][key]
+    return cell(row[key]) + ("" if low == high else f" ({cell(low)}-{cell(high)})")
+
+
 ROW_COLUMNS = [
     "row",
     "KV MiB: budget / peak",
     "seqs at once",
+    "preemptions",
     "output tok/s",
     "tok/s x before",
     "TTFT p50 / p99",
@@ -113,11 +129,12 @@ def _row_cells(row: dict, report: dict) -> list:
     return [
         row["label"],
         f"{megabytes(report['budget']['kv_bytes'])} / {megabytes(row['kv_bytes_peak'])}",
-        row["peak_seqs"],
-        f"{row['output_tok_s']:.1f}",
-        ratio(row["output_tok_s_vs_before"]),
+        spread(row, "peak_seqs", lambda v: f"{v:g}"),
+        spread(row, "preemptions", lambda v: f"{v:g}"),
+        spread(row, "output_tok_s", lambda v: f"{v:.1f}"),
+        spread(row, "output_tok_s_vs_before", ratio),
         f"{row['ttft_p50_s']:.1f} / {row['ttft_p99_s']:.1f} s",
-        ratio(row["ttft_p50_s_vs_before"]),
+        spread(row, "ttft_p50_s_vs_before", ratio),
         "n/a"
         if row["tpot_p50_s"] is None
         else f"{1e3 * row['tpot_p50_s']:.0f} / {1e3 * row['tpot_p99_s']:.0f} ms",
@@ -133,19 +150,20 @@ def print_staircase_report(report: dict, console) -> None:
         console,
         f"{trace['requests']} requests (prompts U{trace['prompt_len']}, outputs U{trace['output_len']} "
         f"tokens, all at t=0), one KV budget of {megabytes(budget['kv_bytes'])} MiB, {report['dtype']}, "
-        f"{report['machine']['torch_threads']} threads",
+        f"{report['machine']['torch_threads']} threads; median (min-max) over seeds "
+        f"{', '.join(map(str, trace['seeds']))}",
         ROW_COLUMNS,
         [_row_cells(row, report) for row in report["rows"].values()],
     )
     console.print(
-        "x before: this row's number over the row before's (tok/s: above 1 is better; TTFT: below 1)"
+        "x before: this row's number over the row before's, seed by seed (tok/s: above 1 is better; "
+        f"TTFT: below 1). The trace's sizes and budget were chosen on seed {trace['tuned_on_seed']}."
     )
     console.print(
         f"HF's batch: {budget['hf_batch_size']} = {budget['hf_batch_how']}; minillm's rows cut the same "
         "bytes into blocks of 16 tokens: "
         + ", ".join(
-            f"{row['step']} {row['blocks']} blocks, {row['preemptions']} preemptions "
-            f"({row['recomputed_tokens']:,} tokens recomputed)"
+            f"{row['step']} {row['blocks']} blocks, {row['recomputed_tokens']:,.0f} tokens recomputed"
             for row in report["rows"].values()
             if "blocks" in row
         )

@@ -1,7 +1,10 @@
 """The rows of `minillm bench staircase`: the budget, HF transformers' static batches, the three
-minillm engines, and each row against the one before (ratios, greedy tokens)."""
+minillm engines, each row against the one before (ratios, greedy tokens), and each number's
+median over the seeds with its min and max."""
 
 from __future__ import annotations
+
+from statistics import median
 
 from minillm.benchmarks.hf_baseline import hf_static
 from minillm.benchmarks.tiers import blocks_for, percentile, run_trace
@@ -12,24 +15,24 @@ from minillm.engine import LLM, SamplingParams
 BLOCK_SIZE = EngineConfig.block_size
 ROWS = {  # name -> (label, minillm's switches beside the budget and the backend; None: HF's own cache)
     "hf": ("(1) HF transformers, static", None),
-    "paged": ("(2) paged + continuous", {"flash_prefill": False}),
-    "int8": ("(3) + int8 KV", {"kv_dtype": "int8", "flash_prefill": False}),
-    "flash": ("(4) + flash prefill", {"kv_dtype": "int8", "flash_prefill": True}),
+    "paged": ("(2) paged + continuous, memory-aware", {"admission": "memory", "flash_prefill": False}),
+    "int8": ("(3) + int8 KV", {"admission": "memory", "kv_dtype": "int8", "flash_prefill": False}),
+    "flash": ("(4) + flash prefill", {"admission": "memory", "kv_dtype": "int8", "flash_prefill": True}),
 }
 # row -> (the row its greedy tokens are compared with, whether that step is lossless)
 COMPARED_WITH = {"paged": ("hf", True), "int8": ("paged", False), "flash": ("int8", True)}
 
 
-def worst_case(trace: list[tuple[list[int], int]]) -> int:
-    """Tokens the worst static batch holds per request: the longest prompt (every other is padded
-    to it) plus the longest output (the batch runs until it is done)."""
-    return max(len(p) for p, _ in trace) + max(n for _, n in trace)
+def worst_case(prompt_len: tuple[int, int], output_len: tuple[int, int]) -> int:
+    """Tokens a static server must hold per request, sized before it sees the traffic: the longest
+    prompt it accepts plus the longest output (a batch is padded to its longest prompt and runs
+    until its longest output is done)."""
+    return prompt_len[1] + output_len[1]
 
 
-def kv_budget(trace, kv_tokens: int, kv_bytes_per_token: int) -> dict:
+def kv_budget(worst: int, kv_tokens: int, kv_bytes_per_token: int) -> dict:
     """The one budget every row gets: `kv_tokens` of KV in the model's dtype, in whole blocks, and
     the HF batch size it pays for."""
-    worst = worst_case(trace)
     kv_bytes = blocks_for(kv_tokens) * BLOCK_SIZE * kv_bytes_per_token
     hf_batch = kv_bytes // (worst * kv_bytes_per_token)
     if hf_batch < 1:
@@ -71,7 +74,7 @@ def run_hf_row(model_dir, trace, budget: dict, dtype: str, device: str) -> tuple
     requests, elapsed = hf_static(hf_model, trace, batch)
     batches = [trace[first : first + batch] for first in range(0, len(trace), batch)]
     # a batch's cache ends holding every row's padded prompt and the longest output (less its last token)
-    peak_tokens = max(len(b) * (worst_case(b) - 1) for b in batches)
+    peak_tokens = max(len(b) * (max(len(p) for p, _ in b) + max(n for _, n in b) - 1) for b in batches)
     return {
         **latencies(requests, elapsed),
         "kv_bytes_peak": peak_tokens * budget["kv_bytes_per_token"],
@@ -119,13 +122,20 @@ def compare(rows: dict, tokens: dict) -> None:
             row[f"{key}_vs_before"] = row[key] / rows[before][key] if ok else None
         reference, lossless = COMPARED_WITH.get(name, (None, None))
         if reference not in tokens:
-            row.update(compared_with=None, lossless_step=None, requests_identical=None, greedy_identical=None)
+            row.update(
+                compared_with=None,
+                lossless_step=None,
+                requests_identical=None,
+                requests_compared=None,
+                greedy_identical=None,
+            )
             continue
         same = sum(a == b for a, b in zip(tokens[name], tokens[reference]))
         row.update(
             compared_with=reference,
             lossless_step=lossless,
             requests_identical=same,
+            requests_compared=len(tokens[name]),
             greedy_identical=same / len(tokens[name]),
         )
 
@@ -148,3 +158,33 @@ def run_rows(
         rows[name] = {"step": label.split()[0], "label": label, "switches": switches, **measured}
     compare(rows, tokens)
     return rows
+
+
+SUMMED = ("requests_identical", "requests_compared")  # counts over every seed's requests
+SAME = ("step", "label", "switches", "blocks", "kv_bytes_per_token", "compared_with", "lossless_step")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """One row per name over the seeds' runs: each number its median (`spread`: [min, max]), the
+    greedy comparisons summed over every seed's requests."""
+    summary = {}
+    for name, first in runs[0].items():
+        seen = [run[name] for run in runs]
+        row = {key: first[key] for key in SAME if key in first}
+        row["spread"] = {}
+        for key in first:
+            values = [each[key] for each in seen]
+            if key in SAME or key in SUMMED or key == "greedy_identical":
+                continue
+            if any(value is None for value in values):
+                row[key] = None
+                continue
+            row[key] = median(values)
+            row["spread"][key] = [min(values), max(values)]
+        if first.get("compared_with") is not None:
+            row.update({key: sum(each[key] for each in seen) for key in SUMMED})
+            row["greedy_identical"] = row["requests_identical"] / row["requests_compared"]
+        else:
+            row.update(requests_identical=None, requests_compared=None, greedy_identical=None)
+        summary[name] = row
+    return summary
