@@ -204,6 +204,10 @@ class MemoryAware:
     def peak_tokens(self, seq: Sequence) -> int:
         return min(seq.max_len, len(seq.prompt_ids) + self.expected_output(seq))
 
+    def steps_left(self, seq: Sequence) -> int:
+        """Decode steps it is expected to run before it ends and gives its blocks back."""
+        return max(0, self.peak_tokens(seq) - seq.num_tokens)
+
     def profile(self, running: list[Sequence], step: int) -> tuple[GrowthProfile, int]:
         """The running sequences' growth over the steps ahead, and the blocks they hold now. Built
         once per step and batch: a step asks for every waiting request it tries, and the batch
@@ -214,9 +218,8 @@ class MemoryAware:
             for seq in running:
                 if manager.has_blocks(seq.seq_id):
                     held += manager.num_held(seq.seq_id)
-                    steps_left = max(0, self.peak_tokens(seq) - seq.num_tokens)
-                    forks = seq.params.num_outputs if not seq.output_ids else 1  # its samples to come
-                    rows += [(seq.num_tokens, steps_left)] + [(0, steps_left)] * (forks - 1)
+                    steps = self.steps_left(seq)  # its forks to come share its prompt, and grow alike
+                    rows += [(seq.num_tokens, steps)] + [(0, steps)] * (seq.num_seats - 1)
             self._profile = (batch, GrowthProfile(rows, manager.block_size), held)
         return self._profile[1], self._profile[2]
 
@@ -237,9 +240,7 @@ class MemoryAware:
         manager = self.manager
         profile, held = self.profile(running, step)
         new_tokens = max(0, seq.num_tokens - self.cached_blocks(seq) * manager.block_size)
-        steps = max(0, self.peak_tokens(seq) - seq.num_tokens)
-        forks = seq.params.num_outputs if not seq.output_ids else 1
-        growth = profile.peak_with(new_tokens, steps, forks) - held
+        growth = profile.peak_with(new_tokens, self.steps_left(seq), seq.num_seats) - held
         free = manager.num_free_blocks - kept
         return self.blocks_to_start(seq, budget) <= free and growth <= free
 

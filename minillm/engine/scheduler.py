@@ -187,9 +187,9 @@ class Scheduler:
                 continue  # nothing to run until they are in; it keeps its place
             if scheduled and self.kv_cache.is_swapped(seq.seq_id):
                 break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
-            num_tokens = self._admit(seq, budget, kept) if _seats_of(seq) <= seats else 0
+            num_tokens = self._admit(seq, budget, kept) if seq.num_seats <= seats else 0
             if num_tokens:
-                seats -= _seats_of(seq)
+                seats -= seq.num_seats
             else:
                 if self.admission.holds_queue(seq, self.steps):
                     break  # it waits for memory or seats, and nobody overtakes it
@@ -259,10 +259,10 @@ class Scheduler:
     def _seats_taken(self) -> int:
         """At most max_num_seqs sequences run at once, counting the forks that running requests
         will make at their first sampling (n - 1 samples, beam_width - 1 beams) as taken."""
-        return sum(_seats_of(running) for running in self.running)
+        return sum(running.num_seats for running in self.running)
 
     def _has_seats_for(self, seq: Sequence) -> bool:
-        return self._seats_taken() + _seats_of(seq) <= self.max_num_seqs
+        return self._seats_taken() + seq.num_seats <= self.max_num_seqs
 
     # ----------------------------------------------------------------- forks, victims, the end
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -348,8 +348,3 @@ class Scheduler:
     def cached_entries(self) -> dict[int, int]:
         """seq_id -> KV entries it holds now, for every running sequence (memory accounting)."""
         return {seq.seq_id: seq.num_cached for seq in self.running}
-
-
-def _seats_of(seq: Sequence) -> int:
-    """The seats a sequence takes: its own, and its forks to come if it has not sampled yet."""
-    return seq.params.num_outputs if not seq.output_ids else 1

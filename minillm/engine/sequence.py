@@ -69,6 +69,12 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_seats(self) -> int:
+        """The batch seats it takes: its own, and its forks to come (n samples or beams) if it has
+        not sampled yet."""
+        return self.params.num_outputs if not self.output_ids else 1
+
+    @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed
 

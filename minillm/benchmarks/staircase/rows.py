@@ -172,11 +172,9 @@ def summarize(runs: list[dict]) -> dict:
         seen = [run[name] for run in runs]
         row = {key: first[key] for key in SAME if key in first}
         row["spread"] = {}
-        for key in first:
+        for key in first.keys() - {*SAME, *SUMMED, "greedy_identical"}:
             values = [each[key] for each in seen]
-            if key in SAME or key in SUMMED or key == "greedy_identical":
-                continue
-            if any(value is None for value in values):
+            if None in values:
                 row[key] = None
                 continue
             row[key] = median(values)

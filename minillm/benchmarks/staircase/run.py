@@ -64,14 +64,8 @@ def bench_staircase(
     device: str = "cpu",
     progress: bool = False,
 ) -> dict:
-    sizes = _sizes(
-        quick,
-        requests=num_requests,
-        prompt_len=prompt_len,
-        output_len=output_len,
-        seeds=seeds,
-        attention_repeats=attention_repeats,
-    )
+    given = {"prompt_len": prompt_len, "output_len": output_len, "seeds": seeds}
+    sizes = _sizes(quick, requests=num_requests, attention_repeats=attention_repeats, **given)
     dtype = resolve_dtype(dtype, device)
     worst = worst_case(sizes["prompt_len"], sizes["output_len"])
     default_threads = torch.get_num_threads()
@@ -80,11 +74,10 @@ def bench_staircase(
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         budget = kv_budget(worst, kv_tokens or HF_BATCH * worst, model.config.kv_bytes_per_token(model.dtype))
         common = {"dtype": dtype, "device": device, "attention_backend": device.split(":")[0]}
-        runs = []
-        for seed in sizes["seeds"]:
-            trace = make_trace(tokenizer, sizes["requests"], seed, sizes["prompt_len"], sizes["output_len"])
-            rows = run_rows(model_dir, model, tokenizer, trace, budget, common, include_hf, progress)
-            runs.append({"seed": seed, "trace": _describe(trace), "rows": rows})
+        runs = [
+            _run_seed(model_dir, model, tokenizer, seed, sizes, budget, common, include_hf, progress)
+            for seed in sizes["seeds"]
+        ]
         prefill = prefill_attention(
             attention_context, attention_chunk, sizes["attention_repeats"], DTYPES[dtype]
         )
@@ -96,14 +89,7 @@ def bench_staircase(
         "dtype": dtype,
         "device": device,
         "quick": quick,
-        "trace": {
-            "requests": sizes["requests"],
-            "prompt_len": list(sizes["prompt_len"]),
-            "output_len": list(sizes["output_len"]),
-            "worst_case_tokens": worst,
-            "seeds": list(sizes["seeds"]),
-            "tuned_on_seed": TUNED_ON,
-        },
+        "trace": _describe_sizes(sizes, worst),
         "budget": budget,
         "runs": runs,
         "rows": summarize([run["rows"] for run in runs]),
@@ -126,9 +112,24 @@ def _sizes(quick: bool, **given) -> dict:
     return sizes
 
 
-def _describe(trace) -> dict:
-    return {
+def _run_seed(model_dir, model, tokenizer, seed: int, sizes, budget, common, include_hf, progress) -> dict:
+    """Every row on the seed's trace."""
+    trace = make_trace(tokenizer, sizes["requests"], seed, sizes["prompt_len"], sizes["output_len"])
+    rows = run_rows(model_dir, model, tokenizer, trace, budget, common, include_hf, progress)
+    described = {
         "requests": len(trace),
         "prompt_tokens": sum(len(p) for p, _ in trace),
         "output_tokens": sum(n for _, n in trace),
+    }
+    return {"seed": seed, "trace": described, "rows": rows}
+
+
+def _describe_sizes(sizes: dict, worst: int) -> dict:
+    return {
+        "requests": sizes["requests"],
+        "prompt_len": list(sizes["prompt_len"]),
+        "output_len": list(sizes["output_len"]),
+        "worst_case_tokens": worst,
+        "seeds": list(sizes["seeds"]),
+        "tuned_on_seed": TUNED_ON,
     }
