@@ -12,7 +12,10 @@ them. This lesson:
   (b) draws the picture (blocks x steps coloured by state, one lane per request coloured by where
       its KV lives) and reads off what it reveals: how many requests each prefix block served,
       blocks spilled and never read again, swapped sequences' round trips, how long blocks live,
-      the bytes each request reads per step;
+      the bytes each request reads per step; and the same traffic again with every cached block
+      spilled (`spill="all"`) against the default, only the blocks a prompt read again
+      ("reused"): what each copied, and what came back (this trace is the one the rule was chosen
+      on; `minillm bench tiers` reports it on others);
   (c) the classic prefix-cache failure: a timestamp at the top of the system prompt makes every
       prompt different from its first block on, and the cache silently stops hitting. The
       explainer (`PrefixMiss`, chat's /why) names the token where the prompt parted from the
@@ -79,9 +82,10 @@ QUESTIONS = [
 
 
 # ---------------------------------------------------------------------------- (a) one busy run, traced
-def busy_run(model, tokenizer, settings: dict, path) -> dict:
+def busy_run(model, tokenizer, settings: dict, path, spill: str = "reused") -> dict:
     """Chats sharing the system prompt and documents sharing nothing arrive every few steps on a
-    pool too small for them all (swap to a host tier, spill cached blocks there); traced."""
+    pool too small for them all (swap to a host tier, spill cached blocks there: those the `spill`
+    rule takes); traced."""
     rng = random.Random(0)
     words = read_text().split()
     prompts = [
@@ -103,6 +107,7 @@ def busy_run(model, tokenizer, settings: dict, path) -> dict:
             host_cache_bytes=settings["host_blocks"] * bytes_per_block,
             preemption="swap",
             max_num_seqs=8,
+            spill=spill,
         )
         engine, params = llm.engine, SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
         start, arrivals = time.perf_counter(), list(prompts)
@@ -110,7 +115,14 @@ def busy_run(model, tokenizer, settings: dict, path) -> dict:
             if arrivals and engine.num_steps % settings["arrive_every"] == 0:
                 engine.add_request(arrivals.pop(0), params)
             engine.step()
-    return {"requests": len(prompts), "steps": engine.num_steps, "seconds": time.perf_counter() - start}
+    hit_rate = engine.snapshot().prefix_cache["block_hit_rate"]
+    seconds = time.perf_counter() - start
+    return {
+        "requests": len(prompts),
+        "steps": engine.num_steps,
+        "seconds": seconds,
+        "block_hit_rate": hit_rate,
+    }
 
 
 # ---------------------------------------------------------------------------- (c) the timestamp trap
@@ -200,6 +212,32 @@ def show_picture(run: dict, summary: dict, cell: str | None) -> None:
         console.print(f"timeline saved ({cell})")
 
 
+def spill_rules(model, tokenizer, settings: dict, run: dict, summary: dict, out) -> dict:
+    """The same traffic with every cached block spilled ("all"), against the traced run ("reused")."""
+    path = out / "15_trace_spill_all.jsonl"
+    every = busy_run(model, tokenizer, settings, path, spill="all")
+    (events,) = read_trace(path).values()
+    every_summary = trace.summarize(trace.walk(events))
+    return {
+        rule: {
+            "spilled": s["spills"]["spilled"],
+            "brought_back": s["spills"]["brought_back"],
+            "never_read": _unread(s["spills"]),
+            "block_hit_rate": r["block_hit_rate"],
+        }
+        for rule, r, s in (("all", every, every_summary), ("reused", run, summary))
+    }
+
+
+def show_spill_rules(rules: dict) -> None:
+    rows = [
+        [rule, r["spilled"], r["brought_back"], r["never_read"], f"{r['block_hit_rate']:.1%}"]
+        for rule, r in rules.items()
+    ]
+    columns = ["spill rule", "spilled", "brought back", "never read again", "block hit rate"]
+    table("the same traffic, two spill rules", columns, rows)
+
+
 def _unread(spills: dict) -> int:
     """Spilled blocks never brought back: dropped from the host, or still there at the end."""
     return spills["dropped_unread"] + spills["on_host_at_end"]
@@ -215,20 +253,21 @@ def _median_max(spread: dict, scale: float = 1.0) -> str:
     return f"{spread['median'] * scale:.3g}, {spread['max'] * scale:.3g}"
 
 
-def meaning(summary: dict, trap: dict) -> str:
-    reuse, spills, swaps = summary["reuse"], summary["spills"], summary["swaps"]
+def meaning(summary: dict, rules: dict, trap: dict) -> str:
+    reuse, swaps = summary["reuse"], summary["swaps"]
     trapped, fixed = trap["trapped"], trap["normalized"]
-    unread = _unread(spills)
+    every, reused = rules["all"], rules["reused"]
     return (
         f"The picture shows time, which no snapshot can: the system prompt's blocks were registered "
         f"once and hit by up to {reuse['requests_per_hit_block']['max'] or 0} requests, while "
         f"{reuse['never_hit']} of {reuse['registered']} registered blocks (documents and answers) were "
-        f"never read again; of {spills['spilled']} blocks spilled to the host, {spills['brought_back']} "
-        f"came back and {unread} were never read again (dropped, or still there at the end): "
-        "copies that bought nothing (the spill rung copies every cached block that leaves the device; "
-        "on this traffic only the shared system prompt is ever asked for again, so spilling only "
-        "blocks that were hit before would have saved almost all of them); "
-        f"{swaps['round_trips']} swap round trips moved sequences out and back. The timestamp trap: "
+        f"never read again. Spilling every cached block that leaves the device copied {every['spilled']} "
+        f"blocks to the host, of which {every['brought_back']} came back and {every['never_read']} were "
+        f"never read again; spilling only the blocks a prompt read again copied {reused['spilled']} "
+        f"({reused['brought_back']} came back), at a block hit rate of {reused['block_hit_rate']:.1%} "
+        f"against {every['block_hit_rate']:.1%}: on this traffic only the shared system prompt is "
+        f"asked for again. {swaps['round_trips']} swap round trips moved sequences out and back. "
+        "The timestamp trap: "
         f"with the time at the top of the system prompt the cache gave {trapped['cached_tokens']} of "
         f"{trapped['prompt_tokens']} prompt tokens (the explainer: parted at token "
         f"{trapped['diverged_at']}); with the time moved to the end of the user's turn, "
@@ -257,14 +296,16 @@ def main() -> None:
     console.rule("2. The picture, and what it reveals")
     summary, cell = read_back(path, args.out)
     show_picture(run, summary, cell)
+    rules = spill_rules(model, tokenizer, settings, run, summary, args.out)
+    show_spill_rules(rules)
 
     console.rule("3. The timestamp trap, explained and fixed")
     trap = timestamp_trap(model, tokenizer, settings)
     show_trap(trap)
 
-    numbers = {"run": run, "summary": summary, "trap": trap}
+    numbers = {"run": run, "summary": summary, "spill_rules": rules, "trap": trap}
     save_numbers(args.out, "15_life_of_a_block.json", numbers)
-    console.print(f"\n[bold]What it means:[/bold] {meaning(summary, trap)}", highlight=False)
+    console.print(f"\n[bold]What it means:[/bold] {meaning(summary, rules, trap)}", highlight=False)
 
 
 if __name__ == "__main__":

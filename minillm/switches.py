@@ -179,6 +179,12 @@ _TABLE = {
             "pick by measured cost (default: %(default)s; recompute without a tier)",
             choices=("recompute", "swap", "auto"),
         ),
+        Switch(
+            "spill",
+            "with a host tier: which cached prefix blocks leaving the device are copied there: those "
+            "a prompt read again (reused), or all (default: %(default)s)",
+            choices=("reused", "all"),
+        ),
     ),
     "speculative": (  # minillm.engine.speculative
         Switch(

@@ -466,6 +466,10 @@ def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, voc
         48,
         "--spill-requests",
         12,
+        "--spill-rule-requests",
+        12,
+        "--spill-rule-seeds",
+        "1,2",
         "--model",
         vocab_dir,
     )
@@ -506,6 +510,20 @@ def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, voc
         assert row["prefill_tokens_computed"] + row["prefix_cache"]["prefill_tokens_saved"] == prompt_tokens
     assert with_host["prefix_cache"]["prefill_tokens_saved"] > without["prefix_cache"]["prefill_tokens_saved"]
 
+    rule = report["spill_rule"]
+    assert (
+        list(rule["runs"]) == ["all", "reused"] and rule["outputs_differing"] == 0
+    )  # a spill changes no token
+    for runs in rule["runs"].values():
+        assert [run["seed"] for run in runs] == [1, 2]
+        for run in runs:
+            assert run["spilled_bytes"] == run["spilled_blocks"] * 16 * kv_bytes_per_token(vocab_dir)
+            assert 0 <= run["spill_hits"] <= run["spilled_blocks"] and 0 <= run["block_hit_rate"] <= 1
+    fewer = [a["spilled_blocks"] / max(r["spilled_blocks"], 1) for a, r in zip(*rule["runs"].values())]
+    assert rule["spilled_bytes_all_over_reused"]["median"] == approx(
+        sorted(fewer)[0] / 2 + sorted(fewer)[1] / 2
+    )
+
     targets = report["targets"]
     assert set(targets) == {
         "auto_vs_best_tok_s",
@@ -513,6 +531,7 @@ def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, voc
         "swap_prefetch_hidden",
         "resume_ttft_ratio",
         "spill_prefill_saved_ratio",
+        "spill_rule_fewer_bytes",
     }
     assert targets["swap_recomputed_tokens"] == {"want": "0", "got": 0, "met": True}
 
@@ -795,6 +814,8 @@ TINY_SIZES = {  # every benchmark at the sizes of its own test above, for the ti
         "system_prompts": 4,
         "system_tokens": 48,
         "spill_requests": 12,
+        "spill_rule_requests": 12,
+        "spill_rule_seeds": (1,),
     },
     "memory": {"quick": True, "num_requests": 16, "rate": 1e9, "kv_tokens": 128, "load": False},
     "staircase": {

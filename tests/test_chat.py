@@ -133,11 +133,11 @@ def test_compare_a_sampling_switch_changes_only_the_sampling(chat_dir, parts):
 
 @pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
 def test_block_map_counts_equal_the_engines_memory_stats(chat_dir, parts, kv_dtype):
-    """Mid-reply and after it, with a small pool whose cached blocks spill to a host tier."""
+    """Mid-reply and after it, with a small pool whose cached blocks spill to a host tier (every
+    one of them: the rule that spills only reused blocks may leave the host row empty here)."""
     per_block = 16 * bytes_per_slot(parts[0].config, kv_dtype, "channel", 16, parts[0].dtype)
-    chat = new_chat(
-        chat_dir, parts, kv_cache_bytes=12 * per_block, host_cache_bytes=8 * per_block, kv_dtype=kv_dtype
-    )
+    pools = {"kv_cache_bytes": 12 * per_block, "host_cache_bytes": 8 * per_block}
+    chat = new_chat(chat_dir, parts, **pools, kv_dtype=kv_dtype, spill="all")
     engine, manager = chat.engine, chat.engine.kv_cache.block_manager
     filling_seen = 0
     for turn in range(3):

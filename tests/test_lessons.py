@@ -144,6 +144,9 @@ def check_life_of_a_block(numbers):
     # the system prompt's blocks serve several requests; the pool was short: spills and a swap
     assert summary["reuse"]["requests_per_hit_block"]["max"] >= 2
     assert summary["spills"]["spilled"] > 0 and summary["swaps"]["round_trips"] > 0
+    # spilling only the blocks a prompt read again copies fewer of them
+    rules = numbers["spill_rules"]
+    assert 0 < rules["reused"]["spilled"] < rules["all"]["spilled"]
     # the timestamp parts every prompt inside the system prompt's first blocks; normalized, it hits
     trapped, fixed = trap["trapped"], trap["normalized"]
     assert trapped["cause"] == "diverged" and trapped["diverged_at"] < 32

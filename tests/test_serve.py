@@ -539,6 +539,21 @@ def test_streamed_chunks_concatenate_to_the_same_text(client, reference):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_return_token_ids_gives_every_token_the_engine_made_in_a_body_and_a_stream(client, reference):
+    """vLLM's extension: the ids beside the text, EOS included under ignore_eos (it has no text,
+    so a client that tokenized the text again would lose it); a stream's chunks add up to them."""
+    prompt_ids = reference.engine.tokenizer.encode(PROMPTS[3])
+    expected = greedy(reference, prompt_ids, 40, ignore_eos=True).token_ids
+    fields = {"model": "tiny", "prompt": prompt_ids, "max_tokens": 40, "temperature": 0}
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    body = client.completions.create(**fields, extra_body=extra)
+    assert body.choices[0].model_extra["token_ids"] == expected
+    chunks = list(client.completions.create(**fields, stream=True, extra_body=extra))
+    assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == expected
+    plain = client.completions.create(**fields, extra_body={"ignore_eos": True})
+    assert "token_ids" not in plain.choices[0].model_extra  # only when asked
+
+
 def test_stop_strings_cut_the_text_and_end_the_request(server, client, reference):
     full = greedy(reference, PROMPTS[2], 60, ignore_eos=True).text
     # the last 3 characters that first appear where they are (a random model repeats itself)

@@ -49,10 +49,13 @@ def test_trace_over_http_answers_every_request_and_reports_goodput(capsys, model
     assert slo["ttft_s"] == pytest.approx(5 * idle["prefill_s"]) and idle["prefill_s"] > 0
     assert slo["tpot_s"] == pytest.approx(5 * idle["decode_tpot_s"]) and idle["decode_tpot_s"] > 0
     assert report["blocks_held_after"] == 0
+    assert report["answers_with_token_ids"] == served["requests"]  # asked for, and minillm sends them
+    assert 0 <= report["answers_retokenized_apart"] <= served["requests"]
+    assert 0 <= report["prefix_hit_rate"] <= 1
 
 
 def answer(ttft: float | None, tpot: float | None, error: str | None = None) -> Answered:
-    return Answered("question", 10, "", 0 if error else 4, ttft, tpot, error)
+    return Answered("question", 10, "", None, 0 if error else 4, ttft, tpot, error)
 
 
 def test_goodput_is_the_share_within_both_slos_and_a_failure_misses():
@@ -72,7 +75,8 @@ def test_goodput_is_the_share_within_both_slos_and_a_failure_misses():
 
 
 def test_a_chat_turn_carries_the_conversation_and_an_empty_answer_after_a_failure(real_dir, monkeypatch):
-    """With `send` replaced: each turn's prompt, and that it goes out only once the last one answered."""
+    """With `send` replaced: each turn's prompt, and that it goes out only once the last one answered.
+    Half the answers come with token ids (resent as they are), half without (their text, tokenized)."""
     tokenizer = Tokenizer(real_dir)
     trace = make_trace(tokenizer, seed=5, num_requests=12, rate=50.0, scale=0.1)
     for request in trace:
@@ -100,14 +104,18 @@ def test_a_chat_turn_carries_the_conversation_and_an_empty_answer_after_a_failur
         await asyncio.sleep(0.002)
         finished.add(index)
         if index == failing:
-            return Answered(kind, len(prompt_ids), "", 0, None, None, "HTTP 503")
-        return Answered(kind, len(prompt_ids), f" answer {index}", max_tokens, 0.1, 0.01, None)
+            return Answered(kind, len(prompt_ids), "", None, 0, None, None, "HTTP 503")
+        return Answered(kind, len(prompt_ids), f" answer {index}", ids_of(index), max_tokens, 0.1, 0.01, None)
+
+    def ids_of(index: int) -> list[int] | None:
+        return [7, 8, 9 + index] if index % 2 else None
 
     monkeypatch.setattr(serve_http_trace, "send", fake_send)
     answered, _ = asyncio.run(replay_http(0, "tiny", tokenizer, trace, progress=False))
     assert sorted(sent) == list(range(len(trace))) and all(a is not None for a in answered)
     for index in chats:
         before = trace[index].follows
-        previous = [] if before == failing else tokenizer.encode(f" answer {before}")
+        previous = ids_of(before) or tokenizer.encode(f" answer {before}")
+        previous = [] if before == failing else previous
         assert sent[index] == next_turn_prompt(tokenizer, sent[before], previous, trace[index].prompt_ids)
     assert answered[failing].error == "HTTP 503"

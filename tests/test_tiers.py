@@ -390,6 +390,50 @@ def test_prefix_blocks_spill_to_host_and_come_back(tiny_dir, tiny_model):
     assert llm.engine.kv_cache.moves.num_spill_hits > 0
 
 
+@pytest.mark.parametrize("spill", ["reused", "all"])
+def test_only_blocks_read_again_spill_under_the_reused_rule(tiny_dir, tiny_model, spill):
+    """Six device blocks, a host tier of four, one request at a time, each two full blocks and a
+    token (three blocks). A, A again (it hits A0 A1: reused), B, then C and D take the least
+    recently freed blocks: C reclaims A0 A1, D reclaims B0 B1. Under "reused" only A's two spill
+    (B's were never read again); under "all" all four. A comes back: its two blocks return from
+    the host, into C's blocks, which "all" copies out too, pushing B's copies off the host; B
+    comes back: computed again under both rules (its blocks now known as reused), D's blocks
+    copied out under "all". The same two hits: two copies against eight."""
+    rng = random.Random(5)
+    full = {name: [rng.randrange(97) for _ in range(2 * BLOCK)] for name in "ABCD"}
+    prompts = [
+        full["A"] + [1],
+        full["A"] + [2],
+        full["B"] + [3],
+        full["C"] + [4],
+        full["D"] + [5],
+        full["A"] + [6],
+        full["B"] + [7],
+    ]
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        block_size=BLOCK,
+        prefix_caching=True,
+        kv_cache_bytes=6 * BLOCK * KV_BYTES_PER_TOKEN,
+        host_cache_bytes=4 * BLOCK * KV_BYTES_PER_TOKEN,
+        spill=spill,
+    )
+    counters = []
+    for prompt in prompts:
+        assert llm.generate([prompt], params)[0].token_ids == naive(tiny_model, prompt, params)
+        counters.append(llm.engine.snapshot().counters)
+    after_d, after_a, after_b = counters[4], counters[5], counters[6]
+    assert after_d["spilled"] == (2 if spill == "reused" else 4)
+    assert after_a["spill_hits"] == after_b["spill_hits"] == 2  # A0 A1 came back from the host
+    assert after_b["spilled"] == (2 if spill == "reused" else 8)
+    cache = llm.engine.kv_cache.block_manager.prefix_cache
+    b_blocks = cache.lookup(prompts[-1])
+    assert len(b_blocks) == 2 and all(cache.is_reused(block) for block in b_blocks)
+    llm.engine.kv_cache.block_manager.check_invariants()
+
+
 def test_tier_switches_are_checked(tiny_dir, tiny_model, tmp_path):
     with pytest.raises(ConfigError, match="needs somewhere to swap to"):
         LLM(tiny_dir, model=tiny_model, preemption="swap")

@@ -2,9 +2,9 @@
 
 Each run here is small enough to reason out by hand: the free blocks are taken least recently
 freed first (`free_blocks.py`), a cached block taken for new content spills to the host tier's
-least recently used block, and a request of `max_tokens=1` computes and ends in one step. The
-expected numbers below come from that reasoning (or from the engine's own counters), never from
-running the code under test."""
+least recently used block (`spill="all"`: every cached block, read again or not), and a request
+of `max_tokens=1` computes and ends in one step. The expected numbers below come from that
+reasoning (or from the engine's own counters), never from running the code under test."""
 
 import json
 
@@ -48,6 +48,7 @@ def prefix_run(tiny_dir, tiny_model, tmp_path_factory):
             kv_cache_bytes=6 * BLOCK_BYTES,
             host_cache_bytes=2 * BLOCK_BYTES,
             prefix_caching=True,
+            spill="all",
         )
         one_at_a_time(llm, [X, Y, Z, D, E])
     (events,) = read_trace(path).values()

@@ -6,7 +6,9 @@ library. They speak what every OpenAI-compatible server understands (minillm ser
 llama.cpp's server): GET /v1/models, and POST /v1/completions with the prompt as token ids and
 `"stream": true`. Per request they record when it was sent, when its first chunk came and when
 its stream ended, and how many tokens it got: the `usage` the server sends at the end when asked
-(`stream_options.include_usage`), else the chunks that carried text, one token each.
+(`stream_options.include_usage`), else the chunks that carried text, one token each. Asked for
+them (`return_token_ids`, vLLM's extension, which minillm serves too), they keep the token ids the
+server made; a server that ignores the field sends none, and they keep None.
 """
 
 from __future__ import annotations
@@ -69,9 +71,11 @@ def model_name(endpoint: Endpoint) -> str:
         raise ConfigError(f"{endpoint.url}/v1/models did not list a model ({problem})") from None
 
 
-def completion_body(model: str, prompt_ids: list[int], max_tokens: int) -> dict:
+def completion_body(model: str, prompt_ids: list[int], max_tokens: int, token_ids: bool = False) -> dict:
     """A streamed greedy completion of exactly `max_tokens` tokens: `ignore_eos` is an extension
-    minillm, vLLM and llama.cpp's server share; `include_usage` asks for the token count at the end."""
+    minillm, vLLM and llama.cpp's server share; `include_usage` asks for the token count at the end;
+    `token_ids` asks for the answer's token ids too."""
+    extra = {"return_token_ids": True} if token_ids else {}
     return {
         "model": model,
         "prompt": prompt_ids,
@@ -80,6 +84,7 @@ def completion_body(model: str, prompt_ids: list[int], max_tokens: int) -> dict:
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **extra,
     }
 
 
@@ -144,6 +149,8 @@ def take_message(result: dict, message: dict) -> int:
         if result["ttft_s"] is None:
             result["ttft_s"] = time.perf_counter() - result["sent"]
         result["text"] += choice["text"]
+        if "token_ids" in choice:
+            result["token_ids"] = (result["token_ids"] or []) + choice["token_ids"]
         result["chunks"] += 1
         with_text += bool(choice["text"])
     return with_text
@@ -165,6 +172,7 @@ async def stream_completion(endpoint: Endpoint, body: dict, disconnect_after: in
     result = {
         "status": status,
         "text": "",
+        "token_ids": None,  # the answer's ids, if asked for and the server sends them
         "tokens": None,  # from the server's usage; else counted at the end
         "tokens_from": "usage",
         "ttft_s": None,

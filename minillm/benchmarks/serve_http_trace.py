@@ -12,8 +12,12 @@ from outside, through HTTP, tokenization of answers and the event loop:
   3. every request sent at its arrival time, a chat turn THINK_S after its conversation's previous
      answer, as one streaming request to /v1/completions with the prompt as token ids, and
      `max_tokens=output_len` with `ignore_eos`, so it makes exactly the tokens the trace says. A
-     chat turn's prompt is the conversation so far, the previous answer as the client got it: its
-     text, tokenized again (empty when that turn failed);
+     chat turn's prompt is the conversation so far, the previous answer as the server made it: its
+     token ids (`return_token_ids`), so the server's prefix cache holds the whole conversation, as
+     in the in-process replay. A server that sends no ids gets the answer's text tokenized again,
+     which may part from the ids the server cached (an EOS made under `ignore_eos` has no text; a
+     word may split otherwise): how many answers would have, is counted. A failed turn's answer is
+     empty;
   4. per request, from the stream: TTFT (sent -> first chunk) and TPOT (the rest of the tokens over
      the time they took); goodput is the share of requests with TTFT <= the TTFT SLO and TPOT <=
      the TPOT SLO, a failed request counting as a miss.
@@ -45,7 +49,7 @@ from minillm.benchmarks.http_client import (
     stream_completion,
 )
 from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
-from minillm.benchmarks.serve_child import blocks_held, minillm_serve, wait_idle
+from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
 from minillm.benchmarks.serve_http import duration, percentile
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
@@ -67,6 +71,7 @@ class Answered:
     kind: str
     prompt_len: int
     text: str
+    token_ids: list[int] | None  # as the server made them, if it sent them
     tokens: int
     ttft_s: float | None  # request sent -> first chunk
     tpot_s: float | None  # (last chunk - first chunk) / (tokens - 1)
@@ -78,14 +83,15 @@ async def send(
 ) -> Answered:
     """One streaming completion of exactly `max_tokens` tokens; whatever goes wrong is its error."""
     try:
-        result = await stream_completion(server, completion_body(model, prompt_ids, max_tokens))
+        body = completion_body(model, prompt_ids, max_tokens, token_ids=True)
+        result = await stream_completion(server, body)
     except (OSError, EOFError, RuntimeError, ValueError, IndexError) as err:  # refused, cut, an error event
-        return Answered(kind, len(prompt_ids), "", 0, None, None, f"{type(err).__name__}: {err}"[:200])
+        return Answered(kind, len(prompt_ids), "", None, 0, None, None, f"{type(err).__name__}: {err}"[:200])
     error = result["error"]  # an answer other than 200: its status and the start of its body
     if error is None and (not result["done"] or result["tokens"] != max_tokens):
         error = f"the stream ended after {result['tokens']} of {max_tokens} tokens"
     tokens, ttft, tpot = result["tokens"], result["ttft_s"], inter_token_s(result)
-    return Answered(kind, len(prompt_ids), result["text"], tokens, ttft, tpot, error)
+    return Answered(kind, len(prompt_ids), result["text"], result["token_ids"], tokens, ttft, tpot, error)
 
 
 # ----------------------------------------------------------------------------- the SLOs, on the idle server
@@ -151,7 +157,7 @@ async def replay_http(
             advance()
             if index not in followers:
                 return
-            answer = tokenizer.encode(answered[index].text) if answered[index].error is None else []
+            answer = resent_answer(tokenizer, answered[index])
             index = followers[index]
             prompt = next_turn_prompt(tokenizer, prompt, answer, trace[index].prompt_ids)
             send_at = time.perf_counter() - start + trace[index].arrival_s
@@ -161,6 +167,24 @@ async def replay_http(
             *(conversation(index, advance) for index, r in enumerate(trace) if r.follows is None)
         )
     return answered, time.perf_counter() - start
+
+
+def resent_answer(tokenizer: Tokenizer, answered: Answered) -> list[int]:
+    """What a chat's next turn resends of this answer: the server's token ids, else its text
+    tokenized again; nothing if it failed."""
+    if answered.error is not None:
+        return []
+    return answered.token_ids if answered.token_ids is not None else tokenizer.encode(answered.text)
+
+
+def retokenized_apart(tokenizer: Tokenizer, answered: list[Answered]) -> int:
+    """Answers whose text, tokenized again, differs from the token ids the server made: each would
+    have cut its conversation's cached prefix short had the client resent text."""
+    return sum(
+        a.token_ids is not None and tokenizer.encode(a.text) != a.token_ids
+        for a in answered
+        if a.error is None
+    )
 
 
 def served_summary(answered: list[Answered], slo: dict, wall_s: float) -> dict:
@@ -213,8 +237,10 @@ def bench_serve_http_trace(
         model = model_name(server)
         idle = asyncio.run(idle_timings(server, model, trace))
         slo = slos(idle, ttft_slo, tpot_slo)
+        before = None if url else metrics(server)
         answered, wall_s = asyncio.run(replay_http(server, model, tokenizer, trace, progress))
-        held = None if url else blocks_held(wait_idle(server))
+        after = None if url else wait_idle(server)
+    ids = [a for a in answered if a.error is None and a.token_ids is not None]
     return {
         "mode": "trace",
         "url": server.url if url else None,
@@ -225,8 +251,18 @@ def bench_serve_http_trace(
         "idle": idle,
         "slo": slo,
         "served": served_summary(answered, slo, wall_s),
-        "blocks_held_after": held,
+        "answers_with_token_ids": len(ids),
+        "answers_retokenized_apart": retokenized_apart(tokenizer, answered),
+        "prefix_hit_rate": None if url else replay_hit_rate(before, after),
+        "blocks_held_after": None if url else blocks_held(after),
     }
+
+
+def replay_hit_rate(before: dict, after: dict) -> float | None:
+    """The prefix cache's token hit rate over the replay alone (/metrics' counters, less the probes')."""
+    queried = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
+    hits = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    return hits / queried if queried else None
 
 
 def print_serve_http_trace_report(report: dict, console) -> None:
@@ -256,6 +292,18 @@ def print_serve_http_trace_report(report: dict, console) -> None:
         console.print(f"the server at {report['url']}, serving {report['model']}")
     else:
         engine = ", ".join(f"{name} {value}" for name, value in report["engine"].items())
-        console.print(f"minillm serve with {engine}; KV blocks held once idle: {report['blocks_held_after']}")
+        console.print(
+            f"minillm serve with {engine}; prefix cache hit rate over the replay (/metrics): "
+            f"{_share(report['prefix_hit_rate'])}; KV blocks held once idle: {report['blocks_held_after']}"
+        )
+    console.print(
+        f"answers resent as the server's token ids: {report['answers_with_token_ids']} of "
+        f"{served['requests']}; answers whose text tokenizes to other ids: "
+        f"{report['answers_retokenized_apart']}"
+    )
     for error in served["first_errors"]:
         console.print(f"error: {error}")
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"

@@ -56,6 +56,14 @@ def positive_float(text: str) -> float:
 COUNT_TYPES = {0: non_negative_int, 1: positive_int, 2: whole_number(2, "a context of 2 tokens or more")}
 
 
+def seed_list(text: str) -> tuple[int, ...]:
+    """--seeds 1,2,3: whole numbers, comma-separated."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"whole numbers separated by commas (1,2,3), not {text!r}") from None
+
+
 def _argparse_type(parse):
     """A switch's parser as an argparse type: its ValueError becomes argparse's one-line error."""
 

@@ -17,6 +17,8 @@ from minillm.cli.flags import (
     add_switch,
     positive_float,
     positive_int,
+    seed_list,
+    whole_number,
 )
 from minillm.evaluation import DEFAULT_TEXT
 from minillm.report import console, print_json, show
@@ -35,12 +37,14 @@ def add_bench_tiers(benches) -> None:
         "moved, prefetch hidden behind compute, and a check that greedy outputs "
         "are identical; (2) a long conversation resumed from a session file vs "
         "recomputed; (3) more system prompts than the device pool holds, "
-        "with and without a host tier to spill them to. Targets are printed "
-        "beside the numbers, never asserted.",
+        "with and without a host tier to spill them to; (4) the spill rule: "
+        "bench scheduling's mixed trace with every cached block spilled or only reused ones, "
+        "on held-out seeds. Targets are printed beside the numbers, never asserted.",
     )
     add_preemption_args(tiers)
     add_resume_args(tiers)
     add_prefix_spill_args(tiers)
+    add_spill_rule_args(tiers)
     tiers.add_argument(
         "--threads",
         type=positive_int,
@@ -111,6 +115,23 @@ def add_prefix_spill_args(tiers) -> None:
     )
 
 
+def add_spill_rule_args(tiers) -> None:
+    """bench tiers, part 4: which cached blocks are worth a host copy."""
+    part = tiers.add_argument_group("4. spill rule")
+    part.add_argument(
+        "--spill-rule-seeds",
+        type=seed_list,
+        default=(1, 2, 3),
+        help="trace seeds, comma-separated; not 0, the rule's tuning seed (default: 1,2,3)",
+    )
+    part.add_argument(
+        "--spill-rule-requests",
+        type=positive_int,
+        default=60,
+        help="about this many requests per trace, a chat's turns each counted (default: 60)",
+    )
+
+
 def cmd_bench_tiers(args) -> None:
     from minillm.benchmarks.tiers import bench_tiers, print_tiers_report
 
@@ -125,6 +146,8 @@ def cmd_bench_tiers(args) -> None:
             system_tokens=args.system_tokens,
             spill_requests=args.spill_requests,
             spill_pool_prompts=args.spill_pool_prompts,
+            spill_rule_seeds=args.spill_rule_seeds,
+            spill_rule_requests=args.spill_rule_requests,
             threads=args.threads,
             dtype=args.dtype,
             device=args.device,
@@ -168,6 +191,7 @@ def add_bench_memory(benches) -> None:
 def add_memory_size_args(memory) -> None:
     """bench memory's --quick and the sizes it shrinks; each default is printed for both."""
     from minillm.benchmarks.memory import SIZES
+    from minillm.benchmarks.memory.trace import SEED, TUNING_SEED
 
     full, quick = SIZES["full"], SIZES["quick"]
     memory.add_argument(
@@ -204,6 +228,12 @@ def add_memory_size_args(memory) -> None:
         help=f"closed-loop clients for the fixed-concurrency load test (default: {full['clients']}; "
         f"{quick['clients']} with --quick)",
     )
+    memory.add_argument(
+        "--seed",
+        type=whole_number(0, "a seed"),
+        default=SEED,
+        help=f"the trace's seed; the sizes were chosen on seed {TUNING_SEED}'s (default: {SEED})",
+    )
 
 
 def cmd_bench_memory(args) -> None:
@@ -217,6 +247,7 @@ def cmd_bench_memory(args) -> None:
             rate=args.rate,
             kv_tokens=args.kv_tokens,
             clients=args.clients,
+            seed=args.seed,
             load=not args.no_load,
             threads=args.threads,
             dtype=args.dtype,

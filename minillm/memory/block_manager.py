@@ -45,6 +45,7 @@ class BlockManager:
         prefix_caching: bool = False,
         host_blocks: int = 0,
         disk: bool = False,
+        spill: str = "reused",
     ):
         if num_blocks < 1 or block_size < 1 or host_blocks < 0:
             raise ValueError(
@@ -60,7 +61,7 @@ class BlockManager:
         self.block_tables: dict[int, list[int]] = {}  # seq_id -> block ids
         self.events = ev.KVEvents()  # every change of a block's life, told to subscribers (events.py)
         self.prefix_cache = PrefixCache(block_size, self.events) if prefix_caching else None
-        self.moves = TierMoves(self._ledger, self.block_tables, self.prefix_cache, self.events, disk)
+        self.moves = TierMoves(self._ledger, self.block_tables, self.prefix_cache, self.events, disk, spill)
         self.num_copies = 0  # copy-on-write copies made
         self._full: dict[int, int] = {}  # seq_id -> leading blocks known full (told as `Filled`)
 

@@ -10,7 +10,10 @@ Cached prefix blocks move as well. A free device block taken for new content may
 block the prefix cache can find: it is *reclaimed* (the pressure ladder's first rung), spilled to
 the host tier when there is one (as SGLang's HiCache does), else dropped. A later prompt whose
 prefix hits a spilled block brings it back to a device block (`bring_back`) instead of
-recomputing it.
+recomputing it. Which blocks are worth that copy is the `spill` rule: "all" of them, or only the
+"reused" ones (a prompt found them, or computed them again after they were dropped: see
+`prefix_cache.py`). Most cached blocks are a document's or an answer's, read once; a copy of one
+buys nothing and pushes a spilled block that would have been read out of the host's LRU.
 
 Moves are only *decided* here: each becomes a (source, destination) copy in the ledger's queue,
 in the order decided, and whoever owns the tensors (`tiers.py`) performs them in that order
@@ -36,10 +39,12 @@ class TierMoves:
         prefix_cache: PrefixCache | None,
         events: ev.KVEvents,
         disk: bool,
+        spill: str = "reused",
     ):
         self._ledger, self._tables = ledger, tables
         self._prefix_cache, self._events = prefix_cache, events
         self._disk = disk
+        self._spill_all = spill == "all"  # else only blocks the prefix cache saw reused
         self.num_spilled = 0  # cached prefix blocks moved to the host tier instead of dropped
         self.num_spill_hits = 0  # ...and found there again by a later prompt
         self.num_reclaimed = 0  # cached device blocks nobody held, taken for new content (spilled or dropped)
@@ -49,7 +54,7 @@ class TierMoves:
     def take_device_block(self, holders: int = 1) -> int:
         """A device block for new content, held by `holders` tables: the least recently freed one.
         If it still holds a cached prefix block, that block moves to the host tier (spill) when
-        there is one, else is dropped."""
+        there is one and the spill rule takes it, else is dropped."""
         block = self._ledger.take("device", holders)
         cache = self._prefix_cache
         if cache and block in cache.entries:
@@ -64,7 +69,7 @@ class TierMoves:
     def _spill(self, block: int) -> None:
         """Keep a cached block that leaves the device in the host tier (LRU there too): a later
         prompt that needs it copies it back instead of recomputing."""
-        if not self._ledger.count("host"):
+        if not self._ledger.count("host") or not (self._spill_all or self._prefix_cache.is_reused(block)):
             return
         host = self._take_block("host")  # may drop the least recently used spilled block (and its children)
         if block in self._prefix_cache.entries:

@@ -96,7 +96,7 @@ class KVCacheManager:
         tiers = TieredKV.build(config, model, dtype, device)
         host_blocks, disk = (tiers.host.num_blocks if tiers.host else 0), tiers.disk is not None
         blocks = BlockManager(
-            tiers.device.num_blocks, config.block_size, config.prefix_caching, host_blocks, disk
+            tiers.device.num_blocks, config.block_size, config.prefix_caching, host_blocks, disk, config.spill
         )
         evictor = None
         if config.eviction != "none":

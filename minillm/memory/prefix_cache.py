@@ -17,6 +17,13 @@ block spills there and its entry follows it (`move`), so a later hit copies it b
 recomputing it. A prompt that is entirely
 cached still recomputes its last token, to get the logits the next token is sampled from.
 
+Not every cached block is worth a host copy when it leaves the device: most are read once (a
+document, an answer). A block is *reused* once a lookup hit it, or once it was computed again after
+its entry was dropped: the cache remembers the last DROPPED_KEYS keys it let go (the "ghost" list
+of the 2Q and ARC caches), so a block asked for a second time is known when it comes back. With
+`spill="reused"` only reused blocks spill (`block_moves.py`). A hash collision among remembered
+keys can only mark a block reused wrongly, a question of what to copy, never of what is read.
+
 A cache that silently stops hitting is the classic failure (a timestamp in the system prompt
 makes every prefix different), so every lookup also says why it ended where it did
 (`PrefixMiss`): where the prompt first differs from the best cached chain (the cached blocks
@@ -27,7 +34,7 @@ computed yet.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from minillm.memory.events import KVEvents, Registered, Uncached
@@ -38,8 +45,10 @@ class Entry:
     key: int  # hash(parent key, tokens)
     parent: int | None  # parent block id (None for a first block)
     tokens: tuple[int, ...]
+    reused: bool = False  # a lookup hit it, or its content was computed again after being dropped
 
 
+DROPPED_KEYS = 4096  # keys of dropped entries remembered, to know a block computed a second time
 RECENT_PROMPTS = 16  # prompts kept to explain a miss where the cached chain ends
 RECENT_TOKENS = 4096  # ...each up to this many tokens
 SHOWN_TOKENS = 8  # tokens of each side kept from where they differ
@@ -93,6 +102,7 @@ class PrefixCache:
         #   (None -> the first blocks of chains)
         self.registered: dict[int, int] = {}  # seq_id -> how many of its leading blocks were offered
         self.recent: deque[tuple[int, ...]] = deque(maxlen=RECENT_PROMPTS)  # the last prompts looked up
+        self._dropped: OrderedDict[int, None] = OrderedDict()  # keys of the last DROPPED_KEYS entries dropped
         self.misses: dict[str, int] = {}  # cause -> lookups (`PrefixMiss.cause`)
         self.queried_tokens = 0  # prompt tokens of every lookup
         self.queried_blocks = 0  # full blocks a lookup could have hit
@@ -116,6 +126,10 @@ class PrefixCache:
             blocks.append(block)
         return blocks
 
+    def is_reused(self, block: int) -> bool:
+        """Was this cached block read again since it was computed (or computed again after a drop)?"""
+        return self.entries[block].reused
+
     def holds(self, block: int) -> bool:
         """Does the cache vouch for this block's content? (Then nobody may write it.)"""
         return block in self.entries
@@ -125,6 +139,8 @@ class PrefixCache:
         self.queried_tokens += len(token_ids)
         self.queried_blocks += (len(token_ids) - 1) // self.block_size
         self.hit_blocks += len(hits)
+        for block in hits:
+            self.entries[block].reused = True
         miss = self.explain(token_ids, hits)
         self.misses[miss.cause] = self.misses.get(miss.cause, 0) + 1
         self.recent.append(tuple(token_ids[:RECENT_TOKENS]))
@@ -172,7 +188,9 @@ class PrefixCache:
                 if key in self.block_of:
                     break  # the same content is cached in another block already
                 self.block_of[key] = block
-                self.entries[block] = Entry(key, parent, self._block_tokens(token_ids, index))
+                reused = key in self._dropped  # computed again after it was dropped
+                self._dropped.pop(key, None)
+                self.entries[block] = Entry(key, parent, self._block_tokens(token_ids, index), reused)
                 self.children.setdefault(parent, set()).add(block)
                 if self.events:
                     parent_key = parent_entry.key if parent_entry else None
@@ -194,6 +212,10 @@ class PrefixCache:
         if entry is None:
             return
         del self.block_of[entry.key]
+        self._dropped[entry.key] = None
+        self._dropped.move_to_end(entry.key)
+        if len(self._dropped) > DROPPED_KEYS:
+            self._dropped.popitem(last=False)
         if self.events:
             self.events.emit(Uncached(block, entry.key))
         self.children.get(entry.parent, set()).discard(block)

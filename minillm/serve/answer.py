@@ -126,9 +126,9 @@ class Answer:
                     if job.echo and i not in echoed:
                         text = choice.prompt_text + text
                         echoed.add(i)
-                    yield chunk(
-                        job, [delta_choice(job, i, text, self.logprobs(i), choice if finished else None)]
-                    )
+                    ids = choice.take_token_ids() if job.return_token_ids else None
+                    ending = choice if finished else None
+                    yield chunk(job, [delta_choice(job, i, text, self.logprobs(i), ending, token_ids=ids)])
             if job.include_usage:
                 yield chunk(job, [], self.usage())
             yield DONE

@@ -101,6 +101,7 @@ def parse_common(body: dict, default_max_tokens: int | None, limits: ServeLimits
         "n": typed(body, "n", int, 1, "an integer >= 1"),
         "seed": typed(body, "seed", int, None, "an integer"),
         "ignore_eos": typed(body, "ignore_eos", bool, False, "true or false"),
+        "return_token_ids": typed(body, "return_token_ids", bool, False, "true or false"),
         "stream": stream,
         "include_usage": bool(typed(options, "include_usage", bool, False, "true or false")),
         "stop": parse_stop(body, limits),

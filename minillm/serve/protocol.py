@@ -21,6 +21,9 @@ Parameters and where they go:
     logprobs + top_logprobs (chat)      the k most likely; a stream's chunk carries its new tokens'
     echo (completions)                  the prompt first: its text, and with logprobs its tokens'
                                         (SamplingParams.prompt_logprobs); a stream's first chunk
+    return_token_ids                    vLLM's: each choice's token ids (every token the engine made,
+                                        EOS included) beside its text, a chunk's new ones in a stream;
+                                        a client resends them, not its text tokenized again
     prompt_logprobs                     vLLM's: each prompt token's {id: {logprob, rank,
                                         decoded_token}} and the k most likely's (not in a stream)
     presence_penalty, frequency_penalty SamplingParams fields of the same names (OpenAI's); logit_bias
@@ -67,6 +70,7 @@ COMMON_FIELDS = (
     "logit_bias",
     "min_tokens",
     "stop_token_ids",
+    "return_token_ids",
     *STRUCTURED_FIELDS,
 )
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
@@ -108,6 +112,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False  # completions: the prompt's text (and with logprobs its logprobs) first
+    return_token_ids: bool = False  # each choice's token ids beside its text (vLLM's extension)
     id: str = ""
     created: int = 0
 
@@ -160,7 +165,16 @@ def make_job(
         raise APIError(
             400, f"logit_bias and stop_token_ids take token ids in [0, {vocab_size}), got {max(named)}."
         )
-    return Job(kind, model, prompts, params, common["stop"], common["stream"], common["include_usage"])
+    return Job(
+        kind,
+        model,
+        prompts,
+        params,
+        common["stop"],
+        common["stream"],
+        common["include_usage"],
+        return_token_ids=common["return_token_ids"],
+    )
 
 
 def _check_prompts(

@@ -43,6 +43,8 @@ class ChoiceText:
         self.stop_token_ids = stop_token_ids
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text, self.sent, self.num_tokens = "", 0, 0
+        self.token_ids: list[int] = []  # every token taken, EOS and stop tokens included
+        self.ids_sent = 0  # ...of which a stream has sent (`return_token_ids`)
         self.finish_reason: str | None = None
         self.stop_reason: str | None = None
 
@@ -60,6 +62,7 @@ class ChoiceText:
         if self.done:
             return ""
         searched_from = max(0, len(self.text) - self.hold)
+        self.token_ids += token_ids[self.num_tokens :]
         for token in token_ids[self.num_tokens :]:
             if token != self.eos and token not in self.stop_token_ids:  # never text, as in RequestOutput.text
                 self.text += self.decoder.feed(token)
@@ -89,6 +92,11 @@ class ChoiceText:
         ):
             return "stop"
         return "length" if len(token_ids) >= self.max_new else None
+
+    def take_token_ids(self) -> list[int]:
+        """The token ids taken since the last call: a stream chunk's (`return_token_ids`)."""
+        ids, self.ids_sent = self.token_ids[self.ids_sent :], len(self.token_ids)
+        return ids
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -176,21 +184,25 @@ def choice_text(job: Job, choice: ChoiceText) -> str:
 
 def choice_body(job: Job, index: int, choice: ChoiceText, logprobs: dict | None) -> dict:
     if job.kind == "chat":
-        return {
+        body = {
             "index": index,
             "message": {"role": "assistant", "content": choice.text},
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason,
             "stop_reason": choice.stop_reason,
         }
-    return {
-        "index": index,
-        "text": choice_text(job, choice),
-        "logprobs": logprobs,
-        "finish_reason": choice.finish_reason,
-        "stop_reason": choice.stop_reason,
-        "prompt_logprobs": prompt_logprobs_body(job, choice),
-    }
+    else:
+        body = {
+            "index": index,
+            "text": choice_text(job, choice),
+            "logprobs": logprobs,
+            "finish_reason": choice.finish_reason,
+            "stop_reason": choice.stop_reason,
+            "prompt_logprobs": prompt_logprobs_body(job, choice),
+        }
+    if job.return_token_ids:
+        body["token_ids"] = choice.token_ids
+    return body
 
 
 def response_body(job: Job, choices: list[ChoiceText], logprobs: list[dict | None], usage_: dict) -> dict:
@@ -231,9 +243,10 @@ def delta_choice(
     logprobs: dict | None = None,
     choice: ChoiceText | None = None,
     first: bool = False,
+    token_ids: list[int] | None = None,
 ) -> dict:
-    """A stream chunk's choice: new text, the logprobs of the tokens taken since the choice's last
-    chunk, and the finish reason on the choice's last chunk."""
+    """A stream chunk's choice: new text, the logprobs (and with `return_token_ids` the ids) of the
+    tokens taken since the choice's last chunk, and the finish reason on the choice's last chunk."""
     finish = choice.finish_reason if choice is not None else None
     stop_reason = choice.stop_reason if choice is not None else None
     if job.kind == "chat":
@@ -242,20 +255,24 @@ def delta_choice(
             if first
             else ({"content": text} if text or not finish else {})
         )
-        return {
+        body = {
             "index": index,
             "delta": delta,
             "logprobs": logprobs,
             "finish_reason": finish,
             "stop_reason": stop_reason,
         }
-    return {
-        "index": index,
-        "text": text,
-        "logprobs": logprobs,
-        "finish_reason": finish,
-        "stop_reason": stop_reason,
-    }
+    else:
+        body = {
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "stop_reason": stop_reason,
+        }
+    if token_ids is not None:
+        body["token_ids"] = token_ids
+    return body
 
 
 def sse(body: dict | str) -> str:

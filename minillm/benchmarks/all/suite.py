@@ -146,6 +146,8 @@ SIZES = {
             "system_prompts": 4,
             "system_tokens": 128,
             "spill_requests": 8,
+            "spill_rule_requests": 24,
+            "spill_rule_seeds": (1,),
         },
         "memory": {"quick": True, "load": False},
         "staircase": {"quick": True, "include_hf": False},
@@ -156,7 +158,7 @@ SIZES = {
         "attention": {"batches": (1, 4, 16), "contexts": (128, 512, 2048)},
         "serve": {"num_requests": 16, "max_num_seqs": 8, "block_sizes": (8, 16, 32)},
         "prefix": {"num_requests": 8, "system_tokens": 500},
-        "tiers": {"num_requests": 32, "history_tokens": 2000, "spill_requests": 16},
+        "tiers": {"num_requests": 32, "history_tokens": 2000, "spill_requests": 16, "spill_rule_seeds": (1,)},
         "memory": {"quick": True},  # with its load tests; the full-length trace is `minillm bench memory`
         "staircase": {"quick": True},  # with HF; the full-length trace is `minillm bench staircase`
         "ppl": {"kv_dtypes": KV_DTYPES, "segment_len": 256, "num_segments": 2},

@@ -34,7 +34,8 @@ def print_setting(report: dict, console) -> None:
     trace, budget, cal = report["trace"], report["budget"], report["calibration"]
     kinds = ", ".join(f"{k['requests']} {name}" for name, k in trace["kinds"].items())
     console.print(
-        f"trace: {trace['requests']} requests ({kinds}) arriving at {trace['rate_per_s']:g}/s, "
+        f"trace (seed {trace['seed']}): {trace['requests']} requests ({kinds}) arriving at "
+        f"{trace['rate_per_s']:g}/s, "
         f"{trace['prompt_tokens']:,} prompt and {trace['output_tokens']:,} output tokens; "
         f"device KV pool {mib(budget['kv_bytes'])} MiB for every row "
         f"({budget['kv_tokens_fp32']:,} fp32 tokens), host tier "

@@ -21,6 +21,7 @@ from minillm.benchmarks.memory.rows import (
 )
 from minillm.benchmarks.memory.trace import (
     BLOCK_SIZE,
+    SEED,
     Request,
     describe_trace,
     make_trace,
@@ -166,7 +167,7 @@ def warm_up(model, tokenizer, common: dict) -> None:
 def measure(model, tokenizer, sizes: dict, common: dict, load: bool, progress: bool) -> dict:
     """The trace and budget, the calibration, every row, quality and the load tests: the report's
     measured part, in its order."""
-    trace = make_trace(tokenizer, sizes["requests"], sizes["rate"], sizes["scale"])
+    trace = make_trace(tokenizer, sizes["requests"], sizes["rate"], sizes["scale"], sizes["seed"])
     kv_bytes, host_bytes = kv_budgets(model, trace, sizes["kv_tokens"])
     warm_up(model, tokenizer, common)
     calibration = calibrate(model, tokenizer, trace, common)
@@ -179,7 +180,7 @@ def measure(model, tokenizer, sizes: dict, common: dict, load: bool, progress: b
     compare_rows(rows, outputs, quality)
     load_report = load_tests(model, tokenizer, switches, kv_bytes, common, sizes, progress) if load else None
     return {
-        "trace": describe_trace(trace, sizes["rate"], sizes["scale"]),
+        "trace": describe_trace(trace, sizes["rate"], sizes["scale"], sizes["seed"]),
         "budget": {
             "kv_tokens_fp32": sizes["kv_tokens"],
             "kv_bytes": kv_bytes,
@@ -203,6 +204,7 @@ def bench_memory(
     rate: float | None = None,
     kv_tokens: int | None = None,
     clients: int | None = None,
+    seed: int = SEED,
     load: bool = True,
     threads: int = 1,
     dtype: str = "float32",
@@ -211,7 +213,7 @@ def bench_memory(
 ) -> dict:
     sizes = dict(SIZES["quick" if quick else "full"])
     given = {"requests": num_requests, "rate": rate, "kv_tokens": kv_tokens, "clients": clients}
-    sizes.update({key: value for key, value in given.items() if value is not None})
+    sizes.update({key: value for key, value in given.items() if value is not None}, seed=seed)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -4,6 +4,10 @@ Arrivals come at their times; a chat turn comes THINK_S after its conversation's
 with the whole conversation as its prompt. Idle time is skipped (when nothing runs, the clock
 jumps to the next arrival), so a run lasts as long as its work. Each request's time to first
 token counts from its arrival, its wait in the queue included.
+
+With `step_s` the trace's clock is the engine's steps times `step_s` instead of the wall's: each
+arrival lands on the same step on any machine, so what the memory system does is the same run to
+run (what `bench tiers` counts); times to first token then count from submission.
 """
 
 from __future__ import annotations
@@ -30,9 +34,16 @@ class Served:
     error: str | None
 
 
-def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progress: bool = False) -> tuple:
-    """Step the engine through the trace. Returns (what each request got, in trace order; the busy
-    seconds; the engine steps)."""
+def replay(
+    engine,
+    tokenizer,
+    trace: list[TraceRequest],
+    label: str = "",
+    progress: bool = False,
+    step_s: float | None = None,
+) -> tuple:
+    """Step the engine through the trace, on the wall's clock or (`step_s`) the steps'. Returns (what
+    each request got, in trace order; the busy seconds; the engine steps)."""
     followers = {r.follows: index for index, r in enumerate(trace) if r.follows is not None}
     due = [(r.arrival_s, index) for index, r in enumerate(trace) if r.follows is None]  # (trace time, index)
     heapq.heapify(due)
@@ -42,6 +53,8 @@ def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progre
     start = time.perf_counter()
 
     def now() -> float:  # trace time
+        if step_s is not None:
+            return engine.stats.steps * step_s + skipped
         return time.perf_counter() - start + skipped
 
     with progress_bar(f"{label}: requests", len(trace), enabled=progress) as advance:
@@ -51,7 +64,8 @@ def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progre
                 skipped, clock = skipped + due[0][0] - clock, due[0][0]  # idle: jump to the next arrival
             while due and due[0][0] <= clock:
                 arrival, index = heapq.heappop(due)
-                _submit(engine, trace, index, prompts, arrival + start - skipped)  # as a perf_counter() value
+                wall_arrival = None if step_s is not None else arrival + start - skipped  # perf_counter()
+                _submit(engine, trace, index, prompts, wall_arrival)
             for out in engine.step():
                 if not out.finished:
                     continue
@@ -70,7 +84,7 @@ def replay(engine, tokenizer, trace: list[TraceRequest], label: str = "", progre
     return [served[index] for index in range(len(trace))], busy, engine.stats.steps
 
 
-def _submit(engine, trace: list[TraceRequest], index: int, prompts: dict, arrival_time: float) -> None:
+def _submit(engine, trace: list[TraceRequest], index: int, prompts: dict, arrival_time: float | None) -> None:
     request = trace[index]
     prompt = prompts.setdefault(index, request.prompt_ids)
     engine.add_request(

@@ -73,6 +73,7 @@ def print_means(report: dict, load: str, console) -> None:
             f"{s['ttft_p99_mean_s']:.2f}",
             f"{s['tpot_p50_mean_s'] * 1e3:.0f}",
             f"{s['preemptions_mean']:.1f}",
+            f"{s['recomputed_tokens_mean']:,.0f} ({s['recompute_share_mean']:.0%})",
             report["outputs_differing_from_fcfs"][policy],
         ]
         for policy, s in summary.items()
@@ -87,6 +88,7 @@ def print_means(report: dict, load: str, console) -> None:
             "TTFT p99 s",
             "TPOT p50 ms",
             "preemptions",
+            "recomputed (of busy)",
             "outputs != fcfs",
         ],
         rows,

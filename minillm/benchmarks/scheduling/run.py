@@ -25,9 +25,11 @@ from minillm.weights import load_model
 # the pre-paging baseline `bench memory` measures, not a way of choosing who joins
 POLICIES = tuple(choice for choice in SWITCHES["admission"].choices if choice != "reserve")
 TUNING_SEED = 0
-LOAD_GOODPUTS = (0.5, 0.8)  # the two loads: where fcfs reaches these goodputs on the tuning seed
+# the three loads: where fcfs reaches these goodputs on the tuning seed (the lightest one so that the
+# rate keeping SUSTAINED goodput lies between two loads, not beyond them)
+LOAD_GOODPUTS = (0.5, 0.8, 0.95)
 SUSTAINED = 0.9  # the goodput a sustained rate keeps
-RATE_STEP, MAX_PROBES = 2**0.5, 10  # the tuning seed's rates: each the last times RATE_STEP
+RATE_STEP, MAX_PROBES = 2**0.5, 12  # the tuning seed's rates: each a neighbour's times or over RATE_STEP
 
 SIZES = {
     # cost_waiting: the queue lengths the scheduler's own cost is measured at
@@ -57,6 +59,8 @@ def serve_trace(model, tokenizer, trace, policy: str, sizes: dict, slo: dict, co
     every request's tokens (for the greedy comparison)."""
     engine = llm_for(model, tokenizer, policy, sizes["kv_tokens"], common).engine
     served, busy, steps = replay(engine, tokenizer, trace)
+    memory = engine.snapshot()
+    recomputed = memory.counters["recomputed_tokens"]
     ttft = [s.ttft for s in served if s.ttft is not None]
     tpot = [s.tpot for s in served if s.tpot is not None]
     good = [
@@ -77,7 +81,10 @@ def serve_trace(model, tokenizer, trace, policy: str, sizes: dict, slo: dict, co
         "busy_s": busy,
         "steps": steps,
         "preemptions": engine.num_preemptions,
-        "prefix_hit_rate": engine.snapshot().prefix_cache["hit_rate"],
+        "recomputed_tokens": recomputed,
+        # busy time spent prefilling again what preemption threw away, at the idle prefill's rate
+        "recompute_share": recomputed * slo["prefill_alone_s"] / slo["longest_prompt"] / busy,
+        "prefix_hit_rate": memory.prefix_cache["hit_rate"],
         "tokens": [s.token_ids for s in served],
     }
 
@@ -107,16 +114,24 @@ def rate_for(points: list[tuple[float, float]], goodput: float) -> float | None:
 
 
 def find_loads(model, tokenizer, sizes: dict, slo: dict, common: dict, progress: bool) -> dict:
-    """On the tuning seed only: fcfs at rates growing by RATE_STEP from half its capacity until its
-    goodput falls below the lower load's, and the rates where it crosses each load's goodput."""
+    """On the tuning seed only: fcfs from half its capacity, at rates falling by RATE_STEP until its
+    goodput reaches the lightest load's and rising until it falls below the heaviest load's; the
+    rates where it crosses each load's goodput."""
     capacity = capacity_rate(model, tokenizer, sizes, slo, common)
-    rate, grid = 0.5 * capacity, []
+    grid: list[tuple[float, float]] = []  # (rate, fcfs goodput)
     with progress_bar("loads: fcfs on the tuning seed", MAX_PROBES, enabled=progress) as advance:
-        while len(grid) < MAX_PROBES and (not grid or grid[-1][1] >= min(LOAD_GOODPUTS)):
+
+        def probe(rate: float) -> None:
             trace = make_trace(tokenizer, TUNING_SEED, sizes["requests"], rate, sizes["scale"])
             grid.append((rate, serve_trace(model, tokenizer, trace, "fcfs", sizes, slo, common)["goodput"]))
-            rate *= RATE_STEP
             advance()
+
+        probe(0.5 * capacity)
+        while len(grid) < MAX_PROBES and min(grid)[1] < max(LOAD_GOODPUTS):
+            probe(min(grid)[0] / RATE_STEP)
+        while len(grid) < MAX_PROBES and max(grid)[1] >= min(LOAD_GOODPUTS):
+            probe(max(grid)[0] * RATE_STEP)
+    grid.sort()
     loads = {f"{goodput:.0%}": rate_for(grid, goodput) for goodput in LOAD_GOODPUTS}
     missing = [load for load, rate in loads.items() if rate is None]
     if missing:
@@ -176,6 +191,8 @@ def summarize(runs: dict) -> dict:
                 "ttft_p99_mean_s": statistics.mean(run["ttft_p99_s"] for run in seeds),
                 "tpot_p50_mean_s": statistics.mean(run["tpot_p50_s"] for run in seeds),
                 "preemptions_mean": statistics.mean(run["preemptions"] for run in seeds),
+                "recomputed_tokens_mean": statistics.mean(run["recomputed_tokens"] for run in seeds),
+                "recompute_share_mean": statistics.mean(run["recompute_share"] for run in seeds),
                 "goodput_by_kind_mean": _by_kind_means([run["goodput_by_kind"] for run in seeds]),
             }
     return summary

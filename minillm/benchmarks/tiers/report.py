@@ -21,6 +21,7 @@ def print_tiers_report(report: dict, console) -> None:
     print_preemption(report["preemption"], console)
     print_resume(report["resume"], console)
     print_spill(report["prefix_spill"], console)
+    print_spill_rule(report["spill_rule"], console)
     print_targets(report, console)
 
 
@@ -111,6 +112,34 @@ def print_spill(s: dict, console) -> None:
             ]
             for name, row in (("device only", s["without_host"]), ("device + host", s["with_host"]))
         ],
+    )
+
+
+def print_spill_rule(s: dict, console) -> None:
+    sizes = s["sizes"]
+    print_table(
+        console,
+        f"which cached blocks spill: bench scheduling's trace, ~{sizes['requests']} requests per seed, "
+        f"device {sizes['device_tokens']} and host {sizes['host_tokens']} tokens, a step clock",
+        ["seed", "rule", "spilled MiB", "spilled blocks read again", "block hit rate", "prefill saved"],
+        [
+            [
+                run["seed"],
+                rule,
+                mib(run["spilled_bytes"]),
+                f"{run['spill_hits']} of {run['spilled_blocks']}",
+                f"{run['block_hit_rate']:.1%}",
+                f"{run['prefill_tokens_saved']:,}",
+            ]
+            for runs in zip(*s["runs"].values())
+            for rule, run in zip(s["runs"], runs)
+        ],
+    )
+    fewer, hits = s["spilled_bytes_all_over_reused"], s["hit_rate_reused_minus_all"]
+    console.print(
+        f"all / reused, bytes spilled: x{fewer['median']:.1f} (x{fewer['min']:.1f}-x{fewer['max']:.1f}); "
+        f"block hit rate, reused - all: {hits['median']:+.1%} ({hits['min']:+.1%} to {hits['max']:+.1%}); "
+        f"requests whose greedy tokens differ: {s['outputs_differing']}"
     )
 
 

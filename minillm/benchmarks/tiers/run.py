@@ -1,4 +1,4 @@
-"""Tiers, the whole run: the three parts on one loaded model, and the targets beside them."""
+"""Tiers, the whole run: the four parts on one loaded model, and the targets beside them."""
 
 from __future__ import annotations
 
@@ -10,13 +10,14 @@ import torch
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.tiers.preemption import BLOCK_SIZE, bench_preemption, pool_bytes
 from minillm.benchmarks.tiers.sessions import bench_resume, bench_spill
+from minillm.benchmarks.tiers.spill_rule import TUNING_SEED, bench_spill_rule
 from minillm.config import DTYPES, ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 
-def targets(preemption: dict, resume: dict, spill: dict) -> dict:
+def targets(preemption: dict, resume: dict, spill: dict, spill_rule: dict) -> dict:
     """What the tiers should buy, beside what they bought this run (printed, never asserted)."""
     rows = preemption["rows"]
     best = max(rows["recompute"]["output_tok_s"], rows["swap"]["output_tok_s"])
@@ -48,6 +49,12 @@ def targets(preemption: dict, resume: dict, spill: dict) -> dict:
             "got": spill["prefill_saved_ratio"],
             "met": saved[1] > 0 and saved[1] >= 2 * saved[0],
         },
+        "spill_rule_fewer_bytes": {
+            "want": ">= 2 (median over the seeds), block hit rate no lower",
+            "got": spill_rule["spilled_bytes_all_over_reused"]["median"],
+            "met": spill_rule["spilled_bytes_all_over_reused"]["median"] >= 2
+            and spill_rule["hit_rate_reused_minus_all"]["median"] >= 0,
+        },
     }
 
 
@@ -76,6 +83,8 @@ def bench_tiers(
     system_tokens: int = 256,
     spill_requests: int = 24,
     spill_pool_prompts: float = 2.5,
+    spill_rule_seeds: tuple[int, ...] = (1, 2, 3),
+    spill_rule_requests: int = 60,
     threads: int = 1,
     dtype: str = "float32",
     device: str = "cpu",
@@ -85,6 +94,8 @@ def bench_tiers(
         raise ConfigError(
             f"--rate ({rate}) and --spill-pool-prompts ({spill_pool_prompts}) must be above 0; raise them."
         )
+    if TUNING_SEED in spill_rule_seeds:
+        raise ConfigError(f"seed {TUNING_SEED} is the spill rule's tuning seed; report on others (1,2,3).")
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -103,6 +114,9 @@ def bench_tiers(
             switches,
             progress,
         )
+        spill_rule = bench_spill_rule(
+            model, tokenizer, spill_rule_seeds, spill_rule_requests, switches, progress
+        )
     finally:
         torch.set_num_threads(default_threads)
     return {
@@ -114,5 +128,6 @@ def bench_tiers(
         "preemption": preemption,
         "resume": resume,
         "prefix_spill": spill,
-        "targets": targets(preemption, resume, spill),
+        "spill_rule": spill_rule,
+        "targets": targets(preemption, resume, spill, spill_rule),
     }
