@@ -74,7 +74,7 @@ class EngineConfig:
     host_cache_bytes: int = 0
     disk_cache_dir: str | None = None
     preemption: str = "auto"  # swap needs a tier
-    spill: str = "reused"  # which cached prefix blocks leaving the device are copied to the host
+    spill: str = "all"  # which cached prefix blocks leaving the device are copied to the host
     # speculative decoding (minillm.engine.speculative): lossless
     speculative: str = "none"
     num_speculative_tokens: int = 4  # vLLM's k

@@ -181,9 +181,9 @@ _TABLE = {
         ),
         Switch(
             "spill",
-            "with a host tier: which cached prefix blocks leaving the device are copied there: those "
-            "a prompt read again (reused), or all (default: %(default)s)",
-            choices=("reused", "all"),
+            "with a host tier: which cached prefix blocks leaving the device are copied there: all, "
+            "or only those a prompt read again (or that extend one) (default: %(default)s)",
+            choices=("all", "reused"),
         ),
     ),
     "speculative": (  # minillm.engine.speculative

@@ -45,7 +45,7 @@ class BlockManager:
         prefix_caching: bool = False,
         host_blocks: int = 0,
         disk: bool = False,
-        spill: str = "reused",
+        spill: str = "all",
     ):
         if num_blocks < 1 or block_size < 1 or host_blocks < 0:
             raise ValueError(

@@ -18,11 +18,13 @@ recomputing it. A prompt that is entirely
 cached still recomputes its last token, to get the logits the next token is sampled from.
 
 Not every cached block is worth a host copy when it leaves the device: most are read once (a
-document, an answer). A block is *reused* once a lookup hit it, or once it was computed again after
-its entry was dropped: the cache remembers the last DROPPED_KEYS keys it let go (the "ghost" list
-of the 2Q and ARC caches), so a block asked for a second time is known when it comes back. With
-`spill="reused"` only reused blocks spill (`block_moves.py`). A hash collision among remembered
-keys can only mark a block reused wrongly, a question of what to copy, never of what is read.
+document, an answer). A block is *reused* once a lookup hit it, once it was computed again after
+its entry was dropped (the cache remembers the last DROPPED_KEYS keys it let go, the "ghost" list
+of the 2Q and ARC caches, so a block asked for a second time is known when it comes back), or when
+it extends a reused block (the rest of a request on a shared system prompt, a conversation's next
+turn). With `spill="reused"` only reused blocks spill (`block_moves.py`). A hash collision among
+remembered keys can only mark a block reused wrongly, a question of what to copy, never of what is
+read.
 
 A cache that silently stops hitting is the classic failure (a timestamp in the system prompt
 makes every prefix different), so every lookup also says why it ended where it did
@@ -45,7 +47,7 @@ class Entry:
     key: int  # hash(parent key, tokens)
     parent: int | None  # parent block id (None for a first block)
     tokens: tuple[int, ...]
-    reused: bool = False  # a lookup hit it, or its content was computed again after being dropped
+    reused: bool = False  # a lookup hit it, it was computed again after a drop, or its parent is reused
 
 
 DROPPED_KEYS = 4096  # keys of dropped entries remembered, to know a block computed a second time
@@ -127,7 +129,7 @@ class PrefixCache:
         return blocks
 
     def is_reused(self, block: int) -> bool:
-        """Was this cached block read again since it was computed (or computed again after a drop)?"""
+        """Was this cached block read again (or computed again after a drop, or its parent reused)?"""
         return self.entries[block].reused
 
     def holds(self, block: int) -> bool:
@@ -188,7 +190,8 @@ class PrefixCache:
                 if key in self.block_of:
                     break  # the same content is cached in another block already
                 self.block_of[key] = block
-                reused = key in self._dropped  # computed again after it was dropped
+                # computed again after it was dropped, or extending a prefix that was read again
+                reused = key in self._dropped or (parent_entry is not None and parent_entry.reused)
                 self._dropped.pop(key, None)
                 self.entries[block] = Entry(key, parent, self._block_tokens(token_ids, index), reused)
                 self.children.setdefault(parent, set()).add(block)
