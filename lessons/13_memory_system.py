@@ -3,9 +3,11 @@
 Every earlier lesson turned one switch. Serving turns them all at once, and the KV cache stops
 being a buffer and becomes a memory system: someone must decide which memory goes to whom, in
 what form, for how long. This lesson looks at the whole, with the real model:
-  (a) the three problems, each one row of `minillm bench memory` on the same trace and budget:
+  (a) the three problems, each one row of `minillm bench memory --quick` on the same trace and
+      budget:
       capacity (max-length reservation -> paged blocks: how many requests fit at once),
-      bandwidth (fp32 -> int8 KV: bytes each decode step reads), scheduling (first come first
+      bandwidth (fp32 -> int8 KV: bytes per token, so more requests in the same pool: tokens per
+      second and goodput, on a decode-heavy trace where the pool binds), scheduling (first come first
       served -> memory-aware admission, with a host tier to swap to: time to first token, on the
       float32 rows, where memory is short);
   (b) one busy step, every byte of KV placed: device or host, shared or private, cached for
@@ -48,11 +50,10 @@ from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 BLOCK = 16
-# per mode: (a) the bench trace: its --quick size, and how many requests; (b) the busy step; (c) the prompt
+# per mode: (a) the bench trace (its --quick lengths), how many requests; (b) the busy step; (c) the prompt
 SETTINGS = {
     "default": {
-        "bench_quick": False,
-        "bench_requests": 10,
+        "bench_requests": 16,
         "busy_requests": 12,
         "busy_system_tokens": 96,
         "busy_device_blocks": 40,
@@ -61,8 +62,7 @@ SETTINGS = {
         "sched_requests": 24,
     },
     "quick": {
-        "bench_quick": True,
-        "bench_requests": 4,
+        "bench_requests": 8,
         "busy_requests": 6,
         "busy_system_tokens": 48,
         "busy_device_blocks": 16,
@@ -77,11 +77,11 @@ COLORS = ["#eeeeee", "#9ecae1", "#31a354", "#fd8d3c", "#756bb1", "#bcbddc"]
 
 # ---------------------------------------------------------------- (a) three problems, three rows of the bench
 def three_problems(model_dir, settings: dict) -> dict:
-    """`minillm bench memory` on a shortened trace (no load tests); the rows each problem compares
+    """`minillm bench memory` at its --quick lengths (no load tests); the rows each problem compares
     (scheduling: (3) first come first served against (L), memory-aware with a host tier, both fp32)."""
     report = bench_memory(  # no clients share the cores here (load=False): every torch thread
         model_dir,
-        quick=settings["bench_quick"],
+        quick=True,
         num_requests=settings["bench_requests"],
         load=False,
         threads=torch.get_num_threads(),
@@ -109,11 +109,11 @@ def show_problems(problems: dict) -> None:
             f"{paged['output_tok_s']:.1f} vs {reserve['output_tok_s']:.1f} tok/s",
         ],
         [
-            "bandwidth: KV bytes per token read",
-            f"{fp32['label']}: {fp32['kv_bytes_per_token']:,}",
-            f"{int8['label']}: {int8['kv_bytes_per_token']:,}",
-            f"{int8['device_blocks']} vs {fp32['device_blocks']} blocks; "
-            f"TPOT {int8['tpot_p50_s'] * 1e3:.0f} vs {fp32['tpot_p50_s'] * 1e3:.0f} ms",
+            "bandwidth: KV bytes per token -> requests at once",
+            f"{fp32['label']}: {fp32['kv_bytes_per_token']:,} B, {fp32['peak_seqs']}",
+            f"{int8['label']}: {int8['kv_bytes_per_token']:,} B, {int8['peak_seqs']}",
+            f"{int8['output_tok_s']:.1f} vs {fp32['output_tok_s']:.1f} tok/s; goodput "
+            f"{int8['goodput']:.0%} vs {fp32['goodput']:.0%}",
         ],
         [
             "scheduling: TTFT p50 / p99",
@@ -385,7 +385,7 @@ def scheduling_meaning(sched: dict) -> str:
         f"SLOs against fcfs's {fcfs:.0%}: choosing who joins {verdict} on this seed. On short questions "
         f"that share nothing, lpm was {plain_verdict} ({plain:.0%} against {plain_fcfs:.0%}): with no "
         "cached prefix to prefer it is fcfs. One seed moves by tens of points; `minillm bench "
-        "scheduling` reports five held-out seeds at two loads, with their spread."
+        "scheduling` reports five held-out seeds at three loads, with their spread."
     )
 
 
@@ -436,15 +436,15 @@ def meaning(problems: dict, busy: dict, old: dict) -> str:
     (reserve, paged), (fp32, int8), (fcfs, memory) = (
         problems[k] for k in ("capacity", "bandwidth", "scheduling")
     )
-    slower = int8["tpot_p50_s"] > fp32["tpot_p50_s"]
+    speedup = int8["output_tok_s"] / fp32["output_tok_s"]
     speed = (
-        f"yet its decode steps here took {int8['tpot_p50_s'] * 1e3:.0f} ms "
-        f"against {fp32['tpot_p50_s'] * 1e3:.0f} ms (per token, at the larger batch it allows): "
-        "on this CPU the torch path dequantizes into a full-precision copy, "
-        "so the bytes saved are room, not yet speed"
-        if slower
-        else f"and its decode steps took {int8['tpot_p50_s'] * 1e3:.0f} ms "
-        f"against {fp32['tpot_p50_s'] * 1e3:.0f} ms"
+        f"so {int8['peak_seqs']} requests ran at once instead of {fp32['peak_seqs']}: x{speedup:.2f} "
+        f"the tokens per second, goodput {fp32['goodput']:.0%} -> {int8['goodput']:.0%}"
+        if speedup > 1
+        else f"yet with {int8['peak_seqs']} requests at once instead of {fp32['peak_seqs']} it made "
+        f"x{speedup:.2f} the tokens per second: the larger batch's decode steps "
+        f"({int8['tpot_p50_s'] * 1e3:.0f} ms against {fp32['tpot_p50_s'] * 1e3:.0f} ms per token) cost "
+        "more than the room bought"
     )
     tail = (
         "the longest prompts now wait their turn"
@@ -455,8 +455,9 @@ def meaning(problems: dict, busy: dict, old: dict) -> str:
         f"(a) Capacity: reserving each request's declared maximum ran {reserve['peak_seqs']} requests "
         f"at once where paging ran {paged['peak_seqs']} on the same bytes. Bandwidth: int8 stores a token in "
         f"{int8['kv_bytes_per_token']:,} B instead of {fp32['kv_bytes_per_token']:,}, "
-        f"{fp32['kv_bytes_per_token'] / int8['kv_bytes_per_token']:.1f}x fewer bytes to hold and read, "
-        f"{speed}. Scheduling: admitting by memory cost (with a host tier to swap to) instead of by arrival "
+        f"{fp32['kv_bytes_per_token'] / int8['kv_bytes_per_token']:.1f}x fewer bytes to hold and read "
+        f"in the same pool, {speed}. Scheduling: admitting by memory cost (with a host tier to swap to) "
+        "instead of by arrival "
         f"moved the median time to first token from {fcfs['ttft_p50_s']:.2f} s "
         f"to {memory['ttft_p50_s']:.2f} s (goodput {fcfs['goodput']:.0%} -> {memory['goodput']:.0%}; "
         f"p99 {fcfs['ttft_p99_s']:.2f} -> {memory['ttft_p99_s']:.2f} s: {tail})."
@@ -515,6 +516,10 @@ def main() -> None:
         "paged_peak_seqs": paged["peak_seqs"],
         "fp32_bytes_per_token": fp32["kv_bytes_per_token"],
         "int8_bytes_per_token": int8["kv_bytes_per_token"],
+        "fp32_peak_seqs": fp32["peak_seqs"],
+        "int8_peak_seqs": int8["peak_seqs"],
+        "fp32_output_tok_s": fp32["output_tok_s"],
+        "int8_output_tok_s": int8["output_tok_s"],
         "fcfs_ttft_p50_s": fcfs["ttft_p50_s"],
         "memory_ttft_p50_s": memory["ttft_p50_s"],
         "fcfs_goodput": fcfs["goodput"],

@@ -47,6 +47,9 @@ def test_the_same_seed_gives_the_same_trace_and_the_rate_only_stretches_it(token
             assert a.arrival_s == b.arrival_s  # a think time: not stretched
     other = make_trace(tokenizer, 4, 60, 1.0, 0.25)
     assert [r.prompt_ids for r in other] != [r.prompt_ids for r in slow]
+    for trace, rate in ((slow, 1.0), (fast, 4.0), (other, 1.0)):  # every seed: the same mean gap, 1 / rate
+        arrivals = [r.arrival_s for r in trace if r.follows is None]
+        assert max(arrivals) == pytest.approx((len(arrivals) - 1) / rate) and min(arrivals) == 0
 
 
 def test_kinds_come_in_their_shares_and_conversations_follow_their_turns(tokenizer):

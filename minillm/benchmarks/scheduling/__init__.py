@@ -9,12 +9,16 @@ The run, in order:
   1. SLOs, from an idle engine (no compared run): TTFT <= TTFT_TIMES x the tuning trace's longest
      prompt prefilled alone, TPOT <= TPOT_TIMES x a batch-1 decode step. Goodput, as DistServe
      defines it: the share of requests meeting both.
-  2. Loads, on the tuning seed (0) only: fcfs at growing arrival rates, and the rates where its
-     goodput crosses 50% and 80%.
+  2. Loads, on the tuning seed (0) only: fcfs at arrival rates falling, then growing, from half its
+     capacity, and the rates where its goodput crosses 50%, 80% and 95%. Every trace's arrivals
+     come at exactly the rate asked, on average (`trace.py`), so a rate is the same load on
+     every seed.
   3. Every policy (fcfs, lpm, memory, memory+lpm: `engine/admission.py`) on every held-out seed
-     at both loads, the policies alternating within a seed so drift hits them alike; mean and
-     spread over the seeds, greedy outputs compared with fcfs's (order changes, tokens must not).
-  4. The rate each policy sustains at 90% goodput, interpolated between the two loads.
+     at every load, the policies alternating within a seed so drift hits them alike; mean and
+     spread over the seeds, preemptions and the tokens they recomputed (with the share of busy time
+     that took, at the idle prefill's rate), greedy outputs compared with fcfs's (order changes,
+     tokens must not).
+  4. The rate each policy sustains at 90% goodput, interpolated between the loads.
   5. The scheduler's own cost: schedule() per step with 100 and 10,000 requests waiting
      (2,000 with --quick).
 

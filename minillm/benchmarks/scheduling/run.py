@@ -1,5 +1,5 @@
 """The run of `minillm bench scheduling`: the SLOs, the loads (found on the tuning seed), every
-policy on every held-out seed at both loads, the sustained rates, and the scheduler's own cost."""
+policy on every held-out seed at every load, the sustained rates, and the scheduler's own cost."""
 
 from __future__ import annotations
 
