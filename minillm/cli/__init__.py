@@ -5,7 +5,8 @@ generate.py         generate: one prompt on the single-sequence decoders or the 
 serve.py            serve: the HTTP server
 measure.py          bench decode|attention|chat-view|all: the commands that measure speed
 measure_serving.py  bench serve|serve-http|prefix: the engine under many requests
-measure_memory.py   bench tiers|memory and eval: what the memory system's choices cost
+measure_memory.py   bench memory and eval: what the memory system's choices cost
+measure_tiers.py    bench tiers: preemption, resume, prefix spill, the spill rule
 trace.py            trace show: a --trace file's KV memory, summarized and drawn (minillm/trace/)
 flags.py            the flag groups several commands share, made from `config.SWITCHES`
 """

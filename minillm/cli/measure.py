@@ -2,8 +2,8 @@
 (speed), and
 `minillm bench all` (every benchmark, written to files); the engine serving many requests, `bench
 serve|serve-http|prefix`, is `measure_serving.py`; what the memory system's choices cost, `bench
-tiers|memory` and `eval ppl`, is `measure_memory.py`; the serving staircase, `bench staircase`,
-is `measure_staircase.py`.
+memory` and `eval ppl`, is `measure_memory.py`, and `bench tiers` `measure_tiers.py`; the serving
+staircase, `bench staircase`, is `measure_staircase.py`.
 
 Each benchmark lives in `minillm.benchmarks` and returns one dict: with --json it is printed as one
 JSON object, to compare across commits; without, its module's `print_*_report` prints the tables.
@@ -15,10 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from minillm.cli.flags import add_model_args, add_switch, add_trace_arg, positive_int
-from minillm.cli.measure_memory import add_bench_memory, add_bench_tiers
+from minillm.cli.measure_memory import add_bench_memory
 from minillm.cli.measure_scheduling import add_bench_scheduling
 from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
 from minillm.cli.measure_staircase import add_bench_staircase
+from minillm.cli.measure_tiers import add_bench_tiers
 from minillm.config import DEFAULT_MODEL_DIR, DTYPES, SWITCHES
 from minillm.report import console, print_json, show
 

@@ -165,16 +165,8 @@ def make_job(
         raise APIError(
             400, f"logit_bias and stop_token_ids take token ids in [0, {vocab_size}), got {max(named)}."
         )
-    return Job(
-        kind,
-        model,
-        prompts,
-        params,
-        common["stop"],
-        common["stream"],
-        common["include_usage"],
-        return_token_ids=common["return_token_ids"],
-    )
+    shape = {name: common[name] for name in ("stop", "stream", "include_usage", "return_token_ids")}
+    return Job(kind, model, prompts, params, **shape)
 
 
 def _check_prompts(

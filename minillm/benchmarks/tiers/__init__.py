@@ -1,4 +1,4 @@
-"""`minillm bench tiers`: what the KV tiers buy, three questions measured side by side in one run.
+"""`minillm bench tiers`: what the KV tiers buy, four questions measured side by side in one run.
 
 1. Preemption: recompute, swap or auto? A seeded trace of N requests (default 64; prompts
    U[16, 96] tokens of real prose, outputs U[8, 40], decoded greedily to exactly that length)
@@ -14,6 +14,8 @@
 3. Prefix spill: requests pick among more distinct system prompts than the device pool holds,
    one after another, with the prefix cache on. Without a host tier a prompt pushed out of the
    device LRU is gone; with one it spills there and a later request copies it back.
+4. Spill rule: which cached blocks are worth that copy, every one ("all") or those a prompt read
+   again ("reused"), on `bench scheduling`'s mixed trace, held-out seeds (`spill_rule.py`).
 
 Idle time in the trace is skipped: when nothing runs and the next request has not arrived yet,
 the clock jumps to its arrival, so a run costs only compute and tok/s is over busy time. Beside
@@ -24,7 +26,8 @@ numbers, never asserted: a timing is a measurement, not a test.
 The package, in the order a run reads it:
   preemption.py  the trace, `run_trace` (also `bench memory`'s runner) and part 1
   sessions.py    parts 2 and 3: resume from a session file, prefix spill to a host tier
-  run.py         the three parts on one model, and the targets: `bench_tiers`
+  spill_rule.py  part 4: the two spill rules on mixed traffic, on a step clock
+  run.py         the four parts on one model, and the targets: `bench_tiers`
   report.py      the tables: `print_tiers_report`
 """
 

@@ -73,6 +73,16 @@ def machine(threads: int) -> dict:
     }
 
 
+def check_sizes(rate: float, spill_pool_prompts: float, spill_rule_seeds: tuple[int, ...]) -> None:
+    """A one-line error, before any model is loaded, for sizes no part can run with."""
+    if rate <= 0 or spill_pool_prompts <= 0:
+        raise ConfigError(
+            f"--rate ({rate}) and --spill-pool-prompts ({spill_pool_prompts}) must be above 0; raise them."
+        )
+    if TUNING_SEED in spill_rule_seeds:
+        raise ConfigError(f"seed {TUNING_SEED} is the spill rule's tuning seed; report on others (1,2,3).")
+
+
 def bench_tiers(
     model_dir: Path,
     num_requests: int = 64,
@@ -90,12 +100,7 @@ def bench_tiers(
     device: str = "cpu",
     progress: bool = False,
 ) -> dict:
-    if rate <= 0 or spill_pool_prompts <= 0:
-        raise ConfigError(
-            f"--rate ({rate}) and --spill-pool-prompts ({spill_pool_prompts}) must be above 0; raise them."
-        )
-    if TUNING_SEED in spill_rule_seeds:
-        raise ConfigError(f"seed {TUNING_SEED} is the spill rule's tuning seed; report on others (1,2,3).")
+    check_sizes(rate, spill_pool_prompts, spill_rule_seeds)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -104,19 +109,10 @@ def bench_tiers(
         warm_up(model, tokenizer, switches)
         preemption = bench_preemption(model, tokenizer, num_requests, rate, device_tokens, switches, progress)
         resume = bench_resume(model, tokenizer, history_tokens, switches)
-        spill = bench_spill(
-            model,
-            tokenizer,
-            system_prompts,
-            system_tokens,
-            spill_requests,
-            spill_pool_prompts,
-            switches,
-            progress,
-        )
-        spill_rule = bench_spill_rule(
-            model, tokenizer, spill_rule_seeds, spill_rule_requests, switches, progress
-        )
+        spill_sizes = (system_prompts, system_tokens, spill_requests, spill_pool_prompts)
+        spill = bench_spill(model, tokenizer, *spill_sizes, switches, progress)
+        rule_sizes = (spill_rule_seeds, spill_rule_requests)
+        spill_rule = bench_spill_rule(model, tokenizer, *rule_sizes, switches, progress)
     finally:
         torch.set_num_threads(default_threads)
     return {
