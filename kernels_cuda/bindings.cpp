@@ -1,7 +1,8 @@
 // The kernels' Python bindings, for both builds of minillm/attention/kernels.py: with
 // paged_attention_cpu.cpp (decode), flash_prefill_cpu.cpp (prefill), kv_write_cpu.cpp (the
-// quantized pool's write) and dense_cpu.cpp (decode's matrix products; the CPU build defines
-// MINILLM_CPU_BUILD for these two) for the CPU, and with
+// quantized pool's write), dense_cpu.cpp and quant_dense_cpu.cpp (decode's matrix products) and
+// decode_layer_cpu.cpp (a layer in two calls) for the CPU (the CPU build defines MINILLM_CPU_BUILD
+// for these four), and with
 // paged_attention.cu and flash_prefill.cu for a CUDA GPU; each file its own translation unit, so
 // they compile side by side.
 #include <torch/extension.h>
@@ -27,7 +28,14 @@ void quantize_write(torch::Tensor k_data, torch::Tensor v_data, torch::Tensor k_
                     torch::Tensor v, int64_t block_size, int64_t kv_format, bool keys_per_channel);
 bool dense_fits(int64_t K, int64_t N);
 at::Tensor dense(const at::Tensor& x, const at::Tensor& w);
+at::Tensor quant_dense(const at::Tensor& x, const at::Tensor& blocks, int64_t format);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::vector<at::Tensor> attention_in(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
+                                     const at::Tensor& wqkv, int64_t wqkv_format, const at::Tensor& cos,
+                                     const at::Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads);
+at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& wo, int64_t wo_format,
+                     const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up, int64_t gate_up_format,
+                     const at::Tensor& down, int64_t down_format);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 int64_t read_bytes(const at::Tensor& t);
 #endif
@@ -40,8 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quantize_write", &quantize_write, "one layer's new keys and values into a quantized KV pool");
   m.def("dense_fits", &dense_fits, "whether dense takes a (K inputs, N outputs) weight");
   m.def("dense", &dense, "x @ w.T for a few rows of bf16, streaming the weight (decode's products)");
-  m.def("rms_norm", &rms_norm, "RMSNorm of bf16 rows times the weight, in one call");
-  m.def("rope", &rope, "RoPE of bf16 heads, in one call");
+  m.def("quant_dense", &quant_dense, "x @ w.T for a few rows, w in GGUF blocks (Q4_1, Q8_0) read as stored");
+  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows times the weight, in one call");
+  m.def("rope", &rope, "RoPE of fp32 or bf16 heads, in one call");
+  m.def("attention_in", &attention_in, "a decode layer's norm, q|k|v product and RoPE, in one call");
+  m.def("layer_out", &layer_out, "a decode layer's output product, residual and MLP, in one call");
   m.def("read_bytes", &read_bytes, "sum a tensor's bytes on every thread: the read roof's probe");
 #endif
 }

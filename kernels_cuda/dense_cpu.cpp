@@ -18,7 +18,8 @@
 // does; only their order differs, so the results agree within bf16 rounding (tests/test_dense.py).
 //
 // `rms_norm` and `rope` are a layer's other dense operations, each in one call instead of torch's
-// seven and five small ones (at decode each costs more in dispatch than in arithmetic). `read_bytes`
+// seven and five small ones (at decode each costs more in dispatch than in arithmetic); they take
+// fp32 too, for the fused decode layer (decode_layer_cpu.cpp). `read_bytes`
 // is the read roof the benchmarks put beside the products: the same threads summing a buffer.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -144,63 +145,79 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-// RMSNorm of bf16 rows, as model.py's torch version computes it: in fp32 each row times
-// 1 / sqrt(mean of its squares + eps), rounded to bf16, then times the weight, rounded again.
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "rms_norm: bf16 only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
-              "rms_norm: contiguous x (rows, dim) and weight (dim,)");
-  const int64_t rows = x.size(0), dim = x.size(1);
-  at::Tensor out = at::empty_like(x);
-  const at::BFloat16* x_data = x.data_ptr<at::BFloat16>();
-  const at::BFloat16* w_data = weight.data_ptr<at::BFloat16>();
-  at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
+// RMSNorm of fp32 or bf16 rows, as model.py's torch version computes it: in fp32 each row times
+// 1 / sqrt(mean of its squares + eps), rounded to the rows' dtype, then times the weight, rounded
+// again (in fp32 the roundings do nothing, and the sum's order differs from torch's).
+template <typename T>
+void rms_norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t first, int64_t last) {
     for (int64_t r = first; r < last; ++r) {
-      const at::BFloat16* row = x_data + r * dim;
+      const T* row = x + r * dim;
       float squares = 0.f;
       for (int64_t d = 0; d < dim; ++d) squares += static_cast<float>(row[d]) * static_cast<float>(row[d]);
-      const float scale = 1.f / std::sqrt(squares / static_cast<float>(dim) + static_cast<float>(eps));
+      const float scale = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
       for (int64_t d = 0; d < dim; ++d) {
-        const float normed = static_cast<float>(at::BFloat16(static_cast<float>(row[d]) * scale));
-        out_data[r * dim + d] = at::BFloat16(normed * static_cast<float>(w_data[d]));
+        const float normed = static_cast<float>(T(static_cast<float>(row[d]) * scale));
+        out[r * dim + d] = T(normed * static_cast<float>(weight[d]));
       }
     }
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && weight.scalar_type() == dtype,
+              "rms_norm: fp32 or bf16 rows and weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "rms_norm: contiguous x (rows, dim) and weight (dim,)");
+  at::Tensor out = at::empty_like(x);
+  if (dtype == at::kFloat)
+    rms_norm_rows(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), eps);
+  else
+    rms_norm_rows(x.data_ptr<at::BFloat16>(), weight.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(),
+                  x.size(0), x.size(1), eps);
   return out;
 }
 
-// RoPE of bf16 heads, as model.py's `apply_rope` computes it with torch's bf16 operations (each
-// rounds its result): out = bf16(bf16(x * cos) + bf16(rotate_half(x) * signed_sin)), the same bits.
+// RoPE of fp32 or bf16 heads, as model.py's `apply_rope` computes it with torch's operations (each
+// rounds its result): out = T(T(x * cos) + T(rotate_half(x) * signed_sin)); in bf16 the same bits.
 // x (N, heads, head_dim) with its heads side by side in each row (a row may be part of a wider one:
 // the q and k columns of the fused projection); cos, signed_sin (N, head_dim).
+template <typename T>
+void rope_heads(const T* x, const T* cos, const T* sin, T* out, int64_t tokens, int64_t heads, int64_t head_dim,
+                int64_t row_stride) {
+  const int64_t half = head_dim / 2;
+  at::parallel_for(0, tokens, 16, [&](int64_t first, int64_t last) {
+    for (int64_t t = first; t < last; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* head = x + t * row_stride + h * head_dim;
+        T* result = out + (t * heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) {
+          const float turned = static_cast<float>(head[d]) * static_cast<float>(cos[t * head_dim + d]);
+          const float swapped = static_cast<float>(head[(d + half) % head_dim]);
+          const float moved = swapped * static_cast<float>(sin[t * head_dim + d]);
+          result[d] = T(static_cast<float>(T(turned)) + static_cast<float>(T(moved)));
+        }
+      }
+  });
+}
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
-                  signed_sin.scalar_type() == at::kBFloat16,
-              "rope: bf16 only");
-  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2), half = head_dim / 2;
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && cos.scalar_type() == dtype &&
+                  signed_sin.scalar_type() == dtype,
+              "rope: fp32 or bf16 heads and tables");
+  const int64_t tokens = x.size(0), heads = x.size(1), head_dim = x.size(2);
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == head_dim, "rope: heads side by side in a row");
   TORCH_CHECK(cos.is_contiguous() && signed_sin.is_contiguous() && cos.size(0) == tokens && cos.size(1) == head_dim,
               "rope: cos and sin (N, head_dim)");
   at::Tensor out = at::empty({tokens, heads, head_dim}, x.options());
-  const at::BFloat16* x_data = x.data_ptr<at::BFloat16>();
-  at::BFloat16* out_data = out.data_ptr<at::BFloat16>();
-  const at::BFloat16* cos_data = cos.data_ptr<at::BFloat16>();
-  const at::BFloat16* sin_data = signed_sin.data_ptr<at::BFloat16>();
-  const int64_t row_stride = x.stride(0);
-  at::parallel_for(0, tokens, 16, [&](int64_t first, int64_t last) {
-    for (int64_t t = first; t < last; ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        const at::BFloat16* head = x_data + t * row_stride + h * head_dim;
-        at::BFloat16* result = out_data + (t * heads + h) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) {
-          const float turned = static_cast<float>(head[d]) * static_cast<float>(cos_data[t * head_dim + d]);
-          const float swapped = static_cast<float>(head[(d + half) % head_dim]);
-          const float moved = swapped * static_cast<float>(sin_data[t * head_dim + d]);
-          result[d] = at::BFloat16(static_cast<float>(at::BFloat16(turned)) + static_cast<float>(at::BFloat16(moved)));
-        }
-      }
-  });
+  if (dtype == at::kFloat)
+    rope_heads(x.data_ptr<float>(), cos.data_ptr<float>(), signed_sin.data_ptr<float>(), out.data_ptr<float>(), tokens,
+               heads, head_dim, x.stride(0));
+  else
+    rope_heads(x.data_ptr<at::BFloat16>(), cos.data_ptr<at::BFloat16>(), signed_sin.data_ptr<at::BFloat16>(),
+               out.data_ptr<at::BFloat16>(), tokens, heads, head_dim, x.stride(0));
   return out;
 }
 

@@ -52,6 +52,8 @@ class EngineConfig:
 
     model_dir: Path = DEFAULT_MODEL_DIR
     dtype: str = "float32"
+    weights: str = "model"  # "auto" in the commands that serve a user (minillm.quantized_weights)
+    fused_decode: bool = True  # with GGUF blocks: a decode layer in two C++ calls
     device: str = "cpu"
     max_seq_len: int | None = None  # None: the model's context length
     # the serving engine (minillm.engine): paged KV memory and scheduling

@@ -9,6 +9,9 @@ Past that, bf16 on a CPU takes oneDNN on a copy of the weight packed once into i
 torch's bf16 F.linear re-lays the weight out on every call, the packed copy pays that once
 (`PACKED_MAX_ROWS`). Only a CPU whose oneDNN packs bf16 (avx512bw/vl/dq or avx_ne_convert) has it.
 
+A weight can also carry its GGUF blocks (`quantized_weights.py`, `EngineConfig.weights`): up to
+`QUANT_MAX_ROWS` rows then read those, 4 or 8 bits a weight, in fp32 or bf16 (`quant_dense`).
+
 Everything else takes torch's F.linear: prefill-sized products (where the packing no longer pays),
 other devices, and fp32, which stays the exact reference (HF transformers' kernels, HF's bits).
 The same build gives `model.py` its bf16 norm and RoPE kernels (`bf16_kernel`).
@@ -21,6 +24,8 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minillm.quantized_weights import FORMAT_CODES, QuantizedWeight
 
 
 def _onednn_packs_bf16() -> bool:
@@ -58,6 +63,7 @@ PACKED_MAX_ROWS = 63  # decode batches (one row per sequence) take the packed co
 # 1-2 rows (19 GB/s of weights against 10), 1.65x at 3, 1.5x at 4, 1.2-1.3x at 5-6, even at 8
 # (the kernel's tiles hold 3 rows; oneDNN's, on AMX, many more).
 DENSE_MAX_ROWS = 6
+QUANT_MAX_ROWS = 8  # GGUF blocks up to here; more rows take the dense weight's paths
 
 
 @functools.cache
@@ -79,7 +85,9 @@ def bf16_kernel(t: torch.Tensor):
 
 
 class Matmul:
-    """x @ weight.T, by whichever of three CPU paths is fastest for its shape in bf16:
+    """x @ weight.T, by whichever CPU path is fastest for its shape:
+    - up to `QUANT_MAX_ROWS` rows, when the weight has GGUF blocks (`quantized`): `quant_dense`;
+    and otherwise, in bf16:
     - up to `DENSE_MAX_ROWS` rows: the C++ kernel that streams the weight (`dense_cpu.cpp`);
     - up to `PACKED_MAX_ROWS`: oneDNN on a copy of the weight packed once;
     - more rows, other dtypes, other devices: F.linear.
@@ -92,9 +100,12 @@ class Matmul:
     def __init__(self):
         self.packed: torch.Tensor | None = None
         self.packed_from = None  # (address, version) of the weight it was packed from
+        self.quantized: QuantizedWeight | None = None  # the weight's GGUF blocks (load_model sets them)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
+        if self.quantized is not None and rows <= QUANT_MAX_ROWS:
+            return dense_kernel().quant_dense(x, self.quantized.blocks, FORMAT_CODES[self.quantized.format])
         kernel = bf16_kernel(weight) if rows <= DENSE_MAX_ROWS else None
         if kernel is not None and weight.is_contiguous() and kernel.dense_fits(*weight.shape[::-1]):
             return kernel.dense(x.contiguous(), weight)
@@ -115,3 +126,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight)
+
+    def blocks(self) -> tuple[torch.Tensor, int]:
+        """The weight's GGUF blocks and their format code, as the C++ kernels take them."""
+        quantized = self.matmul.quantized
+        return quantized.blocks, FORMAT_CODES[quantized.format]

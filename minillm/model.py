@@ -14,7 +14,9 @@ Two projections are fused for speed, as nano-vllm and gpt-fast do: q, k and v ar
 (`wqkv`), and the SwiGLU gate and up projections are another (`w_gate_up`). `weights.py`
 concatenates the checkpoint's separate matrices into them. Every matmul goes through `Matmul`
 (`matmul.py`: torch's F.linear, or for decode-sized bf16 products on a CPU a faster kernel); bf16
-norms and RoPE on a CPU take one C++ call each (`kernels_cuda/dense_cpu.cpp`).
+norms and RoPE on a CPU take one C++ call each (`kernels_cuda/dense_cpu.cpp`). When the weights
+carry GGUF blocks (`--weights q4_1`, `quantized_weights.py`), a decode-sized batch runs each layer
+as two C++ calls around its attention (`Block.forward_fused`); the torch layer stays the reference.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minillm.config import ModelConfig
-from minillm.matmul import Linear, Matmul, bf16_kernel
+from minillm.matmul import QUANT_MAX_ROWS, Linear, Matmul, bf16_kernel, dense_kernel
 
 
 class AttentionContext(Protocol):
@@ -125,10 +127,39 @@ class Block(nn.Module):
         self.attn = Attention(config, layer_idx)
         self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config)
+        self.fused = False  # decode-sized batches in two C++ calls (load_model turns it on)
 
     def forward(self, x, cos, sin, ctx):
+        if self.fused and x.shape[0] <= QUANT_MAX_ROWS:
+            return self.forward_fused(x, cos, sin, ctx)
         x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
         return x + self.mlp(self.mlp_norm(x))
+
+    def forward_fused(self, x, cos, sin, ctx):
+        """The same layer, its weights read as GGUF blocks, in two C++ calls around the attention
+        (`kernels_cuda/decode_layer_cpu.cpp`): at decode, torch's twenty-odd small operations cost
+        more in dispatch than in arithmetic."""
+        kernel, attn, mlp, eps = dense_kernel(), self.attn, self.mlp, self.attn_norm.eps
+        q, k, v = kernel.attention_in(
+            x.contiguous(),
+            self.attn_norm.weight,
+            eps,
+            *attn.wqkv.blocks(),
+            cos,
+            sin,
+            attn.num_heads,
+            attn.num_kv_heads,
+        )
+        attended = ctx.attend(attn.layer_idx, q, k, v)  # (N, num_heads, head_dim)
+        return kernel.layer_out(
+            x,
+            attended,
+            *attn.wo.blocks(),
+            self.mlp_norm.weight,
+            eps,
+            *mlp.w_gate_up.blocks(),
+            *mlp.w_down.blocks(),
+        )
 
 
 class Transformer(nn.Module):
@@ -166,6 +197,23 @@ class Transformer(nn.Module):
         """hidden: (N, hidden_size) -> (N, vocab_size), in fp32 for sampling."""
         scores = self.tied_head(hidden, self.embed.weight) if self.lm_head is None else self.lm_head(hidden)
         return scores.float()
+
+    def fuse_layers(self, on: bool) -> None:
+        """Decode-sized batches through `Block.forward_fused` (every product must have GGUF blocks)."""
+        for layer in self.layers:
+            layer.fused = on
+
+    def products(self) -> dict[str, Matmul]:
+        """Each weight matrix's name (as in the state dict) -> the Matmul that multiplies by it."""
+        products = (
+            {"embed.weight": self.tied_head}
+            if self.lm_head is None
+            else {"lm_head.weight": self.lm_head.matmul}
+        )
+        for name, module in self.named_modules():
+            if isinstance(module, Linear) and name != "lm_head":
+                products[f"{name}.weight"] = module.matmul
+        return products
 
     @property
     def device(self) -> torch.device:

@@ -20,7 +20,9 @@ from minillm.weights import load_model
 class Runtime:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model = load_model(config.model_dir, config.torch_dtype, config.device)
+        self.model = load_model(
+            config.model_dir, config.torch_dtype, config.device, config.weights, config.fused_decode
+        )
         # bf16 on a CPU decodes through the C++ products: a first run builds them here, so the
         # build is reported as a build (kernels.build says how long), not as a first token's latency
         bf16_kernel(next(self.model.parameters()))

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WEIGHT_FORMATS = ("auto", "q4_1", "int8", "model")  # minillm.quantized_weights
 
 
 def parse_kv_budget(text: str) -> int | float:
@@ -79,6 +80,20 @@ _TABLE = {
             "(default: %(default)s)",
             choices=("auto", *DTYPES),
             lossy=True,
+        ),
+        Switch(
+            "weights",
+            "what decode's products read: q4_1, the GGUF blocks the default checkpoint came from "
+            "(lossless); int8, every matrix quantized to Q8_0 here (lossy); model, the weights in "
+            "--dtype; auto: q4_1 where the blocks were fetched and the CPU kernels build, else model "
+            "(default: %(default)s)",
+            choices=WEIGHT_FORMATS,
+            lossy=True,
+        ),
+        Switch(
+            "fused_decode",
+            "with --weights q4_1 or int8, a decode layer's dense work in two C++ calls around its "
+            "attention instead of some twenty torch operations (default: on)",
         ),
         Switch("device", "cpu or cuda (default: %(default)s)"),
     ),

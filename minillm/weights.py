@@ -3,7 +3,8 @@
 Everything that can be wrong with a checkpoint is caught here and reported in one line that says
 what to do: a missing folder or file, a truncated or corrupt file, a missing or misshapen tensor,
 NaNs. The separate q/k/v and gate/up matrices of the checkpoint are concatenated into the fused
-projections of `model.py`.
+projections of `model.py`. With `weights="q4_1"` or `"int8"` each projection also gets its GGUF
+blocks (`quantized_weights.py`), which decode-sized products read instead of the dense matrix.
 """
 
 from __future__ import annotations
@@ -17,7 +18,16 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from minillm.config import FETCH_HINT, ConfigError, ModelConfig
+from minillm.matmul import dense_kernel
 from minillm.model import Transformer
+from minillm.quantized_weights import (
+    BLOCK,
+    BLOCK_BYTES,
+    PACKED_FILE,
+    QuantizedWeight,
+    quantize_q8_0,
+    read_packed,
+)
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -37,28 +47,41 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def hf_to_minillm(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename checkpoint tensors to this model's names, fusing q|k|v and gate|up."""
+    norms = {"norm.weight": "model.norm.weight"}
+    for i in range(config.num_layers):
+        norms[f"layers.{i}.attn_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
+        norms[f"layers.{i}.mlp_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
+    state = {ours: _take(tensors, hf) for ours, hf in norms.items()}
+    return state | stack_matrices(tensors, config)
 
-    def take(name: str) -> torch.Tensor:
-        if name not in tensors:
-            raise ConfigError(f"The checkpoint lacks tensor {name!r}; it is not a complete Llama checkpoint.")
-        return tensors[name]
 
-    state = {"embed.weight": take("model.embed_tokens.weight"), "norm.weight": take("model.norm.weight")}
+def stack_matrices(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's matrices under this model's names, q|k|v and gate|up stacked row after row
+    (a row is one output's weights, so GGUF blocks stack the same way as numbers)."""
+    sources = {"embed.weight": ["model.embed_tokens.weight"]}
     if not config.tie_word_embeddings:
-        state["lm_head.weight"] = take("lm_head.weight")
+        sources["lm_head.weight"] = ["lm_head.weight"]
     for i in range(config.num_layers):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
-        state[ours + "attn_norm.weight"] = take(hf + "input_layernorm.weight")
-        state[ours + "mlp_norm.weight"] = take(hf + "post_attention_layernorm.weight")
-        state[ours + "attn.wqkv.weight"] = torch.cat(
-            [take(hf + f"self_attn.{p}_proj.weight") for p in ("q", "k", "v")]
-        )
-        state[ours + "attn.wo.weight"] = take(hf + "self_attn.o_proj.weight")
-        state[ours + "mlp.w_gate_up.weight"] = torch.cat(
-            [take(hf + f"mlp.{p}_proj.weight") for p in ("gate", "up")]
-        )
-        state[ours + "mlp.w_down.weight"] = take(hf + "mlp.down_proj.weight")
-    return state
+        sources[ours + "attn.wqkv.weight"] = [hf + f"self_attn.{p}_proj.weight" for p in ("q", "k", "v")]
+        sources[ours + "attn.wo.weight"] = [hf + "self_attn.o_proj.weight"]
+        sources[ours + "mlp.w_gate_up.weight"] = [hf + f"mlp.{p}_proj.weight" for p in ("gate", "up")]
+        sources[ours + "mlp.w_down.weight"] = [hf + "mlp.down_proj.weight"]
+    matrices = {}
+    for ours, names in sources.items():
+        parts = [_take(tensors, name) for name in names]
+        if len({part.shape[1:] for part in parts}) > 1:
+            raise ConfigError(
+                f"The checkpoint's {', '.join(names)} differ in width; they cannot form {ours}."
+            )
+        matrices[ours] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return matrices
+
+
+def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    if name not in tensors:
+        raise ConfigError(f"The checkpoint lacks tensor {name!r}; it is not a complete Llama checkpoint.")
+    return tensors[name]
 
 
 def check_state(model: Transformer, state: dict[str, torch.Tensor]) -> None:
@@ -75,7 +98,16 @@ def check_state(model: Transformer, state: dict[str, torch.Tensor]) -> None:
             )
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    weights: str = "model",
+    fused: bool = True,
+) -> Transformer:
+    """The checkpoint as a model in `dtype` on `device`; `weights` (`EngineConfig.weights`) says
+    what decode-sized products read: the dense weights, or GGUF blocks beside them, and with `fused`
+    (`EngineConfig.fused_decode`) a decode layer over blocks runs in two C++ calls."""
     config = ModelConfig.from_dir(model_dir)
     state = hf_to_minillm(read_checkpoint(model_dir), config)
     with torch.device("meta"):
@@ -85,7 +117,57 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         {name: t.to(device=device, dtype=dtype) for name, t in state.items()}, assign=True, strict=True
     )
     model.init_rope()
+    weights = resolve_weights(weights, Path(model_dir), dtype, device)
+    if weights != "model":
+        _attach_blocks(model, state, weights, Path(model_dir))
+        model.fuse_layers(fused and all(m.quantized is not None for m in model.products().values()))
     return model.eval()
+
+
+def _attach_blocks(model: Transformer, state: dict[str, torch.Tensor], weights: str, model_dir: Path) -> None:
+    """Give each product its GGUF blocks: the packed file's ("q4_1"), or its matrix quantized to
+    Q8_0 here ("int8"; a matrix whose rows are not whole blocks keeps only its dense weight)."""
+    if weights == "int8":
+        for name, matmul in model.products().items():
+            matmul.quantized = quantize_q8_0(state[name]) if state[name].shape[1] % BLOCK == 0 else None
+        return
+    packed = stack_matrices({name: w.blocks for name, w in read_packed(model_dir).items()}, model.config)
+    for name, matmul in model.products().items():
+        matmul.quantized = _blocks_for(name, packed[name], state[name])
+
+
+def resolve_weights(weights: str, model_dir: Path, dtype: torch.dtype, device: str) -> str:
+    """`weights` as asked, or for "auto" the checkpoint's own blocks where this machine can read
+    them (a CPU whose kernels build, fp32 or bf16, the blocks fetched), else the dense weights."""
+    problem = _blocks_problem(dtype, device)
+    if weights == "auto":
+        return "q4_1" if problem is None and (model_dir / PACKED_FILE).is_file() else "model"
+    if weights != "model" and problem is not None:
+        raise ConfigError(f"weights={weights!r} {problem}; use --weights model.")
+    return weights
+
+
+def _blocks_problem(dtype: torch.dtype, device: str) -> str | None:
+    """Why GGUF blocks cannot be read here, or None."""
+    if device != "cpu":
+        return "is read by a CPU kernel only"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return "multiplies float32 or bfloat16 activations only"
+    if dense_kernel() is None:
+        return "needs the C++ kernels, which did not build here"
+    return None
+
+
+def _blocks_for(name: str, blocks: torch.Tensor, dense: torch.Tensor) -> QuantizedWeight:
+    """The packed file's blocks for one product, checked against its dense weight's shape."""
+    rows, columns = dense.shape
+    for fmt, size in BLOCK_BYTES.items():
+        if blocks.shape == (rows, columns // BLOCK * size) and columns % BLOCK == 0:
+            return QuantizedWeight(blocks.contiguous(), fmt)
+    raise ConfigError(
+        f"{PACKED_FILE}: {name}'s blocks {tuple(blocks.shape)} do not hold a {rows} x {columns} weight "
+        f"in Q4_1 or Q8_0 — {FETCH_HINT}"
+    )
 
 
 def model_fingerprint(model: Transformer) -> str:

@@ -44,6 +44,8 @@ CPU_SOURCES = (
     "flash_prefill_cpu.cpp",
     "kv_write_cpu.cpp",
     "dense_cpu.cpp",
+    "quant_dense_cpu.cpp",
+    "decode_layer_cpu.cpp",
     "bindings.cpp",
 )
 CUDA_SOURCES = ("paged_attention.cu", "flash_prefill.cu", "bindings.cpp")
@@ -58,7 +60,7 @@ CPU_FLAGS = [
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
-    "-DMINILLM_CPU_BUILD",  # bindings.cpp: the CPU build also has kv_write_cpu.cpp and dense_cpu.cpp
+    "-DMINILLM_CPU_BUILD",  # bindings.cpp: the CPU build also has kv_write and the dense kernels
 ]
 FORMAT_CODES = {"auto": 0, "int8": 1, "int4": 2, "fp8": 3}  # KVLayer.kv_format -> the kernels' kv_format
 

@@ -161,7 +161,7 @@ class Chat(SessionCommands):
     # ------------------------------------------------------------------ /set and /compare
     def engine_with(self, fields: dict):
         """A new LLM: this one's switches with `fields` changed; the model is kept unless its dtype
-        changes."""
+        or weights change (or whether its layers are fused)."""
         from minillm.engine import LLM
 
         config, engine = self.engine.config, self.engine
@@ -169,7 +169,10 @@ class Chat(SessionCommands):
             f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "model_dir"
         }
         switches |= fields
-        model = engine.model if switches["dtype"] == config.dtype else None
+        same_model = all(
+            switches[name] == getattr(config, name) for name in ("dtype", "weights", "fused_decode")
+        )
+        model = engine.model if same_model else None
         return LLM(config.model_dir, model=model, tokenizer=engine.tokenizer, **switches)
 
     def current(self, switch: Setting, fields: dict) -> str:

@@ -104,6 +104,8 @@ ENGINE_SETTINGS = {
     "eviction": "",
     "kv_budget": "tokens (256) or a fraction (0.2)",
     "dtype": "",
+    "weights": "",
+    "fused_decode": "",
     "block_size": "tokens per block",
     "prefix_caching": "",
     "attention_backend": "",

@@ -76,7 +76,7 @@ def add_chat(subparsers) -> None:
     add_sampling_args(chat, max_tokens=256)
     add_chat_engine_args(chat)
     add_trace_arg(chat)
-    add_model_args(chat, dtype="auto")
+    add_model_args(chat, dtype="auto", weights="auto")
     chat.set_defaults(func=cmd_chat)
 
 

@@ -99,13 +99,18 @@ def _add_group(parser, group: str) -> None:
             add_switch(parser, switch.name)
 
 
-def add_model_args(parser: argparse.ArgumentParser, dtype: str | None = None) -> None:
+def add_model_args(
+    parser: argparse.ArgumentParser, dtype: str | None = None, weights: str | None = None
+) -> None:
     """The model flags; `dtype` overrides the default precision (the commands that serve a user
-    give "auto", the fastest on this machine; benchmarks keep float32, the HF comparisons' dtype)."""
+    give "auto", the fastest on this machine; benchmarks keep float32, the HF comparisons' dtype).
+    --weights and --fused-decode are declared only where `weights` gives the first's default: the
+    commands that load the model through the engine and so honour them."""
     for switch in SWITCHES.values():
-        if switch.group == "model":
-            override = {"default": dtype} if switch.name == "dtype" and dtype else {}
-            add_switch(parser, switch.name, **override)
+        if switch.group != "model" or (switch.name in ("weights", "fused_decode") and weights is None):
+            continue
+        override = {"dtype": {"default": dtype} if dtype else {}, "weights": {"default": weights}}
+        add_switch(parser, switch.name, **override.get(switch.name, {}))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:

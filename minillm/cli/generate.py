@@ -26,7 +26,8 @@ from minillm.sampling import MAX_LOGPROBS
 
 
 def runtime_from(args) -> Runtime:
-    return Runtime(EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device))
+    weights = getattr(args, "weights", "model")  # info has no --weights
+    return Runtime(EngineConfig(model_dir=args.model, dtype=args.dtype, device=args.device, weights=weights))
 
 
 # ----------------------------------------------------------------------------- generate
@@ -70,7 +71,7 @@ def add_generate(subparsers) -> None:
     add_tier_args(gen)
     add_speculative_args(gen)
     add_trace_arg(gen)
-    add_model_args(gen, dtype="auto")
+    add_model_args(gen, dtype="auto", weights="auto")
     gen.set_defaults(func=cmd_generate)
 
 

@@ -109,7 +109,7 @@ def add_bench_serve_http(benches) -> None:
     add_eviction_args(http)
     add_tier_args(http)
     add_speculative_args(http)
-    add_model_args(http)
+    add_model_args(http, weights="model")
     http.set_defaults(func=cmd_bench_serve_http)
 
 

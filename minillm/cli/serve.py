@@ -72,7 +72,7 @@ def add_serve(subparsers) -> None:
     add_tier_args(serve)
     add_speculative_args(serve)
     add_trace_arg(serve)
-    add_model_args(serve, dtype="auto")
+    add_model_args(serve, dtype="auto", weights="auto")
     serve.set_defaults(func=cmd_serve)
 
 

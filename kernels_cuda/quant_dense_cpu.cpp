@@ -1,0 +1,228 @@
+// Decode's matrix products on weights kept as the GGUF file stores them: out = x @ w.T, with w
+// read in llama.cpp's blocks of 32 weights and dequantized in registers.
+//
+// A Q4_1 block is 20 bytes: a scale d and a minimum m (fp16 each) and 32 four-bit numbers q, two a
+// byte (byte i holds weight i in its low nibble and weight i + 16 in its high one); weight i is
+// d * q_i + m. A Q8_0 block is 34 bytes: d (fp16) and 32 int8 q; weight i is d * q_i. d * q_i is
+// exact in fp32 (11 bits of d times 4 or 8 bits of q), so one fused multiply-add rounds exactly as
+// the `gguf` package's dequantization does: these products multiply by the very fp32 values of
+// the checkpoint weights_fetch.py wrote, and differ from its F.linear only in the order of the sums.
+//
+// A step reads 0.625 bytes a weight in Q4_1 and 1.06 in Q8_0, against 2 in bf16 and 4 in fp32; at
+// decode the reading is the time (dense_cpu.cpp says why), so the same loop as dense_cpu.cpp's
+// streams the blocks past the activation rows:
+//
+//   for each group of kGroup weight rows (the threads split the groups):
+//     for each tile of activation rows:          (the group's blocks stay in L1 after the first tile)
+//       for each block b:  w = dequantize(block b of each weight row)   32 fp32 weights in registers
+//                          acc[i][j] += x[m+i, 32b : 32b+32] * w[j]
+//       out[m+i, n+j] = sum of acc[i][j]'s lanes
+//
+// The activations come in fp32 or bf16 and are summed in fp32; the result is in their dtype.
+// With AVX-512 a block is two vectors of 16 and a tile holds 2 activation rows; with AVX2 four
+// vectors of 8 and one row; without either, plain C++ (the compiler vectorizes what it can).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // weights a block
+enum Format : int64_t { kQ4_1 = 0, kQ8_0 = 1 };  // minillm/quantized_weights.py's BLOCK_FORMATS
+
+constexpr int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34; }
+
+#if defined(__AVX512F__) && defined(__F16C__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int64_t kGroup = 8;  // weight rows streamed together
+constexpr int kMaxTileRows = 2;  // 2 x 8 sums + 2 x 2 activation vectors + 4 for the block: 24 of 32
+
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float lane_sum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+inline void dequantize_q4_1(const uint8_t* block, Vec w[2]) {  // d and m converted in one instruction
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(block)));
+  const Vec d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
+  w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), m);   // weights 0..15
+  w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), m);  // weights 16..31
+}
+
+inline void dequantize_q8_0(const uint8_t* block, Vec w[2]) {
+  const Vec d = _mm512_set1_ps(half(block));
+  for (int v = 0; v < 2; ++v) {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * v));
+    w[v] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
+  }
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int64_t kGroup = 4;
+constexpr int kMaxTileRows = 1;  // 16 ymm registers: 4 sums + 4 activation vectors + 4 for the block
+
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float lane_sum(Vec v) {
+  const __m128 half4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half4, _mm_movehl_ps(half4, half4));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_shuffle_ps(pair, pair, 1)));
+}
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+inline void dequantize_q4_1(const uint8_t* block, Vec w[4]) {
+  const Vec d = _mm256_set1_ps(half(block)), m = _mm256_set1_ps(half(block + 2));
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+  const __m128i nibble = _mm_set1_epi8(0x0F);
+  const __m128i halves[2] = {_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble)};
+  for (int h = 0; h < 2; ++h) {  // weights 16h .. 16h+7, then 16h+8 .. 16h+15
+    w[2 * h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h])), m);
+    w[2 * h + 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8))), m);
+  }
+}
+
+inline void dequantize_q8_0(const uint8_t* block, Vec w[4]) {
+  const Vec d = _mm256_set1_ps(half(block));
+  for (int v = 0; v < 4; ++v) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * v));
+    w[v] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+  }
+}
+#else
+using Vec = float;
+constexpr int kLanes = 1;
+constexpr int64_t kGroup = 4;
+constexpr int kMaxTileRows = 1;
+
+inline Vec load(const float* p) { return *p; }
+inline Vec zero() { return 0.f; }
+inline Vec fma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline float lane_sum(Vec v) { return v; }
+inline float half(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+inline void dequantize_q4_1(const uint8_t* block, Vec w[kBlock]) {
+  const float d = half(block), m = half(block + 2);
+  for (int i = 0; i < 16; ++i) {
+    w[i] = d * static_cast<float>(block[4 + i] & 0x0F) + m;
+    w[i + 16] = d * static_cast<float>(block[4 + i] >> 4) + m;
+  }
+}
+
+inline void dequantize_q8_0(const uint8_t* block, Vec w[kBlock]) {
+  const float d = half(block);
+  for (int i = 0; i < kBlock; ++i) w[i] = d * static_cast<float>(static_cast<int8_t>(block[2 + i]));
+}
+#endif
+
+constexpr int kVecs = kBlock / kLanes;  // vectors a block fills
+
+// group_rows<F, MR, G>: out[m0 .. m0+MR, n0 .. n0+G), MR activation rows against a group of G
+// weight rows, each block dequantized once for all MR rows. Every sum is the same sequence of
+// instructions whatever MR and G are, so a row's result does not depend on the rows beside it.
+template <int64_t F, int MR, int64_t G, typename Out>
+inline void group_rows(const float* x, const uint8_t* w, Out* out, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                       bool prefetch_next) {
+  const int64_t row_bytes = K / kBlock * block_bytes(F);
+  Vec acc[MR][G];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < G; ++j) acc[i][j] = zero();
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    Vec xv[MR][kVecs];
+    for (int i = 0; i < MR; ++i)
+      for (int v = 0; v < kVecs; ++v) xv[i][v] = load(x + (m0 + i) * K + b * kBlock + v * kLanes);
+    for (int j = 0; j < G; ++j) {
+      const uint8_t* block = w + (n0 + j) * row_bytes + b * block_bytes(F);
+      if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(block + G * row_bytes), _MM_HINT_T0);
+      Vec wv[kVecs];
+      if constexpr (F == kQ4_1)
+        dequantize_q4_1(block, wv);
+      else
+        dequantize_q8_0(block, wv);
+      for (int i = 0; i < MR; ++i)
+        for (int v = 0; v < kVecs; ++v) acc[i][j] = fma(xv[i][v], wv[v], acc[i][j]);
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < G; ++j) out[(m0 + i) * N + n0 + j] = Out(lane_sum(acc[i][j]));
+}
+
+// Every activation row against one group of G weight rows, in tiles of as many rows as the
+// registers hold; the first tile prefetches the next group.
+template <int64_t F, int64_t G, typename Out>
+void group(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N, int64_t n0,
+           bool prefetch_next) {
+  int64_t m = 0;
+  if constexpr (kMaxTileRows >= 2)
+    for (; M - m >= 2; m += 2, prefetch_next = false) group_rows<F, 2, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
+  for (; m < M; ++m, prefetch_next = false) group_rows<F, 1, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
+}
+
+// All of out's columns: whole groups on the threads, then the last N % kGroup weight rows one by one.
+template <int64_t F, typename Out>
+void products(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
+  at::parallel_for(0, N / kGroup, 16, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) group<F, kGroup, Out>(x, w, out, M, K, N, g * kGroup, g + 1 < last);
+  });
+  for (int64_t n = N - N % kGroup; n < N; ++n) group<F, 1, Out>(x, w, out, M, K, N, n, false);
+}
+
+}  // namespace
+
+// x (M, K) fp32 or bf16 @ the (N, K) weight held as `blocks` (N, K / 32 * block bytes) uint8, in
+// `format` (0: Q4_1, 1: Q8_0) -> (M, N) in x's dtype.
+at::Tensor quant_dense(const at::Tensor& x, const at::Tensor& blocks, int64_t format) {
+  TORCH_CHECK(format == kQ4_1 || format == kQ8_0, "quant_dense: format 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_dense: fp32 or bf16 rows");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              "quant_dense: contiguous uint8 blocks (N, bytes a row)");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "quant_dense: x (M, K) with K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
+  TORCH_CHECK(blocks.size(1) == K / kBlock * block_bytes(format), "quant_dense: blocks (N, K / 32 * block bytes)");
+  // the activation rows in fp32, converted once here (a few KB) rather than in every sum
+  std::vector<float> rows(M * K);
+  const at::Tensor x_rows = x.contiguous();
+  if (x.scalar_type() == at::kFloat)
+    std::memcpy(rows.data(), x_rows.data_ptr<float>(), M * K * sizeof(float));
+  else
+    for (int64_t i = 0; i < M * K; ++i) rows[i] = static_cast<float>(x_rows.data_ptr<at::BFloat16>()[i]);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const uint8_t* w_data = blocks.data_ptr<uint8_t>();
+  auto run = [&](auto* out_data) {  // fp32 or bf16 results
+    using Out = std::remove_pointer_t<decltype(out_data)>;
+    if (format == kQ4_1)
+      products<kQ4_1, Out>(rows.data(), w_data, out_data, M, K, N);
+    else
+      products<kQ8_0, Out>(rows.data(), w_data, out_data, M, K, N);
+  };
+  if (x.scalar_type() == at::kFloat)
+    run(out.data_ptr<float>());
+  else
+    run(out.data_ptr<at::BFloat16>());
+  return out;
+}
