@@ -12,21 +12,22 @@
 // decode the reading is the time (dense_cpu.cpp says why), so the same loop as dense_cpu.cpp's
 // streams the blocks past the activation rows:
 //
-//   for each group of kGroup weight rows (the threads split the groups):
+//   for each group of G weight rows (the threads split the groups):
 //     for each tile of activation rows:          (the group's blocks stay in L1 after the first tile)
 //       for each block b:  w = dequantize(block b of each weight row)   32 fp32 weights in registers
 //                          acc[i][j] += x[m+i, 32b : 32b+32] * w[j]
 //       out[m+i, n+j] = sum of acc[i][j]'s lanes
 //
 // The activations come in fp32 or bf16 and are summed in fp32; the result is in their dtype.
-// With AVX-512 a block is two vectors of 16 and a tile holds 2 activation rows; with AVX2 four
-// vectors of 8 and one row; without either, plain C++ (the compiler vectorizes what it can).
+// With AVX-512 a block is two vectors of 16 and a tile holds up to 4 activation rows; with AVX2
+// four vectors of 8 and one row; without either, plain C++ (the compiler vectorizes what it can).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -42,8 +43,10 @@ constexpr int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34
 #if defined(__AVX512F__) && defined(__F16C__)
 using Vec = __m512;
 constexpr int kLanes = 16;
-constexpr int64_t kGroup = 8;  // weight rows streamed together
-constexpr int kMaxTileRows = 2;  // 2 x 8 sums + 2 x 2 activation vectors + 4 for the block: 24 of 32
+// weight rows streamed together and activation rows in a tile: 8 and 2 for one or two rows
+// (2 x 8 sums + 2 x 2 activation vectors + 4 for the block: 24 of 32 registers), 4 and 4 for more
+// (16 sums + 8 + 4: 28), so that 3-8 rows (speculation's checked rows) dequantize each block less often
+constexpr int64_t kFewGroup = 8, kFewTile = 2, kManyGroup = 4, kManyTile = 4;
 
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec zero() { return _mm512_setzero_ps(); }
@@ -75,8 +78,8 @@ inline void dequantize_q8_0(const uint8_t* block, Vec w[2]) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 using Vec = __m256;
 constexpr int kLanes = 8;
-constexpr int64_t kGroup = 4;
-constexpr int kMaxTileRows = 1;  // 16 ymm registers: 4 sums + 4 activation vectors + 4 for the block
+// 16 ymm registers: 4 sums + 4 activation vectors + 4 for the block, one activation row at a time
+constexpr int64_t kFewGroup = 4, kFewTile = 1, kManyGroup = 4, kManyTile = 1;
 
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec zero() { return _mm256_setzero_ps(); }
@@ -113,8 +116,7 @@ inline void dequantize_q8_0(const uint8_t* block, Vec w[4]) {
 #else
 using Vec = float;
 constexpr int kLanes = 1;
-constexpr int64_t kGroup = 4;
-constexpr int kMaxTileRows = 1;
+constexpr int64_t kFewGroup = 4, kFewTile = 1, kManyGroup = 4, kManyTile = 1;
 
 inline Vec load(const float* p) { return *p; }
 inline Vec zero() { return 0.f; }
@@ -172,24 +174,34 @@ inline void group_rows(const float* x, const uint8_t* w, Out* out, int64_t K, in
     for (int j = 0; j < G; ++j) out[(m0 + i) * N + n0 + j] = Out(lane_sum(acc[i][j]));
 }
 
-// Every activation row against one group of G weight rows, in tiles of as many rows as the
-// registers hold; the first tile prefetches the next group.
-template <int64_t F, int64_t G, typename Out>
+// Every activation row against one group of G weight rows, in tiles of up to `Tile` rows; the first
+// tile prefetches the next group.
+template <int64_t F, int64_t G, int Tile, typename Out>
 void group(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N, int64_t n0,
            bool prefetch_next) {
   int64_t m = 0;
-  if constexpr (kMaxTileRows >= 2)
+  if constexpr (Tile >= 4)
+    for (; M - m >= 4; m += 4, prefetch_next = false) group_rows<F, 4, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
+  if constexpr (Tile >= 2)
     for (; M - m >= 2; m += 2, prefetch_next = false) group_rows<F, 2, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
   for (; m < M; ++m, prefetch_next = false) group_rows<F, 1, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
 }
 
-// All of out's columns: whole groups on the threads, then the last N % kGroup weight rows one by one.
-template <int64_t F, typename Out>
+// All of out's columns: whole groups of G on the threads, then the last N % G weight rows one by one.
+template <int64_t F, int64_t G, int Tile, typename Out>
 void products(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
-  at::parallel_for(0, N / kGroup, 16, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g) group<F, kGroup, Out>(x, w, out, M, K, N, g * kGroup, g + 1 < last);
+  at::parallel_for(0, N / G, 16, [&](int64_t first, int64_t last) {
+    for (int64_t g = first; g < last; ++g) group<F, G, Tile, Out>(x, w, out, M, K, N, g * G, g + 1 < last);
   });
-  for (int64_t n = N - N % kGroup; n < N; ++n) group<F, 1, Out>(x, w, out, M, K, N, n, false);
+  for (int64_t n = N - N % G; n < N; ++n) group<F, 1, Tile, Out>(x, w, out, M, K, N, n, false);
+}
+
+template <int64_t F, typename Out>
+void products_for_rows(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
+  if (M <= 2)
+    products<F, kFewGroup, kFewTile, Out>(x, w, out, M, K, N);
+  else
+    products<F, kManyGroup, kManyTile, Out>(x, w, out, M, K, N);
 }
 
 }  // namespace
@@ -210,15 +222,15 @@ at::Tensor quant_dense(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   if (x.scalar_type() == at::kFloat)
     std::memcpy(rows.data(), x_rows.data_ptr<float>(), M * K * sizeof(float));
   else
-    for (int64_t i = 0; i < M * K; ++i) rows[i] = static_cast<float>(x_rows.data_ptr<at::BFloat16>()[i]);
+    std::copy_n(x_rows.data_ptr<at::BFloat16>(), M * K, rows.begin());  // bf16 -> fp32, exact
   at::Tensor out = at::empty({M, N}, x.options());
   const uint8_t* w_data = blocks.data_ptr<uint8_t>();
   auto run = [&](auto* out_data) {  // fp32 or bf16 results
     using Out = std::remove_pointer_t<decltype(out_data)>;
     if (format == kQ4_1)
-      products<kQ4_1, Out>(rows.data(), w_data, out_data, M, K, N);
+      products_for_rows<kQ4_1, Out>(rows.data(), w_data, out_data, M, K, N);
     else
-      products<kQ8_0, Out>(rows.data(), w_data, out_data, M, K, N);
+      products_for_rows<kQ8_0, Out>(rows.data(), w_data, out_data, M, K, N);
   };
   if (x.scalar_type() == at::kFloat)
     run(out.data_ptr<float>());

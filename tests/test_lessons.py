@@ -44,6 +44,10 @@ def check_bandwidth_wall(numbers):
     assert numbers["tokens_per_s_largest_batch"] > 1.5 * numbers["tokens_per_s_batch_1"]
     # a step cannot read its weights faster than the machine reads at all (the caches hold a tenth)
     assert 0 < numbers["read_roof_fraction_batch_1"] < 1.2
+    # the checkpoint's Q4_1 blocks (fetched with the real model) are read in a quarter of the bytes
+    by_weights = numbers["batch_1_by_weights"]
+    dense, q4_1 = by_weights["dense, in the model's dtype"], by_weights["Q4_1 blocks, fused layers"]
+    assert q4_1["mb_per_step"] < dense["mb_per_step"] / 2 and set(by_weights) >= {"Q4_1 blocks, unfused"}
 
 
 def check_fragmentation(numbers):

@@ -10,7 +10,10 @@ Decoders run on the same prompt and thread settings, interleaved so machine drif
 alike: naive (no cache), cached (contiguous KV cache), the serving engine with one request (paged
 KV, scheduler, sampler: what `minillm serve` runs per token) and HF transformers `generate` in
 --dtype, and cached in the other precision (fp32 beside bf16): the same step reads half the bytes
-in bf16. Each row reports the median of the repeats, the best, and their spread.
+in bf16. Then the engine again with its products reading GGUF blocks (`--weights`, `WEIGHT_ROWS`):
+the checkpoint's own Q4_1 blocks, fused into two C++ calls a layer or not, and Q8_0 made here; each
+row's bytes are what its step reads. Each row reports the median of the repeats, the best, and
+their spread.
 """
 
 from __future__ import annotations
@@ -70,13 +73,22 @@ def time_hf(hf_model, prompt_ids: list[int], new_tokens: int) -> float:
     return new_tokens / (run(new_tokens + 1) - run(1))
 
 
+def weight_bytes_read(model) -> int:
+    """The weights one decode step reads: each product's matrix, or its GGUF blocks where a decode
+    product reads those (the lm_head reads the whole tied embedding), and the norms."""
+    matrices = model.state_dict()
+    products = sum(
+        matmul.quantized.blocks.nbytes if matmul.quantized is not None else matrices[name].nbytes
+        for name, matmul in model.products().items()
+    )
+    return products + sum(p.nbytes for p in model.parameters() if p.dim() == 1)
+
+
 def bytes_per_step(model, prompt_len: int, new_tokens: int, with_kv: bool) -> float:
-    """Weights once per step (the lm_head reads the whole tied embedding), plus the KV cache read
-    at the mean context length of the decode steps."""
-    weight_bytes = sum(p.nbytes for p in model.parameters())
+    """The weights a step reads, plus the KV cache read at the mean context length of the decode steps."""
     mean_context = prompt_len + new_tokens / 2
     kv = model.config.kv_bytes_per_token(model.dtype) * mean_context if with_kv else 0
-    return weight_bytes + kv
+    return weight_bytes_read(model) + kv
 
 
 def other_dtype(dtype: str) -> str | None:
@@ -97,8 +109,33 @@ def summarize(samples: list[float]) -> dict:
     }
 
 
+# the engine's rows with GGUF blocks: name -> (EngineConfig.weights, fused_decode)
+WEIGHT_ROWS = {
+    "engine_q4_1": ("q4_1", True),
+    "engine_q4_1_unfused": ("q4_1", False),
+    "engine_int8": ("int8", True),
+}
+
+
+def block_models(model_dir: Path, dtype: str) -> tuple[dict, str | None]:
+    """name -> the model of each WEIGHT_ROWS row this machine runs, and why the others are left
+    out (no blocks fetched, no C++ kernels, a dtype they do not take), or None."""
+    from minillm.config import DTYPES, ConfigError
+    from minillm.weights import resolve_weights
+
+    models, skipped = {}, None
+    for name, (weights, fused) in WEIGHT_ROWS.items():
+        try:
+            resolve_weights(weights, model_dir, DTYPES[dtype], "cpu")
+            models[name] = load_model(model_dir, DTYPES[dtype], weights=weights, fused=fused)
+        except ConfigError as err:
+            skipped = f"{name} left out: {err}"
+    return models, skipped
+
+
 def decoder_models(model_dir: Path, dtype: str, include_hf: bool) -> tuple[dict, object]:
-    """name -> the model each minillm decoder runs (naive and cached share one); HF's model or None."""
+    """name -> the model each minillm decoder runs (naive, cached and engine share one; each
+    WEIGHT_ROWS engine has its own); HF's model or None."""
     from minillm.config import DTYPES
 
     model = load_model(model_dir, DTYPES[dtype])
@@ -122,6 +159,14 @@ def tok_s_by_threads(run_cached) -> dict[int, float]:
     return threads
 
 
+def weights_read(model) -> str:
+    """What a decode step's products read: "q4_1 fused", "q8_0", or the dense dtype's name."""
+    blocks = {m.quantized.format for m in model.products().values() if m.quantized is not None}
+    if not blocks:
+        return str(model.dtype).removeprefix("torch.")
+    return "+".join(sorted(blocks)) + (" fused" if model.layers[0].fused else "")
+
+
 def decoder_row(
     samples: list[float], model, prompt_len: int, new_tokens: int, naive: bool, roofs: dict
 ) -> dict:
@@ -131,6 +176,7 @@ def decoder_row(
     read = roofs["read"]
     return {
         "dtype": str(model.dtype).removeprefix("torch."),
+        "weights": weights_read(model),
         **row,
         "ms_per_token": 1000 / row["tok_s"],
         "bytes_per_step": step_bytes,
@@ -151,20 +197,24 @@ def time_decoders(
     new_tokens: int,
     repeats: int,
 ) -> tuple[dict[str, list[float]], dict[int, float]]:
-    """Each decoder's seconds over `repeats` interleaved runs, and the cached one's tok/s by threads."""
-
-    model = models["cached"]
-    llm = LLM(model_dir, model=model, dtype=str(model.dtype).removeprefix("torch."), max_num_seqs=1)
+    """Each decoder's seconds over `repeats` interleaved runs, and the cached one's tok/s by threads.
+    `models` names the model of every minillm decoder; those whose name starts with "engine" run
+    in the serving engine."""
+    engines = {
+        name: LLM(model_dir, model=model, dtype=str(model.dtype).removeprefix("torch."), max_num_seqs=1)
+        for name, model in models.items()
+        if name.startswith("engine")
+    }
 
     def run_once(name: str, n: int | None = None) -> float:
         if name == "hf_transformers":
             return time_hf(hf_model, prompt_ids, new_tokens)
-        if name == "engine":
-            return time_engine(llm, prompt_ids, n or new_tokens)
+        if name in engines:
+            return time_engine(engines[name], prompt_ids, n or new_tokens)
         decoder = "naive" if name == "naive" else "cached"
         return time_minillm(models[name], prompt_ids, n or tokens[name], decoder)
 
-    names = list(models) + ["engine"] + (["hf_transformers"] if hf_model is not None else [])
+    names = list(models) + (["hf_transformers"] if hf_model is not None else [])
     runs: dict[str, list[float]] = {name: [] for name in names}
     with torch.inference_mode():
         for name in names:  # warm-up: first calls allocate, build kernels and pack bf16 weights
@@ -199,6 +249,9 @@ def speedups(decoders: dict, dtype: str) -> dict:
         )
     if "hf_transformers" in decoders:
         ratios["cached_vs_hf"] = decoders["cached"]["tok_s"] / decoders["hf_transformers"]["tok_s"]
+    for name in WEIGHT_ROWS:
+        if name in decoders:
+            ratios[f"{name}_vs_engine"] = decoders[name]["tok_s"] / decoders["engine"]["tok_s"]
     return ratios
 
 
@@ -220,6 +273,8 @@ def bench_decode(
         )
     prompt_ids = bench_prompt(model_dir, prompt_len)  # a missing text fails here, before any model loads
     models, hf_model = decoder_models(model_dir, dtype, include_hf)
+    with_blocks, skipped = block_models(model_dir, dtype)
+    models |= {"engine": models["cached"], **with_blocks}
     tokens = {name: naive_tokens if name == "naive" else new_tokens for name in models}
     runs, threads = time_decoders(model_dir, models, hf_model, prompt_ids, tokens, new_tokens, repeats)
     roofs = {"copy": copy_bandwidth(), "read": read_bandwidth()}
@@ -245,6 +300,7 @@ def bench_decode(
         "copy_bandwidth_GBs": roofs["copy"] / 1e9,
         "read_bandwidth_GBs": roofs["read"] / 1e9 if roofs["read"] else None,
         "decoders": decoders,
+        "left_out": skipped,
         "cached_tok_s_by_threads": threads,
         **speedups(decoders, dtype),
     }
@@ -253,6 +309,7 @@ def bench_decode(
 DECODER_COLUMNS = [
     "decoder",
     "dtype",
+    "weights read",
     "tok/s median",
     "best",
     "spread",
@@ -274,6 +331,7 @@ def decoder_cells(name: str, d: dict) -> list[str]:
     return [
         name,
         d["dtype"],
+        d["weights"],
         f"{d['tok_s']:.1f}",
         f"{d['best_tok_s']:.1f}",
         f"{d['spread']:.0%}",
@@ -311,6 +369,15 @@ def print_decode_report(report: dict, console) -> None:
             if key.startswith("cached_") and key.endswith("_vs_cached")
         )
     )
+    blocks = [name for name in WEIGHT_ROWS if f"{name}_vs_engine" in report]
+    if blocks:
+        console.print(
+            "through GGUF blocks: "
+            + ", ".join(f"{name} {report[f'{name}_vs_engine']:.2f}x" for name in blocks)
+            + " the engine on dense weights"
+        )
+    if report["left_out"]:
+        console.print(report["left_out"])
     console.print(
         "[dim]naive's bandwidth is not its limit: it recomputes the whole sequence, so it is "
         "compute bound and its GB/s only counts the weights once per step.[/dim]"

@@ -188,6 +188,8 @@ def _counted(llm: LLM, run) -> tuple[dict, dict]:
 def bench_speculative(
     model_dir: Path,
     dtype: str = "float32",
+    weights: str = "model",
+    fused_decode: bool = True,
     prompts: str = "report",
     max_tokens: int = 128,
     repeats: int = 3,
@@ -196,7 +198,8 @@ def bench_speculative(
     prompt_lookup_min: int = EngineConfig.prompt_lookup_min,
     prompt_lookup_max: int = EngineConfig.prompt_lookup_max,
 ) -> dict:
-    model, tokenizer = load_model(model_dir, DTYPES[dtype]), Tokenizer(model_dir)
+    model = load_model(model_dir, DTYPES[dtype], weights=weights, fused=fused_decode)
+    tokenizer = Tokenizer(model_dir)
     plain = LLM(model_dir, model=model, tokenizer=tokenizer, dtype=dtype)
     guessing = LLM(
         model_dir,
@@ -222,6 +225,7 @@ def bench_speculative(
     return {
         "cpu": cpu_model(),
         "dtype": dtype,
+        "weights": weights,
         "prompts": prompts,
         "max_tokens": max_tokens,
         "repeats": repeats,
@@ -254,8 +258,8 @@ def print_speculative_report(result: dict, console) -> None:
     console.print(
         f"[bold]speculative decoding (n-gram, k={spec['num_speculative_tokens']}, "
         f"n={spec['prompt_lookup_min']}..{spec['prompt_lookup_max']})[/bold] — {result['cpu']}, "
-        f"{result['dtype']}, '{result['prompts']}' prompts, greedy, up to {result['max_tokens']} "
-        f"tokens, {result['repeats']} interleaved repeats"
+        f"{result['dtype']}, weights {result['weights']}, '{result['prompts']}' prompts, greedy, "
+        f"up to {result['max_tokens']} tokens, {result['repeats']} interleaved repeats"
     )
     rows = []
     for kind, runs in result["sets"].items():

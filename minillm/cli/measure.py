@@ -136,7 +136,7 @@ def add_bench_speculative(benches) -> None:
     for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
         add_switch(spec, name)
     spec.add_argument("--json", action="store_true", help="print one JSON object")
-    add_model_args(spec)
+    add_model_args(spec, weights="model")
     spec.set_defaults(func=cmd_bench_speculative)
 
 
@@ -147,6 +147,8 @@ def cmd_bench_speculative(args) -> None:
         bench_speculative(
             args.model,
             dtype=args.dtype,
+            weights=args.weights,
+            fused_decode=args.fused_decode,
             prompts=args.prompts,
             max_tokens=args.max_tokens,
             repeats=args.repeats,
