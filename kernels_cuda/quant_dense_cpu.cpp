@@ -8,9 +8,11 @@
 // the `gguf` package's dequantization does: these products multiply by the very fp32 values of
 // the checkpoint weights_fetch.py wrote, and differ from its F.linear only in the order of the sums.
 //
-// A step reads 0.625 bytes a weight in Q4_1 and 1.06 in Q8_0, against 2 in bf16 and 4 in fp32; at
-// decode the reading is the time (dense_cpu.cpp says why), so the same loop as dense_cpu.cpp's
-// streams the blocks past the activation rows:
+// A step reads 0.625 bytes a weight in Q4_1 and 1.06 in Q8_0, against 2 in bf16 and 4 in fp32. At
+// decode the reading would be the time (dense_cpu.cpp says why), so the same loop as dense_cpu.cpp's
+// streams the blocks past the activation rows; but unpacking costs instructions (measured on a
+// 2-core Xeon: ~10 GB/s of blocks on two threads, 6 on one, whatever the memory could give), so
+// here the cores bind, and each block is dequantized as few times as the registers allow:
 //
 //   for each group of G weight rows (the threads split the groups):
 //     for each tile of activation rows:          (the group's blocks stay in L1 after the first tile)
@@ -19,7 +21,7 @@
 //       out[m+i, n+j] = sum of acc[i][j]'s lanes
 //
 // The activations come in fp32 or bf16 and are summed in fp32; the result is in their dtype.
-// With AVX-512 a block is two vectors of 16 and a tile holds up to 4 activation rows; with AVX2
+// With AVX-512 a block is two vectors of 16 and a tile holds up to 6 activation rows; with AVX2
 // four vectors of 8 and one row; without either, plain C++ (the compiler vectorizes what it can).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -43,10 +45,6 @@ constexpr int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34
 #if defined(__AVX512F__) && defined(__F16C__)
 using Vec = __m512;
 constexpr int kLanes = 16;
-// weight rows streamed together and activation rows in a tile: 8 and 2 for one or two rows
-// (2 x 8 sums + 2 x 2 activation vectors + 4 for the block: 24 of 32 registers), 4 and 4 for more
-// (16 sums + 8 + 4: 28), so that 3-8 rows (speculation's checked rows) dequantize each block less often
-constexpr int64_t kFewGroup = 8, kFewTile = 2, kManyGroup = 4, kManyTile = 4;
 
 inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec zero() { return _mm512_setzero_ps(); }
@@ -78,8 +76,6 @@ inline void dequantize_q8_0(const uint8_t* block, Vec w[2]) {
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 using Vec = __m256;
 constexpr int kLanes = 8;
-// 16 ymm registers: 4 sums + 4 activation vectors + 4 for the block, one activation row at a time
-constexpr int64_t kFewGroup = 4, kFewTile = 1, kManyGroup = 4, kManyTile = 1;
 
 inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec zero() { return _mm256_setzero_ps(); }
@@ -116,7 +112,6 @@ inline void dequantize_q8_0(const uint8_t* block, Vec w[4]) {
 #else
 using Vec = float;
 constexpr int kLanes = 1;
-constexpr int64_t kFewGroup = 4, kFewTile = 1, kManyGroup = 4, kManyTile = 1;
 
 inline Vec load(const float* p) { return *p; }
 inline Vec zero() { return 0.f; }
@@ -174,16 +169,14 @@ inline void group_rows(const float* x, const uint8_t* w, Out* out, int64_t K, in
     for (int j = 0; j < G; ++j) out[(m0 + i) * N + n0 + j] = Out(lane_sum(acc[i][j]));
 }
 
-// Every activation row against one group of G weight rows, in tiles of up to `Tile` rows; the first
-// tile prefetches the next group.
+// Every activation row against one group of G weight rows, in passes of `Tile` rows (what is left
+// over, one row at a time); the first pass prefetches the next group.
 template <int64_t F, int64_t G, int Tile, typename Out>
 void group(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N, int64_t n0,
            bool prefetch_next) {
   int64_t m = 0;
-  if constexpr (Tile >= 4)
-    for (; M - m >= 4; m += 4, prefetch_next = false) group_rows<F, 4, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
-  if constexpr (Tile >= 2)
-    for (; M - m >= 2; m += 2, prefetch_next = false) group_rows<F, 2, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
+  for (; M - m >= Tile; m += Tile, prefetch_next = false)
+    group_rows<F, Tile, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
   for (; m < M; ++m, prefetch_next = false) group_rows<F, 1, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
 }
 
@@ -196,12 +189,26 @@ void products(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, 
   for (int64_t n = N - N % G; n < N; ++n) group<F, 1, Tile, Out>(x, w, out, M, K, N, n, false);
 }
 
+// Each block is dequantized once per pass over the rows, so up to 6 rows take one pass (speculation
+// checks k + 1 = 5): the more rows, the fewer weight rows a group holds, to keep the sums, the
+// activations and the block in registers (AVX-512: G x Tile sums + 2 x Tile activation vectors + 4
+// <= 32). Measured (2-core Xeon, all of SmolLM2's products): 5 rows in one pass take 0.73x the time
+// of a pass of 4 and one of 1.
 template <int64_t F, typename Out>
 void products_for_rows(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
-  if (M <= 2)
-    products<F, kFewGroup, kFewTile, Out>(x, w, out, M, K, N);
-  else
-    products<F, kManyGroup, kManyTile, Out>(x, w, out, M, K, N);
+#if defined(__AVX512F__) && defined(__F16C__)
+  switch (M) {
+    case 1: return products<F, 8, 1, Out>(x, w, out, M, K, N);
+    case 2: return products<F, 8, 2, Out>(x, w, out, M, K, N);
+    case 3: return products<F, 4, 3, Out>(x, w, out, M, K, N);
+    case 4: return products<F, 4, 4, Out>(x, w, out, M, K, N);
+    case 5: return products<F, 2, 5, Out>(x, w, out, M, K, N);
+    case 6: return products<F, 2, 6, Out>(x, w, out, M, K, N);
+    default: return products<F, 4, 4, Out>(x, w, out, M, K, N);  // one weight row a group streams worse
+  }
+#else
+  products<F, 4, 1, Out>(x, w, out, M, K, N);  // AVX2: 4 sums + 4 activation vectors + 4 of 16
+#endif
 }
 
 }  // namespace
