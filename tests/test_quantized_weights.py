@@ -9,7 +9,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType, dequantize, quantize
-from helpers import REAL_PLAIN_PROMPTS, TINY_CONFIG, random_llama_tensors, write_checkpoint
+from helpers import (
+    KV_BYTES_PER_TOKEN,
+    REAL_PLAIN_PROMPTS,
+    TINY_CONFIG,
+    random_llama_tensors,
+    write_checkpoint,
+)
 from safetensors.torch import load_file, save_file
 
 from minillm.config import ConfigError
@@ -78,6 +84,28 @@ def test_decoding_through_blocks_gives_the_naive_decoders_tokens(tmp_path, weigh
     llm = LLM(folder, model=model, attention_backend="cpu")
     for out, prompt in zip(llm.generate(prompts, params), prompts):
         assert out.token_ids == generate(dense, prompt, params, "naive").token_ids
+
+
+LOSSLESS_SWITCHES = [
+    {"prefix_caching": True, "block_size": 4},
+    {"kv_cache_bytes": 16 * 4 * KV_BYTES_PER_TOKEN, "block_size": 4},  # too few blocks: preemption
+    {"speculative": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 2},  # k + 1 rows checked at once
+    {"attention_backend": "torch", "max_num_batched_tokens": 6},  # chunked prefill of 6-row chunks
+]
+
+
+@pytest.mark.parametrize("switches", LOSSLESS_SWITCHES)
+def test_lossless_switches_through_fused_blocks_give_the_naive_tokens(tmp_path, switches, always_guess):
+    """The fused layers under the engine's other lossless switches: shared prefixes, preemption and
+    recompute, speculation's checked rows (and its rollback), small prefill chunks."""
+    folder = snapped_checkpoint(tmp_path / "tiny", "q8_0")
+    dense, model = load_model(folder), load_model(folder, weights="int8")
+    prompts = [[5, 9, 14, 3, 7, 5, 9, 14, 3, 7], [5, 9, 14, 3, 11, 4], [21, 22, 21, 22, 21, 22, 21]]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = LLM(folder, model=model, **switches)
+    expected = [generate(dense, prompt, params, "naive").token_ids for prompt in prompts]
+    for _ in range(2):  # the second time, prompts find the first time's blocks (prefix caching)
+        assert [out.token_ids for out in llm.generate(prompts, params)] == expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
