@@ -11,8 +11,8 @@
 // A step reads 0.625 bytes a weight in Q4_1 and 1.06 in Q8_0, against 2 in bf16 and 4 in fp32. At
 // decode the reading would be the time (dense_cpu.cpp says why), so the same loop as dense_cpu.cpp's
 // streams the blocks past the activation rows; but unpacking costs instructions (measured on a
-// 2-core Xeon: ~10 GB/s of blocks on two threads, 6 on one, whatever the memory could give), so
-// here the cores bind, and each block is dequantized as few times as the registers allow:
+// 2-core Xeon: ~10 GB/s of blocks on two threads, 6 on one, where bf16 streams ~16), so here the
+// cores bind, and each block is dequantized as few times as the registers allow:
 //
 //   for each group of G weight rows (the threads split the groups):
 //     for each tile of activation rows:          (the group's blocks stay in L1 after the first tile)
