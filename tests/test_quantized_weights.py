@@ -218,3 +218,17 @@ def test_quant_dense_without_avx512_builds_and_agrees(tmp_path, isa, flags):
             expected = F.linear(x.double(), weight.dequantize().double())
             out = kernel.quant_dense(x, weight.blocks, FORMAT_CODES[fmt])
             assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+def test_int8_leaves_a_matrix_whose_rows_are_not_whole_blocks_dense(tmp_path):
+    """hidden 48: q|k|v, gate|up and the head read 48 inputs, not whole blocks of 32, so they keep
+    their dense weights, no layer is fused, and the model still decodes what the dense one does."""
+    config = {**TINY_CONFIG, "hidden_size": 48, "head_dim": 12}
+    folder = write_checkpoint(tmp_path / "odd", config, random_llama_tensors(config))
+    model = load_model(folder, weights="int8")
+    with_blocks = {name for name, m in model.products().items() if m.quantized is not None}
+    assert with_blocks == {f"layers.{i}.mlp.w_down.weight" for i in range(config["num_hidden_layers"])}
+    assert not any(layer.fused for layer in model.layers)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    out = LLM(folder, model=model).generate([[5, 9, 14]], params)[0]
+    assert len(out.token_ids) == 8
