@@ -139,10 +139,12 @@ def _attach_blocks(model: Transformer, state: dict[str, torch.Tensor], weights: 
 def resolve_weights(weights: str, model_dir: Path, dtype: torch.dtype, device: str) -> str:
     """`weights` as asked, or for "auto" the checkpoint's own blocks where this machine can read
     them (a CPU whose kernels build, fp32 or bf16, the blocks fetched), else the dense weights."""
-    problem = _blocks_problem(dtype, device)
+    if weights == "model" or (weights == "auto" and not (model_dir / PACKED_FILE).is_file()):
+        return "model"
+    problem = _blocks_problem(dtype, device)  # (builds the C++ kernels, the first time on a machine)
     if weights == "auto":
-        return "q4_1" if problem is None and (model_dir / PACKED_FILE).is_file() else "model"
-    if weights != "model" and problem is not None:
+        return "q4_1" if problem is None else "model"
+    if problem is not None:
         raise ConfigError(f"weights={weights!r} {problem}; use --weights model.")
     return weights
 
