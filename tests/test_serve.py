@@ -660,7 +660,7 @@ def test_a_client_that_leaves_a_request_that_does_not_stream_aborts_it(server):
     body = json.dumps({"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 900, "ignore_eos": True}).encode()
     with socket.create_connection((host, int(port))) as conn:
         conn.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
         )
         deadline = time.monotonic() + 20

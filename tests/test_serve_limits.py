@@ -6,9 +6,11 @@ One server for the module, on the tiny random Llama with the real tokenizer and 
 """
 
 import asyncio
+import http.client
 import json
 import socket
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
@@ -16,7 +18,7 @@ import pytest
 from helpers import ANY_JSON, tiny_with_real_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serving import fetch, running_server
+from serving import Answer, fetch, running_server
 
 from minillm.cli import main
 from minillm.config import EngineConfig
@@ -25,6 +27,7 @@ from minillm.serve.app import build_app
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import parse_metrics
+from minillm.serve.origins import Allowed, allowed_for
 from minillm.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 
 KEY = "open-sesame"
@@ -211,7 +214,7 @@ def test_connections_past_the_limit_get_a_503(server):
     idle = [raw_connection(server) for _ in range(LIMITS.max_connections)]
     time.sleep(0.1)  # let the server accept them all
     with raw_connection(server) as one_more:
-        one_more.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        one_more.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert one_more.recv(100).startswith(b"HTTP/1.1 503")
     for conn in idle:
         conn.close()
@@ -225,7 +228,7 @@ def test_a_connection_that_dribbles_its_head_is_closed_at_the_read_timeout(serve
         started = time.monotonic()
         with pytest.raises((BrokenPipeError, ConnectionResetError)):
             conn.sendall(b"POST /v1/completions HTTP/1.1\r\n")
-            for byte in b"Host: x\r\nX-Slow: yes, one byte at a time\r\n":
+            for byte in b"Host: localhost\r\nX-Slow: yes, one byte at a time\r\n":
                 conn.sendall(bytes([byte]))
                 time.sleep(0.1)
     assert LIMITS.read_timeout <= time.monotonic() - started < LIMITS.read_timeout + 1.5
@@ -234,7 +237,7 @@ def test_a_connection_that_dribbles_its_head_is_closed_at_the_read_timeout(serve
 def test_a_body_that_does_not_arrive_in_time_gets_a_408(server):
     with raw_connection(server) as conn:
         conn.sendall(
-            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"prompt":'
         )
         answer = b""
@@ -292,6 +295,62 @@ def test_a_body_that_is_not_declared_json_is_refused(server, content_type):
     """A web page may post text/plain or a form to any address without a CORS preflight; JSON it
     may not. So a page the user visits cannot drive a server on their machine."""
     assert_error(post(server, '{"prompt": "hi"}', content_type=content_type), 415, "application/json")
+
+
+def options(url: str, headers: dict):
+    """A browser's CORS preflight: OPTIONS with exactly `headers`."""
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=30)
+    try:
+        conn.request("OPTIONS", parts.path, headers=headers)
+        response = conn.getresponse()
+        return Answer(
+            response.status, {k.lower(): v for k, v in response.getheaders()}, response.read().decode()
+        )
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "[::2]:80"])
+def test_a_request_for_another_host_is_refused_dns_rebinding(server, host):
+    """A page on evil.example whose name re-resolves to 127.0.0.1 sends same-origin JSON, but its
+    Host header still says evil.example: refused on every route, before the key is even asked."""
+    body = '{"prompt": "hi", "max_tokens": 2}'
+    headers = {"Host": host, "Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    assert_error(fetch(server[0] + "/v1/completions", body, headers), 403, "--allowed-hosts")
+    assert_error(fetch(server[0] + "/health", headers={"Host": host}), 403, "DNS rebinding")
+    for local in ("localhost:8000", "127.0.0.1", "[::1]:9"):
+        assert fetch(server[0] + "/health", headers={"Host": local}).status_code == 200
+
+
+def test_another_sites_page_is_refused_and_its_preflight_too(server):
+    url = server[0] + "/v1/completions"
+    body = '{"prompt": "hi", "max_tokens": 2}'
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    for origin in ("https://evil.example", "null", "http://127.0.0.1.evil.example"):
+        assert_error(fetch(url, body, headers | {"Origin": origin}), 403, "--allowed-origins")
+        preflight = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+        assert_error(options(url, preflight), 403, "Origin")
+    assert fetch(url, body, headers | {"Origin": "http://localhost:3000"}).status_code == 200
+
+
+def test_allowed_hosts_and_origins_widen_the_check(model_dir):
+    allowed = allowed_for("127.0.0.1", "my.box", "https://app.example")
+    assert allowed_for("0.0.0.0").hosts is None  # every address: names this server cannot know
+    assert allowed_for("0.0.0.0", "my.box").hosts == {"my.box", "localhost", "127.0.0.1", "::1"}
+    assert allowed_for("127.0.0.1", "*", "*") == Allowed(None, None)
+    engine_loop = EngineLoop(LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=2 << 20)))
+    with running_server(engine_loop, allowed=allowed) as url:
+        assert (
+            fetch(
+                url + "/health", headers={"Host": "MY.BOX:8000", "Origin": "https://app.example"}
+            ).status_code
+            == 200
+        )
+        assert_error(fetch(url + "/health", headers={"Host": "other.box"}), 403, "other.box")
+        assert_error(
+            fetch(url + "/health", headers={"Origin": "http://app.example"}), 403
+        )  # http is not https
 
 
 def test_v1_routes_need_the_api_key_and_health_does_not(server, client):

@@ -185,7 +185,9 @@ def test_tokenizer_routes_need_the_api_key(server):
 
 def test_a_model_without_a_tokenizer_says_to_send_token_ids(tiny_dir, tiny_model):
     engine = LLMEngine(EngineConfig(model_dir=tiny_dir, kv_cache_bytes=1 << 20), model=tiny_model)
-    client = TestClient(build_app(EngineLoop(engine), "tiny", start_engine=False))
+    client = TestClient(
+        build_app(EngineLoop(engine), "tiny", start_engine=False), base_url="http://localhost"
+    )
     for response in (client.get("/tokenizer_info"), client.post("/tokenize", json={"prompt": "hi"})):
         assert (
             response.status_code in (400, 404)

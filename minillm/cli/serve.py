@@ -121,6 +121,22 @@ def add_access_args(serve) -> None:
         help="/metrics for anyone, only with the API key, or not at all; its prefix-cache counters "
         "tell a client whether a prompt was cached before, i.e. sent by someone (default: open)",
     )
+    access.add_argument(
+        "--allowed-hosts",
+        metavar="NAMES",
+        default=None,
+        help="Host names the server answers besides localhost, 127.0.0.1, [::1] and --host, "
+        "comma-separated, or * for any; another Host gets a 403 (DNS rebinding). With --host 0.0.0.0 "
+        "the Host is not checked unless this names some (default: none)",
+    )
+    access.add_argument(
+        "--allowed-origins",
+        metavar="ORIGINS",
+        default=None,
+        help="web pages (https://app.example) that may send requests, besides pages on localhost and "
+        "--host; comma-separated, or * for any; a browser's request from another gets a 403 "
+        "(default: none)",
+    )
 
 
 def add_limit_args(serve) -> None:
@@ -154,6 +170,7 @@ def cmd_serve(args) -> None:
     from minillm.serve.app import build_app, check_access
     from minillm.serve.connections import uvicorn_config
     from minillm.serve.engine_loop import EngineLoop
+    from minillm.serve.origins import allowed_for
 
     check_access(args.api_key, args.metrics)
     try:  # the address first: a port in use is one line before the weights are loaded
@@ -168,7 +185,8 @@ def cmd_serve(args) -> None:
     host, port = sock.getsockname()[:2]
     engine_loop = EngineLoop(engine, args.threads)
     limits = limits_from(args)
-    app = build_app(engine_loop, name, False, limits, args.api_key, args.metrics)
+    allowed = allowed_for(args.host, args.allowed_hosts, args.allowed_origins)
+    app = build_app(engine_loop, name, False, limits, args.api_key, args.metrics, allowed)
     server = uvicorn.Server(
         uvicorn_config(app, limits, log_level=args.log_level, timeout_graceful_shutdown=5)
     )

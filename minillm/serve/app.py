@@ -13,6 +13,8 @@
 
 Every route runs on the event loop; the engine runs on one thread (`engine_loop.py`). A
 request is checked before anything reaches the engine, each refusal in OpenAI's error body:
+    403  a Host the server does not answer to (DNS rebinding) or an Origin it does not allow
+         (another site's page), before any route (`origins.py`; --allowed-hosts, --allowed-origins)
     401  /v1/* without the server's key, when it has one (`--api-key`, vLLM's: Authorization: Bearer)
     415  a body that is not Content-Type: application/json: a web page may post text/plain to any
          server without asking (no CORS preflight), but not JSON, so a page the user visits cannot
@@ -49,6 +51,7 @@ from minillm.serve.errors import APIError, error_body, parse_json, shown
 from minillm.serve.kv_events import FORMATS, event_stream
 from minillm.serve.limits import ServeLimits
 from minillm.serve.metrics import metric_values, prometheus
+from minillm.serve.origins import Allowed, HostOriginCheck
 from minillm.serve.protocol import Job
 from minillm.serve.tokenize import detokenize, tokenize, tokenizer_info
 
@@ -62,10 +65,12 @@ def build_app(
     limits: ServeLimits = ServeLimits(),
     api_key: str | None = None,
     metrics: str = "open",
+    allowed: Allowed = Allowed(),
 ) -> FastAPI:
     """The app over an EngineLoop. Its lifespan starts the engine in a thread of its own (unless
     `start_engine` is False: the caller runs `engine_loop.run()` itself) and stops it at shutdown.
-    With `api_key`, /v1/* (and /metrics if `metrics` is "keyed") need it."""
+    With `api_key`, /v1/* (and /metrics if `metrics` is "keyed") need it. Every route answers
+    only the Hosts and Origins `allowed` names (by default a local server's)."""
     check_access(api_key, metrics)
 
     @asynccontextmanager
@@ -78,6 +83,7 @@ def build_app(
     app = FastAPI(
         title="minillm", description="An OpenAI-compatible server on the minillm engine.", lifespan=lifespan
     )
+    app.add_middleware(HostOriginCheck, allowed=allowed)
     keyed = [Depends(api_key_check(api_key))] if api_key else []
     _add_error_handlers(app)
     _add_completion_routes(app, engine_loop, model_name, limits, keyed)
