@@ -215,7 +215,13 @@ def test_connections_past_the_limit_get_a_503(server):
     time.sleep(0.1)  # let the server accept them all
     with raw_connection(server) as one_more:
         one_more.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-        assert one_more.recv(100).startswith(b"HTTP/1.1 503")
+        answer = b""
+        while chunk := one_more.recv(4096):  # the server closes the connection after it
+            answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head
+        error = json.loads(body)["error"]  # OpenAI's error body, not uvicorn's plain text
+        assert error["code"] == 503 and "--max-connections" in error["message"]
     for conn in idle:
         conn.close()
     time.sleep(0.1)

@@ -1,10 +1,12 @@
 """The connections: uvicorn, with at most `max_connections` of them and a deadline for each request's head.
 
-`uvicorn_config` is how both `minillm serve` and the tests run the app. uvicorn answers a request
-past `limit_concurrency` with a 503 itself, but has no deadline for a request's head: its
-keep-alive timer restarts on every byte, so a client that sends one byte a second (slowloris)
-holds its connection, and one of the few a server allows, for ever. `ReadTimeoutProtocol` is
-uvicorn's HTTP/1.1 protocol with that deadline; the body's is the app's (`app.read_body`).
+`uvicorn_config` is how both `minillm serve` and the tests run the app. uvicorn has no deadline
+for a request's head: its keep-alive timer restarts on every byte, so a client that sends one byte
+a second (slowloris) holds its connection, and one of the few a server allows, for ever.
+`ServerProtocol` is uvicorn's HTTP/1.1 protocol with that deadline (the body's is the app's,
+`app.read_body`) and with the connection cap: a request on a connection past `max_connections`
+gets a 503 in OpenAI's error body and the connection closes (uvicorn's own `limit_concurrency`
+answers in plain text).
 
 It also turns off Nagle's algorithm on every connection. asyncio does that only for a socket made
 with proto IPPROTO_TCP, and `socket.create_server` (how `minillm serve` takes its address before
@@ -16,23 +18,36 @@ evaluation harness sends thousands of small ones).
 from __future__ import annotations
 
 import functools
+import json
 import socket
 
 from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from minillm.serve.errors import error_body
 from minillm.serve.limits import ServeLimits
 
 
-class ReadTimeoutProtocol(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol, with `read_timeout` seconds for a request's head (its request
-    line and headers), counted from when the connection opens or its last response ends; a
-    connection that misses it is closed."""
+async def too_many_connections(scope, receive, send) -> None:
+    """The answer to a request past the connection cap: 503, OpenAI's body, and the connection closed."""
+    message = "The server has as many connections open as it takes (--max-connections); retry later."
+    body = json.dumps(error_body(503, message)).encode()
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 503, "headers": [*head, (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
 
-    def __init__(self, *args, read_timeout: float, **kwargs):
+
+class ServerProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, with `read_timeout` seconds for a request's head (its request
+    line and headers), counted from when the connection opens or its last response ends (a
+    connection that misses it is closed), and `max_connections` (one past it gets a 503)."""
+
+    def __init__(self, *args, read_timeout: float, max_connections: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.read_timeout = read_timeout
         self.head_deadline = None
+        self.max_connections = max_connections
+        self.served_app = self.app
 
     def connection_made(self, transport) -> None:
         sock = transport.get_extra_info("socket")
@@ -46,6 +61,9 @@ class ReadTimeoutProtocol(H11Protocol):
         super().on_response_complete()
 
     def handle_events(self) -> None:
+        # a request that arrives in these events is answered by the app uvicorn finds in self.app
+        over_cap = len(self.connections) > self.max_connections  # uvicorn counts this one among them
+        self.app = too_many_connections if over_cap else self.served_app
         super().handle_events()
         if self.cycle is not None and not self.cycle.response_complete:  # a request's head arrived
             self.cancel_head_deadline()
@@ -66,10 +84,7 @@ class ReadTimeoutProtocol(H11Protocol):
 
 def uvicorn_config(app, limits: ServeLimits, **options) -> Config:
     """uvicorn's Config for `app` under `limits` (`options`: uvicorn's own, like log_level)."""
-    return Config(
-        app,
-        http=functools.partial(ReadTimeoutProtocol, read_timeout=limits.read_timeout),
-        # uvicorn counts the connection asking among those open: one more lets max_connections in
-        limit_concurrency=limits.max_connections + 1,
-        **options,
+    protocol = functools.partial(
+        ServerProtocol, read_timeout=limits.read_timeout, max_connections=limits.max_connections
     )
+    return Config(app, http=protocol, **options)
