@@ -296,3 +296,51 @@ def test_a_long_lived_engine_keeps_nothing_of_answered_requests(tiny_dir, tiny_m
         == full.kv_utilization()
         == pytest.approx(sum(m.live_slots for m in full.memory) / sum(m.reserved_slots for m in full.memory))
     )
+
+
+@pytest.mark.parametrize("speculative", ["none", "ngram"])
+def test_non_finite_scores_end_only_their_request(tiny_dir, speculative, always_guess):
+    """A token whose embedding is NaN (a damaged checkpoint, or a broken kernel, on one request's
+    path): greedy decoding took argmax of NaN and streamed garbage. Now the request whose scores are
+    not finite ends with an error at that step, and the others decode the naive decoder's tokens.
+    The poisoned token is the 4th one the request would generate, so it is caught mid-decode (with
+    speculation, among the checked guesses' rows)."""
+    from minillm.weights import load_model
+
+    clean, poisoned = load_model(tiny_dir), load_model(tiny_dir)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    victim, others = [7, 8, 7, 8, 7, 8], [[5, 9, 14, 3], [30, 31, 32]]
+    fourth = generate(clean, victim, params, "naive").token_ids[3]
+    expected = [generate(clean, prompt, params, "naive").token_ids for prompt in others]
+    assert all(fourth not in prompt + out for prompt, out in zip(others, expected)), "pick other prompts"
+    poisoned.embed.weight.data[fourth] = float("nan")
+    llm = LLM(tiny_dir, model=poisoned, speculative=speculative)
+    outs = llm.generate([victim, *others], params)
+    assert outs[0].finish_reason == "error" and "not finite" in outs[0].error
+    assert len(outs[0].token_ids) <= 4
+    assert [out.token_ids for out in outs[1:]] == expected
+    manager = llm.engine.kv_cache.block_manager
+    assert manager.num_free_blocks == manager.num_blocks  # the failed request's blocks went back too
+
+
+def test_non_finite_scores_of_checked_guesses_end_their_request(tiny_dir, tiny_model, always_guess):
+    """The same on speculation's path: the rows that check a sequence's guesses turn NaN (a hook on
+    the runner's vocabulary product, from its second multi-row call on). The request ends with the
+    error and keeps only tokens the naive decoder also gives."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
+    llm = LLM(tiny_dir, model=tiny_model, speculative="ngram", prompt_lookup_min=1, prompt_lookup_max=2)
+    runner, calls = llm.engine.runner, []
+    scores = runner.logits
+
+    def poisoned(hidden, rows):
+        logits = scores(hidden, rows)
+        calls.append(len(rows))
+        return logits.fill_(float("nan")) if sum(n > 1 for n in calls) > 1 and len(rows) > 1 else logits
+
+    runner.logits = poisoned
+    out = llm.generate([prompt], params)[0]
+    assert sum(n > 1 for n in calls) >= 2, "no guesses were checked: pick another prompt"
+    assert out.finish_reason == "error" and "not finite" in out.error
+    naive = generate(tiny_model, prompt, params, "naive").token_ids
+    assert out.token_ids == naive[: len(out.token_ids)] and len(out.token_ids) < len(naive)

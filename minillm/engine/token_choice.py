@@ -31,6 +31,11 @@ from minillm.engine.speculative import NgramProposer, check_guesses
 from minillm.sampling import TokenLogprob, process_logits, token_logprob
 from minillm.structured import Grammars
 
+NOT_FINITE = (
+    "The model's scores for this request's next token are not finite (NaN or inf): a broken kernel "
+    "or a damaged checkpoint; this request ends here, the others go on."
+)
+
 
 class TokenChooser:
     def __init__(
@@ -86,10 +91,15 @@ class TokenChooser:
         appended; its request ends alone)."""
         rows = [r for item, last in guessed for r in range(last - len(item.guesses), last + 1)]
         logits = self.runner.logits(forward.hidden, rows)  # (rows, vocab)
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
         kept, endings, first = {}, {}, 0
         for item, _ in guessed:
             seq, num_rows = item.seq, len(item.guesses) + 1
             rows_of_seq, first = logits[first : first + num_rows], first + num_rows
+            if not all(finite[first - num_rows : first]):
+                kept[seq.seq_id] = 0
+                endings[seq.seq_id] = (seq, "error", NOT_FINITE)
+                continue
             try:
                 tokens = check_guesses(item.guesses, rows_of_seq, self._guess_drawer(seq, item.guesses))
             except Exception as err:
@@ -144,13 +154,19 @@ class TokenChooser:
     # ----------------------------------------------------------------- sampling
     def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
         """Give each ready sequence its next token from logits (ready, vocab); return the requests
-        that changed, in order. A request whose sampling fails (its own sampler raised, or chose
-        no token of the vocabulary) ends alone with the error: the others keep exactly the tokens
-        they drew, each from its own generator, and nothing wrong reaches the next forward pass."""
+        that changed, in order. A request whose sampling fails (its model scores are not finite,
+        its own sampler raised, or chose no token of the vocabulary) ends alone with the error: the
+        others keep exactly the tokens they drew, each from its own generator, and nothing wrong
+        reaches the next forward pass."""
         changed: dict[str, None] = {}
+        finite = torch.isfinite(logits).all(dim=-1).tolist()  # one check for the batch, before any mask
         self.constrain(ready, logits)
-        for seq, seq_logits in zip(ready, logits):
+        for seq, seq_logits, ok in zip(ready, logits, finite):
             if seq.status is Status.FINISHED:  # its request failed earlier in this loop
+                continue
+            if not ok:
+                self.fail_request(seq.request_id, NOT_FINITE)
+                changed[seq.request_id] = None
                 continue
             try:
                 if not self.sample_one(seq, seq_logits):
