@@ -232,3 +232,37 @@ def test_int8_leaves_a_matrix_whose_rows_are_not_whole_blocks_dense(tmp_path):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     out = LLM(folder, model=model).generate([[5, 9, 14]], params)[0]
     assert len(out.token_ids) == 8
+
+
+def test_a_kernel_build_that_fails_leaves_torch_serving_with_one_warning(tmp_path, monkeypatch, capsys):
+    """The C++ build failing (no compiler, a compile error): attention falls back to torch with one
+    line saying why, `weights="auto"` reads the dense weights, asking for blocks is a one-line
+    error, and the tokens are still the naive decoder's."""
+    from minillm import matmul
+    from minillm.attention import kernels
+
+    def broken():
+        raise ConfigError(
+            "The minillm_attention_cpu kernel did not build (error: no compiler here); use torch."
+        )
+
+    folder = snapped_checkpoint(tmp_path / "tiny", "q4_1")
+    monkeypatch.setattr(kernels, "cpu_kernel", broken)
+    matmul.dense_kernel.cache_clear()  # the build's answer is cached per process
+    try:
+        model = load_model(folder, weights="auto")
+        assert all(m.quantized is None for m in model.products().values())
+        llm = LLM(folder, model=model)  # attention_backend="auto"
+        assert llm.engine.runner.backend.name == "torch"
+        assert capsys.readouterr().err.count("no compiler here") == 1
+        with pytest.raises(ConfigError, match="did not build here"):
+            load_model(folder, weights="q4_1")
+        params = SamplingParams(max_tokens=8, ignore_eos=True)
+        prompt = [5, 9, 14, 3]
+        assert (
+            llm.generate([prompt], params)[0].token_ids
+            == generate(load_model(folder), prompt, params, "naive").token_ids
+        )
+    finally:
+        monkeypatch.undo()
+        matmul.dense_kernel.cache_clear()
