@@ -185,3 +185,45 @@ def test_cli_chat_session_survives_a_restart(monkeypatch, capsys, real_dir, tmp_
     a_file.write_text("not a folder")
     code, out, _ = chat(monkeypatch, capsys, real_dir, a_file, ["Hi.", "/exit"])
     assert code == 0 and "was not parked" in out  # the reply stands; one line says why nothing was kept
+
+
+WRITER = """
+import sys, torch
+from pathlib import Path
+from minillm.memory.sessions import write_whole
+path = Path(sys.argv[1])
+for version in range(10**9):  # until killed
+    tensors = {"block.0.k": torch.full((2 * 2**20,), float(version))}  # 8 MB, every number the version
+    write_whole(path, tensors, {"version": str(version)})
+"""
+
+
+@pytest.mark.parametrize("after_versions", [1, 3, 6])
+def test_a_writer_killed_mid_write_leaves_a_whole_session_file(tmp_path, after_versions):
+    """kill -9 of a process rewriting a session file over and over, once it has written a few: the
+    file at the path is always one whole version (its numbers all that version), never a mix or a
+    cut; only the killed write's hidden temporaries (its own, and safetensors') may be left beside it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "chat.safetensors"
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)])
+    try:
+        version = -1
+        while version < after_versions:
+            assert writer.poll() is None, "the writer stopped by itself"
+            time.sleep(0.01)
+            if path.exists():
+                with safe_open(path, "pt") as whole:
+                    version = int(whole.metadata()["version"])
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+    finally:
+        writer.kill()
+    with safe_open(path, "pt") as whole:
+        version, numbers = int(whole.metadata()["version"]), whole.get_tensor("block.0.k")
+    assert version >= after_versions and bool((numbers == version).all())
+    leftovers = {p.name for p in tmp_path.iterdir()} - {path.name}
+    assert all(name.startswith(".") for name in leftovers), leftovers  # the killed write's temporaries
