@@ -7,6 +7,7 @@ import errno
 import json
 import logging
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -500,3 +501,39 @@ def test_real_model_with_swaps_at_every_turn_equals_naive(real_dir, real_model, 
     for out, prompt in zip(outputs, prompts):
         assert out.token_ids == naive_real(prompt, params.max_tokens)
     assert_swapped_and_drained(llm)
+
+
+def _vanish(disk, monkeypatch):
+    shutil.rmtree(disk.folder)  # the folder deleted under the running engine (a cleanup job, a user)
+
+
+def _fill(disk, monkeypatch):
+    def disk_full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_bytes", disk_full)
+
+
+@pytest.mark.parametrize("fault", [_vanish, _fill], ids=["folder gone", "disk full"])
+def test_the_disk_tier_failing_mid_run_means_recompute_and_no_request_fails(
+    tiny_dir, tiny_model, tmp_path, caplog, monkeypatch, fault
+):
+    """Once blocks lie on disk, its folder disappears, or the disk fills up: blocks already there
+    cannot be read back and new ones cannot be written, so their sequences are recomputed; every
+    request still gets the naive decoder's tokens and none ends with an error."""
+    prompts = mixed_prompts(8, seed=11)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
+    engine, disk = llm.engine, llm.engine.kv_cache.tiers.disk
+    ids, final = [engine.add_request(prompt, params) for prompt in prompts], {}
+    while not disk.checksums:  # run until some blocks were swapped out to disk
+        assert engine.has_unfinished_requests(), "nothing went to disk: tighten the pool"
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+    fault(disk, monkeypatch)
+    with caplog.at_level(logging.WARNING, logger="minillm"):
+        while engine.has_unfinished_requests():
+            final |= {out.request_id: out for out in engine.step() if out.finished}
+    assert all(final[i].finish_reason != "error" for i in ids)
+    assert [final[i].token_ids for i in ids] == [naive(tiny_model, prompt, params) for prompt in prompts]
+    assert "missing or corrupt" in caplog.text or "could not be written" in caplog.text
+    engine.kv_cache.block_manager.check_invariants()
