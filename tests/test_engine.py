@@ -344,3 +344,60 @@ def test_non_finite_scores_of_checked_guesses_end_their_request(tiny_dir, tiny_m
     assert out.finish_reason == "error" and "not finite" in out.error
     naive = generate(tiny_model, prompt, params, "naive").token_ids
     assert out.token_ids == naive[: len(out.token_ids)] and len(out.token_ids) < len(naive)
+
+
+def _queued(engine, victim):  # still waiting: the other requests fill max_num_seqs
+    return victim.status.value == "waiting" and victim.num_computed == 0
+
+
+def _prefilling(engine, victim):  # part of its prompt computed, chunk by chunk
+    return 0 < victim.num_computed < len(victim.prompt_ids)
+
+
+def _decoding(engine, victim):
+    return victim.num_computed > len(victim.prompt_ids) + 2
+
+
+def _guessing(engine, victim):  # the last step checked guesses of this sequence
+    return victim.seq_id in engine._checked_guesses and bool(engine._checked_guesses[victim.seq_id])
+
+
+@pytest.mark.parametrize("phase", [_queued, _prefilling, _decoding, _guessing], ids=lambda f: f.__name__[1:])
+def test_a_request_aborted_in_any_phase_leaves_nothing_held(tiny_dir, tiny_model, phase, always_guess):
+    """What a server does when its client hangs up: `abort`, while the request waits in the queue,
+    is half-way through a chunked prefill, decodes, or has guesses being checked. Its blocks all go
+    back (prefix caching on: cached blocks are free ones), the others finish with the naive tokens."""
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    llm = LLM(
+        tiny_dir,
+        model=tiny_model,
+        prefix_caching=True,
+        max_num_seqs=2,
+        max_num_batched_tokens=8,  # a 30-token prompt takes four prefill steps
+        speculative="ngram",
+        prompt_lookup_min=1,
+        prompt_lookup_max=2,
+    )
+    engine = llm.engine
+    others = [[5, 9, 14, 3], [30, 31, 32]]
+    victim_prompt = [7, 8, 9] * 10
+    ids = [engine.add_request(prompt, params) for prompt in others]
+    victim_id = engine.add_request(victim_prompt, params)
+    victim = engine.requests[victim_id][0]
+    if phase is not _queued:  # let it run beside the others
+        engine.abort(ids.pop())
+        others.pop()
+    final = {out.request_id: out for out in engine.step() if out.finished}  # one step ran, at least
+    while not phase(engine, victim):
+        assert engine.has_unfinished_requests() and victim.status.value != "finished", "the phase never came"
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+    engine.abort(victim_id)
+    while engine.has_unfinished_requests():
+        final |= {out.request_id: out for out in engine.step() if out.finished}
+    assert victim_id not in final
+    assert [final[i].token_ids for i in ids] == [
+        generate(tiny_model, p, params, "naive").token_ids for p in others
+    ]
+    manager = engine.kv_cache.block_manager
+    manager.check_invariants()
+    assert manager.num_free_blocks == manager.num_blocks
