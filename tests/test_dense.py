@@ -179,3 +179,34 @@ def test_bf16_engine_matches_bf16_cached_decoding_on_the_real_model(real_dir, re
         assert bf16_steps_apart(logits, expected[at], out.token_ids[at]) <= 2, (prompt, at)
     assert exact > len(prompts) // 2
     assert llm.engine.num_preemptions > 0
+
+
+@needs_onednn
+def test_bf16_onednn_products_see_few_row_counts(monkeypatch):
+    """oneDNN keeps a primitive per row count it has seen (bf16 RSS grew ~2.7 MB per prefill
+    length): rows are padded to multiples of DECODE_BUCKET (packed copy) or PREFILL_BUCKET
+    (F.linear), so 64-300 rows reach F.linear as 8 shapes, and each row's result is unchanged."""
+    from minillm import matmul
+
+    seen = set()
+    linear = F.linear
+
+    def record(product):
+        def recorded(x, *args):
+            seen.add(x.shape[0])
+            return product(x, *args)
+
+        return recorded
+
+    monkeypatch.setattr(matmul.F, "linear", record(linear))  # the prefill path's product
+    gen = torch.Generator().manual_seed(6)
+    layer = Linear(64, 96).to(torch.bfloat16)
+    layer.weight.data = (torch.randn(96, 64, generator=gen) / 8).to(torch.bfloat16)
+    for rows in range(DENSE_MAX_ROWS + 1, 301):
+        x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+        out = layer(x)
+        assert out.shape == (rows, 96)
+        expected = x.float() @ layer.weight.float().T
+        assert (out.float() - expected).abs().max() <= 2**-7 * expected.abs().max()
+    prefill = {n for n in seen if n > matmul.PACKED_MAX_ROWS}
+    assert prefill and all(n % matmul.PREFILL_BUCKET == 0 for n in prefill) and len(prefill) <= 300 // 32 + 1
