@@ -13,7 +13,8 @@ so it multiplies by exactly the fp32 checkpoint's values: lossless, up to the or
 - "int8": every matrix quantized here to Q8_0 (per 32 weights an fp16 scale, as llama.cpp's
   Q8_0; lossy, and it works for any checkpoint);
 - "model": the weights in the model's dtype, as before;
-- "auto" (the default): "q4_1" where the blocks are there and the kernel builds, else "model".
+- "auto" (the default of `serve`, `chat` and `generate`; `EngineConfig` keeps "model"): "q4_1"
+  where the blocks are there and the kernels build, else "model".
 
 Products of more rows than `QUANT_MAX_ROWS` (prefill chunks, large decode batches) keep the
 dense weights and the paths of `matmul.py`, so the model holds both (bf16 SmolLM2: 269 MB dense

@@ -14,15 +14,13 @@ from minillm.decoding import Generation, generate, stream
 from minillm.matmul import bf16_kernel
 from minillm.sampling import SamplingParams
 from minillm.tokenizer import Tokenizer
-from minillm.weights import load_model
+from minillm.weights import load_model_for
 
 
 class Runtime:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.model = load_model(
-            config.model_dir, config.torch_dtype, config.device, config.weights, config.fused_decode
-        )
+        self.model = load_model_for(config)
         # bf16 on a CPU decodes through the C++ products: a first run builds them here, so the
         # build is reported as a build (kernels.build says how long), not as a first token's latency
         bf16_kernel(next(self.model.parameters()))

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from minillm.config import FETCH_HINT, ConfigError, ModelConfig
+from minillm.config import FETCH_HINT, ConfigError, EngineConfig, ModelConfig
 from minillm.matmul import dense_kernel
 from minillm.model import Transformer
 from minillm.quantized_weights import (
@@ -134,6 +134,13 @@ def _attach_blocks(model: Transformer, state: dict[str, torch.Tensor], weights: 
     packed = stack_matrices({name: w.blocks for name, w in read_packed(model_dir).items()}, model.config)
     for name, matmul in model.products().items():
         matmul.quantized = _blocks_for(name, packed[name], state[name])
+
+
+def load_model_for(config: EngineConfig) -> Transformer:
+    """The model a run's switches ask for (`EngineConfig`: dtype, device, weights, fused_decode)."""
+    return load_model(
+        config.model_dir, config.torch_dtype, config.device, config.weights, config.fused_decode
+    )
 
 
 def resolve_weights(weights: str, model_dir: Path, dtype: torch.dtype, device: str) -> str:

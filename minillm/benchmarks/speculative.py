@@ -200,21 +200,19 @@ def bench_speculative(
 ) -> dict:
     model = load_model(model_dir, DTYPES[dtype], weights=weights, fused=fused_decode)
     tokenizer = Tokenizer(model_dir)
-    plain = LLM(model_dir, model=model, tokenizer=tokenizer, dtype=dtype)
-    guessing = LLM(
-        model_dir,
-        model=model,
-        tokenizer=tokenizer,
-        dtype=dtype,
-        speculative="ngram",
-        num_speculative_tokens=num_speculative_tokens,
-        prompt_lookup_min=prompt_lookup_min,
-        prompt_lookup_max=prompt_lookup_max,
+    speculation = {
+        "num_speculative_tokens": num_speculative_tokens,
+        "prompt_lookup_min": prompt_lookup_min,
+        "prompt_lookup_max": prompt_lookup_max,
+    }
+    plain, guessing = (
+        LLM(model_dir, model=model, tokenizer=tokenizer, dtype=dtype, **switches)
+        for switches in ({}, {"speculative": "ngram", **speculation})
     )
     params = SamplingParams(max_tokens=max_tokens)
     sets = prompt_sets(tokenizer, prompts)
-    plain.generate(sets["open-ended"][:1], SamplingParams(max_tokens=4))  # warm up both engines
-    guessing.generate(sets["open-ended"][:1], SamplingParams(max_tokens=4))
+    for llm in (plain, guessing):  # warm up both engines
+        llm.generate(sets["open-ended"][:1], SamplingParams(max_tokens=4))
     results = {}
     for kind, asked in sets.items():
         one, one_counts = _counted(guessing, lambda: _batch_one(plain, guessing, asked, params, repeats))
@@ -229,11 +227,7 @@ def bench_speculative(
         "prompts": prompts,
         "max_tokens": max_tokens,
         "repeats": repeats,
-        "speculation": {
-            "num_speculative_tokens": num_speculative_tokens,
-            "prompt_lookup_min": prompt_lookup_min,
-            "prompt_lookup_max": prompt_lookup_max,
-        },
+        "speculation": speculation,
         "sets": results,
     }
 

@@ -152,11 +152,21 @@ def limits_from(args) -> ServeLimits:
     return ServeLimits(**{name: getattr(args, name) for name, _, _ in ServeLimits.flags()})
 
 
+def listening_socket(host: str, port: int):
+    import socket
+
+    try:
+        return socket.create_server((host, port))
+    except OSError as err:
+        raise ConfigError(
+            f"Cannot listen on {host}:{port} ({err.strerror or err}); choose another --port or --host."
+        ) from None
+
+
 def cmd_serve(args) -> None:
     """HTTP in a thread, the engine in the main thread, which loaded the model: torch's parallel
     regions ran ~20% slower in a thread started after another had run them (OpenMP, measured on
     the 2-core development CPU), and the engine is where the time goes."""
-    import socket
     import threading
 
     from minillm.serve import missing_server_packages
@@ -173,13 +183,7 @@ def cmd_serve(args) -> None:
     from minillm.serve.origins import allowed_for
 
     check_access(args.api_key, args.metrics)
-    try:  # the address first: a port in use is one line before the weights are loaded
-        sock = socket.create_server((args.host, args.port))
-    except OSError as err:
-        raise ConfigError(
-            f"Cannot listen on {args.host}:{args.port} ({err.strerror or err}); "
-            "choose another --port or --host."
-        ) from None
+    sock = listening_socket(args.host, args.port)  # first: a port in use is one line before the weights load
     engine = LLMEngine(EngineConfig(**engine_switches(args)))
     name = args.served_model_name or Path(args.model).name
     host, port = sock.getsockname()[:2]

@@ -43,7 +43,7 @@ from minillm.sampling import Sampler, SamplingParams
 from minillm.structured import Grammars
 from minillm.tokenizer import Tokenizer
 from minillm.tracing import attach
-from minillm.weights import load_model, model_fingerprint
+from minillm.weights import load_model_for, model_fingerprint
 
 
 def check_request_args(params: SamplingParams, arrival_time, priority, sampler, vocab_size: int) -> None:
@@ -75,13 +75,7 @@ class LLMEngine:
         self, config: EngineConfig, model: Transformer | None = None, tokenizer: Tokenizer | None = None
     ):
         self.config = config
-        self.model = (
-            model
-            if model is not None
-            else load_model(
-                config.model_dir, config.torch_dtype, config.device, config.weights, config.fused_decode
-            )
-        )
+        self.model = model if model is not None else load_model_for(config)
         self.tokenizer = (
             tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
         )

@@ -139,6 +139,14 @@ def undo_rope_permutation(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def rope_heads(gguf_name: str, config: ModelConfig) -> int:
+    """The heads whose rows llama.cpp permuted in this tensor (q: the query heads, k: the KV
+    heads), or 0 for any other tensor."""
+    if ".attn_q." in gguf_name:
+        return config.num_heads
+    return config.num_kv_heads if ".attn_k." in gguf_name else 0
+
+
 PACKED_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # the block formats quant_dense reads
 
 
@@ -150,13 +158,7 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> tuple[dict, dict, d
         for t in reader.tensors:
             weight = dequantize(t.data, t.tensor_type).astype(np.float32)  # (out_features, in_features)
             packed = t.data if t.tensor_type.name in PACKED_TYPES else None  # (out_features, bytes a row)
-            heads = (
-                config.num_heads
-                if ".attn_q." in t.name
-                else config.num_kv_heads
-                if ".attn_k." in t.name
-                else 0
-            )
+            heads = rope_heads(t.name, config)
             if heads:
                 weight = undo_rope_permutation(weight, heads)
                 packed = None if packed is None else undo_rope_permutation(packed, heads)

@@ -10,11 +10,14 @@ engine_loop.py  the engine on one thread, fed by a command queue; Submission, on
                 request's side (outputs as they come, abort on close)
 commands.py     what crosses between the threads: Add, Abort, Call, Stop, and each request's Reply
 app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics;
-                the checks at the door (API key, JSON only, body size and time, the waiting room)
+                the checks at the door (API key, the waiting room)
+origins.py      the Host and Origin a request may carry (DNS rebinding, other sites' pages)
+body.py         a request's body within the limits: JSON only, its size, its time
 answer.py       one request's answer as outputs arrive: a JSON body at the end, or server-sent
                 events; what the client no longer waits for is aborted
 limits.py       ServeLimits: what one client may ask for, each bound a `minillm serve` flag
-connections.py  uvicorn as the server runs it: a cap on connections, a deadline for a request's head
+connections.py  uvicorn as the server runs it: a cap on connections (503 JSON), a deadline for a
+                request's head
 metrics.py      /metrics: the snapshot and the loop's counters in Prometheus' text format
 kv_events.py    /v1/kv_events: the KV events streamed as server-sent events; VllmEvents, vLLM's shape
 

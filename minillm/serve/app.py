@@ -19,7 +19,8 @@ request is checked before anything reaches the engine, each refusal in OpenAI's 
     415  a body that is not Content-Type: application/json: a web page may post text/plain to any
          server without asking (no CORS preflight), but not JSON, so a page the user visits cannot
          drive a local server
-    413  a body past max_body_kb;  408  a body not sent within read_timeout
+    413  a body past max_body_kb (drained first, so the client reads it);  408  a body not sent
+         within read_timeout (these three: `body.py`)
     400  a body `protocol.py` refuses: malformed, too long, a value out of range (never a 500);
          it is parsed and tokenized in a worker thread, so a long prompt stalls no stream
     404  another model's name
@@ -41,10 +42,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from minillm.config import ConfigError
 from minillm.serve.answer import Answer, EventStream
+from minillm.serve.body import read_body
 from minillm.serve.commands import RequestRefused
 from minillm.serve.endpoints import parse_chat, parse_completion
 from minillm.serve.engine_loop import EngineLoop
@@ -225,66 +226,6 @@ def _add_status_routes(
 
 def _unavailable(engine_loop: EngineLoop) -> JSONResponse:
     return JSONResponse(error_body(503, engine_loop.error or "The engine loop is not running."), 503)
-
-
-DRAIN_BYTES = 64 * 2**20  # a refused body is read and dropped up to this much (then the connection closes)
-
-
-async def read_body(request: Request, limits: ServeLimits) -> bytes:
-    """The body, if it is JSON (415 otherwise), at most max_body_kb (413: refused by its
-    Content-Length, or as soon as it grows past) and sent within read_timeout (408)."""
-    content_type = request.headers.get("content-type", "")
-    if content_type.split(";")[0].strip().lower() != "application/json":
-        raise APIError(
-            415, f"Send the body as JSON, with Content-Type: application/json (not {shown(content_type)})."
-        )
-    too_large = APIError(
-        413, f"The request body is larger than this server takes ({limits.max_body_kb} KB, --max-body-kb)."
-    )
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and (
-        len(length) > 18 or int(length) > limits.max_body_bytes
-    ):  # int() of 5,000 digits raises
-        await _drain(request, limits)
-        raise too_large
-
-    async def read() -> bytes:
-        chunks, size = [], 0
-        async for piece in request.stream():
-            size += len(piece)
-            if size > limits.max_body_bytes:
-                return None
-            chunks.append(piece)
-        return b"".join(chunks)
-
-    try:
-        body = await asyncio.wait_for(read(), limits.read_timeout)
-    except asyncio.TimeoutError:
-        raise APIError(
-            408, f"The request body did not arrive within {limits.read_timeout:g} s (--read-timeout)."
-        ) from None
-    if body is None:
-        await _drain(request, limits)
-        raise too_large
-    return body
-
-
-async def _drain(request: Request, limits: ServeLimits) -> None:
-    """Read and drop the rest of a refused body (up to DRAIN_BYTES, within read_timeout) before
-    answering: closed with unread bytes, the connection is reset, and a client still sending (any
-    plain HTTP client posting a large body) sees the reset, never the 413. nginx's lingering close."""
-
-    async def drop() -> None:
-        dropped = 0
-        async for piece in request.stream():
-            dropped += len(piece)
-            if dropped > DRAIN_BYTES:
-                return
-
-    try:
-        await asyncio.wait_for(drop(), limits.read_timeout)
-    except (asyncio.TimeoutError, ClientDisconnect):
-        pass  # a client too slow or gone: it is answered as far as it listens
 
 
 def _job_of(parse, raw: bytes, engine, model_name: str, limits: ServeLimits) -> Job:

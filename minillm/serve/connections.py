@@ -4,7 +4,7 @@
 for a request's head: its keep-alive timer restarts on every byte, so a client that sends one byte
 a second (slowloris) holds its connection, and one of the few a server allows, for ever.
 `ServerProtocol` is uvicorn's HTTP/1.1 protocol with that deadline (the body's is the app's,
-`app.read_body`) and with the connection cap: a request on a connection past `max_connections`
+`body.read_body`) and with the connection cap: a request on a connection past `max_connections`
 gets a 503 in OpenAI's error body and the connection closes (uvicorn's own `limit_concurrency`
 answers in plain text).
 

@@ -6,7 +6,8 @@ in every piece of text, connections opened and never finished (slowloris), a str
 (its outputs pile up in the server). `ServeLimits` bounds each, and every bound is a flag (the
 dataclass below is the one place they are declared; `cli/serve.py` makes the flags from it):
 
-    max_body_kb             request body; a bigger one gets a 413 unread (Content-Length first)
+    max_body_kb             request body; a bigger one gets a 413 (by its Content-Length first; the
+                            rest is read and dropped, so the client reads the 413: `body.py`)
     max_prompts_per_request prompts in one completion request (a 400)
     max_request_tokens      prompt tokens + prompts x n x max_tokens of one request (a 400; 16
                             full contexts of SmolLM2, with room for their prompts)
@@ -14,12 +15,12 @@ dataclass below is the one place they are declared; `cli/serve.py` makes the fla
     max_stop_chars          of text is then bounded (a 400)
     max_waiting_requests    engine requests waiting beyond the batch (max_num_seqs); past that a 429
                             with Retry-After, as vLLM-style servers answer under overload
-    max_connections         connections at once; past that uvicorn's 503
+    max_connections         connections at once; past that a 503 in OpenAI's body
     read_timeout            seconds to send a request's head, and then its body (a 408)
     max_stream_backlog      engine steps a stream may fall behind its reader; past that it is aborted
 
-The app enforces the ones about requests and streams (`protocol.py`, `app.py`, `engine_loop.py`),
-uvicorn the ones about connections (`connections.py`).
+The app enforces the ones about requests and streams (`protocol.py`, `body.py`, `engine_loop.py`),
+the server's HTTP protocol the ones about connections (`connections.py`).
 """
 
 from __future__ import annotations
