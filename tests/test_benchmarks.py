@@ -520,12 +520,11 @@ def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, voc
         assert row["cpu_s"] > 0, name
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"], name
         assert (row["prefetch_hidden"] is None) == (row["prefetch_copy_s"] == 0), name
-    assert rows["recompute"]["recomputed_tokens"] > 0 and rows["recompute"]["bytes_moved"] == {}
+    assert rows["recompute"]["recomputed_tokens"] > 0 and rows["recompute"]["swapped_out"] == 0
     swap = rows["swap"]
     assert swap["recomputed_tokens"] == 0 and swap["swapped_out"] > 0
-    # every swapped block comes back before its sequence finishes, and nothing overflows to disk
-    assert swap["bytes_moved"]["device->host"] == swap["bytes_moved"]["host->device"] > 0
-    assert set(swap["bytes_moved"]) == {"device->host", "host->device"}
+    assert swap["swap_copies_saved"] > 0  # the system prompt's blocks, left by holders at different steps
+    assert set(swap["bytes_moved"]) == {"device->host", "host->device"}  # nothing overflows to disk
 
     resume = report["resume"]
     assert resume["answers_identical"]

@@ -196,6 +196,74 @@ def test_a_block_others_still_use_is_copied_for_the_victim_and_stays_put():
     manager.check_invariants()
 
 
+def test_a_shared_block_left_at_different_steps_is_copied_out_once():
+    manager = BlockManager(8, 4, host_blocks=8)
+    manager.grow(1, 8)  # 2 full blocks
+    manager.fork(1, 2)
+    manager.moves.swap_out([1])  # sequence 2 keeps the blocks: copied for 1
+    assert len(manager.take_copies()) == 2
+    manager.moves.swap_out([2])  # a later step: 2 shares 1's copies
+    assert manager.take_copies() == [] and manager.moves.num_copies_saved == 2
+    assert manager.table(1) == manager.table(2) and all(manager.refcounts[b] == 2 for b in manager.table(1))
+    assert len(manager.held("host")) == 2 and manager.num_free_blocks == 8
+    manager.moves.swap_in([1])  # both follow, still shared: 2 copies back, not 4
+    assert len(manager.take_copies()) == 2 and manager.table(1) == manager.table(2)
+    manager.check_invariants()
+
+
+def test_a_block_still_on_the_device_is_shared_again_without_a_copy():
+    manager = BlockManager(8, 4, host_blocks=8)
+    manager.grow(1, 8)
+    manager.fork(1, 2)
+    manager.moves.swap_out([1])
+    manager.take_copies()
+    manager.moves.swap_in([1])  # its blocks never left the device for sequence 2
+    assert manager.take_copies() == [] and manager.moves.num_copies_saved == 2
+    assert manager.table(1) == manager.table(2) and not manager.held("host")
+    manager.check_invariants()
+
+
+def test_a_block_written_after_its_copy_is_copied_back():
+    manager = BlockManager(8, 4, host_blocks=8)
+    manager.grow(1, 6)  # a full block and a half-filled one
+    manager.fork(1, 2)
+    manager.moves.swap_out([1])
+    manager.take_copies()
+    manager.grow(2, 7)
+    manager.check_writable(2, 6, 7)  # 2 writes into the half-filled block: its copy is 1's now
+    manager.moves.swap_in([1])
+    (copied,) = manager.take_copies()
+    assert manager.table(1)[0] == manager.table(2)[0] and copied[1] == manager.table(1)[1]
+    assert manager.table(1)[1] != manager.table(2)[1]
+    manager.check_invariants()
+
+
+def test_a_copy_taken_for_other_content_stands_for_nothing():
+    manager = BlockManager(8, 4, host_blocks=2)
+    manager.grow(1, 4)
+    manager.fork(1, 2)
+    manager.moves.swap_out([1])  # the first host block gets the shared block's bytes
+    manager.free(1)  # ...and is free again, still their copy
+    for seq_id in (3, 4):  # the second host block, then the first, taken for other sequences
+        manager.grow(seq_id, 4)
+        manager.moves.swap_out([seq_id])
+    manager.take_copies()
+    manager.moves.swap_out([2])
+    assert manager.table(2) != manager.table(4) and len(manager.take_copies()) == 1
+    manager.check_invariants()
+
+
+def test_prompts_sharing_a_prefix_swap_it_once_and_equal_naive(tiny_dir, tiny_model):
+    prefix = [5, 9, 14, 3, 8, 21, 2, 7, 30, 11, 4, 6]  # three blocks every prompt adopts
+    prompts = [prefix + tail for tail in mixed_prompts(6, seed=3)]
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    llm = tight(tiny_dir, tiny_model, blocks=16, prefix_caching=True)
+    outs = llm.generate(prompts, params)
+    assert [out.token_ids for out in outs] == [naive(tiny_model, p, params) for p in prompts]
+    assert_swapped_and_drained(llm)
+    assert llm.engine.snapshot().counters["swap_copies_saved"] > 0
+
+
 OPS = st.lists(
     st.tuples(
         st.sampled_from(["grow", "append", "fork", "free", "swap_out", "swap_in", "cache"]),
@@ -214,6 +282,14 @@ OPS = st.lists(
     block_size=1,
     ops=[("grow", 0, 1), ("append", 0, 1), ("swap_out", 0, 1)],
 )
+@example(  # a block shared, copied for one holder, then freed and reused: the copy comes back
+    num_blocks=4,
+    host_blocks=4,
+    disk=False,
+    block_size=2,
+    ops=[("grow", 3, 4), ("grow", 0, 4), ("fork", 0, 1), ("swap_out", 0, 1), ("free", 1, 1)]
+    + [("grow", 2, 4), ("free", 3, 1), ("swap_in", 0, 1)],
+)
 @given(
     num_blocks=st.integers(2, 16),
     host_blocks=st.integers(0, 8),
@@ -223,59 +299,66 @@ OPS = st.lists(
 )
 def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blocks, disk, block_size, ops):
     """allocate / grow / fork / free / swap out / swap in / cache-and-spill, in any order: no block
-    leaked or freed twice in any tier, refcounts equal the tables holding a block, copies never
-    read a block that was reused before the copy, and every tier drains to all-free."""
+    leaked or freed twice in any tier, refcounts equal the tables holding a block, every table
+    reads back what its sequence wrote (through copies, shared twins and writes by siblings), and
+    every tier drains to all-free."""
     manager = BlockManager(num_blocks, block_size, prefix_caching=True, host_blocks=host_blocks, disk=disk)
     moves = manager.moves
-    content: dict[int, tuple] = {}  # block -> what it holds, replayed from the manager's copies
-    lengths: dict[int, int] = {}
+    content: dict[int, dict] = {}  # block -> offset -> what was written there, replayed from the copies
+    written: dict[int, list] = {}  # seq_id -> what each of its positions must read
     tokens = {}
 
     def replay():
         for src, dst in manager.take_copies():
             assert src in content, f"copy from block {src}, which holds nothing"
-            content[dst] = content[src]
+            content[dst] = dict(content[src])
 
-    def write(seq_id):
-        for index, block in enumerate(manager.table(seq_id)):
-            assert manager.tier(block) == "device"
-            content.setdefault(block, ("seq", seq_id, index))
+    def write(seq_id, start, end):
+        manager.check_writable(seq_id, start, end)  # as the engine announces every write
+        table = manager.table(seq_id)
+        for pos in range(start, end):
+            content.setdefault(table[pos // block_size], {})[pos % block_size] = (seq_id, pos)
+            written[seq_id][pos:] = [(seq_id, pos)]
+
+    def check_reads():
+        for seq_id, values in written.items():
+            table = manager.table(seq_id)
+            read = [content[table[pos // block_size]].get(pos % block_size) for pos in range(len(values))]
+            assert read == values, f"sequence {seq_id} reads {read}, wrote {values}"
 
     for op, seq_id, amount in ops:
         swapped = moves.is_swapped(seq_id)
-        if op == "grow" and seq_id not in lengths and manager.can_grow(seq_id, amount):
+        length = len(written.get(seq_id, ()))
+        if op == "grow" and seq_id not in written and manager.can_grow(seq_id, amount):
             manager.grow(seq_id, amount)
-            lengths[seq_id], tokens[seq_id] = amount, [seq_id % 3] * amount
-            write(seq_id)
-        elif op == "append" and seq_id in lengths and not swapped:
+            written[seq_id], tokens[seq_id] = [], [seq_id % 3] * amount
+            write(seq_id, 0, amount)
+        elif op == "append" and seq_id in written and not swapped:
             if manager.can_grow(
-                seq_id,
-                lengths[seq_id] + 1,
-                copies=len(manager.shared_blocks(seq_id, lengths[seq_id], lengths[seq_id] + 1)),
+                seq_id, length + 1, copies=len(manager.shared_blocks(seq_id, length, length + 1))
             ):
-                manager.grow(seq_id, lengths[seq_id] + 1)
-                manager.copy_on_write(seq_id, lengths[seq_id], lengths[seq_id] + 1)
-                lengths[seq_id] += 1
+                manager.grow(seq_id, length + 1)
+                manager.copy_on_write(seq_id, length, length + 1)
                 tokens[seq_id].append(seq_id % 3)
                 replay()
-                write(seq_id)  # the step writes the new token's K/V into its (maybe new) block
-        elif op == "fork" and seq_id in lengths and 100 + seq_id not in lengths:
-            manager.fork(seq_id, 100 + seq_id)
-            lengths[100 + seq_id], tokens[100 + seq_id] = lengths[seq_id], list(tokens[seq_id])
-        elif op == "free" and seq_id in lengths:
+                write(seq_id, length, length + 1)
+        elif op == "fork" and seq_id in written and not swapped and len(written) < 8:
+            child = min(set(range(8)) - set(written))  # an id the other operations can name
+            manager.fork(seq_id, child)
+            written[child], tokens[child] = list(written[seq_id]), list(tokens[seq_id])
+        elif op == "free" and seq_id in written:
             manager.free(seq_id)
-            del lengths[seq_id]
-        elif op == "swap_out" and seq_id in lengths and not swapped and moves.can_swap_out([seq_id]):
+            del written[seq_id]
+        elif op == "swap_out" and seq_id in written and not swapped and moves.can_swap_out([seq_id]):
             moves.swap_out([seq_id])
-        elif op == "swap_in" and swapped:
-            group = [s for s in lengths if moves.is_swapped(s)]
-            if moves.can_swap_in(group):
-                moves.swap_in(group)
-        elif op == "cache" and seq_id in lengths and not swapped:
-            manager.prefix_cache.register(seq_id, manager.table(seq_id), tokens[seq_id], lengths[seq_id])
+        elif op == "swap_in" and swapped and moves.can_swap_in([seq_id]):
+            moves.swap_in([seq_id])
+        elif op == "cache" and seq_id in written and not swapped:
+            manager.prefix_cache.register(seq_id, manager.table(seq_id), tokens[seq_id], length)
         replay()
         manager.check_invariants()
-    for seq_id in list(lengths):
+        check_reads()
+    for seq_id in list(written):
         manager.free(seq_id)
     replay()
     manager.check_invariants()

@@ -49,7 +49,8 @@ def add_preemption_args(tiers) -> None:
         "--requests",
         type=positive_int,
         default=64,
-        help="requests in the trace; prompts U[16, 96], outputs U[8, 40] tokens (default: 64)",
+        help="requests in the trace; prompts a shared 32-token system prompt + U[16, 96], outputs "
+        "U[8, 40] tokens (default: 64)",
     )
     part.add_argument(
         "--rate",

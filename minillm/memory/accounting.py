@@ -215,6 +215,7 @@ def take_snapshot(
         "spilled": manager.moves.num_spilled,
         "spill_hits": manager.moves.num_spill_hits,
         "reclaimed": manager.moves.num_reclaimed,
+        "swap_copies_saved": manager.moves.num_copies_saved,
     }
     rates = {tier: rate for tier in ("host", "disk") if (rate := tiers.copy_rate(tier)) is not None}
     return MemorySnapshot(

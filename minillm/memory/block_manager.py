@@ -230,9 +230,11 @@ class BlockManager:
 
     def check_writable(self, seq_id: int, start: int, end: int) -> None:
         """Positions start..end-1 are about to be written: their blocks must be shared neither with
-        another table nor, through the prefix cache, with requests to come."""
+        another table nor, through the prefix cache, with requests to come; a swap's copy of one
+        (its twin) no longer stands for it."""
         table = self.table(seq_id)
         for index in range(start // self.block_size, self.blocks_for(end)):
+            self._ledger.forget_twin(table[index])
             if self.refcounts[table[index]] > 1:
                 raise BlockManagerError(
                     f"sequence {seq_id} would write into block {table[index]}, "

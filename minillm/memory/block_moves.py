@@ -4,7 +4,10 @@ With a host tier (and a disk tier) block ids go on past the device pool (`free_b
 table may hold blocks of any tier. So a preempted sequence can keep its table: `swap_out` re-points
 it at host (or disk) blocks, `swap_in` at device blocks again. A block several tables hold (a
 shared prefix, a parallel sample's) moves once, for all of them, and its reference count moves
-with it: sharing survives the round trip.
+with it: sharing survives the round trip. That holds across steps too: every block a swap-out
+copies keeps a *twin* (the ledger's) while neither is given new content, so a holder of the shared
+block that leaves later shares the copy already made, and one that comes back while the device
+block is still there (held, or free in the prefix cache) shares it again: one copy out, none back.
 
 Cached prefix blocks move as well. A free device block taken for new content may still hold a
 block the prefix cache can find: it is *reclaimed* (the pressure ladder's first rung), spilled to
@@ -51,6 +54,7 @@ class TierMoves:
         self.num_spilled = 0  # cached prefix blocks moved to the host tier instead of dropped
         self.num_spill_hits = 0  # ...and found there again by a later prompt
         self.num_reclaimed = 0  # cached device blocks nobody held, taken for new content (spilled or dropped)
+        self.num_copies_saved = 0  # swap copies not made: the block's twin in the other tier was shared
         self._reclaimed_since = 0  # ...since the last `take_reclaimed`
 
     # ---------------------------------------------------------------- cached blocks: reclaim, spill, return
@@ -154,33 +158,62 @@ class TierMoves:
     def swap_out(self, seq_ids: list[int]) -> None:
         """Move the device blocks of these tables to the host tier (to disk once it is full). A
         block held only by these tables moves, and its device block is freed; a block that other
-        tables hold too (a shared prefix) is copied, and stays on the device for them."""
+        tables hold too (a shared prefix) is copied, and stays on the device for them, paired with
+        its copy (or, copied by an earlier swap-out already, shares that copy)."""
         moved = {}
         for block, holders in self._blocks_of(seq_ids, on_device=True).items():
-            moved[block] = self._take_block("host" if self._ledger.count("host") else "disk", holders)
-            self._ledger.copy(block, moved[block])
+            moved[block] = self._copy_out(block, holders)
             self._ledger.drop(block, holders)
         for seq_id in seq_ids:
             self._repoint(self._tables[seq_id], moved)
         if self._events:
             self._events.emit(ev.SwappedOut(tuple(seq_ids), tuple(moved.items())))
 
+    def _copy_out(self, block: int, holders: int) -> int:
+        """The host or disk block that `holders` of the device `block` move to: its twin if it has
+        one (an earlier holder's swap-out copied it), else a new copy, paired with the block."""
+        twin = self._ledger.twin(block)
+        if twin is not None:
+            self._ledger.hold(twin, holders)
+            self.num_copies_saved += 1
+            return twin
+        copy = self._take_block("host" if self._ledger.count("host") else "disk", holders)
+        self._ledger.copy(block, copy)
+        self._ledger.pair(block, copy)
+        return copy
+
     def can_swap_in(self, seq_ids: list[int], extra: int = 0) -> bool:
         return len(self.held_off_device(seq_ids)) + extra <= self._ledger.count("device")
 
     def swap_in(self, seq_ids: list[int]) -> None:
         """Bring every host or disk block of these tables back to a device block. Every table that
-        holds such a block (a sibling still swapped out) follows it, so it stays shared."""
+        holds such a block (a sibling still swapped out) follows it, so it stays shared; a block
+        whose twin is still on the device comes back to it, without a copy.
+        (`can_swap_in` counts a device block for every one: a write into a block shared again
+        costs a copy-on-write block.)"""
         moved = {}
         for block in self.held_off_device(seq_ids):
             holders = self._ledger.refcounts[block]
-            moved[block] = self.take_device_block(holders)
-            self._ledger.copy(block, moved[block])
+            moved[block] = self._copy_in(block, holders)
             self._ledger.drop(block, holders)
         for table in self._tables.values():
             self._repoint(table, moved)
         if self._events:
             self._events.emit(ev.SwappedIn(tuple(seq_ids), tuple(moved.items())))
+
+    def _copy_in(self, block: int, holders: int) -> int:
+        """The device block that every holder of the off-device `block` moves to: its twin if that
+        is held, or free but in the prefix cache (a full block: the pool keeps the staged keys of
+        no free block), else a new copy."""
+        twin = self._ledger.twin(block)
+        cache = self._prefix_cache
+        if twin is not None and (self._ledger.refcounts[twin] or (cache and twin in cache.entries)):
+            self._ledger.hold(twin, holders)
+            self.num_copies_saved += 1
+            return twin
+        copy = self.take_device_block(holders)
+        self._ledger.copy(block, copy)
+        return copy
 
     @staticmethod
     def _repoint(table: list[int], moved: dict[int, int]) -> None:

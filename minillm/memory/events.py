@@ -120,7 +120,8 @@ class CopiedOnWrite(Event):
 
 @dataclass(frozen=True, slots=True)
 class SwappedOut(Event):
-    """`moves`: (device block, host or disk block); other tables may still hold a device block."""
+    """`moves`: (device block, host or disk block); other tables may still hold a device block, and a
+    destination may be the source's twin (`free_blocks.py`): shared, not copied."""
 
     seq_ids: tuple[int, ...]
     moves: tuple[tuple[int, int], ...]
@@ -128,7 +129,8 @@ class SwappedOut(Event):
 
 @dataclass(frozen=True, slots=True)
 class SwappedIn(Event):
-    """`moves`: (host or disk block, device block); every table holding one follows it."""
+    """`moves`: (host or disk block, device block); every table holding one follows it; a destination
+    may be the source's twin: shared again, not copied."""
 
     seq_ids: tuple[int, ...]
     moves: tuple[tuple[int, int], ...]

@@ -9,8 +9,14 @@ prefix hit can take one out of the middle.
 A block is free iff its reference count is 0: `take`, `hold` and `drop` change both together, so
 that invariant is kept in one place. Every copy decided between blocks (copy-on-write, swaps,
 spills, bring-backs) waits in one queue, in the order decided, for whoever owns the tensors.
+
 The block manager owns one ledger and shares it with its tier moves (`block_moves.py`); only they
 call in.
+
+Twins: a swap-out copies a device block to the host (or disk), and the two blocks hold the same
+bytes until one of them is taken for new content or written. The ledger remembers each such pair,
+so the next holder of the block to swap out shares the copy already made, and one coming back
+shares the device block again while it is there: a shared block crosses between the tiers once.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ class BlockLedger:
         self._new_disk_ids = count(num_device + num_host)
         self.refcounts: Counter[int] = Counter()  # held block -> tables holding it (read it, change it here)
         self._copies: list[tuple[int, int]] = []  # (source, destination) blocks to copy, in decision order
+        self._twins: dict[int, int] = {}  # device block <-> its off-device copy, both ways, while it matches
 
     # ---------------------------------------------------------------- which tier, how many
     def tier(self, block: int) -> str:
@@ -65,22 +72,27 @@ class BlockLedger:
             block = self._disk.pop() if self._disk else next(self._new_disk_ids)
         else:
             block, _ = (self._device if tier == "device" else self._host).popitem(last=False)
+        self.forget_twin(block)  # new content: no copy stands for it
         self.refcounts[block] = holders
         return block
 
     def take_out(self, block: int) -> None:
-        """This free device or host block is taken by name (a prefix hit), not yet held."""
-        del (self._device if self.tier(block) == "device" else self._host)[block]
+        """This free block is taken by name, content and all (a prefix hit, a twin), not yet held."""
+        tier = self.tier(block)
+        if tier == "disk":
+            self._disk.remove(block)
+        else:
+            del (self._device if tier == "device" else self._host)[block]
 
-    def hold(self, block: int) -> None:
-        """One more table holds the block; a free one (a cached prefix block) stops being free."""
+    def hold(self, block: int, holders: int = 1) -> None:
+        """`holders` more tables hold the block; a free one (a cached prefix block) stops being free."""
         if self.refcounts[block] == 0:
             self.take_out(block)
-        self.refcounts[block] += 1
+        self.refcounts[block] += holders
 
     def drop(self, block: int, holders: int = 1) -> None:
         """`holders` tables let go of the block; at refcount 0 it is free again (a cached block
-        keeps its prefix-cache entry)."""
+        keeps its prefix-cache entry, a copied one its twin)."""
         self.refcounts[block] -= holders
         if self.refcounts[block] == 0:
             del self.refcounts[block]
@@ -97,6 +109,22 @@ class BlockLedger:
     def listed(self) -> list[int]:
         """Every free block of every tier (the invariants check that none is listed twice)."""
         return [*self._device, *self._host, *self._disk]
+
+    # ---------------------------------------------------------------- twins: one block's bytes in two tiers
+    def pair(self, device: int, copy: int) -> None:
+        """`copy` (a host or disk block just taken) is to get `device`'s bytes."""
+        self._twins[device], self._twins[copy] = copy, device
+
+    def twin(self, block: int) -> int | None:
+        """The block in another tier holding this one's bytes, if a swap made one that still matches
+        (held or free: a free one is taken back by name, `take_out`)."""
+        return self._twins.get(block)
+
+    def forget_twin(self, block: int) -> None:
+        """The block gets new content (taken, or about to be written): its twin no longer stands for it."""
+        twin = self._twins.pop(block, None)
+        if twin is not None:
+            del self._twins[twin]
 
     # ---------------------------------------------------------------- the copy queue
     def copy(self, source: int, destination: int) -> None:

@@ -170,6 +170,7 @@ class KVCacheManager:
                 return Allocation(0, num_computed, starting)
             moves.swap_in([seq_id])
             self.counters["swapped_in"] += 1
+            copies = len(manager.shared_blocks(seq_id, start, end))  # blocks it shares again
         if not manager.can_grow(seq_id, end, adopting=hits, copies=copies):
             return Allocation(0, num_computed, starting)
         miss = None

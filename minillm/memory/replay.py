@@ -97,8 +97,8 @@ class Replayer:
 
     def _SwappedOut(self, e: SwappedOut) -> None:
         held = Counter(block for seq_id in e.seq_ids for block in self.tables[seq_id])
-        for source, destination in e.moves:
-            self.refcounts[destination] = held[source]
+        for source, destination in e.moves:  # a destination may be held already: the source's twin
+            self.refcounts[destination] += held[source]
             self._release(source, held[source])
         moved = dict(e.moves)
         for seq_id in e.seq_ids:
@@ -106,7 +106,7 @@ class Replayer:
 
     def _SwappedIn(self, e: SwappedIn) -> None:
         for source, destination in e.moves:
-            self.refcounts[destination] = self.refcounts.pop(source)
+            self.refcounts[destination] += self.refcounts.pop(source)
         moved = dict(e.moves)
         for seq_id, table in self.tables.items():
             self.tables[seq_id] = [moved.get(block, block) for block in table]

@@ -132,8 +132,9 @@ class RunView:
                 self.away[seq_id].blocks_out += moved
             else:
                 self.away[seq_id] = Trip(seq_id, step, moved)
+        copied = [destination for _, destination in e.moves if not self.pool.refcounts[destination]]
         self.pool.apply(e)
-        for _, destination in e.moves:
+        for destination in copied:  # (one already held is a twin: shared, its life goes on)
             self._begin(destination, step)
         self.dirty_seqs.update(e.seq_ids)
         return [block for move in e.moves for block in move]
@@ -146,10 +147,12 @@ class RunView:
                 self.away[seq_id].blocks_in += sum(
                     1 for block in self.pool.tables[seq_id] if block in sources
                 )
+        copied = {destination for _, destination in e.moves if not self.pool.refcounts[destination]}
         self.pool.apply(e)
         for source, destination in e.moves:
             self._end(source, step, "freed")  # moved: (not `_settle`: a spill may already have
-            self._begin(destination, step)  # been told into this host block, see `_Spilled`)
+            if destination in copied:  # been told into this host block, see `_Spilled`)
+                self._begin(destination, step)
         for seq_id in holders:
             trip = self.away.get(seq_id)
             if trip is not None and all(

@@ -1,12 +1,14 @@
 """`minillm bench tiers`: what the KV tiers buy, four questions measured side by side in one run.
 
-1. Preemption: recompute, swap or auto? A seeded trace of N requests (default 64; prompts
-   U[16, 96] tokens of real prose, outputs U[8, 40], decoded greedily to exactly that length)
+1. Preemption: recompute, swap or auto? A seeded trace of N requests (default 64; prompts of a
+   32-token system prompt they share through the prefix cache, then U[16, 96] tokens of real
+   prose; outputs U[8, 40], decoded greedily to exactly that length)
    arrives over time (exponential gaps, --rate requests per second) at an engine whose device KV
    pool is far too small for the requests that run at once, behind a host pool that can hold them
    all. The three rows differ only in what a preemption does: *recompute* throws the victim's KV
    away and prefills it again; *swap* copies its blocks to the host pool and back (the next one to
-   run is prefetched behind a forward pass); *auto* asks the measured cost model per victim. All
+   run is prefetched behind a forward pass; a shared block moves once, however many holders leave
+   at different steps); *auto* asks the measured cost model per victim. All
    three are lossless, so their greedy outputs must be identical — checked, not assumed.
 2. Resume: a ~2,000-token chat (turns cut from real prose, in the chat template) answered by a
    fresh engine that prefills the whole history, which then parks the history in a session file;

@@ -16,6 +16,7 @@ from minillm.tokenizer import Tokenizer
 
 BLOCK_SIZE = EngineConfig.block_size
 PROMPT_LEN, OUTPUT_LEN = (16, 96), (8, 40)  # tokens, uniform; the preemption trace
+SYSTEM_LEN = 2 * BLOCK_SIZE  # every prompt opens with these tokens: blocks the prefix cache shares
 SEED = 0
 
 
@@ -27,14 +28,17 @@ class Request:
 
 
 def make_trace(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[Request]:
-    """Prompts cut at random offsets from real prose; exponential gaps of mean 1/rate seconds."""
+    """Prompts of the text's first SYSTEM_LEN tokens (a system prompt they all share), then a cut at
+    a random offset of the same prose; exponential gaps of mean 1/rate seconds."""
     text_ids = tokenizer.encode(read_text())
+    system = text_ids[:SYSTEM_LEN]
     rng = random.Random(SEED)
     trace, arrival = [], 0.0
     for _ in range(num_requests):
         prompt_len = rng.randint(*PROMPT_LEN)
         start = rng.randrange(len(text_ids) - prompt_len)
-        trace.append(Request(text_ids[start : start + prompt_len], rng.randint(*OUTPUT_LEN), arrival))
+        prompt = system + text_ids[start : start + prompt_len]
+        trace.append(Request(prompt, rng.randint(*OUTPUT_LEN), arrival))
         arrival += rng.expovariate(rate)
     return trace
 
@@ -105,6 +109,7 @@ def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
         "recomputed_tokens": counters["recomputed_tokens"],
         "swapped_out": counters["swapped_out"],
         "swapped_in": counters["swapped_in"],
+        "swap_copies_saved": counters["swap_copies_saved"],
         "bytes_moved": memory.stats.bytes_moved,
         "prefetched": counters["prefetched"],
         "prefetch_copy_s": memory.prefetch_seconds,
@@ -135,6 +140,7 @@ def bench_preemption(
             kv_cache_bytes=device_bytes,
             host_cache_bytes=host_bytes,
             preemption=preemption,
+            prefix_caching=True,
             **switches,
         )
         finished, elapsed, cpu_s = run_trace(llm.engine, trace, preemption, progress)
@@ -146,7 +152,7 @@ def bench_preemption(
             "requests": num_requests,
             "rate_per_s": rate,
             "seed": SEED,
-            "prompt_len": f"U{list(PROMPT_LEN)}",
+            "prompt_len": f"{SYSTEM_LEN} shared + U{list(PROMPT_LEN)}",
             "output_len": f"U{list(OUTPUT_LEN)}",
             "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
             "output_tokens": sum(r.output_len for r in trace),

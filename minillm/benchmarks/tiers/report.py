@@ -48,13 +48,14 @@ def print_preemption(p: dict, console) -> None:
     print_table(
         console,
         f"KV traffic (host pool {mib(p['host_kv_bytes'])} MiB)",
-        ["preemption", "MiB out", "MiB in", "swapped out", "prefetched", "prefetch hidden"],
+        ["preemption", "MiB out", "MiB in", "swapped out", "copies shared", "prefetched", "prefetch hidden"],
         [
             [
                 name,
                 mib(bytes_out(row)),
                 mib(bytes_in(row)),
                 row["swapped_out"],
+                row["swap_copies_saved"],
                 row["prefetched"],
                 "n/a" if row["prefetch_hidden"] is None else f"{row['prefetch_hidden']:.0%}",
             ]
