@@ -6,7 +6,9 @@ a second (slowloris) holds its connection, and one of the few a server allows, f
 `ServerProtocol` is uvicorn's HTTP/1.1 protocol with that deadline (the body's is the app's,
 `body.read_body`) and with the connection cap: a request on a connection past `max_connections`
 gets a 503 in OpenAI's error body and the connection closes (uvicorn's own `limit_concurrency`
-answers in plain text).
+answers in plain text). The protocol's own errors are OpenAI's body too: a head begun and not
+finished by the deadline gets a 408 (an idle keep-alive connection is just closed), bytes that are
+not HTTP a 400 (uvicorn answers "Invalid HTTP request received." in plain text).
 
 It also turns off Nagle's algorithm on every connection. asyncio does that only for a socket made
 with proto IPPROTO_TCP, and `socket.create_server` (how `minillm serve` takes its address before
@@ -20,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import socket
+from http import HTTPStatus
 
 from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -68,13 +71,36 @@ class ServerProtocol(H11Protocol):
         if self.cycle is not None and not self.cycle.response_complete:  # a request's head arrived
             self.cancel_head_deadline()
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes h11 cannot parse as HTTP/1.1 ("Invalid HTTP request received.")
+        or an upgrade it cannot serve, in OpenAI's body."""
+        self.answer_and_close(400, msg)
+
+    def head_deadline_passed(self) -> None:
+        """No whole request head within read_timeout: a client that began one hears why."""
+        if self.conn.trailing_data[0]:  # bytes of a head received, not yet a whole one
+            message = f"The request head did not arrive within {self.read_timeout:g} s (--read-timeout)."
+            self.answer_and_close(408, message)
+        else:
+            self.transport.close()
+
+    def answer_and_close(self, status: int, message: str) -> None:
+        """An error written straight to the connection, outside any request h11 has read."""
+        body = json.dumps(error_body(status, message)).encode()
+        head = (
+            f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+        )
+        self.transport.write(head.encode() + body)
+        self.transport.close()
+
     def connection_lost(self, exc) -> None:
         self.cancel_head_deadline()
         super().connection_lost(exc)
 
     def start_head_deadline(self) -> None:
         self.cancel_head_deadline()
-        self.head_deadline = self.loop.call_later(self.read_timeout, self.transport.close)
+        self.head_deadline = self.loop.call_later(self.read_timeout, self.head_deadline_passed)
 
     def cancel_head_deadline(self) -> None:
         if self.head_deadline is not None:
