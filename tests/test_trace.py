@@ -14,6 +14,7 @@ import pytest
 from minillm import trace
 from minillm.cli import main
 from minillm.engine import LLM, SamplingParams
+from minillm.memory.block_manager import BlockManager
 from minillm.tracing import read_trace, tracing
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
@@ -194,3 +195,26 @@ def test_trace_show_of_a_bad_file_is_a_one_line_error(tmp_path, capsys, prefix_r
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3 and all(line.startswith("error: ") for line in errors)
     assert "bad.jsonl:1" in errors[0] and "No trace file" in errors[1] and "no run 7" in errors[2]
+
+
+def test_a_block_shared_again_without_a_copy_keeps_its_one_life():
+    """Two sequences share two blocks; one leaves (they are copied out), comes back while the other
+    still holds them (no copy: the same device blocks again), and both end. The device saw two
+    contents, each held from step 0 to the end; the host two copies, freed on the way back."""
+    manager = BlockManager(8, BLOCK, host_blocks=8)
+    events = []
+    manager.subscribe(lambda step, event: events.append((step, 0.0, event)))
+    manager.grow(1, 2 * BLOCK)
+    manager.fork(1, 2)
+    manager.events.step = 1
+    manager.moves.swap_out([1])
+    manager.events.step = 2
+    manager.moves.swap_in([1])
+    manager.events.step = 3
+    manager.free(1)
+    manager.free(2)
+    view = trace.walk(events)
+    lives = trace.summarize(view)["lifetimes"]
+    assert lives["device"]["contents"] == 2 and lives["device"]["held_steps"]["max"] == 4
+    assert lives["host"]["contents"] == 2 and lives["host"]["ended"] == {"freed": 2}
+    assert manager.moves.num_copies_saved == 2

@@ -132,10 +132,10 @@ class RunView:
                 self.away[seq_id].blocks_out += moved
             else:
                 self.away[seq_id] = Trip(seq_id, step, moved)
-        copied = [destination for _, destination in e.moves if not self.pool.refcounts[destination]]
+        copied = self._copied_into(e.moves)
         self.pool.apply(e)
-        for destination in copied:  # (one already held is a twin: shared, its life goes on)
-            self._begin(destination, step)
+        for _, destination in e.moves:
+            self._follow(destination, step, copied)
         self.dirty_seqs.update(e.seq_ids)
         return [block for move in e.moves for block in move]
 
@@ -147,12 +147,12 @@ class RunView:
                 self.away[seq_id].blocks_in += sum(
                     1 for block in self.pool.tables[seq_id] if block in sources
                 )
-        copied = {destination for _, destination in e.moves if not self.pool.refcounts[destination]}
+        copied = self._copied_into(e.moves)
         self.pool.apply(e)
         for source, destination in e.moves:
             self._end(source, step, "freed")  # moved: (not `_settle`: a spill may already have
-            if destination in copied:  # been told into this host block, see `_Spilled`)
-                self._begin(destination, step)
+            #   been told into this host block, see `_Spilled`)
+            self._follow(destination, step, copied)
         for seq_id in holders:
             trip = self.away.get(seq_id)
             if trip is not None and all(
@@ -162,6 +162,18 @@ class RunView:
                 self.trips.append(self.away.pop(seq_id))
         self.dirty_seqs.update(holders)
         return [block for move in e.moves for block in move]
+
+    def _copied_into(self, moves) -> set[int]:
+        """A swap's destinations that get new content: not a twin still held or in the prefix cache
+        (`free_blocks.py`), whose content, and life, go on."""
+        pool = self.pool
+        return {block for _, block in moves if not pool.refcounts[block] and block not in pool.cached}
+
+    def _follow(self, destination: int, step: int, copied: set[int]) -> None:
+        if destination in copied:
+            self._begin(destination, step)
+        else:
+            self._settle(destination, step)
 
     def _Spilled(self, step: int, e: ev.Spilled) -> list[int]:
         """A swap-in frees its host blocks as it decides each move, and the device blocks it takes
