@@ -194,8 +194,14 @@ class EngineStats:
     schedule_s: deque[float] = field(init=False)  # the same steps: seconds the scheduler took to decide
 
     def __post_init__(self):
-        self.memory, self.batches = deque(maxlen=self.window), deque(maxlen=self.window)
-        self.ladder, self.schedule_s = deque(maxlen=self.window), deque(maxlen=self.window)
+        self.memory, self.batches, self.ladder, self.schedule_s = deque(), deque(), deque(), deque()
+        self.keep_last(self.window)
+
+    def keep_last(self, steps: int) -> None:
+        """From now on keep per-step detail for the last `steps` steps (about a kilobyte each)."""
+        self.window = steps
+        self.memory, self.batches = deque(self.memory, steps), deque(self.batches, steps)
+        self.ladder, self.schedule_s = deque(self.ladder, steps), deque(self.schedule_s, steps)
 
     def record(
         self, schedule: Schedule, sampled: int, evicted: int, memory: MemoryStats, rungs: dict[str, int]

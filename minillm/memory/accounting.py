@@ -24,7 +24,7 @@ from minillm.memory.arena import ContiguousArena
 from minillm.memory.block_manager import BlockManager
 
 
-@dataclass
+@dataclass(slots=True)  # one per step in the engine's window: kept small
 class MemoryStats:
     total_slots: int
     reserved_slots: int

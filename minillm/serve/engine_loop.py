@@ -40,6 +40,8 @@ from minillm.sampling import SamplingParams
 from minillm.serve.commands import Abort, Add, Call, Reply, RequestRefused, Stop, deliver
 
 RATE_WINDOW_S = 10.0  # generation tokens/s is measured over the steps of the last 10 s
+STEPS_KEPT = 1_000  # per-step detail a served engine keeps: /metrics reads only counters, and a
+#   bench's 10,000 steps (~10 MB) would be memory filling for the first hour of a slow server
 
 
 class StepTime(NamedTuple):
@@ -53,6 +55,7 @@ class StepTime(NamedTuple):
 class EngineLoop:
     def __init__(self, engine: LLMEngine, threads: int | None = None):
         self.engine, self.threads = engine, threads
+        engine.stats.keep_last(STEPS_KEPT)
         self.commands: queue.SimpleQueue = queue.SimpleQueue()
         self.replies: dict[str, Reply] = {}  # request id -> where its outputs go
         self.thread: threading.Thread | None = None  # set by start(); None when a caller runs run() itself
