@@ -61,6 +61,10 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 2**20
     scheduling: str = "continuous"
     admission: str = "fcfs"  # "reserve" is the pre-paging baseline
+    ttft_target: float | None = None  # seconds; memory-aware admission serves who can still meet it first
+    refuse_late: bool = (
+        False  # with ttft_target: a request that can no longer meet it is refused, not served late
+    )
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     prefix_caching: bool = False
@@ -100,6 +104,8 @@ class EngineConfig:
                 f"admission={self.admission!r} chooses who joins a running batch; static batching "
                 "admits a whole batch at a time, in order. Use scheduling='continuous'."
             )
+        self.check_ttft_target()
+        self.check_refuse_late()
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ConfigError(f"device must be 'cpu', 'cuda' or 'cuda:N', not {self.device!r}.")
         if (
@@ -124,6 +130,25 @@ class EngineConfig:
                 raise ConfigError(f"{switch.name} is on or off: True or False, not {value!r}.")
             if switch.choices and value not in switch.choices:
                 raise ConfigError(f"{switch.name} must be one of {_either(switch.choices)}, not {value!r}.")
+
+    def check_ttft_target(self) -> None:
+        slo = self.ttft_target
+        if slo is None:
+            return
+        if isinstance(slo, bool) or not isinstance(slo, (int, float)) or not 0 < slo < float("inf"):
+            raise ConfigError(f"ttft_target is a positive number of seconds, not {slo!r}.")
+        if self.admission != "memory":
+            raise ConfigError(
+                f"ttft_target is what memory-aware admission serves first; admission={self.admission!r} "
+                "ignores it. Use admission='memory'."
+            )
+
+    def check_refuse_late(self) -> None:
+        if self.refuse_late and self.ttft_target is None:
+            raise ConfigError(
+                "refuse_late refuses the requests that can no longer meet the TTFT target; give "
+                "ttft_target (and admission='memory')."
+            )
 
     def check_kv_compression(self) -> None:
         budget = self.kv_budget

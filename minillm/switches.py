@@ -27,6 +27,17 @@ def parse_kv_budget(text: str) -> int | float:
         raise ValueError(f"{text!r} is neither a token count (256) nor a fraction (0.2)") from None
 
 
+def parse_seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{text!r} is not a positive, finite number of seconds")
+    return seconds
+
+
 @dataclass(frozen=True)
 class Switch:
     """How one EngineConfig field is spelled and what it takes. Its default is the field's."""
@@ -135,10 +146,22 @@ _TABLE = {
         Switch(
             "admission",
             "who joins the batch first: fcfs (arrival order), lpm (longest cached prefix first), "
-            "memory (benefit per KV cost, keeping headroom to grow), memory+lpm (lpm's order, "
-            "memory's headroom), or reserve (fcfs, each request holding its maximum length) "
-            "(default: %(default)s)",
-            choices=("fcfs", "lpm", "memory", "memory+lpm", "reserve"),
+            "memory (least KV over its predicted life first, keeping headroom to grow; with "
+            "--ttft-target, those that can still meet it first), or reserve (fcfs, each request "
+            "holding its maximum length) (default: %(default)s)",
+            choices=("fcfs", "lpm", "memory", "reserve"),
+        ),
+        Switch(
+            "ttft_target",
+            "with --admission memory: the time to first token requests should get, in seconds; one "
+            "close to missing it goes first, one that can no longer meet it yields to those that "
+            "can (default: none)",
+            parse=parse_seconds,
+        ),
+        Switch(
+            "refuse_late",
+            "with --ttft-target: refuse a request that can no longer meet it, so its client can retry "
+            "elsewhere (the server answers 503 with Retry-After), instead of serving it late (default: off)",
         ),
     ),
     "kv_quantization": (  # minillm.memory.quantization

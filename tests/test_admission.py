@@ -10,9 +10,9 @@ import pytest
 from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
-from minillm.engine.admission import HISTORY, MAX_WAIT_STEPS, WINDOW, MemoryAware
+from minillm.engine.admission import WINDOW
 from minillm.engine.beam import reference_beam_search
-from minillm.engine.scheduler import Scheduler
+from minillm.engine.scheduler import Scheduler, make_admission
 from minillm.engine.sequence import Sequence, Status
 from minillm.memory import KVCacheManager
 from minillm.memory.block_manager import BlockManager
@@ -51,15 +51,18 @@ def assert_drained(llm):
 # ---------------------------------------------------------------- the scheduler alone
 
 
-def scheduler(admission, num_blocks=10):
+def scheduler(admission, num_blocks=10, prefix_caching=False, max_num_seqs=16):
+    manager = KVCacheManager(
+        BlockManager(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=prefix_caching)
+    )
     return Scheduler(
-        KVCacheManager(BlockManager(num_blocks=num_blocks, block_size=BLOCK)),
+        manager,
         "continuous",
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=64,
         context_len=128,
         vocab_size=97,
-        admission=admission,
+        admission=make_admission(admission, manager, 64),
     )
 
 
@@ -114,15 +117,7 @@ def test_lower_priority_values_are_admitted_first():
 
 
 def cached_scheduler(admission, num_blocks=32):
-    return Scheduler(
-        KVCacheManager(BlockManager(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=True)),
-        "continuous",
-        max_num_seqs=1,
-        max_num_batched_tokens=64,
-        context_len=128,
-        vocab_size=97,
-        admission=admission,
-    )
+    return scheduler(admission, num_blocks, prefix_caching=True, max_num_seqs=1)
 
 
 def run_alone(sched, seq):
@@ -131,10 +126,11 @@ def run_alone(sched, seq):
         step(sched)
 
 
-@pytest.mark.parametrize("admission, first", [("fcfs", "cold"), ("lpm", "warm"), ("memory+lpm", "warm")])
+@pytest.mark.parametrize("admission, first", [("fcfs", "cold"), ("lpm", "warm"), ("memory", "warm")])
 def test_lpm_admits_the_request_whose_prefix_is_cached_first(admission, first):
     """One seat; a request whose prompt is cached (its first 3 blocks) waits behind an older one
-    with nothing cached. Longest prefix first takes the warm one first; fcfs keeps arrival order."""
+    with nothing cached. Longest prefix first takes the warm one first, and so does memory-aware
+    admission (its cached blocks are neither held anew nor computed); fcfs keeps arrival order."""
     sched = cached_scheduler(admission)
     shared = [7] * (3 * BLOCK)
     run_alone(sched, request_with(0, shared + [1], 2))  # leaves its 3 full prompt blocks cached
@@ -155,7 +151,7 @@ def request_with(seq_id, prompt, max_tokens):
     return seq
 
 
-@pytest.mark.parametrize("admission", ["lpm", "memory", "memory+lpm"])
+@pytest.mark.parametrize("admission", ["lpm", "memory"])
 def test_only_the_oldest_window_of_the_queue_is_ranked(admission):
     """However long the queue, a policy ranks and tries the WINDOW oldest requests only: the
     cheapest request, queued beyond them, is not among them."""
@@ -164,60 +160,8 @@ def test_only_the_oldest_window_of_the_queue_is_ranked(admission):
         sched.add(request(seq_id, 20, 8))
     cheapest = request(WINDOW, 2, 1)
     sched.add(cheapest)
-    order = sched.admission.order(sched.waiting, sched.steps)
+    order = sched.admission.order(sched.waiting, sched.running, sched.steps)
     assert len(order) == WINDOW and cheapest not in order
-
-
-@pytest.mark.parametrize("admission", ["memory", "memory+lpm"])
-def test_a_large_request_is_admitted_within_the_stated_bound_under_a_stream_of_small_ones(
-    monkeypatch, admission
-):
-    """Two small requests arrive every step, each cheaper than the large one: by benefit / cost
-    alone the large one would wait forever. Once it has waited MAX_WAIT_STEPS it is due, nobody
-    overtakes it, and it starts as soon as the small ones running then have finished."""
-
-    def first_step_of_the_large_one(max_wait):
-        monkeypatch.setattr("minillm.engine.admission.MAX_WAIT_STEPS", max_wait)
-        sched = scheduler(admission, num_blocks=16)
-        large = request(0, 44, 4)  # 12 of the 16 blocks
-        sched.add(large)
-        ids = iter(range(1, 10_000))
-        for step_index in range(1, 400):
-            for _ in range(2):
-                sched.add(request(next(ids), 4, 6))  # 3 blocks at their peak
-            if large in step(sched):
-                return step_index
-        return None
-
-    small_lifetime = 1 + 6  # a small request's prefill step and its 6 tokens
-    started = first_step_of_the_large_one(MAX_WAIT_STEPS)
-    assert started is not None and started <= MAX_WAIT_STEPS + small_lifetime + 1
-    assert first_step_of_the_large_one(10**9) is None  # without aging it starves: the bound is aging's doing
-
-
-def test_the_expected_output_is_learned_from_finished_requests():
-    sched = scheduler("memory", num_blocks=64)
-    for seq_id in range(4):
-        sched.add(request(seq_id, 4, 10))
-    while sched.has_unfinished():
-        step(sched)
-    fresh = request(9, 4, 200)
-    assert sched.admission.expected_output(fresh) == 10  # learned, not max_tokens
-    assert sched.admission.expected_output(request(10, 4, 3)) == 3  # capped by max_tokens
-    survivor = request(11, 4, 200)
-    for _ in range(12):
-        survivor.append(1, None)
-    assert sched.admission.expected_output(survivor) == 200  # it outlived every finished one
-
-
-def test_the_expected_output_follows_the_latest_finished_requests_only():
-    """A long run keeps HISTORY lengths, not all of them: traffic that changes is followed."""
-    admission = MemoryAware(KVCacheManager(BlockManager(num_blocks=4, block_size=BLOCK)))
-    for length in [100] * HISTORY + [10] * HISTORY:  # long answers, then only short ones
-        finished = request(0, 4, length)
-        finished.output_ids.extend([1] * length)
-        admission.finished(finished)
-    assert admission.expected_output(request(1, 4, 500)) == 10  # all kept, the mean would be 55
 
 
 def test_a_due_request_waits_for_the_batchs_headroom():
@@ -245,7 +189,7 @@ def test_a_due_request_waits_for_the_batchs_headroom():
         {"host_cache_bytes": 400 * BLOCK * KV_BYTES_PER_TOKEN, "preemption": "swap"},
     ],
 )
-@pytest.mark.parametrize("admission", ["memory", "lpm", "memory+lpm"])
+@pytest.mark.parametrize("admission", ["memory", "lpm"])
 def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, switches, admission):
     rng = random.Random(5)
     system = [rng.randrange(97) for _ in range(2 * BLOCK + 1)]

@@ -30,9 +30,10 @@ import torch
 
 from minillm.attention.kernels import attention_backend
 from minillm.config import ConfigError, EngineConfig
+from minillm.engine.output_length import LearnedLengths
 from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
-from minillm.engine.scheduler import Schedule, Scheduler
+from minillm.engine.scheduler import Schedule, Scheduler, make_admission
 from minillm.engine.sequence import Sequence, Status
 from minillm.engine.speculative import NgramProposer
 from minillm.engine.token_choice import TokenChooser
@@ -72,8 +73,14 @@ def check_request_args(params: SamplingParams, arrival_time, priority, sampler, 
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, model: Transformer | None = None, tokenizer: Tokenizer | None = None
+        self,
+        config: EngineConfig,
+        model: Transformer | None = None,
+        tokenizer: Tokenizer | None = None,
+        output_lengths: LearnedLengths | None = None,
     ):
+        """`output_lengths`: how memory-aware admission predicts a request's output length
+        (default: learned from finished requests by their shape, `output_length.py`)."""
         self.config = config
         self.model = model if model is not None else load_model_for(config)
         self.tokenizer = (
@@ -96,7 +103,14 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.context_len,
             model_config.vocab_size,
-            config.admission,
+            make_admission(
+                config.admission,
+                self.kv_cache,
+                config.max_num_batched_tokens,
+                output_lengths or LearnedLengths(self.eos_token_id),
+                config.ttft_target,
+                config.refuse_late,
+            ),
             self.guesses_for if self.proposer is not None else None,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
@@ -208,6 +222,7 @@ class LLMEngine:
         started = time.perf_counter()
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
         self.stats.schedule_s.append(time.perf_counter() - started)
+        outputs += self.outputs_of(self.scheduler.take_refused())  # too late for their target
         if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
             stuck = {seq.request_id for seq in self.scheduler.unfinished()}
             return outputs + self.fail(stuck, "The scheduler found nothing it could run (a bug in minillm).")

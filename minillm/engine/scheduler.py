@@ -12,8 +12,9 @@ admission policy gives (`admission.py`); a request that will fork (n samples, be
 takes its forks' seats when admitted.
 
 When a running sequence's next chunk finds no free block, room is made: first from a waiting
-sequence that holds device blocks, then by preempting the newest running sequence, which goes
-back to the front of the queue. By *recompute* it starts over when memory allows; by *swap* its
+sequence that holds device blocks, then by preempting a running sequence not yet scheduled this
+step (the admission policy's victim: the newest, or the one with the most remaining cost), which
+goes back to the front of the queue. By *recompute* it starts over when memory allows; by *swap* its
 blocks (and its request's siblings', which share them) leave for the host or disk tier and come
 back before it runs again; a swapped sequence at the head of the queue comes back one step early
 (prefetch), its copies behind that step's forward pass. Running out of blocks is a scheduling
@@ -31,7 +32,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from minillm.engine.admission import admission_problem, longest_held, make_admission
+from minillm.engine.admission import (
+    FirstComeFirstServed,
+    LongestPrefixFirst,
+    MaxLengthReservation,
+    admission_problem,
+    longest_held,
+)
+from minillm.engine.memory_aware import MemoryAware
+from minillm.engine.output_length import LearnedLengths
 from minillm.engine.sequence import Sequence, Status
 from minillm.engine.speculative import Guesser, guesses_that_fit
 from minillm.memory import KVCacheManager
@@ -54,6 +63,24 @@ class Schedule:
     prefetch: list[tuple[int, int]] = field(default_factory=list)  # the next step's swap-ins, during it
 
 
+def make_admission(
+    policy: str,
+    manager: KVCacheManager,
+    step_tokens: int,
+    lengths: LearnedLengths | None = None,
+    ttft_target: float | None = None,
+    refuse_late: bool = False,
+) -> FirstComeFirstServed | MemoryAware:
+    """The admission policy named `policy`. Memory-aware admission predicts output lengths with
+    `lengths` (learned from finished requests by their shape, `output_length.py`) and, given the
+    TTFT target `ttft_target` (seconds), puts requests that can still meet it first (and with
+    `refuse_late` refuses those that cannot)."""
+    if policy == "memory":
+        return MemoryAware(manager, step_tokens, lengths or LearnedLengths(None), ttft_target, refuse_late)
+    simple = {"fcfs": FirstComeFirstServed, "lpm": LongestPrefixFirst, "reserve": MaxLengthReservation}
+    return simple[policy]() if policy == "fcfs" else simple[policy](manager)
+
+
 class Scheduler:
     def __init__(
         self,
@@ -63,21 +90,23 @@ class Scheduler:
         max_num_batched_tokens: int,
         context_len: int,
         vocab_size: int,
-        admission: str = "fcfs",
+        admission: FirstComeFirstServed | MemoryAware | None = None,
         guesser: Guesser | None = None,
     ):
-        """`guesser(seq, most, batch)`: at most `most` speculated tokens to follow a decoding
+        """`admission`: who joins the batch first (`make_admission`; default first come first
+        served). `guesser(seq, most, batch)`: at most `most` speculated tokens to follow a decoding
         sequence among `batch` running ones (`speculative.py`), or None without speculation."""
         self.kv_cache = kv_cache
         self.guesser = guesser
         self.policy = policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.context_len, self.vocab_size = context_len, vocab_size
-        self.admission = make_admission(admission, kv_cache)
+        self.admission = admission or FirstComeFirstServed()
         self.steps = 0  # schedules made: the clock a waiting request ages by
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # oldest first
         self.num_preemptions = 0
+        self._refused: list[str] = []  # request ids the admission policy refused this step
         self._scheduled_ids: set[int] = set()  # scheduled this step from the running: they stay on the device
 
     # ----------------------------------------------------------------- admission
@@ -99,6 +128,11 @@ class Scheduler:
         seq.arrival_step = self.steps
         self.waiting.append(seq)
         return True
+
+    def take_refused(self) -> list[str]:
+        """The requests the admission policy refused since the last call (their sequences have ended)."""
+        refused, self._refused = self._refused, []
+        return refused
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -151,8 +185,9 @@ class Scheduler:
 
     def _reserve_running(self, seq: Sequence, budget: int) -> tuple[int, bool]:
         """Blocks for a running sequence's next chunk, making room while memory is short: from a
-        waiting sequence that holds device blocks, else by preempting the newest running one (it
-        may be `seq` itself). Returns (the chunk's tokens, 0 if `seq` left; whether room was made)."""
+        waiting sequence that holds device blocks, else by preempting the admission policy's victim
+        among the running ones this step has not scheduled (it may be `seq` itself). Returns (the
+        chunk's tokens, 0 if `seq` left; whether room was made)."""
         made_room = False
         while seq.status is Status.RUNNING:
             num_tokens = self._reserve(seq, budget)
@@ -160,7 +195,8 @@ class Scheduler:
                 return num_tokens, made_room
             made_room = True
             if not self._release_waiting(seq):
-                self._preempt(self.running[-1], protect=seq)
+                unscheduled = [s for s in self.running if s.seq_id not in self._scheduled_ids]
+                self._preempt(self.admission.victim(unscheduled), protect=seq)
         return 0, made_room
 
     def _with_guesses(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
@@ -180,7 +216,12 @@ class Scheduler:
         """Start waiting sequences while the budget, seats and the admission policy allow."""
         kept = 0  # blocks kept free for due requests that could not start (memory-aware admission)
         seats = self.max_num_seqs - self._seats_taken()
-        for seq in self.admission.order(self.waiting, self.steps):
+        for seq in self.admission.order(self.waiting, self.running, self.steps):
+            refusal = self.admission.refusal(seq)  # (the policy orders the ones it refuses first)
+            if refusal is not None:  # it can no longer be served as asked: it ends now, alone
+                self.finish(seq, "error", refusal)
+                self._refused.append(seq.request_id)
+                continue
             if budget == 0 or seats == 0:
                 break
             if seq.num_uncomputed == 0:  # a beam swapped out while it waited for its siblings' scores:
