@@ -220,6 +220,33 @@ def test_a_request_past_the_waiting_room_gets_a_429_with_retry_after(server, cli
     assert post(server, '{"prompt": "now there is room", "max_tokens": 2}').status_code == 200
 
 
+def test_a_request_that_can_no_longer_meet_the_ttft_target_gets_a_503_with_retry_after(model_dir):
+    """--ttft-target with --refuse-late: one seat, held by a long request; one sent after it misses
+    a 1 microsecond target (the engine has timed its steps by then) and is refused at once, a 503
+    its client can retry, not served late. The first was admitted before any step was timed."""
+    config = EngineConfig(
+        model_dir=model_dir, max_num_seqs=1, admission="memory", ttft_target=1e-6, refuse_late=True
+    )
+    engine_loop = EngineLoop(LLMEngine(config))
+    with running_server(engine_loop, LIMITS) as url:
+        headers = {"Content-Type": "application/json"}
+        with ThreadPoolExecutor(1) as pool:
+            long_one = pool.submit(
+                fetch,
+                url + "/v1/completions",
+                '{"prompt": "Hold on", "max_tokens": 500, "ignore_eos": true}',
+                headers,
+            )
+            deadline = time.monotonic() + 30
+            while engine_loop.open_requests == 0:  # the long one has reached the engine first
+                assert time.monotonic() < deadline and not long_one.done(), "the first request never started"
+                time.sleep(0.01)
+            refused = fetch(url + "/v1/completions", '{"prompt": "too late", "max_tokens": 2}', headers)
+            assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+            assert "TTFT target" in refused.json()["error"]["message"]
+            assert long_one.result(timeout=60).status_code == 200  # the engine went on serving
+
+
 def raw_connection(server) -> socket.socket:
     host, port = server[0].removeprefix("http://").split(":")
     return socket.create_connection((host, int(port)), timeout=10)

@@ -14,6 +14,7 @@ import asyncio
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from minillm.engine.memory_aware import LATE_REFUSAL
 from minillm.serve.engine_loop import Submission
 from minillm.serve.errors import error_body
 from minillm.serve.protocol import Job
@@ -101,6 +102,8 @@ class Answer:
             async for index, out in self.submission.outputs():
                 self.update(index, out)
         except RuntimeError as err:
+            if str(err).startswith(LATE_REFUSAL):  # --refuse-late: overloaded, as vLLM-style servers say
+                return JSONResponse(error_body(503, str(err)), status_code=503, headers={"Retry-After": "1"})
             return JSONResponse(error_body(500, str(err)), status_code=500)
         finally:
             watcher.cancel()

@@ -25,6 +25,8 @@ request is checked before anything reaches the engine, each refusal in OpenAI's 
          it is parsed and tokenized in a worker thread, so a long prompt stalls no stream
     404  another model's name
     429  more requests waiting than max_waiting_requests, with Retry-After
+and once it waits: with --ttft-target and --refuse-late, a request that can no longer meet the
+target is refused, a 503 with Retry-After (a stream already begun gets the error event instead).
 The limits are `ServeLimits`' (`limits.py`). A checked request is answered by `answer.py` (one
 body, or a stream), in `responses.py`'s shapes; /metrics' are `metrics.py`'s. /metrics can be
 keyed or turned off (its prefix-cache counters tell a client whether a prompt's blocks were
