@@ -9,7 +9,8 @@ import statistics
 import pytest
 from helpers import run_json, tiny_with_real_tokenizer
 
-from minillm.benchmarks.scheduling.run import POLICIES, rate_for
+from minillm.benchmarks.scheduling.lengths import rank_quality, ranks, spearman
+from minillm.benchmarks.scheduling.run import HEAVIEST, POLICIES, rate_for
 from minillm.benchmarks.scheduling.trace import (
     KINDS,
     QUESTIONS_ONLY,
@@ -104,29 +105,67 @@ def test_bench_scheduling_json_keeps_its_promises(capsys, vocab_dir):
         "--model",
         vocab_dir,
     )
-    assert report["sizes"]["seeds"] == [1] and report["sizes"]["tuning_seed"] == 0
+    assert report["sizes"]["seeds"] == [1] and report["sizes"]["tuning_seeds"] == [0, 6, 7]
     assert list(report["loads"]["rates"].values()) == [2, 8]
-    assert report["outputs_differing_from_fcfs"] == {policy: 0 for policy in POLICIES}
-    for load, by_policy in report["runs"].items():
-        assert list(by_policy) == list(POLICIES)
-        for policy, runs in by_policy.items():
+    assert report["outputs_differing_from_fcfs"] == {row: 0 for row in HEAVIEST}  # float32: order only
+    for load, by_row in report["runs"].items():
+        assert list(by_row) == list(
+            HEAVIEST if load == "8/s" else POLICIES
+        )  # the lengths' rows at the heaviest
+        for row, runs in by_row.items():
             assert [run["seed"] for run in runs] == [1]
             for run in runs:
                 assert run["errors"] == 0 and 0 <= run["goodput"] <= 1
                 assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"]
-            mean = report["summary"][load][policy]["goodput_mean"]
+                assert (run["lengths"] is not None) == (row == "memory")
+            mean = report["summary"][load][row]["goodput_mean"]
             assert mean == pytest.approx(statistics.mean(run["goodput"] for run in runs))
+    assert set(report["sustained_rate"]) == set(POLICIES)
+    assert -1 <= report["lengths"]["spearman"]["median"] <= 1
     cost = report["scheduler_cost_ms"]
     assert set(cost) == set(POLICIES) and all(
         ms > 0 for by_waiting in cost.values() for ms in by_waiting.values()
     )
 
 
-def test_the_tuning_seed_is_refused_as_a_held_out_one(capsys, vocab_dir):
+@pytest.mark.parametrize("seeds", ["0,1", "1,7"])
+def test_a_tuning_seed_is_refused_as_a_held_out_one(capsys, vocab_dir, seeds):
     from minillm.cli import main
 
-    assert main(["bench", "scheduling", "--seeds", "0,1", "--model", str(vocab_dir)]) != 0
-    assert "tuning seed" in capsys.readouterr().err
+    assert main(["bench", "scheduling", "--seeds", seeds, "--model", str(vocab_dir)]) != 0
+    assert "is a tuning seed" in capsys.readouterr().err
+
+
+def test_spearman_is_pearson_on_ranks_with_ties_shared():
+    assert ranks([10, 30, 20, 20]) == [1, 4, 2.5, 2.5]
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1)
+    assert spearman([1, 2, 3, 4], [5, 5, 5, 5]) is None  # nothing to rank
+    assert spearman([1, 2, 3, 4, 5], [2, 1, 4, 3, 5]) == pytest.approx(
+        1 - 6 * 4 / (5 * 24)
+    )  # 1 - 6 sum d^2 / n(n^2 - 1)
+
+
+def test_the_kind_ceiling_knows_the_kind_and_nothing_else(tokenizer):
+    """A predictor that guesses each request's kind's mean exactly scores the ceiling; one that
+    knows the true lengths scores 1."""
+    trace = make_trace(tokenizer, 1, 60, 2.0, 0.25)
+    by_kind = {}
+    for r in trace:
+        by_kind.setdefault(r.kind, []).append(r.output_len)
+    kind_mean = {kind: statistics.fmean(lengths) for kind, lengths in by_kind.items()}
+    guessed = rank_quality({str(i): kind_mean[r.kind] for i, r in enumerate(trace)}, trace)
+    assert guessed["spearman"] == pytest.approx(guessed["kind_ceiling"])
+    assert rank_quality({str(i): r.output_len for i, r in enumerate(trace)}, trace)[
+        "spearman"
+    ] == pytest.approx(1)
+
+
+def test_each_kind_declares_its_clients_max_tokens_and_never_runs_past_it(tokenizer):
+    trace = make_trace(tokenizer, 2, 150, 2.0, 0.35)
+    declared = {kind.name: round(kind.max_tokens * 0.35) for kind in KINDS}
+    assert all(r.max_tokens == declared[r.kind] and 2 <= r.output_len <= r.max_tokens for r in trace)
+    assert declared["long answer"] > declared["question"] > declared["document"]
 
 
 def test_a_mix_of_questions_only_has_nothing_to_share(tokenizer):

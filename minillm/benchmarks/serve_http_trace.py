@@ -5,6 +5,8 @@ sends the same trace to a server as its clients would, so what a scheduling poli
 from outside, through HTTP, tokenization of answers and the event loop:
 
   1. `minillm serve` in a child process with the bench's engine flags (--admission among them);
+     memory-aware admission without a --ttft-target is told the TTFT SLO as its target, as
+     `bench scheduling` tells it (the SLO is then measured on a server of its own first);
   2. on the idle server, the SLOs (unless given): 5 x the time to prefill the trace's longest
      prompt alone (a request of 1 token), and 5 x the time per output token of one request decoding
      alone, each the smaller of 2 tries. The probes are those prompts reversed (and rotated), so the
@@ -61,7 +63,7 @@ SLO_FACTOR = 5  # an SLO is this many times what a request takes on the idle ser
 PROBE_TRIES = 2  # each idle measurement is the smallest of this many
 DECODE_PROBE_TOKENS = 32  # output tokens of the batch-1 decode probe
 # the engine switches the report names (all of them are in its serve_args)
-SHOWN_SWITCHES = ("admission", "preemption", "prefix_caching", "max_num_seqs")
+SHOWN_SWITCHES = ("admission", "ttft_target", "preemption", "prefix_caching", "max_num_seqs")
 
 
 @dataclass
@@ -207,6 +209,13 @@ def served_summary(answered: list[Answered], slo: dict, wall_s: float) -> dict:
     }
 
 
+def idle_slos(serve_args: list[str], trace, ttft_slo: float | None, tpot_slo: float | None) -> dict:
+    """The SLOs measured on a server of its own, before the replay's server starts: memory-aware
+    admission is told the TTFT SLO as its target when it starts."""
+    with minillm_serve(serve_args) as server:
+        return slos(asyncio.run(idle_timings(server, model_name(server), trace)), ttft_slo, tpot_slo)
+
+
 def limits_for(trace: list[TraceRequest]) -> list[str]:
     """Server flags that let every request of the trace in at once (the in-process replay has no
     connection or queue limit)."""
@@ -232,11 +241,16 @@ def bench_serve_http_trace(
     trace = make_trace(tokenizer, seed, num_requests, rate, scale)
     if max_tokens:
         trace = [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace]
-    serving = nullcontext(parse_url(url)) if url else minillm_serve([*serve_args, *limits_for(trace)])
+    serve_args = [*serve_args, *limits_for(trace)]
+    if not url and switches.get("admission") == "memory" and switches.get("ttft_target") is None:
+        slo = idle_slos(serve_args, trace, ttft_slo, tpot_slo)  # told to the server, as bench scheduling does
+        serve_args += ["--ttft-target", repr(slo["ttft_s"])]
+        switches = {**switches, "ttft_target": slo["ttft_s"]}
+    serving = nullcontext(parse_url(url)) if url else minillm_serve(serve_args)
     with serving as server:
         model = model_name(server)
         idle = asyncio.run(idle_timings(server, model, trace))
-        slo = slos(idle, ttft_slo, tpot_slo)
+        slo = slos(idle, switches.get("ttft_target") or ttft_slo, tpot_slo)
         before = None if url else metrics(server)
         answered, wall_s = asyncio.run(replay_http(server, model, tokenizer, trace, progress))
         after = None if url else wait_idle(server)

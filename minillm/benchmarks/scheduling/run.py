@@ -1,5 +1,6 @@
-"""The run of `minillm bench scheduling`: the SLOs, the loads (found on the tuning seed), every
-policy on every held-out seed at every load, the sustained rates, and the scheduler's own cost."""
+"""The run of `minillm bench scheduling`: the SLOs, the loads (found on the tuning seeds), every
+row on every held-out seed at every load, the sustained rates, how well the learned lengths rank,
+and the scheduler's own cost."""
 
 from __future__ import annotations
 
@@ -12,52 +13,84 @@ import torch
 
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.memory.rows import calibrate  # the SLOs: as `bench memory` sets its targets
+from minillm.benchmarks.scheduling.lengths import RecordedLengths, predictor_for, rank_quality
 from minillm.benchmarks.scheduling.replay import replay
 from minillm.benchmarks.scheduling.trace import KINDS, describe_trace, make_trace
 from minillm.benchmarks.tiers import percentile
-from minillm.config import DTYPES, SWITCHES, ConfigError, resolve_dtype
-from minillm.engine import LLM, SamplingParams
+from minillm.config import DTYPES, ConfigError, EngineConfig, resolve_dtype
+from minillm.engine import LLMEngine, SamplingParams
 from minillm.progress import progress_bar
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
-# every admission order the engine has; reserve (fcfs, each request holding its maximum length) is
-# the pre-paging baseline `bench memory` measures, not a way of choosing who joins
-POLICIES = tuple(choice for choice in SWITCHES["admission"].choices if choice != "reserve")
-TUNING_SEED = 0
-# the three loads: where fcfs reaches these goodputs on the tuning seed (the lightest one so that the
-# rate keeping SUSTAINED goodput lies between two loads, not beyond them)
+# the rows: a name -> (its admission, the output lengths memory-aware admission is given, whether
+# it is told the TTFT target). Every admission order that chooses who joins (reserve, each request
+# holding its maximum length, is the pre-paging baseline `bench memory` measures); memory-aware
+# admission with the lengths it learns and the TTFT SLO as its target, and, to say what each part
+# buys, with the mean length of finished requests (what it used before it learned shapes), with the
+# trace's true lengths (the ceiling; `lengths.py`), and without the target (lesson 13 runs it).
+ROWS = {
+    "fcfs": ("fcfs", None, False),
+    "lpm": ("lpm", None, False),
+    "memory": ("memory", "learned", True),
+    "memory, no TTFT target": ("memory", "learned", False),
+    "memory, mean length": ("memory", "mean", True),
+    "memory, oracle length": ("memory", "oracle", True),
+}
+POLICIES = ("fcfs", "lpm", "memory")  # the rows at every load
+HEAVIEST = (*POLICIES, "memory, mean length", "memory, oracle length")  # at the heaviest load
+TUNING_SEED = 0  # the seed whose trace calibrates the SLOs and the capacity
+# the three loads: where fcfs reaches these goodputs on the tuning seeds (the lightest one so that
+# the rate keeping SUSTAINED goodput lies between two loads, not beyond them)
 LOAD_GOODPUTS = (0.5, 0.8, 0.95)
 SUSTAINED = 0.9  # the goodput a sustained rate keeps
-RATE_STEP, MAX_PROBES = 2**0.5, 12  # the tuning seed's rates: each a neighbour's times or over RATE_STEP
+RATE_STEP, MAX_PROBES = 2**0.5, 8  # the tuning rates: each a neighbour's times or over RATE_STEP
 
 SIZES = {
+    # seeds: held out (reported); tuning_seeds: where the loads are found (never reported);
     # cost_waiting: the queue lengths the scheduler's own cost is measured at
     "full": {
-        "requests": 150,
+        "requests": 120,
         "scale": 0.35,
         "kv_tokens": 640,
         "seeds": (1, 2, 3, 4, 5),
+        "tuning_seeds": (0, 6, 7, 8, 9),
         "cost_waiting": (100, 10_000),
     },
-    "quick": {"requests": 96, "scale": 0.25, "kv_tokens": 320, "seeds": (1, 2), "cost_waiting": (100, 2_000)},
+    "quick": {
+        "requests": 96,
+        "scale": 0.25,
+        "kv_tokens": 320,
+        "seeds": (1, 2),
+        "tuning_seeds": (0, 6, 7),
+        "cost_waiting": (100, 2_000),
+    },
 }
 
 
 # ----------------------------------------------------------------------------- one run
 
 
-def llm_for(model, tokenizer, policy: str, kv_tokens: int, common: dict) -> LLM:
-    """An engine with the prefix cache on and a pool of `kv_tokens` tokens of the model's dtype."""
+def engine_for(
+    model, tokenizer, row: str, kv_tokens: int, slo: dict, common: dict, lengths=None
+) -> LLMEngine:
+    """An engine with the prefix cache on and a pool of `kv_tokens` tokens of the model's dtype,
+    admitting as `row` says: memory-aware admission with the `lengths` predictor, told the TTFT
+    target (the SLO) or not."""
+    admission, _, told_target = ROWS[row]
     kv_bytes = kv_tokens * model.config.kv_bytes_per_token(model.dtype)
-    switches = {"admission": policy, "prefix_caching": True, "kv_cache_bytes": kv_bytes, **common}
-    return LLM(model=model, tokenizer=tokenizer, **switches)
+    switches = {"admission": admission, "prefix_caching": True, "kv_cache_bytes": kv_bytes, **common}
+    if told_target:
+        switches["ttft_target"] = slo["ttft_s"]
+    return LLMEngine(EngineConfig(**switches), model, tokenizer, output_lengths=lengths)
 
 
-def serve_trace(model, tokenizer, trace, policy: str, sizes: dict, slo: dict, common: dict) -> dict:
-    """One policy on one trace: goodput (TTFT and TPOT both within their SLOs), latencies, and
-    every request's tokens (for the greedy comparison)."""
-    engine = llm_for(model, tokenizer, policy, sizes["kv_tokens"], common).engine
+def serve_trace(model, tokenizer, trace, row: str, sizes: dict, slo: dict, common: dict) -> dict:
+    """One row on one trace: goodput (TTFT and TPOT both within their SLOs), latencies, every
+    request's tokens (for the greedy comparison), and how well the learned lengths ranked."""
+    script = {str(index): request.output_len for index, request in enumerate(trace)}
+    lengths = predictor_for(ROWS[row][1], tokenizer.eos_token_id, script) if ROWS[row][1] else None
+    engine = engine_for(model, tokenizer, row, sizes["kv_tokens"], slo, common, lengths)
     served, busy, steps = replay(engine, tokenizer, trace)
     memory = engine.snapshot()
     recomputed = memory.counters["recomputed_tokens"]
@@ -85,6 +118,7 @@ def serve_trace(model, tokenizer, trace, policy: str, sizes: dict, slo: dict, co
         # busy time spent prefilling again what preemption threw away, at the idle prefill's rate
         "recompute_share": recomputed * slo["prefill_alone_s"] / slo["longest_prompt"] / busy,
         "prefix_hit_rate": memory.prefix_cache["hit_rate"],
+        "lengths": rank_quality(lengths.first, trace) if isinstance(lengths, RecordedLengths) else None,
         "tokens": [s.token_ids for s in served],
     }
 
@@ -114,32 +148,55 @@ def rate_for(points: list[tuple[float, float]], goodput: float) -> float | None:
 
 
 def find_loads(model, tokenizer, sizes: dict, slo: dict, common: dict, progress: bool) -> dict:
-    """On the tuning seed only: fcfs from half its capacity, at rates falling by RATE_STEP until its
-    goodput reaches the lightest load's and rising until it falls below the heaviest load's; the
-    rates where it crosses each load's goodput."""
+    """On the tuning seeds only: fcfs on each, from its capacity at rates falling by RATE_STEP
+    until most seeds reach the lightest load's goodput, and rising until most fall below the
+    heaviest's. A load's rate is the median of the rates where each seed's goodput crosses it:
+    one seed's bursts do not set the loads for all."""
     capacity = capacity_rate(model, tokenizer, sizes, slo, common)
-    grid: list[tuple[float, float]] = []  # (rate, fcfs goodput)
-    with progress_bar("loads: fcfs on the tuning seed", MAX_PROBES, enabled=progress) as advance:
+    seeds = sizes["tuning_seeds"]
+    grids: dict[int, list[tuple[float, float]]] = {seed: [] for seed in seeds}  # (rate, fcfs goodput)
+    with progress_bar(
+        "loads: fcfs on the tuning seeds", MAX_PROBES * len(seeds), enabled=progress
+    ) as advance:
 
         def probe(rate: float) -> None:
-            trace = make_trace(tokenizer, TUNING_SEED, sizes["requests"], rate, sizes["scale"])
-            grid.append((rate, serve_trace(model, tokenizer, trace, "fcfs", sizes, slo, common)["goodput"]))
-            advance()
+            for seed in seeds:
+                trace = make_trace(tokenizer, seed, sizes["requests"], rate, sizes["scale"])
+                grids[seed].append(
+                    (rate, serve_trace(model, tokenizer, trace, "fcfs", sizes, slo, common)["goodput"])
+                )
+                advance()
 
-        probe(0.5 * capacity)
-        while len(grid) < MAX_PROBES and min(grid)[1] < max(LOAD_GOODPUTS):
-            probe(min(grid)[0] / RATE_STEP)
-        while len(grid) < MAX_PROBES and max(grid)[1] >= min(LOAD_GOODPUTS):
-            probe(max(grid)[0] * RATE_STEP)
-    grid.sort()
-    loads = {f"{goodput:.0%}": rate_for(grid, goodput) for goodput in LOAD_GOODPUTS}
+        def median_at(end) -> float:  # the seeds' median goodput at the lowest (min) or highest (max) rate
+            return statistics.median(end(grid)[1] for grid in grids.values())
+
+        probe(capacity)
+        while len(grids[seeds[0]]) < MAX_PROBES and median_at(min) < max(LOAD_GOODPUTS):
+            probe(min(grids[seeds[0]])[0] / RATE_STEP)
+        while len(grids[seeds[0]]) < MAX_PROBES and median_at(max) >= min(LOAD_GOODPUTS):
+            probe(max(grids[seeds[0]])[0] * RATE_STEP)
+    loads, crossings = {}, {}
+    for goodput in LOAD_GOODPUTS:
+        crossed = [rate_for(grid, goodput) for grid in grids.values()]
+        crossings[f"{goodput:.0%}"] = crossed
+        found = [rate for rate in crossed if rate is not None]
+        loads[f"{goodput:.0%}"] = statistics.median(found) if 2 * len(found) > len(seeds) else None
     missing = [load for load, rate in loads.items() if rate is None]
     if missing:
-        raise ConfigError(
-            f"fcfs's goodput on the tuning seed did not cross {', '.join(missing)} on the rates tried "
-            f"({', '.join(f'{r:.2f}/s: {g:.0%}' for r, g in grid)}); raise --requests or lower --kv-tokens."
+        grid = ", ".join(
+            f"seed {seed}: " + " ".join(f"{r:.2f}/s {g:.0%}" for r, g in sorted(points))
+            for seed, points in grids.items()
         )
-    return {"capacity_arrivals_s": capacity, "grid": grid, "rates": loads}
+        raise ConfigError(
+            f"fcfs's goodput on most tuning seeds did not cross {', '.join(missing)} on the rates tried "
+            f"({grid}); raise --requests or lower --kv-tokens."
+        )
+    return {
+        "capacity_arrivals_s": capacity,
+        "grids": {seed: sorted(grid) for seed, grid in grids.items()},
+        "crossings": crossings,
+        "rates": loads,
+    }
 
 
 def capacity_rate(model, tokenizer, sizes: dict, slo: dict, common: dict, mix: tuple = KINDS) -> float:
@@ -155,22 +212,25 @@ def capacity_rate(model, tokenizer, sizes: dict, slo: dict, common: dict, mix: t
 
 
 def held_out(model, tokenizer, sizes: dict, loads: dict, slo: dict, common: dict, progress: bool) -> dict:
-    """Every policy on every held-out seed at every load, the policies alternating within a seed."""
-    results = {load: {policy: [] for policy in POLICIES} for load in loads}
-    greedy_differs = {policy: 0 for policy in POLICIES}
-    runs = len(loads) * len(sizes["seeds"]) * len(POLICIES)
+    """Every row on every held-out seed at every load (the two other lengths at the heaviest load
+    only), the rows alternating within a seed so drift hits them alike."""
+    heaviest = max(loads, key=loads.get)
+    rows_at = {load: HEAVIEST if load == heaviest else POLICIES for load in loads}
+    results = {load: {row: [] for row in rows} for load, rows in rows_at.items()}
+    greedy_differs = {row: 0 for row in HEAVIEST}
+    runs = sum(len(rows) for rows in rows_at.values()) * len(sizes["seeds"])
     with progress_bar("held-out seeds: runs", runs, enabled=progress) as advance:
         for load, rate in loads.items():
             for seed in sizes["seeds"]:
                 trace = make_trace(tokenizer, seed, sizes["requests"], rate, sizes["scale"])
                 tokens = {}
-                for policy in POLICIES:
-                    run = serve_trace(model, tokenizer, trace, policy, sizes, slo, common)
-                    tokens[policy] = run.pop("tokens")
-                    results[load][policy].append({"seed": seed, **run})
+                for row in rows_at[load]:
+                    run = serve_trace(model, tokenizer, trace, row, sizes, slo, common)
+                    tokens[row] = run.pop("tokens")
+                    results[load][row].append({"seed": seed, **run})
                     advance()
-                for policy in POLICIES:
-                    greedy_differs[policy] += sum(a != b for a, b in zip(tokens[policy], tokens["fcfs"]))
+                for row in rows_at[load]:
+                    greedy_differs[row] += sum(a != b for a, b in zip(tokens[row], tokens["fcfs"]))
     return {"runs": results, "outputs_differing_from_fcfs": greedy_differs}
 
 
@@ -194,6 +254,7 @@ def summarize(runs: dict) -> dict:
                 "recomputed_tokens_mean": statistics.mean(run["recomputed_tokens"] for run in seeds),
                 "recompute_share_mean": statistics.mean(run["recompute_share"] for run in seeds),
                 "goodput_by_kind_mean": _by_kind_means([run["goodput_by_kind"] for run in seeds]),
+                "ttft_p50_mean_s": statistics.mean(run["ttft_p50_s"] for run in seeds),
             }
     return summary
 
@@ -206,20 +267,34 @@ def _by_kind_means(by_kind: list[dict]) -> dict:
 
 def sustained_rates(runs: dict, loads: dict) -> dict:
     """Per policy, the rate whose mean goodput over the held-out seeds is SUSTAINED, interpolated
-    between the loads measured (None where both loads are on one side of it)."""
+    between the two measured loads that bracket it (None where every load is on one side of it),
+    and the loads' mean goodputs it was read from."""
     rates = {}
     for policy in POLICIES:
-        points = [
+        points = sorted(
             (loads[load], statistics.mean(run["goodput"] for run in runs[load][policy])) for load in loads
-        ]
-        rates[policy] = rate_for(points, SUSTAINED)
+        )
+        rates[policy] = {"rate": rate_for(points, SUSTAINED), "points": points}
     return rates
+
+
+def length_quality(runs: dict) -> dict:
+    """How well the learned lengths ranked, over every held-out run of the memory row: the median
+    and range of each measure over the runs."""
+    measures = [run["lengths"] for by_row in runs.values() for run in by_row["memory"] if run["lengths"]]
+    quality = {}
+    for name in ("spearman", "spearman_first_third", "spearman_rest", "kind_ceiling"):
+        values = [m[name] for m in measures if m[name] is not None]
+        quality[name] = (
+            {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+        )
+    return quality
 
 
 # ----------------------------------------------------------------------------- the scheduler's own cost
 
 
-def scheduler_cost(model, tokenizer, queue_lengths: tuple[int, ...], common: dict) -> dict:
+def scheduler_cost(model, tokenizer, queue_lengths: tuple[int, ...], slo: dict, common: dict) -> dict:
     """schedule()'s time per step (median of 20 steps) with each of `queue_lengths` requests
     queued, per policy: the policy's own work as the queue grows. Short requests, half of them
     sharing a system prompt."""
@@ -229,7 +304,8 @@ def scheduler_cost(model, tokenizer, queue_lengths: tuple[int, ...], common: dic
     for policy in POLICIES:
         costs[policy] = {}
         for waiting in queue_lengths:
-            engine = llm_for(model, tokenizer, policy, 2048, common).engine
+            lengths = predictor_for(ROWS[policy][1], tokenizer.eos_token_id, {}) if ROWS[policy][1] else None
+            engine = engine_for(model, tokenizer, policy, 2048, slo, common, lengths)
             for index in range(waiting):
                 prompt = (system if index % 2 else []) + [rng.randrange(1000, 20000) for _ in range(32)]
                 engine.add_request(prompt, SamplingParams(max_tokens=32, ignore_eos=True))
@@ -261,8 +337,12 @@ def bench_scheduling(
     sizes = dict(SIZES["quick" if quick else "full"])
     given = {"requests": num_requests, "kv_tokens": kv_tokens, "seeds": seeds}
     sizes.update({key: value for key, value in given.items() if value is not None})
-    if TUNING_SEED in sizes["seeds"]:
-        raise ConfigError(f"seed {TUNING_SEED} is the tuning seed; report on others (--seeds 1,2,3).")
+    tuned_on = sorted(set(sizes["seeds"]) & set(sizes["tuning_seeds"]))
+    if tuned_on:
+        tuning = ", ".join(map(str, sizes["tuning_seeds"]))
+        raise ConfigError(
+            f"seed {tuned_on[0]} is a tuning seed ({tuning}); report on others (--seeds 1,2,3)."
+        )
     default_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -278,21 +358,21 @@ def bench_scheduling(
         "sizes": {
             **sizes,
             "seeds": list(sizes["seeds"]),
+            "tuning_seeds": list(sizes["tuning_seeds"]),
             "cost_waiting": list(sizes["cost_waiting"]),
-            "tuning_seed": TUNING_SEED,
         },
         **measured,
     }
 
 
 def measure(model, tokenizer, sizes: dict, rates: tuple[float, ...] | None, common: dict, progress: bool):
-    """The SLOs and the loads from the tuning seed (or the rates given), the held-out runs, the
+    """The SLOs and the loads from the tuning seeds (or the rates given), the held-out runs, the
     scheduler's cost: the report's measured part, in its order."""
     tuning = make_trace(tokenizer, TUNING_SEED, sizes["requests"], 1.0, sizes["scale"])
     check_pool(tuning, sizes["kv_tokens"])
     slo = calibrate(model, tokenizer, tuning, common)
     found = (
-        {"capacity_arrivals_s": None, "grid": [], "rates": {f"{rate:g}/s": rate for rate in rates}}
+        {"capacity_arrivals_s": None, "grids": {}, "crossings": {}, "rates": {f"{r:g}/s": r for r in rates}}
         if rates
         else find_loads(model, tokenizer, sizes, slo, common, progress)
     )
@@ -303,7 +383,8 @@ def measure(model, tokenizer, sizes: dict, rates: tuple[float, ...] | None, comm
         "loads": found,
         "summary": summarize(measured["runs"]),
         "sustained_rate": sustained_rates(measured["runs"], found["rates"]),
+        "lengths": length_quality(measured["runs"]),
         "outputs_differing_from_fcfs": measured["outputs_differing_from_fcfs"],
-        "scheduler_cost_ms": scheduler_cost(model, tokenizer, sizes["cost_waiting"], common),
+        "scheduler_cost_ms": scheduler_cost(model, tokenizer, sizes["cost_waiting"], slo, common),
         "runs": measured["runs"],
     }

@@ -16,10 +16,18 @@ Five kinds, in fixed shares of the trace, in a seeded order:
 
 Arrivals are a Poisson process: exponential gaps at `rate` requests per second (a chat's later
 turns are not arrivals; they follow their conversation). Output lengths are heavy-tailed
-(lognormal: most answers short, a few long), each capped by the max_tokens the request declares
-(`MAX_TOKENS`, more than most need, as clients declare). A request ends with EOS at exactly its
-output length (`ScriptedStop`): the engine learns lengths only as requests finish, and every
-policy does the same work on the same trace.
+(lognormal: most answers short, a few long), at most MAX_OUTPUT. Each request declares the
+max_tokens its kind of client declares, more than most of its answers need: 256 for questions,
+system-prompted requests and chat turns, 128 for a document's summary, 512 for a long answer (a
+client that wants an essay leaves room for one). A request ends with EOS at exactly its output
+length (`ScriptedStop`): the engine learns lengths only as requests finish, and every policy does
+the same work on the same trace.
+
+What a scheduler may know of a request's length is its shape, as in real traffic: the max_tokens
+it declares, whether its prompt is raw text, a system prompt and a question, or a conversation
+(and how long), and how long its prompt is. Within a kind, lengths are drawn at random: nothing
+in a prompt tells one question's answer from another's, so the kind is the only honest signal,
+and a perfect guess of each request's kind is the ceiling of any predictor (`kind_ceiling`).
 
 `scale` multiplies every length (prompts, system prompts, outputs): `--quick` halves the default.
 """
@@ -36,7 +44,7 @@ from minillm.tokenizer import Tokenizer
 
 SYSTEM_PROMPTS, SYSTEM_TOKENS = 4, 256
 THINK_S = 1.0  # a user's mean pause between an answer and the next message of a conversation
-MAX_TOKENS = 256  # what every request declares (a long answer may be cut by it)
+MAX_OUTPUT = 256  # the longest answer drawn (a long answer's tail is cut there)
 
 
 @dataclass(frozen=True)
@@ -46,18 +54,19 @@ class Kind:
     prompt_len: tuple[int, int]  # tokens of prose, uniform (a user message, for system and chat)
     output_median: int  # lognormal output length: its median, in tokens
     output_sigma: float  # and its log-space spread (the tail's weight)
+    max_tokens: int  # what its requests declare
 
 
 KINDS = (
-    Kind("question", 0.35, (16, 64), 24, 0.8),
-    Kind("system", 0.25, (16, 48), 24, 0.8),
-    Kind("chat", 0.20, (16, 48), 32, 0.8),
-    Kind("document", 0.10, (384, 768), 12, 0.5),
-    Kind("long answer", 0.10, (16, 32), 192, 0.3),
+    Kind("question", 0.35, (16, 64), 24, 0.8, 256),
+    Kind("system", 0.25, (16, 48), 24, 0.8, 256),
+    Kind("chat", 0.20, (16, 48), 32, 0.8, 256),
+    Kind("document", 0.10, (384, 768), 12, 0.5, 128),
+    Kind("long answer", 0.10, (16, 32), 192, 0.3, 512),
 )
 CHAT_TURNS = (2, 5)
 QUESTIONS_ONLY = (
-    Kind("question", 1.0, (16, 64), 24, 0.8),
+    Kind("question", 1.0, (16, 64), 24, 0.8, 256),
 )  # short requests, nothing shared: no policy's case
 
 
@@ -69,7 +78,7 @@ class TraceRequest:
     kind: str
     prompt_ids: list[int]
     output_len: int  # tokens it turns out to need (the last is EOS)
-    max_tokens: int
+    max_tokens: int  # what it declares (its kind's)
     arrival_s: float  # seconds after the trace starts; for a later chat turn, the think time after its
     #   conversation's previous answer
     follows: int | None = None  # the index of the conversation's previous turn, for a later chat turn
@@ -81,7 +90,7 @@ def _scaled(length: int, scale: float) -> int:
 
 def _output_len(kind: Kind, scale: float, rng: random.Random) -> int:
     drawn = kind.output_median * math.exp(kind.output_sigma * rng.gauss(0, 1))
-    return min(_scaled(MAX_TOKENS, scale), max(2, _scaled(round(drawn), scale)))
+    return min(_scaled(min(MAX_OUTPUT, kind.max_tokens), scale), max(2, _scaled(round(drawn), scale)))
 
 
 class _Prose:
@@ -158,7 +167,7 @@ def make_trace(
                     *assistant_header(tokenizer),
                 ]
             output_len = _output_len(kind, scale, rng)
-            trace.append(TraceRequest(kind.name, text, output_len, _scaled(MAX_TOKENS, scale), clock))
+            trace.append(TraceRequest(kind.name, text, output_len, _scaled(kind.max_tokens, scale), clock))
         clock += rng.expovariate(rate)
     _exact_rate(trace, rate)
     return trace
@@ -185,7 +194,7 @@ def _add_conversation(trace, tokenizer, kind, first_message, clock, prose, rng, 
         message = first_message if turn == 0 else prose.cut(length, rng)
         ids = [*chat_message(tokenizer, "user", message), *assistant_header(tokenizer)]
         arrival = clock if turn == 0 else rng.expovariate(1 / THINK_S)
-        output_len, max_tokens = _output_len(kind, scale, rng), _scaled(MAX_TOKENS, scale)
+        output_len, max_tokens = _output_len(kind, scale, rng), _scaled(kind.max_tokens, scale)
         trace.append(TraceRequest("chat", ids, output_len, max_tokens, arrival, previous))
         previous = len(trace) - 1
 
