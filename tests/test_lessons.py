@@ -125,7 +125,8 @@ def check_memory_system(numbers):
     assert numbers["old_window_p_answer"] < numbers["old_paged_p_answer"]
     assert numbers["old_h2o_remedy_seconds"] > numbers["old_swapped_remedy_seconds"]  # recompute > copy
     goodputs = {key: value for key, value in numbers.items() if key.startswith("sched_")}
-    assert {f"sched_mixed_{p}_goodput" for p in ("fcfs", "lpm", "memory", "memory+lpm")} <= set(goodputs)
+    policies = ("fcfs", "lpm", "memory", "memory_no_TTFT_target")
+    assert {f"sched_mixed_{p}_goodput" for p in policies} <= set(goodputs)
     assert all(0 <= share <= 1 for share in goodputs.values())
 
 
