@@ -160,7 +160,7 @@ def test_only_the_oldest_window_of_the_queue_is_ranked(admission):
         sched.add(request(seq_id, 20, 8))
     cheapest = request(WINDOW, 2, 1)
     sched.add(cheapest)
-    order = sched.admission.order(sched.waiting, sched.running, sched.steps)
+    order = sched.admission.order(sched.waiting, sched.steps)
     assert len(order) == WINDOW and cheapest not in order
 
 

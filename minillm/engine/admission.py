@@ -55,7 +55,7 @@ WINDOW = 128  # waiting requests ranked each step (the oldest); the rest keep ar
 class FirstComeFirstServed:
     """The queue's order; whoever cannot be admitted holds everyone behind it."""
 
-    def order(self, waiting: Iterable[Sequence], running: list[Sequence], step: int) -> list[Sequence]:
+    def order(self, waiting: Iterable[Sequence], step: int) -> list[Sequence]:
         return list(waiting)
 
     def holds_queue(self, seq: Sequence, step: int) -> bool:
@@ -117,7 +117,7 @@ class LongestPrefixFirst(FirstComeFirstServed):
     def __init__(self, manager: KVCacheManager):
         self.manager = manager
 
-    def order(self, waiting: Iterable[Sequence], running: list[Sequence], step: int) -> list[Sequence]:
+    def order(self, waiting: Iterable[Sequence], step: int) -> list[Sequence]:
         def cached(seq: Sequence) -> int:
             return self.manager.cached_prefix_blocks(seq.seq_id, seq.token_ids)
 

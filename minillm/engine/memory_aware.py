@@ -104,7 +104,7 @@ class MemoryAware:
         self._now = 0.0  # the time of this step's order
 
     # ---------------------------------------------------------------- the order
-    def order(self, waiting: Iterable[Sequence], running: list[Sequence], step: int) -> list[Sequence]:
+    def order(self, waiting: Iterable[Sequence], step: int) -> list[Sequence]:
         """Due requests first, oldest first; then those whose deadline is close, least slack first;
         then the others by benefit / cost, best first; those past saving last."""
         self._cached, self._slack, self._expected, self._now = {}, {}, {}, self.clock()
@@ -237,14 +237,15 @@ class MemoryAware:
         there is no growth to keep room for, and whatever fits may start."""
         if not running:
             return True
-        if self.is_urgent(seq):  # waiting for the headroom would make it late; preemption may follow
-            return self.blocks_to_start(seq, budget) <= self.manager.num_free_blocks - kept
         manager = self.manager
+        free = manager.num_free_blocks - kept
+        if self.blocks_to_start(seq, budget) > free:
+            return False
+        if self.is_urgent(seq):  # waiting for the headroom would make it late; preemption may follow
+            return True
         profile, held = self.profile(running, step)
         new_tokens = max(0, seq.num_tokens - self.cached_blocks(seq) * manager.block_size)
-        growth = profile.peak_with(new_tokens, self.steps_left(seq), seq.num_seats) - held
-        free = manager.num_free_blocks - kept
-        return self.blocks_to_start(seq, budget) <= free and growth <= free
+        return profile.peak_with(new_tokens, self.steps_left(seq), seq.num_seats) - held <= free
 
     def finished(self, seq: Sequence) -> None:
         """Learn from a sequence that ran to its end (eos or length)."""

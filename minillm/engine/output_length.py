@@ -49,8 +49,8 @@ SHAPES_KEPT = 8192  # requests whose shape is remembered (counting a prompt's me
 
 
 class _Lengths:
-    """The output lengths of one shape's finished requests: sorted, with prefix sums, so the mean
-    of those longer than g is a bisect away."""
+    """The output lengths of one shape's finished requests: sorted, with prefix sums, so how many
+    ran longer than g, and their sum, are a bisect away."""
 
     def __init__(self):
         self.sorted: list[int] = []

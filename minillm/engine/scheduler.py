@@ -216,7 +216,7 @@ class Scheduler:
         """Start waiting sequences while the budget, seats and the admission policy allow."""
         kept = 0  # blocks kept free for due requests that could not start (memory-aware admission)
         seats = self.max_num_seqs - self._seats_taken()
-        for seq in self.admission.order(self.waiting, self.running, self.steps):
+        for seq in self.admission.order(self.waiting, self.steps):
             refusal = self.admission.refusal(seq)  # (the policy orders the ones it refuses first)
             if refusal is not None:  # it can no longer be served as asked: it ends now, alone
                 self.finish(seq, "error", refusal)

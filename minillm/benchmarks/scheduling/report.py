@@ -197,8 +197,8 @@ def goodput_said(load: str, summary: dict) -> str:
     kinds = (
         f"{worst} is served {drops[worst] * 100:.0f} points below its fcfs goodput (at most "
         f"{TARGET_KIND_DROP * 100:.0f}: {_met(drops[worst] <= TARGET_KIND_DROP)})"
-        if drops[worst] > 0
-        else f"every kind gains on fcfs (the least, {worst}, by {-drops[worst] * 100:.0f} points)"
+        if drops[worst] > 0.005
+        else f"no kind loses against fcfs (the least gain: {worst}, {abs(drops[worst]) * 100:.0f} points)"
     )
     return (
         f"At load {load}, memory-aware admission's goodput is {memory['goodput_mean']:.0%} against "
