@@ -155,15 +155,31 @@ def test_a_document_costs_less_than_a_long_answer_whose_peak_is_lower():
     assert costs.cost(document) < costs.cost(long_answer)
 
 
-def test_cached_prompt_blocks_are_not_paid_for_again():
-    costs = policy(prefix_caching=True)
-    shared = list(range(2, 2 + 8 * BLOCK))
+def test_the_price_is_block_steps_over_the_pool_plus_tokens_over_the_budget():
+    """The formula, spelled out on an 8-token prompt (2 blocks of 4) expected to answer in 8 tokens,
+    a 64-block pool and a 64-token step: it holds its 2 prompt blocks for its prefill step and its
+    8 decode steps, and its 2 output blocks as they grow; it computes 8 + 8 tokens."""
+    lengths = LearnedLengths(EOT)
+    teach(lengths, 8, 16, 8)
+    assert policy(lengths=lengths).cost(request(1, 8, 16)) == pytest.approx(
+        (2 * (1 + 8) + 2 * 8 / 2) / 64 + (8 + 8) / 64
+    )
+
+
+def test_cached_prompt_blocks_are_neither_held_anew_nor_computed():
+    """The same request once its first block is cached: it holds 1 new prompt block and
+    computes 4 prompt tokens (the cached block's are neither paid for)."""
+    lengths = LearnedLengths(EOT)
+    teach(lengths, 8, 16, 8)
+    costs = policy(prefix_caching=True, lengths=lengths)
     sched = scheduler_with(costs)
-    warm = request(1, shared + [50], 2)
+    warm = request(1, [7, 8, 9, 10, 11, 12], 2)  # leaves its first block, [7, 8, 9, 10], cached
     sched.add(warm)
     while warm.status is not Status.FINISHED:
-        step(sched)  # leaves the 8 prompt blocks cached
-    assert costs.cost(request(2, shared + [51], 2)) < costs.cost(request(3, [60] * (8 * BLOCK) + [51], 2))
+        step(sched)
+    costs.order([], sched.steps)  # a new step: the prefix cache is looked up again
+    cached = request(2, [7, 8, 9, 10, 13, 14, 15, 16], 16)
+    assert costs.cost(cached) == pytest.approx((1 * (1 + 8) + 2 * 8 / 2) / 64 + (4 + 8) / 64)
 
 
 def test_each_of_n_samples_is_priced():
@@ -188,17 +204,18 @@ def test_shortest_predicted_work_is_admitted_first():
 
 @pytest.mark.parametrize("admission, victim", [("fcfs", "newest"), ("memory", "costliest")])
 def test_the_victim_is_the_running_request_with_the_most_remaining_cost(admission, victim):
-    """Three were expected to answer in a token (their peers did); all outlive that, and at the
-    9th token the pool runs short as the middle one needs a block. fcfs preempts the newest;
+    """Three arrive a step apart, each expected to answer in a token (their peers did); all outlive
+    that, and the pool runs short as the middle one needs a block. fcfs preempts the newest;
     memory-aware admission the one with the most life left, the middle one itself."""
-    manager = KVCacheManager(BlockManager(num_blocks=10, block_size=BLOCK))
+    manager = KVCacheManager(BlockManager(num_blocks=9, block_size=BLOCK))
     lengths = LearnedLengths(EOT)
     teach(lengths, 4, 24, 1)
     teach(lengths, 4, 12, 1)
     sched = scheduler_with(make_admission(admission, manager, 64, lengths), manager)
-    oldest, costliest, newest = request(1, 4, 12), request(2, 4, 24), request(3, 2, 12)
-    for seq in (oldest, costliest, newest):
+    oldest, costliest, newest = request(1, 4, 12), request(2, 4, 24), request(3, 4, 12)
+    for seq in (oldest, costliest, newest):  # running in this order, oldest first
         sched.add(seq)
+        step(sched)
     while not any(seq.num_preemptions for seq in (oldest, costliest, newest)):
         assert step(sched)
     preempted = [seq for seq in (oldest, costliest, newest) if seq.num_preemptions]

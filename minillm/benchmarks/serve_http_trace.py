@@ -6,7 +6,7 @@ from outside, through HTTP, tokenization of answers and the event loop:
 
   1. `minillm serve` in a child process with the bench's engine flags (--admission among them);
      memory-aware admission without a --ttft-target is told the TTFT SLO as its target, as
-     `bench scheduling` tells it (the SLO is then measured on a server of its own first);
+     `bench scheduling` tells it (step 2 then runs on a server of its own first);
   2. on the idle server, the SLOs (unless given): 5 x the time to prefill the trace's longest
      prompt alone (a request of 1 token), and 5 x the time per output token of one request decoding
      alone, each the smaller of 2 tries. The probes are those prompts reversed (and rotated), so the
@@ -106,12 +106,18 @@ def probe_prompt(prompt_ids: list[int], turn: int) -> list[int]:
     return backwards[turn:] + backwards[:turn]
 
 
+async def warm_up(server: Endpoint, model: str, trace: list[TraceRequest]) -> None:
+    """One short request first: a server's first calls are slow."""
+    shortest = min((r.prompt_ids for r in trace if r.follows is None), key=len)
+    await send(server, model, probe_prompt(shortest, len(shortest) // 2), 2)
+
+
 async def idle_timings(server: Endpoint, model: str, trace: list[TraceRequest]) -> dict:
     """The prefill of the longest prompt the trace knows before it runs (a later chat turn may be
     longer), and a batch-1 decode step, each the smallest of PROBE_TRIES tries."""
     known = [r.prompt_ids for r in trace if r.follows is None]
     longest, shortest = max(known, key=len), min(known, key=len)
-    await send(server, model, probe_prompt(shortest, len(shortest) // 2), 2)  # warm-up: first calls are slow
+    await warm_up(server, model, trace)
     prefills, decodes = [], []
     for turn in range(PROBE_TRIES):
         prefills.append(await send(server, model, probe_prompt(longest, turn), 1))
@@ -209,11 +215,11 @@ def served_summary(answered: list[Answered], slo: dict, wall_s: float) -> dict:
     }
 
 
-def idle_slos(serve_args: list[str], trace, ttft_slo: float | None, tpot_slo: float | None) -> dict:
-    """The SLOs measured on a server of its own, before the replay's server starts: memory-aware
-    admission is told the TTFT SLO as its target when it starts."""
+def idle_on_a_server_of_its_own(serve_args: list[str], trace) -> dict:
+    """The idle timings, on a server started for them alone: memory-aware admission must be told
+    the TTFT SLO they set when its server starts."""
     with minillm_serve(serve_args) as server:
-        return slos(asyncio.run(idle_timings(server, model_name(server), trace)), ttft_slo, tpot_slo)
+        return asyncio.run(idle_timings(server, model_name(server), trace))
 
 
 def limits_for(trace: list[TraceRequest]) -> list[str]:
@@ -241,16 +247,20 @@ def bench_serve_http_trace(
     trace = make_trace(tokenizer, seed, num_requests, rate, scale)
     if max_tokens:
         trace = [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace]
-    serve_args = [*serve_args, *limits_for(trace)]
+    serve_args, idle = [*serve_args, *limits_for(trace)], None
     if not url and switches.get("admission") == "memory" and switches.get("ttft_target") is None:
-        slo = idle_slos(serve_args, trace, ttft_slo, tpot_slo)  # told to the server, as bench scheduling does
+        idle = idle_on_a_server_of_its_own(serve_args, trace)  # the SLO is told to the server
+        slo = slos(idle, ttft_slo, tpot_slo)
         serve_args += ["--ttft-target", repr(slo["ttft_s"])]
         switches = {**switches, "ttft_target": slo["ttft_s"]}
     serving = nullcontext(parse_url(url)) if url else minillm_serve(serve_args)
     with serving as server:
         model = model_name(server)
-        idle = asyncio.run(idle_timings(server, model, trace))
-        slo = slos(idle, switches.get("ttft_target") or ttft_slo, tpot_slo)
+        if idle is None:
+            idle = asyncio.run(idle_timings(server, model, trace))
+        else:
+            asyncio.run(warm_up(server, model, trace))
+        slo = slos(idle, ttft_slo, tpot_slo)
         before = None if url else metrics(server)
         answered, wall_s = asyncio.run(replay_http(server, model, tokenizer, trace, progress))
         after = None if url else wait_idle(server)
