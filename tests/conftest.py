@@ -119,7 +119,6 @@ _SLOW_CASES = {
     "test_trace_over_http_answers_every_request_and_reports_goodput",
     # a program started as a user starts it (7-12 s each); in-process tests cover what it drives
     "test_cli_chat_session_survives_a_restart",
-    "test_serve_command_runs_the_engine_and_stops_cleanly_on_ctrl_c",
     "test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal",
     "test_the_builder_writes_the_task_and_a_folder_transformers_loads",
     "test_cli_eval_ppl_json",

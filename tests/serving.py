@@ -2,6 +2,8 @@
 
 It runs as `minillm serve` runs it (`uvicorn_config`: the connection limit, the deadline for a
 request's head), with the engine in a thread of its own (the app's lifespan starts and stops it).
+Every wait here has a deadline for the whole of it, not only for each read: a stream that never
+ends sends something on every read.
 """
 
 import http.client
@@ -38,7 +40,8 @@ def running_server(engine_loop: EngineLoop, limits: ServeLimits = ServeLimits(),
     finally:
         server.should_exit = True
         thread.join(timeout=30)
-        assert not engine_loop.thread.is_alive()  # the app's lifespan stopped the engine thread
+        assert not thread.is_alive(), "uvicorn did not stop within 30 s"
+        assert not engine_loop.thread.is_alive(), "the app's lifespan did not stop the engine thread"
 
 
 class Answer(NamedTuple):
@@ -52,14 +55,29 @@ class Answer(NamedTuple):
 
 def fetch(url: str, body: bytes | str | None = None, headers: dict | None = None, timeout=30) -> Answer:
     """GET `url`, or POST `body` with exactly `headers` (urllib would add a Content-Type); the
-    whole answer, whatever its status."""
+    whole answer, whatever its status, within `timeout` seconds in all (a stream too)."""
     parts = urllib.parse.urlsplit(url)
+    deadline = time.monotonic() + timeout
     conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout)
     try:
         data = body.encode() if isinstance(body, str) else body
         conn.request("GET" if body is None else "POST", parts.path, body=data, headers=headers or {})
         response = conn.getresponse()
         names = {name.lower(): value for name, value in response.getheaders()}
-        return Answer(response.status, names, response.read().decode())
+        received = b""
+        while piece := response.read1(65536):
+            received += piece
+            assert time.monotonic() < deadline, f"{url}'s answer went on past {timeout} s: {received[-99:]!r}"
+        return Answer(response.status, names, received.decode())
     finally:
         conn.close()
+
+
+def read_all(chunks, within_s: float = 60) -> list:
+    """Every chunk of an `openai` stream, which must end within `within_s` (the client's timeout
+    bounds each read, not the stream)."""
+    deadline, received = time.monotonic() + within_s, []
+    for chunk in chunks:
+        received.append(chunk)
+        assert time.monotonic() < deadline, f"the stream went on past {within_s} s ({len(received)} chunks)"
+    return received

@@ -9,8 +9,10 @@ import io
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -434,3 +436,79 @@ def test_why_says_where_the_last_prompts_prefix_hit_ended(chat_dir, parts):
     assert f"{miss.cached_tokens} of {miss.cacheable_tokens} cacheable prompt tokens" in " ".join(
         printed(chat).split()
     )
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+def scripted(chat: Chat, lines: list, monkeypatch) -> None:
+    """The chat reads `lines` at its prompt; a signal number among them is sent to this process
+    there instead (while the chat waits for input)."""
+    feed = iter(lines)
+
+    def read(prompt: str) -> str:
+        line = next(feed)
+        if isinstance(line, signal.Signals):
+            os.kill(os.getpid(), line)
+            time.sleep(5)  # the handler stops this wait; never reached
+            raise AssertionError(f"{line.name} did not stop the prompt")
+        return line
+
+    monkeypatch.setattr(chat.console, "input", read)
+
+
+def signal_in_reply(chat: Chat, signum: int, after: int, monkeypatch) -> None:
+    """The next reply's stream sends `signum` to this process after `after` outputs: the handler
+    runs in this thread, the main one, between two of the stream's steps."""
+    stream = chat.llm.stream
+
+    def stream_then_signal(prompt_ids, params):
+        for i, out in enumerate(stream(prompt_ids, params)):
+            if i == after:
+                os.kill(os.getpid(), signum)
+            yield out
+
+    monkeypatch.setattr(chat.llm, "stream", stream_then_signal)
+
+
+@pytest.mark.parametrize("inherited", [signal.SIG_DFL, signal.SIG_IGN], ids=["default", "ignored"])
+def test_ctrl_c_stops_the_reply_and_the_chat_goes_on(chat_dir, parts, monkeypatch, inherited):
+    """Whatever SIGINT was (ignored, as a background job inherits it), Ctrl-C during a reply stops
+    it after a step: its request is aborted, every block back, what it said kept; the next line
+    is answered; Ctrl-C at the prompt ends the chat, and the disposition is put back."""
+    chat = new_chat(chat_dir, parts)
+    chat.params = SamplingParams(max_tokens=200, ignore_eos=True)
+    signal_in_reply(chat, signal.SIGINT, 3, monkeypatch)
+    scripted(chat, ["Count to a hundred.", "And now?", signal.SIGINT], monkeypatch)
+    before = signal.signal(signal.SIGINT, inherited)
+    try:
+        chat.run("tiny")
+        assert signal.getsignal(signal.SIGINT) is inherited
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert [m["role"] for m in chat.history] == ["user", "assistant"] * 2
+    assert printed(chat).count("reply stopped after 4 tokens") == 2  # both replies: 4 steps, 1 token each
+    assert chat.history[3]["content"] == chat.last[0].text != ""
+    assert not chat.engine.has_unfinished_requests()
+    snapshot = chat.engine.snapshot()
+    assert snapshot.num_free_blocks == snapshot.num_blocks, "the stopped requests' blocks went back"
+
+
+@pytest.mark.parametrize("where", ["in a reply", "at the prompt"])
+def test_sigterm_ends_the_chat_and_parks_its_session(chat_dir, parts, tmp_path, monkeypatch, where):
+    session = tmp_path / "work.safetensors"
+    chat = new_chat(chat_dir, parts, sessions_dir=tmp_path, session=session)
+    chat.params = SamplingParams(max_tokens=64, ignore_eos=True)
+    if where == "in a reply":
+        signal_in_reply(chat, signal.SIGTERM, 2, monkeypatch)
+        scripted(chat, ["Tell me a story.", "never read"], monkeypatch)
+    else:
+        scripted(chat, ["Tell me a story.", signal.SIGTERM, "never read"], monkeypatch)
+    chat.run("tiny")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert session.exists() and "parked session work" in printed(chat)
+    replied = len(chat.last[0].token_ids)
+    assert replied == (3 if where == "in a reply" else 64)
+    resumed = new_chat(chat_dir, parts, sessions_dir=tmp_path)
+    resumed.command("/load work")
+    assert resumed.history == chat.history

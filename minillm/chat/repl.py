@@ -14,12 +14,18 @@ int8 KV (the next reply prefills the conversation again into the new pool); `/co
 int4` answers the last prompt on two fresh engines, as now and changed (`compare.py`; the switches
 are `switches.py`'s); `/memory` draws every block; `/save` and `/load` park and resume the
 conversation (`sessions.py`).
+
+Signals keep a terminal's meaning, whatever the process inherited (`stop_signals.py`): Ctrl-C
+stops the reply streaming (after the step in flight; the engine is never cut mid-step, and what
+was said stays in the conversation) or the command running, and at the prompt ends the chat;
+SIGTERM ends the chat the same way, the session parked first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 from pathlib import Path
 
 from rich.console import Console
@@ -33,6 +39,7 @@ from minillm.chat.switches import SETTINGS, Setting, parse_setting
 from minillm.chat.view import LiveView, ReplyMeter, full_map, stats_line, summary_lines
 from minillm.config import ConfigError
 from minillm.report import console as default_console
+from minillm.stop_signals import handling_stop_signals
 
 COMMANDS = {  # command -> (its arguments, what it does); /help prints them in this order
     "/set": ("SWITCH VALUE", "change a switch; the engine is rebuilt if it must be, the conversation stays"),
@@ -74,6 +81,9 @@ class Chat(SessionCommands):
         self.initial = [{"role": "system", "content": system}] if system else []
         self.reset()
         self.resumed_tokens = 0  # KV tokens the session brought back, until the first reply uses them
+        self.defer_signals = False  # a reply streams, or the session parks: a signal only sets flags
+        self.stop_reply = False  # a signal came while a reply streamed: it stops after its step
+        self.terminated = False  # SIGTERM: the chat ends once what runs has stopped
 
     @property
     def engine(self):
@@ -93,15 +103,21 @@ class Chat(SessionCommands):
 
     def reply(self, user: str) -> None:
         """Stream the answer to `user`. A turn that fails (e.g. the conversation outgrew the
-        context) leaves the history as it was."""
+        context) leaves the history as it was; one stopped by a signal keeps what was said."""
         self.history.append({"role": "user", "content": user})
-        out, meter = self.stream(self.engine.tokenizer.encode_chat(self.history))
+        self.defer_signals, self.stop_reply = True, False
+        try:
+            out, meter = self.stream(self.engine.tokenizer.encode_chat(self.history))
+        finally:
+            self.defer_signals = False
         if out.finish_reason == "error":
             self.history.pop()
             self.error(f"{out.error} Type /reset to start over.")
             return
         self.history.append({"role": "assistant", "content": out.text})
         self.last = (out, meter)
+        if not out.finished:
+            self.say(f"reply stopped after {len(out.token_ids)} tokens; what it said stays in the chat")
         for line in summary_lines(self.engine, meter):
             self.say(line)
         if self.resumed_tokens:
@@ -117,8 +133,9 @@ class Chat(SessionCommands):
         if not live:
             self.console.print("[bold blue]smol>[/bold blue] ", end="")
         text, out, shown = "", None, 0
-        with view or contextlib.nullcontext():
-            for out in self.llm.stream(prompt_ids, self.params):  # a step may bring several tokens
+        stream = self.llm.stream(prompt_ids, self.params)
+        with view or contextlib.nullcontext(), contextlib.closing(stream):  # closed early: aborted
+            for out in stream:  # a step may bring several tokens
                 meter.reused_tokens = engine.prefix_hit_tokens() - hits_before
                 for token in out.token_ids[shown:]:
                     meter.count_token()
@@ -131,6 +148,8 @@ class Chat(SessionCommands):
                     else:
                         self.console.print(piece, end="", markup=False, highlight=False)
                 shown = len(out.token_ids)
+                if self.stop_reply:  # a signal came: the stream stops here
+                    break
         rest = decoder.flush()
         if live:  # the drawing is gone: the reply stays, printed once
             self.console.print(Text("smol> ", style="bold blue") + Text(text + rest))
@@ -276,18 +295,35 @@ class Chat(SessionCommands):
         )
         if self.session is not None and self.session.exists():
             self.resume(self.session)
-        self.converse()
-        self.park()
+        with handling_stop_signals(self.on_signal):
+            self.converse()
+            self.defer_signals = True  # parking is not cut short by a signal
+            self.park()
+
+    def on_signal(self, signum: int, frame) -> None:
+        """Ctrl-C or SIGTERM: a reply stops after its step; otherwise (at the prompt, in a
+        command) KeyboardInterrupt stops what runs. After SIGTERM the chat then ends."""
+        self.terminated = self.terminated or signum == signal.SIGTERM
+        if self.defer_signals:
+            self.stop_reply = True
+        else:
+            raise KeyboardInterrupt
 
     def converse(self) -> None:
-        while True:
+        """Read a line and carry it out, until /exit, the end of the input, Ctrl-C at the
+        prompt, or SIGTERM; Ctrl-C in a command or a reply stops only that."""
+        while not self.terminated:
             try:
                 line = self.console.input("[bold green]you>[/bold green] ").strip()
             except (EOFError, KeyboardInterrupt):
                 self.console.print()
                 return
-            if line.startswith("/"):
-                if not self.command(line):
-                    return
-            elif line:
-                self.reply(line)
+            try:
+                if line.startswith("/"):
+                    if not self.command(line):
+                        return
+                elif line:
+                    self.reply(line)
+            except KeyboardInterrupt:
+                self.console.print()
+                self.say(f"{line.split()[0]} stopped")

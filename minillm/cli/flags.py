@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Callable
 
 from minillm.config import SWITCHES
 from minillm.switches import Switch
@@ -43,12 +44,21 @@ non_negative_int = whole_number(0, "a size >= 0")  # a size that may be 0 (off)
 
 def positive_float(text: str) -> float:
     """The type of every rate or fraction flag that must be a finite number above 0."""
+    return _finite_float(text, "above 0", lambda value: value > 0)
+
+
+def non_negative_float(text: str) -> float:
+    """The type of a flag in seconds where 0 means "none" (--shutdown-timeout 0: no grace)."""
+    return _finite_float(text, "of 0 or more", lambda value: value >= 0)
+
+
+def _finite_float(text: str, wanted: str, allowed: Callable[[float], bool]) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one above 0") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text} is not a finite number above 0; give one above 0")
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give one {wanted}") from None
+    if not (math.isfinite(value) and allowed(value)):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number {wanted}; give one {wanted}")
     return value
 
 

@@ -3,6 +3,12 @@
 The address is taken before the weights load, so a port in use is one line and no wait. HTTP then
 runs in a thread and the engine loop in the main thread, the one that loaded the model. The
 limits one client may ask for are flags made from `ServeLimits`' table (`serve/limits.py`).
+
+SIGTERM and Ctrl-C stop it in order, whatever the process inherited (`GracefulStop`): no new
+request is taken (503), those in flight get --shutdown-timeout seconds to finish, the rest end
+with the shutdown error (a stream's error event, then [DONE]), the socket closes and the process
+exits, 130 after Ctrl-C and 0 after SIGTERM (`stop_signals.py` says why). A second signal stops
+at once.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from minillm.cli.flags import (
     add_tier_args,
     add_trace_arg,
     engine_switches,
+    non_negative_float,
     positive_float,
     positive_int,
     whole_number,
@@ -27,6 +34,9 @@ from minillm.cli.flags import (
 from minillm.config import ConfigError, EngineConfig
 from minillm.report import err_console
 from minillm.serve.limits import ServeLimits
+from minillm.stop_signals import EXIT_STATUS, handling_stop_signals, say, signal_name
+
+SEND_LAST_S = 2.0  # after the engine stops, the time responses get to send their last events
 
 SERVE_EXAMPLES = """\
 examples:
@@ -35,6 +45,7 @@ examples:
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 16}'
   curl http://127.0.0.1:8000/metrics              # KV blocks per state, hit rate, queue, tokens/s
+  kill -TERM <pid>                                # stop: requests in flight get --shutdown-timeout
 
 Sampling defaults are the OpenAI API's (temperature 1; 0 is greedy), set per request. Logprobs, echo,
 penalties, logit_bias and structured output (response_format, guided_json, ...) are taken; what
@@ -49,7 +60,9 @@ SERVE_DESCRIPTION = textwrap.fill(
     "/metrics (Prometheus text), and the tokenizer's: POST /tokenize, /detokenize, GET "
     "/tokenizer_info. One engine loop (the main thread; HTTP runs in another) batches "
     "every request in flight; a client that disconnects aborts its request and its KV blocks go "
-    "back at once. "
+    "back at once. SIGTERM or Ctrl-C stops it in order: new requests get a 503, those in flight "
+    "get --shutdown-timeout seconds to finish, the rest end with an error; exit status 0 after "
+    "SIGTERM, 130 after Ctrl-C. "
     'Needs the serve extra: pip install -e ".[serve]".',
     100,
 )
@@ -104,6 +117,15 @@ def add_server_args(serve) -> None:
         choices=["critical", "error", "warning", "info", "debug"],
         default="info",
         help="uvicorn's log level; info logs every request (default: info)",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=non_negative_float,
+        default=5.0,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, how long the requests in flight may run to their end; the rest "
+        "then end with a 503 error (a stream's error event and [DONE]); new requests get a 503 at "
+        "once; 0 ends them all at once; a second signal stops at once (default: 5)",
     )
 
 
@@ -163,10 +185,52 @@ def listening_socket(host: str, port: int):
         ) from None
 
 
-def cmd_serve(args) -> None:
+class GracefulStop:
+    """What SIGTERM and SIGINT (Ctrl-C) do to `minillm serve`, as a signal handler. Before the
+    server runs, either exits at once: nothing is in flight. Then the first drains the engine
+    loop: no new request, `grace_s` seconds for those in flight. The second ends them now (their
+    error events still go out, within SEND_LAST_S); once the engine has stopped, it also tells
+    uvicorn to stop waiting for connections to close."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.signum: int | None = None  # the first signal received
+        self.engine_loop = self.server = None
+
+    def serving(self, engine_loop, server) -> None:
+        self.engine_loop, self.server = engine_loop, server
+
+    def __call__(self, signum: int, frame) -> None:
+        if self.engine_loop is None:
+            raise SystemExit(EXIT_STATUS[signum])
+        if self.signum is None:
+            self.signum = signum
+            say(
+                f"minillm serve: {signal_name(signum)}: no new requests; those in flight get up to "
+                f"{self.grace_s:g} s to finish (signal again to stop now)"
+            )
+            self.engine_loop.drain(self.grace_s)
+        else:
+            say(f"minillm serve: {signal_name(signum)} again: stopping now")
+            self.engine_loop.drain(0)
+            if not self.engine_loop.running:
+                self.server.force_exit = True
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.signum is None else EXIT_STATUS[self.signum]
+
+
+def cmd_serve(args) -> int:
     """HTTP in a thread, the engine in the main thread, which loaded the model: torch's parallel
     regions ran ~20% slower in a thread started after another had run them (OpenMP, measured on
     the 2-core development CPU), and the engine is where the time goes."""
+    stop = GracefulStop(args.shutdown_timeout)
+    with handling_stop_signals(stop):
+        return _serve(args, stop)
+
+
+def _serve(args, stop: GracefulStop) -> int:
     import threading
 
     from minillm.serve import missing_server_packages
@@ -185,26 +249,28 @@ def cmd_serve(args) -> None:
     check_access(args.api_key, args.metrics)
     sock = listening_socket(args.host, args.port)  # first: a port in use is one line before the weights load
     engine = LLMEngine(EngineConfig(**engine_switches(args)))
-    name = args.served_model_name or Path(args.model).name
+    model_name = args.served_model_name or Path(args.model).name
     host, port = sock.getsockname()[:2]
     engine_loop = EngineLoop(engine, args.threads)
     limits = limits_from(args)
     allowed = allowed_for(args.host, args.allowed_hosts, args.allowed_origins)
-    app = build_app(engine_loop, name, False, limits, args.api_key, args.metrics, allowed)
+    app = build_app(engine_loop, model_name, False, limits, args.api_key, args.metrics, allowed)
     server = uvicorn.Server(
-        uvicorn_config(app, limits, log_level=args.log_level, timeout_graceful_shutdown=5)
+        uvicorn_config(app, limits, log_level=args.log_level, timeout_graceful_shutdown=SEND_LAST_S)
     )
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
     err_console.print(
-        f"minillm serve: {name} on http://{host}:{port}/v1 ({engine.snapshot().num_blocks} KV "
-        f"blocks of {engine.config.block_size} tokens); Ctrl-C stops",
+        f"minillm serve: {model_name} on http://{host}:{port}/v1 ({engine.snapshot().num_blocks} KV "
+        f"blocks of {engine.config.block_size} tokens); Ctrl-C or SIGTERM stops",
         soft_wrap=True,
     )
+    stop.serving(engine_loop, server)
     http.start()
     try:
-        engine_loop.run(while_true=http.is_alive)  # until the server's shutdown stops it, or Ctrl-C
+        engine_loop.run(while_true=http.is_alive)  # until a drain ends, or the HTTP thread does
     finally:
-        server.should_exit = True
+        server.should_exit = True  # uvicorn closes the socket and lets the last events go out
         http.join()
     if engine_loop.error:  # a bug: say so, and exit with a status that says it too
         raise SystemExit(f"error: {engine_loop.error}")
+    return stop.exit_status

@@ -67,11 +67,17 @@ class LLM:
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield the request's output each time it gains a token (the last one is finished)."""
+        """Yield the request's output each time it gains a token (the last one is finished). A
+        caller that stops reading early (closes the generator) aborts the request: its blocks go
+        back to the pool."""
         request_id = self.engine.add_request(prompt, params)
-        while True:
-            for out in self.engine.step():
-                if out.request_id == request_id:
-                    yield out
-                    if out.finished:
-                        return
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if self.engine.has_request(request_id):
+                self.engine.abort(request_id)

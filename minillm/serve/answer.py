@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from minillm.engine.memory_aware import LATE_REFUSAL
+from minillm.serve.commands import ShuttingDown
 from minillm.serve.engine_loop import Submission
 from minillm.serve.errors import error_body
 from minillm.serve.protocol import Job
@@ -102,9 +103,9 @@ class Answer:
             async for index, out in self.submission.outputs():
                 self.update(index, out)
         except RuntimeError as err:
-            if str(err).startswith(LATE_REFUSAL):  # --refuse-late: overloaded, as vLLM-style servers say
-                return JSONResponse(error_body(503, str(err)), status_code=503, headers={"Retry-After": "1"})
-            return JSONResponse(error_body(500, str(err)), status_code=500)
+            status = error_status(err)
+            retry = {"Retry-After": "1"} if str(err).startswith(LATE_REFUSAL) else None
+            return JSONResponse(error_body(status, str(err)), status_code=status, headers=retry)
         finally:
             watcher.cancel()
             self.submission.close("stop")
@@ -136,11 +137,17 @@ class Answer:
                 yield chunk(job, [], self.usage())
             yield DONE
         except RuntimeError as err:
-            yield sse(error_body(500, str(err)))
+            yield sse(error_body(error_status(err), str(err)))
             yield DONE
         finally:
             watcher.cancel()
             self.submission.close()
+
+
+def error_status(err: RuntimeError) -> int:
+    """503 for a request the server could not serve now (overloaded: --refuse-late; stopping),
+    500 for an engine failure."""
+    return 503 if isinstance(err, ShuttingDown) or str(err).startswith(LATE_REFUSAL) else 500
 
 
 async def watch_disconnect(request: Request, submission: Submission) -> None:

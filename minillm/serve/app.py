@@ -3,7 +3,7 @@
     POST /v1/completions        prompt -> text; "stream": true sends server-sent events
     POST /v1/chat/completions   messages -> the assistant's reply (the checkpoint's chat template)
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine loop runs
+    GET  /health                200 while the engine loop runs and takes requests (503 once it drains)
     GET  /metrics               Prometheus text: KV blocks per state, KV usage, prefix-cache hit
                                 rate, requests running and waiting, tokens/s, counters
     GET  /v1/kv_events          the KV cache's events as server-sent events (`kv_events.py`), for
@@ -27,6 +27,9 @@ request is checked before anything reaches the engine, each refusal in OpenAI's 
     429  more requests waiting than max_waiting_requests, with Retry-After
 and once it waits: with --ttft-target and --refuse-late, a request that can no longer meet the
 target is refused, a 503 with Retry-After (a stream already begun gets the error event instead).
+A server told to stop (`EngineLoop.drain`: SIGTERM or Ctrl-C under `minillm serve`) answers every
+new request with a 503, lets those in flight finish until its deadline, and ends the rest with a
+503: a body, or a stream's error event and then [DONE].
 The limits are `ServeLimits`' (`limits.py`). A checked request is answered by `answer.py` (one
 body, or a stream), in `responses.py`'s shapes; /metrics' are `metrics.py`'s. /metrics can be
 keyed or turned off (its prefix-cache counters tell a client whether a prompt's blocks were
@@ -203,7 +206,7 @@ def _add_status_routes(
 
     @app.get("/health")
     async def health():
-        if not engine_loop.alive:
+        if not engine_loop.accepting:  # a load balancer stops sending here as soon as a drain begins
             return _unavailable(engine_loop)
         return Response(status_code=200)
 
@@ -227,7 +230,7 @@ def _add_status_routes(
 
 
 def _unavailable(engine_loop: EngineLoop) -> JSONResponse:
-    return JSONResponse(error_body(503, engine_loop.error or "The engine loop is not running."), 503)
+    return JSONResponse(error_body(503, str(engine_loop.unavailable())), 503)
 
 
 def _job_of(parse, raw: bytes, engine, model_name: str, limits: ServeLimits) -> Job:

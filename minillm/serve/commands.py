@@ -1,6 +1,6 @@
 """What crosses between the event loop and the engine thread: the commands, and where answers go.
 
-The event loop puts commands on the engine loop's queue (`Add`, `Abort`, `Call`, `Stop`); the
+The event loop puts commands on the engine loop's queue (`Add`, `Abort`, `Call`, `Drain`, `Stop`); the
 engine thread sends each request's answers back to its `Reply`, which hands them to the
 `Submission` that asked, on its event loop, through `call_soon_threadsafe`: the only safe way into
 another thread's event loop.
@@ -16,9 +16,18 @@ from typing import Callable
 from minillm.engine import RequestOutput
 from minillm.sampling import SamplingParams
 
+SHUTTING_DOWN = "The server is shutting down; send the request again once it is back, or to another server."
+
 
 class RequestRefused(Exception):
     """The engine refused a request at admission; the message says why (the client's 400)."""
+
+
+class ShuttingDown(RuntimeError):
+    """The server is stopping: a request it no longer takes, or one it cut off (the client's 503)."""
+
+    def __init__(self, message: str = SHUTTING_DOWN):
+        super().__init__(message)
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,11 @@ class Abort:
 class Call:
     fn: Callable  # fn(engine_loop), run on the engine thread; its result or exception goes to `future`
     future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
+class Drain:
+    deadline: float  # time.monotonic() by which the requests in flight must be done or are cut off
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ through one queue of commands (`commands.py`), read between steps:
     Abort   stop a request now (its client went away, or every choice met a stop string): its
             blocks go back to the pool at once;
     Call    run a function on the engine and hand back its result (what /metrics reads);
-    Stop    return from run().
+    Drain   take no new request, let those in flight run until a deadline, then end the rest with
+            `ShuttingDown` and return from run(): how a server stops (`drain()`, from a signal);
+    Stop    return from run() now.
 Each request's outputs go to its `Reply`: an asyncio queue on the caller's event loop. When requests
 are running the thread steps the engine and sends each output to its request's Reply, one
 `call_soon_threadsafe` per event loop per step for all of them; when none are, it sleeps on the
@@ -37,7 +39,17 @@ import torch
 
 from minillm.engine import LLMEngine, RequestOutput
 from minillm.sampling import SamplingParams
-from minillm.serve.commands import Abort, Add, Call, Reply, RequestRefused, Stop, deliver
+from minillm.serve.commands import (
+    Abort,
+    Add,
+    Call,
+    Drain,
+    Reply,
+    RequestRefused,
+    ShuttingDown,
+    Stop,
+    deliver,
+)
 
 RATE_WINDOW_S = 10.0  # generation tokens/s is measured over the steps of the last 10 s
 STEPS_KEPT = 1_000  # per-step detail a served engine keeps: /metrics reads only counters, and a
@@ -61,6 +73,8 @@ class EngineLoop:
         self.thread: threading.Thread | None = None  # set by start(); None when a caller runs run() itself
         self.running = False
         self.error: str | None = None  # set if the loop itself broke (a bug): /health reports it
+        self.draining = False  # set by drain(): new requests are refused (any thread reads it)
+        self.drain_deadline: float | None = None  # the engine thread's copy, from the Drain command
         # counters for /metrics, kept by the engine thread
         self.prompt_tokens = 0
         self.finished = Counter()  # finish reason -> requests
@@ -83,20 +97,43 @@ class EngineLoop:
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
 
+    def drain(self, grace_s: float) -> None:
+        """Stop taking requests now; give the ones in flight `grace_s` seconds to finish, then
+        end the rest with ShuttingDown, and run() returns (at once if none is running). A second
+        call may only bring the deadline closer. Safe from any thread and from a signal handler:
+        it sets a flag and puts a command on a SimpleQueue, whose put() is reentrant."""
+        self.draining = True
+        self.commands.put(Drain(time.monotonic() + grace_s))
+
     @property
     def alive(self) -> bool:
+        """The loop runs: /metrics and the KV event streams are served, even while draining."""
         return self.running and self.error is None
+
+    @property
+    def accepting(self) -> bool:
+        """The loop runs and takes new requests: what /health says."""
+        return self.alive and not self.draining
+
+    def unavailable(self) -> RuntimeError:
+        """Why a new request cannot run: the loop broke, or it is shutting down, or not started."""
+        if self.error is not None:
+            return RuntimeError(self.error)
+        if self.draining:
+            return ShuttingDown()
+        return RuntimeError("The engine loop is not running.")
 
     # ------------------------------------------------------------------ the engine thread
     def run(self, while_true: Callable[[], bool] = lambda: True) -> None:
-        """Serve commands and step the engine until stop() (or until `while_true()` turns false,
-        checked at least once a second while idle), in the calling thread."""
+        """Serve commands and step the engine until stop(), a drain's end (nothing left to run, or
+        its deadline), or `while_true()` turning false (checked at least once a second while idle),
+        in the calling thread. Whatever still runs then is ended with an error."""
         self.running = True
         if self.threads:  # OpenMP's thread count is per calling thread: set it where the engine runs
             torch.set_num_threads(self.threads)
         try:
             while while_true():
-                if not self.serve_commands():
+                if not self.serve_commands() or self.drained():
                     return
                 if self.engine.has_unfinished_requests():
                     try:
@@ -106,12 +143,18 @@ class EngineLoop:
                         return
         finally:
             self.running = False
-            self.fail_all(self.error or "The server is shutting down.")
+            self.fail_all(RuntimeError(self.error) if self.error else ShuttingDown())
 
-    def fail_all(self, error: str) -> None:
+    def drained(self) -> bool:
+        """A drain has begun and is over: nothing left to run, or the deadline has passed."""
+        if self.drain_deadline is None:
+            return False
+        return not self.engine.has_unfinished_requests() or time.monotonic() >= self.drain_deadline
+
+    def fail_all(self, error: RuntimeError) -> None:
         """End every request still answered, and every command still waiting, with `error`."""
         for reply in self.replies.values():
-            reply.send_soon(RuntimeError(error))
+            reply.send_soon(error)
         self.replies.clear()
         while True:
             try:
@@ -119,9 +162,9 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(command, Add):
-                command.reply.send_soon(RuntimeError(error))
+                command.reply.send_soon(error)
             elif isinstance(command, Call):
-                command.future.set_exception(RuntimeError(error))
+                command.future.set_exception(error)
 
     def serve_commands(self) -> bool:
         """Carry out every command waiting (when idle, wait up to 1 s for one); False on stop."""
@@ -144,6 +187,8 @@ class EngineLoop:
                     self.abort(command)
                 case Call():
                     self.call_now(command)
+                case Drain(deadline):
+                    self.drain_deadline = min(deadline, self.drain_deadline or deadline)
         return not any(isinstance(command, Stop) for command in commands)
 
     def add(self, command: Add) -> None:
@@ -213,7 +258,7 @@ class EngineLoop:
     async def call(self, fn: Callable[["EngineLoop"], object]):
         """fn(self), run on the engine thread between two steps."""
         if not self.alive:
-            raise RuntimeError(self.error or "The engine loop is not running.")
+            raise self.unavailable()
         future: concurrent.futures.Future = concurrent.futures.Future()
         self.commands.put(Call(fn, future))
         return await asyncio.wrap_future(future)
@@ -246,9 +291,10 @@ class Submission:
 
     async def start(self) -> None:
         """Queue every prompt and wait until the engine has taken them all. A refusal aborts the
-        ones taken and raises RequestRefused."""
-        if not self.engine_loop.alive:
-            raise RuntimeError(self.engine_loop.error or "The engine loop is not running.")
+        ones taken and raises RequestRefused; a server that takes no request raises RuntimeError
+        (ShuttingDown while it drains)."""
+        if not self.engine_loop.accepting:
+            raise self.engine_loop.unavailable()
         self.started = True
         self.engine_loop.open_requests += len(self.ids)
         loop, arrival = asyncio.get_running_loop(), time.perf_counter()
