@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +25,7 @@ REAL_MODEL_DIR = Path(
 )
 GGUF_CACHE = REAL_MODEL_DIR.parent / ".downloads" / REAL_MODEL_DIR.name
 TEXTS_DIR = REAL_MODEL_DIR.parent / "texts"  # alice29.txt, lcet10.txt (see minillm/fetch/texts.py)
+LOCK_WAIT_S = 600  # the longest a worker waits for another's naive decode of the same prompt
 
 TINY_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
@@ -228,7 +230,14 @@ class NaiveReference:
         name = hashlib.sha256(json.dumps([self.eos_token_id, prompt_ids]).encode()).hexdigest()[:32]
         path = self.folder / f"{name}.json"
         with open(self.folder / f"{name}.lock", "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:  # another worker decoding this prompt: wait for it, not for ever
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, f"another worker held {name}.lock {LOCK_WAIT_S} s"
+                    time.sleep(0.1)
             tokens, ended = json.loads(path.read_text()) if path.exists() else ([], False)
             if len(tokens) < max_tokens and not ended:
                 rest = SamplingParams(max_tokens=max_tokens - len(tokens))

@@ -120,10 +120,13 @@ def cached_scheduler(admission, num_blocks=32):
     return scheduler(admission, num_blocks, prefix_caching=True, max_num_seqs=1)
 
 
-def run_alone(sched, seq):
+def run_alone(sched, seq, most_steps: int = 1000):
     sched.add(seq)
-    while seq.status is not Status.FINISHED:
+    for _ in range(most_steps):
+        if seq.status is Status.FINISHED:
+            return
         step(sched)
+    raise AssertionError(f"the request did not finish in {most_steps} steps")
 
 
 @pytest.mark.parametrize("admission, first", [("fcfs", "cold"), ("lpm", "warm"), ("memory", "warm")])

@@ -414,9 +414,18 @@ def test_cuda_kernels_compile_with_nvcc(tmp_path):
         subprocess.Popen(nvcc_command(source, tmp_path), stderr=subprocess.PIPE, text=True)
         for source in sources
     ]
-    for source, nvcc in zip(sources, compiles):
-        _, errors = nvcc.communicate(timeout=900)
-        assert nvcc.returncode == 0, f"{source}: {errors[-3000:]}"
+    deadline = time.monotonic() + 900  # both at once: fifteen minutes for the pair, not each
+    try:
+        for source, nvcc in zip(sources, compiles):
+            try:
+                _, errors = nvcc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"nvcc did not compile {source.name} within 900 s") from None
+            assert nvcc.returncode == 0, f"{source}: {errors[-3000:]}"
+    finally:
+        for nvcc in compiles:
+            nvcc.kill()
+            nvcc.wait(timeout=30)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")

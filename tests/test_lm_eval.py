@@ -95,8 +95,13 @@ def test_lm_eval_scores_the_task_through_the_server_as_through_hf(task_dir, serv
     from lm_eval.models.huggingface import HFLM
     from lm_eval.models.openai_completions import LocalCompletionsAPI
 
-    served = LocalCompletionsAPI(
-        base_url=f"{server_url}/v1/completions", model="tiny", tokenized_requests=True, batch_size=16
+    served = LocalCompletionsAPI(  # lm-eval's own timeout (300 s) and retries would wait 15 min
+        base_url=f"{server_url}/v1/completions",
+        model="tiny",
+        tokenized_requests=True,
+        batch_size=16,
+        timeout=60,
+        max_retries=1,
     )
     assert served.tokenizer_backend == "remote"  # found the server's /tokenizer_info and /tokenize
     with torch.inference_mode():

@@ -257,10 +257,7 @@ def test_connections_past_the_limit_get_a_503(server):
     time.sleep(0.1)  # let the server accept them all
     with raw_connection(server) as one_more:
         one_more.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
-        answer = b""
-        while chunk := one_more.recv(4096):  # the server closes the connection after it
-            answer += chunk
-        head, _, body = answer.partition(b"\r\n\r\n")
+        head, _, body = read_to_close(one_more).partition(b"\r\n\r\n")  # it closes after the answer
         assert head.startswith(b"HTTP/1.1 503") and b"application/json" in head
         error = json.loads(body)["error"]  # OpenAI's error body, not uvicorn's plain text
         assert error["code"] == 503 and "--max-connections" in error["message"]
@@ -270,13 +267,14 @@ def test_connections_past_the_limit_get_a_503(server):
     assert fetch(server[0] + "/health").status_code == 200
 
 
-def read_to_close(conn: socket.socket) -> bytes:
+def read_to_close(conn: socket.socket, within_s: float = 15) -> bytes:
     """Everything the server sent before it closed (a reset after it, for bytes the server never
-    read, ends the answer too)."""
-    answer = b""
+    read, ends the answer too), which it must do within `within_s`."""
+    answer, deadline = b"", time.monotonic() + within_s
     try:
         while chunk := conn.recv(4096):
             answer += chunk
+            assert time.monotonic() < deadline, f"the server sent on and did not close: {answer[-99:]!r}"
     except ConnectionResetError:
         pass
     return answer
@@ -287,7 +285,9 @@ def test_a_connection_that_dribbles_its_head_gets_a_408_at_the_read_timeout(serv
     own idle timer, not this deadline, so the head never ends and the server must answer."""
     with raw_connection(server) as conn:
         conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+        deadline = time.monotonic() + 15  # the read timeout is 1 s
         while not select.select([conn], [], [], 0.1)[0]:  # until the server answers
+            assert time.monotonic() < deadline, "no answer to a dribbled head within 15 s"
             conn.sendall(b"X")  # an endless header name
         head, _, body = read_to_close(conn).partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408") and b"application/json" in head
@@ -316,9 +316,7 @@ def test_a_body_that_does_not_arrive_in_time_gets_a_408(server):
             b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             b"Authorization: Bearer " + KEY.encode() + b'\r\nContent-Length: 100\r\n\r\n{"prompt":'
         )
-        answer = b""
-        while not answer.endswith(b"}}"):  # the end of the error body
-            answer += conn.recv(1000)
+        answer = read_to_close(conn)
     assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in answer
 
 
@@ -330,7 +328,7 @@ def test_a_stream_whose_reader_stops_is_aborted_not_buffered(server):
     async def never_read():
         params = SamplingParams(max_tokens=500, ignore_eos=True)
         submission = engine_loop.submit([[5, 6, 7]], params, "slow", backlog=8)
-        await submission.start()
+        await asyncio.wait_for(submission.start(), 30)
         deadline = time.monotonic() + 20
         while not submission.closed:
             assert time.monotonic() < deadline, "the stream was never cut off"
@@ -360,7 +358,7 @@ def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
         started = time.perf_counter()
         assert fetch(server[0] + "/health").status_code == 200
         assert time.perf_counter() - started < 0.5
-        assert slow.result().status_code == 200
+        assert slow.result(timeout=30).status_code == 200
 
 
 # ----------------------------------------------------------------------------- browsers and keys
@@ -436,7 +434,7 @@ def test_v1_routes_need_the_api_key_and_health_does_not(server, client):
         assert_error(response, 401, "Authorization: Bearer")
     assert_error(fetch(server[0] + "/v1/models"), 401)
     with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0).models.list()
+        openai.OpenAI(base_url=server[0] + "/v1", api_key="wrong", max_retries=0, timeout=30).models.list()
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).choices
     assert fetch(server[0] + "/health").status_code == 200
 

@@ -30,6 +30,7 @@ from minillm.engine import LLM, LLMEngine, SamplingParams
 from minillm.serve.engine_loop import EngineLoop
 
 CLIENTS, REQUESTS_PER_CLIENT, ROUNDS = 16, 4, 3
+ROUND_S = 300  # a round of the 16 clients ends within this, or the soak fails (its CI run: ~30 s)
 SOAK_MINUTES = float(os.environ.get("MINILLM_SOAK_MINUTES", "0"))  # 0: the three rounds CI runs
 SOAK_DTYPE = os.environ.get("MINILLM_SOAK_DTYPE", "float32")
 FLAT_FROM_MINUTE = 10
@@ -153,15 +154,17 @@ def test_sixteen_clients_get_generates_text_and_leave_nothing_behind(model_dir):
         try:
             while round_ < ROUNDS or time.monotonic() < until:
                 seeds = [round_ * CLIENTS + i for i in range(CLIENTS)]
-                checked += sum(pool.map(lambda seed: run_client(url, client, requests, seed), seeds))
+                one_client = lambda seed: run_client(url, client, requests, seed)  # noqa: E731
+                checked += sum(pool.map(one_client, seeds, timeout=ROUND_S))
                 wait_until_idle(engine_loop)
                 rss.append(resident_bytes())
                 round_ += 1
         finally:
-            pool.shutdown()
+            pool.shutdown(wait=False, cancel_futures=True)  # a failed round waits for no other client
             stop_polling.set()
             for poller in pollers:
-                poller.join()
+                poller.join(timeout=15)
+                assert not poller.is_alive(), f"{poller.name} did not stop"
     assert checked > CLIENTS * ROUNDS  # most requests were good ones, checked
     assert health == {200}
     assert engine.num_preemptions > 0, "the pool was meant to be small enough to swap"

@@ -211,17 +211,19 @@ def test_a_writer_killed_mid_write_leaves_a_whole_session_file(tmp_path, after_v
     path = tmp_path / "chat.safetensors"
     writer = subprocess.Popen([sys.executable, "-c", WRITER, str(path)])
     try:
-        version = -1
+        version, deadline = -1, time.monotonic() + 60
         while version < after_versions:
             assert writer.poll() is None, "the writer stopped by itself"
+            assert time.monotonic() < deadline, f"the writer reached version {version} only, in 60 s"
             time.sleep(0.01)
             if path.exists():
                 with safe_open(path, "pt") as whole:
                     version = int(whole.metadata()["version"])
         writer.send_signal(signal.SIGKILL)
-        writer.wait()
+        writer.wait(timeout=30)
     finally:
         writer.kill()
+        writer.wait(timeout=30)
     with safe_open(path, "pt") as whole:
         version, numbers = int(whole.metadata()["version"]), whole.get_tensor("block.0.k")
     assert version >= after_versions and bool((numbers == version).all())

@@ -8,7 +8,9 @@ llama.cpp's server): GET /v1/models, and POST /v1/completions with the prompt as
 its stream ended, and how many tokens it got: the `usage` the server sends at the end when asked
 (`stream_options.include_usage`), else the chunks that carried text, one token each. Asked for
 them (`return_token_ids`, vLLM's extension, which minillm serves too), they keep the token ids the
-server made; a server that ignores the field sends none, and they keep None.
+server made; a server that ignores the field sends none, and they keep None. A server that sends
+nothing for SILENCE_S seconds in the middle of a request (a stuck one) fails that request with a
+TimeoutError instead of holding the benchmark for ever.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import urllib.request
 from typing import NamedTuple
 
 from minillm.config import ConfigError
+
+SILENCE_S = 120.0  # the longest a request waits for the server's next byte (a prefill under load: seconds)
 
 
 class Endpoint(NamedTuple):
@@ -88,10 +92,18 @@ def completion_body(model: str, prompt_ids: list[int], max_tokens: int, token_id
     }
 
 
+async def _heard(endpoint: Endpoint, reading):
+    """What `reading` (one read from the server) gives, within SILENCE_S."""
+    try:
+        return await asyncio.wait_for(reading, SILENCE_S)
+    except TimeoutError:
+        raise TimeoutError(f"{endpoint.url} sent nothing for {SILENCE_S:g} s mid-request") from None
+
+
 async def post_stream(endpoint: Endpoint, body: dict) -> tuple:
     """POST body to /v1/completions and read the status line and headers. Returns (reader, writer,
     the moment it was sent, the status, whether the body is chunked)."""
-    reader, writer = await asyncio.open_connection(endpoint.host, endpoint.port)
+    reader, writer = await _heard(endpoint, asyncio.open_connection(endpoint.host, endpoint.port))
     payload = json.dumps(body).encode()
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
@@ -99,9 +111,9 @@ async def post_stream(endpoint: Endpoint, body: dict) -> tuple:
         % (endpoint.host.encode(), endpoint.port, len(payload), payload)
     )
     sent = time.perf_counter()
-    status = (await reader.readline()).split(b" ")[1]
+    status = (await _heard(endpoint, reader.readline())).split(b" ")[1]
     chunked = False
-    while (line := await reader.readline()) not in (b"\r\n", b""):
+    while (line := await _heard(endpoint, reader.readline())) not in (b"\r\n", b""):
         chunked |= line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
     return reader, writer, sent, int(status), chunked
 
@@ -156,10 +168,10 @@ def take_message(result: dict, message: dict) -> int:
     return with_text
 
 
-async def error_of(reader: asyncio.StreamReader, chunked: bool, status: int) -> str:
+async def error_of(endpoint: Endpoint, reader: asyncio.StreamReader, chunked: bool, status: int) -> str:
     """An answer other than 200: its status and the start of its body."""
     body = b""
-    while data := await read_some(reader, chunked):
+    while data := await _heard(endpoint, read_some(reader, chunked)):
         body += data
     return f"HTTP {status}: {body.decode(errors='replace').strip()[:300]}"
 
@@ -184,9 +196,9 @@ async def stream_completion(endpoint: Endpoint, body: dict, disconnect_after: in
     text_chunks, buffer = 0, b""
     try:
         if status != 200:  # an error body, not events
-            result["error"] = await error_of(reader, chunked, status)
+            result["error"] = await error_of(endpoint, reader, chunked, status)
             return result
-        while not result["done"] and (data := await read_some(reader, chunked)):
+        while not result["done"] and (data := await _heard(endpoint, read_some(reader, chunked))):
             buffer += data
             while b"\n\n" in buffer and not result["done"]:
                 event, buffer = buffer.split(b"\n\n", 1)

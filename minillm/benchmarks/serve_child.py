@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -44,8 +45,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(serve_args: list[str], port: int) -> subprocess.Popen:
-    """`minillm serve` in a child process on 127.0.0.1:port; returns once /health answers."""
+def _start_server(serve_args: list[str], port: int, log) -> subprocess.Popen:
+    """`minillm serve` in a child process on 127.0.0.1:port, its stderr to the file `log` (a pipe
+    nobody reads would stop the server once full); returns once /health answers."""
     server = subprocess.Popen(
         [
             sys.executable,
@@ -59,13 +61,14 @@ def _start_server(serve_args: list[str], port: int) -> subprocess.Popen:
             *serve_args,
         ],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
+        stderr=log,
         env={**os.environ},
     )
     deadline = time.monotonic() + 300
     while True:
         if server.poll() is not None:
-            raise ConfigError(f"minillm serve exited: {server.stderr.read().decode().strip()[-500:]}")
+            log.seek(0)
+            raise ConfigError(f"minillm serve exited: {log.read().decode().strip()[-500:]}")
         try:
             get(Endpoint("127.0.0.1", port), "/health")
             return server
@@ -80,12 +83,17 @@ def _start_server(serve_args: list[str], port: int) -> subprocess.Popen:
 def minillm_serve(serve_args: list[str]) -> Iterator[Endpoint]:
     """`minillm serve` in a child process on a free port while the block runs; stopped after."""
     port = _free_port()
-    server = _start_server(serve_args, port)
-    try:
-        yield Endpoint("127.0.0.1", port)
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
+    with tempfile.TemporaryFile() as log:
+        server = _start_server(serve_args, port, log)
+        try:
+            yield Endpoint("127.0.0.1", port)
+        finally:
+            server.terminate()  # SIGTERM: nothing is in flight, so it exits at once
+            try:
+                server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait(timeout=10)
 
 
 def blocks_held(values: dict) -> int:
