@@ -99,30 +99,11 @@ def always_guess():
 
 
 # Test tiers (markers registered in pyproject.toml): tests are marked by what they use, so a new
-# test lands in the right tier without remembering to mark it.
+# test lands in the right tier without remembering to mark it; a test slow for another reason
+# carries @pytest.mark.slow where it is defined (so a renamed one stays slow).
 _REAL_FIXTURES = {"real_dir", "real_model", "real_tokenizer", "hf_model", "real_text_ids", "naive_real"}
 _REAL_WEIGHT_FIXTURES = {"real_model", "hf_model", "real_text_ids", "naive_real"}
 _SLOW_MODULES = {"test_lessons", "test_real_model", "test_benchmarks", "test_soak", "test_serve_soak"}
-# Cases that run in the full suite only: each is slow on a loaded 2-core CPU, and a faster test
-# covers what it checks in the fast tier.
-_SLOW_CASES = {
-    # a KV format whose other cases stay fast (10-14 s each)
-    *(
-        f"test_quantized_engine_equals_a_fake_quantized_no_cache_reference[{case}]"
-        for case in ("int4-channel", "fp8-channel", "int4-token", "int8-token")
-    ),
-    # real weights through a whole decode or a benchmark run (15-45 s each)
-    "test_bf16_engine_matches_bf16_cached_decoding_on_the_real_model",
-    "test_dequantized_tensors_match_transformers_gguf_reader",
-    "test_bench_scheduling_json_keeps_its_promises",
-    "test_bench_serve_http_reports_speed_latency_and_no_block_left",
-    "test_trace_over_http_answers_every_request_and_reports_goodput",
-    # a program started as a user starts it (7-12 s each); in-process tests cover what it drives
-    "test_cli_chat_session_survives_a_restart",
-    "test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal",
-    "test_the_builder_writes_the_task_and_a_folder_transformers_loads",
-    "test_cli_eval_ppl_json",
-}
 _KERNEL_NAMES = ("cpu_kernel", "flash_prefill_kernel", "quantize_write_kernel", "cuda", "nvcc")
 
 
@@ -133,7 +114,7 @@ def _tiers_of(item) -> set[str]:
     tiers = set()
     if fixtures & _REAL_FIXTURES:
         tiers.add("real_model")
-    if fixtures & _REAL_WEIGHT_FIXTURES or module in _SLOW_MODULES or item.name in _SLOW_CASES:
+    if fixtures & _REAL_WEIGHT_FIXTURES or module in _SLOW_MODULES:
         tiers.add("slow")
     if module.startswith("test_serve"):
         tiers.add("server")

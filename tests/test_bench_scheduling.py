@@ -87,6 +87,7 @@ def test_the_rate_at_a_goodput_is_interpolated_in_log_rate():
     assert rate_for(grid, 0.4) is None and rate_for(grid[:1], 0.9) is None
 
 
+@pytest.mark.slow  # a whole benchmark run (15-45 s)
 def test_bench_scheduling_json_keeps_its_promises(capsys, vocab_dir):
     report = run_json(
         capsys,

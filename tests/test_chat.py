@@ -267,6 +267,7 @@ def test_every_failed_save_or_load_is_one_line_and_the_chat_goes_on(
     assert chat.last[0].finish_reason != "error"
 
 
+@pytest.mark.slow  # a program started as a user starts it (7-12 s); in-process tests cover it
 def test_bad_commands_are_one_line_and_the_chat_goes_on_without_a_terminal(chat_dir, tmp_path):
     """Piped input and output, as in CI: every mistake is one `error:` line, the chat answers
     afterwards, and nothing is drawn live: no escape codes, no panel."""

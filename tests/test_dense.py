@@ -137,6 +137,7 @@ def bf16_steps_apart(logits: torch.Tensor, a: int, b: int) -> float:
     return abs(logits[a].item() - logits[b].item()) / step
 
 
+@pytest.mark.slow  # real weights through a whole decode (15-45 s)
 def test_bf16_engine_matches_bf16_cached_decoding_on_the_real_model(real_dir, real_tokenizer):
     """The fp32 test's prompts, in bf16 and under preemption, against the plain KV-cache decoder
     (one sequence at a time, no paging; the naive decoder took 100 s here on an AVX2-only CPU,

@@ -68,6 +68,7 @@ def test_missing_text_names_the_fetch_command(tmp_path):
         read_text(tmp_path / "alice29.txt")
 
 
+@pytest.mark.slow  # the real model scored through the command line (7-12 s)
 def test_cli_eval_ppl_json(capsys, real_dir):
     code = main(
         [

@@ -122,6 +122,7 @@ def test_cloze_items_are_drawn_the_same_every_time(items):
         assert len(set(item["choices"])) == 4 and not item["context"].endswith(" ")
 
 
+@pytest.mark.slow  # a program started as a user starts it (7-12 s)
 def test_the_builder_writes_the_task_and_a_folder_transformers_loads(
     tmp_path, capsys, real_dir, real_tokenizer
 ):

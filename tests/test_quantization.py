@@ -189,12 +189,13 @@ def test_samples_sharing_quantized_blocks_equal_independent_requests(tiny_dir, t
         assert sample == LLM(tiny_dir, model=tiny_model, **switches).generate([prompt], params)[0].token_ids
 
 
+FULL_SUITE_ONLY = pytest.mark.slow  # a KV format whose other cases stay fast (10-14 s each)
 FORMAT_CASES = [
     ("int8", "channel"),
-    ("int8", "token"),
-    ("int4", "channel"),
-    ("int4", "token"),
-    ("fp8", "channel"),
+    pytest.param("int8", "token", marks=FULL_SUITE_ONLY),
+    pytest.param("int4", "channel", marks=FULL_SUITE_ONLY),
+    pytest.param("int4", "token", marks=FULL_SUITE_ONLY),
+    pytest.param("fp8", "channel", marks=FULL_SUITE_ONLY),
     ("fp8", "token"),
 ]
 

@@ -863,6 +863,7 @@ def test_llm_outputs_read_like_vllms(reference):
     assert {o.finish_reason for o in out.outputs} == {"length"}
 
 
+@pytest.mark.slow  # a whole benchmark run against a child server (15-45 s)
 def test_bench_serve_http_reports_speed_latency_and_no_block_left(capsys, model_dir):
     assert (
         main(

@@ -30,6 +30,7 @@ def model_dir(real_dir, tmp_path_factory):
     )
 
 
+@pytest.mark.slow  # a whole benchmark run against a child server (15-45 s)
 def test_trace_over_http_answers_every_request_and_reports_goodput(capsys, model_dir):
     flags = ["--trace-requests", "8", "--trace-scale", "0.1", "--trace-rate", "8", "--trace-seed", "3"]
     engine = ["--admission", "memory", "--prefix-caching", "--kv-cache-mb", "8", "--threads", "1"]

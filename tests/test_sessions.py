@@ -170,6 +170,7 @@ def chat(monkeypatch, capsys, real_dir, folder, lines, *flags):
     return code, " ".join(out.split()), err
 
 
+@pytest.mark.slow  # a program started as a user starts it (7-12 s); in-process tests cover it
 def test_cli_chat_session_survives_a_restart(monkeypatch, capsys, real_dir, tmp_path):
     code, out, _ = chat(monkeypatch, capsys, real_dir, tmp_path, ["Name a color.", "/exit"])
     assert code == 0 and "parked session notes" in out

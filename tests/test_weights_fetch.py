@@ -51,6 +51,7 @@ def no_pip(monkeypatch):
     monkeypatch.setattr(subprocess, "run", run_without_pip)
 
 
+@pytest.mark.slow  # every tensor of the real GGUF dequantized twice (15-45 s)
 def test_dequantized_tensors_match_transformers_gguf_reader(real_dir):
     """transformers reads the same GGUF with its own code (dequantize + reverse permutation)."""
     from transformers import LlamaConfig, LlamaForCausalLM
