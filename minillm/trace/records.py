@@ -4,7 +4,8 @@ A trace is read to answer questions about memory's data flow (`minillm/trace/__i
 them). Each record here holds the answer to one: a block content's life (`Life`), a prefix-cache
 registration and who hit it (`PrefixEntry`), a cached block's stay on the host tier (`Spill`), a
 sequence's time away from the device (`Trip`). The walk (`run_view.py`) fills them event by
-event; the summaries (`summary.py`) count them. The codes the pictures are drawn in live here too.
+event; the summaries (`summary.py`) count them. The codes the pictures are drawn in live here too,
+and `record_change`, which keeps a timeline row as the steps where its code changes.
 """
 
 from __future__ import annotations
@@ -60,3 +61,11 @@ class Trip:
     blocks_in: int = 0
     back_step: int | None = None
     freed: bool = False  # its table was freed while away (aborted, or recomputed later)
+
+
+def record_change(changes: list[tuple[int, int]], column: int, during: int, now: int) -> None:
+    """A step's column shows the code `during` it; `now` (after it) holds from the next column on."""
+    if (changes[-1][1] if changes else 0) != during:
+        changes.append((column, during))
+    if now != during:
+        changes.append((column + 1, now))

@@ -4,7 +4,7 @@
 `Replayer` (`memory/replay.py`, the pool as the events say it is) and updates what the questions
 need: each block content's life, each prefix entry's hits, each spill and swap trip
 (`records.py`), the KV bytes each request read. The walk stays cheap on long runs: a step records
-only the blocks and sequences its events touched, as changes (`timeline.record_change`); the
+only the blocks and sequences its events touched, as changes (`records.record_change`); the
 pictures are filled from those changes at the end (`timeline.py`).
 """
 
@@ -12,8 +12,16 @@ from __future__ import annotations
 
 from minillm.memory import events as ev
 from minillm.memory.replay import Replayer
-from minillm.trace.records import BLOCK_STATES, MIXED, TIER_PLACE, Life, PrefixEntry, Spill, Trip
-from minillm.trace.timeline import record_change
+from minillm.trace.records import (
+    BLOCK_STATES,
+    MIXED,
+    TIER_PLACE,
+    Life,
+    PrefixEntry,
+    Spill,
+    Trip,
+    record_change,
+)
 from minillm.tracing import TraceError
 
 

@@ -1,8 +1,8 @@
 """The timeline's grids: each block's state and each request's place, step by step, from changes.
 
 A long run has many blocks x many steps, and most cells repeat the one before. So the walk
-(`run_view.py`) writes a row's value only when it changes (`record_change`), and the grids are
-filled once, at the end, from those changes (`block_rows`, `request_rows`): one byte per
+(`run_view.py`) writes a row's value only when it changes (`records.record_change`), and the
+grids are filled once, at the end, from those changes (`block_rows`, `request_rows`): one byte per
 block x step coloured by its state (`BLOCK_STATES`), one lane per request coloured by where its
 KV lives (`PLACES`). The drawing (`picture.py`) and the place counts (`summary.py`) read them.
 """
@@ -20,14 +20,6 @@ if TYPE_CHECKING:
     from minillm.trace.run_view import RunView
 
 MAX_GRID_CELLS = 400_000_000  # blocks x steps drawn at most (one byte each, before aggregation)
-
-
-def record_change(changes: list[tuple[int, int]], column: int, during: int, now: int) -> None:
-    """A step's column shows the code `during` it; `now` (after it) holds from the next column on."""
-    if (changes[-1][1] if changes else 0) != during:
-        changes.append((column, during))
-    if now != during:
-        changes.append((column + 1, now))
 
 
 def block_rows(view: RunView) -> tuple[np.ndarray, dict[str, range]]:
