@@ -1,0 +1,25 @@
+"""minillm: a readable reference engine for LLM inference, from a KV cache to a memory system.
+
+The packages, in the order a request meets them (docs/layout.md is the full map):
+    config.py, switches.py   EngineConfig and every switch, declared once
+    model_config.py, weights.py, tokenizer.py, model.py, matmul.py, quantized_weights.py
+                             the checkpoint: its config, its tensors, its tokenizer, the Llama
+                             forward and its matrix products
+    sampling.py, structured.py
+                             from logits to a token: SamplingParams, and structured output
+    decoding/                one sequence: the naive oracle and the cached decoder
+    memory/                  the KV memory system: blocks, prefix cache, quantization, eviction, tiers
+    attention/               attention over the paged pool: the reference and the kernels
+    engine/                  the serving engine: scheduler, admission, speculation, LLM
+    serve/                   the OpenAI-compatible HTTP server on the engine
+    chat/                    the terminal chat with its memory view
+    cli/                     the `minillm` command line
+    benchmarks/              `minillm bench ...`: what each technique costs and saves, measured
+    evaluation.py, lm_eval_task.py
+                             perplexity through the KV cache; an lm-evaluation-harness task
+    trace/, tracing.py       --trace FILE: the engine's KV events written, read back and drawn
+    fetch/                   weights_fetch.py's jobs: downloads, GGUF, the texts
+    runtime.py               a loaded model for single-sequence decoding (generate, info)
+    report.py, progress.py   the one table printer and --json; the one progress bar
+    stop_signals.py          SIGINT and SIGTERM handled whatever the process inherited
+"""

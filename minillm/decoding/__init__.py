@@ -1,5 +1,8 @@
 """Decoding one sequence: the naive oracle, the cached decoder, and the loop they share.
 
+naive.py   no cache: every step recomputes the whole sequence (the oracle)
+cached.py  one contiguous KV cache, grown a token at a time
+
 Both decoders answer two questions — `prefill(prompt_ids)` and `step(token_id)` — with the
 logits for the next token. `generate` turns those logits into tokens until EOS, the token limit,
 or the end of the context.

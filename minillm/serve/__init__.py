@@ -8,7 +8,7 @@ endpoints.py    each endpoint's own body: a completion's prompt, a chat's messag
 responses.py    each choice's text as tokens arrive, response and stream-chunk bodies
 engine_loop.py  the engine on one thread, fed by a command queue; Submission, one HTTP
                 request's side (outputs as they come, abort on close)
-commands.py     what crosses between the threads: Add, Abort, Call, Stop, and each request's Reply
+commands.py     what crosses between the threads: Add, Abort, Call, Drain, Stop, and each request's Reply
 app.py          the FastAPI app: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics;
                 the checks at the door (API key, the waiting room)
 origins.py      the Host and Origin a request may carry (DNS rebinding, other sites' pages)
@@ -20,6 +20,7 @@ connections.py  uvicorn as the server runs it: a cap on connections (503 JSON), 
                 request's head
 metrics.py      /metrics: the snapshot and the loop's counters in Prometheus' text format
 kv_events.py    /v1/kv_events: the KV events streamed as server-sent events; VllmEvents, vLLM's shape
+tokenize.py     /tokenize, /detokenize, /tokenizer_info: the server's tokenizer, as vLLM serves it
 
 FastAPI and uvicorn are an optional extra: pip install -e ".[serve]".
 """
