@@ -1,7 +1,7 @@
 """`minillm.trace` and `minillm trace show`: numbers read from a traced run equal what the run did.
 
 Each run here is small enough to reason out by hand: the free blocks are taken least recently
-freed first (`free_blocks.py`), a cached block taken for new content spills to the host tier's
+freed first (`block_ledger.py`), a cached block taken for new content spills to the host tier's
 least recently used block (`spill="all"`: every cached block, read again or not), and a request
 of `max_tokens=1` computes and ends in one step. The expected numbers below come from that
 reasoning (or from the engine's own counters), never from running the code under test."""
