@@ -4,7 +4,8 @@
     llm = LLM("weights/SmolLM2-135M-Instruct", block_size=16, kv_cache_bytes=64 << 20)
     outputs = llm.generate(["Hello", "The capital of France is"], SamplingParams(max_tokens=32))
 
-sequence.py       a request's tokens, how many have K/V computed, its timings
+sequence.py       a request's tokens, how many have K/V computed, its timings; the changes token
+                  choice decides for it (Fork, Finish, Fail)
 scheduler.py      token budget, chunked prefill, preemption, forks, finishing (memory it asks of
                   the KV cache manager: blocks, copy-on-write, swaps)
 admission.py      who joins the batch next: first come, longest cached prefix, max-length

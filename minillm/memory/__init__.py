@@ -1,6 +1,6 @@
 """The memory system: where every token's keys and values live, who holds them, and what it costs.
 
-kv_cache_manager.py  KVCacheManager: the one door the scheduler talks to about memory
+kv_cache_manager.py  KVCacheManager: the one door the engine talks to about memory; Capacity
 block_manager.py     blocks, block tables, reference counts, copy-on-write (PagedAttention)
 tier_moves.py        TierMoves: tier moves over the same tables: swap out and in, spill, bring back
 block_ledger.py      BlockLedger: each tier's free blocks, refcounts, the copies decided
@@ -24,7 +24,7 @@ the block manager, a benchmark that builds a pool) imports it from that part's m
 """
 
 from minillm.memory.accounting import MemorySnapshot, MemoryStats
-from minillm.memory.kv_cache_manager import KVCacheManager
+from minillm.memory.kv_cache_manager import Capacity, KVCacheManager
 from minillm.memory.sessions import SessionError
 
-__all__ = ["KVCacheManager", "MemorySnapshot", "MemoryStats", "SessionError"]
+__all__ = ["Capacity", "KVCacheManager", "MemorySnapshot", "MemoryStats", "SessionError"]
