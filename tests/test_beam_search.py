@@ -97,7 +97,7 @@ def test_a_beam_group_takes_only_logits_that_fit_its_beams():
     logits = torch.zeros(97)
     logits[5], logits[6] = 2.0, 1.0  # every beam's best two: tokens 5 and 6
     assert not group.offer(beams[0], logits) and group.offer(beams[1], logits)
-    survivors, changes = group.advance(itertools.count(2).__next__, None)
+    survivors, changes = group.advance(itertools.count(2), None)
     pruned = [beam for beam in beams if beam not in survivors]
     assert len(survivors) == 2 and pruned == [beams[1]] and changes[0] == Finish(beams[1], "pruned")
     for beam in survivors:  # extended by one token, not computed yet: these logits are stale

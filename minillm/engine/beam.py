@@ -13,7 +13,7 @@ from scratch with the naive decoder: the two must agree beam for beam.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Iterator
 
 import torch
 
@@ -54,11 +54,12 @@ class BeamGroup:
         self.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1)
         return all(beam.seq_id in self.pending for beam, _ in self.live)
 
-    def advance(self, new_seq_id: Callable[[], int], eos: int | None) -> tuple[list[Sequence], list[Change]]:
-        """One step: keep the best `width` (beam, token) pairs; fork beams chosen more than once,
-        finish beams chosen by nobody (their blocks go back). Returns the request's sequences (the
-        live beams, or once none is left, the best finished ones) and the forks and finishes, in
-        the order the scheduler must carry them out: the pruned leave before the forks take seats."""
+    def advance(self, seq_ids: Iterator[int], eos: int | None) -> tuple[list[Sequence], list[Change]]:
+        """One step: keep the best `width` (beam, token) pairs; fork beams chosen more than once
+        (ids from `seq_ids`), finish beams chosen by nobody (their blocks go back). Returns the
+        request's sequences (the live beams, or once none is left, the best finished ones) and the
+        forks and finishes, in the order the scheduler must carry them out: the pruned leave
+        before the forks take seats."""
         live = self.live
         choices = select(
             [score for _, score in live], torch.stack([self.pending[s.seq_id] for s, _ in live]), self.width
@@ -71,7 +72,7 @@ class BeamGroup:
         claimed, assignments = set(), []
         for beam, token, score in choices:  # fork before any beam appends, so forks copy the parent as it was
             parent = live[beam][0]
-            seq = parent if beam not in claimed else parent.fork(new_seq_id(), 0)
+            seq = parent if beam not in claimed else parent.fork(next(seq_ids), 0)
             if seq is not parent:
                 changes.append(Fork(parent, seq))
             claimed.add(beam)

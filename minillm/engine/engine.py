@@ -126,15 +126,14 @@ class LLMEngine:
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
         self.num_steps = 0
-        self._grammars: Grammars | None = None  # built on the first structured-output request
         self.chooser = TokenChooser(  # guess checks, prompt scoring, sampling, constraints, forks
             self.runner,
             self.stats,
             self.eos_token_id,
             model_config.vocab_size,
-            self.grammars,
+            self.tokenizer,
             self.proposer,
-            lambda: next(self.seq_ids),
+            self.seq_ids,
         )
 
     # ----------------------------------------------------------------- requests
@@ -180,12 +179,8 @@ class LLMEngine:
         return request_id
 
     def grammars(self) -> Grammars:
-        """Structured output's grammar compiler for this engine's vocabulary."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
-            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
-        return self._grammars
+        """Structured output's grammar compiler for this engine's vocabulary (the token chooser's)."""
+        return self.chooser.grammars()
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks go back, and the engine forgets it (no output follows)."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -34,6 +34,7 @@ from minillm.engine.sequence import Change, Fail, Finish, Fork, Sequence, Status
 from minillm.engine.speculative import NgramProposer, check_guesses
 from minillm.sampling import TokenLogprob, process_logits, token_logprob
 from minillm.structured import Grammars
+from minillm.tokenizer import Tokenizer
 
 NOT_FINITE = (
     "The model's scores for this request's next token are not finite (NaN or inf): a broken kernel "
@@ -70,19 +71,29 @@ class TokenChooser:
         stats: EngineStats,
         eos_token_id: int | None,
         vocab_size: int,
-        grammars: Callable[[], Grammars],
+        tokenizer: Tokenizer | None,
         proposer: NgramProposer | None,
-        new_seq_id: Callable[[], int],
+        seq_ids: Iterator[int],
     ):
-        """`grammars()`: the engine's grammar compiler, built when first asked; `new_seq_id()`: a
-        fork's id; `proposer`: speculation's guesser, None without it."""
+        """`tokenizer`: what structured output's grammars are compiled against (None: no
+        structured output); `proposer`: speculation's guesser, None without it; `seq_ids`: the
+        engine's sequence ids, which forks take theirs from too."""
         self.runner, self.stats = runner, stats
-        self.eos_token_id, self.vocab_size = eos_token_id, vocab_size
-        self.grammars, self.proposer, self.new_seq_id = grammars, proposer, new_seq_id
+        self.eos_token_id, self.vocab_size, self.tokenizer = eos_token_id, vocab_size, tokenizer
+        self.proposer, self.seq_ids = proposer, seq_ids
+        self._grammars: Grammars | None = None  # built on the first structured-output request
         self.beam_groups: dict[str, BeamGroup] = {}  # request_id -> its beams, for beam_width > 1
         self._checked: dict[int, list[int]] = {}  # seq_id -> the guesses the last step checked
 
     # ----------------------------------------------------------------- requests' lives
+    def grammars(self) -> Grammars:
+        """Structured output's grammar compiler for the vocabulary, built when first asked."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
+
     def start_beams(self, request_id: str, width: int, seq: Sequence) -> None:
         """A request searched by `width` beams, starting from its one sequence."""
         self.beam_groups[request_id] = BeamGroup(width, live=[(seq, 0.0)])
@@ -237,7 +248,7 @@ class TokenChooser:
             if not group.offer(seq, logits):
                 return False
             # every live beam has its next-token scores: choose
-            beams, changes = group.advance(self.new_seq_id, self.eos_token_id)
+            beams, changes = group.advance(self.seq_ids, self.eos_token_id)
             choice.families[seq.request_id] = beams
             choice.changes += changes
             return True
@@ -282,7 +293,7 @@ class TokenChooser:
         samples for the first time, n - 1 forks sharing its blocks (parallel sampling)."""
         if seq.params.n == 1 or seq.output_ids:
             return [seq]
-        forks = [seq.fork(self.new_seq_id(), index) for index in range(1, seq.params.n)]
+        forks = [seq.fork(next(self.seq_ids), index) for index in range(1, seq.params.n)]
         choice.changes += [Fork(seq, child) for child in forks]
         choice.families[seq.request_id] = [seq, *forks]
         return [seq, *forks]
