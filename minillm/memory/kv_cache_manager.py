@@ -5,20 +5,26 @@ the engine's one counterpart about memory (vLLM v1 calls it the KVCacheManager, 
 the CacheManager). It owns every part of the memory system and answers in the scheduler's words:
 
     capacity()           what planning needs, fixed for the run: blocks, block size, budgets
+    num_free_blocks, has_blocks, num_held, is_swapped, holders_of_device_blocks,
+    cached_prefix_blocks what the scheduler counts on, asked as it plans
     allocate(seq, ...)   blocks for a sequence's next chunk: prefix hits adopted, a swapped-out
                          sequence brought back, the table grown, shared blocks copied; or "no"
-    append(...)          where a chunk's K/V go (slots), and the table its history is read through
     preempt(...)         take a victim off the device, by swap or by recompute (its cost model)
     prefetch(...)        bring a swapped-out sequence back one step early
     fork / free          a parallel sample or beam shares its parent's blocks; blocks go back
+    take_copies()        every block copy decided (swaps, spills, copy-on-write), in order
+    apply(...)           ...performed by the tiers before the forward pass that reads them
+    pool() / append(...) the tensors attention uses, and where a chunk's K/V go (slots) with the
+                         table its history is read through
     computed(...)        after a forward pass: attention's scores kept, full blocks registered,
                          eviction budgets kept
     rollback(...)        speculation's rejected guesses cut (`rollback.py`)
-    take_copies()        every block copy decided (swaps, spills, copy-on-write), in order
-    apply(...)           ...performed by the tiers before the forward pass that reads them
-    begin_step / end_step   a step's events numbered, timed, told; its ladder rungs and numbers
+    begin_step / end_step   a step's events numbered, its pass timed, who ran told; its numbers
+    save_session / load_session   a conversation's KV parked in a file, and back (`sessions.py`)
     snapshot(...)        one read-only picture of all of it (`accounting.MemorySnapshot`)
     subscribe(...)       every change of a block's life from now on, as events (`events.py`)
+    eviction_state / check_invariants   what a test looks at: H2O scores and entry positions; the
+                         block manager's invariants, and the state the events rebuild
 
 Inside, each part keeps its one job: `BlockManager` (tables, refcounts, copy-on-write) and its
 `TierMoves` (swaps, spills, bring-backs over the same tables), `PrefixCache` (blocks found by
