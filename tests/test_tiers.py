@@ -483,9 +483,10 @@ def test_only_blocks_read_again_spill_under_the_reused_rule(tiny_dir, tiny_model
     (B's were never read again); under "all" all four. A comes back: its two blocks return from
     the host, into C's blocks, which "all" copies out too, pushing B's copies off the host; B
     comes back: computed again under both rules (its blocks now known as reused), D's blocks
-    copied out under "all". The same two hits: two copies against eight."""
+    copied out under "all". The same two hits: two copies against eight. Then E and F reclaim
+    A's blocks and B's: under "reused" all four spill, B's too (computed again after a drop)."""
     rng = random.Random(5)
-    full = {name: [rng.randrange(97) for _ in range(2 * BLOCK)] for name in "ABCD"}
+    full = {name: [rng.randrange(97) for _ in range(2 * BLOCK)] for name in "ABCDEF"}
     prompts = [
         full["A"] + [1],
         full["A"] + [2],
@@ -514,6 +515,9 @@ def test_only_blocks_read_again_spill_under_the_reused_rule(tiny_dir, tiny_model
     assert after_a["spill_hits"] == after_b["spill_hits"] == 2  # A0 A1 came back from the host
     assert after_b["spilled"] == (2 if spill == "reused" else 8)
     assert len(cached_blocks(llm.engine, prompts[-1])) == 2  # B's blocks, computed again, are cached
+    for prompt in (full["E"] + [8], full["F"] + [9]):  # they reclaim A's blocks, then B's
+        llm.generate([prompt], params)
+    assert llm.engine.snapshot().counters["spilled"] == (6 if spill == "reused" else 12)
     llm.engine.kv_cache.check_invariants()
 
 
