@@ -1,7 +1,9 @@
 """Helpers the tests share: the tiny random Llama's config and checkpoint writer, where the real
 checkpoint and texts live, the independent references the soaks check against, and small tools
-(a failing sampler, strict JSON, a KV-event router). Fixtures and hooks stay in conftest.py; test
-modules import from here, never from each other.
+(a failing sampler, strict JSON, a KV-event router), and what the memory system shows through its
+door (the `Snapshot` a new subscriber hears, the blocks the prefix cache would give, a sequence's
+slots, a drained pool). Fixtures and hooks stay in conftest.py; test modules import from here,
+never from each other.
 """
 
 import json
