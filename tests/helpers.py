@@ -1,7 +1,9 @@
 """Helpers the tests share: the tiny random Llama's config and checkpoint writer, where the real
 checkpoint and texts live, the independent references the soaks check against, and small tools
-(a failing sampler, strict JSON, a KV-event router). Fixtures and hooks stay in conftest.py; test
-modules import from here, never from each other.
+(a failing sampler, strict JSON, a KV-event router), and what the memory system shows through its
+door (the `Snapshot` a new subscriber hears, the blocks the prefix cache would give, a sequence's
+slots, a drained pool). Fixtures and hooks stay in conftest.py; test modules import from here,
+never from each other.
 """
 
 import json
@@ -18,6 +20,7 @@ from safetensors.torch import save_file
 from minillm.decoding import generate
 from minillm.engine import SamplingParams
 from minillm.engine.beam import reference_beam_search
+from minillm.memory.events import Snapshot
 from minillm.memory.replay import Replayer
 
 REAL_MODEL_DIR = Path(
@@ -125,10 +128,60 @@ def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[l
 
 
 def assert_replayed(replayer: Replayer, kv_cache) -> None:
-    """The state rebuilt from the KV events alone equals the block manager's."""
-    manager = kv_cache.block_manager
-    cache = manager.prefix_cache.entries if manager.prefix_cache else {}
-    replayer.check(manager.block_tables, manager.refcounts, {block: e.key for block, e in cache.items()})
+    """The state rebuilt from the KV events alone equals the block manager's (asked through the door)."""
+    kv_cache.check_invariants(replayer)
+
+
+def heard_snapshot(engine) -> Snapshot:
+    """The state now as a new subscriber hears it first (`memory/events.py`): tables, and every
+    prefix-cache entry (block, key, parent key, tokens), parents first."""
+    heard = []
+
+    def listen(step, event):
+        heard.append(event)
+
+    engine.subscribe(listen)
+    engine.unsubscribe(listen)
+    return heard[0]
+
+
+def cached_chains(engine) -> list[list[int]]:
+    """The tokens each block the prefix cache vouches for stands for, from its chain's first block."""
+    chains: dict[int, list[int]] = {}  # key -> tokens from the chain's start (parents come first)
+    for _, key, parent, tokens in heard_snapshot(engine).cached:
+        chains[key] = (chains[parent] if parent is not None else []) + list(tokens)
+    return list(chains.values())
+
+
+def cached_blocks(engine, token_ids: list[int]) -> list[int]:
+    """The blocks the prefix cache would give `token_ids` (its longest cached prefix of full blocks,
+    all but the last token), found from the `Snapshot` a new subscriber hears: block by block, by
+    its tokens under its parent's key."""
+    state = heard_snapshot(engine)
+    size, found = state.block_size, []
+    entries = {(parent, tuple(tokens)): (block, key) for block, key, parent, tokens in state.cached}
+    parent = None
+    for start in range(0, (len(token_ids) - 1) // size * size, size):
+        entry = entries.get((parent, tuple(token_ids[start : start + size])))
+        if entry is None:
+            break
+        block, parent = entry
+        found.append(block)
+    return found
+
+
+def slots_of(engine, seq) -> list[int]:
+    """The slots of the sequence's cache entries, through its block table (`LLMEngine.snapshot`)."""
+    table = next(view.table for view in engine.snapshot().sequences if view.seq_id == seq.seq_id)
+    size = engine.snapshot().block_size
+    return [table[entry // size] * size + entry % size for entry in range(seq.num_cached)]
+
+
+def free_and_intact(engine) -> bool:
+    """Every device block is free again (none held, none leaked), and the invariants hold."""
+    engine.kv_cache.check_invariants()
+    snapshot = engine.snapshot()
+    return snapshot.num_free_blocks == snapshot.num_blocks
 
 
 def route(known: set, item: dict) -> None:

@@ -79,7 +79,7 @@ class ScheduleRecorder:
         ] = {}  # seq_id -> (attention mass, entry positions) at its last free
 
         def recording_free(seq_id):
-            self.freed_state[seq_id] = (kv_cache.attention_mass(seq_id), kv_cache.kv_positions(seq_id))
+            self.freed_state[seq_id] = kv_cache.eviction_state(seq_id)
             free(seq_id)
 
         engine.runner.forward, engine.step, kv_cache.free = recording_forward, recording_step, recording_free

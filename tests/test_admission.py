@@ -6,6 +6,7 @@ request without max_tokens admitted on a pool smaller than the context, ending a
 import random
 
 import pytest
+from helpers import free_and_intact
 
 from minillm.config import ConfigError
 from minillm.decoding import generate
@@ -43,9 +44,7 @@ def tight(tiny_dir, tiny_model, blocks=14, **switches):
 
 
 def assert_drained(llm):
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(llm.engine)
 
 
 # ---------------------------------------------------------------- the scheduler alone
@@ -82,7 +81,7 @@ def step(sched):
     """One engine step without a model: the scheduled tokens are computed, and every sequence
     whose tokens are all computed samples token 1. Returns the sequences scheduled."""
     schedule = sched.schedule()
-    sched.computed(schedule, {})
+    sched.computed(schedule, {}, {})  # no guesses, no attention kept (no H2O)
     for item in schedule.sequences:
         if item.seq.num_uncomputed == 0:
             reason = item.seq.append(1, None)
@@ -206,7 +205,7 @@ def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, sw
     assert [out.token_ids for out in outputs] == expected
     assert llm.engine.num_preemptions > 0
     if switches.get("prefix_caching"):
-        assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0
+        assert llm.engine.snapshot().prefix_cache["hit_blocks"] > 0
     assert_drained(llm)
 
 

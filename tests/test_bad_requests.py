@@ -7,7 +7,7 @@ free and the next requests equal naive decoding."""
 import re
 
 import pytest
-from helpers import FailingSampler, raise_fault
+from helpers import FailingSampler, free_and_intact, raise_fault
 
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
@@ -20,9 +20,7 @@ PARAMS = SamplingParams(max_tokens=6, ignore_eos=True)
 def assert_serves_good_requests(model, llm):
     for out, prompt in zip(llm.generate(GOOD, PARAMS), GOOD):
         assert out.error is None and out.token_ids == generate(model, prompt, PARAMS, "naive").token_ids
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(llm.engine)
 
 
 @pytest.mark.parametrize(

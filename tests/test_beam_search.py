@@ -6,15 +6,13 @@ import random
 
 import pytest
 import torch
+from helpers import free_and_intact
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import BeamGroup, reference_beam_search, select
-from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import Sequence
-from minillm.memory import KVCacheManager
-from minillm.memory.block_manager import BlockManager
+from minillm.engine.sequence import Finish, Sequence
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
@@ -27,9 +25,7 @@ def test_engine_beams_equal_reference_beams(tiny_dir, tiny_model, width, prompt_
     out = llm.generate([prompt], params)[0]
     assert out.samples == reference_beam_search(tiny_model, prompt, width, 10, None)
     assert out.token_ids == out.samples[0] and out.finished
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks  # dropped and finished beams gave everything back
+    assert free_and_intact(llm.engine)  # dropped and finished beams gave everything back
     assert max(m.shared_slots for m in llm.engine.stats.memory) > 0
 
 
@@ -98,20 +94,12 @@ def test_a_beam_group_takes_only_logits_that_fit_its_beams():
     params = SamplingParams(beam_width=2, max_tokens=8, ignore_eos=True)
     beams = [Sequence(i, "r", [1, 2, 3], params, max_len=11, num_computed=3) for i in range(2)]
     group = BeamGroup(2, live=[(beams[0], 0.0), (beams[1], -10.0)])  # beam 0 far ahead: it is forked
-    scheduler = Scheduler(
-        KVCacheManager(BlockManager(num_blocks=8, block_size=4)),
-        "continuous",
-        max_num_seqs=8,
-        max_num_batched_tokens=64,
-        context_len=64,
-        vocab_size=97,
-    )
     logits = torch.zeros(97)
     logits[5], logits[6] = 2.0, 1.0  # every beam's best two: tokens 5 and 6
     assert not group.offer(beams[0], logits) and group.offer(beams[1], logits)
-    survivors = group.advance(scheduler, itertools.count(2).__next__, None)
+    survivors, changes = group.advance(itertools.count(2), None)
     pruned = [beam for beam in beams if beam not in survivors]
-    assert len(survivors) == 2 and pruned == [beams[1]]
+    assert len(survivors) == 2 and pruned == [beams[1]] and changes[0] == Finish(beams[1], "pruned")
     for beam in survivors:  # extended by one token, not computed yet: these logits are stale
         assert not group.offer(beam, logits)
     assert not group.offer(pruned[0], logits)  # pruned: never again part of the search
@@ -139,6 +127,4 @@ def test_beams_with_prefix_caching_and_preemption_under_static_batching(tiny_dir
     out = llm.generate([prompt] + others, params)[0]
     assert llm.engine.num_preemptions > 0
     assert out.error is None and out.samples == reference_beam_search(tiny_model, prompt, 4, max_tokens, None)
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(llm.engine)

@@ -6,6 +6,7 @@ import builtins
 import random
 
 import pytest
+from helpers import free_and_intact
 
 import minillm.memory.prefix_cache as prefix_cache_module
 from minillm.decoding import generate
@@ -36,9 +37,7 @@ def naive(model, prompt, params):
 
 
 def assert_drained(llm):
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(llm.engine)
 
 
 @pytest.mark.parametrize(
@@ -49,7 +48,7 @@ def test_prefix_hits_with_other_switches_equal_naive(tiny_dir, tiny_model, switc
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, **{"block_size": BLOCK, **switches})
     outputs = one_by_one(llm, prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 10
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] > 10
     assert_drained(llm)
 
 
@@ -63,7 +62,7 @@ def test_prefix_hits_on_quantized_blocks_change_nothing(tiny_dir, tiny_model, kv
     assert [out.token_ids for out in one_by_one(cached, prompts, params)] == [
         out.token_ids for out in one_by_one(plain, prompts, params)
     ]
-    assert cached.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 10
+    assert cached.engine.snapshot().prefix_cache["hit_blocks"] > 10
     assert_drained(cached)
 
 
@@ -75,16 +74,20 @@ def test_blocks_registered_mid_prefill_are_adopted_by_another_request(tiny_dir, 
     second = first[:24] + [rng.randrange(97) for _ in range(5)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, block_size=BLOCK, max_num_batched_tokens=8)
-    engine, cache = llm.engine, llm.engine.kv_cache.block_manager.prefix_cache
+    engine = llm.engine
     a = engine.add_request(first, params)
     for _ in range(3):
         engine.step()
     seq_a = engine.requests[a][0]
-    assert seq_a.num_computed == 24 and len(cache.entries) == 6
+    assert seq_a.num_computed == 24 and engine.snapshot().prefix_cache["cached_blocks"] == 6
     b = engine.add_request(second, params)
     engine.step()  # A's last 6 prompt tokens and B's first 2 uncached ones
     seq_b = engine.requests[b][0]
-    assert cache.hit_blocks == 6 and seq_b.num_computed == 26 and seq_a.num_computed == 30
+    assert (
+        engine.snapshot().prefix_cache["hit_blocks"] == 6
+        and seq_b.num_computed == 26
+        and seq_a.num_computed == 30
+    )
     while engine.has_unfinished_requests():
         engine.step()
     assert seq_a.output_ids == naive(tiny_model, first, params)
@@ -105,7 +108,7 @@ def test_parallel_samples_on_cached_prefixes_equal_independent_requests(tiny_dir
             )
             for i in range(3)
         ]
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= 3
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] >= 3
     assert_drained(llm)
 
 
@@ -115,7 +118,7 @@ def test_beams_on_cached_prefixes_equal_the_reference_search(tiny_dir, tiny_mode
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, block_size=BLOCK)
     for prompt, out in zip(prompts, one_by_one(llm, prompts, params)):
         assert out.samples == reference_beam_search(tiny_model, prompt, 3, 6, None)
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= 2
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] >= 2
     assert_drained(llm)
 
 
@@ -130,7 +133,7 @@ def test_a_parent_chain_that_differs_is_never_a_hit(tiny_dir, tiny_model, monkey
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, block_size=BLOCK)
     outputs = one_by_one(llm, prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks == 1  # [C] only
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] == 1  # [C] only
 
 
 # ---------------------------------------------------------------- aborts
@@ -181,7 +184,7 @@ def test_aborts_in_every_state_free_their_blocks_and_spare_the_others(tiny_dir, 
                 ):
                     engine.abort(request_id)
                     aborted[state] = request_id
-                    engine.kv_cache.block_manager.check_invariants()
+                    engine.kv_cache.check_invariants()
                     break
     assert set(aborted) == set(states)
     for request_id, params in requests.items():
@@ -251,4 +254,4 @@ def test_a_block_reused_for_new_content_takes_its_cached_descendants_along(tiny_
     prompts, params = [a + b + [1], x, x + b + [2]], [three, SamplingParams(max_tokens=1), three]
     outputs = [llm.generate([prompt], sp)[0] for prompt, sp in zip(prompts, params)]
     assert [out.token_ids for out in outputs] == [naive(tiny_model, p, sp) for p, sp in zip(prompts, params)]
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks == 1  # [X] only, never A's [B]
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] == 1  # [X] only, never A's [B]

@@ -5,7 +5,7 @@ import random
 from types import SimpleNamespace
 
 import pytest
-from helpers import REAL_CHAT_QUESTIONS, REAL_PLAIN_PROMPTS
+from helpers import REAL_CHAT_QUESTIONS, REAL_PLAIN_PROMPTS, free_and_intact
 
 import minillm.engine.sequence as sequence_module
 from minillm.config import ConfigError
@@ -32,9 +32,7 @@ def assert_matches_naive(model, llm, prompts, params):
     for out, prompt, sp in zip(outputs, prompts, params):
         assert out.finished and out.error is None
         assert out.token_ids == generate(model, prompt, sp, "naive").token_ids, out.request_id
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks  # the run drained: every block is free
+    assert free_and_intact(llm.engine)  # the run drained: every block is free
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 128])  # 128 > any prompt
@@ -122,7 +120,7 @@ def test_abort_frees_the_blocks(tiny_dir, tiny_model):
     while engine.has_unfinished_requests():
         engine.step()
     assert dropped.finish_reason == "abort" and kept.finish_reason == "length"
-    assert engine.kv_cache.block_manager.num_free_blocks == engine.kv_cache.block_manager.num_blocks
+    assert free_and_intact(engine)
 
 
 def test_stream_yields_one_token_at_a_time(tiny_dir, tiny_model):
@@ -218,7 +216,8 @@ def test_prefix_cache_rates_equal_hand_computed_values(tiny_dir, tiny_model):
     first = list(range(20, 29))  # 9 tokens: 2 full blocks can be looked up (never the last token)
     llm.generate([first], params)
     llm.generate([first[:8] + [50, 51, 52]], params)  # 11 tokens: both blocks hit
-    assert llm.engine.kv_cache.block_manager.prefix_cache.stats() == {
+    stats = {key: value for key, value in llm.engine.snapshot().prefix_cache.items() if key != "hit_rate"}
+    assert stats == {
         "queried_blocks": 2 + 2,
         "hit_blocks": 2,
         "block_hit_rate": 2 / 4,
@@ -319,8 +318,7 @@ def test_non_finite_scores_end_only_their_request(tiny_dir, speculative, always_
     assert outs[0].finish_reason == "error" and "not finite" in outs[0].error
     assert len(outs[0].token_ids) <= 4
     assert [out.token_ids for out in outs[1:]] == expected
-    manager = llm.engine.kv_cache.block_manager
-    assert manager.num_free_blocks == manager.num_blocks  # the failed request's blocks went back too
+    assert free_and_intact(llm.engine)  # the failed request's blocks went back too
 
 
 def test_non_finite_scores_of_checked_guesses_end_their_request(tiny_dir, tiny_model, always_guess):
@@ -359,7 +357,7 @@ def _decoding(engine, victim):
 
 
 def _guessing(engine, victim):  # the last step checked guesses of this sequence
-    return victim.seq_id in engine._checked_guesses and bool(engine._checked_guesses[victim.seq_id])
+    return victim.seq_id in engine.checked_guesses() and bool(engine.checked_guesses()[victim.seq_id])
 
 
 @pytest.mark.parametrize("phase", [_queued, _prefilling, _decoding, _guessing], ids=lambda f: f.__name__[1:])
@@ -398,6 +396,4 @@ def test_a_request_aborted_in_any_phase_leaves_nothing_held(tiny_dir, tiny_model
     assert [final[i].token_ids for i in ids] == [
         generate(tiny_model, p, params, "naive").token_ids for p in others
     ]
-    manager = engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(engine)

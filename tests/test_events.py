@@ -7,9 +7,10 @@ listening no event is even built; the prefix-miss explainer names the token a pr
 import random
 
 import pytest
-from helpers import KV_BYTES_PER_TOKEN, assert_replayed, route
+from helpers import KV_BYTES_PER_TOKEN, assert_replayed, heard_snapshot, route
 
 from minillm.engine import LLM, SamplingParams
+from minillm.memory.block_ledger import tier_of
 from minillm.memory.events import EVENT_TYPES, KVEvents, event_from_json
 from minillm.memory.prefix_cache import PrefixCache
 from minillm.memory.replay import Replayer
@@ -37,7 +38,7 @@ def run_checked(llm: LLM, rng: random.Random, num_requests: int) -> Replayer:
     """Random requests (half sharing a prefix, some sampled n=2), the replayed state checked after
     every step; returns the replayer."""
     engine, replayer = llm.engine, Replayer()
-    engine.kv_cache.subscribe(replayer)
+    engine.subscribe(replayer)
     shared = [rng.randrange(97) for _ in range(rng.randint(6, 24))]
     for _ in range(num_requests):
         own = [rng.randrange(97) for _ in range(rng.randint(1, 20))]
@@ -76,7 +77,7 @@ def test_a_late_subscriber_starts_from_the_snapshot(tiny_dir, tiny_model, tmp_pa
     for _ in range(5):
         engine.step()
     late = Replayer()
-    engine.kv_cache.subscribe(late)
+    engine.subscribe(late)
     assert_replayed(late, engine.kv_cache)
     while engine.has_unfinished_requests():
         engine.step()
@@ -128,12 +129,13 @@ def test_vllm_events_rebuild_the_prefix_cache_per_medium(tiny_dir, tiny_model, t
     shared = [rng.randrange(97) for _ in range(20)]
     for _ in range(20):
         engine.add_request(shared + [rng.randrange(97) for _ in range(8)], SamplingParams(max_tokens=6))
-    engine.kv_cache.subscribe(router)
-    manager = engine.kv_cache.block_manager
+    engine.subscribe(router)
     while engine.has_unfinished_requests():
         engine.step()
-        cache = manager.prefix_cache.entries
-        assert known == {(entry.key, manager.tier(block)) for block, entry in cache.items()}
+        state = heard_snapshot(engine)
+        assert known == {
+            (key, tier_of(block, state.num_blocks, state.host_blocks)) for block, key, *_ in state.cached
+        }
     assert known
 
 
@@ -227,8 +229,8 @@ def test_a_subscriber_that_fails_is_dropped_and_the_requests_go_on(tiny_dir, tin
             raise OSError(28, "No space left on device")
 
     replayer = Replayer()
-    llm.engine.kv_cache.subscribe(full_disk)
-    llm.engine.kv_cache.subscribe(replayer)
+    llm.engine.subscribe(full_disk)
+    llm.engine.subscribe(replayer)
     outs = llm.generate([list(range(30))] * 3, SamplingParams(max_tokens=8))
     assert all(out.error is None and len(out.token_ids) == 8 for out in outs)
     assert len(calls) == 2  # the Snapshot, then the event it failed on

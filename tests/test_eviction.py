@@ -2,8 +2,11 @@
 the budget covers the sequence, and composition with paging, chunked prefill, preemption,
 shared blocks and the prefix cache (a cached prompt prefix stays whole and shared)."""
 
+from collections import Counter
+
 import pytest
 import torch
+from helpers import cached_blocks, free_and_intact, heard_snapshot, slots_of
 from references import RecordingSampler, ScheduleRecorder, replay_eviction, run_recorded
 
 from minillm.config import ConfigError
@@ -118,15 +121,15 @@ def test_exactly_the_budget_is_kept_and_the_rest_given_back(tiny_dir, tiny_model
         for seq in engine.scheduler.running:
             keep = budget_for(budget, seq.max_len)
             assert seq.num_cached == min(keep, seq.num_computed)
-            assert len(
-                engine.kv_cache.block_manager.table(seq.seq_id)
-            ) == engine.kv_cache.block_manager.blocks_for(seq.num_cached)
+            table = next(view.table for view in engine.snapshot().sequences if view.seq_id == seq.seq_id)
+            assert len(table) == engine.kv_cache.capacity().blocks_for(seq.num_cached)
             if policy == "h2o":
-                assert engine.kv_cache.attention_mass(seq.seq_id).shape == (3, 2, seq.num_cached)
+                mass, _ = engine.kv_cache.eviction_state(seq.seq_id)
+                assert mass.shape == (3, 2, seq.num_cached)
             evicted |= seq.num_evicted > 0
-        engine.kv_cache.block_manager.check_invariants()
+        engine.kv_cache.check_invariants()
     assert evicted
-    assert engine.kv_cache.block_manager.num_free_blocks == engine.kv_cache.block_manager.num_blocks
+    assert free_and_intact(engine)
 
 
 def test_eviction_changes_the_output_so_the_cache_is_really_read(tiny_dir, tiny_model):
@@ -357,9 +360,9 @@ def record_written_keys(pool, num_layers: int) -> list[list[torch.Tensor]]:
 
 def cache_keys(engine, seq) -> torch.Tensor:
     """(layers, num_cached, kv_heads, head_dim): the keys the pool holds for the sequence's entries."""
-    slots = torch.tensor(engine.kv_cache.block_manager.slots(seq.seq_id, 0, seq.num_cached))
+    slots = torch.tensor(slots_of(engine, seq))
     return torch.stack(
-        [engine.kv_cache.pool.read(layer, slots)[0] for layer in range(engine.model.config.num_layers)]
+        [engine.kv_cache.pool().read(layer, slots)[0] for layer in range(engine.model.config.num_layers)]
     )
 
 
@@ -376,13 +379,13 @@ def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir
         engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))
     ][0]
     # (positions, keys) after each step at the budget
-    held, written = [], record_written_keys(engine.kv_cache.pool, shape[0])
+    held, written = [], record_written_keys(engine.kv_cache.pool(), shape[0])
     while engine.has_unfinished_requests():
         engine.step()
         if seq.num_evicted and seq.status.value == "running":
             sinks = NUM_SINKS if policy == "sinks" else 0
             expected = list(range(sinks)) + list(range(seq.num_computed - (budget - sinks), seq.num_computed))
-            positions = held_positions(engine.kv_cache.kv_positions(seq.seq_id), seq, shape)
+            positions = held_positions(engine.kv_cache.eviction_state(seq.seq_id)[1], seq, shape)
             assert all(sorted(head) == expected for layer in positions.tolist() for head in layer)
             held.append((positions.clone(), cache_keys(engine, seq)))
     assert len(held) >= 20
@@ -432,7 +435,7 @@ def test_a_step_at_the_budget_moves_at_most_its_new_entries_per_head(tiny_dir, t
     seq = engine.requests[
         engine.add_request(list(range(3, 40)), SamplingParams(max_tokens=25, ignore_eos=True))
     ][0]
-    counter, moved_any = MoveCounter(engine.kv_cache.pool), 0
+    counter, moved_any = MoveCounter(engine.kv_cache.pool()), 0
     while engine.has_unfinished_requests():
         before = seq.num_computed
         counter.reset()
@@ -468,26 +471,29 @@ def test_a_shared_prefix_is_never_written_or_dropped_while_its_sequences_evict(t
         block_size=BLOCK,
         max_num_batched_tokens=16,
     )
-    engine, manager = llm.engine, llm.engine.kv_cache.block_manager
-    cache, params = manager.prefix_cache, SamplingParams(max_tokens=24, ignore_eos=True)
+    engine, params = llm.engine, SamplingParams(max_tokens=24, ignore_eos=True)
     seqs = [engine.requests[engine.add_request(SYSTEM + TAILS[0], params)][0]]
-    while engine.has_unfinished_requests() and len(cache.lookup(SYSTEM + [0])) < len(SYSTEM) // BLOCK:
+    while (
+        engine.has_unfinished_requests() and len(cached_blocks(engine, SYSTEM + [0])) < len(SYSTEM) // BLOCK
+    ):
         engine.step()
-    shared = cache.lookup(SYSTEM + [0])  # the first request computed and registered them
+    shared = cached_blocks(engine, SYSTEM + [0])  # the first request computed and registered them
     assert len(shared) == len(SYSTEM) // BLOCK
-    stored = {block: snapshot(engine.kv_cache.pool, block) for block in shared}
+    stored = {block: snapshot(engine.kv_cache.pool(), block) for block in shared}
     seqs += [engine.requests[engine.add_request(SYSTEM + tail, params)][0] for tail in TAILS[1:]]
     while engine.has_unfinished_requests():
         engine.step()
+        state = heard_snapshot(engine)
+        held = Counter(block for table in state.tables.values() for block in table)
         for block in shared:
-            assert cache.holds(block)
-            assert manager.refcounts[block] == len(engine.scheduler.running)  # every running request holds it
-            for name, tensor in engine.kv_cache.pool.read_block(block).items():
+            assert block in {cached for cached, *_ in state.cached}
+            assert held[block] == len(engine.scheduler.running)  # every running request holds it
+            for name, tensor in engine.kv_cache.pool().read_block(block).items():
                 assert torch.equal(tensor, stored[block][name])
-        manager.check_invariants()
+        engine.kv_cache.check_invariants()
     assert all(seq.num_evicted > 0 for seq in seqs)
-    assert cache.hit_blocks == len(shared) * len(TAILS[1:])
-    assert manager.num_free_blocks == manager.num_blocks
+    assert engine.snapshot().prefix_cache["hit_blocks"] == len(shared) * len(TAILS[1:])
+    assert free_and_intact(engine)
 
 
 def test_a_budget_covering_the_sequence_is_exact_with_prefix_hits(tiny_dir, tiny_model):
@@ -505,7 +511,7 @@ def test_a_budget_covering_the_sequence_is_exact_with_prefix_hits(tiny_dir, tiny
     outputs = llm.generate(prompts[:1], params) + llm.generate(prompts[1:], params)  # the later ones hit
     for out, prompt in zip(outputs, prompts):
         assert out.token_ids == generate(tiny_model, prompt, params, "naive").token_ids
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= len(SYSTEM) // BLOCK * len(TAILS[1:])
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] >= len(SYSTEM) // BLOCK * len(TAILS[1:])
 
 
 @pytest.mark.parametrize(
@@ -531,7 +537,7 @@ def test_prefix_hits_under_active_eviction_equal_the_reference(tiny_dir, tiny_mo
         max_num_batched_tokens=16,
     )
     recorder, requests = run_recorded(llm, [SYSTEM + tail for tail in TAILS], params)
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0 and llm.engine.num_preemptions == 0
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] > 0 and llm.engine.num_preemptions == 0
     assert all(seq.num_evicted > 0 for seqs in requests for seq in seqs)
     dropped = assert_equals_eviction_reference(
         tiny_model, recorder, requests, params, policy, budget, prefix_block_size=BLOCK
@@ -547,12 +553,12 @@ def test_blocks_adopted_after_eviction_equal_a_fresh_prefill_bit_for_bit(tiny_di
     plain = LLM(tiny_dir, model=tiny_model, **switches)
     plain.generate([SYSTEM + TAILS[0]], SamplingParams(max_tokens=1))
     later = SYSTEM + TAILS[1]
-    adopted = evicting.engine.kv_cache.block_manager.prefix_cache.lookup(later)
-    fresh = plain.engine.kv_cache.block_manager.prefix_cache.lookup(later)
+    adopted = cached_blocks(evicting.engine, later)
+    fresh = cached_blocks(plain.engine, later)
     assert len(adopted) == len(fresh) == len(SYSTEM) // BLOCK
     for ours, theirs in zip(adopted, fresh):
-        stored = plain.engine.kv_cache.pool.read_block(theirs)
-        for name, tensor in evicting.engine.kv_cache.pool.read_block(ours).items():
+        stored = plain.engine.kv_cache.pool().read_block(theirs)
+        for name, tensor in evicting.engine.kv_cache.pool().read_block(ours).items():
             assert torch.equal(tensor, stored[name])
 
 
@@ -565,7 +571,7 @@ def test_a_prefix_hit_gives_the_tokens_a_miss_gives_under_eviction(tiny_dir, tin
     warm = LLM(tiny_dir, model=tiny_model, **switches)
     warm.generate([SYSTEM + TAILS[0]], params)
     hit = warm.generate([SYSTEM + TAILS[1]], params)[0]
-    assert warm.engine.kv_cache.block_manager.prefix_cache.hit_blocks == len(SYSTEM) // BLOCK
+    assert warm.engine.snapshot().prefix_cache["hit_blocks"] == len(SYSTEM) // BLOCK
     miss = LLM(tiny_dir, model=tiny_model, **switches).generate([SYSTEM + TAILS[1]], params)[0]
     assert hit.token_ids == miss.token_ids
 
@@ -586,7 +592,7 @@ def test_a_sequence_that_has_evicted_registers_no_more_blocks(tiny_dir, tiny_mod
     first = llm.generate([prompt], params)[0]
     assert first.error is None
     next_turn = prompt + first.token_ids[:14]
-    found = llm.engine.kv_cache.block_manager.prefix_cache.lookup(next_turn)
+    found = cached_blocks(llm.engine, next_turn)
     assert len(found) == {2: 2, 8: 3}[budget]  # the prompt's blocks, and with budget 8 the sinks' block
     fresh = LLM(tiny_dir, model=tiny_model, **switches)
     assert llm.generate([next_turn], params)[0].token_ids == fresh.generate([next_turn], params)[0].token_ids
@@ -631,16 +637,18 @@ def test_samples_and_beams_evict_beside_a_cached_prefix_without_leaking(tiny_dir
         max_num_batched_tokens=16,
         kv_cache_bytes=16 * BLOCK * KV_BYTES_PER_TOKEN,
     )
-    engine, manager = llm.engine, llm.engine.kv_cache.block_manager
+    engine = llm.engine
     for tail in TAILS:
         engine.add_request(SYSTEM + tail, params)
     finished = []
     while engine.has_unfinished_requests():
         finished += [out for out in engine.step() if out.finished]
-        manager.check_invariants()
+        engine.kv_cache.check_invariants()
     assert len(finished) == len(TAILS) and all(out.error is None for out in finished)
     assert all(len(out.samples) == params.num_outputs for out in finished)
     assert (
-        manager.prefix_cache.hit_blocks > 0 and engine.stats.tokens_evicted > 0 and engine.num_preemptions > 0
+        engine.snapshot().prefix_cache["hit_blocks"] > 0
+        and engine.stats.tokens_evicted > 0
+        and engine.num_preemptions > 0
     )
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(engine)

@@ -70,7 +70,7 @@ def step(sched):
     """One engine step without a model: scheduled tokens are computed, every sequence whose tokens
     are all computed samples token 1. Returns the sequences scheduled."""
     schedule = sched.schedule()
-    sched.computed(schedule, {})
+    sched.computed(schedule, {}, {})  # no guesses, no attention kept (no H2O)
     for item in schedule.sequences:
         if item.seq.num_uncomputed == 0:
             reason = item.seq.append(1, None)
@@ -149,7 +149,7 @@ def test_a_document_costs_less_than_a_long_answer_whose_peak_is_lower():
     document, long_answer = request(1, 120, 16), request(2, 8, 128)
 
     def peak(seq):
-        return costs.manager.blocks_for(seq.num_tokens + costs.expected_output(seq))
+        return costs.capacity.blocks_for(seq.num_tokens + costs.expected_output(seq))
 
     assert peak(document) > peak(long_answer)
     assert costs.cost(document) < costs.cost(long_answer)

@@ -2,6 +2,7 @@
 writing into it, and draw exactly what independent seeded requests draw."""
 
 import pytest
+from helpers import free_and_intact
 
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
@@ -26,9 +27,9 @@ def test_samples_equal_independent_seeded_requests(tiny_dir, tiny_model, prompt_
     ]
     assert out.samples == expected and out.token_ids == expected[0]
     assert len(set(map(tuple, out.samples))) > 1  # the seeds really differ
-    manager = llm.engine.kv_cache.block_manager
-    assert manager.num_copies == (3 if prompt_len % 8 else 0)  # only a partly filled block is ever copied
-    assert manager.num_free_blocks == manager.num_blocks
+    copies = llm.engine.snapshot().counters["copy_on_write"]
+    assert copies == (3 if prompt_len % 8 else 0)  # only a partly filled block is ever copied
+    assert free_and_intact(llm.engine)
 
 
 def test_prompt_blocks_are_stored_once(tiny_dir, tiny_model):
@@ -57,5 +58,5 @@ def test_parallel_sampling_under_preemption(tiny_dir, tiny_model):
             for i in range(3)
         ]
         assert out.samples == expected
-    llm.engine.kv_cache.block_manager.check_invariants()
-    assert llm.engine.kv_cache.block_manager.num_free_blocks == llm.engine.kv_cache.block_manager.num_blocks
+    llm.engine.kv_cache.check_invariants()
+    assert free_and_intact(llm.engine)

@@ -41,12 +41,12 @@ def test_prefix_hits_give_identical_tokens_and_save_prefill(tiny_dir, tiny_model
     prompts, params = shared_prefix_requests(tiny_model.config.vocab_size)
     llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True, kv_cache_bytes=2 << 20)
     assert_naive(tiny_model, run_one_by_one(llm, prompts, params), prompts, params)
-    cache = llm.engine.kv_cache.block_manager.prefix_cache
-    assert cache.hit_blocks > 20 and 0 < cache.hit_rate <= 1
+    cache = llm.engine.snapshot().prefix_cache
+    assert cache["hit_blocks"] > 20 and 0 < cache["hit_rate"] <= 1
     without = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=2 << 20)
     run_one_by_one(without, prompts, params)
     saved = without.engine.stats.tokens_computed - llm.engine.stats.tokens_computed
-    assert saved == cache.hit_blocks * BLOCK == cache.stats()["prefill_tokens_saved"]
+    assert saved == cache["hit_blocks"] * BLOCK == cache["prefill_tokens_saved"]
 
 
 def test_concurrent_hits_share_blocks(tiny_dir, tiny_model):
@@ -63,7 +63,7 @@ def test_same_prefix_in_the_same_step(tiny_dir, tiny_model):
     prompts, params = shared_prefix_requests(tiny_model.config.vocab_size, seed=1, count=12)
     llm = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, prefix_caching=True, kv_cache_bytes=2 << 20)
     assert_naive(tiny_model, llm.generate(prompts, params), prompts, params)  # all admitted together
-    llm.engine.kv_cache.block_manager.check_invariants()
+    llm.engine.kv_cache.check_invariants()
 
 
 @pytest.mark.parametrize("length", [BLOCK * 2 - 1, BLOCK * 2, BLOCK * 2 + 1])
@@ -107,7 +107,7 @@ def test_preemption_then_a_cache_hit(tiny_dir, tiny_model):
         kv_cache_bytes=14 * BLOCK * KV_BYTES_PER_TOKEN,
     )
     assert_naive(tiny_model, llm.generate(prompts, params), prompts, params)
-    assert llm.engine.num_preemptions > 0 and llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks > 0
+    assert llm.engine.num_preemptions > 0 and llm.engine.snapshot().prefix_cache["hit_blocks"] > 0
 
 
 def test_hash_collisions_never_return_wrong_kv(tiny_dir, tiny_model, monkeypatch):
@@ -170,7 +170,7 @@ def test_real_model_with_prefix_cache_matches_naive(real_dir, real_model, real_t
     outputs = run_one_by_one(llm, prompts, [params] * 4)
     for out, prompt in zip(outputs, prompts):
         assert out.token_ids == naive_real(prompt, params.max_tokens)
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= 3 * (len(prompts[0]) // 16 - 1)
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] >= 3 * (len(prompts[0]) // 16 - 1)
 
 
 def test_writing_a_shared_block_is_refused():

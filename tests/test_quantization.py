@@ -132,11 +132,11 @@ def test_accounting_counts_the_scales(tiny_dir, tiny_model, kv_dtype, key_scales
     # (2 + 2 B per head and layer), 24 B of key scales and centers (16 channels x 4 B per 16-token block)
     llm = LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, kv_cache_bytes=1 << 20)
     engine = llm.engine
-    slots = engine.kv_cache.block_manager.num_blocks * engine.config.block_size
+    slots = engine.snapshot().num_blocks * engine.config.block_size
     # every byte of the pool, scales included
-    assert engine.kv_cache.pool.nbytes == engine.kv_cache.pool.bytes_per_slot * slots
+    assert engine.kv_cache.pool().nbytes == engine.kv_cache.pool().bytes_per_slot * slots
     full = tiny_model.config.kv_bytes_per_token(torch.float32)
-    assert engine.kv_cache.pool.bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
+    assert engine.kv_cache.pool().bytes_per_slot / full == pytest.approx(ratio, abs=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -154,9 +154,9 @@ def test_switches_off_are_exact(tiny_dir, tiny_model, switches):
 def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, kv_dtype):
     prompts = [[(3 * i + j) % 97 for j in range(5 + 9 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)
-    probe = LLM(
-        tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4
-    ).engine.kv_cache.pool.bytes_per_slot
+    probe = (
+        LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.kv_cache.pool().bytes_per_slot
+    )
     llm = LLM(
         tiny_dir,
         model=tiny_model,
@@ -168,10 +168,11 @@ def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, 
     outputs = llm.generate(prompts, params)
     assert all(out.finished and len(out.token_ids) == 30 for out in outputs)
     assert llm.engine.num_preemptions > 0
-    llm.engine.kv_cache.block_manager.check_invariants()
-    refcounts = llm.engine.kv_cache.block_manager.refcounts
-    llm.engine.kv_cache.pool.forget_free_blocks(lambda block: refcounts[block] == 0)
-    assert llm.engine.kv_cache.pool.staged_bytes == 0  # nothing left behind
+    llm.engine.kv_cache.check_invariants()
+    llm.engine.kv_cache.apply(
+        []
+    )  # what a step does before its pass: the pool forgets what free blocks staged
+    assert llm.engine.snapshot().staged_bytes == 0  # nothing left behind
 
 
 @pytest.mark.parametrize("key_scales", ["channel", "token"])
@@ -213,9 +214,9 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, 97, (length,), generator=gen).tolist() for length in (3, 14, 27, 40, 9, 33)]
     params = SamplingParams(max_tokens=18, ignore_eos=True)
-    probe = LLM(
-        tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4
-    ).engine.kv_cache.pool.bytes_per_slot
+    probe = (
+        LLM(tiny_dir, model=tiny_model, kv_dtype=kv_dtype, block_size=4).engine.kv_cache.pool().bytes_per_slot
+    )
     llm = LLM(
         tiny_dir,
         model=tiny_model,

@@ -21,12 +21,13 @@ import jsonschema
 import openai
 import pytest
 import torch
-from helpers import route, tiny_with_real_tokenizer
+from helpers import heard_snapshot, route, tiny_with_real_tokenizer
 from serving import read_all, running_server
 
 from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
+from minillm.memory.block_ledger import tier_of
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.metrics import parse_metrics
 from minillm.structured import StructuredOutput
@@ -129,7 +130,7 @@ def test_models_health_and_metrics_describe_the_server(server, client):
     assert (
         sum(values["kv_blocks"].values())
         == values["kv_blocks_total"]
-        == server[1].engine.kv_cache.block_manager.num_blocks
+        == server[1].engine.snapshot().num_blocks
     )
     for name in (
         "kv_cache_usage_perc",
@@ -194,7 +195,6 @@ def test_kv_events_rebuild_the_prefix_cache_a_router_would_route_by(server, clie
     """A router that keeps only the stream's BlockStored / BlockRemoved / AllBlocksCleared knows
     which block hashes are cached, per tier, as the server's prefix cache holds them."""
     known: set = set()
-    manager = server[1].engine.kv_cache.block_manager
     client.completions.create(model="tiny", prompt=PROMPTS[0] * 3, max_tokens=4)  # cached before joining
     wait_until_idle(server)
     reader = EventStreamReader(server[0] + "/v1/kv_events", lambda item: route(known, item))
@@ -205,7 +205,10 @@ def test_kv_events_rebuild_the_prefix_cache_a_router_would_route_by(server, clie
         wait_until_idle(server)
 
         def cached():
-            return {(entry.key, manager.tier(block)) for block, entry in manager.prefix_cache.entries.items()}
+            state = heard_snapshot(server[1].engine)
+            return {
+                (key, tier_of(block, state.num_blocks, state.host_blocks)) for block, key, *_ in state.cached
+            }
 
         until_equal(reader, lambda: set(known), cached)
         assert len(known) > 4 and reader.messages >= 2
@@ -222,28 +225,20 @@ def test_kv_events_all_rebuild_every_block_table(server, client):
     reader = EventStreamReader(
         server[0] + "/v1/kv_events?events=all", lambda item: replayer.apply(event_from_json(item))
     )
-    manager = server[1].engine.kv_cache.block_manager
     try:
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=8), PROMPTS))
         wait_until_idle(server)
 
-        def state(tables, refcounts, cached):
-            return (
-                {k: list(v) for k, v in tables.items()},
-                {b: c for b, c in refcounts.items() if c},
-                cached,
-            )
+        def difference() -> str:
+            """Where the replayed state differs from the real one (asked through the door), if anywhere."""
+            try:
+                server[1].engine.kv_cache.check_invariants(replayer)
+            except AssertionError as err:
+                return str(err)
+            return "none"
 
-        until_equal(
-            reader,
-            lambda: state(replayer.tables, replayer.refcounts, replayer.cached),
-            lambda: state(
-                manager.block_tables,
-                manager.refcounts,
-                {b: e.key for b, e in manager.prefix_cache.entries.items()},
-            ),
-        )
+        until_equal(reader, difference, lambda: "none")
     finally:
         reader.close()
 
@@ -821,9 +816,9 @@ def test_a_chat_without_max_tokens_on_a_pool_smaller_than_the_context_ends_at_it
     got = client.chat.completions.create(
         model="tiny", messages=messages, temperature=0, extra_body={"ignore_eos": True}
     )
-    kv_cache = small_pool_server[1].engine.kv_cache
-    new_tokens = kv_cache.num_blocks * kv_cache.block_size - len(prompt)
-    assert kv_cache.num_blocks == 8 and got.choices[0].finish_reason == "length"
+    memory = small_pool_server[1].engine.snapshot()
+    new_tokens = memory.num_blocks * memory.block_size - len(prompt)
+    assert memory.num_blocks == 8 and got.choices[0].finish_reason == "length"
     assert got.usage.completion_tokens == new_tokens
     assert got.choices[0].message.content == greedy(reference, prompt, new_tokens, ignore_eos=True).text
 

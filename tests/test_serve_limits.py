@@ -89,11 +89,11 @@ def assert_error(response, status: int, *words: str) -> dict:
 
 def wait_until_idle(server, timeout: float = 20) -> None:
     deadline = time.monotonic() + timeout
-    manager = server[1].engine.kv_cache.block_manager
     while server[1].open_requests or server[1].engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "the engine did not drain"
         time.sleep(0.02)
-    assert manager.num_free_blocks == manager.num_blocks
+    memory = server[1].engine.snapshot()
+    assert memory.num_free_blocks == memory.num_blocks
 
 
 # ----------------------------------------------------------------------------- never a 500

@@ -184,13 +184,12 @@ def test_sixteen_clients_get_generates_text_and_leave_nothing_behind(model_dir):
 def wait_until_idle(engine_loop: EngineLoop, timeout: float = 30) -> None:
     """Until no request is open or runs and every block is free; then the block invariants hold."""
     engine, deadline = engine_loop.engine, time.monotonic() + timeout
-    manager = engine.kv_cache.block_manager
     while (
         engine_loop.open_requests
         or engine.has_unfinished_requests()
-        or manager.num_free_blocks < manager.num_blocks
+        or engine.snapshot().num_free_blocks < engine.snapshot().num_blocks
     ):
         assert time.monotonic() < deadline, "the engine did not drain"
         time.sleep(0.02)
-    manager.check_invariants()
-    assert not manager.held("host")
+    engine.kv_cache.check_invariants()
+    assert not engine.snapshot().stats.host_reserved_slots

@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from helpers import TINY_CONFIG, random_llama_tensors, write_checkpoint
+from helpers import TINY_CONFIG, free_and_intact, random_llama_tensors, write_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -56,8 +56,9 @@ def test_a_resumed_session_computes_only_the_new_turn(tiny_dir, tiny_model, tmp_
     assert out.token_ids == fresh.token_ids  # bit for bit what computing the history again gives
     if not switches:
         assert out.token_ids == generate(tiny_model, next_prompt, params, "naive").token_ids
-    cache = resumed.engine.kv_cache.block_manager.prefix_cache
-    assert cache.hit_blocks * BLOCK == len(token_ids)  # the whole parked history was reused
+    assert resumed.engine.snapshot().prefix_cache["hit_blocks"] * BLOCK == len(
+        token_ids
+    )  # the whole parked history was reused
     assert resumed.engine.stats.tokens_computed == len(next_prompt) - len(token_ids) + 7
 
 
@@ -90,7 +91,7 @@ def test_a_damaged_session_file_is_refused_in_one_line(tiny_dir, tiny_model, tmp
     with pytest.raises(SessionError) as refused:
         llm.engine.load_session(path)
     assert "\n" not in str(refused.value) and "delete it" in str(refused.value)
-    assert llm.engine.kv_cache.block_manager.num_free_blocks == llm.engine.kv_cache.block_manager.num_blocks
+    assert free_and_intact(llm.engine)
 
 
 def rewritten(path, change):

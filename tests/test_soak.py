@@ -21,7 +21,15 @@ import os
 import random
 
 import pytest
-from helpers import KV_BYTES_PER_TOKEN, FailingSampler, assert_replayed, expected_outputs, raise_fault
+from helpers import (
+    KV_BYTES_PER_TOKEN,
+    FailingSampler,
+    assert_replayed,
+    cached_chains,
+    expected_outputs,
+    free_and_intact,
+    raise_fault,
+)
 
 from minillm.config import SWITCHES
 from minillm.engine import LLM, SamplingParams
@@ -66,7 +74,7 @@ def run_with_aborts(llm, rng: random.Random, requests) -> tuple[dict, set]:
     KV events must equal the block manager's."""
     engine, final, aborted = llm.engine, {}, set()
     replayer = Replayer()
-    engine.kv_cache.subscribe(replayer)
+    engine.subscribe(replayer)
     ids = [engine.add_request(prompt, params) for prompt, params in requests]
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -113,17 +121,16 @@ def test_soak(tiny_dir, tiny_model, tmp_path, monkeypatch, seed):
             continue
         assert out is not None and out.error is None, (seed, request_id, out and out.error)
         assert out.samples == expected_outputs(tiny_model, prompt, params), (seed, request_id, params)
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks, seed
-    assert not manager.held("host") and not manager.held("disk"), seed
-    if manager.prefix_cache:
-        assert_no_stale_entry(manager.prefix_cache, requests, outputs, aborted)
+    snapshot = llm.engine.snapshot()
+    assert free_and_intact(llm.engine), seed
+    assert not snapshot.stats.host_reserved_slots and not snapshot.stats.disk_reserved_slots, seed
+    if snapshot.prefix_cache is not None:
+        assert_no_stale_entry(cached_chains(llm.engine), requests, outputs, aborted)
     if llm.engine.proposer is not None:
         assert len(llm.engine.proposer) == 0, seed  # no sequence's n-gram index outlived it
 
 
-def assert_no_stale_entry(cache, requests, outputs, aborted) -> None:
+def assert_no_stale_entry(chains, requests, outputs, aborted) -> None:
     """Every block the prefix cache still vouches for holds a prefix of tokens some request
     really had (its prompt and one of its outputs): none holds a rejected guess. The tokens of an
     aborted request's output, and of the beams a search dropped, are unknown: blocks that begin
@@ -134,11 +141,7 @@ def assert_no_stale_entry(cache, requests, outputs, aborted) -> None:
             open_ended.append(prompt)
         else:
             finished += [prompt + sample for sample in out.samples]
-    for block in cache.entries:
-        chain = []
-        while block is not None:
-            chain[:0] = cache.entries[block].tokens
-            block = cache.entries[block].parent
+    for chain in chains:
         assert any(tokens[: len(chain)] == chain for tokens in finished) or any(
             chain[: len(prompt)] == prompt[: len(chain)] for prompt in open_ended
         ), chain
@@ -200,6 +203,4 @@ def test_bad_requests_among_good_streams_change_none_of_their_tokens(tiny_dir, t
             assert out.error is None and out.token_ids == reference.generate([prompt], greedy)[0].token_ids
         else:
             assert out.finish_reason == "error" and out.error.startswith("Sampling failed"), (seed, i)
-    manager = engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(engine)

@@ -13,7 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import expected_outputs
+from helpers import expected_outputs, free_and_intact, heard_snapshot
 
 from minillm.config import ConfigError, EngineConfig
 from minillm.decoding import generate
@@ -61,9 +61,7 @@ def assert_guessed_both_ways(llm):
 
 
 def assert_drained(llm):
-    manager = llm.engine.kv_cache.block_manager
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    assert free_and_intact(llm.engine)
     assert len(llm.engine.proposer) == 0  # no n-gram index outlives its request
 
 
@@ -228,7 +226,7 @@ def test_random_rollbacks_keep_the_invariants_and_leave_no_stale_prefix_entry(ti
         kv_cache_bytes=200 * size * KV_BYTES_PER_TOKEN,
     )
     kv = KVCacheManager.build(config, tiny_model.config, torch.float32, "cpu")
-    manager = kv.block_manager
+    capacity = kv.capacity()
     live: dict[int, list[int]] = {}  # seq_id -> its tokens with KV (the last one computed too)
     next_id = 0
     for _ in range(300):
@@ -253,7 +251,7 @@ def test_random_rollbacks_keep_the_invariants_and_leave_no_stale_prefix_entry(ti
             next_id += 1
         elif action < 0.3:  # a deeper cut, into blocks computed (and registered) earlier
             cut = rng.randint(1, len(tokens))
-            kv.rollback.truncate(seq_id, cut)
+            kv.rollback(seq_id, cut)
             live[seq_id] = tokens[:cut]
         else:
             guesses = [rng.randrange(5) for _ in range(rng.randint(1, 4))]
@@ -261,25 +259,26 @@ def test_random_rollbacks_keep_the_invariants_and_leave_no_stale_prefix_entry(ti
             n = len(tokens)
             grant = kv.allocate(seq_id, written, n, n, len(written) - n)
             if grant.num_tokens:
-                kv.slots(seq_id, n, len(written))  # every slot written must be writable
+                kv.append(seq_id, n, len(written))  # every slot written must be writable
                 kept = rng.randint(1, len(guesses) + 1)
-                kv.rollback.truncate(seq_id, n + kept)
+                kv.rollback(seq_id, n + kept)
                 live[seq_id] = written[: n + kept]
                 kv.computed(seq_id, live[seq_id], n + kept, n + kept, 1, 1000)
             kv.take_copies()
-        manager.check_invariants()
-        cache = manager.prefix_cache
+        kv.check_invariants()
+        state = heard_snapshot(kv)  # every table, and what the prefix cache holds
+        cached = {block: tokens for block, _, _, tokens in state.cached}
         for s, held in live.items():
-            table = manager.table(s)
-            assert len(table) == manager.blocks_for(len(held))
+            table = state.tables[s]
+            assert len(table) == capacity.blocks_for(len(held))
             for index, block in enumerate(table):
-                if block in cache.entries:  # a block cut into may be cached still, if others hold it
+                if block in cached:  # a block cut into may be cached still, if others hold it
                     in_block = tuple(held[index * size : (index + 1) * size])
-                    assert cache.entries[block].tokens[: len(in_block)] == in_block
+                    assert cached[block][: len(in_block)] == in_block
     for seq_id in list(live):
         kv.free(seq_id)
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
+    kv.check_invariants()
+    assert kv.num_free_blocks == capacity.num_blocks
 
 
 def test_a_later_request_finds_no_kv_of_a_rejected_guess(tiny_dir, tiny_model):
@@ -293,7 +292,7 @@ def test_a_later_request_finds_no_kv_of_a_rejected_guess(tiny_dir, tiny_model):
     follow_up = first + out.token_ids + [7, 7]
     second = llm.generate([follow_up], GREEDY)[0]
     assert second.token_ids == naive(tiny_model, follow_up)
-    assert llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks >= len(follow_up) // 4 - 1
+    assert llm.engine.snapshot().prefix_cache["hit_blocks"] >= len(follow_up) // 4 - 1
 
 
 def test_speculation_switches_are_checked(tiny_dir, tiny_model):

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REAL_CHAT_QUESTIONS
+from helpers import REAL_CHAT_QUESTIONS, cached_blocks, free_and_intact
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from references import replay_quantized, run_recorded
@@ -48,18 +48,18 @@ def tight(tiny_dir, tiny_model, blocks=14, **switches):
         block_size=BLOCK,
         **{k: v for k, v in switches.items() if k in ("kv_dtype", "kv_key_scales")},
     )
-    per_block = probe.engine.kv_cache.pool.bytes_per_slot * BLOCK
+    per_block = probe.engine.kv_cache.pool().bytes_per_slot * BLOCK
     switches = {"host_cache_bytes": 400 * per_block, "preemption": "swap", **switches}
     return LLM(tiny_dir, model=tiny_model, block_size=BLOCK, kv_cache_bytes=blocks * per_block, **switches)
 
 
 def assert_swapped_and_drained(llm):
-    counters, manager = llm.engine.snapshot().counters, llm.engine.kv_cache.block_manager
+    snapshot = llm.engine.snapshot()
+    counters = snapshot.counters
     assert counters["swapped_out"] > 0 and counters["swapped_in"] > 0
     assert counters["recomputed_tokens"] == 0  # swap preemption throws no work away
-    manager.check_invariants()
-    assert manager.num_free_blocks == manager.num_blocks
-    assert not manager.held("host") and not manager.held("disk")
+    assert free_and_intact(llm.engine)
+    assert not snapshot.stats.host_reserved_slots and not snapshot.stats.disk_reserved_slots
 
 
 @pytest.mark.parametrize(
@@ -80,7 +80,7 @@ def test_disk_as_the_only_tier_equals_naive(tiny_dir, tiny_model, tmp_path):
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert llm.engine.kv_cache.tiers.bytes_moved["device->disk"] > 0
+    assert llm.engine.snapshot().stats.bytes_moved["device->disk"] > 0
     assert_swapped_and_drained(llm)
 
 
@@ -91,7 +91,7 @@ def test_a_full_host_pool_overflows_to_disk(tiny_dir, tiny_model, tmp_path):
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=3 * per_block, disk_cache_dir=str(tmp_path))
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    moved = llm.engine.kv_cache.tiers.bytes_moved
+    moved = llm.engine.snapshot().stats.bytes_moved
     assert moved["device->host"] > 0 and moved["device->disk"] > 0
     assert_swapped_and_drained(llm)
 
@@ -366,16 +366,15 @@ def test_every_tier_keeps_its_books_under_random_operations(num_blocks, host_blo
     assert not manager.held("host") and not manager.held("disk")
 
 
-def corrupt_every_block_file(llm, damage):
+def corrupt_every_block_file(monkeypatch, damage):
     """Wrap the disk tier's writes so each file is damaged right after it is written."""
-    disk = llm.engine.kv_cache.tiers.disk
-    original = disk.write_block
+    original = DiskTier.write_block
 
-    def write_then_damage(block, payload):
-        original(block, payload)
+    def write_then_damage(disk, block, payload):
+        original(disk, block, payload)
         damage(disk.path(block))
 
-    disk.write_block = write_then_damage
+    monkeypatch.setattr(DiskTier, "write_block", write_then_damage)
 
 
 @pytest.mark.parametrize(
@@ -386,16 +385,18 @@ def corrupt_every_block_file(llm, damage):
         lambda path: path.unlink(),  # gone
     ],
 )
-def test_a_lost_block_file_is_recomputed_with_a_warning(tiny_dir, tiny_model, tmp_path, caplog, damage):
+def test_a_lost_block_file_is_recomputed_with_a_warning(
+    tiny_dir, tiny_model, tmp_path, caplog, monkeypatch, damage
+):
     prompts = mixed_prompts(8, seed=9)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
-    corrupt_every_block_file(llm, damage)
+    corrupt_every_block_file(monkeypatch, damage)
     with caplog.at_level(logging.WARNING, logger="minillm"):
         outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert "missing or corrupt" in caplog.text and llm.engine.kv_cache.counters["recomputed_tokens"] > 0
-    llm.engine.kv_cache.block_manager.check_invariants()
+    assert "missing or corrupt" in caplog.text and llm.engine.snapshot().counters["recomputed_tokens"] > 0
+    llm.engine.kv_cache.check_invariants()
 
 
 def test_a_full_disk_means_recompute_not_wrong_kv(tiny_dir, tiny_model, tmp_path, caplog, monkeypatch):
@@ -468,10 +469,10 @@ def test_prefix_blocks_spill_to_host_and_come_back(tiny_dir, tiny_model):
             host_cache_bytes=host * BLOCK * KV_BYTES_PER_TOKEN,
         )
         assert [llm.generate([p], params)[0].token_ids for p in prompts] == expected
-        saved[host] = llm.engine.kv_cache.block_manager.prefix_cache.hit_blocks
-        llm.engine.kv_cache.block_manager.check_invariants()
+        saved[host] = llm.engine.snapshot().prefix_cache["hit_blocks"]
+        llm.engine.kv_cache.check_invariants()
     assert saved[64] >= 2 * max(saved[0], 1)
-    assert llm.engine.kv_cache.moves.num_spill_hits > 0
+    assert llm.engine.snapshot().counters["spill_hits"] > 0
 
 
 @pytest.mark.parametrize("spill", ["reused", "all"])
@@ -482,9 +483,10 @@ def test_only_blocks_read_again_spill_under_the_reused_rule(tiny_dir, tiny_model
     (B's were never read again); under "all" all four. A comes back: its two blocks return from
     the host, into C's blocks, which "all" copies out too, pushing B's copies off the host; B
     comes back: computed again under both rules (its blocks now known as reused), D's blocks
-    copied out under "all". The same two hits: two copies against eight."""
+    copied out under "all". The same two hits: two copies against eight. Then E and F reclaim
+    A's blocks and B's: under "reused" all four spill, B's too (computed again after a drop)."""
     rng = random.Random(5)
-    full = {name: [rng.randrange(97) for _ in range(2 * BLOCK)] for name in "ABCD"}
+    full = {name: [rng.randrange(97) for _ in range(2 * BLOCK)] for name in "ABCDEF"}
     prompts = [
         full["A"] + [1],
         full["A"] + [2],
@@ -512,10 +514,11 @@ def test_only_blocks_read_again_spill_under_the_reused_rule(tiny_dir, tiny_model
     assert after_d["spilled"] == (2 if spill == "reused" else 4)
     assert after_a["spill_hits"] == after_b["spill_hits"] == 2  # A0 A1 came back from the host
     assert after_b["spilled"] == (2 if spill == "reused" else 8)
-    cache = llm.engine.kv_cache.block_manager.prefix_cache
-    b_blocks = cache.lookup(prompts[-1])
-    assert len(b_blocks) == 2 and all(cache.is_reused(block) for block in b_blocks)
-    llm.engine.kv_cache.block_manager.check_invariants()
+    assert len(cached_blocks(llm.engine, prompts[-1])) == 2  # B's blocks, computed again, are cached
+    for prompt in (full["E"] + [8], full["F"] + [9]):  # they reclaim A's blocks, then B's
+        llm.generate([prompt], params)
+    assert llm.engine.snapshot().counters["spilled"] == (6 if spill == "reused" else 12)
+    llm.engine.kv_cache.check_invariants()
 
 
 def test_tier_switches_are_checked(tiny_dir, tiny_model, tmp_path):
@@ -540,7 +543,7 @@ def test_memory_stats_count_every_tier(tiny_dir, tiny_model):
     assert max(m.host_reserved_slots for m in snapshots) > 0
     final = snapshots[-1].as_dict()
     assert final["bytes_moved"]["device->host"] == final["bytes_moved"]["host->device"] > 0
-    assert final["host_total_slots"] == llm.engine.kv_cache.block_manager.num_host_blocks * BLOCK
+    assert final["host_total_slots"] == llm.engine.snapshot().num_host_blocks * BLOCK
 
 
 @pytest.mark.slow
@@ -562,7 +565,7 @@ def test_prefetched_swap_ins_copy_behind_the_forward_pass_and_stay_exact(tiny_di
     llm = tight(tiny_dir, tiny_model, blocks=20)
     outputs = llm.generate(prompts, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in prompts]
-    assert llm.engine.kv_cache.counters["prefetched"] > 0 and llm.engine.kv_cache.tiers.prefetch_seconds > 0
+    assert llm.engine.snapshot().counters["prefetched"] > 0 and llm.engine.snapshot().prefetch_seconds > 0
     assert_swapped_and_drained(llm)
 
 
@@ -586,11 +589,11 @@ def test_real_model_with_swaps_at_every_turn_equals_naive(real_dir, real_model, 
     assert_swapped_and_drained(llm)
 
 
-def _vanish(disk, monkeypatch):
-    shutil.rmtree(disk.folder)  # the folder deleted under the running engine (a cleanup job, a user)
+def _vanish(folder, monkeypatch):
+    shutil.rmtree(folder)  # the folder deleted under the running engine (a cleanup job, a user)
 
 
-def _fill(disk, monkeypatch):
+def _fill(folder, monkeypatch):
     def disk_full(self, data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -607,16 +610,16 @@ def test_the_disk_tier_failing_mid_run_means_recompute_and_no_request_fails(
     prompts = mixed_prompts(8, seed=11)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
-    engine, disk = llm.engine, llm.engine.kv_cache.tiers.disk
+    engine = llm.engine
     ids, final = [engine.add_request(prompt, params) for prompt in prompts], {}
-    while not disk.checksums:  # run until some blocks were swapped out to disk
+    while not engine.snapshot().blocks["disk"]:  # run until some blocks were swapped out to disk
         assert engine.has_unfinished_requests(), "nothing went to disk: tighten the pool"
         final |= {out.request_id: out for out in engine.step() if out.finished}
-    fault(disk, monkeypatch)
+    fault(next(tmp_path.glob("minillm-kv-*")), monkeypatch)
     with caplog.at_level(logging.WARNING, logger="minillm"):
         while engine.has_unfinished_requests():
             final |= {out.request_id: out for out in engine.step() if out.finished}
     assert all(final[i].finish_reason != "error" for i in ids)
     assert [final[i].token_ids for i in ids] == [naive(tiny_model, prompt, params) for prompt in prompts]
     assert "missing or corrupt" in caplog.text or "could not be written" in caplog.text
-    engine.kv_cache.block_manager.check_invariants()
+    engine.kv_cache.check_invariants()

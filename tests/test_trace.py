@@ -1,7 +1,7 @@
 """`minillm.trace` and `minillm trace show`: numbers read from a traced run equal what the run did.
 
 Each run here is small enough to reason out by hand: the free blocks are taken least recently
-freed first (`free_blocks.py`), a cached block taken for new content spills to the host tier's
+freed first (`block_ledger.py`), a cached block taken for new content spills to the host tier's
 least recently used block (`spill="all"`: every cached block, read again or not), and a request
 of `max_tokens=1` computes and ends in one step. The expected numbers below come from that
 reasoning (or from the engine's own counters), never from running the code under test."""
@@ -81,9 +81,7 @@ def test_spills_brought_back_and_spills_never_read_again(prefix_run):
 def test_a_hit_that_brings_blocks_back_replays_to_the_block_managers_state(prefix_run):
     """D's second bring-back spills Y0 into the host block the first one left, told before the Hit."""
     _, llm, view = prefix_run
-    manager = llm.engine.kv_cache.block_manager
-    cached = {block: entry.key for block, entry in manager.prefix_cache.entries.items()}
-    view.pool.check(manager.block_tables, manager.refcounts, cached)
+    llm.engine.kv_cache.check_invariants(view.pool)
 
 
 def test_every_request_reads_its_whole_prompt_once_and_lives_on_the_device(prefix_run):
@@ -129,7 +127,7 @@ def swap_run(tiny_dir, tiny_model, tmp_path_factory):
 def test_a_swapped_sequence_makes_a_round_trip(swap_run):
     _, llm, view = swap_run
     swaps = trace.summarize(view)["swaps"]
-    counters = llm.engine.kv_cache.counters
+    counters = llm.engine.snapshot().counters
     assert counters["swapped_out"] >= 1
     assert swaps["round_trips"] == counters["swapped_in"] == counters["swapped_out"]
     assert swaps["blocks_out"] == swaps["blocks_in"] > 0

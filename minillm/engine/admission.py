@@ -43,7 +43,7 @@ from itertools import islice
 
 from minillm.config import prompt_problem
 from minillm.engine.sequence import Sequence
-from minillm.memory import KVCacheManager
+from minillm.memory import Capacity, KVCacheManager
 
 # steps after which a waiting request is due: served first, its blocks kept for it. Longer than
 # any TTFT target in steps, or under load every request is due before it can miss its target and
@@ -84,17 +84,17 @@ class MaxLengthReservation(FirstComeFirstServed):
     """FCFS, admitting only while every running request's maximum length stays reserved."""
 
     def __init__(self, manager: KVCacheManager):
-        self.manager = manager
+        self.capacity = manager.capacity()
 
     def blocks_at_most(self, seq: Sequence) -> int:
-        manager = self.manager
-        prompt_blocks = manager.blocks_for(len(seq.prompt_ids))
-        return prompt_blocks + seq.params.num_outputs * (manager.blocks_for(seq.max_len) - prompt_blocks)
+        capacity = self.capacity
+        prompt_blocks = capacity.blocks_for(len(seq.prompt_ids))
+        return prompt_blocks + seq.params.num_outputs * (capacity.blocks_for(seq.max_len) - prompt_blocks)
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
         """Room for its maximum beside the others' (alone, it may take the pool and preempt its own forks)."""
         reserved = sum(self.blocks_at_most(other) for other in running if other.request_id != seq.request_id)
-        return not reserved or reserved + self.blocks_at_most(seq) <= self.manager.num_blocks
+        return not reserved or reserved + self.blocks_at_most(seq) <= self.capacity.num_blocks
 
 
 def is_due(seq: Sequence, step: int) -> bool:
@@ -126,7 +126,7 @@ class LongestPrefixFirst(FirstComeFirstServed):
 
 def admission_problem(
     seq: Sequence,
-    kv_cache: KVCacheManager,
+    capacity: Capacity,
     context_len: int,
     vocab_size: int,
     max_num_seqs: int,
@@ -144,23 +144,23 @@ def admission_problem(
             f"This request runs {seq.params.num_outputs} sequences at once (n or beam_width) but "
             f"max_num_seqs is {max_num_seqs}; raise max_num_seqs or lower n."
         )
-    most_held = kv_cache.most_held(len(seq.prompt_ids), seq.max_len, step_tokens)
-    needed = kv_cache.blocks_for(most_held)
-    if needed > kv_cache.num_blocks:
+    most_held = capacity.most_held(len(seq.prompt_ids), seq.max_len, step_tokens)
+    needed = capacity.blocks_for(most_held)
+    if needed > capacity.num_blocks:
         fix = "shorten the prompt" if seq.params.max_tokens is None else "lower max_tokens"
         return (
             f"This request may need {needed} KV blocks ({most_held} tokens) but the pool has only "
-            f"{kv_cache.num_blocks}; raise kv_cache_bytes or {fix}."
+            f"{capacity.num_blocks}; raise kv_cache_bytes or {fix}."
         )
     return None
 
 
-def longest_held(kv_cache: KVCacheManager, prompt_len: int, context_len: int, step_tokens: int) -> int:
+def longest_held(capacity: Capacity, prompt_len: int, context_len: int, step_tokens: int) -> int:
     """How long a request without max_tokens may grow: to the context, or, when the pool cannot
     hold that much at once, to the pool's end, where it finishes with "length" (vLLM caps such a
     request by the context alone, and refuses to start on a pool smaller than the context; here
     a small pool serves what it can). Never less than the prompt and one new token: a prompt the
     pool cannot hold is refused at admission."""
-    if kv_cache.blocks_for(kv_cache.most_held(prompt_len, context_len, step_tokens)) <= kv_cache.num_blocks:
+    if capacity.blocks_for(capacity.most_held(prompt_len, context_len, step_tokens)) <= capacity.num_blocks:
         return context_len
-    return max(prompt_len + 1, min(context_len, kv_cache.num_blocks * kv_cache.block_size))
+    return max(prompt_len + 1, min(context_len, capacity.num_blocks * capacity.block_size))

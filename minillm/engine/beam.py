@@ -13,13 +13,12 @@ from scratch with the naive decoder: the two must agree beam for beam.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Iterator
 
 import torch
 
 from minillm.decoding.naive import sequence_logits
-from minillm.engine.scheduler import Scheduler
-from minillm.engine.sequence import Sequence, Status
+from minillm.engine.sequence import Change, Finish, Fork, Sequence, Status
 
 
 def select(scores: list[float], logprobs: torch.Tensor, width: int) -> list[tuple[int, int, float]]:
@@ -48,41 +47,45 @@ class BeamGroup:
         so a later one in the same step may be pruned by then, or already extended by a token
         (its logits predict the token it now has: it must compute that token and offer again).
         A beam preempted after offering keeps its scores: its tokens have not changed."""
-        if seq.status is Status.FINISHED or seq.num_computed != seq.num_tokens:
+        if seq.status is Status.FINISHED or all(beam is not seq for beam, _ in self.live):
+            return False  # pruned, or finished: no longer part of the search
+        if seq.num_computed != seq.num_tokens:
             return False
         self.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1)
         return all(beam.seq_id in self.pending for beam, _ in self.live)
 
-    def advance(self, scheduler: Scheduler, new_seq_id: Callable[[], int], eos: int | None) -> list[Sequence]:
-        """One step: keep the best `width` (beam, token) pairs; fork beams chosen more than once,
-        finish beams chosen by nobody (their blocks go back). Returns the request's sequences:
-        the live beams, or once none is left, the best finished ones."""
+    def advance(self, seq_ids: Iterator[int], eos: int | None) -> tuple[list[Sequence], list[Change]]:
+        """One step: keep the best `width` (beam, token) pairs; fork beams chosen more than once
+        (ids from `seq_ids`), finish beams chosen by nobody (their blocks go back). Returns the
+        request's sequences (the live beams, or once none is left, the best finished ones) and the
+        forks and finishes, in the order the scheduler must carry them out: the pruned leave
+        before the forks take seats."""
         live = self.live
         choices = select(
             [score for _, score in live], torch.stack([self.pending[s.seq_id] for s, _ in live]), self.width
         )
         self.pending.clear()
         chosen = {beam for beam, _, _ in choices}
-        for index, (seq, _) in enumerate(live):
-            if index not in chosen:
-                scheduler.finish(seq, "pruned")
+        changes: list[Change] = [
+            Finish(seq, "pruned") for index, (seq, _) in enumerate(live) if index not in chosen
+        ]
         claimed, assignments = set(), []
         for beam, token, score in choices:  # fork before any beam appends, so forks copy the parent as it was
             parent = live[beam][0]
-            seq = parent if beam not in claimed else parent.fork(new_seq_id(), 0)
+            seq = parent if beam not in claimed else parent.fork(next(seq_ids), 0)
             if seq is not parent:
-                scheduler.fork(parent, seq)
+                changes.append(Fork(parent, seq))
             claimed.add(beam)
             assignments.append((seq, token, score))
         self.live = []
         for seq, token, score in assignments:
             reason = seq.append(token, eos)
             if reason:
-                scheduler.finish(seq, reason)
+                changes.append(Finish(seq, reason))
                 self.finished.append((seq, score))
             else:
                 self.live.append((seq, score))
-        return [seq for seq, _ in self.live] or self.ranked()
+        return [seq for seq, _ in self.live] or self.ranked(), changes
 
     def ranked(self) -> list[Sequence]:
         return [seq for seq, _ in sorted(self.finished, key=lambda beam: -beam[1])[: self.width]]

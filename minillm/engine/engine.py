@@ -9,12 +9,19 @@
   3. the runner lays every scheduled token end to end and runs the model once; each attention
      layer writes k, v into the tokens' slots and reads each sequence's history through its
      block table (`runner.py`, `attention/paged.py`);
-  4. the scheduler hears what was computed: full blocks become findable in the prefix cache,
-     sequences over their eviction budget drop entries;
-  5. the token chooser checks guesses, scores prompts, and gives every sequence whose tokens are
-     all computed its next token (n samples fork at their first token; beams advance together),
-     `token_choice.py`; finished ones release their blocks;
+  4. the scheduler hears what was computed (after the token chooser has scored prompts and checked
+     guesses, which read the counts before they move on): rejected guesses are rolled back, H2O
+     scores grow, full blocks become findable in the prefix cache, sequences over their eviction
+     budget drop entries;
+  5. the token chooser gives every sequence whose tokens are all computed its next token (n
+     samples fork at their first token; beams advance together), `token_choice.py`, and returns
+     what that changes: the scheduler carries out the forks and the finishes (blocks go back);
   6. one `RequestOutput` for every request that changed (`outputs.py`).
+
+The memory system's bookkeeping of a step (its events numbered, the pass timed for the swap cost
+model, who ran told to listeners, the pressure ladder's rungs) is its own: `begin_step` and
+`end_step`. Speculation's (what a decode step costs, which guesses were checked) is the token
+chooser's.
 
 `LLM` (`llm.py`) wraps it with a vLLM-shaped API.
 """
@@ -34,11 +41,11 @@ from minillm.engine.output_length import LearnedLengths
 from minillm.engine.outputs import EngineStats, RequestOutput
 from minillm.engine.runner import ModelRunner
 from minillm.engine.scheduler import Schedule, Scheduler, make_admission
-from minillm.engine.sequence import Sequence, Status
+from minillm.engine.sequence import Fail, Fork, Sequence, Status
 from minillm.engine.speculative import NgramProposer
-from minillm.engine.token_choice import TokenChooser
+from minillm.engine.token_choice import Choice, TokenChooser
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
-from minillm.memory.events import Step, Subscriber
+from minillm.memory.events import Subscriber
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams
 from minillm.structured import Grammars
@@ -111,7 +118,7 @@ class LLMEngine:
                 config.ttft_target,
                 config.refuse_late,
             ),
-            self.guesses_for if self.proposer is not None else None,
+            self.proposer,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
@@ -119,19 +126,14 @@ class LLMEngine:
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
         self.num_steps = 0
-        self._checked_guesses: dict[int, list[int]] = {}  # seq_id -> the guesses the last step checked
-        self._grammars: Grammars | None = None  # built on the first structured-output request
         self.chooser = TokenChooser(  # guess checks, prompt scoring, sampling, constraints, forks
             self.runner,
-            self.scheduler,
-            self.requests,
             self.stats,
             self.eos_token_id,
             model_config.vocab_size,
-            self.grammars,
+            self.tokenizer,
             self.proposer,
-            lambda: next(self.seq_ids),
-            self.end_with_error,
+            self.seq_ids,
         )
 
     # ----------------------------------------------------------------- requests
@@ -177,12 +179,8 @@ class LLMEngine:
         return request_id
 
     def grammars(self) -> Grammars:
-        """Structured output's grammar compiler for this engine's vocabulary."""
-        if self._grammars is None:
-            if self.tokenizer is None:
-                raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
-            self._grammars = Grammars(self.tokenizer, self.model.config.vocab_size)
-        return self._grammars
+        """Structured output's grammar compiler for this engine's vocabulary (the token chooser's)."""
+        return self.chooser.grammars()
 
     def abort(self, request_id: str) -> None:
         """Stop a request now: its blocks go back, and the engine forgets it (no output follows)."""
@@ -192,7 +190,7 @@ class LLMEngine:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
         self.rejected = [seq for seq in self.rejected if seq.request_id != request_id]
-        self.forget(request_id)
+        self._forget(request_id)
 
     def has_request(self, request_id: str) -> bool:
         """Is the request still the engine's (queued, running, or finished but not yet returned)?"""
@@ -214,93 +212,76 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that got a token or ended."""
-        outputs = self.outputs_of([seq.request_id for seq in self.rejected])
+        outputs = self._outputs_of([seq.request_id for seq in self.rejected])
         self.rejected.clear()
         self.num_steps += 1
-        self.kv_cache.begin_step(self.num_steps)  # the memory system's events of this step carry its number
-        self.kv_cache.finish_prefetch()  # last step's background copies are done before anything is decided
+        self.kv_cache.begin_step(self.num_steps)  # its events carry the number; last step's prefetch is done
         started = time.perf_counter()
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
         self.stats.schedule_s.append(time.perf_counter() - started)
-        outputs += self.outputs_of(self.scheduler.take_refused())  # too late for their target
+        outputs += self._outputs_of(self.scheduler.take_refused())  # too late for their target
         if not schedule.sequences:  # requests wait but none can run: fail them rather than spin forever
             stuck = {seq.request_id for seq in self.scheduler.unfinished()}
-            return outputs + self.fail(stuck, "The scheduler found nothing it could run (a bug in minillm).")
+            return outputs + self._fail(stuck, "The scheduler found nothing it could run (a bug in minillm).")
         try:
-            return outputs + self.run(schedule)
+            return outputs + self._run(schedule)
         except Exception as err:  # the batch fails, the engine goes on serving the others
             failed = {item.seq.request_id for item in schedule.sequences}
-            return outputs + self.fail(failed, f"This step failed ({type(err).__name__}: {err}).")
+            return outputs + self._fail(failed, f"This step failed ({type(err).__name__}: {err}).")
 
-    def run(self, schedule: Schedule) -> list[RequestOutput]:
-        # 2. swaps, spills, copy-on-write before anyone writes; the next step's swap-in behind this pass
-        self.kv_cache.apply(schedule.copies, prefetch=schedule.prefetch)
-        start = time.perf_counter()
+    def _run(self, schedule: Schedule) -> list[RequestOutput]:
+        """Stages 2 to 6 of one step, over what the scheduler chose."""
+        self.kv_cache.apply(schedule.copies, prefetch=schedule.prefetch)  # 2. copies before anyone writes
         forward = self.runner.forward(schedule.sequences)  # 3. one forward pass
-        rows = sum(item.num_tokens for item in schedule.sequences)
-        self.kv_cache.record_forward(rows, len(schedule.sequences), time.perf_counter() - start)
-        listened = bool(self.kv_cache.events)  # somebody follows the memory system: say who ran
-        read = [item.seq.num_cached + item.num_tokens for item in schedule.sequences] if listened else []
-        self.chooser.score_prompts(schedule, forward)  # before `computed` moves num_computed on
-        guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
-        self._checked_guesses = {item.seq.seq_id: list(item.guesses) for item, _ in guessed}
-        kept, endings = self.chooser.check_guesses(guessed, forward) if guessed else ({}, {})
-        evicted = self.scheduler.computed(schedule, kept)  # 4. guesses rolled back, prefix blocks registered
-        ready = [
-            (item.seq, row)
-            for item, row in zip(schedule.sequences, forward.last_rows)
-            if item.seq.num_uncomputed == 0 and not item.guesses
-        ]
-        changed = [item.seq.request_id for item, _ in guessed]
-        for seq, reason, error in endings.values():
-            if error is not None:
-                self.end_with_error(seq.request_id, error)
-            elif seq.status is not Status.FINISHED:
-                self.scheduler.finish(seq, reason)
-        if ready:
-            logits = self.runner.logits(forward.hidden, [row for _, row in ready])  # (sequences ready, vocab)
-            changed += self.chooser.sample([seq for seq, _ in ready], logits)  # 5. next tokens
-        decoding = all(item.num_tokens == 1 or item.guesses for item in schedule.sequences)
-        if self.proposer is not None and decoding:  # what guesses are priced by: a decode step's
-            self.proposer.cost.record(rows, time.perf_counter() - start)  # pass, logits and checks
-        generated = len(ready) + sum(kept.values())
-        self.stats.record(schedule, generated, evicted, self.memory_stats(), self.kv_cache.end_step())
-        if listened:
-            ran = zip(schedule.sequences, read)
-            who = tuple((item.seq.seq_id, item.seq.request_id, item.num_tokens, n) for item, n in ran)
-            self.kv_cache.events.emit(Step(time.perf_counter() - start, who))
-        return self.outputs_of(list(dict.fromkeys(changed)))  # 6.
+        ran = schedule.ran()  # who ran and what attention read, before 4 moves their counts on
+        checked = self.chooser.check(schedule, forward)  # prompts scored, guesses checked: before 4 too
+        evicted = self.scheduler.computed(schedule, checked.kept, forward.attention)  # 4.
+        self._carry_out(checked)  # guessing sequences that stop
+        chosen = self.chooser.choose(schedule, forward)  # 5. next tokens
+        self._carry_out(chosen)  # forks join, finished sequences leave
+        step_seconds = time.perf_counter() - forward.started
+        live = self.scheduler.cached_entries()
+        memory, rungs = self.kv_cache.end_step(ran, forward.seconds, step_seconds, live)
+        self.stats.record(schedule, checked.appended + chosen.appended, evicted, memory, rungs)
+        return self._outputs_of(list(dict.fromkeys(checked.changed + chosen.changed)))  # 6.
 
-    def fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
+    def _carry_out(self, choice: Choice) -> None:
+        """Have the scheduler carry out what token choice decided, in its order."""
+        for request_id, seqs in choice.families.items():
+            self.requests[request_id][:] = seqs
+        for change in choice.changes:
+            if isinstance(change, Fork):
+                self.scheduler.fork(change.parent, change.child)
+            elif isinstance(change, Fail):
+                self._end_with_error(change.request_id, change.error)
+            elif change.seq.status is not Status.FINISHED:  # its request may have failed first
+                self.scheduler.finish(change.seq, change.reason)
+
+    def _fail(self, request_ids: set[str], error: str) -> list[RequestOutput]:
         """End these requests with `error`; their blocks go back and the engine stays usable."""
         for request_id in request_ids:
-            self.end_with_error(request_id, error)
-        return self.outputs_of(sorted(request_ids))
+            self._end_with_error(request_id, error)
+        return self._outputs_of(sorted(request_ids))
 
-    def end_with_error(self, request_id: str, error: str) -> None:
+    def _end_with_error(self, request_id: str, error: str) -> None:
         for seq in self.requests[request_id]:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "error", error)
 
-    def outputs_of(self, request_ids: list[str]) -> list[RequestOutput]:
+    def _outputs_of(self, request_ids: list[str]) -> list[RequestOutput]:
         """The requests' outputs. A request whose output is final is forgotten: a long-lived engine
         keeps nothing of the requests it has answered."""
         outputs = [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in request_ids]
         for out in outputs:
             if out.finished:
-                self.forget(out.request_id)
+                self._forget(out.request_id)
         return outputs
 
-    def forget(self, request_id: str) -> None:
-        self.chooser.forget(request_id)
-        del self.requests[request_id]
-
-    def guesses_for(self, seq: Sequence, most: int, batch: int) -> list[int]:
-        """The scheduler's guesser: speculated tokens to follow `seq` (`TokenChooser.guesses_for`)."""
-        return self.chooser.guesses_for(seq, most, batch)
+    def _forget(self, request_id: str) -> None:
+        self.chooser.forget(request_id, self.requests.pop(request_id))
 
     # ----------------------------------------------------------------- sessions (memory/sessions.py)
-    def session_identity(self) -> dict[str, str]:
+    def _session_identity(self) -> dict[str, str]:
         """What a session's KV depends on: the model (its fingerprint), block size, storage format."""
         c = self.config
         return {
@@ -313,14 +294,14 @@ class LLMEngine:
 
     def save_session(self, path: Path, token_ids: list[int], extra: dict | None = None) -> int:
         """Park the cached KV of `token_ids` (a finished conversation) in a file; returns the tokens kept."""
-        return self.kv_cache.save_session(path, token_ids, self.session_identity(), extra)
+        return self.kv_cache.save_session(path, token_ids, self._session_identity(), extra)
 
     def load_session(self, path: Path) -> tuple[list[int], dict]:
         """Load a parked session's KV as cached prefix blocks; returns (its token ids, its extra)."""
-        return self.kv_cache.load_session(path, self.session_identity())
+        return self.kv_cache.load_session(path, self._session_identity())
 
     def memory_stats(self) -> MemoryStats:
-        return self.kv_cache.memory_stats(self.scheduler.cached_entries())
+        return self.snapshot().stats
 
     def snapshot(self) -> MemorySnapshot:
         """The memory system now, read-only (`memory/accounting.py`): blocks per state and tier,
@@ -334,7 +315,7 @@ class LLMEngine:
     def checked_guesses(self) -> dict[int, list[int]]:
         """Speculation in the last step: seq_id -> the tokens guessed after its last token and
         checked in that pass, kept or not (`speculative.py`); empty when nobody guessed."""
-        return dict(self._checked_guesses)
+        return self.chooser.checked_guesses()
 
     def subscribe(self, subscriber: Subscriber) -> None:
         """`subscriber(step, event)` hears every change of a block's life from now on, first a
@@ -346,8 +327,9 @@ class LLMEngine:
 
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens the prefix cache has saved from prefill so far (0 without a cache)."""
-        cache = self.kv_cache.block_manager.prefix_cache
-        return cache.hit_blocks * cache.block_size if cache else 0
+        snapshot = self.snapshot()
+        cache = snapshot.prefix_cache
+        return cache["hit_blocks"] * snapshot.block_size if cache else 0
 
     @property
     def num_preemptions(self) -> int:

@@ -94,6 +94,7 @@ class MemoryAware:
         `refuse_late`: refuse a request that can no longer meet it instead of serving it late;
         `clock`: the time, in the unit and origin of `Sequence.arrival_time`."""
         self.manager, self.step_tokens, self.lengths = manager, step_tokens, lengths
+        self.capacity = manager.capacity()  # the pool's size and block size, fixed for the run
         self.ttft_target, self.refuse_late, self.clock = ttft_target, refuse_late, clock
         self.timer = StepTimer()
         self._profile: tuple | None = None  # (the batch it was built for, its GrowthProfile, blocks held)
@@ -167,19 +168,19 @@ class MemoryAware:
     def cost(self, seq: Sequence) -> float:
         """Its remaining life in engine steps' worth of the machine: the KV block-steps it will hold
         over the pool's blocks, plus the tokens it will compute over a step's token budget."""
-        manager, rows = self.manager, seq.num_seats  # rows: it and the forks it will make
+        manager, capacity, rows = self.manager, self.capacity, seq.num_seats  # rows: it and its forks to come
         if manager.has_blocks(seq.seq_id):  # running (or brought back): what it holds now
             held, to_compute = manager.num_held(seq.seq_id), seq.num_uncomputed
         else:
             cached = self.cached_blocks(seq)
-            held = manager.blocks_for(seq.num_tokens) - cached
-            to_compute = seq.num_uncomputed - cached * manager.block_size
+            held = capacity.blocks_for(seq.num_tokens) - cached
+            to_compute = seq.num_uncomputed - cached * capacity.block_size
         prefill_steps = math.ceil(max(0, to_compute - 1) / self.step_tokens)
         steps = self.steps_left(seq)
-        growth = manager.blocks_for(seq.num_tokens + steps) - manager.blocks_for(seq.num_tokens)
+        growth = capacity.blocks_for(seq.num_tokens + steps) - capacity.blocks_for(seq.num_tokens)
         block_steps = held * (prefill_steps + steps) + rows * growth * steps / 2  # its outputs grow
         tokens = to_compute + rows * steps
-        return block_steps / manager.num_blocks + tokens / self.step_tokens
+        return block_steps / capacity.num_blocks + tokens / self.step_tokens
 
     def victim(self, candidates: list[Sequence]) -> Sequence:
         """The running sequence to preempt when memory runs out: the one with the most remaining cost."""
@@ -218,14 +219,13 @@ class MemoryAware:
                     held += manager.num_held(seq.seq_id)
                     steps = self.steps_left(seq)  # its forks to come share its prompt, and grow alike
                     rows += [(seq.num_tokens, steps)] + [(0, steps)] * (seq.num_seats - 1)
-            self._profile = (batch, GrowthProfile(rows, manager.block_size), held)
+            self._profile = (batch, GrowthProfile(rows, self.capacity.block_size), held)
         return self._profile[1], self._profile[2]
 
     def blocks_to_start(self, seq: Sequence, budget: int) -> int:
         """New blocks its first chunk takes: the chunk's, less the prompt blocks the prefix cache gives."""
-        manager = self.manager
         chunk_end = seq.num_cached + min(seq.num_uncomputed, budget)
-        needed = manager.blocks_for(chunk_end) - manager.num_held(seq.seq_id)
+        needed = self.capacity.blocks_for(chunk_end) - self.manager.num_held(seq.seq_id)
         return max(0, needed - self.cached_blocks(seq))
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:
@@ -237,14 +237,13 @@ class MemoryAware:
         there is no growth to keep room for, and whatever fits may start."""
         if not running:
             return True
-        manager = self.manager
-        free = manager.num_free_blocks - kept
+        free = self.manager.num_free_blocks - kept
         if self.blocks_to_start(seq, budget) > free:
             return False
         if self.is_urgent(seq):  # waiting for the headroom would make it late; preemption may follow
             return True
         profile, held = self.profile(running, step)
-        new_tokens = max(0, seq.num_tokens - self.cached_blocks(seq) * manager.block_size)
+        new_tokens = max(0, seq.num_tokens - self.cached_blocks(seq) * self.capacity.block_size)
         return profile.peak_with(new_tokens, self.steps_left(seq), seq.num_seats) - held <= free
 
     def finished(self, seq: Sequence) -> None:

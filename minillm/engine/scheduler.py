@@ -42,7 +42,7 @@ from minillm.engine.admission import (
 from minillm.engine.memory_aware import MemoryAware
 from minillm.engine.output_length import LearnedLengths
 from minillm.engine.sequence import Sequence, Status
-from minillm.engine.speculative import Guesser, guesses_that_fit
+from minillm.engine.speculative import NgramProposer, guesses_that_fit
 from minillm.memory import KVCacheManager
 
 
@@ -61,6 +61,15 @@ class Schedule:
     # (source, destination) blocks: swaps, spills, copy-on-write, in order; all done before the pass
     copies: list[tuple[int, int]] = field(default_factory=list)
     prefetch: list[tuple[int, int]] = field(default_factory=list)  # the next step's swap-ins, during it
+
+    def ran(self) -> list[tuple[int, str, int, int]]:
+        """(seq_id, request_id, tokens computed, KV entries attention reads) of each scheduled
+        sequence, read before `Scheduler.computed` moves their counts on: who ran, as the memory
+        system's `Step` event tells it."""
+        return [
+            (item.seq.seq_id, item.seq.request_id, item.num_tokens, item.seq.num_cached + item.num_tokens)
+            for item in self.sequences
+        ]
 
 
 def make_admission(
@@ -91,13 +100,13 @@ class Scheduler:
         context_len: int,
         vocab_size: int,
         admission: FirstComeFirstServed | MemoryAware | None = None,
-        guesser: Guesser | None = None,
+        proposer: NgramProposer | None = None,
     ):
         """`admission`: who joins the batch first (`make_admission`; default first come first
-        served). `guesser(seq, most, batch)`: at most `most` speculated tokens to follow a decoding
-        sequence among `batch` running ones (`speculative.py`), or None without speculation."""
-        self.kv_cache = kv_cache
-        self.guesser = guesser
+        served). `proposer`: the speculated tokens to follow a decoding sequence (`speculative.py`),
+        or None without speculation."""
+        self.kv_cache, self.capacity = kv_cache, kv_cache.capacity()
+        self.proposer = proposer
         self.policy = policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.context_len, self.vocab_size = context_len, vocab_size
@@ -114,14 +123,14 @@ class Scheduler:
         """Where a new sequence stops: prompt + max_tokens within the context; without max_tokens,
         the context or the pool's end (`admission.longest_held`)."""
         if max_tokens is None:
-            return longest_held(self.kv_cache, prompt_len, self.context_len, self.max_num_batched_tokens)
+            return longest_held(self.capacity, prompt_len, self.context_len, self.max_num_batched_tokens)
         return min(self.context_len, prompt_len + max_tokens)
 
     def add(self, seq: Sequence) -> bool:
         """Queue a new request's sequence, or finish it with the reason it can never run (it
         fails alone; the others go on). Returns whether it was queued."""
         limits = (self.context_len, self.vocab_size, self.max_num_seqs, self.max_num_batched_tokens)
-        problem = admission_problem(seq, self.kv_cache, *limits)
+        problem = admission_problem(seq, self.capacity, *limits)
         if problem:
             seq.finish("error", problem)
             return False
@@ -202,9 +211,10 @@ class Scheduler:
     def _with_guesses(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
         """A decoding sequence's last token and the guesses after it, if it has some and free
         blocks hold them (`speculative.guesses_that_fit`); else None, and it runs as usual."""
-        if self.guesser is None or seq.num_uncomputed != 1 or not seq.output_ids:
+        if self.proposer is None or seq.num_uncomputed != 1 or not seq.output_ids:
             return None
-        guesses = guesses_that_fit(self.kv_cache, self.guesser, seq, budget, len(self.running))
+        free = self.kv_cache.num_free_blocks
+        guesses = guesses_that_fit(self.proposer, self.capacity, free, seq, budget, len(self.running))
         if not guesses:
             return None
         num_tokens = 1 + len(guesses)
@@ -366,22 +376,24 @@ class Scheduler:
             self.admission.finished(seq)
 
     # ----------------------------------------------------------------- after the forward pass
-    def computed(self, schedule: Schedule, kept: dict[int, int]) -> int:
-        """The step's tokens now have their K/V in the pool. A sequence that guessed keeps
-        `kept[seq_id]` of its tokens (its last and the guesses accepted): the KV cache manager
-        rolls the rest back first. Then it registers full blocks and keeps budgets. Returns the
-        entries evicted."""
+    def computed(self, schedule: Schedule, kept: dict[int, int], attention: dict[int, list]) -> int:
+        """The step's tokens now have their K/V in the pool, and `attention` (seq_id -> per query
+        batch, with H2O: `runner.Forward`) what their entries received. A sequence that guessed
+        keeps `kept[seq_id]` of its tokens (its last and the guesses accepted), and the attention
+        of their rows: the KV cache manager rolls the rest back first. Then it keeps H2O's scores,
+        registers full blocks and keeps budgets. Returns the entries evicted."""
         evicted = 0
         for item in schedule.sequences:
-            seq = item.seq
+            seq, received = item.seq, attention.get(item.seq.seq_id, [])
             if item.guesses:
                 seq.num_computed += kept[seq.seq_id]
+                received = received[: kept[seq.seq_id]]
                 if kept[seq.seq_id] < item.num_tokens:  # some were rejected: their K/V goes
-                    self.kv_cache.rollback.truncate(seq.seq_id, seq.num_cached)
+                    self.kv_cache.rollback(seq.seq_id, seq.num_cached)
             else:
                 seq.num_computed += item.num_tokens
             counts = (seq.num_computed, seq.num_cached, len(seq.prompt_ids), seq.max_len)
-            dropped = self.kv_cache.computed(seq.seq_id, seq.token_ids, *counts)
+            dropped = self.kv_cache.computed(seq.seq_id, seq.token_ids, *counts, received)
             seq.num_evicted += dropped
             evicted += dropped
         return evicted

@@ -134,3 +134,33 @@ class Sequence:
         """Mark the sequence done (its blocks are the scheduler's to release: `Scheduler.finish`)."""
         self.status, self.finish_reason, self.error = Status.FINISHED, reason, error
         self.finish_time = time.perf_counter()
+
+
+# ----------------------------------------------------------------- changes to a request's sequences
+# The token chooser decides them (`token_choice.py`, `beam.py`); the engine has the scheduler carry
+# them out, in the order decided.
+@dataclass(frozen=True)
+class Fork:
+    """`child`, a parallel sample or a beam, joins beside `parent`, sharing its blocks."""
+
+    parent: Sequence
+    child: Sequence
+
+
+@dataclass(frozen=True)
+class Finish:
+    """`seq` ends ("eos", "length", "pruned"): it leaves the batch and its blocks go back."""
+
+    seq: Sequence
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The request ends with `error`: every sequence of it still going stops, alone."""
+
+    request_id: str
+    error: str
+
+
+Change = Fork | Finish | Fail

@@ -48,9 +48,7 @@ import torch
 
 if TYPE_CHECKING:
     from minillm.engine.sequence import Sequence
-    from minillm.memory import KVCacheManager
-
-Guesser = Callable[["Sequence", int, int], list[int]]  # (seq, most, batch) -> at most `most` guesses
+    from minillm.memory import Capacity
 
 PRIOR_ACCEPTANCE = 0.5  # a sequence's acceptance estimate before its first check
 LAST_WEIGHT = 0.5  # the weight of the last check in a sequence's estimate
@@ -166,21 +164,24 @@ def check_guesses(
 
 
 def guesses_that_fit(
-    kv_cache: KVCacheManager, guesser: Guesser, seq: Sequence, budget: int, batch: int
+    proposer: NgramProposer, capacity: Capacity, free_blocks: int, seq: Sequence, budget: int, batch: int
 ) -> list[int]:
     """The scheduler's half of guessing: the guesses to check after a decoding sequence's last
-    token this step, among `batch` running ones, or [] if free blocks cannot hold them (guesses
-    never make anyone leave: a block stays free for each running sequence to grow). They stop
-    short of its length limit, the step's token `budget`, and what the KV cache manager can roll
-    back (`room_to_guess`)."""
+    token this step, among `batch` running ones, or [] if the `free_blocks` cannot hold them
+    (guesses never make anyone leave: a block stays free for each running sequence to grow).
+    They stop short of its length limit, the step's token `budget`, and what the KV cache manager
+    can roll back (`Capacity.room_to_guess`). Beams choose among each other's scores, not one
+    draw at a time: they do not guess."""
+    if seq.params.beam_width > 1:
+        return []
     most = min(
         budget - 1,
         seq.max_len - seq.num_tokens - 1,
-        kv_cache.rollback.room_to_guess(seq.num_cached, len(seq.prompt_ids), seq.max_len),
+        capacity.room_to_guess(seq.num_cached, len(seq.prompt_ids), seq.max_len),
     )
-    guesses = guesser(seq, most, batch) if most > 0 else []
+    guesses = proposer.propose(seq.seq_id, seq.token_ids, most, batch) if most > 0 else []
     if not guesses:
         return []
-    blocks = kv_cache.blocks_for
+    blocks = capacity.blocks_for
     extra = blocks(seq.num_cached + 1 + len(guesses)) - blocks(seq.num_cached + 1)
-    return guesses if kv_cache.num_free_blocks - extra >= batch else []
+    return guesses if free_blocks - extra >= batch else []

@@ -3,7 +3,8 @@
 After the forward pass (`runner.py`) the engine hands the rows it needs to the `TokenChooser`,
 which owns every way a token is chosen:
   - guess checks (speculation, `speculative.py`): a guessing sequence keeps the guesses its own
-    sampler's draws agree with, and the draw that differed;
+    sampler's draws agree with, and the draw that differed; the proposer learns from each check,
+    and from what a decode step costs;
   - prompt scoring (`prompt_logprobs`): each prompt token's log-probability, from the rows that
     predict it;
   - sampling: penalties and bias (`sampling.process_logits`), then the sequence's sampler, its
@@ -12,24 +13,28 @@ which owns every way a token is chosen:
   - forks: n samples fork at their first token; beams choose among each other's scores and
     advance together (`beam.py`).
 
-It keeps no requests of its own: it adds the forks it makes to the engine's families of
-sequences (`requests`), and a request whose sampling fails ends through the engine's `fail_request`.
+It owns no sequence's place in the batch: what its choices change there (forks, sequences that
+end, requests that fail) it returns, in order, as `Change`s (`sequence.py`), and the engine has
+the scheduler carry them out.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 import torch
 
 from minillm.engine.beam import BeamGroup
 from minillm.engine.outputs import EngineStats
-from minillm.engine.runner import ModelRunner
-from minillm.engine.scheduler import Schedule, ScheduledSequence, Scheduler
-from minillm.engine.sequence import Sequence, Status
+from minillm.engine.runner import Forward, ModelRunner
+from minillm.engine.scheduler import Schedule
+from minillm.engine.sequence import Change, Fail, Finish, Fork, Sequence, Status
 from minillm.engine.speculative import NgramProposer, check_guesses
 from minillm.sampling import TokenLogprob, process_logits, token_logprob
 from minillm.structured import Grammars
+from minillm.tokenizer import Tokenizer
 
 NOT_FINITE = (
     "The model's scores for this request's next token are not finite (NaN or inf): a broken kernel "
@@ -45,88 +50,112 @@ def finite_rows(logits: torch.Tensor) -> list[bool]:
     return torch.isfinite(logits.sum(dim=-1)).tolist()
 
 
+@dataclass
+class Choice:
+    """What token choice did in a step: the requests that changed (in order), the tokens appended
+    (`kept`: per guessing sequence, how many: its kept guesses and the draw after them), the
+    changes for the scheduler to carry out (in order), and the requests whose sequences are now
+    others (request_id -> its sequences: n samples forked, beams advanced)."""
+
+    changed: list[str] = field(default_factory=list)
+    appended: int = 0
+    kept: dict[int, int] = field(default_factory=dict)
+    changes: list[Change] = field(default_factory=list)
+    families: dict[str, list[Sequence]] = field(default_factory=dict)
+
+
 class TokenChooser:
     def __init__(
         self,
         runner: ModelRunner,
-        scheduler: Scheduler,
-        requests: dict[str, list[Sequence]],
         stats: EngineStats,
         eos_token_id: int | None,
         vocab_size: int,
-        grammars: Callable[[], Grammars],
+        tokenizer: Tokenizer | None,
         proposer: NgramProposer | None,
-        new_seq_id: Callable[[], int],
-        fail_request: Callable[[str, str], None],
+        seq_ids: Iterator[int],
     ):
-        """`requests`: the engine's request id -> its sequences, which forks join; `grammars()`:
-        the engine's grammar compiler, built when first asked; `new_seq_id()`: a fork's id;
-        `fail_request(request_id, error)`: end a request whose sampling failed."""
-        self.runner, self.scheduler, self.requests, self.stats = runner, scheduler, requests, stats
-        self.eos_token_id, self.vocab_size = eos_token_id, vocab_size
-        self.grammars, self.proposer = grammars, proposer
-        self.new_seq_id, self.fail_request = new_seq_id, fail_request
+        """`tokenizer`: what structured output's grammars are compiled against (None: no
+        structured output); `proposer`: speculation's guesser, None without it; `seq_ids`: the
+        engine's sequence ids, which forks take theirs from too."""
+        self.runner, self.stats = runner, stats
+        self.eos_token_id, self.vocab_size, self.tokenizer = eos_token_id, vocab_size, tokenizer
+        self.proposer, self.seq_ids = proposer, seq_ids
+        self._grammars: Grammars | None = None  # built on the first structured-output request
         self.beam_groups: dict[str, BeamGroup] = {}  # request_id -> its beams, for beam_width > 1
+        self._checked: dict[int, list[int]] = {}  # seq_id -> the guesses the last step checked
 
     # ----------------------------------------------------------------- requests' lives
+    def grammars(self) -> Grammars:
+        """Structured output's grammar compiler for the vocabulary, built when first asked."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
+            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+        return self._grammars
+
     def start_beams(self, request_id: str, width: int, seq: Sequence) -> None:
         """A request searched by `width` beams, starting from its one sequence."""
         self.beam_groups[request_id] = BeamGroup(width, live=[(seq, 0.0)])
 
-    def forget(self, request_id: str) -> None:
-        """The request is answered: its beams and its sequences' n-gram indexes go."""
+    def forget(self, request_id: str, seqs: list[Sequence]) -> None:
+        """The request (its sequences `seqs`) is answered: its beams and n-gram indexes go."""
         if self.proposer is not None:
-            for seq in self.requests[request_id]:
+            for seq in seqs:
                 self.proposer.forget(seq.seq_id)
         self.beam_groups.pop(request_id, None)
 
-    def guesses_for(self, seq: Sequence, most: int, batch: int) -> list[int]:
-        """At most `most` speculated tokens to follow a decoding sequence, among `batch` running
-        ones. Beams choose among each other's scores, not one draw at a time: they do not guess."""
-        if seq.request_id in self.beam_groups:
-            return []
-        return self.proposer.propose(seq.seq_id, seq.token_ids, most, batch)
+    def checked_guesses(self) -> dict[int, list[int]]:
+        """Speculation in the last step: seq_id -> the tokens guessed after its last token and
+        checked in that pass, kept or not; empty when nobody guessed."""
+        return dict(self._checked)
 
-    # ----------------------------------------------------------------- guesses and prompts
-    def check_guesses(
-        self, guessed: list[tuple[ScheduledSequence, int]], forward
-    ) -> tuple[dict[int, int], dict[int, tuple]]:
+    # ----------------------------------------------------------------- before `computed`
+    def check(self, schedule: Schedule, forward: Forward) -> Choice:
+        """What must be read before the step's tokens count as computed: prompts scored, and
+        guesses checked (`check_guesses`): the guessing sequences that must stop are its changes."""
+        self.score_prompts(schedule, forward)
+        guessed = [(item, row) for item, row in zip(schedule.sequences, forward.last_rows) if item.guesses]
+        self._checked = {item.seq.seq_id: list(item.guesses) for item, _ in guessed}
+        choice = Choice(changed=[item.seq.request_id for item, _ in guessed])
+        if guessed:
+            choice.kept = self.check_guesses(guessed, forward, choice)
+            choice.appended = sum(choice.kept.values())
+        return choice
+
+    def check_guesses(self, guessed: list[tuple], forward: Forward, choice: Choice) -> dict[int, int]:
         """Speculation: each guessing sequence (with its last row) keeps the guesses its sampler's
         draws agree with, and the draw that differed (`speculative.check_guesses`), appended now.
         Returns, per sequence id, the tokens it appended (its last token's KV and its kept guesses'
-        are the ones kept), and, by sequence id, those that must stop: (seq, reason, None) for EOS
-        or length among its tokens, (seq, "error", why) for a sampler that failed (nothing
-        appended; its request ends alone)."""
+        are the ones kept); those that must stop go into `choice.changes`: a `Finish` for EOS or
+        length among its tokens, a `Fail` for a sampler that failed (nothing appended; its request
+        ends alone)."""
         rows = [r for item, last in guessed for r in range(last - len(item.guesses), last + 1)]
         logits = self.runner.logits(forward.hidden, rows)  # (rows, vocab)
         finite = finite_rows(logits)
-        kept, endings, first = {}, {}, 0
+        kept, first = {}, 0
         for item, _ in guessed:
             seq, num_rows = item.seq, len(item.guesses) + 1
             rows_of_seq, finite_of_seq = logits[first : first + num_rows], finite[first : first + num_rows]
             first += num_rows
+            kept[seq.seq_id] = 0
             if not all(finite_of_seq):
-                kept[seq.seq_id] = 0
-                endings[seq.seq_id] = (seq, "error", NOT_FINITE)
+                choice.changes.append(Fail(seq.request_id, NOT_FINITE))
                 continue
             try:
                 tokens = check_guesses(item.guesses, rows_of_seq, self._guess_drawer(seq, item.guesses))
             except Exception as err:
-                kept[seq.seq_id] = 0
-                endings[seq.seq_id] = (seq, "error", f"Sampling failed ({type(err).__name__}: {err}).")
+                choice.changes.append(Fail(seq.request_id, f"Sampling failed ({type(err).__name__}: {err})."))
                 continue
             self.proposer.record(seq.seq_id, len(item.guesses), len(tokens) - 1)
             self.stats.record_guesses(len(item.guesses), len(tokens) - 1)
-            appended = 0
             for row, token in zip(rows_of_seq, tokens):  # row i's logits drew token i
-                appended += 1
+                kept[seq.seq_id] += 1
                 reason = seq.append(token, self.eos_token_id, logprob_of(seq, row, token))
                 if reason:
-                    endings[seq.seq_id] = (seq, reason, None)
+                    choice.changes.append(Finish(seq, reason))
                     break
-            kept[seq.seq_id] = appended
-            self.runner.add_mass(seq, forward.guess_mass.get(seq.seq_id, [])[:appended])
-        return kept, endings
+        return kept
 
     def _guess_drawer(self, seq: Sequence, guesses: list[int]) -> Callable[[torch.Tensor], int]:
         """The sampler `check_guesses` asks for each row (vocab,) of `seq`: row i is drawn after
@@ -140,7 +169,7 @@ class TokenChooser:
 
         return sample
 
-    def score_prompts(self, schedule: Schedule, forward) -> None:
+    def score_prompts(self, schedule: Schedule, forward: Forward) -> None:
         """`prompt_logprobs`: each prompt token's log-probability (after the first), from the rows
         of this step's chunk that predict it: row p scores token p + 1. A token already scored (a
         prompt recomputed after a preemption) is not scored again."""
@@ -160,32 +189,58 @@ class TokenChooser:
             top = seq.params.prompt_logprobs
             seq.prompt_logprobs.append(token_logprob(row_logits, seq.prompt_ids[target], top))
 
-    # ----------------------------------------------------------------- sampling
-    def sample(self, ready: list[Sequence], logits: torch.Tensor) -> list[str]:
-        """Give each ready sequence its next token from logits (ready, vocab); return the requests
-        that changed, in order. A request whose sampling fails (its model scores are not finite,
-        its own sampler raised, or chose no token of the vocabulary) ends alone with the error: the
-        others keep exactly the tokens they drew, each from its own generator, and nothing wrong
-        reaches the next forward pass."""
+    # ----------------------------------------------------------------- after `computed`
+    def choose(self, schedule: Schedule, forward: Forward) -> Choice:
+        """The next token of every sequence whose tokens are all computed (guessing ones have
+        theirs from `check`); then speculation learns what this step cost, if it was a decode
+        step (the pass, its logits and the checks: what guesses are priced by)."""
+        ready = [
+            (item.seq, row)
+            for item, row in zip(schedule.sequences, forward.last_rows)
+            if item.seq.num_uncomputed == 0 and not item.guesses
+        ]
+        choice = Choice(appended=len(ready))
+        if ready:
+            logits = self.runner.logits(forward.hidden, [row for _, row in ready])  # (sequences ready, vocab)
+            self.sample([seq for seq, _ in ready], logits, choice)
+        decoding = all(item.num_tokens == 1 or item.guesses for item in schedule.sequences)
+        if self.proposer is not None and decoding:
+            rows = sum(item.num_tokens for item in schedule.sequences)
+            self.proposer.cost.record(rows, time.perf_counter() - forward.started)
+        return choice
+
+    def sample(self, ready: list[Sequence], logits: torch.Tensor, choice: Choice) -> None:
+        """Give each ready sequence its next token from logits (ready, vocab), noting in `choice`
+        the requests that changed, in order. A request whose sampling fails (its model scores are
+        not finite, its own sampler raised, or chose no token of the vocabulary) ends alone with
+        the error: the others keep exactly the tokens they drew, each from its own generator, and
+        nothing wrong reaches the next forward pass."""
         changed: dict[str, None] = {}
         finite = finite_rows(logits)  # before any mask writes -inf
         self.constrain(ready, logits)
+        failed: set[str] = set()  # requests that failed in this loop
+        ended: set[int] = set()  # beams that ended in this loop (pruned, or finished)
         for seq, seq_logits, ok in zip(ready, logits, finite):
-            if seq.status is Status.FINISHED:  # its request failed earlier in this loop
-                continue
+            if seq.status is Status.FINISHED or seq.seq_id in ended or seq.request_id in failed:
+                continue  # ended earlier in this step: a beam pruned, or its request failed
+            error = None
             if not ok:
-                self.fail_request(seq.request_id, NOT_FINITE)
-                changed[seq.request_id] = None
-                continue
-            try:
-                if not self.sample_one(seq, seq_logits):
-                    continue
-            except Exception as err:
-                self.fail_request(seq.request_id, f"Sampling failed ({type(err).__name__}: {err}).")
+                error = NOT_FINITE
+            else:
+                try:
+                    decided = len(choice.changes)
+                    if not self.sample_one(seq, seq_logits, choice):
+                        continue
+                    ended.update(c.seq.seq_id for c in choice.changes[decided:] if isinstance(c, Finish))
+                except Exception as err:
+                    error = f"Sampling failed ({type(err).__name__}: {err})."
+            if error is not None:
+                failed.add(seq.request_id)
+                choice.changes.append(Fail(seq.request_id, error))
             changed[seq.request_id] = None
-        return list(changed)
+        choice.changed = list(changed)
 
-    def sample_one(self, seq: Sequence, logits: torch.Tensor) -> bool:
+    def sample_one(self, seq: Sequence, logits: torch.Tensor, choice: Choice) -> bool:
         """The next token of `seq` (and of its forks) from its logits (vocab,); False when it is a
         beam still waiting for its siblings' scores, so nothing changed."""
         group = self.beam_groups.get(seq.request_id)
@@ -193,14 +248,15 @@ class TokenChooser:
             if not group.offer(seq, logits):
                 return False
             # every live beam has its next-token scores: choose
-            beams = group.advance(self.scheduler, self.new_seq_id, self.eos_token_id)
-            self.requests[seq.request_id][:] = beams
+            beams, changes = group.advance(self.seq_ids, self.eos_token_id)
+            choice.families[seq.request_id] = beams
+            choice.changes += changes
             return True
-        for sample in self.samples_of(seq):  # n > 1: the first sampling forks the prompt
+        for sample in self.samples_of(seq, choice):  # n > 1: the first sampling forks the prompt
             token = self.draw(sample, logits)
             reason = sample.append(token, self.eos_token_id, logprob_of(sample, logits, token))
             if reason:
-                self.scheduler.finish(sample, reason)
+                choice.changes.append(Finish(sample, reason))
         return True
 
     def constrain(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
@@ -232,15 +288,14 @@ class TokenChooser:
             raise ValueError(f"the sampler chose {chosen!r}, not a token id in [0, {self.vocab_size})")
         return chosen
 
-    def samples_of(self, seq: Sequence) -> list[Sequence]:
+    def samples_of(self, seq: Sequence, choice: Choice) -> list[Sequence]:
         """The sequences that sample from `seq`'s logits: itself, and when a request with n > 1
         samples for the first time, n - 1 forks sharing its blocks (parallel sampling)."""
-        if seq.params.n == 1 or len(self.requests[seq.request_id]) == seq.params.n:
+        if seq.params.n == 1 or seq.output_ids:
             return [seq]
-        forks = [seq.fork(self.new_seq_id(), index) for index in range(1, seq.params.n)]
-        for child in forks:
-            self.scheduler.fork(seq, child)
-        self.requests[seq.request_id] += forks
+        forks = [seq.fork(next(self.seq_ids), index) for index in range(1, seq.params.n)]
+        choice.changes += [Fork(seq, child) for child in forks]
+        choice.families[seq.request_id] = [seq, *forks]
         return [seq, *forks]
 
 

@@ -1,14 +1,16 @@
 """The memory system: where every token's keys and values live, who holds them, and what it costs.
 
-kv_cache_manager.py  KVCacheManager: the one door the scheduler talks to about memory
+kv_cache_manager.py  KVCacheManager: the one door the engine talks to about memory; Capacity
 block_manager.py     blocks, block tables, reference counts, copy-on-write (PagedAttention)
-block_moves.py       tier moves over the same tables: swap out and in, spill, bring back
-free_blocks.py       the block ledger: each tier's free blocks, refcounts, the copies decided
+tier_moves.py        TierMoves: tier moves over the same tables: swap out and in, spill, bring back
+block_ledger.py      BlockLedger: each tier's free blocks, refcounts, the copies decided
 prefix_cache.py      full blocks found again by their content (hash chains, LRU reuse)
-pool.py              the KV tensors: PagedKVPool (model dtype), QuantizedKVPool; make_pool sizes one
+pool.py              the KV tensors in the model's dtype: PagedKVPool; make_pool sizes a pool
+quantized_pool.py    QuantizedKVPool: int8 / int4 / fp8 numbers with scales; keys staged as blocks fill
 quantization.py      int8 / int4 / fp8 formats with scales: quantize, dequantize, bytes per token
 tiers.py             host and disk tiers: TieredKV moves blocks, SwapCost weighs swap vs recompute
 eviction.py          keep a budget of entries per sequence: window, attention sinks, H2O (Evictor)
+rollback.py          speculation's rollback: how far a sequence may guess, its rejected guesses cut
 sessions.py          a conversation's KV parked in one file, resumed by a later run
 pressure.py          the pressure ladder: reclaim, preempt, evict, cheapest first
 arena.py             the "traditional" baseline: one max-length reservation per request
@@ -22,7 +24,7 @@ the block manager, a benchmark that builds a pool) imports it from that part's m
 """
 
 from minillm.memory.accounting import MemorySnapshot, MemoryStats
-from minillm.memory.kv_cache_manager import KVCacheManager
+from minillm.memory.kv_cache_manager import Capacity, KVCacheManager
 from minillm.memory.sessions import SessionError
 
-__all__ = ["KVCacheManager", "MemorySnapshot", "MemoryStats", "SessionError"]
+__all__ = ["Capacity", "KVCacheManager", "MemorySnapshot", "MemoryStats", "SessionError"]

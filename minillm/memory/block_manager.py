@@ -16,9 +16,9 @@ the free pool when its count drops to 0, and is never written while another tabl
 
 Tiers. A table may hold blocks of the host tier or the disk too: a swapped-out sequence keeps its
 table, re-pointed at host blocks. Those moves (swap out and in, spilling cached prefix blocks to
-the host tier and bringing them back) are the block manager's `moves` (`block_moves.py`), over the
+the host tier and bringing them back) are the block manager's `moves` (`tier_moves.py`), over the
 same tables. Free lists, refcounts and the queue of copies decided (copy-on-write's and the
-moves') are the block manager's `BlockLedger` (`free_blocks.py`); copies are performed by whoever
+moves') are the block manager's `BlockLedger` (`block_ledger.py`); copies are performed by whoever
 owns the tensors (`tiers.py`), in the order decided, before the next forward pass reads a block.
 
 Invariants, checked by `check_invariants` and the property tests, in every tier:
@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections import Counter
 
 from minillm.memory import events as ev
-from minillm.memory.block_moves import TierMoves
-from minillm.memory.free_blocks import BlockLedger, BlockManagerError
+from minillm.memory.block_ledger import BlockLedger, BlockManagerError
 from minillm.memory.prefix_cache import PrefixCache
+from minillm.memory.tier_moves import TierMoves
 
 
 class BlockManager:

@@ -121,7 +121,7 @@ class CopiedOnWrite(Event):
 @dataclass(frozen=True, slots=True)
 class SwappedOut(Event):
     """`moves`: (device block, host or disk block); other tables may still hold a device block, and a
-    destination may be the source's twin (`free_blocks.py`): shared, not copied."""
+    destination may be the source's twin (`block_ledger.py`): shared, not copied."""
 
     seq_ids: tuple[int, ...]
     moves: tuple[tuple[int, int], ...]

@@ -22,7 +22,7 @@ document, an answer). A block is *reused* once a lookup hit it, once it was comp
 its entry was dropped (the cache remembers the last DROPPED_KEYS keys it let go, the "ghost" list
 of the 2Q and ARC caches, so a block asked for a second time is known when it comes back), or when
 it extends a reused block (the rest of a request on a shared system prompt, a conversation's next
-turn). With `spill="reused"` only reused blocks spill (`block_moves.py`). A hash collision among
+turn). With `spill="reused"` only reused blocks spill (`tier_moves.py`). A hash collision among
 remembered keys can only mark a block reused wrongly, a question of what to copy, never of what is
 read.
 

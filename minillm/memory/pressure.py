@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minillm.memory.block_moves import TierMoves
+from minillm.memory.tier_moves import TierMoves
 from minillm.memory.tiers import SwapCost
 
 RUNGS = ("reclaim", "preempt", "evict")  # the rungs built, in the order they are taken

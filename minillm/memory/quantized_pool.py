@@ -99,7 +99,7 @@ class QuantizedKVPool:
     def fills_are_final(self) -> bool:
         """Does writing a block's last slot change the block's other entries? With channel scales,
         yes: it quantizes the block's staged keys with one scale per channel, so a speculated
-        key written there would be baked into the scales of the keys kept (`Rollback.room_to_guess`)."""
+        key written there would be baked into the scales of the keys kept (`rollback.room_to_guess`)."""
         return self.key_scales == "channel"
 
     def layer(self, layer: int) -> KVLayer:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from minillm.memory.block_ledger import tier_of
 from minillm.memory.events import (
     Allocated,
     BroughtBack,
@@ -29,7 +30,6 @@ from minillm.memory.events import (
     Truncated,
     Uncached,
 )
-from minillm.memory.free_blocks import tier_of
 
 
 class Replayer:

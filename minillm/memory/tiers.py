@@ -6,7 +6,7 @@ same layout, or to one file per block once the host pool is full. When the seque
 its blocks are copied back first. Blocks move whole and in their stored form — quantized numbers
 with their scales and centres — so a block that comes back is bit for bit the block that left.
 
-The block manager decides every move (`block_moves.py`: which blocks, which tier, in which
+The block manager decides every move (`tier_moves.py`: which blocks, which tier, in which
 order); `TieredKV` owns the tensors and files and performs the moves, in that order:
 
     tiers.copy(pairs)     for each (source, destination) block id, in any tiers
@@ -49,7 +49,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from minillm.config import ConfigError, EngineConfig, ModelConfig
-from minillm.memory.free_blocks import tier_of
+from minillm.memory.block_ledger import tier_of
 from minillm.memory.pool import make_pool
 
 log = logging.getLogger("minillm")

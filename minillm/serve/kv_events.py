@@ -25,8 +25,8 @@ import asyncio
 import json
 import time
 
+from minillm.memory.block_ledger import tier_of
 from minillm.memory.events import BroughtBack, Event, Registered, Snapshot, Spilled, Step, Uncached
-from minillm.memory.free_blocks import tier_of
 
 MAX_BATCHES = 1024  # steps a stream may fall behind before it is cut off
 KEEPALIVE_S = 15.0  # an idle stream sends a comment this often (a gone client is noticed)

@@ -173,7 +173,7 @@ class RunView:
 
     def _copied_into(self, moves) -> set[int]:
         """A swap's destinations that get new content: not a twin still held or in the prefix cache
-        (`free_blocks.py`), whose content, and life, go on."""
+        (`block_ledger.py`), whose content, and life, go on."""
         pool = self.pool
         return {block for _, block in moves if not pool.refcounts[block] and block not in pool.cached}
 

@@ -1,6 +1,6 @@
 """Tier moves: blocks that leave the device pool and come back, over the block manager's tables.
 
-With a host tier (and a disk tier) block ids go on past the device pool (`free_blocks.py`), and a
+With a host tier (and a disk tier) block ids go on past the device pool (`block_ledger.py`), and a
 table may hold blocks of any tier. So a preempted sequence can keep its table: `swap_out` re-points
 it at host (or disk) blocks, `swap_in` at device blocks again. A block several tables hold (a
 shared prefix, a parallel sample's) moves once, for all of them, and its reference count moves
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import Counter
 
 from minillm.memory import events as ev
-from minillm.memory.free_blocks import BlockLedger, BlockManagerError
+from minillm.memory.block_ledger import BlockLedger, BlockManagerError
 from minillm.memory.prefix_cache import PrefixCache
 
 

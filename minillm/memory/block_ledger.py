@@ -10,7 +10,7 @@ A block is free iff its reference count is 0: `take`, `hold` and `drop` change b
 that invariant is kept in one place. Every copy decided between blocks (copy-on-write, swaps,
 spills, bring-backs) waits in one queue, in the order decided, for whoever owns the tensors.
 
-The block manager owns one ledger and shares it with its tier moves (`block_moves.py`); only they
+The block manager owns one ledger and shares it with its tier moves (`tier_moves.py`); only they
 call in.
 
 Twins: a swap-out copies a device block to the host (or disk), and the two blocks hold the same
