@@ -25,7 +25,7 @@ from minillm.benchmarks.decode import WEIGHT_ROWS
 from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
 from minillm.benchmarks.staircase import rows as staircase_rows
 from minillm.benchmarks.staircase.report import verdict
-from minillm.benchmarks.tiers import percentile
+from minillm.benchmarks.stats import percentile, spread, tails
 from minillm.cli import main
 from minillm.config import ModelConfig
 from minillm.quantized_weights import PACKED_FILE, read_packed
@@ -570,11 +570,17 @@ def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, voc
     assert targets["swap_recomputed_tokens"] == {"want": "0", "got": 0, "met": True}
 
 
-def test_tiers_percentile_is_the_nearest_rank_by_hand():
+def test_percentile_is_the_nearest_rank_by_hand():
     ten = [0.7, 0.2, 1.0, 0.5, 0.9, 0.1, 0.4, 0.8, 0.3, 0.6]  # 0.1 .. 1.0, shuffled
     assert percentile(ten, 50) == 0.5 and percentile(ten, 99) == 1.0  # the 5th and the 10th of 10
     assert percentile([float(v) for v in range(100, 0, -1)], 99) == 99.0
     assert percentile([2.0, 1.0], 50) == 1.0 and percentile([0.25], 99) == 0.25
+
+
+def test_tails_are_none_without_values_and_spread_is_median_min_max():
+    assert tails("tpot", []) == {"tpot_p50_s": None, "tpot_p99_s": None}
+    assert tails("ttft", [3.0, 1.0, 2.0]) == {"ttft_p50_s": 2.0, "ttft_p99_s": 3.0}
+    assert spread([4.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 4.0}
 
 
 # ----------------------------------------------------------------------------- bench memory

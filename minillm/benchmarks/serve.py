@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from minillm.benchmarks.hf_baseline import hf_static
+from minillm.benchmarks.stats import percentile
 from minillm.config import DTYPES, ConfigError, ModelConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import read_text
@@ -107,12 +108,8 @@ def matmul_gflops(model, rows: int = 256, repeats: int = 5) -> float:
 
 
 def latency_summary(name: str, values: list[float]) -> dict:
-    """Mean and p90, the nearest-rank percentile: the smallest value that at least 90% of the
-    values are <= to, i.e. the ceil(0.9 n)-th smallest (one of the values, never interpolated;
-    with 2 values it is the larger one, with 10 the 9th)."""
-    values = sorted(values)
-    rank = -(-9 * len(values) // 10)  # ceil(0.9 n), in integers so no float rounding moves it
-    return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": values[rank - 1]}
+    """Mean and p90 (nearest rank: with 2 values the larger, with 10 the 9th)."""
+    return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": percentile(values, 90)}
 
 
 def run_minillm(

@@ -40,28 +40,18 @@ from minillm.benchmarks.http_client import (
 )
 from minillm.benchmarks.serve import make_trace
 from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
+from minillm.benchmarks.stats import tails
 from minillm.engine import LLM, SamplingParams
 from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest rank: the smallest value that at least q% of the values are <= to."""
-    values = sorted(values)
-    return values[max(0, -(-len(values) * q // 100) - 1)]
 
 
 def decode_speeds(inter_token: list[float | None]) -> dict:
     """Each client's decode once its first token has come: the inter-token latency p50/p99 over
     the clients, and the mean of their tok/s (1 / their inter-token latency)."""
     inter_token = [s for s in inter_token if s]  # a request of one token has none
-    if not inter_token:
-        return {"itl_p50_s": None, "itl_p99_s": None, "decode_tok_s_per_client": None}
-    return {
-        "itl_p50_s": percentile(inter_token, 50),
-        "itl_p99_s": percentile(inter_token, 99),
-        "decode_tok_s_per_client": sum(1 / s for s in inter_token) / len(inter_token),
-    }
+    mean_tok_s = sum(1 / s for s in inter_token) / len(inter_token) if inter_token else None
+    return {**tails("itl", inter_token), "decode_tok_s_per_client": mean_tok_s}
 
 
 # ----------------------------------------------------------------------------- the clients
@@ -100,8 +90,7 @@ def clients_summary(results: list[dict], elapsed: float) -> dict:
         "output_tok_s": tokens / elapsed,
         "elapsed_s": elapsed,
         "output_tokens": tokens,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
+        **tails("ttft", ttfts),
         **decode_speeds([inter_token_s(r) for r in results]),
         "tokens_from": " and ".join(sorted({r["tokens_from"] for r in results})),
         "all_finished": all(r["done"] and r["status"] == 200 for r in results),
@@ -120,8 +109,7 @@ def run_generate(llm: LLM, trace, params) -> tuple[dict, list[str]]:
         {
             "output_tok_s": sum(len(out.token_ids) for out in outputs) / elapsed,
             "elapsed_s": elapsed,
-            "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99),
+            **tails("ttft", ttfts),
             **decode_speeds([out.tpot for out in outputs]),  # the same measure: the engine's clock
         },
         [out.text for out in outputs],

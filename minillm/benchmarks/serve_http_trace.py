@@ -52,7 +52,8 @@ from minillm.benchmarks.http_client import (
 )
 from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
 from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
-from minillm.benchmarks.serve_http import duration, percentile
+from minillm.benchmarks.serve_http import duration
+from minillm.benchmarks.stats import tails
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
 from minillm.report import print_table
@@ -206,10 +207,8 @@ def served_summary(answered: list[Answered], slo: dict, wall_s: float) -> dict:
         "errors": len(answered) - len(ok),
         "output_tokens": sum(a.tokens for a in answered),
         "goodput": len(good) / len(answered),
-        "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
-        "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
-        "tpot_p50_s": percentile(tpots, 50) if tpots else None,
-        "tpot_p99_s": percentile(tpots, 99) if tpots else None,
+        **tails("ttft", ttfts),
+        **tails("tpot", tpots),
         "wall_s": wall_s,
         "first_errors": sorted({a.error for a in answered if a.error})[:3],
     }

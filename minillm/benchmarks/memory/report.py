@@ -12,11 +12,8 @@ from minillm.benchmarks.memory.rows import (
     TPOT_TIMES,
     TTFT_TIMES,
 )
+from minillm.benchmarks.stats import mib
 from minillm.report import print_table
-
-
-def mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f}"
 
 
 def seconds(value: float) -> str:

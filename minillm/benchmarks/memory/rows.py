@@ -9,7 +9,8 @@ from minillm.benchmarks.memory.trace import (
     Request,
     submit,
 )
-from minillm.benchmarks.tiers import blocks_for, percentile, run_trace
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.tiers import blocks_for, run_trace
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import DEFAULT_TEXT, perplexities, read_text
 from minillm.tokenizer import Tokenizer
@@ -85,9 +86,8 @@ def trace_row(
         "errors": sum(out.error is not None for out in outputs),
         "goodput": good / len(outputs),
         "goodput_requests": good,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile([out.tpot for out in outputs if out.tpot is not None], 50),
+        **tails("ttft", ttft),
+        **tails("tpot", [out.tpot for out in outputs if out.tpot is not None]),
         "peak_seqs": max(map(len, stats.batches)),
         "preemptions": counters["preemptions"],
         "recomputed_tokens": counters["recomputed_tokens"],

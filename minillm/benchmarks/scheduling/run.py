@@ -16,7 +16,7 @@ from minillm.benchmarks.memory.rows import calibrate  # the SLOs: as `bench memo
 from minillm.benchmarks.scheduling.lengths import RecordedLengths, predictor_for, rank_quality
 from minillm.benchmarks.scheduling.replay import replay
 from minillm.benchmarks.scheduling.trace import KINDS, describe_trace, make_trace
-from minillm.benchmarks.tiers import percentile
+from minillm.benchmarks.stats import spread, tails
 from minillm.config import DTYPES, ConfigError, EngineConfig, resolve_dtype
 from minillm.engine import LLMEngine, SamplingParams
 from minillm.progress import progress_bar
@@ -107,10 +107,8 @@ def serve_trace(model, tokenizer, trace, row: str, sizes: dict, slo: dict, commo
             kind: statistics.mean(g for g, s in zip(good, served) if s.kind == kind) for kind in kinds
         },
         "errors": sum(s.error is not None for s in served),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile(tpot, 50),
-        "tpot_p99_s": percentile(tpot, 99),
+        **tails("ttft", ttft),
+        **tails("tpot", tpot),
         "busy_s": busy,
         "steps": steps,
         "preemptions": engine.num_preemptions,
@@ -285,9 +283,7 @@ def length_quality(runs: dict) -> dict:
     quality = {}
     for name in ("spearman", "spearman_first_third", "spearman_rest", "kind_ceiling"):
         values = [m[name] for m in measures if m[name] is not None]
-        quality[name] = (
-            {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
-        )
+        quality[name] = spread(values) if values else None
     return quality
 
 

@@ -39,6 +39,7 @@ import random
 from dataclasses import dataclass
 
 from minillm.benchmarks.memory.trace import SECOND_TEXT, kind_counts
+from minillm.benchmarks.stats import percentile
 from minillm.evaluation import read_text
 from minillm.tokenizer import Tokenizer
 
@@ -209,11 +210,6 @@ def describe_trace(trace: list[TraceRequest], seed: int, rate: float, scale: flo
         "scale": scale,
         "kinds": {kind: sum(r.kind == kind for r in trace) for kind in dict.fromkeys(r.kind for r in trace)},
         "output_tokens": sum(r.output_len for r in trace),
-        "output_len_p50_p99": _spread([r.output_len for r in trace]),
+        "output_len_p50_p99": [percentile([r.output_len for r in trace], pct) for pct in (50, 99)],
         "last_arrival_s": max(r.arrival_s for r in arrivals),
     }
-
-
-def _spread(values: list[int]) -> tuple[int, int]:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, round(0.99 * len(ordered)))]

@@ -7,7 +7,8 @@ from __future__ import annotations
 from statistics import median
 
 from minillm.benchmarks.hf_baseline import hf_static
-from minillm.benchmarks.tiers import blocks_for, percentile, run_trace
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.tiers import blocks_for, run_trace
 from minillm.benchmarks.tiers.preemption import Request
 from minillm.config import DTYPES, ConfigError, EngineConfig
 from minillm.engine import LLM, SamplingParams
@@ -58,10 +59,8 @@ def latencies(requests: list[dict], elapsed: float) -> dict:
     return {
         "output_tok_s": sum(len(r["token_ids"]) for r in requests) / elapsed,
         "elapsed_s": elapsed,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile(tpot, 50) if tpot else None,
-        "tpot_p99_s": percentile(tpot, 99) if tpot else None,
+        **tails("ttft", ttft),
+        **tails("tpot", tpot),
     }
 
 

@@ -33,7 +33,8 @@ The package, in the order a run reads it:
   report.py      the tables: `print_tiers_report`
 """
 
-from minillm.benchmarks.tiers.preemption import blocks_for, percentile, run_trace
+from minillm.benchmarks.stats import percentile  # memory/load.py's import, until the workload module
+from minillm.benchmarks.tiers.preemption import blocks_for, run_trace
 from minillm.benchmarks.tiers.report import print_tiers_report
 from minillm.benchmarks.tiers.run import bench_tiers
 

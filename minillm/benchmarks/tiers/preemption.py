@@ -8,6 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from minillm.benchmarks.stats import tails
 from minillm.config import SWITCHES, ConfigError, EngineConfig
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import read_text
@@ -86,12 +87,6 @@ def run_trace(
     )
 
 
-def percentile(values: list[float], pct: int) -> float:
-    """Nearest rank: the smallest value that pct% of the values are <= to (never interpolated)."""
-    rank = -(-pct * len(values) // 100)  # ceil(pct n / 100), in integers so no float rounding moves it
-    return sorted(values)[rank - 1]
-
-
 def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
     memory = engine.snapshot()
     counters = memory.counters
@@ -103,8 +98,7 @@ def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
         "cpu_s": cpu_s,
         "steps": engine.stats.steps,
         "errors": sum(out.error is not None for out in outputs),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
+        **tails("ttft", ttft),
         "preemptions": counters["preemptions"],
         "recomputed_tokens": counters["recomputed_tokens"],
         "swapped_out": counters["swapped_out"],

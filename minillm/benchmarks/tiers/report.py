@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
+from minillm.benchmarks.stats import mib
 from minillm.report import print_table
-
-
-def mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f}"
 
 
 def bytes_out(row: dict) -> int:
