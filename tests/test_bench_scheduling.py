@@ -15,10 +15,9 @@ from minillm.benchmarks.scheduling.trace import (
     KINDS,
     QUESTIONS_ONLY,
     arrivals_for,
-    kind_counts,
     make_trace,
-    next_turn_prompt,
 )
+from minillm.benchmarks.workload import kind_counts, next_turn_prompt
 from minillm.tokenizer import Tokenizer
 
 

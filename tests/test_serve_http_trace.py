@@ -14,8 +14,9 @@ import pytest
 from helpers import tiny_with_real_tokenizer
 
 from minillm.benchmarks import serve_http_trace
-from minillm.benchmarks.scheduling.trace import make_trace, next_turn_prompt
+from minillm.benchmarks.scheduling.trace import make_trace
 from minillm.benchmarks.serve_http_trace import Answered, replay_http, served_summary
+from minillm.benchmarks.workload import next_turn_prompt
 from minillm.cli import main
 from minillm.tokenizer import Tokenizer
 

@@ -18,8 +18,9 @@ import pytest
 from helpers import tiny_with_real_tokenizer
 from serving import running_server
 
-from minillm.benchmarks.serve import make_trace
+from minillm.benchmarks.serve import OUTPUT_LEN, PROMPT_LEN
 from minillm.benchmarks.serve_http import client_trace
+from minillm.benchmarks.workload import uniform_trace
 from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
@@ -159,9 +160,10 @@ def test_a_failing_request_stops_the_bench_with_what_the_server_said(capsys, rea
 
 def test_max_tokens_makes_every_output_that_long_on_the_same_prompts(real_dir):
     tokenizer = Tokenizer(real_dir)
-    seeded = make_trace(tokenizer, 4)
+    seeded = uniform_trace(tokenizer, 4, PROMPT_LEN, OUTPUT_LEN)
     assert client_trace(tokenizer, 4) == seeded
-    assert client_trace(tokenizer, 4, max_tokens=128) == [(prompt, 128) for prompt, _ in seeded]
+    longer = client_trace(tokenizer, 4, max_tokens=128)
+    assert [(r.prompt_ids, r.output_len) for r in longer] == [(r.prompt_ids, 128) for r in seeded]
 
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,9 +39,10 @@ from minillm.benchmarks.http_client import (
     model_name,
     stream_completion,
 )
-from minillm.benchmarks.serve import make_trace
+from minillm.benchmarks.serve import OUTPUT_LEN, PROMPT_LEN
 from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
 from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import Request, uniform_trace
 from minillm.engine import LLM, SamplingParams
 from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
@@ -57,9 +59,10 @@ def decode_speeds(inter_token: list[float | None]) -> dict:
 # ----------------------------------------------------------------------------- the clients
 
 
-def client_trace(tokenizer: Tokenizer, clients: int, max_tokens: int | None = None) -> list[tuple]:
+def client_trace(tokenizer: Tokenizer, clients: int, max_tokens: int | None = None) -> list[Request]:
     """bench serve's seeded trace, one request per client; with `max_tokens`, every output that long."""
-    return [(prompt, max_tokens or n) for prompt, n in make_trace(tokenizer, clients)]
+    trace = uniform_trace(tokenizer, clients, PROMPT_LEN, OUTPUT_LEN)
+    return [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace] if max_tokens else trace
 
 
 async def run_clients(
@@ -72,10 +75,10 @@ async def run_clients(
         *[
             stream_completion(
                 server,
-                completion_body(model, prompt, n),
+                completion_body(model, request.prompt_ids, request.output_len),
                 disconnect_after if disconnect_after is not None and i % 2 else None,
             )
-            for i, (prompt, n) in enumerate(trace)
+            for i, request in enumerate(trace)
         ]
     )
     return results, max(r["end"] for r in results) - start
@@ -102,7 +105,7 @@ def clients_summary(results: list[dict], elapsed: float) -> dict:
 
 def run_generate(llm: LLM, trace, params) -> tuple[dict, list[str]]:
     start = time.perf_counter()
-    outputs = llm.generate([prompt for prompt, _ in trace], params)
+    outputs = llm.generate([r.prompt_ids for r in trace], params)
     elapsed = time.perf_counter() - start
     ttfts = [out.ttft for out in outputs]
     return (
@@ -133,10 +136,10 @@ def best(rounds: list[dict]) -> dict:
 
 def describe_trace(trace, max_tokens: int | None = None) -> dict:
     return {
-        "prompt_tokens": sum(len(p) for p, _ in trace),
-        "output_tokens": sum(n for _, n in trace),
-        "prompt_len": "U[16, 320]",
-        "output_len": str(max_tokens) if max_tokens else "U[8, 160]",
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens": sum(r.output_len for r in trace),
+        "prompt_len": f"U{list(PROMPT_LEN)}",
+        "output_len": str(max_tokens) if max_tokens else f"U{list(OUTPUT_LEN)}",
         "seed": 0,
     }
 
@@ -164,9 +167,9 @@ def bench_serve_http(
     max_tokens: int | None = None,
 ) -> dict:
     trace = client_trace(Tokenizer(model_dir), clients, max_tokens)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in trace]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in trace]
     llm = LLM(model_dir, **switches)
-    llm.generate([trace[0][0]], SamplingParams(max_tokens=4))  # warm-up
+    llm.generate([trace[0].prompt_ids], SamplingParams(max_tokens=4))  # warm-up
     generate_rounds, server_rounds = [], []
     with minillm_serve(serve_args) as server:
         model = model_name(server)

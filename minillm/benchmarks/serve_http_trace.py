@@ -50,10 +50,11 @@ from minillm.benchmarks.http_client import (
     parse_url,
     stream_completion,
 )
-from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
+from minillm.benchmarks.scheduling.trace import describe_trace, make_trace
 from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
 from minillm.benchmarks.serve_http import duration
 from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import Request, next_turn_prompt
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
 from minillm.report import print_table
@@ -107,13 +108,13 @@ def probe_prompt(prompt_ids: list[int], turn: int) -> list[int]:
     return backwards[turn:] + backwards[:turn]
 
 
-async def warm_up(server: Endpoint, model: str, trace: list[TraceRequest]) -> None:
+async def warm_up(server: Endpoint, model: str, trace: list[Request]) -> None:
     """One short request first: a server's first calls are slow."""
     shortest = min((r.prompt_ids for r in trace if r.follows is None), key=len)
     await send(server, model, probe_prompt(shortest, len(shortest) // 2), 2)
 
 
-async def idle_timings(server: Endpoint, model: str, trace: list[TraceRequest]) -> dict:
+async def idle_timings(server: Endpoint, model: str, trace: list[Request]) -> dict:
     """The prefill of the longest prompt the trace knows before it runs (a later chat turn may be
     longer), and a batch-1 decode step, each the smallest of PROBE_TRIES tries."""
     known = [r.prompt_ids for r in trace if r.follows is None]
@@ -148,7 +149,7 @@ def slos(idle: dict, ttft_slo: float | None, tpot_slo: float | None) -> dict:
 
 
 async def replay_http(
-    server: Endpoint, model: str, tokenizer: Tokenizer, trace: list[TraceRequest], progress: bool
+    server: Endpoint, model: str, tokenizer: Tokenizer, trace: list[Request], progress: bool
 ):
     """Each arrival at its time, each chat turn THINK_S (its `arrival_s`) after its previous turn's
     answer. Returns what each request got, in trace order, and the wall seconds."""
@@ -221,7 +222,7 @@ def idle_on_a_server_of_its_own(serve_args: list[str], trace) -> dict:
         return asyncio.run(idle_timings(server, model_name(server), trace))
 
 
-def limits_for(trace: list[TraceRequest]) -> list[str]:
+def limits_for(trace: list[Request]) -> list[str]:
     """Server flags that let every request of the trace in at once (the in-process replay has no
     connection or queue limit)."""
     room = str(len(trace) + 8)  # + the probes, and a margin

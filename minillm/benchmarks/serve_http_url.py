@@ -84,7 +84,7 @@ def bench_serve_http_url(
         "clients": clients,
         "repeats": repeats,
         "trace": describe_trace(trace, max_tokens),
-        "output_tokens_asked": sum(n for _, n in trace),
+        "output_tokens_asked": sum(r.output_len for r in trace),
         "tokens_from": " and ".join(sorted({run["tokens_from"] for run in rounds})),
         "spread": {name: over_rounds(rounds, name) for name in ROUND_NUMBERS},
         "rounds": rounds,

@@ -52,7 +52,7 @@ tok/s is over busy time, CPU seconds are reported beside wall time, and targets 
 beside the numbers, never asserted.
 
 The package, in the order a run reads it:
-  trace.py   the seeded trace: request kinds, prompts cut from prose, `ScriptedStop`
+  trace.py   the seeded trace: its request kinds and shares (built from `workload.py`)
   rows.py    the rows, one layer added each; the calibration; quality through the lossy caches
   load.py    the closed-loop load tests
   run.py     the whole run and its targets: `bench_memory`

@@ -19,14 +19,8 @@ from minillm.benchmarks.memory.rows import (
     row_switches,
     run_row,
 )
-from minillm.benchmarks.memory.trace import (
-    BLOCK_SIZE,
-    SEED,
-    Request,
-    describe_trace,
-    make_trace,
-)
-from minillm.benchmarks.tiers import blocks_for
+from minillm.benchmarks.memory.trace import SEED, describe_trace, make_trace
+from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for
 from minillm.config import DTYPES, ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer

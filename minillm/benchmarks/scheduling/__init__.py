@@ -34,7 +34,7 @@ The run, in order:
 Every engine has the prefix cache on and the same small device pool; nothing is lossy.
 
 The package, in the order a run reads it:
-  trace.py   the seeded traffic: kinds, shares, Poisson arrivals, conversations
+  trace.py   the seeded traffic: its kinds and shares (built from `workload.py`)
   replay.py  a trace through an engine on the wall clock
   lengths.py the output lengths admission is given, and how well they rank
   run.py     the whole run: `bench_scheduling`

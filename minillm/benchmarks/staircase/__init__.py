@@ -7,7 +7,7 @@ sized for the worst case, int8 fits ~1.7x (bf16; ~3.5x fp32) the tokens again, a
 prefill computes the same attention without a score matrix; each step says what it bought, here, measured now.
 
 The payoff is a claim about serving *under a KV budget*: many requests, decode-heavy, a pool that
-holds far fewer worst cases than the traffic needs. So the trace (`serve.make_trace`, one per
+holds far fewer worst cases than the traffic needs. So the trace (`workload.uniform_trace`, one per
 seed) is chat-like: 20 requests all arriving at t=0, prompts U[64, 384] tokens cut from real
 prose, answers U[64, 320] tokens decoded greedily to exactly that length (EOS ignored), so every
 row does the same work. --quick: 12 requests, prompts U[64, 256], answers U[64, 160], one seed.

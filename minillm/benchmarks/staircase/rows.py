@@ -8,12 +8,10 @@ from statistics import median
 
 from minillm.benchmarks.hf_baseline import hf_static
 from minillm.benchmarks.stats import tails
-from minillm.benchmarks.tiers import blocks_for, run_trace
-from minillm.benchmarks.tiers.preemption import Request
-from minillm.config import DTYPES, ConfigError, EngineConfig
+from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for, run_trace
+from minillm.config import DTYPES, ConfigError
 from minillm.engine import LLM, SamplingParams
 
-BLOCK_SIZE = EngineConfig.block_size
 ROWS = {  # name -> (label, minillm's switches beside the budget and the backend; None: HF's own cache)
     "hf": ("(1) HF transformers, static", None),
     "paged": ("(2) paged + continuous, memory-aware", {"admission": "memory", "flash_prefill": False}),
@@ -68,12 +66,16 @@ def run_hf_row(model_dir, trace, budget: dict, dtype: str, device: str) -> tuple
     from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
 
     hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
-    hf_static(hf_model, [(trace[0][0][:32], 2)], 1)  # warm-up, so the row does not pay for it
+    hf_static(
+        hf_model, [Request("warm-up", trace[0].prompt_ids[:32], 2, 2)], 1
+    )  # warm-up, so the row does not pay for it
     batch = budget["hf_batch_size"]
     requests, elapsed = hf_static(hf_model, trace, batch)
     batches = [trace[first : first + batch] for first in range(0, len(trace), batch)]
     # a batch's cache ends holding every row's padded prompt and the longest output (less its last token)
-    peak_tokens = max(len(b) * (max(len(p) for p, _ in b) + max(n for _, n in b) - 1) for b in batches)
+    peak_tokens = max(
+        len(b) * (max(len(r.prompt_ids) for r in b) + max(r.output_len for r in b) - 1) for b in batches
+    )
     return {
         **latencies(requests, elapsed),
         "kv_bytes_peak": peak_tokens * budget["kv_bytes_per_token"],
@@ -89,7 +91,7 @@ def run_minillm_row(
     llm = LLM(
         model=model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_bytes=kv_bytes, **common, **switches
     )
-    outputs, elapsed, _ = run_trace(llm.engine, [Request(p, n, 0.0) for p, n in trace], label, progress)
+    outputs, elapsed, _ = run_trace(llm.engine, trace, label, progress)
     stats, memory = llm.engine.stats, llm.engine.snapshot()
     requests = [{"token_ids": out.token_ids, "ttft": out.ttft, "tpot": out.tpot} for out in outputs]
     return {

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from minillm.benchmarks.serve import make_trace
 from minillm.benchmarks.staircase.prefill import prefill_attention
 from minillm.benchmarks.staircase.report import what_it_means
 from minillm.benchmarks.staircase.rows import kv_budget, run_rows, summarize, worst_case
 from minillm.benchmarks.tiers.run import machine
+from minillm.benchmarks.workload import uniform_trace
 from minillm.config import DTYPES, ConfigError, resolve_dtype
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -114,12 +114,12 @@ def _sizes(quick: bool, **given) -> dict:
 
 def _run_seed(model_dir, model, tokenizer, seed: int, sizes, budget, common, include_hf, progress) -> dict:
     """Every row on the seed's trace."""
-    trace = make_trace(tokenizer, sizes["requests"], seed, sizes["prompt_len"], sizes["output_len"])
+    trace = uniform_trace(tokenizer, sizes["requests"], sizes["prompt_len"], sizes["output_len"], seed)
     rows = run_rows(model_dir, model, tokenizer, trace, budget, common, include_hf, progress)
     described = {
         "requests": len(trace),
-        "prompt_tokens": sum(len(p) for p, _ in trace),
-        "output_tokens": sum(n for _, n in trace),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens": sum(r.output_len for r in trace),
     }
     return {"seed": seed, "trace": described, "rows": rows}
 

@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 from minillm.benchmarks import cpu_model
-from minillm.benchmarks.tiers.preemption import BLOCK_SIZE, bench_preemption, pool_bytes
+from minillm.benchmarks.tiers.preemption import bench_preemption
 from minillm.benchmarks.tiers.sessions import bench_resume, bench_spill
 from minillm.benchmarks.tiers.spill_rule import TUNING_SEED, bench_spill_rule
+from minillm.benchmarks.workload import BLOCK_SIZE, pool_bytes
 from minillm.config import DTYPES, ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer

@@ -18,11 +18,10 @@ change: a spill only decides what is copied, never what is read.
 
 from __future__ import annotations
 
-from minillm.benchmarks.memory.trace import BLOCK_SIZE
 from minillm.benchmarks.scheduling.replay import replay
 from minillm.benchmarks.scheduling.trace import make_trace
 from minillm.benchmarks.stats import spread
-from minillm.benchmarks.tiers.preemption import pool_bytes
+from minillm.benchmarks.workload import BLOCK_SIZE, pool_bytes
 from minillm.engine import LLM
 from minillm.progress import progress_bar
 
