@@ -186,13 +186,14 @@ def test_url_drives_a_minillm_serve_started_by_hand(capsys, minillm_url):
     assert 0 < served["ttft_p50_s"] <= served["ttft_p99_s"] and 0 < served["itl_p50_s"] <= served["itl_p99_s"]
 
 
-def test_the_trace_replays_against_a_url(capsys, minillm_url):
+def test_the_workload_replays_against_a_url(capsys, minillm_url):
     url, model_dir = minillm_url
-    trace = ["--trace-seed", "7", "--trace-requests", "4", "--trace-scale", "0.1", "--trace-rate", "8"]
-    report = bench_url(capsys, model_dir, url, "--trace", *trace, "--max-tokens", "4")
+    sizes = ["--workload-seed", "7", "--workload-requests", "4"]
+    sizes += ["--workload-scale", "0.1", "--workload-rate", "8"]
+    report = bench_url(capsys, model_dir, url, "--workload", *sizes, "--max-tokens", "4")
     served = report["served"]
     assert report["url"] == url and report["model"] == "tiny" and report["serve_args"] == []
-    assert report["trace"]["kinds"]["chat"] == 2  # a chat turn, sent after its answer came back
+    assert report["workload"]["kinds"]["chat"] == 2  # a chat turn, sent after its answer came back
     assert served["requests"] == 4 and served["errors"] == 0, served["first_errors"]
-    assert served["output_tokens"] == report["trace"]["output_tokens"] == 4 * 4
+    assert served["output_tokens"] == report["workload"]["output_tokens"] == 4 * 4
     assert report["blocks_held_after"] is None  # /metrics is minillm's: not read through --url

@@ -1,4 +1,4 @@
-"""`minillm bench serve-http --trace`: `bench scheduling`'s traffic, sent to a `minillm serve` over HTTP.
+"""`minillm bench serve-http --workload`: `bench scheduling`'s traffic, sent to a `minillm serve` over HTTP.
 
 The in-process replay (`benchmarks/scheduling/replay.py`) steps an engine through the trace; this
 sends the same trace to a server as its clients would, so what a scheduling policy buys is seen
@@ -172,7 +172,7 @@ async def replay_http(
             prompt = next_turn_prompt(tokenizer, prompt, answer, trace[index].prompt_ids)
             send_at = time.perf_counter() - start + trace[index].arrival_s
 
-    with progress_bar("trace over HTTP: requests", len(trace), enabled=progress) as advance:
+    with progress_bar("workload over HTTP: requests", len(trace), enabled=progress) as advance:
         await asyncio.gather(
             *(conversation(index, advance) for index, r in enumerate(trace) if r.follows is None)
         )
@@ -229,7 +229,7 @@ def limits_for(trace: list[Request]) -> list[str]:
     return ["--max-connections", room, "--max-waiting-requests", room]
 
 
-def bench_serve_http_trace(
+def bench_serve_http_workload(
     model_dir: Path,
     serve_args: list[str],
     switches: dict,
@@ -266,12 +266,12 @@ def bench_serve_http_trace(
         after = None if url else wait_idle(server)
     ids = [a for a in answered if a.error is None and a.token_ids is not None]
     return {
-        "mode": "trace",
+        "mode": "workload",
         "url": server.url if url else None,
         "model": model,
         "serve_args": [] if url else serve_args,
         "engine": {} if url else {name: switches[name] for name in SHOWN_SWITCHES if name in switches},
-        "trace": describe_trace(trace, seed, rate, scale),
+        "workload": describe_trace(trace, seed, rate, scale),
         "idle": idle,
         "slo": slo,
         "served": served_summary(answered, slo, wall_s),
@@ -289,8 +289,8 @@ def replay_hit_rate(before: dict, after: dict) -> float | None:
     return hits / queried if queried else None
 
 
-def print_serve_http_trace_report(report: dict, console) -> None:
-    trace, slo, idle, served = report["trace"], report["slo"], report["idle"], report["served"]
+def print_serve_http_workload_report(report: dict, console) -> None:
+    workload, slo, idle, served = report["workload"], report["slo"], report["idle"], report["served"]
     console.print(
         f"idle server: the longest prompt ({idle['longest_prompt_tokens']} tokens) prefills in "
         f"{duration(idle['prefill_s'])}, a batch-1 decode step takes {duration(idle['decode_tpot_s'])}; "
@@ -299,8 +299,8 @@ def print_serve_http_trace_report(report: dict, console) -> None:
     )
     print_table(
         console,
-        f"bench scheduling's trace over HTTP: seed {trace['seed']}, {trace['rate_per_s']:g} arrivals/s, "
-        f"scale {trace['scale']:g}",
+        f"bench scheduling's workload over HTTP: seed {workload['seed']}, "
+        f"{workload['rate_per_s']:g} arrivals/s, scale {workload['scale']:g}",
         ["requests", "errors", "goodput", "TTFT p50", "p99", "TPOT p50", "p99", "wall"],
         [
             [
