@@ -38,6 +38,26 @@ def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
     }
 
 
+def preemption_run(
+    model, tokenizer, trace, preemption: str, pools: tuple[int, int], switches: dict, progress: bool = False
+) -> tuple[dict, list, object]:
+    """`trace` served with `preemption` on `pools` (device KV bytes, and the host pool's behind it):
+    the row, each request's output in trace order, and the engine's snapshot after (what `auto`
+    chose, and the rates it chose by). Lessons 10 and 11 serve their traces with it."""
+    device_bytes, host_bytes = pools
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=device_bytes,
+        host_cache_bytes=host_bytes,
+        preemption=preemption,
+        **switches,
+    )
+    finished, elapsed, cpu_s = run_trace(llm.engine, trace, preemption, progress)
+    return preemption_row(llm.engine, finished, elapsed, cpu_s), finished, llm.engine.snapshot()
+
+
 def bench_preemption(
     model, tokenizer, num_requests: int, rate: float, device_tokens: int, switches: dict, progress: bool
 ) -> dict:
@@ -52,19 +72,10 @@ def bench_preemption(
     # the host pool holds all of it
     host_bytes = pool_bytes(model, sum(len(r.prompt_ids) + r.output_len + BLOCK_SIZE for r in trace))
     rows, outputs = {}, {}
+    pools, with_prefixes = (device_bytes, host_bytes), {"prefix_caching": True, **switches}
     for preemption in SWITCHES["preemption"].choices:
-        llm = LLM(
-            model=model,
-            tokenizer=tokenizer,
-            block_size=BLOCK_SIZE,
-            kv_cache_bytes=device_bytes,
-            host_cache_bytes=host_bytes,
-            preemption=preemption,
-            prefix_caching=True,
-            **switches,
-        )
-        finished, elapsed, cpu_s = run_trace(llm.engine, trace, preemption, progress)
-        rows[preemption] = preemption_row(llm.engine, finished, elapsed, cpu_s)
+        run = preemption_run(model, tokenizer, trace, preemption, pools, with_prefixes, progress)
+        rows[preemption], finished, _ = run
         outputs[preemption] = [out.token_ids for out in finished]
     differing = sum(any(ids != answers[0] for ids in answers) for answers in zip(*outputs.values()))
     return {
