@@ -24,7 +24,7 @@ from minillm.benchmarks.all import BENCHMARKS, SIZES
 from minillm.benchmarks.decode import WEIGHT_ROWS
 from minillm.benchmarks.serve import OUTPUT_LEN, PROMPT_LEN, latency_summary, trace_flops
 from minillm.benchmarks.staircase import rows as staircase_rows
-from minillm.benchmarks.staircase.report import verdict
+from minillm.benchmarks.staircase.tables import verdict
 from minillm.benchmarks.stats import percentile, spread, tails
 from minillm.benchmarks.workload import Request, uniform_trace
 from minillm.cli import main

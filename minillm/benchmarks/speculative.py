@@ -216,9 +216,7 @@ def bench_speculative(
     results = {}
     for kind, asked in sets.items():
         one, one_counts = counted(guessing, lambda: _batch_one(plain, guessing, asked, params, repeats))
-        many, many_counts = counted(
-            guessing, lambda: batched(plain, guessing, asked, params, batch, repeats)
-        )
+        many, many_counts = counted(guessing, lambda: batched(plain, guessing, asked, params, batch, repeats))
         results[kind] = {"batch_1": {**one, **one_counts}, "batched": {**many, **many_counts}}
     return {
         "cpu": cpu_model(),

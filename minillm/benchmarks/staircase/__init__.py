@@ -45,11 +45,11 @@ NOISE), which did not.
 The package, in the order a run reads it:
   rows.py     the budget, the four rows, their comparisons and medians: `run_rows`, `summarize`
   prefill.py  prefill attention alone: `prefill_attention`
-  run.py      the whole run: `bench_staircase`, `SIZES`
-  report.py   what it means and the tables: `print_staircase_report`
+  bench.py    the whole run: `bench_staircase`, `SIZES`
+  tables.py   what it means and the tables: `print_staircase_report`
 """
 
-from minillm.benchmarks.staircase.report import print_staircase_report
-from minillm.benchmarks.staircase.run import SIZES, bench_staircase
+from minillm.benchmarks.staircase.bench import SIZES, bench_staircase
+from minillm.benchmarks.staircase.tables import print_staircase_report
 
 __all__ = ["SIZES", "bench_staircase", "print_staircase_report"]

@@ -29,11 +29,11 @@ The package, in the order a run reads it:
   preemption.py  part 1, on `workload.uniform_trace`
   sessions.py    parts 2 and 3: resume from a session file, prefix spill to a host tier
   spill_rule.py  part 4: the two spill rules on mixed traffic, on a step clock
-  run.py         the four parts on one model, and the targets: `bench_tiers`
-  report.py      the tables: `print_tiers_report`
+  bench.py       the four parts on one model, and the targets: `bench_tiers`
+  tables.py      the tables: `print_tiers_report`
 """
 
-from minillm.benchmarks.tiers.report import print_tiers_report
-from minillm.benchmarks.tiers.run import bench_tiers
+from minillm.benchmarks.tiers.bench import bench_tiers
+from minillm.benchmarks.tiers.tables import print_tiers_report
 
 __all__ = ["bench_tiers", "print_tiers_report"]

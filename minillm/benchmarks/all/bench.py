@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from minillm.benchmarks import cpu_model
-from minillm.benchmarks.all.report import draw, markdown, pyplot
+from minillm.benchmarks.all.results import draw, markdown, pyplot
 from minillm.benchmarks.all.suite import BENCHMARKS, Benchmark
 from minillm.evaluation import read_text
 from minillm.progress import progress_bar
