@@ -16,6 +16,50 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def machine(threads: int | None = None) -> dict:
+    """What a measurement ran on: the CPU, its cores, torch's threads (`threads`, else now), torch's
+    and Python's versions."""
+    import os
+    import platform
+
+    import torch
+
+    return {
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": threads or torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def print_targets(report: dict, console) -> None:
+    """What a bench should buy beside what it bought (printed, never asserted), and the machine."""
+    from minillm.report import print_table
+
+    besides = any("beside" in t for t in report["targets"].values())
+    print_table(
+        console,
+        "targets (printed, not asserted)",
+        ["target", "want", "got", *(["beside it"] if besides else []), "met"],
+        [
+            [
+                name,
+                t["want"],
+                "n/a" if t["got"] is None else f"{t['got']:.2f}" if isinstance(t["got"], float) else t["got"],
+                *([t.get("beside", "")] if besides else []),
+                "yes" if t["met"] else "no",
+            ]
+            for name, t in report["targets"].items()
+        ],
+    )
+    m = report["machine"]
+    console.print(
+        f"[dim]{m['cpu_model']}, {m['cpus']} CPUs, {m['torch_threads']} torch thread(s), "
+        f"torch {m['torch']}; idle gaps in the trace are skipped, so tok/s is over busy time.[/dim]"
+    )
+
+
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
     """Bytes moved per second by a large tensor copy (read + write, STREAM's convention), best of
     `repeats`: the memory roof that decode speeds are compared with."""

@@ -3,11 +3,9 @@ tests (`load.py`), and the targets, printed beside what the run measured."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from minillm.benchmarks import cpu_model
+from minillm.benchmarks import machine
 from minillm.benchmarks.memory.load import load_tests
 from minillm.benchmarks.memory.rows import (
     EVICTION,
@@ -216,12 +214,7 @@ def bench_memory(
     finally:
         torch.set_num_threads(default_threads)
     return {
-        "machine": {
-            "cpu_model": cpu_model(),
-            "cpus": os.cpu_count(),
-            "torch_threads": threads,
-            "torch": torch.__version__,
-        },
+        "machine": machine(threads),
         "model_dir": str(model_dir),
         "dtype": dtype,
         "device": device,

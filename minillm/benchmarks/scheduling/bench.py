@@ -5,13 +5,12 @@ and the scheduler's own cost."""
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 
 import torch
 
-from minillm.benchmarks import cpu_model
+from minillm.benchmarks import machine
 from minillm.benchmarks.memory.rows import calibrate  # the SLOs: as `bench memory` sets its targets
 from minillm.benchmarks.scheduling.lengths import RecordedLengths, predictor_for, rank_quality
 from minillm.benchmarks.scheduling.replay import replay
@@ -348,7 +347,7 @@ def bench_scheduling(
     finally:
         torch.set_num_threads(default_threads)
     return {
-        "machine": {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "torch_threads": threads},
+        "machine": machine(threads),
         "model_dir": str(model_dir),
         "dtype": dtype,
         "sizes": {

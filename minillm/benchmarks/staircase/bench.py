@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from minillm.benchmarks import machine
 from minillm.benchmarks.staircase.prefill import prefill_attention
 from minillm.benchmarks.staircase.rows import kv_budget, run_rows, summarize, worst_case
 from minillm.benchmarks.staircase.tables import what_it_means
-from minillm.benchmarks.tiers.bench import machine
 from minillm.benchmarks.workload import uniform_trace
 from minillm.config import DTYPES, ConfigError, resolve_dtype
 from minillm.tokenizer import Tokenizer

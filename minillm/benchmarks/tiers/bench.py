@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 
-from minillm.benchmarks import cpu_model
+from minillm.benchmarks import machine
 from minillm.benchmarks.tiers.preemption import bench_preemption
 from minillm.benchmarks.tiers.sessions import bench_resume, bench_spill
 from minillm.benchmarks.tiers.spill_rule import TUNING_SEED, bench_spill_rule
@@ -63,15 +62,6 @@ def warm_up(model, tokenizer, switches: dict) -> None:
     """One short request, so the first row is not the one paying for the warm-up."""
     llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=pool_bytes(model, 64), **switches)
     llm.generate([[1] * 32], SamplingParams(max_tokens=2))
-
-
-def machine(threads: int) -> dict:
-    return {
-        "cpu_model": cpu_model(),
-        "cpus": os.cpu_count(),
-        "torch_threads": threads,
-        "torch": torch.__version__,
-    }
 
 
 def check_sizes(rate: float, spill_pool_prompts: float, spill_rule_seeds: tuple[int, ...]) -> None:
