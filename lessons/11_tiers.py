@@ -30,9 +30,15 @@ from _common import console, lesson_args, require_model, save_numbers, save_plot
 from minillm.benchmarks.stats import mib  # noqa: E402
 from minillm.benchmarks.tiers.preemption import preemption_run  # noqa: E402
 from minillm.benchmarks.tiers.sessions import bench_resume  # noqa: E402
-from minillm.benchmarks.workload import pool_bytes, uniform_trace  # noqa: E402
+from minillm.benchmarks.workload import (  # noqa: E402
+    Prose,
+    assistant_header,
+    chat_message,
+    next_turn_prompt,
+    pool_bytes,
+    uniform_trace,
+)
 from minillm.engine import LLM, SamplingParams  # noqa: E402
-from minillm.evaluation import read_text  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
@@ -68,35 +74,18 @@ SETTINGS = {
 }
 
 
-def user_turn(tokenizer, message: str) -> list[int]:
-    """One ChatML user turn and the assistant's header:
-    <|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"""
-    start, end = tokenizer.special_tokens["<|im_start|>"], tokenizer.special_tokens["<|im_end|>"]
-    return [
-        start,
-        *tokenizer.encode(f"user\n{message}"),
-        end,
-        *tokenizer.encode("\n"),
-        start,
-        *tokenizer.encode("assistant\n"),
-    ]
-
-
-def closing(tokenizer) -> list[int]:
-    """What ends the assistant's reply before the next user turn: <|im_end|>\\n."""
-    return [tokenizer.special_tokens["<|im_end|>"], *tokenizer.encode("\n")]
+def user_turn(tokenizer, message_ids: list[int]) -> list[int]:
+    """One ChatML user turn and the assistant's header (`workload`'s conversations)."""
+    return [*chat_message(tokenizer, "user", message_ids), *assistant_header(tokenizer)]
 
 
 # ---------------------------------------------------------------- (a) warm: idle chats and the host tier
-def chat_messages(tokenizer, text_ids: list[int], settings: dict) -> list[list[str]]:
-    """conversation -> its users' messages, each a different stretch of Alice."""
-    length, rng = settings["message_tokens"], random.Random(1)
+def chat_messages(tokenizer, settings: dict) -> list[list[list[int]]]:
+    """conversation -> its users' messages (token ids), each a different stretch of Alice."""
+    prose, rng = Prose(tokenizer), random.Random(1)
+    turns = range(settings["turns"])
     return [
-        [
-            tokenizer.decode(text_ids[(s := rng.randrange(len(text_ids) - length)) : s + length])
-            for _ in range(settings["turns"])
-        ]
-        for _ in range(settings["conversations"])
+        [prose.cut(settings["message_tokens"], rng) for _ in turns] for _ in range(settings["conversations"])
     ]
 
 
@@ -122,18 +111,19 @@ def serve_chats(model, tokenizer, messages, order, settings: dict, host_blocks: 
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=settings["reply_tokens"], ignore_eos=True)
-    history = {c: [] for c in range(len(messages))}
-    turn_of, last_seen, traffic, returns = {c: 0 for c in history}, {}, 0, []
+    history = {}  # conversation -> its last prompt and the answer it got
+    turn_of, last_seen, traffic, returns = {c: 0 for c in range(len(messages))}, {}, 0, []
     start = time.perf_counter()
     for conv in order:
-        prompt = history[conv] + user_turn(tokenizer, messages[conv][turn_of[conv]])
+        message = user_turn(tokenizer, messages[conv][turn_of[conv]])
+        prompt = next_turn_prompt(tokenizer, *history[conv], message) if conv in history else message
         hits_before = engine.prefix_hit_tokens()
         out = llm.generate([prompt], params)[0]
-        if history[conv]:
-            findable = max(1, (len(history[conv]) - 1) // BLOCK)  # full blocks the history can supply
+        if conv in history:
+            findable = max(1, (len(prompt) - len(message) - 1) // BLOCK)  # full blocks the history can supply
             found = (engine.prefix_hit_tokens() - hits_before) // BLOCK
             returns.append({"gap": traffic - last_seen[conv], "found": found / findable, "ttft": out.ttft})
-        history[conv] = prompt + out.token_ids + closing(tokenizer)
+        history[conv] = (prompt, out.token_ids)
         turn_of[conv] += 1
         traffic += len(prompt)
         last_seen[conv] = traffic
@@ -306,10 +296,9 @@ def main():
     settings = SETTINGS["quick" if args.quick else "default"]
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
-    text_ids = tokenizer.encode(read_text())
 
     console.rule("(a) Warm: idle chats, with and without a host tier")
-    messages, order = chat_messages(tokenizer, text_ids, settings), interleaving(settings)
+    messages, order = chat_messages(tokenizer, settings), interleaving(settings)
     chats = {
         "device only": serve_chats(model, tokenizer, messages, order, settings, host_blocks=0),
         "device + host": serve_chats(model, tokenizer, messages, order, settings, settings["host_blocks"]),
