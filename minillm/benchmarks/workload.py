@@ -13,6 +13,7 @@ same seed and sizes see the same requests:
   - `uniform_trace`: the simplest workload (prompts U[a, b], outputs U[c, d]);
   - `submit_exact` / `submit_scripted` and `run_trace`: a workload into an engine on the wall
     clock, each request added once its arrival time has passed;
+  - `warm_up`: one short request before the first measured row;
   - `blocks_for` / `pool_bytes`: a KV pool sized in tokens.
 `scale` multiplies a workload's lengths: `--quick` shrinks them without changing the mix.
 """
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from minillm.config import ConfigError, EngineConfig
-from minillm.engine import SamplingParams
+from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import DEFAULT_TEXT, read_text
 from minillm.progress import progress_bar
 from minillm.tokenizer import Tokenizer
@@ -269,6 +270,13 @@ def run_trace(
         time.perf_counter() - start,
         time.process_time() - cpu_start,
     )
+
+
+def warm_up(model, tokenizer, switches: dict) -> None:
+    """One short request on an engine of `switches` (its kernels built on first use), so that the
+    first row a bench measures is not the one paying for it."""
+    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=pool_bytes(model, 64), **switches)
+    llm.generate([[1] * 32], SamplingParams(max_tokens=2, ignore_eos=True))
 
 
 def blocks_for(num_tokens: int, block_size: int = BLOCK_SIZE) -> int:

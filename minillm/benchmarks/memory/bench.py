@@ -18,9 +18,8 @@ from minillm.benchmarks.memory.rows import (
     run_row,
 )
 from minillm.benchmarks.memory.trace import SEED, describe_trace, make_trace
-from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for
+from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for, warm_up
 from minillm.config import DTYPES, ConfigError
-from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -147,13 +146,6 @@ def compare_rows(rows: dict, outputs: dict, quality: dict) -> None:
             if setting is None
             else {"setting": setting[0], "perplexity_ratio": quality["ratio"][setting[0]]}
         )
-
-
-def warm_up(model, tokenizer, common: dict) -> None:
-    """One short request, so the first row does not pay for the warm-up."""
-    kv_bytes = 8 * BLOCK_SIZE * model.config.kv_bytes_per_token(torch.float32)
-    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=kv_bytes, **common)
-    llm.generate([[1] * 32], SamplingParams(max_tokens=2))
 
 
 def measure(model, tokenizer, sizes: dict, common: dict, load: bool, progress: bool) -> dict:

@@ -8,9 +8,9 @@ from statistics import median
 
 from minillm.benchmarks.hf_baseline import hf_static
 from minillm.benchmarks.stats import tails
-from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for, run_trace
+from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for, run_trace, warm_up
 from minillm.config import DTYPES, ConfigError
-from minillm.engine import LLM, SamplingParams
+from minillm.engine import LLM
 
 ROWS = {  # name -> (label, minillm's switches beside the budget and the backend; None: HF's own cache)
     "hf": ("(1) HF transformers, static", None),
@@ -105,13 +105,6 @@ def run_minillm_row(
     }, [out.token_ids for out in outputs]
 
 
-def warm_up(model, tokenizer, common: dict) -> None:
-    """One short request through the kernels (built here on first use), so row (2) does not pay."""
-    kv_bytes = 8 * BLOCK_SIZE * model.config.kv_bytes_per_token(model.dtype)
-    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=kv_bytes, kv_dtype="int8", **common)
-    llm.generate([[1] * 32], SamplingParams(max_tokens=2, ignore_eos=True))
-
-
 def compare(rows: dict, tokens: dict) -> None:
     """Each row against the one before: tok/s, TTFT p50 and TPOT p50 as this / before (tok/s
     above 1 and latency below 1 are better), and its greedy tokens against its reference row's."""
@@ -145,7 +138,7 @@ def run_rows(
     model_dir, model, tokenizer, trace, budget: dict, common: dict, include_hf: bool, progress: bool
 ):
     """Every row on the trace, in order, with its label, switches and comparisons."""
-    warm_up(model, tokenizer, common)
+    warm_up(model, tokenizer, {**common, "kv_dtype": "int8"})  # the int8 kernels built too
     rows, tokens = {}, {}
     for name, (label, switches) in ROWS.items():
         if switches is None:

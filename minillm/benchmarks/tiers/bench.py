@@ -10,9 +10,8 @@ from minillm.benchmarks import machine
 from minillm.benchmarks.tiers.preemption import bench_preemption
 from minillm.benchmarks.tiers.sessions import bench_resume, bench_spill
 from minillm.benchmarks.tiers.spill_rule import TUNING_SEED, bench_spill_rule
-from minillm.benchmarks.workload import BLOCK_SIZE, pool_bytes
+from minillm.benchmarks.workload import BLOCK_SIZE, warm_up
 from minillm.config import DTYPES, ConfigError
-from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -56,12 +55,6 @@ def targets(preemption: dict, resume: dict, spill: dict, spill_rule: dict) -> di
             and spill_rule["hit_rate_reused_minus_all"]["median"] >= 0,
         },
     }
-
-
-def warm_up(model, tokenizer, switches: dict) -> None:
-    """One short request, so the first row is not the one paying for the warm-up."""
-    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=pool_bytes(model, 64), **switches)
-    llm.generate([[1] * 32], SamplingParams(max_tokens=2))
 
 
 def check_sizes(rate: float, spill_pool_prompts: float, spill_rule_seeds: tuple[int, ...]) -> None:
