@@ -1,6 +1,8 @@
 """Benchmarks behind `minillm bench ...`: each measures side by side in one run and returns a
 dict (printed as JSON with --json) so numbers can be compared across commits."""
 
+from contextlib import contextmanager
+
 
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo (Linux), else what `platform` knows."""
@@ -14,6 +16,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@contextmanager
+def torch_threads(threads: int):
+    """torch's threads set to `threads` for a run, and given back after it, however it ends."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def machine(threads: int | None = None) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from minillm.benchmarks import machine
+from minillm.benchmarks import machine, torch_threads
 from minillm.benchmarks.memory.load import load_tests
 from minillm.benchmarks.memory.rows import (
     EVICTION,
@@ -198,13 +198,9 @@ def bench_memory(
     sizes = dict(SIZES["quick" if quick else "full"])
     given = {"requests": num_requests, "rate": rate, "kv_tokens": kv_tokens, "clients": clients}
     sizes.update({key: value for key, value in given.items() if value is not None}, seed=seed)
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         measured = measure(model, tokenizer, sizes, {"dtype": dtype, "device": device}, load, progress)
-    finally:
-        torch.set_num_threads(default_threads)
     return {
         "machine": machine(threads),
         "model_dir": str(model_dir),

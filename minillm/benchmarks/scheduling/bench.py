@@ -8,9 +8,7 @@ import math
 import random
 import statistics
 
-import torch
-
-from minillm.benchmarks import machine
+from minillm.benchmarks import machine, torch_threads
 from minillm.benchmarks.memory.rows import calibrate  # the SLOs: as `bench memory` sets its targets
 from minillm.benchmarks.scheduling.lengths import RecordedLengths, predictor_for, rank_quality
 from minillm.benchmarks.scheduling.replay import replay
@@ -338,14 +336,10 @@ def bench_scheduling(
         raise ConfigError(
             f"seed {tuned_on[0]} is a tuning seed ({tuning}); report on others (--seeds 1,2,3)."
         )
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         dtype = resolve_dtype(dtype, device)
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         measured = measure(model, tokenizer, sizes, rates, {"dtype": dtype, "device": device}, progress)
-    finally:
-        torch.set_num_threads(default_threads)
     return {
         "machine": machine(threads),
         "model_dir": str(model_dir),

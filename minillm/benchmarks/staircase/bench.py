@@ -3,9 +3,7 @@ attention alone (`prefill.py`), and what the numbers say (`tables.py`)."""
 
 from __future__ import annotations
 
-import torch
-
-from minillm.benchmarks import machine
+from minillm.benchmarks import machine, torch_threads
 from minillm.benchmarks.staircase.prefill import prefill_attention
 from minillm.benchmarks.staircase.rows import kv_budget, run_rows, summarize, worst_case
 from minillm.benchmarks.staircase.tables import what_it_means
@@ -68,9 +66,7 @@ def bench_staircase(
     sizes = _sizes(quick, requests=num_requests, attention_repeats=attention_repeats, **given)
     dtype = resolve_dtype(dtype, device)
     worst = worst_case(sizes["prompt_len"], sizes["output_len"])
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         budget = kv_budget(worst, kv_tokens or HF_BATCH * worst, model.config.kv_bytes_per_token(model.dtype))
         common = {"dtype": dtype, "device": device, "attention_backend": device.split(":")[0]}
@@ -81,8 +77,6 @@ def bench_staircase(
         prefill = prefill_attention(
             attention_context, attention_chunk, sizes["attention_repeats"], DTYPES[dtype]
         )
-    finally:
-        torch.set_num_threads(default_threads)
     report = {
         "machine": machine(threads),
         "model_dir": str(model_dir),

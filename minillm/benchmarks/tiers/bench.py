@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from minillm.benchmarks import machine
+from minillm.benchmarks import machine, torch_threads
 from minillm.benchmarks.tiers.preemption import bench_preemption
 from minillm.benchmarks.tiers.sessions import bench_resume, bench_spill
 from minillm.benchmarks.tiers.spill_rule import TUNING_SEED, bench_spill_rule
@@ -85,9 +83,7 @@ def bench_tiers(
     progress: bool = False,
 ) -> dict:
     check_sizes(rate, spill_pool_prompts, spill_rule_seeds)
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         switches = {"dtype": dtype, "device": device}
         warm_up(model, tokenizer, switches)
@@ -97,8 +93,6 @@ def bench_tiers(
         spill = bench_spill(model, tokenizer, *spill_sizes, switches, progress)
         rule_sizes = (spill_rule_seeds, spill_rule_requests)
         spill_rule = bench_spill_rule(model, tokenizer, *rule_sizes, switches, progress)
-    finally:
-        torch.set_num_threads(default_threads)
     return {
         "machine": machine(threads),
         "model_dir": str(model_dir),
