@@ -23,7 +23,6 @@ measures both rates on the machine it runs on instead of assuming either.
 """
 
 import math
-import random
 import time
 
 import matplotlib
@@ -33,6 +32,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 
 from minillm.benchmarks import copy_bandwidth  # noqa: E402
+from minillm.benchmarks.stats import mib  # noqa: E402
+from minillm.benchmarks.tiers.preemption import preemption_run  # noqa: E402
+from minillm.benchmarks.workload import pool_bytes, uniform_trace  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.evaluation import read_text  # noqa: E402
 from minillm.memory.block_manager import BlockManager  # noqa: E402
@@ -42,7 +44,6 @@ from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 BLOCK_SIZES = [4, 16, 64]
-TRACE_BLOCK = 16
 RECOMPUTE_BLOCK = 16  # prefill's math does not depend on the block size, only where K/V is written
 VICTIM = 0  # the sequence id of part 1's swapped "victim", alone in its block manager
 POLICIES = ["recompute", "swap", "auto"]
@@ -68,11 +69,6 @@ SETTINGS = {  # part 1: victim lengths, timing repeats; part 2: the trace and th
 }
 
 
-def tokens_to_bytes(model, tokens: int, block_size: int) -> int:
-    """KV bytes of `tokens` tokens rounded up to whole blocks (a pool budget)."""
-    return model.config.kv_bytes_per_token(model.dtype) * block_size * -(-tokens // block_size)
-
-
 # ---------------------------------------------------------------- part 1: the two costs, measured
 def recompute_seconds(llm, prompt: list[int], repeats: int) -> float:
     """A victim's recompute: its tokens prefilled again, timed as the time to first token of a
@@ -85,7 +81,7 @@ def recompute_seconds(llm, prompt: list[int], repeats: int) -> float:
 def swap_memory(model, block_size: int, num_tokens: int) -> tuple[BlockManager, TieredKV]:
     """A device pool and a host pool of `num_tokens` tokens each, the block manager over both, and
     the tiers that copy between them: the parts the engine builds (`KVCacheManager.build`)."""
-    budget = tokens_to_bytes(model, num_tokens, block_size)
+    budget = pool_bytes(model, num_tokens, block_size)
     device = make_pool(model.config, budget, block_size, "auto", "channel", model.dtype, model.device)
     host = make_pool(
         model.config,
@@ -135,7 +131,7 @@ def measure_costs(model, tokenizer, text: list[int], settings: dict) -> dict:
         model=model,
         tokenizer=tokenizer,
         block_size=RECOMPUTE_BLOCK,
-        kv_cache_bytes=tokens_to_bytes(model, longest, RECOMPUTE_BLOCK),
+        kv_cache_bytes=pool_bytes(model, longest, RECOMPUTE_BLOCK),
     )
     recompute_seconds(llm, text[:32], 1)  # warm-up: the first forward pays one-off costs
     recompute = [recompute_seconds(llm, text[:n], settings["prefill_repeats"]) for n in lengths]
@@ -194,51 +190,27 @@ def show_costs(costs: dict, roof: float) -> None:
 
 
 # ---------------------------------------------------------------- part 2: what auto chooses on a trace
-def make_trace(text: list[int], settings: dict) -> tuple[list[list[int]], SamplingParams]:
-    rng = random.Random(0)
-    low, high = settings["prompt_lens"]
-    prompts = []
-    for _ in range(settings["requests"]):
-        length = rng.randint(low, high)
-        start = rng.randrange(len(text) - length)
-        prompts.append(text[start : start + length])
-    return prompts, SamplingParams(max_tokens=settings["max_tokens"], ignore_eos=True)
-
-
-def run_trace(model, tokenizer, policy: str, prompts, params, settings: dict) -> dict:
-    """Serve the trace on a device pool of `device_tokens` tokens (the host pool holds them all)."""
-    roomy = tokens_to_bytes(
-        model, sum(len(p) for p in prompts) + len(prompts) * params.max_tokens, TRACE_BLOCK
-    )
-    llm = LLM(
-        model=model,
-        tokenizer=tokenizer,
-        block_size=TRACE_BLOCK,
-        preemption=policy,
-        kv_cache_bytes=tokens_to_bytes(model, settings["device_tokens"], TRACE_BLOCK),
-        host_cache_bytes=roomy,
-    )
-    engine = llm.engine
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - start
-    memory = engine.snapshot()
-    counters = memory.counters
-    return {
-        "policy": policy,
-        "seconds": seconds,
-        "token_ids": [out.token_ids for out in outputs],
-        "preemptions": counters["preemptions"],
-        "swapped_out": counters["swapped_out"],
-        "swapped_in": counters["swapped_in"],
-        "prefetched": counters["prefetched"],
-        "recomputed_tokens": counters["recomputed_tokens"],
-        "steps": engine.stats.steps,
-        "bytes_moved": sum(memory.stats.bytes_moved.values()),
-        "decisions": list(memory.swap_decisions),
-        "prefill_tokens_per_s": memory.prefill_rate,
-        "copy_bytes_per_s": memory.copy_rates.get("host"),
-    }
+def serve_trace(model, tokenizer, settings: dict) -> dict:
+    """The same requests (all at t=0, each decoding exactly max_tokens) under each policy, on a
+    device pool of `device_tokens` tokens; the host pool holds them all. Served by `bench tiers`'
+    own run (`preemption_run`); what auto chose is read from the engine's snapshot."""
+    lengths = (settings["max_tokens"], settings["max_tokens"])
+    trace = uniform_trace(tokenizer, settings["requests"], settings["prompt_lens"], lengths)
+    roomy = sum(len(r.prompt_ids) + r.output_len for r in trace)
+    pools = (pool_bytes(model, settings["device_tokens"]), pool_bytes(model, roomy))
+    runs = {}
+    for policy in POLICIES:
+        row, outputs, memory = preemption_run(model, tokenizer, trace, policy, pools, {})
+        runs[policy] = {
+            **row,
+            "seconds": row["elapsed_s"],
+            "bytes_moved": sum(row["bytes_moved"].values()),
+            "token_ids": [out.token_ids for out in outputs],
+            "decisions": list(memory.swap_decisions),
+            "prefill_tokens_per_s": memory.prefill_rate,
+            "copy_bytes_per_s": memory.copy_rates.get("host"),
+        }
+    return runs
 
 
 def show_trace(runs: dict, settings: dict) -> None:
@@ -251,7 +223,7 @@ def show_trace(runs: dict, settings: dict) -> None:
             ("sequences swapped in", "swapped_in", str),
             ("...of them prefetched", "prefetched", str),
             ("tokens recomputed", "recomputed_tokens", str),
-            ("MiB moved between pools", "bytes_moved", lambda b: f"{b / 2**20:.1f}"),
+            ("MiB moved between pools", "bytes_moved", mib),
             ("seconds", "seconds", lambda s: f"{s:.1f}"),
         )
     ]
@@ -337,8 +309,7 @@ def main():
     show_costs(costs, roof)
 
     console.rule("2. A trace on a tight KV budget: what preemption='auto' chose")
-    prompts, params = make_trace(text, settings)
-    runs = {policy: run_trace(model, tokenizer, policy, prompts, params, settings) for policy in POLICIES}
+    runs = serve_trace(model, tokenizer, settings)
     show_trace(runs, settings)
     identical = all(runs[p]["token_ids"] == runs["recompute"]["token_ids"] for p in POLICIES)
     console.print(f"identical outputs under all three policies: [bold]{identical}[/bold]")

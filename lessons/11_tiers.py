@@ -19,9 +19,7 @@ further away, each measured here with the real model:
 """
 
 import random
-import tempfile
 import time
-from pathlib import Path
 
 import matplotlib
 
@@ -29,8 +27,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 
+from minillm.benchmarks.stats import mib  # noqa: E402
+from minillm.benchmarks.tiers.preemption import preemption_run  # noqa: E402
+from minillm.benchmarks.tiers.sessions import bench_resume  # noqa: E402
+from minillm.benchmarks.workload import (  # noqa: E402
+    Prose,
+    assistant_header,
+    chat_message,
+    next_turn_prompt,
+    pool_bytes,
+    uniform_trace,
+)
 from minillm.engine import LLM, SamplingParams  # noqa: E402
-from minillm.evaluation import read_text  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
@@ -66,40 +74,18 @@ SETTINGS = {
 }
 
 
-def kv_bytes(model, tokens: int) -> int:
-    """A pool budget of `tokens` token slots (a whole number of blocks when tokens is)."""
-    return model.config.kv_bytes_per_token(model.dtype) * tokens
-
-
-def user_turn(tokenizer, message: str) -> list[int]:
-    """One ChatML user turn and the assistant's header:
-    <|im_start|>user\\n...<|im_end|>\\n<|im_start|>assistant\\n"""
-    start, end = tokenizer.special_tokens["<|im_start|>"], tokenizer.special_tokens["<|im_end|>"]
-    return [
-        start,
-        *tokenizer.encode(f"user\n{message}"),
-        end,
-        *tokenizer.encode("\n"),
-        start,
-        *tokenizer.encode("assistant\n"),
-    ]
-
-
-def closing(tokenizer) -> list[int]:
-    """What ends the assistant's reply before the next user turn: <|im_end|>\\n."""
-    return [tokenizer.special_tokens["<|im_end|>"], *tokenizer.encode("\n")]
+def user_turn(tokenizer, message_ids: list[int]) -> list[int]:
+    """One ChatML user turn and the assistant's header (`workload`'s conversations)."""
+    return [*chat_message(tokenizer, "user", message_ids), *assistant_header(tokenizer)]
 
 
 # ---------------------------------------------------------------- (a) warm: idle chats and the host tier
-def chat_messages(tokenizer, text_ids: list[int], settings: dict) -> list[list[str]]:
-    """conversation -> its users' messages, each a different stretch of Alice."""
-    length, rng = settings["message_tokens"], random.Random(1)
+def chat_messages(tokenizer, settings: dict) -> list[list[list[int]]]:
+    """conversation -> its users' messages (token ids), each a different stretch of Alice."""
+    prose, rng = Prose(tokenizer), random.Random(1)
+    turns = range(settings["turns"])
     return [
-        [
-            tokenizer.decode(text_ids[(s := rng.randrange(len(text_ids) - length)) : s + length])
-            for _ in range(settings["turns"])
-        ]
-        for _ in range(settings["conversations"])
+        [prose.cut(settings["message_tokens"], rng) for _ in turns] for _ in range(settings["conversations"])
     ]
 
 
@@ -120,23 +106,24 @@ def serve_chats(model, tokenizer, messages, order, settings: dict, host_blocks: 
         tokenizer=tokenizer,
         block_size=BLOCK,
         prefix_caching=True,
-        kv_cache_bytes=kv_bytes(model, settings["device_blocks"] * BLOCK),
-        host_cache_bytes=kv_bytes(model, host_blocks * BLOCK),
+        kv_cache_bytes=pool_bytes(model, settings["device_blocks"] * BLOCK),
+        host_cache_bytes=pool_bytes(model, host_blocks * BLOCK),
     )
     engine = llm.engine
     params = SamplingParams(max_tokens=settings["reply_tokens"], ignore_eos=True)
-    history = {c: [] for c in range(len(messages))}
-    turn_of, last_seen, traffic, returns = {c: 0 for c in history}, {}, 0, []
+    history = {}  # conversation -> its last prompt and the answer it got
+    turn_of, last_seen, traffic, returns = {c: 0 for c in range(len(messages))}, {}, 0, []
     start = time.perf_counter()
     for conv in order:
-        prompt = history[conv] + user_turn(tokenizer, messages[conv][turn_of[conv]])
+        message = user_turn(tokenizer, messages[conv][turn_of[conv]])
+        prompt = next_turn_prompt(tokenizer, *history[conv], message) if conv in history else message
         hits_before = engine.prefix_hit_tokens()
         out = llm.generate([prompt], params)[0]
-        if history[conv]:
-            findable = max(1, (len(history[conv]) - 1) // BLOCK)  # full blocks the history can supply
+        if conv in history:
+            findable = max(1, (len(prompt) - len(message) - 1) // BLOCK)  # full blocks the history can supply
             found = (engine.prefix_hit_tokens() - hits_before) // BLOCK
             returns.append({"gap": traffic - last_seen[conv], "found": found / findable, "ttft": out.ttft})
-        history[conv] = prompt + out.token_ids + closing(tokenizer)
+        history[conv] = (prompt, out.token_ids)
         turn_of[conv] += 1
         traffic += len(prompt)
         last_seen[conv] = traffic
@@ -187,36 +174,22 @@ def show_chats(runs: dict, settings: dict) -> None:
 
 
 # ---------------------------------------------------------------- (b) prefetch: copies behind compute
-def serve_swapping(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
-    """A trace whose sequences crowd each other out of a small device pool: preemption by swap."""
-    rng = random.Random(0)
-    prompts = []
-    for _ in range(settings["swap_requests"]):
-        length = rng.randint(*settings["swap_prompt_lens"])
-        start = rng.randrange(len(text_ids) - length)
-        prompts.append(text_ids[start : start + length])
-    params = SamplingParams(max_tokens=settings["swap_max_tokens"], ignore_eos=True)
-    roomy = sum(map(len, prompts)) + len(prompts) * (params.max_tokens + BLOCK)
-    llm = LLM(
-        model=model,
-        tokenizer=tokenizer,
-        block_size=BLOCK,
-        preemption="swap",
-        kv_cache_bytes=kv_bytes(model, settings["swap_device_tokens"]),
-        host_cache_bytes=kv_bytes(model, roomy),
-    )
-    start = time.perf_counter()
-    llm.generate(prompts, params)
-    seconds, memory = time.perf_counter() - start, llm.engine.snapshot()
-    counters, copied, waited = memory.counters, memory.prefetch_seconds, memory.prefetch_waited
+def serve_swapping(model, tokenizer, settings: dict) -> dict:
+    """Requests that crowd each other out of a small device pool, all at t=0, preempted by swap:
+    `bench tiers`' own run (`preemption_run`) on a trace of the lesson's sizes."""
+    lengths = (settings["swap_max_tokens"], settings["swap_max_tokens"])
+    trace = uniform_trace(tokenizer, settings["swap_requests"], settings["swap_prompt_lens"], lengths)
+    roomy = sum(len(r.prompt_ids) + r.output_len + BLOCK for r in trace)
+    pools = (pool_bytes(model, settings["swap_device_tokens"]), pool_bytes(model, roomy))
+    row, _, _ = preemption_run(model, tokenizer, trace, "swap", pools, {})
     return {
-        "seconds": seconds,
-        "swapped_out": counters["swapped_out"],
-        "swapped_in": counters["swapped_in"],
-        "prefetched": counters["prefetched"],
-        "prefetch_seconds": copied,
-        "prefetch_waited": waited,
-        "hidden_share": 1 - waited / copied if copied else 0.0,
+        "seconds": row["elapsed_s"],
+        "swapped_out": row["swapped_out"],
+        "swapped_in": row["swapped_in"],
+        "prefetched": row["prefetched"],
+        "prefetch_seconds": row["prefetch_copy_s"],
+        "prefetch_waited": row["prefetch_waited_s"],
+        "hidden_share": row["prefetch_hidden"] or 0.0,
     }
 
 
@@ -239,54 +212,28 @@ def show_swapping(run: dict, settings: dict) -> None:
 
 
 # ---------------------------------------------------------------- (c) cold: a session in a file
-def first_token(llm, prompt: list[int]) -> tuple[float, int]:
-    """Time to first token of `prompt` and the tokens the engine computed for it."""
-    before = llm.engine.stats.tokens_computed
-    out = llm.generate([prompt], SamplingParams(max_tokens=1))[0]
-    return out.ttft, llm.engine.stats.tokens_computed - before
-
-
-def park_and_resume(model, tokenizer, text_ids: list[int], settings: dict) -> dict:
-    """Chat once, park the conversation in a file, then answer its next turn from a fresh engine:
-    once resuming from the file, once recomputing the history."""
-
-    def fresh():
-        return LLM(model=model, tokenizer=tokenizer, block_size=BLOCK, prefix_caching=True)
-
-    opening = user_turn(tokenizer, tokenizer.decode(text_ids[: settings["history_tokens"]]))
-    first = fresh()
-    reply = first.generate([opening], SamplingParams(max_tokens=16, ignore_eos=True))[0].token_ids
-    history = opening + reply + closing(tokenizer)
-    next_turn = history + user_turn(tokenizer, "And what happened next?")
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "chat.safetensors"
-        start = time.perf_counter()
-        kept = first.engine.save_session(path, opening + reply)
-        save_seconds, file_bytes = time.perf_counter() - start, path.stat().st_size
-        resumed = fresh()
-        start = time.perf_counter()
-        resumed.engine.load_session(path)  # the file is read, checked and copied into the device pool
-        load_seconds = time.perf_counter() - start
-        resumed_ttft, resumed_computed = first_token(resumed, next_turn)
-    recomputed_ttft, recomputed_computed = first_token(fresh(), next_turn)
+def park_and_resume(model, tokenizer, settings: dict) -> dict:
+    """A conversation's next turn answered by a fresh engine twice: recomputing the history, and
+    from the session file the first engine parked it in: `bench tiers`' own part (`bench_resume`)."""
+    run = bench_resume(model, tokenizer, settings["history_tokens"], {})
     return {
-        "history_tokens": len(history),
-        "prompt_tokens": len(next_turn),
-        "session_tokens": kept,
-        "file_bytes": file_bytes,
-        "save_seconds": save_seconds,
-        "load_seconds": load_seconds,
-        "resumed_ttft": load_seconds + resumed_ttft,
-        "resumed_computed": resumed_computed,
-        "recomputed_ttft": recomputed_ttft,
-        "recomputed_computed": recomputed_computed,
+        "history_tokens": run["history_tokens"],
+        "prompt_tokens": run["prompt_tokens"],
+        "session_tokens": run["session_tokens"],
+        "file_bytes": run["session_file_bytes"],
+        "save_seconds": run["save_s"],
+        "load_seconds": run["load_s"],
+        "resumed_ttft": run["load_s"] + run["resume"]["ttft_s"],
+        "resumed_computed": run["resume"]["prefill_tokens_computed"],
+        "recomputed_ttft": run["recompute"]["ttft_s"],
+        "recomputed_computed": run["recompute"]["prefill_tokens_computed"],
     }
 
 
 def show_session(run: dict) -> None:
     table(
         f"(c) the next turn of a {run['history_tokens']}-token conversation, in a fresh engine "
-        f"(session file {run['file_bytes'] / 2**20:.1f} MiB, {run['session_tokens']} tokens, "
+        f"(session file {mib(run['file_bytes'])} MiB, {run['session_tokens']} tokens, "
         f"saved in {run['save_seconds'] * 1e3:.0f} ms)",
         ["start from", "tokens prefilled", "time to first token ms"],
         [
@@ -349,10 +296,9 @@ def main():
     settings = SETTINGS["quick" if args.quick else "default"]
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
-    text_ids = tokenizer.encode(read_text())
 
     console.rule("(a) Warm: idle chats, with and without a host tier")
-    messages, order = chat_messages(tokenizer, text_ids, settings), interleaving(settings)
+    messages, order = chat_messages(tokenizer, settings), interleaving(settings)
     chats = {
         "device only": serve_chats(model, tokenizer, messages, order, settings, host_blocks=0),
         "device + host": serve_chats(model, tokenizer, messages, order, settings, settings["host_blocks"]),
@@ -360,11 +306,11 @@ def main():
     show_chats(chats, settings)
 
     console.rule("(b) Prefetch: swap-ins copied behind the forward pass")
-    swapping = serve_swapping(model, tokenizer, text_ids, settings)
+    swapping = serve_swapping(model, tokenizer, settings)
     show_swapping(swapping, settings)
 
     console.rule("(c) Cold: a conversation parked in a file, resumed by a fresh engine")
-    session = park_and_resume(model, tokenizer, text_ids, settings)
+    session = park_and_resume(model, tokenizer, settings)
     show_session(session)
     plot(chats, swapping, session, settings, args.out)
 
@@ -423,7 +369,7 @@ def meaning(chats: dict, swapping: dict, session: dict, settings: dict) -> str:
     cold = (
         f"(c) A fresh engine answered the next turn of a {session['history_tokens']}-token chat in "
         f"{session['resumed_ttft'] * 1e3:.0f} ms "
-        f"from its {session['file_bytes'] / 2**20:.1f} MiB session file "
+        f"from its {mib(session['file_bytes'])} MiB session file "
         f"(load included, {session['resumed_computed']} tokens prefilled), against "
         f"{session['recomputed_ttft'] * 1e3:.0f} ms recomputing all {session['recomputed_computed']} "
         f"({session['recomputed_ttft'] / session['resumed_ttft']:.1f}x)."

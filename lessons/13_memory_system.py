@@ -39,7 +39,7 @@ from _common import console, lesson_args, require_model, save_numbers, save_plot
 from matplotlib.colors import ListedColormap  # noqa: E402
 
 from minillm.benchmarks.memory import bench_memory  # noqa: E402
-from minillm.benchmarks.scheduling.run import (  # noqa: E402
+from minillm.benchmarks.scheduling.bench import (  # noqa: E402
     POLICIES,
     TUNING_SEED,
     calibrate,

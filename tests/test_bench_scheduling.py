@@ -9,16 +9,15 @@ import statistics
 import pytest
 from helpers import run_json, tiny_with_real_tokenizer
 
+from minillm.benchmarks.scheduling.bench import HEAVIEST, POLICIES, rate_for
 from minillm.benchmarks.scheduling.lengths import rank_quality, ranks, spearman
-from minillm.benchmarks.scheduling.run import HEAVIEST, POLICIES, rate_for
 from minillm.benchmarks.scheduling.trace import (
     KINDS,
     QUESTIONS_ONLY,
     arrivals_for,
-    kind_counts,
     make_trace,
-    next_turn_prompt,
 )
+from minillm.benchmarks.workload import kind_counts, next_turn_prompt
 from minillm.tokenizer import Tokenizer
 
 

@@ -22,10 +22,11 @@ from helpers import REAL_MODEL_DIR, run_json, strict_json, tiny_with_real_tokeni
 from minillm.benchmarks import cpu_model
 from minillm.benchmarks.all import BENCHMARKS, SIZES
 from minillm.benchmarks.decode import WEIGHT_ROWS
-from minillm.benchmarks.serve import latency_summary, make_trace, trace_flops
+from minillm.benchmarks.serve import OUTPUT_LEN, PROMPT_LEN, latency_summary, trace_flops
 from minillm.benchmarks.staircase import rows as staircase_rows
-from minillm.benchmarks.staircase.report import verdict
-from minillm.benchmarks.tiers import percentile
+from minillm.benchmarks.staircase.tables import verdict
+from minillm.benchmarks.stats import percentile, spread, tails
+from minillm.benchmarks.workload import Request, uniform_trace
 from minillm.cli import main
 from minillm.config import ModelConfig
 from minillm.quantized_weights import PACKED_FILE, read_packed
@@ -357,10 +358,10 @@ def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir
         "--model",
         vocab_dir,
     )
-    trace = make_trace(Tokenizer(vocab_dir), 3)
+    trace = uniform_trace(Tokenizer(vocab_dir), 3, PROMPT_LEN, OUTPUT_LEN)
     assert report["trace"]["requests"] == 3 and report["trace"]["max_num_seqs"] == 2
-    assert report["trace"]["prompt_tokens"] == sum(len(prompt) for prompt, _ in trace)
-    assert report["trace"]["output_tokens"] == sum(n for _, n in trace)
+    assert report["trace"]["prompt_tokens"] == sum(len(r.prompt_ids) for r in trace)
+    assert report["trace"]["output_tokens"] == sum(r.output_len for r in trace)
     servers = report["servers"]
     assert set(servers) == {"minillm_continuous", "minillm_static", "hf_transformers_static"}
     for run in servers.values():
@@ -369,7 +370,9 @@ def test_bench_serve_json_with_hf_rates_ratios_and_sweep_agree(capsys, vocab_dir
         check_paged_memory(servers[name])
         assert 0 < servers[name]["kv_utilization_contiguous"] <= 1
         # one decode step adds at most one token per request, so the longest output sets a floor
-        assert servers[name]["steps"] >= max(n for _, n in trace) and servers[name]["preemptions"] >= 0
+        assert (
+            servers[name]["steps"] >= max(r.output_len for r in trace) and servers[name]["preemptions"] >= 0
+        )
     continuous, static, hf = (
         servers[name] for name in ("minillm_continuous", "minillm_static", "hf_transformers_static")
     )
@@ -430,7 +433,7 @@ def test_trace_flops_by_hand():
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
     )
-    assert trace_flops(config, [([1, 2, 3], 2)]) == 4 * 288 + 10 * 16 + 2 * 80
+    assert trace_flops(config, [Request("prose", [1, 2, 3], 2, 2)]) == 4 * 288 + 10 * 16 + 2 * 80
 
 
 def test_latency_summary_mean_and_nearest_rank_p90_by_hand():
@@ -570,11 +573,17 @@ def test_bench_tiers_json_rows_agree_on_outputs_and_count_what_moved(capsys, voc
     assert targets["swap_recomputed_tokens"] == {"want": "0", "got": 0, "met": True}
 
 
-def test_tiers_percentile_is_the_nearest_rank_by_hand():
+def test_percentile_is_the_nearest_rank_by_hand():
     ten = [0.7, 0.2, 1.0, 0.5, 0.9, 0.1, 0.4, 0.8, 0.3, 0.6]  # 0.1 .. 1.0, shuffled
     assert percentile(ten, 50) == 0.5 and percentile(ten, 99) == 1.0  # the 5th and the 10th of 10
     assert percentile([float(v) for v in range(100, 0, -1)], 99) == 99.0
     assert percentile([2.0, 1.0], 50) == 1.0 and percentile([0.25], 99) == 0.25
+
+
+def test_tails_are_none_without_values_and_spread_is_median_min_max():
+    assert tails("tpot", []) == {"tpot_p50_s": None, "tpot_p99_s": None}
+    assert tails("ttft", [3.0, 1.0, 2.0]) == {"ttft_p50_s": 2.0, "ttft_p99_s": 3.0}
+    assert spread([4.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 4.0}
 
 
 # ----------------------------------------------------------------------------- bench memory
@@ -693,11 +702,11 @@ def test_bench_staircase_json_rows_ratios_and_greedy_tokens_agree(capsys, monkey
         "--model",
         vocab_dir,
     )
-    traces = [make_trace(Tokenizer(vocab_dir), 3, seed, (40, 80), (4, 8)) for seed in (1, 2)]
+    traces = [uniform_trace(Tokenizer(vocab_dir), 3, (40, 80), (4, 8), seed) for seed in (1, 2)]
     worst = 80 + 8  # the longest prompt and output the ranges allow: what a static server sizes for
     assert [run["seed"] for run in report["runs"]] == report["trace"]["seeds"] == [1, 2]
     for run, trace in zip(report["runs"], traces):
-        assert run["trace"]["output_tokens"] == sum(n for _, n in trace)
+        assert run["trace"]["output_tokens"] == sum(r.output_len for r in trace)
     assert report["trace"]["worst_case_tokens"] == worst and report["machine"]["torch_threads"] == 1
     budget, per_token = report["budget"], kv_bytes_per_token(vocab_dir)
     assert budget["kv_tokens"] == 3 * worst and budget["kv_bytes"] == -(-3 * worst // 16) * 16 * per_token

@@ -18,8 +18,9 @@ import pytest
 from helpers import tiny_with_real_tokenizer
 from serving import running_server
 
-from minillm.benchmarks.serve import make_trace
+from minillm.benchmarks.serve import OUTPUT_LEN, PROMPT_LEN
 from minillm.benchmarks.serve_http import client_trace
+from minillm.benchmarks.workload import uniform_trace
 from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
@@ -159,9 +160,10 @@ def test_a_failing_request_stops_the_bench_with_what_the_server_said(capsys, rea
 
 def test_max_tokens_makes_every_output_that_long_on_the_same_prompts(real_dir):
     tokenizer = Tokenizer(real_dir)
-    seeded = make_trace(tokenizer, 4)
+    seeded = uniform_trace(tokenizer, 4, PROMPT_LEN, OUTPUT_LEN)
     assert client_trace(tokenizer, 4) == seeded
-    assert client_trace(tokenizer, 4, max_tokens=128) == [(prompt, 128) for prompt, _ in seeded]
+    longer = client_trace(tokenizer, 4, max_tokens=128)
+    assert [(r.prompt_ids, r.output_len) for r in longer] == [(r.prompt_ids, 128) for r in seeded]
 
 
 @pytest.fixture(scope="module")
@@ -184,13 +186,14 @@ def test_url_drives_a_minillm_serve_started_by_hand(capsys, minillm_url):
     assert 0 < served["ttft_p50_s"] <= served["ttft_p99_s"] and 0 < served["itl_p50_s"] <= served["itl_p99_s"]
 
 
-def test_the_trace_replays_against_a_url(capsys, minillm_url):
+def test_the_workload_replays_against_a_url(capsys, minillm_url):
     url, model_dir = minillm_url
-    trace = ["--trace-seed", "7", "--trace-requests", "4", "--trace-scale", "0.1", "--trace-rate", "8"]
-    report = bench_url(capsys, model_dir, url, "--trace", *trace, "--max-tokens", "4")
+    sizes = ["--workload-seed", "7", "--workload-requests", "4"]
+    sizes += ["--workload-scale", "0.1", "--workload-rate", "8"]
+    report = bench_url(capsys, model_dir, url, "--workload", *sizes, "--max-tokens", "4")
     served = report["served"]
     assert report["url"] == url and report["model"] == "tiny" and report["serve_args"] == []
-    assert report["trace"]["kinds"]["chat"] == 2  # a chat turn, sent after its answer came back
+    assert report["workload"]["kinds"]["chat"] == 2  # a chat turn, sent after its answer came back
     assert served["requests"] == 4 and served["errors"] == 0, served["first_errors"]
-    assert served["output_tokens"] == report["trace"]["output_tokens"] == 4 * 4
+    assert served["output_tokens"] == report["workload"]["output_tokens"] == 4 * 4
     assert report["blocks_held_after"] is None  # /metrics is minillm's: not read through --url

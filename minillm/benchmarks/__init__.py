@@ -1,6 +1,8 @@
 """Benchmarks behind `minillm bench ...`: each measures side by side in one run and returns a
 dict (printed as JSON with --json) so numbers can be compared across commits."""
 
+from contextlib import contextmanager
+
 
 def cpu_model() -> str:
     """The CPU's marketing name from /proc/cpuinfo (Linux), else what `platform` knows."""
@@ -14,6 +16,63 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@contextmanager
+def torch_threads(threads: int):
+    """torch's threads set to `threads` for a run, and given back after it, however it ends."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def machine(threads: int | None = None) -> dict:
+    """What a measurement ran on: the CPU, its cores, torch's threads (`threads`, else now), torch's
+    and Python's versions."""
+    import os
+    import platform
+
+    import torch
+
+    return {
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "torch_threads": threads or torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def print_targets(report: dict, console) -> None:
+    """What a bench should buy beside what it bought (printed, never asserted), and the machine."""
+    from minillm.report import print_table
+
+    besides = any("beside" in t for t in report["targets"].values())
+    print_table(
+        console,
+        "targets (printed, not asserted)",
+        ["target", "want", "got", *(["beside it"] if besides else []), "met"],
+        [
+            [
+                name,
+                t["want"],
+                "n/a" if t["got"] is None else f"{t['got']:.2f}" if isinstance(t["got"], float) else t["got"],
+                *([t.get("beside", "")] if besides else []),
+                "yes" if t["met"] else "no",
+            ]
+            for name, t in report["targets"].items()
+        ],
+    )
+    m = report["machine"]
+    console.print(
+        f"[dim]{m['cpu_model']}, {m['cpus']} CPUs, {m['torch_threads']} torch thread(s), "
+        f"torch {m['torch']}; idle gaps in the trace are skipped, so tok/s is over busy time.[/dim]"
+    )
 
 
 def copy_bandwidth(device: str = "cpu", nbytes: int = 512 * 2**20, repeats: int = 5) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.benchmarks import copy_bandwidth, cpu_model, read_bandwidth
+from minillm.benchmarks import copy_bandwidth, machine, read_bandwidth
 from minillm.decoding import generate
 from minillm.engine import LLM
 from minillm.evaluation import read_text
@@ -225,15 +225,6 @@ def time_decoders(
                 runs[name].append(run_once(name))
         threads = tok_s_by_threads(lambda: run_once("cached"))
     return runs, threads
-
-
-def machine() -> dict:
-    return {
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "processor": cpu_model(),
-    }
 
 
 def speedups(decoders: dict, dtype: str) -> dict:

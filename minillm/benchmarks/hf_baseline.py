@@ -38,10 +38,11 @@ def hf_static(hf_model, trace, batch_size: int) -> tuple[list[dict], float]:
     requests = []
     for first in range(0, len(trace), batch_size):
         batch = trace[first : first + batch_size]
-        width = max(len(p) for p, _ in batch)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch], device=hf_model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch], device=hf_model.device)
-        longest = max(n for _, n in batch)
+        prompts = [r.prompt_ids for r in batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=hf_model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=hf_model.device)
+        longest = max(r.output_len for r in batch)
         clock = _TokenClock()
         with torch.inference_mode():
             generated = hf_model.generate(
@@ -53,7 +54,7 @@ def hf_static(hf_model, trace, batch_size: int) -> tuple[list[dict], float]:
                 pad_token_id=0,
                 streamer=clock,
             )  # (batch, width + longest)
-        for row, (_, n) in enumerate(batch):
+        for row, n in enumerate(r.output_len for r in batch):
             requests.append(
                 {
                     "token_ids": generated[row, width : width + n].tolist(),

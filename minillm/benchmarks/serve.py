@@ -26,7 +26,6 @@ each), and a block-size sweep: wasted slots, block-table entries, speed.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from pathlib import Path
@@ -34,39 +33,18 @@ from pathlib import Path
 import torch
 
 from minillm.benchmarks.hf_baseline import hf_static
+from minillm.benchmarks.stats import percentile
+from minillm.benchmarks.workload import Request, submit_exact, uniform_trace
 from minillm.config import DTYPES, ConfigError, ModelConfig
-from minillm.engine import LLM, SamplingParams
-from minillm.evaluation import read_text
+from minillm.engine import LLM
 from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
-
-def make_trace(
-    tokenizer: Tokenizer,
-    num_requests: int = 64,
-    seed: int = 0,
-    prompt_len: tuple[int, int] = (16, 320),
-    output_len: tuple[int, int] = (8, 160),
-) -> list[tuple[list[int], int]]:
-    """[(prompt_ids, output_len)]: prompts U[prompt_len] tokens of real text cut at random offsets,
-    outputs U[output_len] (both ranges inclusive; by default this benchmark's, U[16, 320] and U[8, 160])."""
-    text_ids = tokenizer.encode(read_text())
-    if prompt_len[1] >= len(text_ids):
-        raise ConfigError(
-            f"prompts of up to {prompt_len[1]} tokens cannot be cut from a text of {len(text_ids)}; "
-            "ask for shorter ones."
-        )
-    rng = random.Random(seed)
-    trace = []
-    for _ in range(num_requests):
-        length = rng.randint(*prompt_len)
-        start = rng.randrange(len(text_ids) - length)
-        trace.append((text_ids[start : start + length], rng.randint(*output_len)))
-    return trace
+PROMPT_LEN, OUTPUT_LEN = (16, 320), (8, 160)  # tokens, uniform: the trace's requests
 
 
-def trace_flops(config: ModelConfig, trace: list[tuple[list[int], int]]) -> float:
+def trace_flops(config: ModelConfig, trace: list[Request]) -> float:
     """The model FLOPs of serving `trace` once, 2 per multiply-add: the layers' matmuls for every
     computed token, attention (q.k and p.v over the token's history), and the lm_head for each
     output token's logits row."""
@@ -80,12 +58,13 @@ def trace_flops(config: ModelConfig, trace: list[tuple[list[int], int]]) -> floa
     mlp_params = 3 * hidden * config.intermediate_size  # gate, up, down
     layer_params = attention_params + mlp_params
     flops = 0.0
-    for prompt_ids, output_len in trace:
-        computed = len(prompt_ids) + output_len - 1  # the last output token is sampled, never fed back
+    for request in trace:
+        # the last output token is sampled, never fed back
+        computed = len(request.prompt_ids) + request.output_len - 1
         flops += 2 * config.num_layers * layer_params * computed
         # attention: token p reads p + 1 keys
         flops += 2 * 2 * config.num_layers * heads * head_dim * computed * (computed + 1) / 2
-        flops += 2 * config.vocab_size * hidden * output_len
+        flops += 2 * config.vocab_size * hidden * request.output_len
     return flops
 
 
@@ -107,12 +86,8 @@ def matmul_gflops(model, rows: int = 256, repeats: int = 5) -> float:
 
 
 def latency_summary(name: str, values: list[float]) -> dict:
-    """Mean and p90, the nearest-rank percentile: the smallest value that at least 90% of the
-    values are <= to, i.e. the ceil(0.9 n)-th smallest (one of the values, never interpolated;
-    with 2 values it is the larger one, with 10 the 9th)."""
-    values = sorted(values)
-    rank = -(-9 * len(values) // 10)  # ceil(0.9 n), in integers so no float rounding moves it
-    return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": values[rank - 1]}
+    """Mean and p90 (nearest rank: with 2 values the larger, with 10 the 9th)."""
+    return {f"{name}_mean_s": statistics.fmean(values), f"{name}_p90_s": percentile(values, 90)}
 
 
 def run_minillm(
@@ -128,8 +103,8 @@ def run_minillm(
     )
     engine = llm.engine
     start = time.perf_counter()
-    for prompt_ids, output_len in trace:
-        engine.add_request(prompt_ids, SamplingParams(max_tokens=output_len, ignore_eos=True))
+    for index, request in enumerate(trace):
+        submit_exact(engine, index, request, arrival_time=None)
     live = paged = arena = table_entries = running_samples = 0
     finished = []
     while engine.has_unfinished_requests():
@@ -208,10 +183,10 @@ def sweep_row(run: dict) -> dict:
 def describe_trace(trace, max_num_seqs: int, attention_backend: str, work: float) -> dict:
     return {
         "requests": len(trace),
-        "prompt_tokens": sum(len(p) for p, _ in trace),
-        "output_tokens": sum(n for _, n in trace),
-        "prompt_len": "U[16, 320]",
-        "output_len": "U[8, 160]",
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens": sum(r.output_len for r in trace),
+        "prompt_len": f"U{list(PROMPT_LEN)}",
+        "output_len": f"U{list(OUTPUT_LEN)}",
         "seed": 0,
         "max_num_seqs": max_num_seqs,
         "attention_backend": attention_backend,
@@ -231,7 +206,7 @@ def bench_serve(
     if num_requests < 1:
         raise ConfigError(f"bench serve needs at least 1 request (--requests {num_requests}); raise it.")
     model, tokenizer = load_model(model_dir, DTYPES[dtype]), Tokenizer(model_dir)
-    trace = make_trace(tokenizer, num_requests)
+    trace = uniform_trace(tokenizer, num_requests, PROMPT_LEN, OUTPUT_LEN)
     matmul_before = matmul_gflops(model)
     servers = run_servers(
         model_dir, model, tokenizer, trace, max_num_seqs, attention_backend, include_hf, dtype

@@ -2,7 +2,7 @@
 with the engine switches given, waited for until /health answers, read through /metrics (what it
 runs, waits for and holds), and stopped once the benchmark's block ends.
 
-`serve_http.py` and `serve_http_trace.py` drive it; `serve_http_url.py` sends the same load to a
+`serve_http.py` and `serve_http_workload.py` drive it; `serve_http_url.py` sends the same load to a
 server someone else started, and reads no /metrics.
 """
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -38,38 +39,30 @@ from minillm.benchmarks.http_client import (
     model_name,
     stream_completion,
 )
-from minillm.benchmarks.serve import make_trace
+from minillm.benchmarks.serve import OUTPUT_LEN, PROMPT_LEN
 from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import Request, uniform_trace
 from minillm.engine import LLM, SamplingParams
 from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest rank: the smallest value that at least q% of the values are <= to."""
-    values = sorted(values)
-    return values[max(0, -(-len(values) * q // 100) - 1)]
 
 
 def decode_speeds(inter_token: list[float | None]) -> dict:
     """Each client's decode once its first token has come: the inter-token latency p50/p99 over
     the clients, and the mean of their tok/s (1 / their inter-token latency)."""
     inter_token = [s for s in inter_token if s]  # a request of one token has none
-    if not inter_token:
-        return {"itl_p50_s": None, "itl_p99_s": None, "decode_tok_s_per_client": None}
-    return {
-        "itl_p50_s": percentile(inter_token, 50),
-        "itl_p99_s": percentile(inter_token, 99),
-        "decode_tok_s_per_client": sum(1 / s for s in inter_token) / len(inter_token),
-    }
+    mean_tok_s = sum(1 / s for s in inter_token) / len(inter_token) if inter_token else None
+    return {**tails("itl", inter_token), "decode_tok_s_per_client": mean_tok_s}
 
 
 # ----------------------------------------------------------------------------- the clients
 
 
-def client_trace(tokenizer: Tokenizer, clients: int, max_tokens: int | None = None) -> list[tuple]:
+def client_trace(tokenizer: Tokenizer, clients: int, max_tokens: int | None = None) -> list[Request]:
     """bench serve's seeded trace, one request per client; with `max_tokens`, every output that long."""
-    return [(prompt, max_tokens or n) for prompt, n in make_trace(tokenizer, clients)]
+    trace = uniform_trace(tokenizer, clients, PROMPT_LEN, OUTPUT_LEN)
+    return [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace] if max_tokens else trace
 
 
 async def run_clients(
@@ -82,10 +75,10 @@ async def run_clients(
         *[
             stream_completion(
                 server,
-                completion_body(model, prompt, n),
+                completion_body(model, request.prompt_ids, request.output_len),
                 disconnect_after if disconnect_after is not None and i % 2 else None,
             )
-            for i, (prompt, n) in enumerate(trace)
+            for i, request in enumerate(trace)
         ]
     )
     return results, max(r["end"] for r in results) - start
@@ -100,8 +93,7 @@ def clients_summary(results: list[dict], elapsed: float) -> dict:
         "output_tok_s": tokens / elapsed,
         "elapsed_s": elapsed,
         "output_tokens": tokens,
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p99_s": percentile(ttfts, 99),
+        **tails("ttft", ttfts),
         **decode_speeds([inter_token_s(r) for r in results]),
         "tokens_from": " and ".join(sorted({r["tokens_from"] for r in results})),
         "all_finished": all(r["done"] and r["status"] == 200 for r in results),
@@ -113,15 +105,14 @@ def clients_summary(results: list[dict], elapsed: float) -> dict:
 
 def run_generate(llm: LLM, trace, params) -> tuple[dict, list[str]]:
     start = time.perf_counter()
-    outputs = llm.generate([prompt for prompt, _ in trace], params)
+    outputs = llm.generate([r.prompt_ids for r in trace], params)
     elapsed = time.perf_counter() - start
     ttfts = [out.ttft for out in outputs]
     return (
         {
             "output_tok_s": sum(len(out.token_ids) for out in outputs) / elapsed,
             "elapsed_s": elapsed,
-            "ttft_p50_s": percentile(ttfts, 50),
-            "ttft_p99_s": percentile(ttfts, 99),
+            **tails("ttft", ttfts),
             **decode_speeds([out.tpot for out in outputs]),  # the same measure: the engine's clock
         },
         [out.text for out in outputs],
@@ -145,10 +136,10 @@ def best(rounds: list[dict]) -> dict:
 
 def describe_trace(trace, max_tokens: int | None = None) -> dict:
     return {
-        "prompt_tokens": sum(len(p) for p, _ in trace),
-        "output_tokens": sum(n for _, n in trace),
-        "prompt_len": "U[16, 320]",
-        "output_len": str(max_tokens) if max_tokens else "U[8, 160]",
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens": sum(r.output_len for r in trace),
+        "prompt_len": f"U{list(PROMPT_LEN)}",
+        "output_len": str(max_tokens) if max_tokens else f"U{list(OUTPUT_LEN)}",
         "seed": 0,
     }
 
@@ -176,9 +167,9 @@ def bench_serve_http(
     max_tokens: int | None = None,
 ) -> dict:
     trace = client_trace(Tokenizer(model_dir), clients, max_tokens)
-    params = [SamplingParams(max_tokens=n, ignore_eos=True) for _, n in trace]
+    params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in trace]
     llm = LLM(model_dir, **switches)
-    llm.generate([trace[0][0]], SamplingParams(max_tokens=4))  # warm-up
+    llm.generate([trace[0].prompt_ids], SamplingParams(max_tokens=4))  # warm-up
     generate_rounds, server_rounds = [], []
     with minillm_serve(serve_args) as server:
         model = model_name(server)

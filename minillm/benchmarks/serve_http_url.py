@@ -18,7 +18,6 @@ blocks held, requests aborted), so no round of clients hanging up either.
 from __future__ import annotations
 
 import asyncio
-import statistics
 from pathlib import Path
 
 from minillm.benchmarks.http_client import Endpoint, model_name, parse_url
@@ -30,6 +29,7 @@ from minillm.benchmarks.serve_http import (
     duration,
     run_clients,
 )
+from minillm.benchmarks.stats import spread
 from minillm.config import ConfigError
 from minillm.report import print_table
 from minillm.tokenizer import Tokenizer
@@ -63,12 +63,10 @@ def run_round(server: Endpoint, model: str, trace) -> dict:
     return clients_summary(results, elapsed)
 
 
-def spread(rounds: list[dict], name: str) -> dict | None:
+def over_rounds(rounds: list[dict], name: str) -> dict | None:
     """One number's median, min and max over the rounds (None where a round has none)."""
     values = [run[name] for run in rounds]
-    if None in values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return None if None in values else spread(values)
 
 
 def bench_serve_http_url(
@@ -86,9 +84,9 @@ def bench_serve_http_url(
         "clients": clients,
         "repeats": repeats,
         "trace": describe_trace(trace, max_tokens),
-        "output_tokens_asked": sum(n for _, n in trace),
+        "output_tokens_asked": sum(r.output_len for r in trace),
         "tokens_from": " and ".join(sorted({run["tokens_from"] for run in rounds})),
-        "spread": {name: spread(rounds, name) for name in ROUND_NUMBERS},
+        "spread": {name: over_rounds(rounds, name) for name in ROUND_NUMBERS},
         "rounds": rounds,
     }
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from minillm.benchmarks import cpu_model
 from minillm.config import DTYPES, EngineConfig
-from minillm.engine import LLM
+from minillm.engine import LLM, RequestOutput
 from minillm.evaluation import DEFAULT_TEXT, TECHNICAL_TEXT, read_text
 from minillm.report import print_table
 from minillm.sampling import SamplingParams
@@ -91,13 +91,13 @@ def prompt_sets(tokenizer: Tokenizer, which: str) -> dict[str, list[list[int]]]:
     return {"input-grounded": grounded_prompts(tokenizer, which), "open-ended": open_ended}
 
 
-def decode_rate(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, list[int]]:
-    """One request alone: decode tok/s from its first token to its last, and its tokens."""
+def decode_rate(llm: LLM, prompt: list[int], params: SamplingParams) -> tuple[float, RequestOutput]:
+    """One request alone: decode tok/s from its first token to its last, and what it got."""
     first = out = None
     for out in llm.stream(prompt, params):
         first = first or time.perf_counter()
     elapsed = time.perf_counter() - first
-    return (len(out.token_ids) - 1) / elapsed if elapsed > 0 else 0.0, out.token_ids
+    return (len(out.token_ids) - 1) / elapsed if elapsed > 0 else 0.0, out
 
 
 def batch_time(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, list]:
@@ -116,17 +116,17 @@ def _batch_one(plain: LLM, guessing: LLM, prompts, params, repeats: int) -> dict
     for prompt in prompts:
         rates = {"plain": [], "ngram": []}
         for _ in range(repeats):
-            plain_rate, plain_tokens = decode_rate(plain, prompt, params)
-            guess_rate, guess_tokens = decode_rate(guessing, prompt, params)
+            plain_rate, plain_out = decode_rate(plain, prompt, params)
+            guess_rate, guess_out = decode_rate(guessing, prompt, params)
             rates["plain"].append(plain_rate)
             rates["ngram"].append(guess_rate)
-            identical &= plain_tokens == guess_tokens
+            identical &= plain_out.token_ids == guess_out.token_ids
         ratio = [g / p for p, g in zip(rates["plain"], rates["ngram"])]
         ratios += ratio
         rows.append(
             {
                 "prompt_tokens": len(prompt),
-                "output_tokens": len(plain_tokens),
+                "output_tokens": len(plain_out.token_ids),
                 "plain_tok_s": statistics.median(rates["plain"]),
                 "ngram_tok_s": statistics.median(rates["ngram"]),
                 "speedup": statistics.median(ratio),
@@ -144,7 +144,7 @@ def _batch_one(plain: LLM, guessing: LLM, prompts, params, repeats: int) -> dict
     }
 
 
-def _batched(plain: LLM, guessing: LLM, prompts, params, batch: int, repeats: int) -> dict:
+def batched(plain: LLM, guessing: LLM, prompts, params, batch: int, repeats: int) -> dict:
     """`batch` of the prompts at once (the set repeated to fill it), without and with speculation."""
     batch_prompts = [prompts[i % len(prompts)] for i in range(batch)]
     times, identical = {"plain": [], "ngram": []}, True
@@ -167,7 +167,7 @@ def _batched(plain: LLM, guessing: LLM, prompts, params, batch: int, repeats: in
     }
 
 
-def _counted(llm: LLM, run) -> tuple[dict, dict]:
+def counted(llm: LLM, run) -> tuple[dict, dict]:
     """What `run()` returns, and the speculation counters it moved."""
     stats = llm.engine.stats
     before = (stats.spec_drafts, stats.spec_draft_tokens, stats.spec_accepted_tokens)
@@ -215,10 +215,8 @@ def bench_speculative(
         llm.generate(sets["open-ended"][:1], SamplingParams(max_tokens=4))
     results = {}
     for kind, asked in sets.items():
-        one, one_counts = _counted(guessing, lambda: _batch_one(plain, guessing, asked, params, repeats))
-        many, many_counts = _counted(
-            guessing, lambda: _batched(plain, guessing, asked, params, batch, repeats)
-        )
+        one, one_counts = counted(guessing, lambda: _batch_one(plain, guessing, asked, params, repeats))
+        many, many_counts = counted(guessing, lambda: batched(plain, guessing, asked, params, batch, repeats))
         results[kind] = {"batch_1": {**one, **one_counts}, "batched": {**many, **many_counts}}
     return {
         "cpu": cpu_model(),

@@ -46,7 +46,7 @@ def add_bench(subparsers) -> None:
     ):
         add_command(benches)
     for name, command in benches.choices.items():
-        if name != "serve-http":  # its --trace is a request trace to replay; its engine is `minillm serve`'s
+        if name != "serve-http":  # its engines run in a `minillm serve` child; its old --trace: one line
             add_trace_arg(command)
 
 

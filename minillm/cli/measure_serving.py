@@ -1,14 +1,16 @@
 """The commands that measure the engine serving many requests: `minillm bench serve` (one seeded
 trace through continuous and static batching and HF transformers), `minillm bench serve-http` (the
-same trace through a `minillm serve` child, N streaming clients; or through any OpenAI-compatible
-server with --url) and `minillm bench prefix` (a shared system prompt with the prefix cache off
-and on).
+same trace through a `minillm serve` child, N streaming clients, or bench scheduling's workload with
+--workload; or through any OpenAI-compatible server with --url) and `minillm bench prefix` (a
+shared system prompt with the prefix cache off and on).
 
 As in `measure.py`: each benchmark lives in `minillm.benchmarks` and returns one dict, printed as
 one JSON object with --json, else as its module's tables.
 """
 
 from __future__ import annotations
+
+import argparse
 
 from minillm.cli.flags import (
     CPU_BACKENDS,
@@ -88,7 +90,7 @@ def cmd_bench_serve(args) -> None:
 def add_bench_serve_http(benches) -> None:
     http = benches.add_parser(
         "serve-http",
-        help="minillm serve with N streaming clients vs LLM.generate, or a trace's goodput",
+        help="minillm serve with N streaming clients vs LLM.generate, or a workload's goodput",
         description="The HTTP server's cost: N streaming clients (default 32) send bench "
         "serve's seeded trace at once to a `minillm serve` child process; "
         "aggregate output tok/s against LLM.generate on the same prompts in "
@@ -97,12 +99,12 @@ def add_bench_serve_http(benches) -> None:
         "once all have finished, and again after half of them hang up "
         "mid-stream (must be 0). Per client: the inter-token latency p50/p99 and decode tok/s. "
         "With --url, the same clients against a server already running (llama.cpp's, vLLM, "
-        "minillm serve...). With --trace, bench scheduling's seeded traffic instead, each "
+        "minillm serve...). With --workload, bench scheduling's seeded traffic instead, each "
         "request at its arrival time: goodput within a TTFT and a TPOT SLO. Needs the serve "
         'extra: pip install -e ".[serve]" (not with --url).',
     )
     add_client_args(http)
-    add_trace_args(http)
+    add_workload_args(http)
     http.add_argument("--json", action="store_true", help="print one JSON object")
     add_engine_args(http)
     add_kv_quantization_args(http)
@@ -113,61 +115,76 @@ def add_bench_serve_http(benches) -> None:
     http.set_defaults(func=cmd_bench_serve_http)
 
 
-def add_trace_args(http) -> None:
-    """--trace: bench scheduling's traffic instead of N clients at once, and its SLOs."""
-    from minillm.benchmarks import serve_http_trace as defaults
+def add_workload_args(http) -> None:
+    """--workload: bench scheduling's traffic instead of N clients at once, and its SLOs."""
+    from minillm.benchmarks import serve_http_workload as defaults
 
-    trace = http.add_argument_group("--trace (bench scheduling's traffic, sent over HTTP)")
-    trace.add_argument(
-        "--trace",
+    workload = http.add_argument_group("--workload (bench scheduling's traffic, sent over HTTP)")
+    workload.add_argument(
+        "--workload",
         action="store_true",
-        help="instead of the clients above and LLM.generate: replay bench scheduling's seeded trace "
+        help="instead of the clients above and LLM.generate: replay bench scheduling's seeded workload "
         "(questions, shared system prompts, multi-turn chats, documents, long answers; Poisson "
         "arrivals) against the server, each request streamed at its arrival time, a chat turn after "
         "its previous answer and a think time; prints goodput (requests within both SLOs), TTFT "
         "and TPOT p50/p99",
     )
-    trace.add_argument(
-        "--trace-seed", type=int, default=defaults.SEED, help="the trace's seed (default: %(default)s)"
+    workload.add_argument(
+        "--workload-seed", type=int, default=defaults.SEED, help="the workload's seed (default: %(default)s)"
     )
-    trace.add_argument(
-        "--trace-requests",
+    workload.add_argument(
+        "--workload-requests",
         type=positive_int,
         default=defaults.REQUESTS,
-        help="requests in the trace, a chat's every turn counted (default: %(default)s)",
+        help="requests in the workload, a chat's every turn counted (default: %(default)s)",
     )
-    trace.add_argument(
-        "--trace-rate",
+    workload.add_argument(
+        "--workload-rate",
         type=positive_float,
         default=defaults.RATE,
         help="arrivals per second, Poisson (default: %(default)s)",
     )
-    trace.add_argument(
-        "--trace-scale",
+    workload.add_argument(
+        "--workload-scale",
         type=positive_float,
         default=defaults.SCALE,
         help="multiplies every prompt and output length (default: %(default)s)",
     )
     for name, what in (("ttft", "time to first token"), ("tpot", "time per output token")):
-        trace.add_argument(
+        workload.add_argument(
             f"--{name}-slo",
             type=positive_float,
             default=None,
             metavar="SECONDS",
             help=f"a request is good if its {what} is at most this (default: {defaults.SLO_FACTOR} x "
             + (
-                "the trace's longest prompt's prefill"
+                "the workload's longest prompt's prefill"
                 if name == "ttft"
                 else "the time per token of one request decoding alone"
             )
             + ", measured on the idle server before the replay, the smaller of 2 tries)",
         )
+    workload.add_argument(
+        *(f"--trace{tail}" for tail in ("", "-seed", "-requests", "-rate", "-scale")),
+        nargs="?",
+        action=Renamed,
+        help=argparse.SUPPRESS,
+    )
+
+
+class Renamed(argparse.Action):
+    """A flag bench serve-http renamed: --trace and --trace-* replayed a request trace here, and
+    now --workload does (everywhere else --trace FILE writes KV events). One line says which."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        renamed = option_string.replace("--trace", "--workload")
+        parser.error(f"{option_string} is now {renamed}")
 
 
 def cmd_bench_serve_http(args) -> None:
     from minillm.benchmarks.serve_http import bench_serve_http, print_serve_http_report
-    from minillm.benchmarks.serve_http_trace import print_serve_http_trace_report
     from minillm.benchmarks.serve_http_url import bench_serve_http_url, print_serve_http_url_report
+    from minillm.benchmarks.serve_http_workload import print_serve_http_workload_report
     from minillm.config import ConfigError
     from minillm.serve import missing_server_packages
 
@@ -180,8 +197,8 @@ def cmd_bench_serve_http(args) -> None:
 
         torch.set_num_threads(args.threads)
     serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
-    if args.trace:
-        show(bench_trace_from(args, serve_args, switches), print_serve_http_trace_report, args.json)
+    if args.workload:
+        show(bench_workload_from(args, serve_args, switches), print_serve_http_workload_report, args.json)
     elif args.url:
         show(
             bench_serve_http_url(args.model, args.url, args.clients, args.max_tokens, args.repeats),
@@ -214,14 +231,14 @@ def add_client_args(parser) -> None:
         "tokenizer, so serve the same model; ignore_eos), the model named by URL/v1/models; no "
         "LLM.generate comparison, no /metrics checks, no disconnect round, and the engine flags "
         "and --threads do not apply. With --repeats, the median and min-max of the rounds. With "
-        "--trace, that trace replayed against URL (no KV blocks check)",
+        "--workload, that workload replayed against URL (no KV blocks check)",
     )
     parser.add_argument(
         "--max-tokens",
         type=positive_int,
         default=None,
         metavar="N",
-        help="every request decodes exactly N tokens instead of its trace's length (e.g. --clients 1 "
+        help="every request decodes exactly N tokens instead of its own length (e.g. --clients 1 "
         "--max-tokens 128: one stream's decode speed)",
     )
     parser.add_argument(
@@ -249,17 +266,17 @@ def add_client_args(parser) -> None:
     )
 
 
-def bench_trace_from(args, serve_args: list[str], switches: dict) -> dict:
-    from minillm.benchmarks.serve_http_trace import bench_serve_http_trace
+def bench_workload_from(args, serve_args: list[str], switches: dict) -> dict:
+    from minillm.benchmarks.serve_http_workload import bench_serve_http_workload
 
-    return bench_serve_http_trace(
+    return bench_serve_http_workload(
         args.model,
         serve_args,
         switches,
-        seed=args.trace_seed,
-        num_requests=args.trace_requests,
-        rate=args.trace_rate,
-        scale=args.trace_scale,
+        seed=args.workload_seed,
+        num_requests=args.workload_requests,
+        rate=args.workload_rate,
+        scale=args.workload_scale,
         ttft_slo=args.ttft_slo,
         tpot_slo=args.tpot_slo,
         progress=not args.json,

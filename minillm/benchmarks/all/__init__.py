@@ -19,12 +19,12 @@ row of the table names its benchmark, and `minillm bench NAME` measures it at fu
 The package, in the order a run reads it:
   suite.py      the benchmarks, how each is called, and their sizes: `BENCHMARKS`, `SIZES`
   headlines.py  each report's headline numbers and bar chart
-  run.py        every benchmark in turn, the files written: `bench_all`
-  report.py     the markdown table, the plots, the printed table: `print_results`
+  bench.py      every benchmark in turn, the files written: `bench_all`
+  results.py    the markdown table, the plots, the printed table: `print_results`
 """
 
-from minillm.benchmarks.all.report import print_results
-from minillm.benchmarks.all.run import bench_all
+from minillm.benchmarks.all.bench import bench_all
+from minillm.benchmarks.all.results import print_results
 from minillm.benchmarks.all.suite import BENCHMARKS, SIZES, Benchmark
 
 __all__ = ["BENCHMARKS", "SIZES", "Benchmark", "bench_all", "print_results"]

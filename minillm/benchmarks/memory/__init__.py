@@ -52,14 +52,14 @@ tok/s is over busy time, CPU seconds are reported beside wall time, and targets 
 beside the numbers, never asserted.
 
 The package, in the order a run reads it:
-  trace.py   the seeded trace: request kinds, prompts cut from prose, `ScriptedStop`
+  trace.py   the seeded trace: its request kinds and shares (built from `workload.py`)
   rows.py    the rows, one layer added each; the calibration; quality through the lossy caches
   load.py    the closed-loop load tests
-  run.py     the whole run and its targets: `bench_memory`
-  report.py  the tables: `print_memory_report`
+  bench.py   the whole run and its targets: `bench_memory`
+  tables.py  the tables: `print_memory_report`
 """
 
-from minillm.benchmarks.memory.report import print_memory_report
-from minillm.benchmarks.memory.run import SIZES, bench_memory
+from minillm.benchmarks.memory.bench import SIZES, bench_memory
+from minillm.benchmarks.memory.tables import print_memory_report
 
 __all__ = ["SIZES", "bench_memory", "print_memory_report"]

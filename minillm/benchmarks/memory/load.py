@@ -6,18 +6,10 @@ from __future__ import annotations
 import random
 import time
 
-from minillm.benchmarks.memory.trace import (
-    BLOCK_SIZE,
-    KINDS,
-    SEED,
-    SYSTEM_PROMPTS,
-    chat_prompt,
-    scaled,
-    system_prompts,
-)
-from minillm.benchmarks.tiers import percentile
+from minillm.benchmarks.memory.trace import KINDS, SEED, SYSTEM_PROMPTS, chat_prompt, chat_systems
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import BLOCK_SIZE, Prose, scaled
 from minillm.engine import LLM, SamplingParams
-from minillm.evaluation import read_text
 from minillm.progress import progress_bar
 
 LOAD_OUTPUT, LOAD_TTFT_TIMES = 16, 5  # the load tests' requests: a chat, 16 tokens out
@@ -67,10 +59,8 @@ def closed_loop(
         "requests": clients * per_client,
         "errors": errors,
         "elapsed_s": time.perf_counter() - start,
-        "latency_p50_s": percentile(latency, 50),
-        "latency_p99_s": percentile(latency, 99),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
+        **tails("latency", latency),
+        **tails("ttft", ttft),
         "peak_seqs": max(map(len, engine.stats.batches)),
         "preemptions": engine.num_preemptions,
     }
@@ -80,15 +70,12 @@ def load_prompts(tokenizer, sizes: dict) -> list[list[int]]:
     """Chat requests like the trace's (one of its system prompts and a user turn cut from prose,
     seeded), enough for the largest client count to send its share."""
     scale = sizes["scale"]
-    systems = system_prompts(tokenizer, scale)
-    text_ids = tokenizer.encode(read_text())
+    systems, prose = chat_systems(tokenizer, scale), Prose(tokenizer)
     rng = random.Random(SEED + 1)
     user_len = [scaled(n, scale) for n in KINDS[1].prompt_len]
     prompts = []
     for index in range(max(sizes["grid"] + (sizes["clients"],)) * sizes["load_requests"]):
-        length = rng.randint(*user_len)
-        start = rng.randrange(len(text_ids) - length)
-        user_ids = text_ids[start : start + length]
+        user_ids = prose.cut(rng.randint(*user_len), rng)
         prompts.append(chat_prompt(tokenizer, systems[index % SYSTEM_PROMPTS], user_ids))
     return prompts
 

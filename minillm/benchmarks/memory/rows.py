@@ -3,13 +3,16 @@ the goodput targets come from; and quality (perplexity) through the lossy caches
 
 from __future__ import annotations
 
-from minillm.benchmarks.memory.trace import (
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import (
     BLOCK_SIZE,
     SECOND_TEXT,
     Request,
-    submit,
+    blocks_for,
+    pool_bytes,
+    run_trace,
+    submit_scripted,
 )
-from minillm.benchmarks.tiers import blocks_for, percentile, run_trace
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import DEFAULT_TEXT, perplexities, read_text
 from minillm.tokenizer import Tokenizer
@@ -85,9 +88,8 @@ def trace_row(
         "errors": sum(out.error is not None for out in outputs),
         "goodput": good / len(outputs),
         "goodput_requests": good,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile([out.tpot for out in outputs if out.tpot is not None], 50),
+        **tails("ttft", ttft),
+        **tails("tpot", [out.tpot for out in outputs if out.tpot is not None]),
         "peak_seqs": max(map(len, stats.batches)),
         "preemptions": counters["preemptions"],
         "recomputed_tokens": counters["recomputed_tokens"],
@@ -124,7 +126,7 @@ def run_row(
         reserved[0] += sum(blocks_for(seq.max_len) * BLOCK_SIZE for seq in engine.snapshot().running())
 
     outputs, elapsed, cpu_s = run_trace(
-        llm.engine, trace, label, progress, watch=count_reservations, add=submit
+        llm.engine, trace, label, progress, watch=count_reservations, add=submit_scripted
     )
     row = trace_row(llm.engine, outputs, elapsed, cpu_s, reserved[0], targets)
     return row, [out.token_ids for out in outputs]
@@ -137,7 +139,7 @@ def calibrate(model, tokenizer, trace: list[Request], common: dict) -> dict:
     """On an idle engine with room to spare: the trace's longest prompt prefilled alone (best of
     two), and a batch-1 decode step (a question's TPOT). The goodput targets are multiples of them."""
     longest = max(trace, key=lambda r: len(r.prompt_ids)).prompt_ids
-    kv_bytes = BLOCK_SIZE * model.config.kv_bytes_per_token(model.dtype) * blocks_for(len(longest) + 64)
+    kv_bytes = pool_bytes(model, len(longest) + 64)
     llm = LLM(model=model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_bytes=kv_bytes, **common)
     prefill = SamplingParams(max_tokens=1, ignore_eos=True)
     prefill_s = min(llm.generate([longest], prefill)[0].ttft for _ in range(2))
@@ -179,7 +181,7 @@ def measure_quality(
     Eviction keeps its budget every step here: the upper bound of what it costs in the trace, where
     it evicts only after a step that ran short."""
     texts, note = quality_texts(tokenizer)
-    segment_bytes = BLOCK_SIZE * model.config.kv_bytes_per_token(model.dtype) * blocks_for(segment_len)
+    segment_bytes = pool_bytes(model, segment_len)
     kv_bytes = segment_bytes * segments * len(texts)
     results = {}
     for name, switches in {"exact": {}, **settings}.items():

@@ -34,14 +34,14 @@ The run, in order:
 Every engine has the prefix cache on and the same small device pool; nothing is lossy.
 
 The package, in the order a run reads it:
-  trace.py   the seeded traffic: kinds, shares, Poisson arrivals, conversations
+  trace.py   the seeded traffic: its kinds and shares (built from `workload.py`)
   replay.py  a trace through an engine on the wall clock
   lengths.py the output lengths admission is given, and how well they rank
-  run.py     the whole run: `bench_scheduling`
-  report.py  the tables and what they mean: `print_scheduling_report`
+  bench.py   the whole run: `bench_scheduling`
+  tables.py  the tables and what they mean: `print_scheduling_report`
 """
 
-from minillm.benchmarks.scheduling.report import print_scheduling_report
-from minillm.benchmarks.scheduling.run import SIZES, bench_scheduling
+from minillm.benchmarks.scheduling.bench import SIZES, bench_scheduling
+from minillm.benchmarks.scheduling.tables import print_scheduling_report
 
 __all__ = ["SIZES", "bench_scheduling", "print_scheduling_report"]

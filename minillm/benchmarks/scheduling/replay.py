@@ -16,9 +16,7 @@ import heapq
 import time
 from dataclasses import dataclass
 
-from minillm.benchmarks.memory.trace import ScriptedStop
-from minillm.benchmarks.scheduling.trace import TraceRequest, next_turn_prompt
-from minillm.engine import SamplingParams
+from minillm.benchmarks.workload import Request, next_turn_prompt, submit_scripted
 from minillm.progress import progress_bar
 
 
@@ -37,7 +35,7 @@ class Served:
 def replay(
     engine,
     tokenizer,
-    trace: list[TraceRequest],
+    trace: list[Request],
     label: str = "",
     progress: bool = False,
     step_s: float | None = None,
@@ -65,7 +63,8 @@ def replay(
             while due and due[0][0] <= clock:
                 arrival, index = heapq.heappop(due)
                 wall_arrival = None if step_s is not None else arrival + start - skipped  # perf_counter()
-                _submit(engine, trace, index, prompts, wall_arrival)
+                prompt = prompts.setdefault(index, trace[index].prompt_ids)
+                submit_scripted(engine, index, trace[index], wall_arrival, prompt)
             for out in engine.step():
                 if not out.finished:
                     continue
@@ -82,15 +81,3 @@ def replay(
                     heapq.heappush(due, (now() + trace[follower].arrival_s, follower))
     busy = time.perf_counter() - start  # the wall's time: the idle time was jumped over, never waited
     return [served[index] for index in range(len(trace))], busy, engine.stats.steps
-
-
-def _submit(engine, trace: list[TraceRequest], index: int, prompts: dict, arrival_time: float | None) -> None:
-    request = trace[index]
-    prompt = prompts.setdefault(index, request.prompt_ids)
-    engine.add_request(
-        prompt,
-        SamplingParams(max_tokens=request.max_tokens),
-        request_id=str(index),
-        arrival_time=arrival_time,
-        sampler=ScriptedStop(request.output_len, engine.eos_token_id),
-    )

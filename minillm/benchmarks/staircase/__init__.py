@@ -7,7 +7,7 @@ sized for the worst case, int8 fits ~1.7x (bf16; ~3.5x fp32) the tokens again, a
 prefill computes the same attention without a score matrix; each step says what it bought, here, measured now.
 
 The payoff is a claim about serving *under a KV budget*: many requests, decode-heavy, a pool that
-holds far fewer worst cases than the traffic needs. So the trace (`serve.make_trace`, one per
+holds far fewer worst cases than the traffic needs. So the trace (`workload.uniform_trace`, one per
 seed) is chat-like: 20 requests all arriving at t=0, prompts U[64, 384] tokens cut from real
 prose, answers U[64, 320] tokens decoded greedily to exactly that length (EOS ignored), so every
 row does the same work. --quick: 12 requests, prompts U[64, 256], answers U[64, 160], one seed.
@@ -45,11 +45,11 @@ NOISE), which did not.
 The package, in the order a run reads it:
   rows.py     the budget, the four rows, their comparisons and medians: `run_rows`, `summarize`
   prefill.py  prefill attention alone: `prefill_attention`
-  run.py      the whole run: `bench_staircase`, `SIZES`
-  report.py   what it means and the tables: `print_staircase_report`
+  bench.py    the whole run: `bench_staircase`, `SIZES`
+  tables.py   what it means and the tables: `print_staircase_report`
 """
 
-from minillm.benchmarks.staircase.report import print_staircase_report
-from minillm.benchmarks.staircase.run import SIZES, bench_staircase
+from minillm.benchmarks.staircase.bench import SIZES, bench_staircase
+from minillm.benchmarks.staircase.tables import print_staircase_report
 
 __all__ = ["SIZES", "bench_staircase", "print_staircase_report"]

@@ -7,12 +7,11 @@ from __future__ import annotations
 from statistics import median
 
 from minillm.benchmarks.hf_baseline import hf_static
-from minillm.benchmarks.tiers import blocks_for, percentile, run_trace
-from minillm.benchmarks.tiers.preemption import Request
-from minillm.config import DTYPES, ConfigError, EngineConfig
-from minillm.engine import LLM, SamplingParams
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for, run_trace, warm_up
+from minillm.config import DTYPES, ConfigError
+from minillm.engine import LLM
 
-BLOCK_SIZE = EngineConfig.block_size
 ROWS = {  # name -> (label, minillm's switches beside the budget and the backend; None: HF's own cache)
     "hf": ("(1) HF transformers, static", None),
     "paged": ("(2) paged + continuous, memory-aware", {"admission": "memory", "flash_prefill": False}),
@@ -58,10 +57,8 @@ def latencies(requests: list[dict], elapsed: float) -> dict:
     return {
         "output_tok_s": sum(len(r["token_ids"]) for r in requests) / elapsed,
         "elapsed_s": elapsed,
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile(tpot, 50) if tpot else None,
-        "tpot_p99_s": percentile(tpot, 99) if tpot else None,
+        **tails("ttft", ttft),
+        **tails("tpot", tpot),
     }
 
 
@@ -69,12 +66,16 @@ def run_hf_row(model_dir, trace, budget: dict, dtype: str, device: str) -> tuple
     from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
 
     hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
-    hf_static(hf_model, [(trace[0][0][:32], 2)], 1)  # warm-up, so the row does not pay for it
+    hf_static(
+        hf_model, [Request("warm-up", trace[0].prompt_ids[:32], 2, 2)], 1
+    )  # warm-up, so the row does not pay for it
     batch = budget["hf_batch_size"]
     requests, elapsed = hf_static(hf_model, trace, batch)
     batches = [trace[first : first + batch] for first in range(0, len(trace), batch)]
     # a batch's cache ends holding every row's padded prompt and the longest output (less its last token)
-    peak_tokens = max(len(b) * (max(len(p) for p, _ in b) + max(n for _, n in b) - 1) for b in batches)
+    peak_tokens = max(
+        len(b) * (max(len(r.prompt_ids) for r in b) + max(r.output_len for r in b) - 1) for b in batches
+    )
     return {
         **latencies(requests, elapsed),
         "kv_bytes_peak": peak_tokens * budget["kv_bytes_per_token"],
@@ -90,7 +91,7 @@ def run_minillm_row(
     llm = LLM(
         model=model, tokenizer=tokenizer, block_size=BLOCK_SIZE, kv_cache_bytes=kv_bytes, **common, **switches
     )
-    outputs, elapsed, _ = run_trace(llm.engine, [Request(p, n, 0.0) for p, n in trace], label, progress)
+    outputs, elapsed, _ = run_trace(llm.engine, trace, label, progress)
     stats, memory = llm.engine.stats, llm.engine.snapshot()
     requests = [{"token_ids": out.token_ids, "ttft": out.ttft, "tpot": out.tpot} for out in outputs]
     return {
@@ -102,13 +103,6 @@ def run_minillm_row(
         "blocks": memory.num_blocks,
         "kv_bytes_per_token": memory.bytes_per_token,
     }, [out.token_ids for out in outputs]
-
-
-def warm_up(model, tokenizer, common: dict) -> None:
-    """One short request through the kernels (built here on first use), so row (2) does not pay."""
-    kv_bytes = 8 * BLOCK_SIZE * model.config.kv_bytes_per_token(model.dtype)
-    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=kv_bytes, kv_dtype="int8", **common)
-    llm.generate([[1] * 32], SamplingParams(max_tokens=2, ignore_eos=True))
 
 
 def compare(rows: dict, tokens: dict) -> None:
@@ -144,7 +138,7 @@ def run_rows(
     model_dir, model, tokenizer, trace, budget: dict, common: dict, include_hf: bool, progress: bool
 ):
     """Every row on the trace, in order, with its label, switches and comparisons."""
-    warm_up(model, tokenizer, common)
+    warm_up(model, tokenizer, {**common, "kv_dtype": "int8"})  # the int8 kernels built too
     rows, tokens = {}, {}
     for name, (label, switches) in ROWS.items():
         if switches is None:

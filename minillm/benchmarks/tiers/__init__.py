@@ -26,15 +26,14 @@ time moves with the neighbours' load and CPU time much less. Targets are printed
 numbers, never asserted: a timing is a measurement, not a test.
 
 The package, in the order a run reads it:
-  preemption.py  the trace, `run_trace` (also `bench memory`'s runner) and part 1
+  preemption.py  part 1, on `workload.uniform_trace`
   sessions.py    parts 2 and 3: resume from a session file, prefix spill to a host tier
   spill_rule.py  part 4: the two spill rules on mixed traffic, on a step clock
-  run.py         the four parts on one model, and the targets: `bench_tiers`
-  report.py      the tables: `print_tiers_report`
+  bench.py       the four parts on one model, and the targets: `bench_tiers`
+  tables.py      the tables: `print_tiers_report`
 """
 
-from minillm.benchmarks.tiers.preemption import blocks_for, percentile, run_trace
-from minillm.benchmarks.tiers.report import print_tiers_report
-from minillm.benchmarks.tiers.run import bench_tiers
+from minillm.benchmarks.tiers.bench import bench_tiers
+from minillm.benchmarks.tiers.tables import print_tiers_report
 
-__all__ = ["bench_tiers", "blocks_for", "percentile", "print_tiers_report", "run_trace"]
+__all__ = ["bench_tiers", "print_tiers_report"]

@@ -1,95 +1,16 @@
-"""Tiers, part 1: preemption by recompute, swap or auto on a seeded trace, and the trace runner
-(`run_trace`) that `bench memory` reuses."""
+"""Tiers, part 1: preemption by recompute, swap or auto on a seeded trace (`workload.uniform_trace`:
+prompts on a shared system prompt, Poisson arrivals), served by `workload.run_trace`."""
 
 from __future__ import annotations
 
-import random
-import time
-from collections import deque
-from dataclasses import dataclass
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import BLOCK_SIZE, blocks_for, pool_bytes, run_trace, uniform_trace
+from minillm.config import SWITCHES, ConfigError
+from minillm.engine import LLM
 
-from minillm.config import SWITCHES, ConfigError, EngineConfig
-from minillm.engine import LLM, SamplingParams
-from minillm.evaluation import read_text
-from minillm.progress import progress_bar
-from minillm.tokenizer import Tokenizer
-
-BLOCK_SIZE = EngineConfig.block_size
 PROMPT_LEN, OUTPUT_LEN = (16, 96), (8, 40)  # tokens, uniform; the preemption trace
 SYSTEM_LEN = 2 * BLOCK_SIZE  # every prompt opens with these tokens: blocks the prefix cache shares
 SEED = 0
-
-
-@dataclass
-class Request:
-    prompt_ids: list[int]
-    output_len: int
-    arrival_s: float  # seconds after the trace starts
-
-
-def make_trace(tokenizer: Tokenizer, num_requests: int, rate: float) -> list[Request]:
-    """Prompts of the text's first SYSTEM_LEN tokens (a system prompt they all share), then a cut at
-    a random offset of the same prose; exponential gaps of mean 1/rate seconds."""
-    text_ids = tokenizer.encode(read_text())
-    system = text_ids[:SYSTEM_LEN]
-    rng = random.Random(SEED)
-    trace, arrival = [], 0.0
-    for _ in range(num_requests):
-        prompt_len = rng.randint(*PROMPT_LEN)
-        start = rng.randrange(len(text_ids) - prompt_len)
-        prompt = system + text_ids[start : start + prompt_len]
-        trace.append(Request(prompt, rng.randint(*OUTPUT_LEN), arrival))
-        arrival += rng.expovariate(rate)
-    return trace
-
-
-def submit(engine, index: int, request: Request, arrival_time: float) -> None:
-    """A trace request into the engine: decoded to exactly its output length, EOS ignored."""
-    engine.add_request(
-        request.prompt_ids,
-        SamplingParams(max_tokens=request.output_len, ignore_eos=True),
-        request_id=str(index),
-        arrival_time=arrival_time,
-    )
-
-
-def run_trace(
-    engine, trace: list, label: str, progress: bool, watch=None, add=submit
-) -> tuple[list, float, float]:
-    """Step the engine, adding each request once its arrival time has passed (with that time, so
-    its TTFT counts the wait). Returns the finished outputs in trace order, the busy seconds, and
-    the CPU seconds this process spent (which other work on a shared machine does not inflate).
-    `watch(engine)`, if given, is called after every step (a caller's own accounting); `add` puts
-    a request in (`submit` by default)."""
-    pending = deque(enumerate(trace))
-    finished = {}
-    cpu_start = time.process_time()
-    start = origin = time.perf_counter()  # origin: the perf_counter moment of trace time 0
-    with progress_bar(f"{label}: requests", len(trace), enabled=progress) as advance:
-        while pending or engine.has_unfinished_requests():
-            now = time.perf_counter()
-            if not engine.has_unfinished_requests() and origin + pending[0][1].arrival_s > now:
-                origin = now - pending[0][1].arrival_s  # idle: the clock jumps to the next arrival
-            while pending and origin + pending[0][1].arrival_s <= now:
-                index, request = pending.popleft()
-                add(engine, index, request, origin + request.arrival_s)
-            for out in engine.step():
-                if out.finished:
-                    finished[int(out.request_id)] = out
-                    advance()
-            if watch:
-                watch(engine)
-    return (
-        [finished[index] for index in range(len(trace))],
-        time.perf_counter() - start,
-        time.process_time() - cpu_start,
-    )
-
-
-def percentile(values: list[float], pct: int) -> float:
-    """Nearest rank: the smallest value that pct% of the values are <= to (never interpolated)."""
-    rank = -(-pct * len(values) // 100)  # ceil(pct n / 100), in integers so no float rounding moves it
-    return sorted(values)[rank - 1]
 
 
 def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
@@ -103,8 +24,7 @@ def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
         "cpu_s": cpu_s,
         "steps": engine.stats.steps,
         "errors": sum(out.error is not None for out in outputs),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
+        **tails("ttft", ttft),
         "preemptions": counters["preemptions"],
         "recomputed_tokens": counters["recomputed_tokens"],
         "swapped_out": counters["swapped_out"],
@@ -118,10 +38,30 @@ def preemption_row(engine, outputs: list, elapsed: float, cpu_s: float) -> dict:
     }
 
 
+def preemption_run(
+    model, tokenizer, trace, preemption: str, pools: tuple[int, int], switches: dict, progress: bool = False
+) -> tuple[dict, list, object]:
+    """`trace` served with `preemption` on `pools` (device KV bytes, and the host pool's behind it):
+    the row, each request's output in trace order, and the engine's snapshot after (what `auto`
+    chose, and the rates it chose by). Lessons 10 and 11 serve their traces with it."""
+    device_bytes, host_bytes = pools
+    llm = LLM(
+        model=model,
+        tokenizer=tokenizer,
+        block_size=BLOCK_SIZE,
+        kv_cache_bytes=device_bytes,
+        host_cache_bytes=host_bytes,
+        preemption=preemption,
+        **switches,
+    )
+    finished, elapsed, cpu_s = run_trace(llm.engine, trace, preemption, progress)
+    return preemption_row(llm.engine, finished, elapsed, cpu_s), finished, llm.engine.snapshot()
+
+
 def bench_preemption(
     model, tokenizer, num_requests: int, rate: float, device_tokens: int, switches: dict, progress: bool
 ) -> dict:
-    trace = make_trace(tokenizer, num_requests, rate)
+    trace = uniform_trace(tokenizer, num_requests, PROMPT_LEN, OUTPUT_LEN, SEED, rate, shared_len=SYSTEM_LEN)
     longest = max(len(r.prompt_ids) + r.output_len for r in trace)
     if blocks_for(device_tokens) < blocks_for(longest):
         raise ConfigError(
@@ -132,19 +72,10 @@ def bench_preemption(
     # the host pool holds all of it
     host_bytes = pool_bytes(model, sum(len(r.prompt_ids) + r.output_len + BLOCK_SIZE for r in trace))
     rows, outputs = {}, {}
+    pools, with_prefixes = (device_bytes, host_bytes), {"prefix_caching": True, **switches}
     for preemption in SWITCHES["preemption"].choices:
-        llm = LLM(
-            model=model,
-            tokenizer=tokenizer,
-            block_size=BLOCK_SIZE,
-            kv_cache_bytes=device_bytes,
-            host_cache_bytes=host_bytes,
-            preemption=preemption,
-            prefix_caching=True,
-            **switches,
-        )
-        finished, elapsed, cpu_s = run_trace(llm.engine, trace, preemption, progress)
-        rows[preemption] = preemption_row(llm.engine, finished, elapsed, cpu_s)
+        run = preemption_run(model, tokenizer, trace, preemption, pools, with_prefixes, progress)
+        rows[preemption], finished, _ = run
         outputs[preemption] = [out.token_ids for out in finished]
     differing = sum(any(ids != answers[0] for ids in answers) for answers in zip(*outputs.values()))
     return {
@@ -165,12 +96,3 @@ def bench_preemption(
         "outputs_identical": differing == 0,
         "requests_differing": differing,
     }
-
-
-def blocks_for(num_tokens: int) -> int:
-    return -(-num_tokens // BLOCK_SIZE)
-
-
-def pool_bytes(model, num_tokens: int) -> int:
-    """kv_cache_bytes that buys whole blocks for `num_tokens` tokens, in the model's dtype."""
-    return blocks_for(num_tokens) * BLOCK_SIZE * model.config.kv_bytes_per_token(model.dtype)

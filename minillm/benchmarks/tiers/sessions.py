@@ -9,7 +9,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from minillm.benchmarks.tiers.preemption import BLOCK_SIZE, SEED, blocks_for, pool_bytes
+from minillm.benchmarks.tiers.preemption import SEED
+from minillm.benchmarks.workload import BLOCK_SIZE, blocks_for, pool_bytes
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import read_text

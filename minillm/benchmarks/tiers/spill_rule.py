@@ -18,12 +18,10 @@ change: a spill only decides what is copied, never what is read.
 
 from __future__ import annotations
 
-import statistics
-
-from minillm.benchmarks.memory.trace import BLOCK_SIZE
 from minillm.benchmarks.scheduling.replay import replay
 from minillm.benchmarks.scheduling.trace import make_trace
-from minillm.benchmarks.tiers.preemption import pool_bytes
+from minillm.benchmarks.stats import spread
+from minillm.benchmarks.workload import BLOCK_SIZE, pool_bytes
 from minillm.engine import LLM
 from minillm.progress import progress_bar
 
@@ -82,11 +80,7 @@ def bench_spill_rule(model, tokenizer, seeds: tuple[int, ...], requests: int, sw
     return {
         "sizes": {**sizes, "step_s": STEP_S, "seeds": list(seeds)},
         "runs": runs,
-        "spilled_bytes_all_over_reused": _spread(fewer),
-        "hit_rate_reused_minus_all": _spread(hit_change),
+        "spilled_bytes_all_over_reused": spread(fewer),
+        "hit_rate_reused_minus_all": spread(hit_change),
         "outputs_differing": outputs_differ,
     }
-
-
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}

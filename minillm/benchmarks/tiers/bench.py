@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-import torch
-
-from minillm.benchmarks import cpu_model
-from minillm.benchmarks.tiers.preemption import BLOCK_SIZE, bench_preemption, pool_bytes
+from minillm.benchmarks import machine, torch_threads
+from minillm.benchmarks.tiers.preemption import bench_preemption
 from minillm.benchmarks.tiers.sessions import bench_resume, bench_spill
 from minillm.benchmarks.tiers.spill_rule import TUNING_SEED, bench_spill_rule
+from minillm.benchmarks.workload import BLOCK_SIZE, warm_up
 from minillm.config import DTYPES, ConfigError
-from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -58,21 +55,6 @@ def targets(preemption: dict, resume: dict, spill: dict, spill_rule: dict) -> di
     }
 
 
-def warm_up(model, tokenizer, switches: dict) -> None:
-    """One short request, so the first row is not the one paying for the warm-up."""
-    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=pool_bytes(model, 64), **switches)
-    llm.generate([[1] * 32], SamplingParams(max_tokens=2))
-
-
-def machine(threads: int) -> dict:
-    return {
-        "cpu_model": cpu_model(),
-        "cpus": os.cpu_count(),
-        "torch_threads": threads,
-        "torch": torch.__version__,
-    }
-
-
 def check_sizes(rate: float, spill_pool_prompts: float, spill_rule_seeds: tuple[int, ...]) -> None:
     """A one-line error, before any model is loaded, for sizes no part can run with."""
     if rate <= 0 or spill_pool_prompts <= 0:
@@ -101,9 +83,7 @@ def bench_tiers(
     progress: bool = False,
 ) -> dict:
     check_sizes(rate, spill_pool_prompts, spill_rule_seeds)
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         switches = {"dtype": dtype, "device": device}
         warm_up(model, tokenizer, switches)
@@ -113,8 +93,6 @@ def bench_tiers(
         spill = bench_spill(model, tokenizer, *spill_sizes, switches, progress)
         rule_sizes = (spill_rule_seeds, spill_rule_requests)
         spill_rule = bench_spill_rule(model, tokenizer, *rule_sizes, switches, progress)
-    finally:
-        torch.set_num_threads(default_threads)
     return {
         "machine": machine(threads),
         "model_dir": str(model_dir),

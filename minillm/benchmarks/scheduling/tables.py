@@ -3,7 +3,7 @@ prints from the dict `bench_scheduling` returns, each target beside the number i
 
 from __future__ import annotations
 
-from minillm.benchmarks.scheduling.run import SUSTAINED
+from minillm.benchmarks.scheduling.bench import SUSTAINED
 from minillm.report import print_table
 
 # issue 56's targets, memory-aware admission against fcfs on the held-out seeds

@@ -1,4 +1,4 @@
-"""`minillm bench serve-http --trace`: `bench scheduling`'s traffic, sent to a `minillm serve` over HTTP.
+"""`minillm bench serve-http --workload`: `bench scheduling`'s traffic, sent to a `minillm serve` over HTTP.
 
 The in-process replay (`benchmarks/scheduling/replay.py`) steps an engine through the trace; this
 sends the same trace to a server as its clients would, so what a scheduling policy buys is seen
@@ -50,9 +50,11 @@ from minillm.benchmarks.http_client import (
     parse_url,
     stream_completion,
 )
-from minillm.benchmarks.scheduling.trace import TraceRequest, describe_trace, make_trace, next_turn_prompt
+from minillm.benchmarks.scheduling.trace import describe_trace, make_trace
 from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
-from minillm.benchmarks.serve_http import duration, percentile
+from minillm.benchmarks.serve_http import duration
+from minillm.benchmarks.stats import tails
+from minillm.benchmarks.workload import Request, next_turn_prompt
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
 from minillm.report import print_table
@@ -106,13 +108,13 @@ def probe_prompt(prompt_ids: list[int], turn: int) -> list[int]:
     return backwards[turn:] + backwards[:turn]
 
 
-async def warm_up(server: Endpoint, model: str, trace: list[TraceRequest]) -> None:
+async def warm_up(server: Endpoint, model: str, trace: list[Request]) -> None:
     """One short request first: a server's first calls are slow."""
     shortest = min((r.prompt_ids for r in trace if r.follows is None), key=len)
     await send(server, model, probe_prompt(shortest, len(shortest) // 2), 2)
 
 
-async def idle_timings(server: Endpoint, model: str, trace: list[TraceRequest]) -> dict:
+async def idle_timings(server: Endpoint, model: str, trace: list[Request]) -> dict:
     """The prefill of the longest prompt the trace knows before it runs (a later chat turn may be
     longer), and a batch-1 decode step, each the smallest of PROBE_TRIES tries."""
     known = [r.prompt_ids for r in trace if r.follows is None]
@@ -147,7 +149,7 @@ def slos(idle: dict, ttft_slo: float | None, tpot_slo: float | None) -> dict:
 
 
 async def replay_http(
-    server: Endpoint, model: str, tokenizer: Tokenizer, trace: list[TraceRequest], progress: bool
+    server: Endpoint, model: str, tokenizer: Tokenizer, trace: list[Request], progress: bool
 ):
     """Each arrival at its time, each chat turn THINK_S (its `arrival_s`) after its previous turn's
     answer. Returns what each request got, in trace order, and the wall seconds."""
@@ -170,7 +172,7 @@ async def replay_http(
             prompt = next_turn_prompt(tokenizer, prompt, answer, trace[index].prompt_ids)
             send_at = time.perf_counter() - start + trace[index].arrival_s
 
-    with progress_bar("trace over HTTP: requests", len(trace), enabled=progress) as advance:
+    with progress_bar("workload over HTTP: requests", len(trace), enabled=progress) as advance:
         await asyncio.gather(
             *(conversation(index, advance) for index, r in enumerate(trace) if r.follows is None)
         )
@@ -206,10 +208,8 @@ def served_summary(answered: list[Answered], slo: dict, wall_s: float) -> dict:
         "errors": len(answered) - len(ok),
         "output_tokens": sum(a.tokens for a in answered),
         "goodput": len(good) / len(answered),
-        "ttft_p50_s": percentile(ttfts, 50) if ttfts else None,
-        "ttft_p99_s": percentile(ttfts, 99) if ttfts else None,
-        "tpot_p50_s": percentile(tpots, 50) if tpots else None,
-        "tpot_p99_s": percentile(tpots, 99) if tpots else None,
+        **tails("ttft", ttfts),
+        **tails("tpot", tpots),
         "wall_s": wall_s,
         "first_errors": sorted({a.error for a in answered if a.error})[:3],
     }
@@ -222,14 +222,14 @@ def idle_on_a_server_of_its_own(serve_args: list[str], trace) -> dict:
         return asyncio.run(idle_timings(server, model_name(server), trace))
 
 
-def limits_for(trace: list[TraceRequest]) -> list[str]:
+def limits_for(trace: list[Request]) -> list[str]:
     """Server flags that let every request of the trace in at once (the in-process replay has no
     connection or queue limit)."""
     room = str(len(trace) + 8)  # + the probes, and a margin
     return ["--max-connections", room, "--max-waiting-requests", room]
 
 
-def bench_serve_http_trace(
+def bench_serve_http_workload(
     model_dir: Path,
     serve_args: list[str],
     switches: dict,
@@ -266,12 +266,12 @@ def bench_serve_http_trace(
         after = None if url else wait_idle(server)
     ids = [a for a in answered if a.error is None and a.token_ids is not None]
     return {
-        "mode": "trace",
+        "mode": "workload",
         "url": server.url if url else None,
         "model": model,
         "serve_args": [] if url else serve_args,
         "engine": {} if url else {name: switches[name] for name in SHOWN_SWITCHES if name in switches},
-        "trace": describe_trace(trace, seed, rate, scale),
+        "workload": describe_trace(trace, seed, rate, scale),
         "idle": idle,
         "slo": slo,
         "served": served_summary(answered, slo, wall_s),
@@ -289,8 +289,8 @@ def replay_hit_rate(before: dict, after: dict) -> float | None:
     return hits / queried if queried else None
 
 
-def print_serve_http_trace_report(report: dict, console) -> None:
-    trace, slo, idle, served = report["trace"], report["slo"], report["idle"], report["served"]
+def print_serve_http_workload_report(report: dict, console) -> None:
+    workload, slo, idle, served = report["workload"], report["slo"], report["idle"], report["served"]
     console.print(
         f"idle server: the longest prompt ({idle['longest_prompt_tokens']} tokens) prefills in "
         f"{duration(idle['prefill_s'])}, a batch-1 decode step takes {duration(idle['decode_tpot_s'])}; "
@@ -299,8 +299,8 @@ def print_serve_http_trace_report(report: dict, console) -> None:
     )
     print_table(
         console,
-        f"bench scheduling's trace over HTTP: seed {trace['seed']}, {trace['rate_per_s']:g} arrivals/s, "
-        f"scale {trace['scale']:g}",
+        f"bench scheduling's workload over HTTP: seed {workload['seed']}, "
+        f"{workload['rate_per_s']:g} arrivals/s, scale {workload['scale']:g}",
         ["requests", "errors", "goodput", "TTFT p50", "p99", "TPOT p50", "p99", "wall"],
         [
             [

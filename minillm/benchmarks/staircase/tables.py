@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from statistics import median
 
+from minillm.benchmarks.stats import mib
 from minillm.report import print_table
 
 NOISE = 0.05  # a step that moves tok/s or TTFT p50 by less than this did not pay (nor cost)
@@ -93,10 +94,6 @@ def _prefill_said(report: dict) -> str:
     )
 
 
-def megabytes(value: int) -> str:
-    return f"{value / 2**20:.3g}"
-
-
 def ratio(value: float | None) -> str:
     return "" if value is None else f"x{value:.2f}"
 
@@ -128,7 +125,7 @@ def _row_cells(row: dict, report: dict) -> list:
     compared = report["rows"][row["compared_with"]]["step"] if row["compared_with"] else None
     return [
         row["label"],
-        f"{megabytes(report['budget']['kv_bytes'])} / {megabytes(row['kv_bytes_peak'])}",
+        f"{mib(report['budget']['kv_bytes'])} / {mib(row['kv_bytes_peak'])}",
         spread(row, "peak_seqs", lambda v: f"{v:g}"),
         spread(row, "preemptions", lambda v: f"{v:g}"),
         spread(row, "output_tok_s", lambda v: f"{v:.1f}"),
@@ -149,7 +146,7 @@ def print_staircase_report(report: dict, console) -> None:
     print_table(
         console,
         f"{trace['requests']} requests (prompts U{trace['prompt_len']}, outputs U{trace['output_len']} "
-        f"tokens, all at t=0), one KV budget of {megabytes(budget['kv_bytes'])} MiB, {report['dtype']}, "
+        f"tokens, all at t=0), one KV budget of {mib(budget['kv_bytes'])} MiB, {report['dtype']}, "
         f"{report['machine']['torch_threads']} threads; median (min-max) over seeds "
         f"{', '.join(map(str, trace['seeds']))}",
         ROW_COLUMNS,

@@ -3,11 +3,9 @@ tests (`load.py`), and the targets, printed beside what the run measured."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from minillm.benchmarks import cpu_model
+from minillm.benchmarks import machine, torch_threads
 from minillm.benchmarks.memory.load import load_tests
 from minillm.benchmarks.memory.rows import (
     EVICTION,
@@ -19,16 +17,9 @@ from minillm.benchmarks.memory.rows import (
     row_switches,
     run_row,
 )
-from minillm.benchmarks.memory.trace import (
-    BLOCK_SIZE,
-    SEED,
-    Request,
-    describe_trace,
-    make_trace,
-)
-from minillm.benchmarks.tiers import blocks_for
+from minillm.benchmarks.memory.trace import SEED, describe_trace, make_trace
+from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for, warm_up
 from minillm.config import DTYPES, ConfigError
-from minillm.engine import LLM, SamplingParams
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 
@@ -157,13 +148,6 @@ def compare_rows(rows: dict, outputs: dict, quality: dict) -> None:
         )
 
 
-def warm_up(model, tokenizer, common: dict) -> None:
-    """One short request, so the first row does not pay for the warm-up."""
-    kv_bytes = 8 * BLOCK_SIZE * model.config.kv_bytes_per_token(torch.float32)
-    llm = LLM(model=model, tokenizer=tokenizer, kv_cache_bytes=kv_bytes, **common)
-    llm.generate([[1] * 32], SamplingParams(max_tokens=2))
-
-
 def measure(model, tokenizer, sizes: dict, common: dict, load: bool, progress: bool) -> dict:
     """The trace and budget, the calibration, every row, quality and the load tests: the report's
     measured part, in its order."""
@@ -214,20 +198,11 @@ def bench_memory(
     sizes = dict(SIZES["quick" if quick else "full"])
     given = {"requests": num_requests, "rate": rate, "kv_tokens": kv_tokens, "clients": clients}
     sizes.update({key: value for key, value in given.items() if value is not None}, seed=seed)
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         measured = measure(model, tokenizer, sizes, {"dtype": dtype, "device": device}, load, progress)
-    finally:
-        torch.set_num_threads(default_threads)
     return {
-        "machine": {
-            "cpu_model": cpu_model(),
-            "cpus": os.cpu_count(),
-            "torch_threads": threads,
-            "torch": torch.__version__,
-        },
+        "machine": machine(threads),
         "model_dir": str(model_dir),
         "dtype": dtype,
         "device": device,

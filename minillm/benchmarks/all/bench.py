@@ -5,31 +5,17 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import platform
 import time
 import traceback
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from minillm.benchmarks import cpu_model
-from minillm.benchmarks.all.report import draw, markdown, pyplot
+from minillm.benchmarks import machine
+from minillm.benchmarks.all.results import draw, markdown, pyplot
 from minillm.benchmarks.all.suite import BENCHMARKS, Benchmark
 from minillm.evaluation import read_text
 from minillm.progress import progress_bar
 from minillm.tokenizer import Tokenizer
-
-
-def machine() -> dict:
-    return {
-        "cpu_model": cpu_model(),
-        "cpus": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-    }
 
 
 def rounded(value):

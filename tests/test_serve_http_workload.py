@@ -1,4 +1,4 @@
-"""`minillm bench serve-http --trace`: bench scheduling's trace sent to a `minillm serve` over HTTP.
+"""`minillm bench serve-http --workload`: bench scheduling's workload sent to a `minillm serve` over HTTP.
 
 Every request is answered with exactly the tokens the trace says, a chat turn carries the
 conversation so far (an empty answer where its previous turn failed) and waits for it, and goodput
@@ -13,9 +13,10 @@ import json
 import pytest
 from helpers import tiny_with_real_tokenizer
 
-from minillm.benchmarks import serve_http_trace
-from minillm.benchmarks.scheduling.trace import make_trace, next_turn_prompt
-from minillm.benchmarks.serve_http_trace import Answered, replay_http, served_summary
+from minillm.benchmarks import serve_http_workload
+from minillm.benchmarks.scheduling.trace import make_trace
+from minillm.benchmarks.serve_http_workload import Answered, replay_http, served_summary
+from minillm.benchmarks.workload import next_turn_prompt
 from minillm.cli import main
 from minillm.tokenizer import Tokenizer
 
@@ -31,28 +32,37 @@ def model_dir(real_dir, tmp_path_factory):
 
 
 @pytest.mark.slow  # a whole benchmark run against a child server (15-45 s)
-def test_trace_over_http_answers_every_request_and_reports_goodput(capsys, model_dir):
-    flags = ["--trace-requests", "8", "--trace-scale", "0.1", "--trace-rate", "8", "--trace-seed", "3"]
+def test_workload_over_http_answers_every_request_and_reports_goodput(capsys, model_dir):
+    sizes = ["--workload-requests", "8", "--workload-scale", "0.1"]
+    sizes += ["--workload-rate", "8", "--workload-seed", "3"]
     engine = ["--admission", "memory", "--prefix-caching", "--kv-cache-mb", "8", "--threads", "1"]
-    assert main(["bench", "serve-http", "--trace", "--json", *flags, *engine, "--model", str(model_dir)]) == 0
+    argv = ["bench", "serve-http", "--workload", "--json", *sizes, *engine, "--model", str(model_dir)]
+    assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
-    served, trace, slo, idle = report["served"], report["trace"], report["slo"], report["idle"]
+    served, workload, slo, idle = report["served"], report["workload"], report["slo"], report["idle"]
     args = report["serve_args"]
     assert report["engine"]["admission"] == args[args.index("--admission") + 1] == "memory"  # forwarded
-    assert trace["kinds"]["chat"] >= 2  # a conversation's later turn went out after its answer
-    assert served["requests"] == trace["requests"] and served["errors"] == 0, served["first_errors"]
-    assert served["output_tokens"] == trace["output_tokens"]  # exactly output_len each, EOS ignored
+    assert workload["kinds"]["chat"] >= 2  # a conversation's later turn went out after its answer
+    assert served["requests"] == workload["requests"] and served["errors"] == 0, served["first_errors"]
+    assert served["output_tokens"] == workload["output_tokens"]  # exactly output_len each, EOS ignored
     assert 0 <= served["goodput"] <= 1
     assert (
         0 < served["ttft_p50_s"] <= served["ttft_p99_s"] and 0 < served["tpot_p50_s"] <= served["tpot_p99_s"]
     )
-    assert served["wall_s"] >= trace["last_arrival_s"]  # sent on the wall clock, idle time not skipped
+    assert served["wall_s"] >= workload["last_arrival_s"]  # sent on the wall clock, idle time not skipped
     assert slo["ttft_s"] == pytest.approx(5 * idle["prefill_s"]) and idle["prefill_s"] > 0
     assert slo["tpot_s"] == pytest.approx(5 * idle["decode_tpot_s"]) and idle["decode_tpot_s"] > 0
     assert report["blocks_held_after"] == 0
     assert report["answers_with_token_ids"] == served["requests"]  # asked for, and minillm sends them
     assert 0 <= report["answers_retokenized_apart"] <= served["requests"]
     assert 0 <= report["prefix_hit_rate"] <= 1
+
+
+@pytest.mark.parametrize("old, new", [("--trace", "--workload"), ("--trace-seed", "--workload-seed")])
+def test_the_old_trace_flags_say_what_they_became(capsys, real_dir, old, new):
+    value = ["3"] if old != "--trace" else []
+    assert main(["bench", "serve-http", old, *value, "--model", str(real_dir)]) == 2
+    assert f"serve-http: {old} is now {new}" in capsys.readouterr().err
 
 
 def answer(ttft: float | None, tpot: float | None, error: str | None = None) -> Answered:
@@ -111,7 +121,7 @@ def test_a_chat_turn_carries_the_conversation_and_an_empty_answer_after_a_failur
     def ids_of(index: int) -> list[int] | None:
         return [7, 8, 9 + index] if index % 2 else None
 
-    monkeypatch.setattr(serve_http_trace, "send", fake_send)
+    monkeypatch.setattr(serve_http_workload, "send", fake_send)
     answered, _ = asyncio.run(replay_http(0, "tiny", tokenizer, trace, progress=False))
     assert sorted(sent) == list(range(len(trace))) and all(a is not None for a in answered)
     for index in chats:

@@ -5,18 +5,15 @@ and the scheduler's own cost."""
 from __future__ import annotations
 
 import math
-import os
 import random
 import statistics
 
-import torch
-
-from minillm.benchmarks import cpu_model
+from minillm.benchmarks import machine, torch_threads
 from minillm.benchmarks.memory.rows import calibrate  # the SLOs: as `bench memory` sets its targets
 from minillm.benchmarks.scheduling.lengths import RecordedLengths, predictor_for, rank_quality
 from minillm.benchmarks.scheduling.replay import replay
 from minillm.benchmarks.scheduling.trace import KINDS, describe_trace, make_trace
-from minillm.benchmarks.tiers import percentile
+from minillm.benchmarks.stats import spread, tails
 from minillm.config import DTYPES, ConfigError, EngineConfig, resolve_dtype
 from minillm.engine import LLMEngine, SamplingParams
 from minillm.progress import progress_bar
@@ -107,10 +104,8 @@ def serve_trace(model, tokenizer, trace, row: str, sizes: dict, slo: dict, commo
             kind: statistics.mean(g for g, s in zip(good, served) if s.kind == kind) for kind in kinds
         },
         "errors": sum(s.error is not None for s in served),
-        "ttft_p50_s": percentile(ttft, 50),
-        "ttft_p99_s": percentile(ttft, 99),
-        "tpot_p50_s": percentile(tpot, 50),
-        "tpot_p99_s": percentile(tpot, 99),
+        **tails("ttft", ttft),
+        **tails("tpot", tpot),
         "busy_s": busy,
         "steps": steps,
         "preemptions": engine.num_preemptions,
@@ -285,9 +280,7 @@ def length_quality(runs: dict) -> dict:
     quality = {}
     for name in ("spearman", "spearman_first_third", "spearman_rest", "kind_ceiling"):
         values = [m[name] for m in measures if m[name] is not None]
-        quality[name] = (
-            {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
-        )
+        quality[name] = spread(values) if values else None
     return quality
 
 
@@ -343,16 +336,12 @@ def bench_scheduling(
         raise ConfigError(
             f"seed {tuned_on[0]} is a tuning seed ({tuning}); report on others (--seeds 1,2,3)."
         )
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         dtype = resolve_dtype(dtype, device)
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         measured = measure(model, tokenizer, sizes, rates, {"dtype": dtype, "device": device}, progress)
-    finally:
-        torch.set_num_threads(default_threads)
     return {
-        "machine": {"cpu_model": cpu_model(), "cpus": os.cpu_count(), "torch_threads": threads},
+        "machine": machine(threads),
         "model_dir": str(model_dir),
         "dtype": dtype,
         "sizes": {

@@ -3,6 +3,7 @@ from the dict `bench_memory` returns."""
 
 from __future__ import annotations
 
+from minillm.benchmarks import print_targets
 from minillm.benchmarks.memory.load import LOAD_TTFT_TIMES
 from minillm.benchmarks.memory.rows import (
     EVICTION,
@@ -12,11 +13,8 @@ from minillm.benchmarks.memory.rows import (
     TPOT_TIMES,
     TTFT_TIMES,
 )
+from minillm.benchmarks.stats import mib
 from minillm.report import print_table
-
-
-def mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f}"
 
 
 def seconds(value: float) -> str:
@@ -179,24 +177,4 @@ def print_memory_report(report: dict, console) -> None:
     print_rows(report, console)
     if report["load"]:
         print_load(report["load"], console)
-    print_table(
-        console,
-        "targets (printed, not asserted)",
-        ["target", "want", "got", "beside it", "met"],
-        [
-            [
-                name,
-                t["want"],
-                "n/a" if t["got"] is None else f"{t['got']:.2f}",
-                t["beside"],
-                "yes" if t["met"] else "no",
-            ]
-            for name, t in report["targets"].items()
-        ],
-    )
-    m = report["machine"]
-    console.print(
-        f"[dim]{m['cpu_model']}, {m['cpus']} CPUs, {m['torch_threads']} torch thread(s), "
-        f"torch {m['torch']}; idle gaps in the trace are skipped, so tok/s is over busy "
-        "time.[/dim]"
-    )
+    print_targets(report, console)

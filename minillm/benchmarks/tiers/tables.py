@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from minillm.benchmarks import print_targets
+from minillm.benchmarks.stats import mib
 from minillm.report import print_table
-
-
-def mib(num_bytes: int) -> str:
-    return f"{num_bytes / 2**20:.1f}"
 
 
 def bytes_out(row: dict) -> int:
@@ -141,26 +139,4 @@ def print_spill_rule(s: dict, console) -> None:
         f"all / reused, bytes spilled: x{fewer['median']:.1f} (x{fewer['min']:.1f}-x{fewer['max']:.1f}); "
         f"block hit rate, reused - all: {hits['median']:+.1%} ({hits['min']:+.1%} to {hits['max']:+.1%}); "
         f"requests whose greedy tokens differ: {s['outputs_differing']}"
-    )
-
-
-def print_targets(report: dict, console) -> None:
-    print_table(
-        console,
-        "targets (printed, not asserted)",
-        ["target", "want", "got", "met"],
-        [
-            [
-                name,
-                t["want"],
-                "n/a" if t["got"] is None else f"{t['got']:.2f}" if isinstance(t["got"], float) else t["got"],
-                "yes" if t["met"] else "no",
-            ]
-            for name, t in report["targets"].items()
-        ],
-    )
-    m = report["machine"]
-    console.print(
-        f"[dim]{m['cpu_model']}, {m['cpus']} CPUs, {m['torch_threads']} torch thread(s), "
-        f"torch {m['torch']}; idle gaps in the trace are skipped, so tok/s is over busy time.[/dim]"
     )

@@ -1,15 +1,13 @@
 """The run of `minillm bench staircase`: the trace and its budget, the rows (`rows.py`), prefill
-attention alone (`prefill.py`), and what the numbers say (`report.py`)."""
+attention alone (`prefill.py`), and what the numbers say (`tables.py`)."""
 
 from __future__ import annotations
 
-import torch
-
-from minillm.benchmarks.serve import make_trace
+from minillm.benchmarks import machine, torch_threads
 from minillm.benchmarks.staircase.prefill import prefill_attention
-from minillm.benchmarks.staircase.report import what_it_means
 from minillm.benchmarks.staircase.rows import kv_budget, run_rows, summarize, worst_case
-from minillm.benchmarks.tiers.run import machine
+from minillm.benchmarks.staircase.tables import what_it_means
+from minillm.benchmarks.workload import uniform_trace
 from minillm.config import DTYPES, ConfigError, resolve_dtype
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -68,9 +66,7 @@ def bench_staircase(
     sizes = _sizes(quick, requests=num_requests, attention_repeats=attention_repeats, **given)
     dtype = resolve_dtype(dtype, device)
     worst = worst_case(sizes["prompt_len"], sizes["output_len"])
-    default_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
         budget = kv_budget(worst, kv_tokens or HF_BATCH * worst, model.config.kv_bytes_per_token(model.dtype))
         common = {"dtype": dtype, "device": device, "attention_backend": device.split(":")[0]}
@@ -81,8 +77,6 @@ def bench_staircase(
         prefill = prefill_attention(
             attention_context, attention_chunk, sizes["attention_repeats"], DTYPES[dtype]
         )
-    finally:
-        torch.set_num_threads(default_threads)
     report = {
         "machine": machine(threads),
         "model_dir": str(model_dir),
@@ -114,12 +108,12 @@ def _sizes(quick: bool, **given) -> dict:
 
 def _run_seed(model_dir, model, tokenizer, seed: int, sizes, budget, common, include_hf, progress) -> dict:
     """Every row on the seed's trace."""
-    trace = make_trace(tokenizer, sizes["requests"], seed, sizes["prompt_len"], sizes["output_len"])
+    trace = uniform_trace(tokenizer, sizes["requests"], sizes["prompt_len"], sizes["output_len"], seed)
     rows = run_rows(model_dir, model, tokenizer, trace, budget, common, include_hf, progress)
     described = {
         "requests": len(trace),
-        "prompt_tokens": sum(len(p) for p, _ in trace),
-        "output_tokens": sum(n for _, n in trace),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens": sum(r.output_len for r in trace),
     }
     return {"seed": seed, "trace": described, "rows": rows}
 
