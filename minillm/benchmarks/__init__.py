@@ -1,5 +1,25 @@
 """Benchmarks behind `minillm bench ...`: each measures side by side in one run and returns a
-dict (printed as JSON with --json) so numbers can be compared across commits."""
+dict (printed as JSON with --json) so numbers can be compared across commits.
+
+decode.py               bench decode: batch-1 decode speed beside its physical roof
+attention.py            bench attention: decode attention alone, every backend and KV format
+speculative.py          bench speculative: decode with and without n-gram speculation
+structured.py           bench structured: what constraining the output to a grammar costs a step
+chat_view.py            bench chat-view: what the chat's live memory panel costs in decode speed
+serve.py                bench serve: one request trace, three servers (HF, minillm static and continuous)
+prefix.py               bench prefix: requests sharing a system prompt, with and without the cache
+serve_http.py           bench serve-http: what the HTTP server costs against LLM.generate
+serve_http_url.py       bench serve-http --url: the same clients against any OpenAI-compatible server
+serve_http_workload.py  bench serve-http --workload: bench scheduling's traffic over HTTP
+memory/                 bench memory: the memory system built up one layer at a time
+tiers/                  bench tiers: preemption, resume, prefix spill, the spill rule
+scheduling/             bench scheduling: admission policies where memory binds, held-out traces
+staircase/              bench staircase: HF transformers, then each technique in turn
+all/                    bench all: every benchmark in one command, into results.json and plots
+shared by them: workload.py (what the benches serve: requests cut from prose, arriving over
+time), stats.py (percentiles, spreads, MiB), hf_baseline.py (HF transformers on static
+batches), serve_child.py (`minillm serve` in a child process), http_client.py (the clients
+bench serve-http measures a server with)."""
 
 from contextlib import contextmanager
 
