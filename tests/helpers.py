@@ -9,6 +9,7 @@ never from each other.
 import json
 import math
 import os
+import random
 import shutil
 import time
 from pathlib import Path
@@ -175,6 +176,24 @@ def slots_of(engine, seq) -> list[int]:
     table = next(view.table for view in engine.snapshot().sequences if view.seq_id == seq.seq_id)
     size = engine.snapshot().block_size
     return [table[entry // size] * size + entry % size for entry in range(seq.num_cached)]
+
+
+def naive(model, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+    """The oracle's answer: the naive decoder (no cache) on one prompt."""
+    return generate(model, prompt_ids, params, "naive").token_ids
+
+
+def random_prompts(
+    count: int, seed: int, shortest: int = 2, longest: int = 30, vocab: int = 97
+) -> list[list[int]]:
+    """`count` prompts of random ids, each `shortest` to `longest` tokens long, the same for a seed."""
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))] for _ in range(count)]
+
+
+def assert_drained(llm) -> None:
+    """After a run: no block held or leaked, the memory system's invariants intact."""
+    assert free_and_intact(llm.engine)
 
 
 def free_and_intact(engine) -> bool:

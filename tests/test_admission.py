@@ -6,10 +6,9 @@ request without max_tokens admitted on a pool smaller than the context, ending a
 import random
 
 import pytest
-from helpers import free_and_intact
+from helpers import assert_drained, naive, random_prompts
 
 from minillm.config import ConfigError
-from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.admission import WINDOW
 from minillm.engine.beam import reference_beam_search
@@ -23,15 +22,6 @@ KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 BLOCK = 4
 
 
-def naive(model, prompt, params):
-    return generate(model, prompt, params, "naive").token_ids
-
-
-def mixed_prompts(count, seed, vocab=97):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(2, 30))] for _ in range(count)]
-
-
 def tight(tiny_dir, tiny_model, blocks=14, **switches):
     switches = {"admission": "memory", **switches}
     return LLM(
@@ -41,10 +31,6 @@ def tight(tiny_dir, tiny_model, blocks=14, **switches):
         kv_cache_bytes=blocks * BLOCK * KV_BYTES_PER_TOKEN,
         **switches,
     )
-
-
-def assert_drained(llm):
-    assert free_and_intact(llm.engine)
 
 
 # ---------------------------------------------------------------- the scheduler alone
@@ -195,7 +181,7 @@ def test_a_due_request_waits_for_the_batchs_headroom():
 def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, switches, admission):
     rng = random.Random(5)
     system = [rng.randrange(97) for _ in range(2 * BLOCK + 1)]
-    prompts = [system + p if i % 2 else p for i, p in enumerate(mixed_prompts(16, seed=4))]
+    prompts = [system + p if i % 2 else p for i, p in enumerate(random_prompts(16, seed=4))]
     # short answers first teach memory-aware admission to expect short ones: the long ones after
     # outgrow its headroom, and it must preempt
     params = [SamplingParams(max_tokens=3 if i < 6 else 16, ignore_eos=True) for i in range(len(prompts))]
@@ -210,7 +196,7 @@ def test_memory_admission_under_preemption_equals_naive(tiny_dir, tiny_model, sw
 
 
 def test_memory_admission_with_samples_and_beams_equals_the_references(tiny_dir, tiny_model):
-    prompts = mixed_prompts(6, seed=6)
+    prompts = random_prompts(6, seed=6)
     sampled = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
     beams = SamplingParams(beam_width=2, max_tokens=8, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, blocks=24, prefix_caching=True)
@@ -277,7 +263,7 @@ def test_a_prompt_the_pool_cannot_hold_is_refused_without_max_tokens_too(tiny_di
 def test_max_length_reservation_never_preempts_and_holds_fewer(tiny_dir, tiny_model):
     """The pre-paging baseline: every running request keeps its prompt + max_tokens reserved, so
     nothing ever runs short, and fewer requests run at once than paged FCFS lets in."""
-    prompts, params = mixed_prompts(12, seed=10), SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts, params = random_prompts(12, seed=10), SamplingParams(max_tokens=24, ignore_eos=True)
     most = {}
     for admission in ("reserve", "fcfs"):
         llm = tight(tiny_dir, tiny_model, blocks=24, admission=admission)
@@ -304,8 +290,8 @@ def test_the_ladder_reclaims_cached_blocks_before_it_preempts_and_never_evicts_u
     come first served, which does not keep headroom: the ladder is what is tested.)"""
     llm = tight(tiny_dir, tiny_model, blocks=16, prefix_caching=True, admission="fcfs")
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    llm.generate(mixed_prompts(3, seed=7), params)  # leaves cached blocks behind
-    burst = mixed_prompts(10, seed=8)
+    llm.generate(random_prompts(3, seed=7), params)  # leaves cached blocks behind
+    burst = random_prompts(10, seed=8)
     outputs = llm.generate(burst, params)
     assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, params) for prompt in burst]
     ladder = list(llm.engine.stats.ladder)
@@ -322,7 +308,7 @@ def test_eviction_under_pressure_waits_for_a_shortage(tiny_dir, tiny_model):
     """With room, the pressure trigger evicts nothing and the output is naive's; short of room,
     it evicts only after steps that had to preempt (first come first served, which does not keep
     headroom, so the short pool preempts)."""
-    prompts, params = mixed_prompts(10, seed=9), SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts, params = random_prompts(10, seed=9), SamplingParams(max_tokens=20, ignore_eos=True)
     switches = dict(eviction="h2o", kv_budget=12, eviction_trigger="pressure")
     roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK, **switches)
     assert [out.token_ids for out in roomy.generate(prompts, params)] == [

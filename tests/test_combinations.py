@@ -6,10 +6,9 @@ import builtins
 import random
 
 import pytest
-from helpers import free_and_intact
+from helpers import assert_drained, naive
 
 import minillm.memory.prefix_cache as prefix_cache_module
-from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
 from minillm.engine.sequence import Status
@@ -30,14 +29,6 @@ def shared_prefix_prompts(count, seed, vocab=97):
 def one_by_one(llm, prompts, params):
     """Each request after the previous one, so later ones find earlier ones' blocks in the cache."""
     return [llm.generate([prompt], params)[0] for prompt in prompts]
-
-
-def naive(model, prompt, params):
-    return generate(model, prompt, params, "naive").token_ids
-
-
-def assert_drained(llm):
-    assert free_and_intact(llm.engine)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,13 @@ from collections import Counter
 
 import pytest
 import torch
-from helpers import expected_outputs, free_and_intact, heard_snapshot
+from helpers import (
+    assert_drained,
+    expected_outputs,
+    heard_snapshot,
+    naive,
+    random_prompts,
+)
 
 from minillm.config import ConfigError, EngineConfig
 from minillm.decoding import generate
@@ -31,15 +37,6 @@ PRICED = PassCost.guesses_worth  # before `always_guess` replaces it
 @pytest.fixture(autouse=True)
 def _always_guess(always_guess):
     """Every test here guesses as far as it may (`conftest.always_guess`)."""
-
-
-def prompts(count, seed, longest=30):
-    rng = random.Random(seed)
-    return [[rng.randrange(97) for _ in range(rng.randint(1, longest))] for _ in range(count)]
-
-
-def naive(model, prompt, params=GREEDY):
-    return generate(model, prompt, params, "naive").token_ids
 
 
 def speculating(tiny_dir, tiny_model, **switches):
@@ -60,8 +57,8 @@ def assert_guessed_both_ways(llm):
     assert 0 < numbers["accepted_tokens"] < numbers["draft_tokens"], numbers
 
 
-def assert_drained(llm):
-    assert free_and_intact(llm.engine)
+def assert_drained_and_forgotten(llm):
+    assert_drained(llm)
     assert len(llm.engine.proposer) == 0  # no n-gram index outlives its request
 
 
@@ -147,21 +144,21 @@ def test_sampled_checks_emit_the_models_distribution():
     ids=["default", "block_1", "block_16", "chunked", "cpu_kernel", "prefix", "recompute", "swap"],
 )
 def test_greedy_speculation_equals_naive(tiny_dir, tiny_model, switches):
-    batch = prompts(10, seed=len(str(switches)))
+    batch = random_prompts(10, seed=len(str(switches)), shortest=1)
     llm = speculating(tiny_dir, tiny_model, **switches)
     outputs = llm.generate(batch, GREEDY)
     assert [out.error for out in outputs] == [None] * len(batch)
-    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt) for prompt in batch]
+    assert [out.token_ids for out in outputs] == [naive(tiny_model, prompt, GREEDY) for prompt in batch]
     assert_guessed_both_ways(llm)
     if "kv_cache_bytes" in switches:
         assert llm.engine.num_preemptions > 0
-    assert_drained(llm)
+    assert_drained_and_forgotten(llm)
 
 
 def test_seeded_samples_and_beams_are_unchanged(tiny_dir, tiny_model):
     """n > 1 samples fork and share the tail block their guesses write (copy-on-write); each
     draws once per token, so each equals the naive seeded draw. Beams do not guess."""
-    batch = prompts(4, seed=5)
+    batch = random_prompts(4, seed=5, shortest=1)
     sampled = SamplingParams(n=3, temperature=0.3, seed=11, max_tokens=32, ignore_eos=True)
     beams = SamplingParams(beam_width=3, max_tokens=12, ignore_eos=True)
     llm = speculating(tiny_dir, tiny_model)
@@ -171,7 +168,7 @@ def test_seeded_samples_and_beams_are_unchanged(tiny_dir, tiny_model):
     for out, prompt in zip(outputs[4:], batch[:2]):
         assert out.samples == reference_beam_search(tiny_model, prompt, 3, 12, None)
     assert_guessed_both_ways(llm)
-    assert_drained(llm)
+    assert_drained_and_forgotten(llm)
 
 
 @pytest.mark.parametrize(
@@ -187,12 +184,12 @@ def test_seeded_samples_and_beams_are_unchanged(tiny_dir, tiny_model):
     ids=["int4", "int8_token", "fp8", "sinks", "h2o", "window_prefix"],
 )
 def test_lossy_formats_give_what_they_give_without_speculation(tiny_dir, tiny_model, switches):
-    batch = prompts(8, seed=9)
+    batch = random_prompts(8, seed=9, shortest=1)
     plain = LLM(tiny_dir, model=tiny_model, block_size=4, **switches).generate(batch, GREEDY)
     llm = speculating(tiny_dir, tiny_model, **switches)
     assert [out.token_ids for out in llm.generate(batch, GREEDY)] == [out.token_ids for out in plain]
     assert_guessed_both_ways(llm)
-    assert_drained(llm)
+    assert_drained_and_forgotten(llm)
 
 
 def test_real_model_speculation_equals_the_cached_decoder_on_a_passage(
@@ -286,12 +283,12 @@ def test_a_later_request_finds_no_kv_of_a_rejected_guess(tiny_dir, tiny_model):
     adopts the first's blocks; its tokens still equal naive decoding, so no block it found held
     a guess the first rejected."""
     llm = speculating(tiny_dir, tiny_model, prefix_caching=True)
-    first = prompts(1, seed=21)[0]
+    first = random_prompts(1, seed=21, shortest=1)[0]
     out = llm.generate([first], GREEDY)[0]
     assert_guessed_both_ways(llm)
     follow_up = first + out.token_ids + [7, 7]
     second = llm.generate([follow_up], GREEDY)[0]
-    assert second.token_ids == naive(tiny_model, follow_up)
+    assert second.token_ids == naive(tiny_model, follow_up, GREEDY)
     assert llm.engine.snapshot().prefix_cache["hit_blocks"] >= len(follow_up) // 4 - 1
 
 

@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REAL_CHAT_QUESTIONS, cached_blocks, free_and_intact
+from helpers import REAL_CHAT_QUESTIONS, cached_blocks, free_and_intact, naive, random_prompts
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from references import replay_quantized, run_recorded
 
 from minillm.cli import main
 from minillm.config import ConfigError
-from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.beam import reference_beam_search
 from minillm.memory.block_manager import BlockManager
@@ -29,15 +28,6 @@ from minillm.memory.tiers import DiskTier, SwapCost, TieredKV
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 BLOCK = 4
-
-
-def mixed_prompts(count, seed, vocab=97):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(rng.randint(2, 22))] for _ in range(count)]
-
-
-def naive(model, prompt, params):
-    return generate(model, prompt, params, "naive").token_ids
 
 
 def tight(tiny_dir, tiny_model, blocks=14, **switches):
@@ -66,7 +56,7 @@ def assert_swapped_and_drained(llm):
     "switches", [{}, {"max_num_batched_tokens": 7}, {"prefix_caching": True}, {"attention_backend": "cpu"}]
 )
 def test_greedy_with_swaps_equals_naive(tiny_dir, tiny_model, switches):
-    prompts = mixed_prompts(16, seed=3)
+    prompts = random_prompts(16, seed=3, longest=22)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, **switches)
     outputs = llm.generate(prompts, params)
@@ -75,7 +65,7 @@ def test_greedy_with_swaps_equals_naive(tiny_dir, tiny_model, switches):
 
 
 def test_disk_as_the_only_tier_equals_naive(tiny_dir, tiny_model, tmp_path):
-    prompts = mixed_prompts(10, seed=4)
+    prompts = random_prompts(10, seed=4, longest=22)
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
     outputs = llm.generate(prompts, params)
@@ -85,7 +75,7 @@ def test_disk_as_the_only_tier_equals_naive(tiny_dir, tiny_model, tmp_path):
 
 
 def test_a_full_host_pool_overflows_to_disk(tiny_dir, tiny_model, tmp_path):
-    prompts = mixed_prompts(12, seed=5)
+    prompts = random_prompts(12, seed=5, longest=22)
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     per_block = KV_BYTES_PER_TOKEN * BLOCK
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=3 * per_block, disk_cache_dir=str(tmp_path))
@@ -131,7 +121,7 @@ def test_quantized_engine_with_swaps_equals_the_quantized_reference(
     numbers depend on it (a block still filling is read exact), so the reference replays the
     schedule the engine ran through a cache rounded as the format rounds. Prefill chunks of 7
     tokens leave victims with half-filled blocks whose keys are staged in full precision."""
-    prompts = mixed_prompts(10, seed=6)
+    prompts = random_prompts(10, seed=6, longest=22)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, kv_dtype=kv_dtype, kv_key_scales=key_scales, max_num_batched_tokens=7)
     recorder, requests = run_recorded(llm, prompts, params)
@@ -154,7 +144,7 @@ def test_quantized_engine_with_swaps_equals_the_quantized_reference(
 
 
 def test_parallel_samples_swap_as_one_and_equal_the_unswapped_engine(tiny_dir, tiny_model):
-    prompts = mixed_prompts(6, seed=7)
+    prompts = random_prompts(6, seed=7, longest=22)
     params = SamplingParams(n=3, max_tokens=12, temperature=0.9, seed=11, ignore_eos=True)
     roomy = LLM(tiny_dir, model=tiny_model, block_size=BLOCK)
     llm = tight(tiny_dir, tiny_model, blocks=16)
@@ -165,7 +155,7 @@ def test_parallel_samples_swap_as_one_and_equal_the_unswapped_engine(tiny_dir, t
 
 
 def test_beams_with_swaps_equal_the_reference_search(tiny_dir, tiny_model):
-    prompts = mixed_prompts(4, seed=8)
+    prompts = random_prompts(4, seed=8, longest=22)
     params = SamplingParams(beam_width=3, max_tokens=8, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, blocks=12)
     for out, prompt in zip(llm.generate(prompts, params), prompts):
@@ -255,7 +245,7 @@ def test_a_copy_taken_for_other_content_stands_for_nothing():
 
 def test_prompts_sharing_a_prefix_swap_it_once_and_equal_naive(tiny_dir, tiny_model):
     prefix = [5, 9, 14, 3, 8, 21, 2, 7, 30, 11, 4, 6]  # three blocks every prompt adopts
-    prompts = [prefix + tail for tail in mixed_prompts(6, seed=3)]
+    prompts = [prefix + tail for tail in random_prompts(6, seed=3, longest=22)]
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, blocks=16, prefix_caching=True)
     outs = llm.generate(prompts, params)
@@ -388,7 +378,7 @@ def corrupt_every_block_file(monkeypatch, damage):
 def test_a_lost_block_file_is_recomputed_with_a_warning(
     tiny_dir, tiny_model, tmp_path, caplog, monkeypatch, damage
 ):
-    prompts = mixed_prompts(8, seed=9)
+    prompts = random_prompts(8, seed=9, longest=22)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
     corrupt_every_block_file(monkeypatch, damage)
@@ -400,7 +390,7 @@ def test_a_lost_block_file_is_recomputed_with_a_warning(
 
 
 def test_a_full_disk_means_recompute_not_wrong_kv(tiny_dir, tiny_model, tmp_path, caplog, monkeypatch):
-    prompts = mixed_prompts(8, seed=10)
+    prompts = random_prompts(8, seed=10, longest=22)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
 
@@ -433,7 +423,7 @@ def test_auto_swaps_when_copying_is_cheaper_and_recomputes_when_not(copy_rate, e
 
 
 def test_auto_in_the_engine_follows_the_measured_costs(tiny_dir, tiny_model, monkeypatch):
-    prompts = mixed_prompts(12, seed=12)
+    prompts = random_prompts(12, seed=12, longest=22)
     params = SamplingParams(max_tokens=14, ignore_eos=True)
     expected = [naive(tiny_model, prompt, params) for prompt in prompts]
     for copy_is_cheap in (True, False):
@@ -538,7 +528,7 @@ def test_tier_switches_are_checked(tiny_dir, tiny_model, tmp_path):
 
 def test_memory_stats_count_every_tier(tiny_dir, tiny_model):
     llm = tight(tiny_dir, tiny_model)
-    llm.generate(mixed_prompts(12, seed=14), SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.generate(random_prompts(12, seed=14, longest=22), SamplingParams(max_tokens=12, ignore_eos=True))
     snapshots = list(llm.engine.stats.memory)
     assert max(m.host_reserved_slots for m in snapshots) > 0
     final = snapshots[-1].as_dict()
@@ -560,7 +550,7 @@ def test_cli_generate_on_the_engine_reports_memory_per_tier(capsys, real_dir):
 
 @pytest.mark.slow
 def test_prefetched_swap_ins_copy_behind_the_forward_pass_and_stay_exact(tiny_dir, tiny_model):
-    prompts = mixed_prompts(30, seed=3)
+    prompts = random_prompts(30, seed=3, longest=22)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, blocks=20)
     outputs = llm.generate(prompts, params)
@@ -607,7 +597,7 @@ def test_the_disk_tier_failing_mid_run_means_recompute_and_no_request_fails(
     """Once blocks lie on disk, its folder disappears, or the disk fills up: blocks already there
     cannot be read back and new ones cannot be written, so their sequences are recomputed; every
     request still gets the naive decoder's tokens and none ends with an error."""
-    prompts = mixed_prompts(8, seed=11)
+    prompts = random_prompts(8, seed=11, longest=22)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, host_cache_bytes=0, disk_cache_dir=str(tmp_path))
     engine = llm.engine
