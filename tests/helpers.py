@@ -196,6 +196,19 @@ def assert_drained(llm) -> None:
     assert free_and_intact(llm.engine)
 
 
+def step_without_model(sched) -> list:
+    """One engine step without a model, on a Scheduler alone: the scheduled tokens are computed,
+    and every sequence whose tokens are all computed samples token 1. Returns the sequences scheduled."""
+    schedule = sched.schedule()
+    sched.computed(schedule, {}, {})  # no guesses, no attention kept (no H2O)
+    for item in schedule.sequences:
+        if item.seq.num_uncomputed == 0:
+            reason = item.seq.append(1, None)
+            if reason:
+                sched.finish(item.seq, reason)
+    return [item.seq for item in schedule.sequences]
+
+
 def free_and_intact(engine) -> bool:
     """Every device block is free again (none held, none leaked), and the invariants hold."""
     engine.kv_cache.check_invariants()

@@ -7,6 +7,7 @@ import random
 
 import pytest
 from helpers import assert_drained, naive, random_prompts
+from helpers import step_without_model as step
 
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
@@ -61,19 +62,6 @@ def request(seq_id, prompt_len, max_tokens, priority=0):
     )
     seq.priority = priority
     return seq
-
-
-def step(sched):
-    """One engine step without a model: the scheduled tokens are computed, and every sequence
-    whose tokens are all computed samples token 1. Returns the sequences scheduled."""
-    schedule = sched.schedule()
-    sched.computed(schedule, {}, {})  # no guesses, no attention kept (no H2O)
-    for item in schedule.sequences:
-        if item.seq.num_uncomputed == 0:
-            reason = item.seq.append(1, None)
-            if reason:
-                sched.finish(item.seq, reason)
-    return [item.seq for item in schedule.sequences]
 
 
 @pytest.mark.parametrize("admission, small_ones_admitted", [("fcfs", 0), ("memory", 1)])

@@ -5,6 +5,7 @@ cost, deadlines (the late yield, the urgent go first), and a starvation bound th
 import itertools
 
 import pytest
+from helpers import step_without_model as step
 
 from minillm.engine import LLM, SamplingParams
 from minillm.engine.admission import MAX_WAIT_STEPS
@@ -64,19 +65,6 @@ def scheduler_with(admission, manager=None, max_num_seqs=16) -> Scheduler:
         vocab_size=97,
         admission=admission,
     )
-
-
-def step(sched):
-    """One engine step without a model: scheduled tokens are computed, every sequence whose tokens
-    are all computed samples token 1. Returns the sequences scheduled."""
-    schedule = sched.schedule()
-    sched.computed(schedule, {}, {})  # no guesses, no attention kept (no H2O)
-    for item in schedule.sequences:
-        if item.seq.num_uncomputed == 0:
-            reason = item.seq.append(1, None)
-            if reason:
-                sched.finish(item.seq, reason)
-    return [item.seq for item in schedule.sequences]
 
 
 # ---------------------------------------------------------------- the predictor
