@@ -118,6 +118,8 @@ def main():
     args = lesson_args(__doc__)
     softmax_error = online_softmax_demo()
     kernel_error = check_kernels()
+    if kernel_error > 1e-5:  # a kernel that disagrees with the reference is a bug, not a finding
+        raise SystemExit(f"the kernels differ from the torch reference by {kernel_error:.1e}: a bug")
     report = time_kernels(args.quick)
     kernel, reference = report["kernel"], report["backends"][0]
     best = max(
@@ -143,11 +145,19 @@ def main():
         f"makes decode attention a pure stream over the cache: here the {kernel} peaks at "
         f"{best[kernel + '_roof_fraction']:.0%} of the copy bandwidth (the torch reference: "
         f"{best[reference + '_roof_fraction']:.0%}; batch {best['batch']}, context {best['context']}). "
-        f"Reading int8 blocks in place it is {int8['speedup']:.1f}x faster than in fp32 at "
-        f"{int8['batch']} x {int8['context']}, for {int8['bytes_ratio']:.1f}x fewer bytes; "
-        f"and the outputs {'match' if kernel_error <= 1e-5 else '[red]do NOT match[/red]'} the "
-        f"reference (max difference {kernel_error:.1e})."
+        f"Reading int8 blocks in place {int8_verdict(int8)} at {int8['batch']} x {int8['context']}, "
+        f"for {int8['bytes_ratio']:.1f}x fewer bytes; the outputs match the reference (max "
+        f"difference {kernel_error:.1e})."
     )
+
+
+def int8_verdict(int8: dict) -> str:
+    """What reading int8 in place did to the time, said as it came out here."""
+    if int8["speedup"] >= 1.05:
+        return f"is {int8['speedup']:.1f}x as fast as fp32"
+    if int8["speedup"] > 0.95:
+        return f"takes the same time as fp32 ({int8['speedup']:.2f}x): the bytes saved did not pay here"
+    return f"is slower than fp32 ({int8['speedup']:.2f}x): unpacking costs more than the bytes saved"
 
 
 if __name__ == "__main__":

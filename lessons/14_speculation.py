@@ -579,9 +579,6 @@ def meaning_of_price(fits: dict, prices: dict, evens: dict, together: dict) -> s
 
 def meaning(step: dict, fits: dict, prices: dict, evens: dict, results: dict, together: dict) -> str:
     parts = "; ".join(verdict(name, r, prices[1]) for name, r in results.items())
-    same = (
-        "the same tokens each time" if all(r["identical"] for r in results.values()) else "DIFFERENT TOKENS"
-    )
     rates = [r["speculative"] for r in results.values() if 0 < r["speculative"]["acceptance_rate"] < 0.95]
     runs = ""
     if rates:  # the formula assumes each guess is kept independently; real guesses come right in runs
@@ -591,15 +588,21 @@ def meaning(step: dict, fits: dict, prices: dict, evens: dict, results: dict, to
             f"{tokens_per_pass(low['acceptance_rate'], K):.2f} tokens a pass, the engine got "
             f"{low['tokens_per_pass']:.2f}: guesses are right or wrong in runs, not one by one."
         )
-    failed = [name for name, r in results.items() if r["speculative"]["finish_reason"] == "error"]
-    if failed:  # the tokens are all there; the engine failed the step that ended the request
-        runs += f" The guessing runs of {', '.join(failed)} ended with an error (an engine bug)."
     return (
-        f"{meaning_of_rollback(step)} (2) Greedy, with {same}: {parts}.{runs} "
+        f"{meaning_of_rollback(step)} (2) Greedy, with the same tokens each time: {parts}.{runs} "
         f"{meaning_of_price(fits, prices, evens, together)} Guessing pays where the output repeats its input "
         "(or itself), as far as a pass's extra rows stay cheap; a sequence guesses only as far as its recent "
         "acceptance pays for the rows at the engine's measured price, so where guesses fail it soon stops."
     )
+
+
+def check_engine(results: dict) -> None:
+    """Speculation is lossless: a guessing run that errs or answers other tokens is a bug, and the
+    lesson stops on it rather than explain it."""
+    failed = [name for name, r in results.items() if r["speculative"]["finish_reason"] == "error"]
+    differ = [name for name, r in results.items() if not r["identical"]]
+    if failed or differ:
+        raise SystemExit(f"speculation broke the engine: errors in {failed}, other tokens in {differ}")
 
 
 def main() -> None:
@@ -617,6 +620,7 @@ def main() -> None:
     console.rule("2. End to end: a passage quoted, and open questions, alone and all at once")
     results, together, fits = end_to_end(model, tokenizer, settings)
     show_end_to_end(results, together, settings["new_tokens"])
+    check_engine(results)
 
     console.rule("3. The price of a row: the engine's own fit to its passes")
     prices = price_of_rows(fits, settings["max_rows"])
