@@ -140,10 +140,21 @@ def main():
         f"\n[bold]What it means:[/bold] reserving for the worst case wastes much of the memory "
         f"(the arena's slots held {trace['arena_utilization']:.0%} live tokens on average, the blocks "
         f"{trace['paged_utilization']:.0%}) and scatters the rest into unusable holes (a request for "
-        f"{refusal['new_request_slots']} slots refused with {refusal['free_slots']} free); blocks remove "
-        f"both, so the same KV budget holds more live tokens and turns away fewer requests "
-        f"({trace['paged_refused']} arrivals refused against the arena's {trace['arena_refused']})."
+        f"{refusal['new_request_slots']} slots refused with {refusal['free_slots']} free). "
+        f"{blocks_verdict(trace)}"
     )
+
+
+def blocks_verdict(trace: dict) -> str:
+    """What the blocks did on this trace, said as it came out."""
+    held_more = trace["paged_utilization"] > trace["arena_utilization"]
+    refused_fewer = trace["paged_refused"] < trace["arena_refused"]
+    refusals = f"{trace['paged_refused']} arrivals refused against the arena's {trace['arena_refused']}"
+    if held_more and refused_fewer:
+        return f"Blocks remove both: the same budget holds more live tokens and refuses fewer ({refusals})."
+    if held_more:
+        return f"Blocks hold more live tokens in the same budget, but turned away no fewer here ({refusals})."
+    return f"On this trace blocks did not hold more live tokens than the arena ({refusals})."
 
 
 if __name__ == "__main__":

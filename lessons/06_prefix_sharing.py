@@ -130,12 +130,25 @@ def main():
             "timestamp_in_turn_prefill_saved": fixed_row[3],
         },
     )
-    console.print(
-        f"\n[bold]What it means:[/bold] a shared prefix is computed once and stored once "
-        f"({shared_row[3]} of {shared_row[1]} prompt tokens not recomputed here); one changing byte "
-        f"near the start breaks the hash chain for everything after it (saved: {stamped_row[3]}), so "
-        f"keep volatile text out of the shared prefix (saved again: {fixed_row[3]})."
+    console.print(f"\n[bold]What it means:[/bold] {meaning(shared_row, stamped_row, fixed_row)}")
+
+
+def meaning(shared_row: list, stamped_row: list, fixed_row: list) -> str:
+    """The closing sentence, each claim read off the three runs' prefill saved (column 3)."""
+    saved, stamped, fixed = shared_row[3], stamped_row[3], fixed_row[3]
+    if saved == 0:
+        return "the shared system prompt saved no prefill here: its blocks were not found again."
+    said = (
+        f"a shared prefix is computed once and stored once ({saved} of {shared_row[1]} prompt tokens "
+        "not recomputed here); "
     )
+    if stamped < saved:
+        said += f"one changing byte near the start breaks the hash chain after it (saved: {stamped})"
+    else:
+        said += f"a timestamp at the start cost nothing here (saved: {stamped})"
+    if fixed > stamped:
+        return said + f", so keep volatile text out of the shared prefix (saved again: {fixed})."
+    return said + f"; moving it into the turn saved no more (saved: {fixed})."
 
 
 if __name__ == "__main__":
