@@ -199,11 +199,12 @@ def test_a_signal_ends_the_stream_in_flight_and_the_process_exits(model_dir, tmp
         stream = Stream(url, LONG_STREAM)
         assert stream.next_event(time.monotonic() + STOP_WITHIN_S).startswith("{")
         proc.send_signal(signum)
-        if twice:
+        if twice:  # the handler runs when the server's main thread next gets the CPU: wait for it
+            draining = lambda: fetch(url + "/health", timeout=5).status_code == 503  # noqa: E731
+            wait_until(draining, STOP_WITHIN_S, "/health to answer 503 once the drain began")
+            assert fetch(url + "/v1/completions", body(4, False), JSON, timeout=5).status_code == 503
             for _ in range(3):  # still streaming: the drain lets it run
                 assert stream.next_event(time.monotonic() + STOP_WITHIN_S).startswith("{")
-            assert fetch(url + "/health", timeout=5).status_code == 503
-            assert fetch(url + "/v1/completions", body(4, False), JSON, timeout=5).status_code == 503
             proc.send_signal(signum)
         events = stream.read_to_end(STOP_WITHIN_S)
         assert ends_with_the_shutdown_error(events), events[-3:]
