@@ -371,8 +371,12 @@ def meaning(chats: dict, swapping: dict, session: dict, settings: dict) -> str:
         f"{session['resumed_ttft'] * 1e3:.0f} ms "
         f"from its {mib(session['file_bytes'])} MiB session file "
         f"(load included, {session['resumed_computed']} tokens prefilled), against "
-        f"{session['recomputed_ttft'] * 1e3:.0f} ms recomputing all {session['recomputed_computed']} "
-        f"({session['recomputed_ttft'] / session['resumed_ttft']:.1f}x)."
+        f"{session['recomputed_ttft'] * 1e3:.0f} ms recomputing all {session['recomputed_computed']}: "
+        + (
+            f"{session['recomputed_ttft'] / session['resumed_ttft']:.1f}x faster from the file."
+            if session["resumed_ttft"] < session["recomputed_ttft"]
+            else "reading the file cost more than recomputing here, so the session saved no time."
+        )
     )
     return f"{warm} {prefetch} {cold}"
 
