@@ -19,6 +19,7 @@ from _common import console, perplexity_setup, save_numbers, save_plot, table  #
 
 from minillm.attention.kernels import attention_backend  # noqa: E402
 from minillm.attention.reference import causal_attention  # noqa: E402
+from minillm.config import EngineConfig  # noqa: E402
 from minillm.engine import LLM  # noqa: E402
 from minillm.evaluation import perplexity  # noqa: E402
 from minillm.memory.quantization import FORMATS, dequantize, quantize  # noqa: E402
@@ -204,7 +205,7 @@ def main():
             },
         },
     )
-    backend = attention_backend(LLM(model_dir, model=model, tokenizer=tokenizer).engine.config).name
+    backend = attention_backend(EngineConfig(model_dir=model_dir)).name  # the runs' default: auto
     console.print(f"\n[bold]What it means:[/bold] {meaning(results, backend)}")
 
 
