@@ -141,8 +141,7 @@ def heard_snapshot(engine) -> Snapshot:
     def listen(step, event):
         heard.append(event)
 
-    engine.subscribe(listen)
-    engine.unsubscribe(listen)
+    engine.subscribe(listen)()  # subscribed, and off again
     return heard[0]
 
 

@@ -169,9 +169,7 @@ def test_quantized_engine_runs_with_chunks_and_preemption(tiny_dir, tiny_model, 
     assert all(out.finished and len(out.token_ids) == 30 for out in outputs)
     assert llm.engine.num_preemptions > 0
     llm.engine.kv_cache.check_invariants()
-    llm.engine.kv_cache.apply(
-        []
-    )  # what a step does before its pass: the pool forgets what free blocks staged
+    llm.engine.kv_cache.apply()  # what a step does before its pass: the pool forgets what free blocks staged
     assert llm.engine.snapshot().staged_bytes == 0  # nothing left behind
 
 

@@ -261,7 +261,7 @@ def test_random_rollbacks_keep_the_invariants_and_leave_no_stale_prefix_entry(ti
                 kv.rollback(seq_id, n + kept)
                 live[seq_id] = written[: n + kept]
                 kv.computed(seq_id, live[seq_id], n + kept, n + kept, 1, 1000)
-            kv.take_copies()
+            kv.apply()  # the copies decided, performed
         kv.check_invariants()
         state = heard_snapshot(kv)  # every table, and what the prefix cache holds
         cached = {block: tokens for block, _, _, tokens in state.cached}

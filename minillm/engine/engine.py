@@ -3,9 +3,10 @@
 `LLMEngine.step()` is the algorithm, one call per stage into the object that owns it:
   1. the scheduler picks sequences and token counts (decode tokens, prefill chunks), asking the
      KV cache manager for their blocks — or preempting when blocks run out (`scheduler.py`);
-  2. the tiers perform the block copies the scheduler decided — swaps between the device pool
-     and the host or disk tier, prefix spills, copy-on-write — in order (`memory/tiers.py`),
-     and start copying back, in the background, the swapped sequence that runs next (prefetch);
+  2. the KV cache manager performs the block copies its allocations decided — swaps between the
+     device pool and the host or disk tier, prefix spills, copy-on-write — in order
+     (`memory/tiers.py`), and starts copying back, in the background, the swapped sequence the
+     scheduler named to run next (prefetch);
   3. the runner lays every scheduled token end to end and runs the model once; each attention
      layer writes k, v into the tokens' slots and reads each sequence's history through its
      block table (`runner.py`, `attention/paged.py`);
@@ -32,6 +33,7 @@ import itertools
 import math
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -231,7 +233,7 @@ class LLMEngine:
 
     def _run(self, schedule: Schedule) -> list[RequestOutput]:
         """Stages 2 to 6 of one step, over what the scheduler chose."""
-        self.kv_cache.apply(schedule.copies, prefetch=schedule.prefetch)  # 2. copies before anyone writes
+        self.kv_cache.apply(schedule.bring_back)  # 2. copies before anyone writes
         forward = self.runner.forward(schedule.sequences)  # 3. one forward pass
         ran = schedule.ran()  # who ran and what attention read, before 4 moves their counts on
         checked = self.chooser.check(schedule, forward)  # prompts scored, guesses checked: before 4 too
@@ -294,11 +296,11 @@ class LLMEngine:
 
     def save_session(self, path: Path, token_ids: list[int], extra: dict | None = None) -> int:
         """Park the cached KV of `token_ids` (a finished conversation) in a file; returns the tokens kept."""
-        return self.kv_cache.save_session(path, token_ids, self._session_identity(), extra)
+        return self.kv_cache.sessions().save(path, token_ids, self._session_identity(), extra)
 
     def load_session(self, path: Path) -> tuple[list[int], dict]:
         """Load a parked session's KV as cached prefix blocks; returns (its token ids, its extra)."""
-        return self.kv_cache.load_session(path, self._session_identity())
+        return self.kv_cache.sessions().load(path, self._session_identity())
 
     def memory_stats(self) -> MemoryStats:
         return self.snapshot().stats
@@ -317,13 +319,10 @@ class LLMEngine:
         checked in that pass, kept or not (`speculative.py`); empty when nobody guessed."""
         return self.chooser.checked_guesses()
 
-    def subscribe(self, subscriber: Subscriber) -> None:
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """`subscriber(step, event)` hears every change of a block's life from now on, first a
-        `Snapshot` of the state now (`memory/events.py`)."""
-        self.kv_cache.subscribe(subscriber)
-
-    def unsubscribe(self, subscriber: Subscriber) -> None:
-        self.kv_cache.unsubscribe(subscriber)
+        `Snapshot` of the state now (`memory/events.py`). Returns the call that stops it hearing."""
+        return self.kv_cache.subscribe(subscriber)
 
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens the prefix cache has saved from prefill so far (0 without a cache)."""

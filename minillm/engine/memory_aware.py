@@ -169,8 +169,9 @@ class MemoryAware:
         """Its remaining life in engine steps' worth of the machine: the KV block-steps it will hold
         over the pool's blocks, plus the tokens it will compute over a step's token budget."""
         manager, capacity, rows = self.manager, self.capacity, seq.num_seats  # rows: it and its forks to come
-        if manager.has_blocks(seq.seq_id):  # running (or brought back): what it holds now
-            held, to_compute = manager.num_held(seq.seq_id), seq.num_uncomputed
+        holding = manager.holding(seq.seq_id)
+        if holding.has_table:  # running (or brought back): what it holds now
+            held, to_compute = holding.num_blocks, seq.num_uncomputed
         else:
             cached = self.cached_blocks(seq)
             held = capacity.blocks_for(seq.num_tokens) - cached
@@ -215,8 +216,9 @@ class MemoryAware:
         if self._profile is None or self._profile[0] != batch:
             manager, rows, held = self.manager, [], 0
             for seq in running:
-                if manager.has_blocks(seq.seq_id):
-                    held += manager.num_held(seq.seq_id)
+                holding = manager.holding(seq.seq_id)
+                if holding.has_table:
+                    held += holding.num_blocks
                     steps = self.steps_left(seq)  # its forks to come share its prompt, and grow alike
                     rows += [(seq.num_tokens, steps)] + [(0, steps)] * (seq.num_seats - 1)
             self._profile = (batch, GrowthProfile(rows, self.capacity.block_size), held)
@@ -225,7 +227,7 @@ class MemoryAware:
     def blocks_to_start(self, seq: Sequence, budget: int) -> int:
         """New blocks its first chunk takes: the chunk's, less the prompt blocks the prefix cache gives."""
         chunk_end = seq.num_cached + min(seq.num_uncomputed, budget)
-        needed = self.capacity.blocks_for(chunk_end) - self.manager.num_held(seq.seq_id)
+        needed = self.capacity.blocks_for(chunk_end) - self.manager.holding(seq.seq_id).num_blocks
         return max(0, needed - self.cached_blocks(seq))
 
     def has_room(self, seq: Sequence, running: list[Sequence], budget: int, kept: int, step: int) -> bool:

@@ -55,12 +55,11 @@ class ScheduledSequence:
 
 @dataclass
 class Schedule:
-    """One step's work: the sequences and their token counts, and the blocks to copy first."""
+    """One step's work: the sequences and their token counts, and the swapped-out sequence to
+    bring back behind its forward pass (`KVCacheManager.apply`)."""
 
     sequences: list[ScheduledSequence] = field(default_factory=list)
-    # (source, destination) blocks: swaps, spills, copy-on-write, in order; all done before the pass
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    prefetch: list[tuple[int, int]] = field(default_factory=list)  # the next step's swap-ins, during it
+    bring_back: tuple[int, int] | None = None  # (seq_id, blocks to leave free): the next to run
 
     def ran(self) -> list[tuple[int, str, int, int]]:
         """(seq_id, request_id, tokens computed, KV entries attention reads) of each scheduled
@@ -161,10 +160,7 @@ class Scheduler:
             if self.running:
                 self._preempt(self.running[-1], front=False)
             scheduled, preempted = self._schedule_pass()
-        copies = self.kv_cache.take_copies()
-        if scheduled:
-            self._prefetch_next()
-        return Schedule(scheduled, copies, self.kv_cache.take_copies())
+        return Schedule(scheduled, self._next_to_bring_back() if scheduled else None)
 
     def _schedule_pass(self) -> tuple[list[ScheduledSequence], bool]:
         """Running sequences first, oldest first, then waiting ones in the admission policy's order
@@ -236,7 +232,7 @@ class Scheduler:
                 break
             if seq.num_uncomputed == 0:  # a beam swapped out while it waited for its siblings' scores:
                 continue  # nothing to run until they are in; it keeps its place
-            if scheduled and self.kv_cache.is_swapped(seq.seq_id):
+            if scheduled and self.kv_cache.holding(seq.seq_id).swapped:
                 break  # prefetched instead (`schedule`): its copies hide behind this step's forward pass
             num_tokens = self._admit(seq, budget, kept) if seq.num_seats <= seats else 0
             if num_tokens:
@@ -284,17 +280,18 @@ class Scheduler:
         for seq in reversed(self.waiting):
             if seq.seq_id in holders:
                 self.kv_cache.preempt(seq.seq_id, seq.num_computed, {seq.seq_id: seq.num_computed})
-                if not self.kv_cache.has_blocks(seq.seq_id):
+                if not self.kv_cache.holding(seq.seq_id).has_table:
                     seq.forget_cache()
                 return True
         return False
 
-    def _prefetch_next(self) -> None:
-        """Bring the head of the queue back now if it is swapped out and memory allows, keeping
-        a block free for each running sequence to grow into."""
+    def _next_to_bring_back(self) -> tuple[int, int] | None:
+        """The head of the queue, if it is swapped out: to come back during this step if memory
+        allows, keeping a block free for each running sequence to grow into."""
         head = next((seq for seq in self.waiting if seq.num_uncomputed), None)  # the next to run
-        if head is not None and self.kv_cache.is_swapped(head.seq_id):
-            self.kv_cache.prefetch(head.seq_id, spare_blocks=len(self.running))
+        if head is not None and self.kv_cache.holding(head.seq_id).swapped:
+            return head.seq_id, len(self.running)
+        return None
 
     def _start_static_batch(self) -> None:
         """Static batching: the next max_num_seqs requests form a batch that runs to its end.
@@ -323,7 +320,7 @@ class Scheduler:
         sibling's seat may have gone to another request while that sibling was preempted) or the
         child of a parent preempted by recompute waits instead, to be computed again."""
         running = parent.status is Status.RUNNING
-        if not self.kv_cache.has_blocks(parent.seq_id) or (
+        if not self.kv_cache.holding(parent.seq_id).has_table or (
             running and parent.output_ids and not self._has_seats_for(child)
         ):
             child.forget_cache()
@@ -341,12 +338,12 @@ class Scheduler:
         chooses swap or recompute; by swap, its request's other running sequences that this step
         has not scheduled go with it (they share blocks), except `protect`, the one the room is for."""
         group = {}
-        if self.kv_cache.has_blocks(seq.seq_id):
+        if self.kv_cache.holding(seq.seq_id).has_table:
             group = {
                 s.seq_id: s.num_computed
                 for s in self.running
                 if s.request_id == seq.request_id
-                and self.kv_cache.has_blocks(s.seq_id)
+                and self.kv_cache.holding(s.seq_id).has_table
                 and s.seq_id not in self._scheduled_ids
                 and (s is seq or s is not protect)
             }
@@ -357,7 +354,7 @@ class Scheduler:
             victim.status = Status.WAITING
             victim.num_preemptions += 1
             self.num_preemptions += 1
-            if not self.kv_cache.has_blocks(victim.seq_id):
+            if not self.kv_cache.holding(victim.seq_id).has_table:
                 victim.forget_cache()  # by recompute: nothing of it is cached any more
         if front:
             self.waiting.extendleft(reversed(victims))

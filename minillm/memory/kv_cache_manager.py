@@ -5,24 +5,25 @@ the engine's one counterpart about memory (vLLM v1 calls it the KVCacheManager, 
 the CacheManager). It owns every part of the memory system and answers in the scheduler's words:
 
     capacity()           what planning needs, fixed for the run: blocks, block size, budgets
-    num_free_blocks, has_blocks, num_held, is_swapped, holders_of_device_blocks,
+    num_free_blocks, holding(seq), holders_of_device_blocks,
     cached_prefix_blocks what the scheduler counts on, asked as it plans
     allocate(seq, ...)   blocks for a sequence's next chunk: prefix hits adopted, a swapped-out
                          sequence brought back, the table grown, shared blocks copied; or "no"
     preempt(...)         take a victim off the device, by swap or by recompute (its cost model)
-    prefetch(...)        bring a swapped-out sequence back one step early
     fork / free          a parallel sample or beam shares its parent's blocks; blocks go back
-    take_copies()        every block copy decided (swaps, spills, copy-on-write), in order
-    apply(...)           ...performed by the tiers before the forward pass that reads them
+    apply(bring_back)    before the forward pass, every block copy decided (swaps, spills,
+                         copy-on-write) performed in order; a swapped-out sequence brought back
+                         one step early, its copies behind the pass (prefetch)
     pool() / append(...) the tensors attention uses, and where a chunk's K/V go (slots) with the
                          table its history is read through
     computed(...)        after a forward pass: attention's scores kept, full blocks registered,
                          eviction budgets kept
     rollback(...)        speculation's rejected guesses cut (`rollback.py`)
     begin_step / end_step   a step's events numbered, its pass timed, who ran told; its numbers
-    save_session / load_session   a conversation's KV parked in a file, and back (`sessions.py`)
+    sessions()           a conversation's KV parked in a file, and back (`sessions.Sessions`)
     snapshot(...)        one read-only picture of all of it (`accounting.MemorySnapshot`)
-    subscribe(...)       every change of a block's life from now on, as events (`events.py`)
+    subscribe(...)       every change of a block's life from now on, as events (`events.py`);
+                         it returns the call that stops them
     eviction_state / check_invariants   what a test looks at: H2O scores and entry positions; the
                          block manager's invariants, and the state the events rebuild
 
@@ -43,7 +44,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -57,7 +57,7 @@ from minillm.memory.prefix_cache import PrefixMiss
 from minillm.memory.pressure import PressureLadder
 from minillm.memory.replay import Replayer
 from minillm.memory.rollback import Rollback, room_to_guess
-from minillm.memory.sessions import load_session, save_session
+from minillm.memory.sessions import Sessions
 from minillm.memory.tiers import SwapCost, TieredKV
 
 COUNTERS = ("swapped_out", "swapped_in", "prefetched", "recomputed_tokens")
@@ -75,6 +75,16 @@ class Allocation:
     num_computed: int
     restart: bool
     miss: PrefixMiss | None = None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What a sequence holds now: a block table of `num_blocks` (`has_table`: running, or swapped
+    out; without one it never started, or was forgotten), `swapped`: off the device."""
+
+    has_table: bool
+    num_blocks: int
+    swapped: bool
 
 
 @dataclass(frozen=True)
@@ -161,16 +171,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self._blocks.num_free_blocks
 
-    def has_blocks(self, seq_id: int) -> bool:
-        """Does the sequence hold a block table (running, or swapped out)?"""
-        return self._blocks.has_table(seq_id)
-
-    def num_held(self, seq_id: int) -> int:
-        """Blocks in the sequence's table (0 without one)."""
-        return len(self._blocks.table(seq_id)) if self.has_blocks(seq_id) else 0
-
-    def is_swapped(self, seq_id: int) -> bool:
-        return self._moves.is_swapped(seq_id)
+    def holding(self, seq_id: int) -> Holding:
+        if not self._blocks.has_table(seq_id):
+            return Holding(False, 0, False)
+        return Holding(True, len(self._blocks.table(seq_id)), self._moves.is_swapped(seq_id))
 
     def holders_of_device_blocks(self) -> set[int]:
         return self._moves.holders_of_device_blocks()
@@ -178,7 +182,7 @@ class KVCacheManager:
     def cached_prefix_blocks(self, seq_id: int, token_ids: list[int]) -> int:
         """Leading blocks of a sequence not yet started that the prefix cache holds."""
         cache = self._blocks.prefix_cache
-        return len(cache.lookup(token_ids)) if cache and not self.has_blocks(seq_id) else 0
+        return len(cache.lookup(token_ids)) if cache and not self._blocks.has_table(seq_id) else 0
 
     # ---------------------------------------------------------------- giving blocks
     def allocate(
@@ -274,10 +278,23 @@ class KVCacheManager:
         self._ladder.took("preempt", len(left))
         return left
 
-    def prefetch(self, seq_id: int, spare_blocks: int) -> bool:
-        """Bring a swapped-out sequence back now if its blocks fit with `spare_blocks` left free (and
-        its disk files read back): it runs from the next step on, its copies behind this step's
-        forward pass (`apply`) instead of delaying one."""
+    # ---------------------------------------------------------------- copies and the forward pass
+    def apply(self, bring_back: tuple[int, int] | None = None) -> None:
+        """Before a forward pass: perform every block copy decided since the last call, in order (the
+        one queue of swaps, spills, bring-backs and copy-on-write), and let the pool forget what
+        freed blocks staged. `bring_back`: (seq_id, spare_blocks), a swapped-out sequence to run from
+        the next step on, brought back now if its blocks fit with `spare_blocks` left free (and its
+        disk files read back); its copies run behind this forward pass (the next `begin_step` waits
+        for them) instead of delaying a step."""
+        copies = self._blocks.take_copies()
+        if copies:
+            self._tiers.copy(copies)
+        refcounts = self._blocks.refcounts
+        self._pool.forget_free_blocks(lambda block: refcounts[block] == 0)
+        if bring_back is not None and self._prefetch(*bring_back):
+            self._tiers.start_prefetch(self._blocks.take_copies())
+
+    def _prefetch(self, seq_id: int, spare_blocks: int) -> bool:
         moves = self._moves
         fits = moves.can_swap_in([seq_id], extra=spare_blocks)
         if not fits or not self._tiers.readable(moves.held_off_device([seq_id])):
@@ -286,22 +303,6 @@ class KVCacheManager:
         self._counters["swapped_in"] += 1
         self._counters["prefetched"] += 1
         return True
-
-    # ---------------------------------------------------------------- copies and the forward pass
-    def take_copies(self) -> list[tuple[int, int]]:
-        """The (source, destination) block copies decided since the last call, in order: the one
-        queue every copy goes through (swaps, spills, bring-backs, copy-on-write)."""
-        return self._blocks.take_copies()
-
-    def apply(self, copies: list[tuple[int, int]], prefetch: list[tuple[int, int]] = ()) -> None:
-        """Before a forward pass: perform `copies` in order, let the pool forget what freed blocks
-        staged, and start `prefetch` in the background (the next `begin_step` waits for it)."""
-        if copies:
-            self._tiers.copy(copies)
-        refcounts = self._blocks.refcounts
-        self._pool.forget_free_blocks(lambda block: refcounts[block] == 0)
-        if prefetch:
-            self._tiers.start_prefetch(list(prefetch))
 
     def pool(self):
         """The device pool (`pool.py` or `quantized_pool.py`): the tensors attention reads and writes."""
@@ -386,24 +387,16 @@ class KVCacheManager:
             self._tiers.finish_prefetch()
 
     # ---------------------------------------------------------------- sessions
-    def save_session(self, path: Path, token_ids: list[int], identity: dict, extra: dict | None) -> int:
-        """Park the cached KV of `token_ids` in a file (`sessions.py`); returns the tokens kept."""
-        self._finish_prefetch()
-        return save_session(Path(path), self._blocks, self._tiers, token_ids, identity, extra)
-
-    def load_session(self, path: Path, identity: dict[str, str]) -> tuple[list[int], dict]:
-        """Load a parked session's KV as cached prefix blocks; returns (its token ids, its extra)."""
-        self._finish_prefetch()
-        return load_session(Path(path), self._blocks, self._tiers, identity)
+    def sessions(self) -> Sessions:
+        """Parking a conversation's KV in a file and loading it back (`sessions.py`)."""
+        return Sessions(self._blocks, self._tiers, self._finish_prefetch)
 
     # ---------------------------------------------------------------- events and pictures
-    def subscribe(self, subscriber: Subscriber) -> None:
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """`subscriber(step, event)` hears every change of a block's life from now on, first a
-        `Snapshot` of the state now."""
+        `Snapshot` of the state now. Returns the call that stops it hearing."""
         self._blocks.subscribe(subscriber, self._pool.bytes_per_slot)
-
-    def unsubscribe(self, subscriber: Subscriber) -> None:
-        self._events.remove(subscriber)
+        return lambda: self._events.remove(subscriber)
 
     def check_invariants(self, replayed: Replayer | None = None) -> None:
         """Raise AssertionError if the block manager's invariants are broken (`BlockManager`), or

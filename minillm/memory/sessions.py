@@ -179,3 +179,21 @@ def load_session(
     )
     manager.free(PLACEHOLDER_SEQ)  # the blocks stay cached, findable by the next prompt
     return token_ids, extra
+
+
+class Sessions:
+    """Sessions over one memory system: its block manager and tiers, and `settle`, what must
+    finish before a block is read or written (a prefetch in flight). `KVCacheManager.sessions`."""
+
+    def __init__(self, manager: BlockManager, tiers, settle):
+        self._manager, self._tiers, self._settle = manager, tiers, settle
+
+    def save(self, path: Path, token_ids: list[int], identity: dict[str, str], extra: dict | None) -> int:
+        """Park the cached KV of `token_ids` in a file; returns the tokens kept."""
+        self._settle()
+        return save_session(Path(path), self._manager, self._tiers, token_ids, identity, extra)
+
+    def load(self, path: Path, identity: dict[str, str]) -> tuple[list[int], dict]:
+        """Load a parked session's KV as cached prefix blocks; returns (its token ids, its extra)."""
+        self._settle()
+        return load_session(Path(path), self._manager, self._tiers, identity)

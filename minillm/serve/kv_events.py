@@ -97,7 +97,7 @@ class KVEventFeed:
         self.batches: asyncio.Queue = asyncio.Queue()
         self.pending: list[Event] = []  # this step's events so far (engine thread)
         self.queued = 0  # batches handed over and not yet read (approximate across threads)
-        self.unsubscribe = None  # set by the route: how the feed takes itself off the engine
+        self.unsubscribe = lambda: None  # once subscribed, the engine's: how the feed takes itself off
 
     def __call__(self, step: int, event: Event) -> None:
         """On the engine thread: collect, and hand the batch over at the end of a step."""
@@ -145,8 +145,11 @@ async def event_stream(engine_loop, shape: str):
     """A new client's messages: subscribed on the engine thread between two steps (so its first
     message is the state then), unsubscribed however the stream ends."""
     feed, engine = KVEventFeed(asyncio.get_running_loop()), engine_loop.engine
-    feed.unsubscribe = lambda: engine.unsubscribe(feed)
-    await engine_loop.call(lambda _: engine.subscribe(feed))
+
+    def subscribe(_):
+        feed.unsubscribe = engine.subscribe(feed)
+
+    await engine_loop.call(subscribe)
 
     async def stream():
         try:
