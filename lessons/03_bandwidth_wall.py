@@ -190,8 +190,9 @@ def main():
     console.print(
         f"\n[bold]What it means:[/bold] batch 1 is a weight read with little math: the engine's step "
         f"reads at {bw_fraction[0]:.0%} of the read roof and uses {flop_fraction[0]:.0%} of the matmul "
-        f"roof. The rest of its time is not bytes but some 900 small operations per step (norms, RoPE, "
-        f"residuals, attention calls), each a few microseconds of dispatch: a 135M model's layers are "
+        f"roof. The rest of its time is not bytes but some 800 small operations per step (norms, RoPE, "
+        f"residuals, attention calls; 794 in a bf16 step on dense weights, counted with torch.profiler "
+        f"on 2026-12-07), each a few microseconds of dispatch: a 135M model's layers are "
         f"too small to hide them. Batching shares both the read and the dispatch, "
         f"{throughput[-1] / throughput[0]:.1f}x the tokens/s at batch {batches[-1]} "
         f"({flop_fraction[-1]:.0%} of the matmul roof): the wall batch 1 hits is memory plus overhead, "

@@ -1,7 +1,8 @@
 """Lesson 10 — preemption: when KV blocks run out, recompute the victim or swap it out?
 
-When a running sequence needs a block and none is free, the scheduler preempts the newest one
-and gives its blocks back. Two ways, two costs:
+When a running sequence needs a block and none is free, the scheduler preempts one (the newest;
+with memory-aware admission, the one with the most remaining cost) and gives its blocks back.
+Two ways, two costs:
   - recompute: free the blocks; when the victim runs again, prefill its tokens anew (prompt and
     output so far). The cost is compute, and grows with the victim's length.
   - swap: copy the blocks to the host pool now and back before it runs again. The cost is two

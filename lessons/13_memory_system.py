@@ -21,8 +21,9 @@ what form, for how long. This lesson looks at the whole, with the real model:
       six times as fast as fcfs gets through a burst of the tuning seed's, memory-aware admission
       without the target, and fcfs against lpm on short questions (sharing only the chat
       template's first block). What it teaches beside the numbers: pricing a request by its
-      *peak* KV (this engine's policy until 2026-12) avoided preemptions and won nothing, because
-      preemptions cost a few % of busy time; the order is what pays.
+      *peak* KV (the price the life cost replaced; `bench scheduling`, 2026-12-06, docs/memory.md)
+      avoided preemptions and won nothing, because preemptions cost a few % of busy time; the
+      order is what pays.
 
     python lessons/13_memory_system.py [--quick] [--out DIR]
 """

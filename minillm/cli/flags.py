@@ -113,7 +113,8 @@ def add_model_args(
     parser: argparse.ArgumentParser, dtype: str | None = None, weights: str | None = None
 ) -> None:
     """The model flags; `dtype` overrides the default precision (the commands that serve a user
-    give "auto", the fastest on this machine; benchmarks keep float32, the HF comparisons' dtype).
+    give "auto", the fastest on this machine, as do `bench scheduling` and `bench staircase`; the
+    other benchmarks keep float32, the HF comparisons' dtype).
     --weights and --fused-decode are declared only where `weights` gives the first's default: the
     commands that load the model through the engine and so honour them."""
     for switch in SWITCHES.values():

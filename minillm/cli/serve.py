@@ -223,8 +223,8 @@ class GracefulStop:
 
 def cmd_serve(args) -> int:
     """HTTP in a thread, the engine in the main thread, which loaded the model: torch's parallel
-    regions ran ~20% slower in a thread started after another had run them (OpenMP, measured on
-    the 2-core development CPU), and the engine is where the time goes."""
+    regions ran ~20% slower in a thread started after another had run them (OpenMP, measured
+    2026-12-01 on a 2-core AMD EPYC, docs/server.md), and the engine is where the time goes."""
     stop = GracefulStop(args.shutdown_timeout)
     with handling_stop_signals(stop):
         return _serve(args, stop)

@@ -14,17 +14,21 @@ whose cache holds more entries than its budget drops the ones it is least likely
   keep different tokens. Unlike the paper, a token is scored by its attention *per query that
   saw it* (the accumulated sum over the number of such queries, `queries_seen`), not by the sum:
   the sum grows with age, so old tokens every query glanced at crowd out younger ones the text
-  keeps returning to. The count is exact from the entries' positions; `Evictor` compacts the
-  kept entries and loses those, so it passes none and the count falls back to a lower bound.
+  keeps returning to. The count is exact from the entries' positions, which `Evictor` keeps per
+  layer and KV head (below) and passes to the policy; without positions (`queries_seen`'s
+  fallback) it would be a lower bound from cache order.
 
   Measured with `minillm eval ppl`'s segments (4 x 512 tokens, 20% = 103 entries), as the ratio
-  to the full cache's perplexity on Alice (prose) / lcet10 (technical proceedings): the paper's
-  sum 1.06x / 1.13x; the mean per query 1.04x / 1.09x with the exact count, 1.05x / 1.12x with
-  the bound; sinks + window 1.14x / 1.12x. A larger recent share helps at 512 tokens (the sum
-  with 3/4 recent: 1.06x / 1.10x) but hurts at 160 (32 entries: lcet10 1.30x -> 1.36x), where
-  the mean with half recent is best (1.09x / 1.27x exact, 1.13x / 1.29x bound; the sum 1.19x /
-  1.30x); so the split stays half. Forcing the 4 sinks in changed nothing: their attention
-  keeps them anyway.
+  to the full cache's perplexity on Alice (prose) / lcet10 (technical proceedings), 2026-12-01:
+  the paper's sum 1.06x / 1.13x; the mean per query 1.04x / 1.09x with the exact count, 1.05x /
+  1.12x with the bound; sinks + window 1.14x / 1.12x. A larger recent share helps at 512 tokens
+  (the sum with 3/4 recent: 1.06x / 1.10x) but hurts at 160 (32 entries: lcet10 1.30x -> 1.36x),
+  where the mean with half recent is best (1.09x / 1.27x exact, 1.13x / 1.29x bound; the sum
+  1.19x / 1.30x); so the split stays half. Forcing the 4 sinks in changed nothing: their
+  attention keeps them anyway. The code as it is (mean per query, exact count, half recent)
+  measured 1.04x / 1.09x again on 2026-12-07 (`minillm eval ppl --eviction h2o --kv-budget 0.2`,
+  and `--text weights/texts/lcet10.txt`; 2-core AMD EPYC with avx512_bf16 + VNNI, torch
+  2.13.0+cpu): 24.26 / 23.23 and 42.09 / 38.47.
 
 The budget is a number of tokens (an int) or a fraction (a float) of the sequence's full length,
 prompt plus max_tokens (capped by the context): 0.2 caps the cache at a fifth of what it would

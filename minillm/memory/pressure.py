@@ -3,7 +3,7 @@
 Each memory switch answers a shortage its own way: the prefix cache can let cached blocks go, a
 tier can take a sequence's blocks, eviction can drop entries. Left alone they fight (a
 preemption while cached blocks nobody holds sit on the device; an eviction, which costs quality,
-where a swap, which costs only time, would do). `MemoryPressure` is the one place that decides,
+where a swap, which costs only time, would do). `PressureLadder` is the one place that decides,
 climbing the rungs cheapest first:
 
   1. reclaim  cached prefix blocks no sequence holds are the first free blocks taken, least

@@ -14,7 +14,9 @@ Quantizing a group of numbers x that share one scale:
 
 The center costs 2 bytes per group and pays for itself: a key channel whose values sit in
 [1, 4] uses all 15 int4 levels on that range instead of half of them on [-4, 4]. Measured on
-SmolLM2 (lesson 07's text): int4 perplexity +1.00 with a plain max|x| scale, +0.27 centred.
+SmolLM2 (lesson 07's text, 2026-11-29): int4 perplexity +1.00 with a plain max|x| scale, +0.27
+centred. (`minillm eval ppl --kv-dtype int4`, 4 x 512 tokens of Alice, centred, keys per channel:
++0.48 on 2026-12-07, docs/memory.md.)
 
 Which numbers share a scale (the *granularity*) matters as much as the bits. Values are
 quantized per token and head: one scale per head_dim-long vector. Keys are different: a few
