@@ -16,6 +16,7 @@ tiers/                  bench tiers: preemption, resume, prefix spill, the spill
 scheduling/             bench scheduling: admission policies where memory binds, held-out traces
 staircase/              bench staircase: HF transformers, then each technique in turn
 all/                    bench all: every benchmark in one command, into results.json and plots
+recorded.py             the runs the pages quote, committed in docs/results/, and the quotes checked
 shared by them: workload.py (what the benches serve: requests cut from prose, arriving over
 time), stats.py (percentiles, spreads, MiB), hf_baseline.py (HF transformers on static
 batches), serve_child.py (`minillm serve` in a child process), http_client.py (the clients
@@ -36,6 +37,19 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def cpu_extensions() -> str:
+    """The vector extensions a kernel's speed turns on (Linux), widest first: the same marketing
+    name covers an AVX2-only EPYC and one with avx512_bf16."""
+    from pathlib import Path
+
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return "unknown"
+    named = [name for name in ("amx_tile", "avx512_bf16", "avx512_vnni", "avx512f", "avx2") if name in flags]
+    return ", ".join(named) or "none of AVX2, AVX-512, AMX"
 
 
 @contextmanager
@@ -61,6 +75,7 @@ def machine(threads: int | None = None) -> dict:
 
     return {
         "cpu_model": cpu_model(),
+        "cpu_extensions": cpu_extensions(),
         "cpus": os.cpu_count(),
         "torch_threads": threads or torch.get_num_threads(),
         "torch": torch.__version__,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from typing import Callable
 
 from minillm.config import SWITCHES
@@ -209,3 +210,23 @@ def engine_argv(args) -> list[str]:
         elif value is not None:
             argv += [switch.option, str(value)]
     return argv
+
+
+def add_record_arg(bench) -> None:
+    bench.add_argument(
+        "--record",
+        action="store_true",
+        help="keep this run as the committed result the docs quote (docs/results/NAME.json) and "
+        "regenerate docs/results/figures.md; run it at the default sizes, on an idle machine",
+    )
+
+
+def shown_and_recorded(args, name: str, report: dict, printer) -> None:
+    """The report shown (tables, or JSON with --json); with --record also kept in docs/results/."""
+    from minillm.benchmarks.recorded import record
+    from minillm.report import show
+
+    show(report, printer, args.json)
+    if args.record:
+        path = record(name, report, " ".join(["minillm", *sys.argv[1:]]), threads=args.threads)
+        print(f"Recorded {path}; run the tests: a page that quotes a figure which moved must change too.")

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from minillm.cli.flags import add_model_args, positive_int, seed_list
-from minillm.report import show
+from minillm.cli.flags import add_model_args, add_record_arg, positive_int, seed_list, shown_and_recorded
 
 
 def rate_list(text: str) -> tuple[float, ...]:
@@ -29,10 +28,10 @@ def add_bench_scheduling(benches) -> None:
         "through a small KV pool, once per admission policy. Goodput is the share of requests "
         "meeting both a TTFT and a TPOT SLO measured on an idle engine first (memory-aware "
         "admission is told the TTFT SLO). The three loads are the median, over the tuning seeds "
-        "(0, 6, 7, 8, 9; 0, 6, 7 with --quick), of the rates where fcfs reaches 50%%, 80%% and 95%% "
+        "(0, 6, 7, 8, 9; 0, 6, 7 with --quick), of the rates where fcfs reaches 50%, 80% and 95% "
         "goodput; the policies are reported on other seeds only. At the heaviest load, memory-aware "
         "admission also runs with the mean output length of finished requests and with the trace's "
-        "true lengths (the ceiling). Also: the rate each policy sustains at 90%% goodput, how well "
+        "true lengths (the ceiling). Also: the rate each policy sustains at 90% goodput, how well "
         "the learned lengths rank requests (Spearman), greedy outputs against fcfs's, and the "
         "scheduler's own cost per step with 100 and 10,000 requests waiting (2,000 with --quick). "
         "Targets are printed beside the numbers, never asserted.",
@@ -45,6 +44,7 @@ def add_bench_scheduling(benches) -> None:
         help="torch threads; on a CPU shared with other work more threads wait for each other (default: 1)",
     )
     scheduling.add_argument("--json", action="store_true", help="print one JSON object")
+    add_record_arg(scheduling)
     add_model_args(scheduling, dtype="auto")
     scheduling.set_defaults(func=cmd_bench_scheduling)
 
@@ -94,7 +94,9 @@ def add_scheduling_size_args(scheduling) -> None:
 def cmd_bench_scheduling(args) -> None:
     from minillm.benchmarks.scheduling import bench_scheduling, print_scheduling_report
 
-    show(
+    shown_and_recorded(
+        args,
+        "scheduling",
         bench_scheduling(
             args.model,
             quick=args.quick,
@@ -108,5 +110,4 @@ def cmd_bench_scheduling(args) -> None:
             progress=not args.json,
         ),
         print_scheduling_report,
-        args.json,
     )

@@ -7,8 +7,7 @@ one JSON object with --json, else as its module's tables.
 
 from __future__ import annotations
 
-from minillm.cli.flags import add_model_args, positive_int
-from minillm.report import show
+from minillm.cli.flags import add_model_args, add_record_arg, positive_int, shown_and_recorded
 
 
 def add_bench_staircase(benches) -> None:
@@ -42,6 +41,7 @@ def add_bench_staircase(benches) -> None:
         help="torch threads for every row; on a CPU shared with other work, fewer (default: 2)",
     )
     staircase.add_argument("--json", action="store_true", help="print one JSON object")
+    add_record_arg(staircase)
     add_model_args(staircase, dtype="auto")
     staircase.set_defaults(func=cmd_bench_staircase)
 
@@ -118,7 +118,9 @@ def add_attention_args(staircase, full: dict, quick: dict) -> None:
 def cmd_bench_staircase(args) -> None:
     from minillm.benchmarks.staircase import bench_staircase, print_staircase_report
 
-    show(
+    shown_and_recorded(
+        args,
+        "staircase",
         bench_staircase(
             args.model,
             quick=args.quick,
@@ -137,5 +139,4 @@ def cmd_bench_staircase(args) -> None:
             progress=not args.json,
         ),
         print_staircase_report,
-        args.json,
     )

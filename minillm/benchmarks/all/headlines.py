@@ -217,3 +217,24 @@ def ppl_bars(r: dict) -> Bars:
         "perplexity",
         {kv_dtype: row["perplexity"] for kv_dtype, row in r["kv_dtypes"].items()},
     )
+
+
+def scheduling_headlines(r: dict) -> list[Headline]:
+    """Goodput per load and policy (mean over the held-out seeds), memory against fcfs, and the
+    rate each policy sustains at 90% goodput."""
+    goodput = [
+        (f"goodput at {load} load: {policy}", 100 * s["goodput_mean"], "%")
+        for load, by_policy in r["summary"].items()
+        for policy, s in by_policy.items()
+    ]
+    ratios = [
+        (f"goodput at {load} load: memory / fcfs", by_policy["memory"]["vs_fcfs"], "x")
+        for load, by_policy in r["summary"].items()
+    ]
+    rates = r["sustained_rate"]
+    sustained = [
+        (f"sustained rate at 90% goodput: {policy}", s["rate"], "arrivals/s") for policy, s in rates.items()
+    ]
+    memory, fcfs = rates["memory"]["rate"], rates["fcfs"]["rate"]
+    ratio = memory / fcfs if memory and fcfs else None
+    return goodput + ratios + sustained + [("sustained rate at 90% goodput: memory / fcfs", ratio, "x")]
