@@ -7,8 +7,14 @@ one JSON object with --json, else as its module's tables.
 
 from __future__ import annotations
 
-from minillm.cli.flags import add_model_args, positive_float, positive_int, seed_list
-from minillm.report import show
+from minillm.cli.flags import (
+    add_model_args,
+    add_record_arg,
+    positive_float,
+    positive_int,
+    seed_list,
+    shown_and_recorded,
+)
 
 
 def add_bench_tiers(benches) -> None:
@@ -38,6 +44,7 @@ def add_bench_tiers(benches) -> None:
         "shared with other work more threads wait for each other (default: 1)",
     )
     tiers.add_argument("--json", action="store_true", help="print one JSON object")
+    add_record_arg(tiers)
     add_model_args(tiers)
     tiers.set_defaults(func=cmd_bench_tiers)
 
@@ -121,7 +128,9 @@ def add_spill_rule_args(tiers) -> None:
 def cmd_bench_tiers(args) -> None:
     from minillm.benchmarks.tiers import bench_tiers, print_tiers_report
 
-    show(
+    shown_and_recorded(
+        args,
+        "tiers",
         bench_tiers(
             args.model,
             num_requests=args.requests,
@@ -140,5 +149,4 @@ def cmd_bench_tiers(args) -> None:
             progress=not args.json,
         ),
         print_tiers_report,
-        args.json,
     )
