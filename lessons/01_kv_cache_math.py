@@ -100,24 +100,53 @@ def measure_allocation(model_dir, smol: ModelConfig, quick: bool) -> list[tuple[
     return measured
 
 
-def plot_growth(configs: dict, out) -> None:
-    fig, ax = plt.subplots(figsize=(7, 4))
+def plot(configs: dict, mha: int, gqa: int, measured: list, out) -> None:
+    """One panel per part: (1) growth with context, (2) what GQA saves, (3) formula against allocation."""
+    fig, (growth, gqa_ax, check) = plt.subplots(
+        1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [2, 1, 1.2]}
+    )
     contexts = [512, 1024, 2048, 4096, 8192, 16384, 32768]
     for name, (layers, _, kv_heads, head_dim, _) in configs.items():
-        ax.plot(
+        growth.plot(
             contexts,
             [kv_bytes_per_token(layers, kv_heads, head_dim, 2) * c / GiB for c in contexts],
             marker="o",
             label=name,
         )
-    ax.set(
+    growth.set(
         xscale="log",
         yscale="log",
-        xlabel="context length (tokens)",
-        ylabel="KV cache of one sequence, fp16 (GiB)",
-        title="KV cache grows linearly with context",
+        xlabel="context length (tokens, log)",
+        ylabel="KV cache of one sequence, fp16 (GiB, log)",
+        title="1. The formula: one sequence's cache by context",
     )
-    ax.legend()
+    growth.legend(fontsize=8)
+    bars = gqa_ax.bar(
+        ["every query head\nits own K/V (MHA)", "shared KV heads\n(GQA)"], [mha / 1024, gqa / 1024]
+    )
+    gqa_ax.bar_label(bars, [f"{mha / 1024:.0f} KiB", f"{gqa / 1024:.0f} KiB"])
+    gqa_ax.set(ylabel="SmolLM2 KV per token, fp32 (KiB)", title=f"2. GQA: {mha / gqa:.0f}x smaller")
+    gqa_ax.margins(y=0.15)
+    labels = [f"{tokens:,}" for tokens, *_ in measured]
+    width = 0.27
+    for i, (what, column) in enumerate((("formula", 1), ("tensor bytes", 2), ("process grew", 3))):
+        check.bar(
+            [x + (i - 1) * width for x in range(len(measured))],
+            [row[column] / 2**20 for row in measured],
+            width,
+            label=what,
+        )
+    check.set_xticks(range(len(measured)), labels)
+    exact = all(tensor == formula for _, formula, tensor, _ in measured)
+    grew = sorted({f"{grown / formula:.3f}x" for _, formula, _, grown in measured})
+    check.set(
+        xlabel="tokens in an fp32 SmolLM2 cache",
+        ylabel="MiB",
+        title=f"3. Allocated now: tensors {'=' if exact else '!='} formula,\n"
+        f"the process grew {' to '.join(grew)} the formula",
+    )
+    check.legend(fontsize=8)
+    fig.tight_layout()
     save_plot(fig, out, "01_kv_cache_math.png")
 
 
@@ -141,7 +170,7 @@ def main():
 
     console.rule("3. The formula against tensors allocated now")
     measured = measure_allocation(model_dir, smol, args.quick)
-    plot_growth(configs, args.out)
+    plot(configs, mha, gqa, measured, args.out)
 
     tokens, formula, tensor_bytes, grown = measured[-1]
     layers, _, kv_heads, head_dim, params = ARCHITECTURES["Llama-2-7B (MHA)"]

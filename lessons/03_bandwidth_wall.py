@@ -17,6 +17,7 @@ into two C++ calls (`--fused-decode`). The second table times those rows side by
     python lessons/03_bandwidth_wall.py [--quick] [--out DIR]
 """
 
+import textwrap
 import time
 
 import matplotlib
@@ -138,17 +139,48 @@ def measure_weight_formats(model_dir, dtype: str, timed_steps: int, bandwidth: f
     return results
 
 
-def plot_roofs(batches, throughput, bw_fraction, flop_fraction, out):
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
-    left.plot(batches, throughput, marker="o")
+def plot_roofs(batches, throughput, bw_fraction, flop_fraction, formats: dict, out):
+    fig, (left, middle, right) = plt.subplots(
+        1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [1, 1, 1.2]}
+    )
+    left.plot(batches, throughput, marker="o", label="measured")
     left.plot(batches, [throughput[0] * b for b in batches], linestyle="--", label="perfect scaling")
-    left.set(xscale="log", yscale="log", xlabel="batch size", ylabel="tokens/s", title="Decode throughput")
-    left.legend()
-    right.plot(batches, [f * 100 for f in bw_fraction], marker="o", label="read bandwidth used (%)")
-    right.plot(batches, [f * 100 for f in flop_fraction], marker="s", label="compute used (%)")
-    right.set(xscale="log", xlabel="batch size", ylabel="% of measured roof", title="Which roof binds")
-    right.legend()
+    left.set(
+        xscale="log",
+        yscale="log",
+        xlabel="batch size (log)",
+        ylabel="tokens/s (log)",
+        title=f"Decode throughput: {throughput[-1] / throughput[0]:.1f}x at batch {batches[-1]}",
+    )
+    middle.plot(batches, [f * 100 for f in bw_fraction], marker="o", label="read bandwidth used")
+    middle.plot(batches, [f * 100 for f in flop_fraction], marker="s", label="compute used")
+    middle.set(xscale="log", xlabel="batch size (log)", ylabel="% of measured roof", title="Which roof binds")
+    middle.set_ylim(0, 1.3 * 100 * max(bw_fraction + flop_fraction))  # room above the curves for the legend
+    for ax in (left, middle):
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.minorticks_off()
+        ax.legend(loc="upper left", fontsize=8)
+    plot_formats(right, formats)
+    fig.tight_layout()
     save_plot(fig, out, "03_bandwidth_wall.png")
+
+
+def plot_formats(ax, formats: dict) -> None:
+    """The second table: batch-1 ms per token with each weight format, its MB per step on the bar."""
+    if not formats:
+        ax.set_axis_off()
+        ax.set_title("Batch 1 by weight format: left out here")
+        return
+    labels = [textwrap.fill(label, 18) for label in formats]
+    bars = ax.barh(labels, [r["ms_per_step"] for r in formats.values()], color="tab:gray")
+    ax.bar_label(bars, [f" {r['mb_per_step']:.0f} MB a step" for r in formats.values()], fontsize=8)
+    ax.invert_yaxis()
+    ax.margins(x=0.35)
+    fastest = min(formats, key=lambda label: formats[label]["ms_per_step"])
+    first = next(iter(formats))
+    speedup = formats[first]["ms_per_step"] / formats[fastest]["ms_per_step"]
+    ax.set_xlabel("ms per token, batch 1")
+    ax.set_title(f"Batch 1 by weight format\nfastest: {fastest}, {speedup:.1f}x {first.split(',')[0]}")
 
 
 def main():
@@ -168,8 +200,8 @@ def main():
     throughput, bw_fraction, flop_fraction = measure_batches(
         model, batches, timed_steps, weight_bytes, bandwidth, flops
     )
-    plot_roofs(batches, throughput, bw_fraction, flop_fraction, args.out)
     formats = measure_weight_formats(require_model(), dtype, timed_steps, bandwidth)
+    plot_roofs(batches, throughput, bw_fraction, flop_fraction, formats, args.out)
     save_numbers(
         args.out,
         "03_bandwidth_wall.json",

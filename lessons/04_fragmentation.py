@@ -26,6 +26,7 @@ from minillm.memory.block_manager import BlockManager  # noqa: E402
 
 SLOTS = 1024  # token slots of KV memory, the same for both allocators
 BLOCK = 16
+NEW_ID = 99  # part 1's refused request
 
 
 def draw_arena(arena: ContiguousArena, width: int = 48) -> str:
@@ -37,7 +38,7 @@ def draw_arena(arena: ContiguousArena, width: int = 48) -> str:
     return "".join(cells)
 
 
-def part1_refusal() -> dict:
+def part1_refusal() -> tuple[dict, dict]:
     console.rule("1. The refusal")
     arena = ContiguousArena(SLOTS)
     paged = BlockManager(SLOTS // BLOCK, BLOCK)
@@ -58,33 +59,76 @@ def part1_refusal() -> dict:
     console.print(
         f"  contiguous arena: {'fits' if arena.can_allocate(new_request) else '[red]REFUSED[/red]'}"
     )
-    fits = paged.can_grow(99, new_request)
+    fits = paged.can_grow(NEW_ID, new_request)
     console.print(
         f"  paged ({BLOCK}-slot blocks, {paged.num_free_blocks} free): "
         f"{'[green]fits[/green]' if fits else 'refused'} in {paged.blocks_for(new_request)} blocks, "
         "wherever they are"
     )
-    return {
+    numbers = {
         "new_request_slots": new_request,
         "free_slots": arena.num_free_slots,
         "largest_hole": arena.largest_hole,
         "arena_fits": arena.can_allocate(new_request),
         "paged_fits": fits,
     }
+    if fits:  # for the picture: where the paged request's blocks went
+        paged.grow(NEW_ID, new_request)
+    tables = {seq_id: paged.table(seq_id) for seq_id in (0, 2, 4, 5, NEW_ID) if paged.has_table(seq_id)}
+    return numbers, {"reservations": dict(arena.reservations), "tables": tables}
 
 
-def plot_utilization(arena_util: list[float], paged_util: list[float], out_dir):
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(arena_util, label="contiguous arena")
-    ax.plot(paged_util, label=f"paged, block {BLOCK}")
-    ax.set(
-        xlabel="step", ylabel="live / reserved", ylim=(0, 1.05), title="KV memory utilization on one trace"
+def plot(refusal: dict, picture: dict, arena_util: list[float], paged_util: list[float], out_dir):
+    fig, (layout, trace) = plt.subplots(2, 1, figsize=(9, 6.5), gridspec_kw={"height_ratios": [1, 1.3]})
+    draw_refusal(layout, refusal, picture)
+    trace.plot(arena_util, label=f"contiguous arena (mean {sum(arena_util) / len(arena_util):.0%})")
+    trace.plot(paged_util, label=f"paged, block {BLOCK} (mean {sum(paged_util) / len(paged_util):.0%})")
+    trace.set(
+        xlabel="step",
+        ylabel="live tokens / reserved slots",
+        ylim=(0, 1.05),
+        title="2. KV memory utilization on one trace",
     )
-    ax.legend()
+    trace.legend(loc="lower right")
+    fig.tight_layout()
     save_plot(fig, out_dir, "04_fragmentation.png")
 
 
-def part2_trace(out_dir, seed: int = 0, steps: int = 400) -> dict:
+def draw_refusal(ax, refusal: dict, picture: dict) -> None:
+    """Part 1 along the slot axis: the arena's reservations and holes, the new request beside them,
+    and the paged pool's blocks with the new request's blocks wherever they were free."""
+    colour = {seq_id: f"C{seq_id}" for seq_id in picture["reservations"]} | {NEW_ID: "black"}
+    for seq_id, (start, length) in picture["reservations"].items():
+        ax.broken_barh([(start, length)], (2.6, 0.8), color=colour[seq_id])
+        ax.text(start + length / 2, 3, chr(ord("A") + seq_id), ha="center", va="center", color="white")
+    new = refusal["new_request_slots"]
+    ax.broken_barh([(0, new)], (1.6, 0.8), facecolor="none", edgecolor="black", hatch="//")
+    for seq_id, blocks in picture["tables"].items():
+        ax.broken_barh(
+            [(block * BLOCK, BLOCK) for block in blocks],
+            (0.6, 0.8),
+            color=colour[seq_id],
+            edgecolor="white",
+            linewidth=0.5,
+        )
+    ax.set_yticks(
+        [3, 2, 1],
+        [
+            "contiguous arena",
+            f"new request ({new} slots)",
+            f"paged ({BLOCK}-slot blocks;\nnew request black)",
+        ],
+    )
+    ax.set(xlim=(0, SLOTS), ylim=(0.4, 3.6), xlabel="KV slot (token position in the pool)")
+    arena, paged = ("fits" if refusal[key] else "refused" for key in ("arena_fits", "paged_fits"))
+    ax.set_title(
+        f"1. B and D finished: {refusal['free_slots']} slots free, largest hole {refusal['largest_hole']}; "
+        f"a {new}-slot request: arena {arena}, paged {paged}"
+    )
+    ax.title.set_fontsize(10)
+
+
+def part2_trace(seed: int = 0, steps: int = 400) -> tuple[dict, list[float], list[float]]:
     console.rule("2. A trace: the same requests, both allocators")
     rng = random.Random(seed)
     arena, paged = ContiguousArena(SLOTS), BlockManager(SLOTS // BLOCK, BLOCK)
@@ -122,19 +166,20 @@ def part2_trace(out_dir, seed: int = 0, steps: int = 400) -> dict:
             [f"paged ({BLOCK}-slot blocks)", f"{sum(paged_util) / steps:.1%}", refused["paged"]],
         ],
     )
-    plot_utilization(arena_util, paged_util, out_dir)
-    return {
+    numbers = {
         "arena_utilization": sum(arena_util) / steps,
         "paged_utilization": sum(paged_util) / steps,
         "arena_refused": refused["arena"],
         "paged_refused": refused["paged"],
     }
+    return numbers, arena_util, paged_util
 
 
 def main():
     args = lesson_args(__doc__)  # no model here: the whole lesson takes a second, --quick changes nothing
-    refusal = part1_refusal()
-    trace = part2_trace(args.out)
+    refusal, picture = part1_refusal()
+    trace, arena_util, paged_util = part2_trace()
+    plot(refusal, picture, arena_util, paged_util, args.out)
     save_numbers(args.out, "04_fragmentation.json", refusal | trace)
     console.print(
         f"\n[bold]What it means:[/bold] reserving for the worst case wastes much of the memory "

@@ -18,6 +18,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
 
 from minillm.attention.kernels import attention_backend  # noqa: E402
 from minillm.decoding import generate  # noqa: E402
@@ -39,7 +40,7 @@ def draw_tables(memory) -> None:
         console.print(f"request {seq.request_id} ({seq.num_computed:>3} tokens): " + " ".join(cells))
 
 
-def show_block_tables(model, tokenizer) -> None:
+def show_block_tables(model, tokenizer):
     """Three requests on a 64-block pool: their block tables after 25 steps."""
     bytes_per_token = model.config.kv_bytes_per_token(model.dtype)
     llm = LLM(model=model, tokenizer=tokenizer, block_size=16, kv_cache_bytes=64 * 16 * bytes_per_token)
@@ -53,6 +54,7 @@ def show_block_tables(model, tokenizer) -> None:
         "\\[n] = physical block, # = filled slots"
     )
     draw_tables(memory)
+    return memory
 
 
 def same_as_naive(model, tokenizer, new_tokens: int) -> list[bool]:
@@ -68,9 +70,9 @@ def same_as_naive(model, tokenizer, new_tokens: int) -> list[bool]:
     return identical
 
 
-def block_size_tradeoff(out) -> tuple[list[int], list[float], list[float]]:
+def block_size_tradeoff() -> tuple[list[int], list[float], list[float]]:
     """Block sizes, the share of slots they waste and their table entries per sequence, over 1,000
-    sequences shaped like bench serve's trace; plotted."""
+    sequences shaped like bench serve's trace."""
     rng = random.Random(0)
     lengths = [rng.randint(16, 320) + rng.randint(8, 160) for _ in range(1000)]  # bench serve's trace shape
     sizes = [1, 4, 8, 16, 32, 64, 128, 256]
@@ -84,15 +86,65 @@ def block_size_tradeoff(out) -> tuple[list[int], list[float], list[float]]:
         ["block size", "slots wasted", "table entries / seq"],
         [[b, f"{w:.1%}", f"{e:.1f}"] for b, w, e in zip(sizes, waste, entries)],
     )
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot(sizes, [w * 100 for w in waste], marker="o", label="slots wasted (%)")
-    ax.plot(sizes, entries, marker="s", label="block-table entries per sequence")
-    ax.set(
-        xscale="log", xlabel="block size (tokens)", title="Small blocks waste less, large blocks index less"
-    )
-    ax.legend()
-    save_plot(fig, out, "05_paged_attention.png")
     return sizes, waste, entries
+
+
+def plot(memory, identical: list[bool], sizes, waste, entries, speed: dict, out) -> None:
+    fig, (pool, tradeoff, speed_ax) = plt.subplots(
+        1, 3, figsize=(16, 4.2), gridspec_kw={"width_ratios": [1.1, 1.2, 0.9]}
+    )
+    draw_pool(pool, memory)
+    tradeoff.plot(sizes, [w * 100 for w in waste], marker="o", color="C0")
+    tradeoff.set(xscale="log", xlabel="block size (tokens, log)", ylabel="slots wasted (%)")
+    tradeoff.yaxis.label.set_color("C0")
+    tradeoff.set_xticks(sizes, [str(b) for b in sizes])
+    tradeoff.minorticks_off()
+    entries_ax = tradeoff.twinx()
+    entries_ax.plot(sizes, entries, marker="s", color="C1")
+    entries_ax.set(yscale="log", ylabel="block-table entries per sequence (log)")
+    entries_ax.yaxis.label.set_color("C1")
+    tradeoff.set_title(
+        f"3. Blocks of {sizes[0]} -> {sizes[-1]}: waste {waste[0]:.1%} -> {waste[-1]:.0%},\n"
+        f"table entries {entries[0]:.0f} -> {entries[-1]:.1f} per sequence"
+    )
+    blocks = list(speed)
+    speed_ax.bar([str(b) for b in blocks], [speed[b] for b in blocks], color="tab:gray")
+    spread = max(speed.values()) / min(speed.values())
+    speed_ax.set(
+        xlabel="block size (tokens)",
+        ylabel="output tokens/s, 9 requests",
+        title=f"3. Engine speed: fastest / slowest {spread:.2f}x"
+        + ("\n(under 1.15x: block size barely matters)" if spread < 1.15 else ""),
+    )
+    same = f"{sum(identical)} of {len(identical)}"
+    fig.text(0.5, 0.01, f"2. The paged engine gave the naive decoder's tokens on {same} prompts", ha="center")
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    save_plot(fig, out, "05_paged_attention.png")
+
+
+def draw_pool(ax, memory) -> None:
+    """Part 1: the pool's blocks in a grid, each coloured by the request whose table holds it."""
+    width = 16
+    owner = [-1] * memory.num_blocks
+    for seq in memory.running():
+        for block in seq.table:
+            owner[block] = int(seq.request_id)
+    colours = ["#eeeeee"] + [f"C{i}" for i in range(len(PROMPTS))]
+    grid = [
+        [owner[row * width + col] + 1 for col in range(width)] for row in range(memory.num_blocks // width)
+    ]
+    ax.imshow(grid, cmap=ListedColormap(colours), vmin=0, vmax=len(colours) - 1)
+    for block, who in enumerate(owner):
+        ax.text(block % width, block // width, block, ha="center", va="center", fontsize=6)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for i, seq in enumerate(memory.running()):
+        ax.bar(0, 0, color=f"C{int(seq.request_id)}", label=f"request {seq.request_id}: {seq.table}")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.02), fontsize=8, ncol=1, title="block tables")
+    ax.set_title(
+        f"1. The pool after 25 steps: {memory.num_blocks - memory.num_free_blocks} of "
+        f"{memory.num_blocks} blocks held\n(number = physical block; colour = the request holding it)"
+    )
 
 
 def engine_speed(model, tokenizer, speed_tokens: int) -> tuple[dict[int, float], str]:
@@ -116,7 +168,7 @@ def main():
     model_dir = require_model()
     model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
     console.rule("1. Block tables of live sequences (block size 16)")
-    show_block_tables(model, tokenizer)
+    memory = show_block_tables(model, tokenizer)
 
     console.rule("2. Same tokens as the naive decoder")
     identical = same_as_naive(model, tokenizer, new_tokens)
@@ -124,8 +176,9 @@ def main():
         raise SystemExit("the paged engine's tokens differ from the naive decoder's: a bug")
 
     console.rule("3. The block-size trade-off")
-    sizes, waste, entries = block_size_tradeoff(args.out)
+    sizes, waste, entries = block_size_tradeoff()
     speed, backend = engine_speed(model, tokenizer, speed_tokens)
+    plot(memory, identical, sizes, waste, entries, speed, args.out)
     i16 = sizes.index(16)
     save_numbers(
         args.out,

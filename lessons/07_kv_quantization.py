@@ -16,6 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from _common import console, perplexity_setup, save_numbers, save_plot, table  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 
 from minillm.attention.kernels import attention_backend  # noqa: E402
 from minillm.attention.reference import causal_attention  # noqa: E402
@@ -56,7 +57,7 @@ def relative_error(x, fmt, dim):
 
 
 @torch.inference_mode()
-def look_at_keys(model, token_ids):
+def look_at_keys(model, token_ids) -> dict[str, tuple[float, float]]:
     positions = torch.arange(len(token_ids))
     ctx = RecordKeys(positions)
     model(torch.tensor(token_ids), positions, ctx)
@@ -67,16 +68,18 @@ def look_at_keys(model, token_ids):
         f"ranges from {magnitude[0].min():.2f} to {magnitude[0].max():.2f} "
         f"(median {magnitude[0].median():.2f}). A few channels dominate every token."
     )
-    rows = []
+    rows, errors = [], {}
     for name, fmt in FORMATS.items():
         per_token = sum(relative_error(k[:16], fmt, -1) for k in ctx.keys) / len(ctx.keys)
         per_channel = sum(relative_error(k[:16], fmt, 0) for k in ctx.keys) / len(ctx.keys)
         rows.append([name, f"{per_token:.2%}", f"{per_channel:.2%}"])
+        errors[name] = (per_token, per_channel)
     table(
         "Relative error of the keys after a round trip (mean over layers)",
         ["format", "one scale per token", "one scale per channel"],
         rows,
     )
+    return errors
 
 
 def measure_formats(
@@ -116,29 +119,66 @@ def measure_formats(
     return results
 
 
-def plot_formats(results: dict, out) -> None:
+FLOOR = 1e-3  # where the log axis draws a perplexity change of zero or less
+COLOURS = {"channel": "C0", "token": "C1"}
+
+
+def plot_formats(key_errors: dict, results: dict, out) -> None:
     full = results[("auto", "channel")]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (keys_ax, ax) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw={"width_ratios": [1, 1.5]})
     formats = list(FORMATS)  # int8, int4, fp8
+    plot_key_errors(keys_ax, key_errors, formats)
+    floored = []
     for offset, key_scales in ((-0.2, "channel"), (0.2, "token")):
-        deltas = [max(results[(f, key_scales)].perplexity - full.perplexity, 1e-3) for f in formats]
+        deltas = [results[(f, key_scales)].perplexity - full.perplexity for f in formats]
         bars = ax.bar(
-            [i + offset for i in range(len(formats))], deltas, width=0.4, label=f"keys per {key_scales}"
+            [i + offset for i in range(len(formats))],
+            [max(d, FLOOR) for d in deltas],
+            width=0.4,
+            color=COLOURS[key_scales],
         )
-        labels = [f"{results[(f, key_scales)].kv_bytes_per_token:,} B" for f in formats]
-        ax.bar_label(bars, labels, fontsize=8)
+        labels = []
+        for f, delta, bar in zip(formats, deltas, bars):
+            labels.append(f"{results[(f, key_scales)].kv_bytes_per_token:,} B/token")
+            if delta <= FLOOR:  # no increase: drawn at the floor, hatched, its value said
+                bar.set_hatch("//")
+                labels[-1] = f"{delta:+.3f}\n" + labels[-1]
+                floored.append(f"{f} per {key_scales}")
+        for text in ax.bar_label(bars, labels, fontsize=8):
+            text.set_bbox({"facecolor": "white", "edgecolor": "none", "pad": 0.5})
     for name, target in TARGETS.items():
         i = formats.index(name)
-        ax.hlines(target, i - 0.45, i + 0.45, colors="gray", linestyles=":")
+        ax.hlines(target, i - 0.45, i + 0.45, colors="gray", linestyles=":", zorder=1)
     ax.set_xticks(range(len(formats)), formats)
     ax.set_yscale("log")
     ax.set_ylabel("perplexity - fp32 perplexity (log)")
     ax.set_title(
-        f"KV quantization on SmolLM2-135M (fp32 cache: {full.kv_bytes_per_token:,} B/token); dotted: targets",
+        f"2. Perplexity through the cache (fp32: {full.kv_bytes_per_token:,} B/token); dotted: targets"
+        + (f"\nhatched: no increase ({', '.join(floored)}), drawn at {FLOOR:g}" if floored else ""),
         fontsize=9,
     )
-    ax.legend()
+    ax.legend(handles=[Patch(color=c, label=f"keys per {k}") for k, c in COLOURS.items()], loc="upper left")
+    fig.tight_layout()
     save_plot(fig, out, "07_kv_quantization.png")
+
+
+def plot_key_errors(ax, key_errors: dict, formats: list[str]) -> None:
+    """Part 1: each format's round-trip error of real keys, one scale per token against per channel."""
+    for offset, column, name in ((-0.2, 1, "channel"), (0.2, 0, "token")):
+        errors = [key_errors[f][column] * 100 for f in formats]
+        bars = ax.bar(
+            [i + offset for i in range(len(formats))], errors, width=0.4, label=f"one scale per {name}"
+        )
+        ax.bar_label(bars, [f"{e:.2f}%" for e in errors], fontsize=8)
+    ax.set_xticks(range(len(formats)), formats)
+    ax.set_yscale("log")
+    ax.set_ylabel("relative error of the keys (%, log)")
+    worst = max(formats, key=lambda f: key_errors[f][0] / key_errors[f][1])
+    ratio = key_errors[worst][0] / key_errors[worst][1]
+    ax.set_title(
+        f"1. Real keys after a round trip: per token up to {ratio:.1f}x the per-channel error", fontsize=9
+    )
+    ax.legend(loc="upper left")
 
 
 def meaning(results: dict, backend: str) -> str:
@@ -181,11 +221,11 @@ def main():
     )
 
     console.rule("1. Real keys: a few channels are large for every token")
-    look_at_keys(model, token_ids[:64])
+    key_errors = look_at_keys(model, token_ids[:64])
 
     console.rule(f"2. Perplexity through the cache: {args.segments} x {args.segment_len} tokens of Alice")
     results = measure_formats(model_dir, model, tokenizer, token_ids, args.segment_len, args.segments)
-    plot_formats(results, args.out)
+    plot_formats(key_errors, results, args.out)
     full = results[("auto", "channel")]
     save_numbers(
         args.out,

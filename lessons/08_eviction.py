@@ -28,6 +28,7 @@ from minillm.memory.eviction import budget_for  # noqa: E402
 BUDGETS = [0.1, 0.2]  # and the full cache: seven runs in all, each scoring both texts side by side
 POLICIES = ["h2o", "sinks", "window"]
 LABELS = {"h2o": "H2O", "sinks": "sinks + window", "window": "window only"}
+KINDS = {"Alice": "prose", "lcet10": "technical"}
 # H2O at 20% within 10% of the full cache's perplexity, on both texts
 TARGET_BUDGET, TARGET_RATIO = 0.2, 1.10
 # The text scored by default: every scored token is one decode step (~70-100 ms for the 6 segments on
@@ -88,10 +89,12 @@ def plot(texts: dict, full: dict, runs: dict, out):
         ax.axhline(TARGET_RATIO, color="gray", linestyle=":", label="full cache + 10%")
         ax.set_yscale("log")
         ax.set_xlabel("KV budget (fraction of tokens kept)")
-        ax.set_title(text)
+        h2o = runs["h2o", TARGET_BUDGET][text] / full[text]
+        ax.set_title(f"{text} ({KINDS[text]}): H2O at {TARGET_BUDGET:.0%} costs {h2o:.2f}x")
     axes[0].set_ylabel("perplexity / full cache's (log)")
     axes[0].legend()
     fig.suptitle("KV eviction on SmolLM2-135M: prose and a technical text")
+    fig.tight_layout()
     save_plot(fig, out, "08_eviction.png")
 
 

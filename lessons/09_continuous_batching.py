@@ -113,7 +113,12 @@ def main():
 
     fig, axes = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
     for ax, policy in zip(axes, ("static", "continuous")):
-        timeline(ax, results[policy][0], f"{policy} batching (orange: prefill, blue: decode)", len(prompts))
+        said = (
+            f"{numbers[f'{policy}_steps']} steps, mean start step {numbers[f'{policy}_mean_start_step']:.1f}"
+        )
+        timeline(
+            ax, results[policy][0], f"{policy} batching: {said} (orange: prefill, blue: decode)", len(prompts)
+        )
     axes[-1].set_xlabel("engine step")
     fig.tight_layout()
     save_plot(fig, args.out, "09_continuous_batching.png")

@@ -265,16 +265,18 @@ def plot(costs: dict, runs: dict, out) -> None:
         cross = costs["crossover"][size]
         if cross is not None:
             left.axvline(cross, linestyle=":", color=left.lines[-1].get_color())
-    if all(cross is None for cross in costs["crossover"].values()):
-        left.text(
-            0.03, 0.55, "no crossover in range:\nswap is cheaper at every length", transform=left.transAxes
-        )
+    no_crossing = all(cross is None for cross in costs["crossover"].values())
     left.set(
         xscale="log",
         yscale="log",
-        xlabel="victim length (tokens)",
+        xlabel="victim length (tokens, log)",
         ylabel="ms (log)",
-        title="Cost of one preemption on this machine",
+        title="1. Cost of one preemption on this machine\n"
+        + (
+            f"(no crossover in range: {cheaper_side(costs)})"
+            if no_crossing
+            else "(dotted: where the curves cross)"
+        ),
     )
     left.set_xticks(lengths, [str(n) for n in lengths])
     left.minorticks_off()
@@ -290,10 +292,26 @@ def plot(costs: dict, runs: dict, out) -> None:
             va="bottom",
             fontsize=8,
         )
-    right.set(ylabel="seconds", title="The same trace on a tight KV budget")
+    recompute = runs["recompute"]
+    worth = recompute["recomputed_tokens"] / runs["auto"]["prefill_tokens_per_s"]  # at auto's measured rate
+    right.set(
+        ylabel="wall time of the whole trace (s)",
+        title="2. The same trace on a tight KV budget\n"
+        f"(the {recompute['recomputed_tokens']} recomputed tokens are worth ~{worth:.1f} s of prefill)",
+    )
     right.margins(y=0.25)
     fig.tight_layout()
     save_plot(fig, out, "10_preemption.png")
+
+
+def cheaper_side(costs: dict) -> str:
+    """Which way is cheaper where no curve crosses recompute: the first length decides each block size."""
+    cheaper = [size for size in BLOCK_SIZES if costs["swap"][size][0] < costs["recompute"][0]]
+    if len(cheaper) == len(BLOCK_SIZES):
+        return "swap is cheaper at every length"
+    if not cheaper:
+        return "recompute is cheaper at every length"
+    return f"swap is cheaper at every length in blocks of {', '.join(map(str, cheaper))}"
 
 
 def main():

@@ -29,6 +29,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
 
 from minillm.benchmarks.speculative import batched, counted, decode_rate  # noqa: E402
 from minillm.benchmarks.workload import pool_bytes  # noqa: E402
@@ -459,48 +460,118 @@ def show_break_even(prices: dict, evens: dict, max_rows: int) -> None:
 
 
 # ---------------------------------------------------------------- plot, numbers, meaning
-def plot(prices: dict, evens: dict, results: dict, max_rows: int, out_dir) -> None:
-    fig, (ax_speed, ax_rows, ax_even) = plt.subplots(1, 3, figsize=(16, 4.4))
+def plot(step: dict, prices: dict, evens: dict, results: dict, max_rows: int, out_dir) -> None:
+    fig, ((ax_step, ax_speed), (ax_rows, ax_even)) = plt.subplots(2, 2, figsize=(14, 9))
+    plot_rollback(ax_step, step)
     rows, ks = list(range(1, max_rows + 1)), list(range(1, max_rows))
+    unpriced = [batch for batch, price in prices.items() if price is None]
     for (batch, price), marker in zip(prices.items(), ("o", "s")):
-        if price is not None:
-            ax_rows.plot(rows, price, marker=marker, label=f"batch {batch}")
+        if price is None:
+            continue
+        ax_rows.plot(rows, price, marker=marker, label=f"batch {batch}")
         ax_even.plot(
-            ks, [1.05 if r is None else r for r in evens[batch]], marker=marker, label=f"batch {batch}"
+            ks, [NEVER if r is None else r for r in evens[batch]], marker=marker, label=f"batch {batch}"
         )
     ax_rows.plot(rows, rows, linestyle="--", color="grey", label="every row full price")
     ax_rows.set(
         xlabel="query rows per sequence (k + 1)",
-        ylabel="pass / 1-row pass",
+        ylabel="pass time / 1-row pass time",
         xticks=rows,
-        title="3. The price of a row",
+        title="3. The price of a row"
+        + "".join(f"\nbatch {batch}: passes of one size only, no price" for batch in unpriced),
     )
     for (name, r), color in zip(results.items(), ("#2ca02c", "#d62728", "#9467bd")):
-        if r["speculative"]["drafts"]:
+        guessed = r["speculative"]
+        if guessed["drafts"]:
             ax_even.axhline(
-                r["speculative"]["acceptance_rate"], color=color, linestyle="--", label=f"measured: {name}"
+                guessed["acceptance_rate"],
+                color=color,
+                linestyle="--",
+                label=f"measured alone: {name} ({guessed['acceptance_rate']:.2f})",
             )
     ax_even.set(
         xlabel="k guesses",
         ylabel="acceptance rate",
         ylim=(0, 1.1),
         xticks=ks,
-        title="4. Guessing pays above the line",
+        title="4. Break-even acceptance: guessing pays above a batch's curve",
     )
+    if any(r is None for batch in prices if prices[batch] for r in evens[batch]):
+        ax_even.set_yticks(
+            [0, 0.2, 0.4, 0.6, 0.8, 1.0, NEVER], ["0", "0.2", "0.4", "0.6", "0.8", "1", "never"]
+        )
     names = list(results)
     for offset, side in ((-0.2, "plain"), (0.2, "speculative")):
-        ax_speed.bar(
+        bars = ax_speed.bar(
             [i + offset for i in range(len(names))],
             [results[n][side]["tok_s"] for n in names],
             0.4,
             label=side,
         )
+    ax_speed.bar_label(bars, [f"{results[n]['speedup']:.2f}x" for n in names], fontsize=8)
     ax_speed.set_xticks(range(len(names)), names)
-    ax_speed.set(ylabel="decode tokens/s, batch 1", title="2. End to end")
-    for ax in (ax_rows, ax_even, ax_speed):
+    ax_speed.margins(y=0.12)
+    ax_speed.set(ylabel="decode tokens/s, batch 1", title="2. End to end, alone (on the bar: speed-up)")
+    for ax in (ax_rows, ax_speed):
         ax.legend(fontsize=8)
+    ax_even.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3)  # off the lines
     fig.tight_layout()
     save_plot(fig, out_dir, "14_speculation.png")
+
+
+NEVER = 1.05  # where part 4's panel draws "no acceptance rate pays"
+SLOT_STATES = ["not held", "empty slot", "computed", "guess kept", "guess rejected"]
+SLOT_COLOURS = ["white", "#eeeeee", "#4c72b0", "#55a868", "#c44e52"]
+
+
+def plot_rollback(ax, step: dict) -> None:
+    """Part 1: the block table's end at three moments, one cell per KV slot, coloured by what it holds."""
+    guesses, kept = len(step["guesses"]), step["kept"]
+    before = step["entries_before"] + 1  # the entries, and the token the step decodes from
+    moments = [
+        ("before the step", step["before"], step["entries_before"]),
+        (f"{guesses} guesses written", step["written"], before + guesses),
+        (f"rolled back ({kept} kept)", step["rolled_back"], before + kept),
+    ]
+    first = max(0, len(step["before"]["table"]) - 2)  # the blocks the step touches, as the table shows
+    last = max(len(picture["table"]) for _, picture, _ in moments)
+    slots = range(first * DEMO_BLOCK, last * DEMO_BLOCK)
+    grid = []
+    for row, (_, picture, entries) in enumerate(moments):
+        cells = []
+        for slot in slots:
+            index = slot // DEMO_BLOCK
+            if index >= len(picture["table"]):
+                cells.append(0)
+            elif slot >= entries:
+                cells.append(1)
+            elif slot < before:
+                cells.append(2)
+            else:
+                cells.append(3 if slot < before + kept else 4)
+            if slot % DEMO_BLOCK == 0 and index < len(picture["table"]):
+                ax.text(
+                    slot - slots.start + DEMO_BLOCK / 2 - 0.5,
+                    row,
+                    f"block {picture['table'][index]}",
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                )
+        grid.append(cells)
+    ax.imshow(grid, cmap=ListedColormap(SLOT_COLOURS), vmin=0, vmax=len(SLOT_COLOURS) - 1, aspect="auto")
+    for edge in range(0, len(slots) + 1, DEMO_BLOCK):
+        ax.axvline(edge - 0.5, color="black", linewidth=1)
+    ax.set_yticks(range(len(moments)), [label for label, _, _ in moments])
+    ax.set_xticks(range(0, len(slots), DEMO_BLOCK), [str(slot) for slot in slots[::DEMO_BLOCK]])
+    ax.set_xlabel(f"KV slot (token position), {DEMO_BLOCK}-token blocks")
+    for state, colour in zip(SLOT_STATES[1:], SLOT_COLOURS[1:]):
+        ax.bar(0, 0, color=colour, label=state)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4)
+    ax.set_title(
+        f"1. Rollback in one step: {guesses - kept} rejected entries cut, blocks {step['freed']} freed;\n"
+        f"{step['stale_entries']} prefix-cache entries on a rejected token"
+    )
 
 
 def numbers_of(step: dict, fits: dict, evens: dict, results: dict, together: dict, prices: dict) -> dict:
@@ -630,7 +701,7 @@ def main() -> None:
     evens = break_evens(prices, settings["max_rows"])
     show_break_even(prices, evens, settings["max_rows"])
 
-    plot(prices, evens, results, settings["max_rows"], args.out)
+    plot(step, prices, evens, results, settings["max_rows"], args.out)
     save_numbers(args.out, "14_speculation.json", numbers_of(step, fits, evens, results, together, prices))
     console.print(f"\n[bold]What it means:[/bold] {meaning(step, fits, prices, evens, results, together)}")
 

@@ -30,7 +30,8 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
-from _common import console, lesson_args, require_model, save_numbers, table  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402
+from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 
 from minillm import trace  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
@@ -173,7 +174,7 @@ def read_back(path, out) -> tuple[dict, str | None]:
     (events,) = read_trace(path).values()
     view = trace.walk(events)
     summary = trace.summarize(view)
-    cell = trace.draw(view, out / "15_life_of_a_block.png", "lesson 15: one busy run, every block's life")
+    cell = trace.draw(view, out / "15_life_of_a_block.png", "lesson 15 (b): one busy run, every block's life")
     return summary, cell
 
 
@@ -236,6 +237,54 @@ def show_spill_rules(rules: dict) -> None:
     ]
     columns = ["spill rule", "spilled", "brought back", "never read again", "block hit rate"]
     table("the same traffic, two spill rules", columns, rows)
+
+
+def plot_rules_and_trap(rules: dict, trap: dict, out) -> None:
+    """The parts the timeline does not show: the two spill rules side by side, and the timestamp trap."""
+    fig, (ax_rules, ax_trap) = plt.subplots(1, 2, figsize=(12, 4.2))
+    kinds = [
+        ("spilled", "spilled to host"),
+        ("brought_back", "brought back"),
+        ("never_read", "never read again"),
+    ]
+    for i, (key, label) in enumerate(kinds):
+        bars = ax_rules.bar(
+            [x + (i - 1) * 0.27 for x in range(len(rules))], [r[key] for r in rules.values()], 0.27
+        )
+        bars.set_label(label)
+        ax_rules.bar_label(bars, fontsize=8)
+    ax_rules.set_xticks(range(len(rules)), [f'spill="{rule}"' for rule in rules])
+    ax_rules.set_ylabel("blocks")
+    ax_rules.legend(fontsize=8)
+    ax_rules.set_title(
+        "(b) the same traffic, two spill rules; block hit rate "
+        + ", ".join(f"{rule} {r['block_hit_rate']:.1%}" for rule, r in rules.items())
+    )
+    names = list(trap)
+    cached = [trap[n]["cached_tokens"] for n in names]
+    computed = [trap[n]["prompt_tokens"] - trap[n]["cached_tokens"] for n in names]
+    ax_trap.bar(names, cached, label="from the prefix cache", color="tab:green")
+    ax_trap.bar(names, computed, bottom=cached, label="prefilled again", color="tab:gray")
+    for i, n in enumerate(names):
+        ax_trap.text(
+            i,
+            trap[n]["prompt_tokens"],
+            f"TTFT {trap[n]['ttft_ms']:.0f} ms\nparted at token {trap[n]['diverged_at']}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax_trap.margins(y=0.2)
+    ax_trap.set_ylabel("prompt tokens of the requests after the first")
+    ax_trap.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
+    ax_trap.set_title(
+        "(c) the timestamp trap, tokens from the cache: "
+        + ", ".join(f"{n} {c}" for n, c in zip(names, cached))
+    )
+    for ax in (ax_rules, ax_trap):
+        ax.title.set_fontsize(10)
+    fig.tight_layout()
+    save_plot(fig, out, "15_rules_and_trap.png")
 
 
 def _unread(spills: dict) -> int:
@@ -316,6 +365,7 @@ def main() -> None:
     trap = timestamp_trap(model, tokenizer, settings)
     show_trap(trap)
 
+    plot_rules_and_trap(rules, trap, args.out)
     numbers = {"run": run, "summary": summary, "spill_rules": rules, "trap": trap}
     save_numbers(args.out, "15_life_of_a_block.json", numbers)
     console.print(f"\n[bold]What it means:[/bold] {meaning(summary, rules, trap)}", highlight=False)
