@@ -113,10 +113,14 @@ def staircase_headlines(r: dict) -> list[Headline]:
             (f"{row['label']}: sequences at once", row["peak_seqs"], "sequences"),
         )
     ]
+    later = [row for row in rows if row["compared_with"] is not None]
+    gains = [
+        (f"{row['step']}: output tok/s over the row before's", row["output_tok_s_vs_before"], "x")
+        for row in later
+    ]
     identical = [
         (f"{row['step']}: greedy tokens equal to the row before's", 100 * row["greedy_identical"], "%")
-        for row in rows
-        if row["compared_with"] is not None
+        for row in later
     ]
     shape = f"{prefill['chunk']} queries x {prefill['context']} entries"
     flash = [
@@ -129,7 +133,7 @@ def staircase_headlines(r: dict) -> list[Headline]:
         last["output_tok_s"] / first["output_tok_s"],
         "x",
     )
-    return per_row + identical + flash + [overall]
+    return per_row + gains + identical + flash + [overall]
 
 
 def ppl_headlines(r: dict) -> list[Headline]:
