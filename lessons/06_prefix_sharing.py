@@ -13,7 +13,11 @@ the volatile part is moved out of the shared prefix.
 import datetime
 from collections import Counter
 
-from _common import console, lesson_args, require_model, save_numbers, table  # noqa: E402
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
 
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.tokenizer import Tokenizer  # noqa: E402
@@ -130,7 +134,25 @@ def main():
             "timestamp_in_turn_prefill_saved": fixed_row[3],
         },
     )
+    plot([shared_row, stamped_row, fixed_row], args.out)
     console.print(f"\n[bold]What it means:[/bold] {meaning(shared_row, stamped_row, fixed_row)}")
+
+
+def plot(rows: list[list], out_dir) -> None:
+    """Each system prompt's prefill: tokens computed and tokens the prefix cache saved, stacked
+    (together: the prompts' tokens)."""
+    names = [row[0] for row in rows]
+    computed, saved = [row[2] for row in rows], [row[3] for row in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.bar(names, computed, color="tab:gray", label="prefill computed")
+    ax.bar(names, saved, bottom=computed, color="tab:green", label="prefill saved by the prefix cache")
+    for x, (done, kept) in enumerate(zip(computed, saved)):
+        ax.text(x, done + kept, f"{kept / (done + kept):.0%} saved", ha="center", va="bottom")
+    best = names[saved.index(max(saved))]
+    ax.set(ylabel="prompt tokens", title=f"5 requests' prefill: most saved with '{best}'")
+    ax.set_ylim(0, 1.45 * max(c + s for c, s in zip(computed, saved)))
+    ax.legend(loc="upper left", fontsize=8)
+    save_plot(fig, out_dir, "06_prefix_sharing.png")
 
 
 def meaning(shared_row: list, stamped_row: list, fixed_row: list) -> str:

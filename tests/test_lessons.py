@@ -167,13 +167,13 @@ def check_life_of_a_block(numbers):
         ("03_bandwidth_wall", True, check_bandwidth_wall),
         ("04_fragmentation", True, check_fragmentation),
         ("05_paged_attention", True, check_paged_attention),
-        ("06_prefix_sharing", False, check_prefix_sharing),  # tables only
+        ("06_prefix_sharing", True, check_prefix_sharing),
         ("07_kv_quantization", True, check_kv_quantization),
         ("08_eviction", True, check_eviction),
         ("09_continuous_batching", True, check_continuous_batching),
         ("10_preemption", True, check_preemption),
         ("11_tiers", True, check_tiers),
-        ("12_kernel", False, check_kernel),  # tables only
+        ("12_kernel", True, check_kernel),
         ("13_memory_system", True, check_memory_system),
         ("14_speculation", True, check_speculation),
         ("15_life_of_a_block", True, check_life_of_a_block),
