@@ -63,6 +63,10 @@ from minillm.memory.tiers import SwapCost, TieredKV
 COUNTERS = ("swapped_out", "swapped_in", "prefetched", "recomputed_tokens")
 
 
+def _never_swapped() -> bool:
+    return False
+
+
 @dataclass(frozen=True)
 class Allocation:
     """What `allocate` granted: `num_tokens` to compute now (0: memory is short, try later),
@@ -80,11 +84,17 @@ class Allocation:
 @dataclass(frozen=True)
 class Holding:
     """What a sequence holds now: a block table of `num_blocks` (`has_table`: running, or swapped
-    out; without one it never started, or was forgotten), `swapped`: off the device."""
+    out; without one it never started, or was forgotten), and whether it is off the device."""
 
     has_table: bool
     num_blocks: int
-    swapped: bool
+    _is_swapped: Callable[[], bool]
+
+    @property
+    def swapped(self) -> bool:
+        """Asked only when read: with tiers the answer walks the table, and the scheduler asks
+        `has_table` of many sequences a step, `swapped` of few."""
+        return self._is_swapped()
 
 
 @dataclass(frozen=True)
@@ -173,8 +183,8 @@ class KVCacheManager:
 
     def holding(self, seq_id: int) -> Holding:
         if not self._blocks.has_table(seq_id):
-            return Holding(False, 0, False)
-        return Holding(True, len(self._blocks.table(seq_id)), self._moves.is_swapped(seq_id))
+            return Holding(False, 0, _never_swapped)
+        return Holding(True, len(self._blocks.table(seq_id)), lambda: self._moves.is_swapped(seq_id))
 
     def holders_of_device_blocks(self) -> set[int]:
         return self._moves.holders_of_device_blocks()
