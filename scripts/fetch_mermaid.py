@@ -29,15 +29,20 @@ def main() -> None:
         print(f"{TARGET} is there already (mermaid {VERSION}).")
         return
     print(f"Fetching mermaid {VERSION} from the npm registry...")
-    with urllib.request.urlopen(TARBALL, timeout=60) as response:
-        tarball = response.read()
+    try:
+        with urllib.request.urlopen(TARBALL, timeout=60) as response:
+            tarball = response.read()
+    except OSError as err:  # no network, a proxy, a timeout: one line, not a traceback
+        sys.exit(f"Could not fetch {TARBALL} ({err}); check the connection to the npm registry and retry.")
     digest = "sha512-" + base64.b64encode(hashlib.sha512(tarball).digest()).decode()
     if digest != INTEGRITY:
         sys.exit(f"The mermaid {VERSION} tarball does not match its registry checksum; not unpacked.")
     with tarfile.open(fileobj=io.BytesIO(tarball), mode="r:gz") as archive:
         script = archive.extractfile(MEMBER).read()
     TARGET.parent.mkdir(parents=True, exist_ok=True)
-    TARGET.write_bytes(script)
+    partial = TARGET.with_suffix(".part")  # renamed whole: an interrupted fetch leaves no half script
+    partial.write_bytes(script)
+    partial.replace(TARGET)
     print(f"Wrote {TARGET} ({len(script) / 1e6:.1f} MB).")
 
 

@@ -59,3 +59,16 @@ def test_a_quote_of_a_figure_no_result_has_is_named():
     quote = {"page": "README.md", "result": "scheduling", "figure": "no such figure", "shown": "{}"}
     (line,) = stale_quotes(load_results(), [quote], read_page)
     assert "no such figure" in line
+
+
+def test_record_refuses_before_the_run_what_it_could_not_keep(capsys, monkeypatch):
+    """A quick run is not the docs' figure, and an install without docs/results/ has nowhere to keep
+    it: both are one line, before minutes of measuring."""
+    import minillm.benchmarks.recorded as recorded
+    from minillm.cli.commands import main
+
+    assert main(["bench", "staircase", "--quick", "--record"]) == 2
+    assert "drop --quick" in capsys.readouterr().err
+    monkeypatch.setattr(recorded, "RESULTS_DIR", REPO / "no-such-folder")
+    assert main(["bench", "tiers", "--record", "--model", "no-such-model"]) == 2
+    assert "git checkout" in capsys.readouterr().err

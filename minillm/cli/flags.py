@@ -14,7 +14,7 @@ import math
 import sys
 from typing import Callable
 
-from minillm.config import SWITCHES
+from minillm.config import SWITCHES, ConfigError
 from minillm.switches import Switch
 
 # the attention backends a CPU benchmark can be asked for
@@ -221,11 +221,17 @@ def add_record_arg(bench) -> None:
     )
 
 
-def shown_and_recorded(args, name: str, report: dict, printer) -> None:
-    """The report shown (tables, or JSON with --json); with --record also kept in docs/results/."""
-    from minillm.benchmarks.recorded import record
+def shown_and_recorded(args, name: str, measure: Callable[[], dict], printer) -> None:
+    """`measure()`'s report shown (tables, or JSON with --json); with --record also kept in
+    docs/results/, refused before the run if it could not be kept as the docs' figure."""
+    from minillm.benchmarks.recorded import RESULTS_DIR, record
     from minillm.report import show
 
+    if args.record and getattr(args, "quick", False):
+        raise ConfigError("--record keeps the run the docs quote, at the default sizes: drop --quick.")
+    if args.record and not RESULTS_DIR.is_dir():
+        raise ConfigError(f"--record writes into {RESULTS_DIR} (not there): run it in a git checkout.")
+    report = measure()
     show(report, printer, args.json)
     if args.record:
         path = record(name, report, " ".join(["minillm", *sys.argv[1:]]), threads=args.threads)

@@ -97,7 +97,7 @@ def cmd_bench_scheduling(args) -> None:
     shown_and_recorded(
         args,
         "scheduling",
-        bench_scheduling(
+        lambda: bench_scheduling(
             args.model,
             quick=args.quick,
             num_requests=args.requests,

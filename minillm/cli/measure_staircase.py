@@ -121,7 +121,7 @@ def cmd_bench_staircase(args) -> None:
     shown_and_recorded(
         args,
         "staircase",
-        bench_staircase(
+        lambda: bench_staircase(
             args.model,
             quick=args.quick,
             num_requests=args.requests,

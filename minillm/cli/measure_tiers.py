@@ -131,7 +131,7 @@ def cmd_bench_tiers(args) -> None:
     shown_and_recorded(
         args,
         "tiers",
-        bench_tiers(
+        lambda: bench_tiers(
             args.model,
             num_requests=args.requests,
             rate=args.rate,
