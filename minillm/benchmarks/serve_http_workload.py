@@ -249,10 +249,7 @@ def bench_serve_http_workload(
         trace = [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace]
     serve_args, idle = [*serve_args, *limits_for(trace)], None
     if not url and switches.get("admission") == "memory" and switches.get("ttft_target") is None:
-        idle = idle_on_a_server_of_its_own(serve_args, trace)  # the SLO is told to the server
-        slo = slos(idle, ttft_slo, tpot_slo)
-        serve_args += ["--ttft-target", repr(slo["ttft_s"])]
-        switches = {**switches, "ttft_target": slo["ttft_s"]}
+        serve_args, switches, idle = told_the_target(serve_args, switches, trace, ttft_slo, tpot_slo)
     serving = nullcontext(parse_url(url)) if url else minillm_serve(serve_args)
     with serving as server:
         model = model_name(server)
@@ -280,6 +277,16 @@ def bench_serve_http_workload(
         "prefix_hit_rate": None if url else replay_hit_rate(before, after),
         "blocks_held_after": None if url else blocks_held(after),
     }
+
+
+def told_the_target(
+    serve_args: list[str], switches: dict, trace: list, ttft_slo: float | None, tpot_slo: float | None
+) -> tuple[list[str], dict, dict]:
+    """Memory-aware admission without a target is told the TTFT SLO, measured first on an idle
+    server of its own: the server's arguments and switches with it, and those idle timings."""
+    idle = idle_on_a_server_of_its_own(serve_args, trace)
+    target = slos(idle, ttft_slo, tpot_slo)["ttft_s"]
+    return [*serve_args, "--ttft-target", repr(target)], {**switches, "ttft_target": target}, idle
 
 
 def replay_hit_rate(before: dict, after: dict) -> float | None:

@@ -129,47 +129,39 @@ def add_workload_args(http) -> None:
         "its previous answer and a think time; prints goodput (requests within both SLOs), TTFT "
         "and TPOT p50/p99",
     )
-    workload.add_argument(
-        "--workload-seed", type=int, default=defaults.SEED, help="the workload's seed (default: %(default)s)"
+    sizes = (
+        ("seed", int, defaults.SEED, "the workload's seed"),
+        ("requests", positive_int, defaults.REQUESTS, "requests, a chat's every turn counted"),
+        ("rate", positive_float, defaults.RATE, "arrivals per second, Poisson"),
+        ("scale", positive_float, defaults.SCALE, "multiplies every prompt and output length"),
     )
-    workload.add_argument(
-        "--workload-requests",
-        type=positive_int,
-        default=defaults.REQUESTS,
-        help="requests in the workload, a chat's every turn counted (default: %(default)s)",
-    )
-    workload.add_argument(
-        "--workload-rate",
-        type=positive_float,
-        default=defaults.RATE,
-        help="arrivals per second, Poisson (default: %(default)s)",
-    )
-    workload.add_argument(
-        "--workload-scale",
-        type=positive_float,
-        default=defaults.SCALE,
-        help="multiplies every prompt and output length (default: %(default)s)",
-    )
-    for name, what in (("ttft", "time to first token"), ("tpot", "time per output token")):
-        workload.add_argument(
-            f"--{name}-slo",
-            type=positive_float,
-            default=None,
-            metavar="SECONDS",
-            help=f"a request is good if its {what} is at most this (default: {defaults.SLO_FACTOR} x "
-            + (
-                "the workload's longest prompt's prefill"
-                if name == "ttft"
-                else "the time per token of one request decoding alone"
-            )
-            + ", measured on the idle server before the replay, the smaller of 2 tries)",
-        )
+    for name, kind, default, what in sizes:
+        help = f"{what} (default: %(default)s)"
+        workload.add_argument(f"--workload-{name}", type=kind, default=default, help=help)
+    _add_slo_args(workload, defaults.SLO_FACTOR)
     workload.add_argument(
         *(f"--trace{tail}" for tail in ("", "-seed", "-requests", "-rate", "-scale")),
         nargs="?",
         action=Renamed,
         help=argparse.SUPPRESS,
     )
+
+
+def _add_slo_args(workload, factor: float) -> None:
+    """--ttft-slo and --tpot-slo: what makes a request good, by default measured on the idle server."""
+    measured = {
+        "ttft": ("time to first token", "the workload's longest prompt's prefill"),
+        "tpot": ("time per output token", "the time per token of one request decoding alone"),
+    }
+    for name, (what, idle) in measured.items():
+        workload.add_argument(
+            f"--{name}-slo",
+            type=positive_float,
+            default=None,
+            metavar="SECONDS",
+            help=f"a request is good if its {what} is at most this (default: {factor} x {idle}, "
+            "measured on the idle server before the replay, the smaller of 2 tries)",
+        )
 
 
 class Renamed(argparse.Action):

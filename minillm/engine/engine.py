@@ -105,23 +105,7 @@ class LLMEngine:
             self.proposer = NgramProposer(
                 config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
             )
-        self.scheduler = Scheduler(
-            self.kv_cache,
-            config.scheduling,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            self.context_len,
-            model_config.vocab_size,
-            make_admission(
-                config.admission,
-                self.kv_cache,
-                config.max_num_batched_tokens,
-                output_lengths or LearnedLengths(self.eos_token_id),
-                config.ttft_target,
-                config.refuse_late,
-            ),
-            self.proposer,
-        )
+        self.scheduler = self._scheduler(output_lengths or LearnedLengths(self.eos_token_id))
         self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
@@ -136,6 +120,28 @@ class LLMEngine:
             self.tokenizer,
             self.proposer,
             self.seq_ids,
+        )
+
+    def _scheduler(self, output_lengths: LearnedLengths) -> Scheduler:
+        """The scheduler over this engine's KV cache, with the admission policy the config names."""
+        config = self.config
+        admission = make_admission(
+            config.admission,
+            self.kv_cache,
+            config.max_num_batched_tokens,
+            output_lengths,
+            config.ttft_target,
+            config.refuse_late,
+        )
+        return Scheduler(
+            self.kv_cache,
+            config.scheduling,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.context_len,
+            self.model.config.vocab_size,
+            admission,
+            self.proposer,
         )
 
     # ----------------------------------------------------------------- requests
