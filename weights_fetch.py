@@ -1,4 +1,4 @@
-"""Fetch a real model and write it in the one format minillm reads.
+"""Fetch a real model and write it as a Hugging Face checkpoint folder, the one format minillm reads.
 
     python weights_fetch.py                 # SmolLM2-135M-Instruct, offline-friendly (from PyPI)
     python weights_fetch.py --hf OWNER/REPO # any Llama-family safetensors checkpoint on the HF hub
@@ -10,9 +10,12 @@ with the `gguf` package, and write `weights/SmolLM2-135M-Instruct/` (a hub check
 
     config.json            Hugging Face Llama config (transformers can read the folder too)
     model.safetensors      fp32 tensors under Hugging Face names
-    tokenizer.tiktoken     BPE ranks: base64 token bytes and rank, one per line
-    tokenizer_config.json  pre-tokenizer regex, special tokens, chat template
+    tokenizer.json         Hugging Face's tokenizer: vocabulary, merges, pre-tokenizer, added tokens
+    tokenizer_config.json  bos and eos tokens, chat template (a hub checkpoint may also have its
+                           template in chat_template.jinja)
     manifest.json          sha256 of each file above, checked on every later run
+
+A Hugging Face folder of your own (a Llama 3, Qwen2/2.5/3 or SmolLM2 tokenizer) works as it is.
 
 It also fetches two public-domain texts from the Canterbury corpus, which the `brotli` source
 package on PyPI ships as test data: "Alice's Adventures in Wonderland" (`alice29.txt`, what

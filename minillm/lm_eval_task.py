@@ -12,12 +12,10 @@ domain, `python weights_fetch.py` fetches it) with their last word cut off; the 
 word and three other sentences' last words, drawn with a fixed seed. lm-eval reads the items as
 local JSON (`dataset_path: json`), so nothing comes from the hub.
 
-The `hf` backend needs a Hugging Face tokenizer, and the weights folder has only minillm's
-(`tokenizer.tiktoken`: each token's bytes and rank; `tokenizer.py`). `hf_tokenizer` rebuilds it
-as a `tokenizers` BPE: the merges are read back from the ranks (transformers' `TikTokenConverter`
-does that), the pre-tokenizer is the same regex, the special tokens keep their ids. It must cut
-every item exactly as `Tokenizer` does, or the two log-likelihoods would score different tokens;
-`check_tokenization` says where they differ, and `write` refuses a task they disagree on.
+The `hf` backend needs a Hugging Face tokenizer: the weights folder holds one, `tokenizer.json`,
+which minillm reads too (`tokenizer.py`), and `hf_tokenizer` loads it with transformers. It must
+cut every item exactly as `Tokenizer` does, or the two log-likelihoods would score different
+tokens; `check_tokenization` says where they differ, and `write` refuses a task they disagree on.
 
     python -m minillm.lm_eval_task OUT_DIR                    # the task, the HF folder, the lm_eval commands
     python -m minillm.lm_eval_task OUT_DIR --compare serve hf # then: accuracy and max |delta| per choice
@@ -34,7 +32,7 @@ from pathlib import Path
 
 from minillm.config import ConfigError
 from minillm.evaluation import DEFAULT_TEXT, read_text
-from minillm.tokenizer import CONFIG_FILE, RANKS_FILE, Tokenizer
+from minillm.tokenizer import TOKENIZER_FILE, Tokenizer
 
 TASK_NAME = "alice_cloze"
 DEFAULT_MODEL = Path("weights") / "SmolLM2-135M-Instruct"
@@ -117,39 +115,21 @@ def write_task(out_dir: Path, items: list[dict]) -> Path:
 
 
 def hf_tokenizer(model_dir: Path):
-    """minillm's tokenizer as a transformers PreTrainedTokenizerFast: the same ranks, regex and
-    special tokens. No BOS or EOS is added (SmolLM2 adds none); bos is config.json's bos_token_id.
-    A byte with no token (21 of them) is dropped, as `Tokenizer.encode` drops it: there is no unk."""
-    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
-    from tokenizers import Tokenizer as BPETokenizer
-    from tokenizers.models import BPE
+    """The checkpoint's own tokenizer.json as a transformers PreTrainedTokenizerFast, with its bos
+    and eos tokens and chat template as minillm reads them (tokenizer_config.json), and the
+    context length of config.json."""
     from transformers import PreTrainedTokenizerFast
-    from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    spec = json.loads((model_dir / CONFIG_FILE).read_text())
-    vocab, merges = TikTokenConverter().extract_vocab_merges_from_model(str(model_dir / RANKS_FILE))
-    specials = spec["special_tokens"]
-    vocab |= specials  # at their own ids (0-16 for SmolLM2), which the ranks file leaves out
-    # ignore_merges: a piece that is a token whole is that token, as tiktoken looks it up first
-    bpe = BPETokenizer(BPE(vocab, merges, fuse_unk=False, ignore_merges=True))
-    bpe.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(spec["pattern"]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    bpe.decoder = decoders.ByteLevel()
-    bpe.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
-    names = {token_id: name for name, token_id in specials.items()}
+    ours = Tokenizer(model_dir)
     model_config = json.loads((model_dir / "config.json").read_text())
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        bos_token=names.get(model_config.get("bos_token_id")),
-        eos_token=spec["eos_token"],
+        tokenizer_file=str(model_dir / TOKENIZER_FILE),
+        bos_token=ours.bos_token,
+        eos_token=ours.eos_token,
         model_max_length=model_config["max_position_embeddings"],
         clean_up_tokenization_spaces=False,
     )
-    tokenizer.chat_template = spec.get("chat_template")
+    tokenizer.chat_template = ours.chat_template
     return tokenizer
 
 

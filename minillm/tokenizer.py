@@ -1,78 +1,90 @@
-"""Text <-> token ids with tiktoken, plus the ChatML chat template.
+"""Text <-> token ids: a Hugging Face tokenizer.json, run by tiktoken, plus the ChatML chat template.
 
-A byte-level BPE tokenizer is two things: a regex that cuts text into pieces ("pre-tokenization"),
-and merge ranks that glue each piece's bytes into tokens, lowest rank first. tiktoken does both
-in Rust, given the ranks and the regex; `weights_fetch.py` writes them from the checkpoint
-(`minillm/fetch/bpe.py`): `tokenizer.tiktoken` (base64 token bytes and rank, one per line) and
-`tokenizer_config.json` (regex, special tokens, chat template).
+A checkpoint folder holds its tokenizer as Hugging Face saves it: `tokenizer.json` (the vocabulary,
+merges, pre-tokenizer regex and added tokens), `tokenizer_config.json` (bos and eos tokens, the
+chat template) and, as transformers 5 writes it, `chat_template.jinja`. A user's own Hugging Face
+folder works as it is. `minillm/tokenizer_json.py` reads tokenizer.json and says what each part
+means; here its ranks and regex become a tiktoken encoder, which cuts and merges in Rust.
 
-Two traps of SmolLM2's tokenizer live in that data, not in this code:
-- its pre-tokenizer isolates every digit *before* the GPT-2 regex runs, so its regex is the GPT-2
-  one rewritten to treat a digit as a piece boundary (`DIGITS_PATTERN` in `minillm/fetch/bpe.py`);
-- 21 single bytes (mostly control characters) have no token. tiktoken needs every byte to have a
-  rank, so they get ranks past the vocabulary, and `encode` drops them afterwards — exactly what
-  the upstream tokenizer does with a character it cannot encode.
+What tiktoken does not do is done around it:
+- added tokens (`<|im_end|>`, Qwen3's `<think>`) are cut out of the text first, longest first, as
+  `tokenizers` does; the stretches between them are normalized (NFC, for Qwen) and encoded;
+- a byte with no token (21 in SmolLM2, mostly control characters) has no rank, but tiktoken needs
+  every byte to have one: it gets a rank past the vocabulary, and `encode` drops it afterwards,
+  exactly what the upstream tokenizer does with a character it cannot encode;
+- a model may have more ids than its tokenizer (Qwen pads 151665 tokens to 151936 rows): an id
+  with no token decodes to nothing, as `tokenizers` skips it.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
+import re
+import reprlib
+import unicodedata
 from pathlib import Path
 
 import tiktoken
-from tiktoken.load import load_tiktoken_bpe
 
 from minillm.config import FETCH_HINT, ConfigError
+from minillm.tokenizer_json import LOADS, AddedToken, read_tokenizer_json
 
-RANKS_FILE = "tokenizer.tiktoken"
+TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
+TEMPLATE_FILE = "chat_template.jinja"
 
 
 class Tokenizer:
     def __init__(self, model_dir: str | Path):
         model_dir = Path(model_dir)
-        if not (model_dir / RANKS_FILE).is_file() or not (model_dir / CONFIG_FILE).is_file():
-            raise ConfigError(
-                f"Tokenizer files missing in {model_dir} ({RANKS_FILE}, {CONFIG_FILE}) — {FETCH_HINT}"
-            )
-        spec = json.loads((model_dir / CONFIG_FILE).read_text())
-        ranks = load_tiktoken_bpe(str(model_dir / RANKS_FILE))
-        self.ranks: dict[bytes, int] = dict(ranks)  # the vocabulary's tokens (bytes -> id), as written
-        self.pattern: str = spec["pattern"]  # the pre-tokenizer's regex
-        self.vocab_size: int = spec["vocab_size"]
-        self.special_tokens: dict[str, int] = spec["special_tokens"]
-        self.eos_token_id: int = self.special_tokens[spec["eos_token"]]
-        self.chat_format: str | None = spec.get("chat_format")
-        self.default_system_prompt: str | None = spec.get("default_system_prompt")
-        self.chat_template: str | None = spec.get("chat_template")  # Jinja, for clients that render it
-        for byte in range(256):  # bytes without a token: ranks past the vocabulary, dropped by encode
-            ranks.setdefault(bytes([byte]), self.vocab_size + byte)
-        self.encoding = tiktoken.Encoding(
-            name=model_dir.name,
-            pat_str=self.pattern,
-            mergeable_ranks=ranks,
-            special_tokens=self.special_tokens,
-        )
+        if not (model_dir / TOKENIZER_FILE).is_file():
+            raise ConfigError(f"No {TOKENIZER_FILE} in {model_dir} — {FETCH_HINT}")
+        spec = read_tokenizer_json(model_dir / TOKENIZER_FILE)
+        self.ranks: dict[bytes, int] = spec.ranks  # the vocabulary's tokens (bytes -> id)
+        self.pattern: str = spec.pattern  # the pre-tokenizer's regex
+        self.vocab_size: int = spec.vocab_size  # ids the tokenizer knows (the model may have more)
+        self.prompt_prefix, self.prompt_suffix = spec.prompt_prefix, spec.prompt_suffix
+        self.special_tokens: dict[str, int] = {t.content: t.id for t in spec.added_tokens if t.special}
+        self._nfc = spec.nfc
+        self._added: dict[str, AddedToken] = {token.content: token for token in spec.added_tokens}
+        # one alternation, longest first: at each place the longest added token wins, as in tokenizers
+        by_length = sorted(self._added, key=len, reverse=True)
+        self._added_regex = re.compile("(" + "|".join(map(re.escape, by_length)) + ")") if by_length else None
+        self._bytes_of = {i: b for b, i in spec.ranks.items()} | {
+            token.id: token.content.encode() for token in spec.added_tokens
+        }
+        self.encoding = _encoder(model_dir, spec.ranks, spec.pattern, spec.vocab_size)
+        config = _read_config(model_dir)
+        self.bos_token: str | None = _token_name(config, "bos_token", model_dir)
+        self.eos_token: str | None = _token_name(config, "eos_token", model_dir)
+        self.eos_token_id: int | None = self._token_id(self.eos_token, model_dir)
+        # Jinja, for clients that render it (and `encode_chat`, which knows ChatML's)
+        self.chat_template: str | None = _chat_template(config, model_dir)
+        self.chat_format, self.default_system_prompt = _chatml_fields(self.chat_template)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids. Special-token strings in the text are encoded as text, never as
-        control tokens: a user cannot forge `<|im_end|>` by typing it."""
-        ids = self.encoding.encode_ordinary(text)
-        return [i for i in ids if i < self.vocab_size]
+        control tokens: a user cannot forge `<|im_end|>` by typing it. Added tokens that are not
+        special (Qwen3's `<think>`) are matched, as Hugging Face's tokenizers match them."""
+        return self._encode(text, control_tokens=False)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A plain-text prompt as the model's input: `encode`, inside the tokens the post-processor
+        adds (Llama 3's <|begin_of_text|>; nothing for Qwen or SmolLM2)."""
+        return [*self.prompt_prefix, *self.encode(text), *self.prompt_suffix]
 
     def encode_with_special_tokens(self, text: str) -> list[int]:
         """Text to ids where each special-token string is that token (`<|im_end|>` -> 2), as Hugging
         Face's tokenizers read text: for a client that renders the chat template itself."""
-        ids = self.encoding.encode(text, allowed_special="all")
-        return [i for i in ids if i < self.vocab_size]
+        return self._encode(text, control_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
-        return self.encoding.decode_bytes(ids).decode("utf-8", errors="replace")
+        return b"".join(self._bytes_of.get(i, b"") for i in ids).decode("utf-8", errors="replace")
 
     def token_bytes(self, token_id: int) -> bytes:
         """One token's bytes (part of a character, for some): what the API's logprobs report."""
-        return self.encoding.decode_single_token_bytes(token_id)
+        return self._bytes_of.get(token_id, b"")
 
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
@@ -95,6 +107,37 @@ class Tokenizer:
             ids += [start, *self.encode("assistant\n")]
         return ids
 
+    def _encode(self, text: str, control_tokens: bool) -> list[int]:
+        """The added tokens cut out first; a special one found where control tokens are not
+        allowed stays text, and joins the text around it (tokenizers' encode_special_tokens)."""
+        pieces = self._added_regex.split(text) if self._added_regex else [text]  # text, token, text, ...
+        ids: list[int] = []
+        plain: list[str] = []  # text since the last token
+        for index, piece in enumerate(pieces):
+            token = self._added[piece] if index % 2 else None
+            if token is None or (token.special and not control_tokens):
+                plain.append(piece)
+            else:
+                ids += [*self._encode_plain("".join(plain)), token.id]
+                plain = []
+        return ids + self._encode_plain("".join(plain))
+
+    def _encode_plain(self, text: str) -> list[int]:
+        if self._nfc:
+            text = unicodedata.normalize("NFC", text)
+        return [i for i in self.encoding.encode_ordinary(text) if i < self.vocab_size]
+
+    def _token_id(self, name: str | None, model_dir: Path) -> int | None:
+        """The id of the token `name` (an added token, or one of the vocabulary), None for None."""
+        if name is None:
+            return None
+        token_id = self._added[name].id if name in self._added else self.ranks.get(name.encode())
+        if token_id is None:
+            raise ConfigError(
+                f"{model_dir / CONFIG_FILE} names {name!r}, which is not one token of {TOKENIZER_FILE}."
+            )
+        return token_id
+
 
 class StreamDecoder:
     """Turns a stream of ids into a stream of text. One character may span several tokens (an
@@ -105,7 +148,73 @@ class StreamDecoder:
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def feed(self, token_id: int) -> str:
-        return self.utf8.decode(self.tokenizer.encoding.decode_single_token_bytes(token_id))
+        return self.utf8.decode(self.tokenizer.token_bytes(token_id))
 
     def flush(self) -> str:
         return self.utf8.decode(b"", final=True)
+
+
+def _encoder(model_dir: Path, ranks: dict[bytes, int], pattern: str, vocab_size: int) -> tiktoken.Encoding:
+    """tiktoken over the vocabulary's ranks; a byte with no token gets a rank past the vocabulary
+    (tiktoken needs one for every byte), and `encode` drops what it gives."""
+    every_byte = dict(ranks)
+    for byte in range(256):
+        every_byte.setdefault(bytes([byte]), vocab_size + byte)
+    try:
+        return tiktoken.Encoding(
+            name=model_dir.name, pat_str=pattern, mergeable_ranks=every_byte, special_tokens={}
+        )
+    except ValueError as err:  # the regex did not compile
+        raise ConfigError(
+            f"{model_dir / TOKENIZER_FILE}: its pre-tokenizer regex is not one tiktoken reads "
+            f"({err}); {LOADS}."
+        ) from None
+
+
+def _read_config(model_dir: Path) -> dict:
+    """tokenizer_config.json as a dict ({} when the folder has none)."""
+    path = model_dir / CONFIG_FILE
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}); fetch the checkpoint again.") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object; fetch the checkpoint again.")
+    return config
+
+
+def _token_name(config: dict, key: str, model_dir: Path) -> str | None:
+    """`bos_token` or `eos_token`: a string, or {"content": string} as transformers writes it."""
+    value = config.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ConfigError(f"{model_dir / CONFIG_FILE}: {key} is {reprlib.repr(value)}, not a token's text.")
+    return value
+
+
+def _chat_template(config: dict, model_dir: Path) -> str | None:
+    """The chat template: chat_template.jinja when the folder has one (transformers 5 saves it so),
+    else tokenizer_config.json's, a string or a list of named ones of which "default" is used."""
+    if (model_dir / TEMPLATE_FILE).is_file():
+        try:
+            return (model_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{model_dir / TEMPLATE_FILE} is not UTF-8 text ({err}).") from None
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ConfigError(f"{model_dir / CONFIG_FILE}: its chat_template is not a template's text.")
+    return template
+
+
+def _chatml_fields(chat_template: str | None) -> tuple[str | None, str | None]:
+    """("chatml", its default system prompt or None) for a ChatML template, else (None, None)."""
+    if not chat_template or "<|im_start|>" not in chat_template:
+        return None, None
+    default = re.search(r"<\|im_start\|>system\n([^{}]*?)<\|im_end\|>", chat_template)
+    return "chatml", default.group(1) if default else None

@@ -23,6 +23,7 @@ from minillm.engine import SamplingParams
 from minillm.engine.beam import reference_beam_search
 from minillm.memory.events import Snapshot
 from minillm.memory.replay import Replayer
+from minillm.tokenizer_json import bytes_to_unicode
 
 REAL_MODEL_DIR = Path(
     os.environ.get("MINILLM_MODEL_DIR", Path(__file__).parent.parent / "weights" / "SmolLM2-135M-Instruct")
@@ -99,9 +100,99 @@ def tiny_with_real_tokenizer(folder: Path, real_dir: Path, **config_overrides) -
     vocab_size = json.loads((real_dir / "config.json").read_text())["vocab_size"]
     config = {**TINY_CONFIG, "vocab_size": vocab_size, **config_overrides}
     write_checkpoint(folder, config, random_llama_tensors(config))
-    for name in ("tokenizer.tiktoken", "tokenizer_config.json"):
-        shutil.copy(real_dir / name, folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (real_dir / name).is_file():
+            shutil.copy(real_dir / name, folder)
     return folder
+
+
+def tiny_gpt2_tokenizer_json() -> dict:
+    """The smallest GPT-2-layout tokenizer: the 256 bytes, three merges, one special token."""
+    vocab = {char: byte for byte, char in bytes_to_unicode().items()}
+    vocab |= {"Ġt": 256, "he": 257, "Ġthe": 258}
+    flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": 259, "content": "<|end|>", **flags, "special": True}],
+        "normalizer": None,
+        "pre_tokenizer": byte_level,
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": ["Ġ t", "h e", "Ġt he"],
+        },
+    }
+
+
+def sentencepiece_tokenizer_json() -> dict:
+    """A small tokenizer.json laid out as Llama 2's is (SentencePiece's algorithm saved as BPE): a
+    space written "▁" by the normalizer, a byte with no token written as its <0xNN> token, <s> as
+    BOS. minillm must refuse it; `tokenizers` reads it."""
+
+    def token(content: str, token_id: int) -> dict:
+        flags = {"single_word": False, "lstrip": False, "rstrip": False, "normalized": False}
+        return {"id": token_id, "content": content, **flags, "special": True}
+
+    pieces = ["▁", "t", "h", "e", "▁t", "he", "▁the"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab |= {piece: 259 + i for i, piece in enumerate(pieces)}
+    bos = {"id": "<s>", "ids": [1], "tokens": ["<s>"]}
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [token("<unk>", 0), token("<s>", 1), token("</s>", 2)],
+        "normalizer": {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
+            ],
+        },
+        "pre_tokenizer": None,
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [
+                {"SpecialToken": {"id": "<s>", "type_id": 0}},
+                {"Sequence": {"id": "A", "type_id": 0}},
+            ],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": bos},
+        },
+        "decoder": {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        },
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": "<unk>",
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": True,
+            "byte_fallback": True,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": [["▁", "t"], ["h", "e"], ["▁t", "he"]],
+        },
+    }
 
 
 # The tiny model's KV bytes per token, its soaks' references, and the KV events they replay.

