@@ -35,7 +35,7 @@ class Runtime:
         return (
             self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             if chat
-            else self.tokenizer.encode(prompt)
+            else self.tokenizer.encode_prompt(prompt)
         )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached") -> Generation:

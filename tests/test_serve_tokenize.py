@@ -14,7 +14,7 @@ import urllib.parse
 import jinja2
 import pytest
 from fastapi.testclient import TestClient
-from helpers import ANY_JSON, tiny_with_real_tokenizer
+from helpers import ANY_JSON, tiny_gpt2_tokenizer_json, tiny_with_real_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import fetch, running_server
@@ -24,6 +24,7 @@ from minillm.engine import LLMEngine
 from minillm.serve.app import build_app
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.limits import ServeLimits
+from minillm.tokenizer import Tokenizer
 
 KEY = "open-sesame"
 CONTEXT = 1024
@@ -193,6 +194,43 @@ def test_a_model_without_a_tokenizer_says_to_send_token_ids(tiny_dir, tiny_model
             response.status_code in (400, 404)
             and "send prompts as token ids" in response.json()["error"]["message"]
         )
+
+
+def with_bos(tokenizer_json: dict) -> dict:
+    """The tokenizer with a <|begin|> token its post-processor puts before every text (Llama 3's way)."""
+    begin = {**tokenizer_json["added_tokens"][0], "id": 260, "content": "<|begin|>"}
+    bos = {"SpecialToken": {"id": "<|begin|>", "type_id": 0}}
+    template = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {"<|begin|>": {"id": "<|begin|>", "ids": [260], "tokens": ["<|begin|>"]}},
+    }
+    return {
+        **tokenizer_json,
+        "added_tokens": [*tokenizer_json["added_tokens"], begin],
+        "post_processor": template,
+    }
+
+
+def test_add_special_tokens_puts_the_post_processors_tokens_around_the_prompt(tiny_dir, tiny_model, tmp_path):
+    """As vLLM's /tokenize does with `tokenizers`: the BOS in front unless the body says false."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tokenizer_json = with_bos(tiny_gpt2_tokenizer_json())
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    config = EngineConfig(model_dir=tiny_dir, kv_cache_bytes=1 << 20)
+    engine = LLMEngine(config, model=tiny_model, tokenizer=Tokenizer(tmp_path))
+    client = TestClient(
+        build_app(EngineLoop(engine), "tiny", start_engine=False), base_url="http://localhost"
+    )
+    theirs = HFTokenizer.from_str(json.dumps(tokenizer_json))
+    for add_special_tokens in (True, False):
+        body = {"prompt": "the theme <|end|>", "add_special_tokens": add_special_tokens}
+        expected = theirs.encode(body["prompt"], add_special_tokens=add_special_tokens).ids
+        assert client.post("/tokenize", json=body).json()["tokens"] == expected
+        assert (expected[0] == 260) == add_special_tokens
+    assert client.get("/tokenizer_info").json()["add_bos_token"] is True
 
 
 TOKENIZER_BODIES = st.tuples(

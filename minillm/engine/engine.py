@@ -168,7 +168,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if isinstance(prompt, str) and self.tokenizer is None:
             raise ConfigError("This engine has no tokenizer; pass prompts as token ids.")
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else token_list(prompt)
+        prompt_ids = self.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else token_list(prompt)
         seq = Sequence(
             seq_id, request_id, prompt_ids, params, self.scheduler.max_len(len(prompt_ids), params.max_tokens)
         )

@@ -177,7 +177,7 @@ def _add_tokenizer_routes(
 
     @app.get("/tokenizer_info", dependencies=keyed)
     async def tokenizer_info_route():
-        return tokenizer_info(engine.tokenizer, engine.model.config.bos_token_id, engine.context_len)
+        return tokenizer_info(engine.tokenizer, engine.context_len)
 
 
 def _add_status_routes(

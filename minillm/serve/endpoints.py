@@ -73,7 +73,7 @@ def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ServeLimits
         if isinstance(p, str):
             if tokenizer is None:
                 raise APIError(400, "This model has no tokenizer; send prompts as token ids.", "prompt")
-            ids.append(tokenizer.encode(p))
+            ids.append(tokenizer.encode_prompt(p))
         else:
             ids.append(list(p))
     return ids

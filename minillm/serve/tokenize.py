@@ -17,8 +17,9 @@ scored from its start), and a client that renders the chat template itself gets 
 tokens. A prompt string sent to /v1/completions is plain text instead, so a user's text cannot
 forge <|im_end|>; a client that means control tokens sends ids, as lm-eval does with
 `tokenized_requests=True`. For a string that holds a special token's name the two routes count
-differently; for any other text they agree. `add_special_tokens` is taken and changes nothing:
-SmolLM2's tokenizer adds no BOS or EOS (nor would vLLM's with this checkpoint).
+differently; for any other text they agree. `add_special_tokens` (true unless a body says false,
+as in vLLM) puts the tokens the tokenizer's post-processor adds around the prompt, as a completion
+prompt string gets them: Llama 3's <|begin_of_text|>; SmolLM2 and Qwen add none.
 
 Bodies are checked as the completion routes' are (`protocol.py`): a wrong type, an id outside the
 vocabulary, more tokens than `max_request_tokens` is a 400 that names the field, never a 500.
@@ -48,7 +49,7 @@ def tokenize(
         ids = _chat_ids(body, tokenizer)
     else:
         check_fields(body, TOKENIZE_FIELDS)
-        typed(body, "add_special_tokens", bool, True, "true or false")
+        add_special_tokens = typed(body, "add_special_tokens", bool, True, "true or false")
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             message = (
@@ -58,6 +59,8 @@ def tokenize(
             )
             raise APIError(400, message, "prompt")
         ids = tokenizer.encode_with_special_tokens(prompt)
+        if add_special_tokens:
+            ids = [*tokenizer.prompt_prefix, *ids, *tokenizer.prompt_suffix]
     if len(ids) > limits.max_request_tokens:
         raise APIError(
             400,
@@ -110,20 +113,19 @@ def detokenize(body: dict, tokenizer: Tokenizer | None, model: str, limits: Serv
     return {"prompt": tokenizer.decode(tokens)}
 
 
-def tokenizer_info(tokenizer: Tokenizer | None, bos_token_id: int | None, context_len: int) -> dict:
-    """GET /tokenizer_info: what vLLM sends (the HF tokenizer's settings) that a client reads.
-    bos is config.json's bos_token_id; this checkpoint names no pad token."""
+def tokenizer_info(tokenizer: Tokenizer | None, context_len: int) -> dict:
+    """GET /tokenizer_info: what vLLM sends (the HF tokenizer's settings) that a client reads:
+    bos and eos as tokenizer_config.json names them; minillm reads no pad token."""
     if tokenizer is None:
         raise APIError(404, "This model has no tokenizer; send prompts as token ids.")
-    names = {token_id: name for name, token_id in tokenizer.special_tokens.items()}
     info = {
         "tokenizer_class": "minillm.tokenizer.Tokenizer",
-        "bos_token": names.get(bos_token_id),
-        "eos_token": names[tokenizer.eos_token_id],
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
         "pad_token": None,
         "model_max_length": context_len,
-        "add_bos_token": False,
-        "add_eos_token": False,
+        "add_bos_token": bool(tokenizer.prompt_prefix),
+        "add_eos_token": bool(tokenizer.prompt_suffix),
     }
     if tokenizer.chat_template:
         info["chat_template"] = tokenizer.chat_template
