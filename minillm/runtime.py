@@ -13,7 +13,7 @@ from minillm.config import EngineConfig
 from minillm.decoding import Generation, generate, stream
 from minillm.matmul import bf16_kernel
 from minillm.sampling import SamplingParams
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import Tokenizer, end_of_sequence
 from minillm.weights import load_model_for
 
 
@@ -26,6 +26,7 @@ class Runtime:
         bf16_kernel(next(self.model.parameters()))
         self.context_len = self.model.config.context_len(config.max_seq_len)
         self.tokenizer = Tokenizer(config.model_dir)
+        self.eos_token_id = end_of_sequence(self.model.config.eos_token_id, self.tokenizer)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -39,9 +40,7 @@ class Runtime:
         )
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached") -> Generation:
-        return generate(
-            self.model, prompt_ids, params, decoder, self.tokenizer.eos_token_id, self.context_len
-        )
+        return generate(self.model, prompt_ids, params, decoder, self.eos_token_id, self.context_len)
 
     def stream_text(
         self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached"
@@ -50,9 +49,9 @@ class Runtime:
         text = self.tokenizer.stream_decoder()
         gen = None
         for token, gen in stream(
-            self.model, prompt_ids, params, decoder, self.tokenizer.eos_token_id, self.context_len
+            self.model, prompt_ids, params, decoder, self.eos_token_id, self.context_len
         ):
-            if token != self.tokenizer.eos_token_id:
+            if token != self.eos_token_id:
                 yield text.feed(token), gen
         if gen is not None:
             yield text.flush(), gen

@@ -129,13 +129,14 @@ class Grammars:
     """Compiles requests' grammars for one vocabulary, and masks a batch of logits by them.
     Built on the first constrained request (the vocabulary index takes ~0.2 s)."""
 
-    def __init__(self, tokenizer, vocab_size: int):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
+        """`eos_token_id`: the token that ends a sequence, which a complete grammar allows."""
         self.vocab_size = vocab_size  # the model's logits width (a vocabulary may be padded past the tokens)
         self._tokenizer = llguidance.LLTokenizer.from_tiktoken(
             encoder=tokenizer.ranks,
             special_tokens=tokenizer.special_tokens,
             pattern=tokenizer.pattern,
-            eos_token=tokenizer.eos_token_id,
+            eos_token=eos_token_id,
             n_vocab=self.vocab_size,
         )
         self._executor = llguidance.LLExecutor()

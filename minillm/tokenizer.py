@@ -154,6 +154,14 @@ class StreamDecoder:
         return self.utf8.decode(b"", final=True)
 
 
+def end_of_sequence(config_eos_token_id: int | None, tokenizer: Tokenizer | None) -> int | None:
+    """The token where generation stops: config.json's eos_token_id, which wins (the model was
+    trained to end there), else the tokenizer's eos (tokenizer_config.json)."""
+    if config_eos_token_id is not None or tokenizer is None:
+        return config_eos_token_id
+    return tokenizer.eos_token_id
+
+
 def _encoder(model_dir: Path, ranks: dict[bytes, int], pattern: str, vocab_size: int) -> tiktoken.Encoding:
     """tiktoken over the vocabulary's ranks; a byte with no token gets a rank past the vocabulary
     (tiktoken needs one for every byte), and `encode` drops what it gives."""

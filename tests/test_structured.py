@@ -230,9 +230,8 @@ def test_unpacked_bits_are_the_librarys_mask(model_dir, llm):
     llguidance.numpy.fill_next_token_bitmask(state.matcher, bitmask.numpy(), 0)
     bias = torch.frombuffer(bytearray(state.matcher.compute_logit_bias()), dtype=torch.uint8)
     assert torch.equal(unpack_bits(bitmask, grammars.vocab_size)[0], bias[: grammars.vocab_size] > 0)
-    padded = Grammars(
-        llm.engine.tokenizer, grammars.vocab_size + 64
-    )  # a model's vocabulary padded past the tokens
+    # a model's vocabulary padded past the tokens
+    padded = Grammars(llm.engine.tokenizer, grammars.vocab_size + 64, llm.engine.eos_token_id)
     logits = torch.zeros(2, padded.vocab_size)
     padded.mask_logits(logits, [padded.start(StructuredOutput(regex="[a-z]+")), None])
     assert torch.isinf(logits[0, grammars.vocab_size :]).all() and torch.isfinite(logits[0]).any()

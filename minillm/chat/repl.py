@@ -139,7 +139,7 @@ class Chat(SessionCommands):
                 meter.reused_tokens = engine.prefix_hit_tokens() - hits_before
                 for token in out.token_ids[shown:]:
                     meter.count_token()
-                    if token == tokenizer.eos_token_id:
+                    if token == engine.eos_token_id:
                         continue
                     piece = decoder.feed(token)
                     text += piece

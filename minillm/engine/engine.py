@@ -51,7 +51,7 @@ from minillm.memory.events import Subscriber
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams
 from minillm.structured import Grammars
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import Tokenizer, end_of_sequence
 from minillm.tracing import attach
 from minillm.weights import load_model_for, model_fingerprint
 
@@ -95,7 +95,7 @@ class LLMEngine:
         self.tokenizer = (
             tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
         )
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer else self.model.config.eos_token_id
+        self.eos_token_id = end_of_sequence(self.model.config.eos_token_id, self.tokenizer)
         self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
         self.kv_cache = KVCacheManager.build(config, model_config, self.model.dtype, self.model.device)
@@ -279,7 +279,10 @@ class LLMEngine:
     def _outputs_of(self, request_ids: list[str]) -> list[RequestOutput]:
         """The requests' outputs. A request whose output is final is forgotten: a long-lived engine
         keeps nothing of the requests it has answered."""
-        outputs = [RequestOutput.of(self.requests[request_id], self.tokenizer) for request_id in request_ids]
+        outputs = [
+            RequestOutput.of(self.requests[request_id], self.tokenizer, self.eos_token_id)
+            for request_id in request_ids
+        ]
         for out in outputs:
             if out.finished:
                 self._forget(out.request_id)

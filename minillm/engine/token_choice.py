@@ -91,7 +91,7 @@ class TokenChooser:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
-            self._grammars = Grammars(self.tokenizer, self.vocab_size)
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_id)
         return self._grammars
 
     def start_beams(self, request_id: str, width: int, seq: Sequence) -> None:

@@ -65,7 +65,10 @@ class Answer:
             for _ in range(n)
         ]
         scored = job.params.logprobs is not None
-        self.writers = [LogprobsWriter(job, engine.tokenizer) if scored else None for _ in self.choices]
+        self.writers = [
+            LogprobsWriter(job, engine.tokenizer, engine.eos_token_id) if scored else None
+            for _ in self.choices
+        ]
 
     def update(self, index: int, out) -> list[tuple[int, str, bool]]:
         """Feed prompt `index`'s output to its choices; (choice, new text, just finished) for each

@@ -115,12 +115,12 @@ class LogprobsWriter:
     in the choice's text, counted across takes); for chat, a list of {token, logprob, bytes,
     top_logprobs}. Every token the choice took is there, its EOS and a stop string's too."""
 
-    def __init__(self, job: Job, tokenizer: Tokenizer):
+    def __init__(self, job: Job, tokenizer: Tokenizer, eos_token_id: int | None):
         self.job, self.tokenizer = job, tokenizer
         self.written = 0  # of the choice's tokens
         self.prompt_written = not job.echo
         self.decoder, self.length = tokenizer.stream_decoder(), 0  # text_offset's running count
-        self.hidden = {tokenizer.eos_token_id, *job.params.stop_token_ids}  # never text (ChoiceText)
+        self.hidden = {eos_token_id, *job.params.stop_token_ids}  # never text (ChoiceText)
 
     def take(self, choice: ChoiceText) -> dict:
         ids = [lp.token_id for lp in choice.logprobs[self.written :]]
