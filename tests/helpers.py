@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from minillm.decoding import generate
 from minillm.engine import SamplingParams
 from minillm.engine.beam import reference_beam_search
+from minillm.fetch.shapes import random_tensors
 from minillm.memory.events import Snapshot
 from minillm.memory.replay import Replayer
 
@@ -55,35 +56,8 @@ TINY_CONFIG = {
 
 
 def random_llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights under Hugging Face names, scaled so activations stay O(1)."""
-    gen = torch.Generator().manual_seed(seed)
-    d, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-
-    def rand(*shape, scale=None):
-        scale = scale if scale is not None else shape[-1] ** -0.5
-        return torch.randn(*shape, generator=gen) * scale
-
-    tensors = {
-        "model.embed_tokens.weight": rand(config["vocab_size"], d, scale=1.0),
-        "model.norm.weight": 1 + rand(d, scale=0.1),
-    }
-    if not config["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = rand(config["vocab_size"], d)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": 1 + rand(d, scale=0.1),
-            p + "post_attention_layernorm.weight": 1 + rand(d, scale=0.1),
-            p + "self_attn.q_proj.weight": rand(nh * hd, d),
-            p + "self_attn.k_proj.weight": rand(nkv * hd, d),
-            p + "self_attn.v_proj.weight": rand(nkv * hd, d),
-            p + "self_attn.o_proj.weight": rand(d, nh * hd),
-            p + "mlp.gate_proj.weight": rand(inter, d),
-            p + "mlp.up_proj.weight": rand(inter, d),
-            p + "mlp.down_proj.weight": rand(d, inter),
-        }
-    return tensors
+    """Random weights under Hugging Face names, scaled so activations stay O(1) (`--shape`'s maker)."""
+    return random_tensors(config, seed)
 
 
 def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
