@@ -10,7 +10,7 @@ import random
 import time
 
 import pytest
-from helpers import set_chat_template, tiny_with_real_tokenizer
+from helpers import run_json, set_chat_template, tiny_with_real_tokenizer
 from upstream import upstream_file
 
 from minillm.chat_template import OUTPUT_CHARS, STEPS, ChatTemplate
@@ -232,6 +232,26 @@ def test_control_tokens_in_tool_arguments_stay_text(real_tokenizer, upstream):
         messages, tools=tools, chat_template=template, sanitize_control_tokens=True, return_dict=False
     )
     assert ours.encode(messages, real_tokenizer.encode, tools=tools) == expected
+
+
+def test_generate_chat_passes_the_template_variables(capsys, real_dir, upstream, tmp_path):
+    """`minillm generate --chat --chat-template-kwargs`, on the tiny model with Qwen3's template
+    over SmolLM2's vocabulary: the prompt is transformers'."""
+    qwen3 = family_template("qwen3")
+    model_dir = set_chat_template(tiny_with_real_tokenizer(tmp_path, real_dir), qwen3)
+    variables = '{"enable_thinking": false}'
+    report = run_json(
+        capsys, "generate", "Hi!", "--chat", "--chat-template-kwargs", variables, "--max-tokens", "1",
+        "--json", "--dtype", "float32", "--model", model_dir,
+    )  # fmt: skip
+    expected = upstream.apply_chat_template(
+        [{"role": "user", "content": "Hi!"}],
+        chat_template=qwen3,
+        add_generation_prompt=True,
+        enable_thinking=False,
+        return_dict=False,
+    )
+    assert report["prompt_ids"] == expected
 
 
 # ----------------------------------------------------------------------------- refusals
