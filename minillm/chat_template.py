@@ -68,7 +68,8 @@ class ChatTemplate:
         self.special_tokens = special_tokens
         self.token_names = {name: token for name, token in token_names.items() if token is not None}
         longest_first = sorted(special_tokens, key=len, reverse=True)  # a token before its prefixes
-        self.special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        self.special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): none
+        self.split_re = re.compile(f"({self.special_re.pattern})")  # keeps the tokens it splits at
         # a wrapped special token (group 1), or a lone marker a string method cut off its token
         self.marked_re = re.compile(f"{_START}({self.special_re.pattern}){_END}|[{_START}{_END}]")
 
@@ -99,7 +100,7 @@ class ChatTemplate:
         return ids
 
     def _encode_with_special_tokens(self, text: str, encode_text: Callable[[str], list[int]]) -> list[int]:
-        pieces = re.split(f"({self.special_re.pattern})", text)  # [text, token, text, ...]
+        pieces = self.split_re.split(text)  # [text, token, text, ...]
         ids = []
         for index, piece in enumerate(pieces):
             if index % 2:
