@@ -1,10 +1,11 @@
-"""Text <-> token ids with tiktoken, plus the ChatML chat template.
+"""Text <-> token ids with tiktoken; a conversation through the checkpoint's chat template.
 
 A byte-level BPE tokenizer is two things: a regex that cuts text into pieces ("pre-tokenization"),
 and merge ranks that glue each piece's bytes into tokens, lowest rank first. tiktoken does both
 in Rust, given the ranks and the regex; `weights_fetch.py` writes them from the checkpoint
 (`minillm/fetch/bpe.py`): `tokenizer.tiktoken` (base64 token bytes and rank, one per line) and
-`tokenizer_config.json` (regex, special tokens, chat template).
+`tokenizer_config.json` (regex, special tokens, chat template; `minillm/chat_template.py` runs
+the template).
 
 Two traps of SmolLM2's tokenizer live in that data, not in this code:
 - its pre-tokenizer isolates every digit *before* the GPT-2 regex runs, so its regex is the GPT-2
@@ -23,6 +24,7 @@ from pathlib import Path
 import tiktoken
 from tiktoken.load import load_tiktoken_bpe
 
+from minillm.chat_template import ChatTemplate
 from minillm.config import FETCH_HINT, ConfigError
 
 RANKS_FILE = "tokenizer.tiktoken"
@@ -43,9 +45,7 @@ class Tokenizer:
         self.vocab_size: int = spec["vocab_size"]
         self.special_tokens: dict[str, int] = spec["special_tokens"]
         self.eos_token_id: int = self.special_tokens[spec["eos_token"]]
-        self.chat_format: str | None = spec.get("chat_format")
-        self.default_system_prompt: str | None = spec.get("default_system_prompt")
-        self.chat_template: str | None = spec.get("chat_template")  # Jinja, for clients that render it
+        self.chat_template: str | None = spec.get("chat_template")  # Jinja source (chat_template.py)
         for byte in range(256):  # bytes without a token: ranks past the vocabulary, dropped by encode
             ranks.setdefault(bytes([byte]), self.vocab_size + byte)
         self.encoding = tiktoken.Encoding(
@@ -54,6 +54,14 @@ class Tokenizer:
             mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
         )
+        self.template = self._compiled_template()
+
+    def _compiled_template(self) -> ChatTemplate | None:
+        """The chat template, compiled at load: a broken one is reported now, not mid-chat."""
+        if not self.chat_template:
+            return None
+        token_names = {name: getattr(self, name, None) for name in ("bos_token", "eos_token")}
+        return ChatTemplate(self.chat_template, self.special_tokens, token_names)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids. Special-token strings in the text are encoded as text, never as
@@ -77,23 +85,15 @@ class Tokenizer:
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """ChatML: <|im_start|>role\\ncontent<|im_end|>\\n per message, then <|im_start|>assistant\\n.
-        Like the checkpoint's template, a conversation that does not open with a system message
-        gets the default system prompt ("You are a helpful AI assistant named SmolLM, ...")."""
-        if self.chat_format != "chatml":
-            raise ConfigError(
-                "This checkpoint has no ChatML chat template; use `minillm generate` without --chat."
-            )
-        if self.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
-            messages = [{"role": "system", "content": self.default_system_prompt}, *messages]
-        start, end = self.special_tokens["<|im_start|>"], self.special_tokens["<|im_end|>"]
-        ids: list[int] = []
-        for message in messages:
-            ids += [start, *self.encode(f"{message['role']}\n{message['content']}"), end, *self.encode("\n")]
-        if add_generation_prompt:
-            ids += [start, *self.encode("assistant\n")]
-        return ids
+    def encode_chat(
+        self, messages: list[dict], /, add_generation_prompt: bool = True, **template_vars
+    ) -> list[int]:
+        """The conversation laid out by the checkpoint's own chat template, as ids: the special
+        tokens the template writes are tokens, the same strings in a message are text.
+        `template_vars` reach the template as variables (Qwen3's `enable_thinking=False`)."""
+        if self.template is None:
+            raise ConfigError("This checkpoint has no chat template; use `minillm generate` without --chat.")
+        return self.template.encode(messages, self.encode, add_generation_prompt, **template_vars)
 
 
 class StreamDecoder:

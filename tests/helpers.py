@@ -78,6 +78,14 @@ def tiny_with_real_tokenizer(folder: Path, real_dir: Path, **config_overrides) -
     return folder
 
 
+def set_chat_template(folder: Path, template: str | None) -> Path:
+    """`folder`'s tokenizer (tokenizer_config.json) with `template` as its chat template; None:
+    without one."""
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+    return folder
+
+
 # The tiny model's KV bytes per token, its soaks' references, and the KV events they replay.
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 

@@ -10,10 +10,12 @@ as flags for a child `minillm serve`.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from typing import Callable
 
+from minillm.chat_template import template_variables
 from minillm.config import DEFAULT_MODEL_DIR, SWITCHES, ConfigError
 from minillm.switches import Switch
 
@@ -184,6 +186,31 @@ def sampling_from(args):
         max_tokens=args.max_tokens,
         seed=args.seed,
         logprobs=getattr(args, "logprobs", None),  # generate's own flag
+    )
+
+
+def _template_variables(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({err.msg}, at character {err.pos}): {text[:60]!r}"
+        ) from None
+    try:
+        return template_variables(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=_template_variables,
+        default={},
+        metavar="JSON",
+        help="variables for the checkpoint's chat template, as a JSON object: e.g. "
+        "'{\"enable_thinking\": false}' has Qwen3 answer without thinking first; a template reads "
+        "the ones it knows and ignores the rest",
     )
 
 
