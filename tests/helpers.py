@@ -86,6 +86,52 @@ def set_chat_template(folder: Path, template: str | None) -> Path:
     return folder
 
 
+# GGUF blocks: weights on a block format's grid, so reading the blocks is lossless, and the fused
+# decode layer held to the torch layer on them.
+def snap_to_blocks(tensors: dict[str, torch.Tensor], fmt: str) -> tuple[dict, dict, dict]:
+    """Every matrix of `tensors` (Hugging Face names) snapped to `fmt`'s grid (quantized, then
+    dequantized by the `gguf` package): (the snapped tensors, their blocks, each one's format), as
+    weights_fetch.py writes the real model's blocks. Dense weights and blocks then hold the same
+    values, so decoding through the blocks must give the dense model's tokens."""
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    kind = GGMLQuantizationType[fmt.upper()]
+    snapped, packed, formats = dict(tensors), {}, {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2:
+            blocks = quantize(tensor.float().numpy(), kind)
+            snapped[name] = torch.from_numpy(dequantize(blocks, kind).astype("float32"))
+            packed[name], formats[name] = torch.from_numpy(blocks), fmt
+    return snapped, packed, formats
+
+
+class _ValuesAttention:
+    """Attention that returns the values repeated over the query heads: no memory to differ in."""
+
+    def attend(self, layer_idx, q, k, v):
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).contiguous()
+
+
+def assert_fused_layers_equal_unfused(model, positions: list[int], seed: int = 4) -> None:
+    """Block.forward_fused against model.py's torch layer on the same blocks, layer after layer:
+    bf16 rounds every operation as torch does (equal but for SiLU's last bit), fp32 within fp32
+    rounding."""
+    dtype = model.dtype
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(len(positions), model.config.hidden_size, generator=gen).to(dtype)
+    where = torch.tensor(positions)
+    cos, sin = model.rope_cos[where].to(dtype), model.rope_sin[where].to(dtype)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    for layer in model.layers:
+        assert layer.fused
+        fused = layer.forward_fused(hidden, cos, sin, _ValuesAttention())
+        layer.fused = False
+        unfused = layer(hidden, cos, sin, _ValuesAttention())
+        layer.fused = True
+        assert (fused.double() - unfused.double()).abs().max() <= tolerance * unfused.abs().max().item()
+        hidden = unfused
+
+
 # The tiny model's KV bytes per token, its soaks' references, and the KV events they replay.
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
