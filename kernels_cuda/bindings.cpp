@@ -31,11 +31,13 @@ at::Tensor dense(const at::Tensor& x, const at::Tensor& w);
 at::Tensor quant_dense(const at::Tensor& x, const at::Tensor& blocks, int64_t format);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 std::vector<at::Tensor> attention_in(const at::Tensor& x, const at::Tensor& norm_weight, double eps,
-                                     const at::Tensor& wqkv, int64_t wqkv_format, const at::Tensor& cos,
+                                     const at::Tensor& wqkv, int64_t wqkv_format,
+                                     const std::optional<at::Tensor>& qkv_bias, const std::optional<at::Tensor>& q_norm,
+                                     const std::optional<at::Tensor>& k_norm, const at::Tensor& cos,
                                      const at::Tensor& signed_sin, int64_t num_heads, int64_t num_kv_heads);
 at::Tensor layer_out(const at::Tensor& x, const at::Tensor& attended, const at::Tensor& wo, int64_t wo_format,
-                     const at::Tensor& norm_weight, double eps, const at::Tensor& gate_up, int64_t gate_up_format,
-                     const at::Tensor& down, int64_t down_format);
+                     const std::optional<at::Tensor>& wo_bias, const at::Tensor& norm_weight, double eps,
+                     const at::Tensor& gate_up, int64_t gate_up_format, const at::Tensor& down, int64_t down_format);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& signed_sin);
 int64_t read_bytes(const at::Tensor& t);
 #endif
@@ -51,7 +53,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_dense", &quant_dense, "x @ w.T for a few rows, w in GGUF blocks (Q4_1, Q8_0) read as stored");
   m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows times the weight, in one call");
   m.def("rope", &rope, "RoPE of fp32 or bf16 heads, in one call");
-  m.def("attention_in", &attention_in, "a decode layer's norm, q|k|v product and RoPE, in one call");
+  m.def("attention_in", &attention_in,
+        "a decode layer's norm, q|k|v product (and bias, q/k norms) and RoPE, in one call");
   m.def("layer_out", &layer_out, "a decode layer's output product, residual and MLP, in one call");
   m.def("read_bytes", &read_bytes, "sum a tensor's bytes on every thread: the read roof's probe");
 #endif

@@ -8,8 +8,10 @@ So the cache costs
 and grows linearly with context length and batch size, while the weights stay fixed. This lesson
 computes the formula for SmolLM2 and for 7B/70B-class configurations, shows what grouped-query
 attention (GQA) saves, and checks the formula against tensors actually allocated in this process.
+`--shape qwen3-0.6b` (or llama-3.2-1b, qwen2.5-1.5b) measures a 1B-class model's real config instead
+of SmolLM2's, on random weights (a cache's size does not depend on the weights' values).
 
-    python lessons/01_kv_cache_math.py [--quick] [--out DIR]
+    python lessons/01_kv_cache_math.py [--quick] [--out DIR] [--shape NAME]
 """
 
 import resource
@@ -19,7 +21,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
-from _common import console, lesson_args, require_model, save_numbers, save_plot, table  # noqa: E402
+from _common import console, lesson_args, lesson_model, save_numbers, save_plot, shape_option, table  # noqa: E402
 
 from minillm.config import ModelConfig  # noqa: E402
 from minillm.decoding.cached import ContiguousKVCache  # noqa: E402
@@ -38,6 +40,15 @@ ARCHITECTURES = {
 
 def kv_bytes_per_token(layers, kv_heads, head_dim, bytes_per_number):
     return 2 * layers * kv_heads * head_dim * bytes_per_number
+
+
+def parameter_count(config: ModelConfig) -> int:
+    """Weights of a Llama-shaped model: embeddings (twice when the head is not tied), then per
+    layer the q, k, v, o projections and the three SwiGLU matrices (norms and biases are noise)."""
+    attention = config.hidden_size * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    mlp = 3 * config.hidden_size * config.intermediate_size
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return embeddings + config.num_layers * (attention + mlp)
 
 
 def rss_bytes() -> int:
@@ -78,8 +89,11 @@ def show_sizes(configs: dict) -> None:
     )
 
 
-def measure_allocation(model_dir, smol: ModelConfig, quick: bool) -> list[tuple[int, int, int, int]]:
-    """(tokens, formula bytes, tensor bytes, bytes the process grew) of SmolLM2 fp32 caches allocated now."""
+def measure_allocation(
+    model_dir, ours: ModelConfig, name: str, quick: bool
+) -> list[tuple[int, int, int, int]]:
+    """(tokens, formula bytes, tensor bytes, bytes the process grew) of the model's fp32 caches
+    allocated now."""
     model = load_model(model_dir)
     rows = []
     measured = []
@@ -88,19 +102,19 @@ def measure_allocation(model_dir, smol: ModelConfig, quick: bool) -> list[tuple[
         before = rss_bytes()
         cache = ContiguousKVCache(model, tokens)  # torch.zeros touches every page
         grown = rss_bytes() - before
-        formula = smol.kv_bytes_per_token(torch.float32) * tokens
+        formula = ours.kv_bytes_per_token(torch.float32) * tokens
         rows.append([tokens, f"{formula:,}", f"{cache.nbytes:,}", f"{grown:,}", f"{grown / formula:.3f}"])
         measured.append((tokens, formula, cache.nbytes, grown))
         del cache
     table(
-        "SmolLM2 fp32 cache",
+        f"{name} fp32 cache",
         ["tokens", "formula bytes", "tensor bytes", "process memory grew", "grew / formula"],
         rows,
     )
     return measured
 
 
-def plot(configs: dict, mha: int, gqa: int, measured: list, out) -> None:
+def plot(configs: dict, mha: int, gqa: int, measured: list, name: str, out) -> None:
     """One panel per part: (1) growth with context, (2) what GQA saves, (3) formula against allocation."""
     fig, (growth, gqa_ax, check) = plt.subplots(
         1, 3, figsize=(15, 4.2), gridspec_kw={"width_ratios": [2, 1, 1.2]}
@@ -125,7 +139,7 @@ def plot(configs: dict, mha: int, gqa: int, measured: list, out) -> None:
         ["every query head\nits own K/V (MHA)", "shared KV heads\n(GQA)"], [mha / 1024, gqa / 1024]
     )
     gqa_ax.bar_label(bars, [f"{mha / 1024:.0f} KiB", f"{gqa / 1024:.0f} KiB"])
-    gqa_ax.set(ylabel="SmolLM2 KV per token, fp32 (KiB)", title=f"2. GQA: {mha / gqa:.0f}x smaller")
+    gqa_ax.set(ylabel=f"{name} KV per token, fp32 (KiB)", title=f"2. GQA: {mha / gqa:.0f}x smaller")
     gqa_ax.margins(y=0.15)
     labels = [f"{tokens:,}" for tokens, *_ in measured]
     width = 0.27
@@ -140,7 +154,7 @@ def plot(configs: dict, mha: int, gqa: int, measured: list, out) -> None:
     exact = all(tensor == formula for _, formula, tensor, _ in measured)
     grew = sorted({f"{grown / formula:.3f}x" for _, formula, _, grown in measured})
     check.set(
-        xlabel="tokens in an fp32 SmolLM2 cache",
+        xlabel=f"tokens in an fp32 {name} cache",
         ylabel="MiB",
         title=f"3. Allocated now: tensors {'=' if exact else '!='} formula,\n"
         f"the process grew {' to '.join(grew)} the formula",
@@ -151,26 +165,26 @@ def plot(configs: dict, mha: int, gqa: int, measured: list, out) -> None:
 
 
 def main():
-    args = lesson_args(__doc__)
-    model_dir = require_model()
-    smol = ModelConfig.from_dir(model_dir)
-    smol_shape = (smol.num_layers, smol.num_heads, smol.num_kv_heads, smol.head_dim, 135e6)
-    configs = {"SmolLM2-135M (GQA)": smol_shape, **ARCHITECTURES}
+    args = lesson_args(__doc__, shape_option)
+    model_dir, name = lesson_model(args)
+    ours = ModelConfig.from_dir(model_dir)
+    our_shape = (ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.head_dim, parameter_count(ours))
+    configs = {f"{name} (GQA)": our_shape, **ARCHITECTURES}
 
     console.rule("1. The formula, in fp16 (2 bytes per number)")
     show_sizes(configs)
 
     console.rule("2. What grouped-query attention saves")
-    mha = kv_bytes_per_token(smol.num_layers, smol.num_heads, smol.head_dim, 4)
-    gqa = kv_bytes_per_token(smol.num_layers, smol.num_kv_heads, smol.head_dim, 4)
+    mha = kv_bytes_per_token(ours.num_layers, ours.num_heads, ours.head_dim, 4)
+    gqa = kv_bytes_per_token(ours.num_layers, ours.num_kv_heads, ours.head_dim, 4)
     console.print(
-        f"SmolLM2 in fp32: {mha:,} B/token if every query head had its own K/V (MHA), "
-        f"{gqa:,} B/token with {smol.num_kv_heads} shared KV heads: {mha / gqa:.0f}x smaller."
+        f"{name} in fp32: {mha:,} B/token if every query head had its own K/V (MHA), "
+        f"{gqa:,} B/token with {ours.num_kv_heads} shared KV heads: {mha / gqa:.0f}x smaller."
     )
 
     console.rule("3. The formula against tensors allocated now")
-    measured = measure_allocation(model_dir, smol, args.quick)
-    plot(configs, mha, gqa, measured, args.out)
+    measured = measure_allocation(model_dir, ours, name, args.quick)
+    plot(configs, mha, gqa, measured, name, args.out)
 
     tokens, formula, tensor_bytes, grown = measured[-1]
     layers, _, kv_heads, head_dim, params = ARCHITECTURES["Llama-2-7B (MHA)"]
@@ -181,7 +195,7 @@ def main():
         {
             "llama2_7b_cache_4k_x_32_over_weights": over_weights,
             "smol_gqa_saving": mha / gqa,
-            "smol_query_heads_per_kv_head": smol.num_heads / smol.num_kv_heads,
+            "smol_query_heads_per_kv_head": ours.num_heads / ours.num_kv_heads,
             "tokens": tokens,
             "formula_bytes": formula,
             "tensor_bytes": tensor_bytes,
@@ -192,7 +206,7 @@ def main():
         f"\n[bold]What it means:[/bold] the cache is a per-token tax that, at long contexts and "
         f"large batches, outgrows the weights themselves (Llama-2-7B, 4k tokens x 32 sequences: "
         f"{over_weights:.1f}x its weights); GQA cuts it by the ratio of query to KV heads "
-        f"({mha / gqa:.0f}x for SmolLM2), and the tensors we allocate cost exactly what the "
+        f"({mha / gqa:.0f}x for {name}), and the tensors we allocate cost exactly what the "
         f"formula says ({tensor_bytes:,} bytes for {tokens:,} tokens; the process grew by "
         f"{grown / formula:.3f}x that)."
     )

@@ -47,6 +47,21 @@ def require_model() -> Path:
     return MODEL_DIR
 
 
+def shape_option(parser) -> None:
+    """--shape NAME (lessons 01 and 03): the real config of a 0.6-1.5B model with random weights."""
+    from minillm.cli.flags import add_shape_arg
+
+    add_shape_arg(parser)
+
+
+def lesson_model(args) -> tuple[Path, str]:
+    """The checkpoint a lesson measures and its name in the tables: SmolLM2, or --shape's folder
+    (whose tables also say "random weights" under them)."""
+    if getattr(args, "shape", None):
+        return args.model_dir, f"{args.shape} (random weights)"
+    return require_model(), "SmolLM2-135M"
+
+
 def perplexity_setup(lesson_doc: str, segments: int, segment_len: int, quick: dict):
     """For the lessons that score text through the cache: their --segments / --segment-len
     arguments (defaults given here, small values under --quick), the model, its tokenizer and the

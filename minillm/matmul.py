@@ -142,14 +142,16 @@ def _in_buckets(product, x: torch.Tensor, bucket: int) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """A bias-free nn.Linear whose product goes through `Matmul`."""
+    """An nn.Linear whose product goes through `Matmul`. Most have no bias; where one has (Qwen2's
+    q/k/v), it is added to the product, rounded in the model's dtype, as the fused layer adds it."""
 
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
         self.matmul = Matmul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.weight)
+        product = self.matmul(x, self.weight)
+        return product if self.bias is None else product + self.bias
 
     def blocks(self) -> tuple[torch.Tensor, int]:
         """The weight's GGUF blocks and their format code, as the C++ kernels take them."""

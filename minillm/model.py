@@ -1,4 +1,5 @@
-"""A Llama-family transformer: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied embeddings.
+"""The transformer of the Llama family, Qwen2 and Qwen3: RMSNorm, RoPE, grouped-query attention,
+SwiGLU, tied or untied embeddings.
 
 The model knows nothing about memory. Each attention layer projects q, k, v, rotates q and k by
 their positions, and hands them to `ctx.attend(layer_idx, q, k, v)`. The context object owns the
@@ -10,17 +11,24 @@ Tokens are a flat list, not a (batch, time) grid: `forward(token_ids (N,), posit
 A batch of ragged sequences is just their tokens laid end to end, and the context knows which
 token belongs to which sequence. This is the layout continuous batching needs.
 
+The three families are one model with a few switches of `ModelConfig` (`model_config.py`), each
+read where it acts: `qkv_bias` and `o_bias` (Qwen2's q/k/v biases; Llama's and Qwen3's
+attention_bias), `qk_norm` (Qwen3's RMSNorm of each q and k head) in `Attention`, and
+`rope_scaling` (Llama 3.x's longer context) in `rope_tables`.
+
 Two projections are fused for speed, as nano-vllm and gpt-fast do: q, k and v are one matmul
 (`wqkv`), and the SwiGLU gate and up projections are another (`w_gate_up`). `weights.py`
-concatenates the checkpoint's separate matrices into them. Every matmul goes through `Matmul`
-(`matmul.py`: torch's F.linear, or for decode-sized bf16 products on a CPU a faster kernel); bf16
-norms and RoPE on a CPU take one C++ call each (`kernels_cuda/dense_cpu.cpp`). When the weights
-carry GGUF blocks (`--weights q4_1`, `quantized_weights.py`), a decode-sized batch runs each layer
-as two C++ calls around its attention (`Block.forward_fused`); the torch layer stays the reference.
+concatenates the checkpoint's separate matrices (and q, k, v's biases) into them. Every matmul goes
+through `Matmul` (`matmul.py`: torch's F.linear, or for decode-sized bf16 products on a CPU a
+faster kernel); bf16 norms and RoPE on a CPU take one C++ call each (`kernels_cuda/dense_cpu.cpp`).
+When the weights carry GGUF blocks (`--weights q4_1`, `quantized_weights.py`), a decode-sized batch
+runs each layer as two C++ calls around its attention (`Block.forward_fused`), switches and all;
+the torch layer stays the reference.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -29,6 +37,7 @@ from torch import nn
 
 from minillm.config import ModelConfig
 from minillm.matmul import QUANT_MAX_ROWS, Linear, Matmul, bf16_kernel, dense_kernel
+from minillm.model_config import Llama3RopeScaling
 
 
 class AttentionContext(Protocol):
@@ -65,10 +74,31 @@ def rope_tables(config: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.
     """
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / config.head_dim))
+    if config.rope_scaling is not None:  # Llama 3.x
+        inv_freq = _llama3_frequencies(inv_freq, config.rope_scaling)
     angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, half)
     cos = torch.cat([angles.cos(), angles.cos()], dim=-1)  # (max_len, head_dim)
     signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
     return cos, signed_sin
+
+
+def _llama3_frequencies(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:
+    """inv_freq (head_dim/2,) as Llama 3.x's rope_scaling "llama3" rewrites it (transformers'
+    `_compute_llama3_parameters`, the same float32 operations): a pair that turns fewer than once
+    in the pretraining context (wavelength > original / low_freq_factor) slows down `factor` times,
+    so it still turns less than once in the longer context; a fast pair (wavelength < original /
+    high_freq_factor) already saw every angle and stays; those between are blended linearly."""
+    original = scaling.original_max_position_embeddings
+    low_freq_wavelen = original / scaling.low_freq_factor
+    high_freq_wavelen = original / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq  # (head_dim/2,) positions per full turn
+    slowed = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (original / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * slowed / scaling.factor + smooth * slowed
+    between = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(between, blended, slowed)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -93,20 +123,37 @@ class Attention(nn.Module):
         )
         self.kv_width = self.num_kv_heads * self.head_dim
         self.qk_width = self.num_heads * self.head_dim + self.kv_width
-        self.wqkv = Linear(config.hidden_size, self.qk_width + self.kv_width)
-        self.wo = Linear(self.num_heads * self.head_dim, config.hidden_size)
+        # q, k and v add a bias in Qwen2 (as in Qwen-1 and GPT-2); Llama's attention_bias adds them
+        # and the output's, a switch the released models leave off
+        self.wqkv = Linear(config.hidden_size, self.qk_width + self.kv_width, bias=config.qkv_bias)
+        self.wo = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=config.o_bias)
+        # Qwen3 dropped those biases and instead RMS-normalizes each q and k head (its own weights,
+        # over head_dim) before RoPE: q.k then cannot grow with the activations, which keeps the
+        # attention logits, and training, stable
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         n_tokens = x.shape[0]
         qk, v = self.wqkv(x).split([self.qk_width, self.kv_width], dim=-1)
-        # q and k heads turn by the same angles: one RoPE call rotates both
-        qk = apply_rope(qk.view(n_tokens, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        qk = qk.view(n_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            qk = self._norm_heads(qk)
+        qk = apply_rope(qk, cos, sin)  # q and k heads turn by the same angles: one RoPE call rotates both
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # (N, num_heads | num_kv_heads, head_dim)
         v = v.view(n_tokens, self.num_kv_heads, self.head_dim)  # (N, num_kv_heads, head_dim)
         out = ctx.attend(self.layer_idx, q, k, v)  # (N, num_heads, head_dim)
         return self.wo(out.reshape(n_tokens, self.num_heads * self.head_dim))
+
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk (N, num_heads + num_kv_heads, head_dim): each q head through q_norm, each k head
+        through k_norm, as rows of head_dim (the norm's bf16 kernel takes rows)."""
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        return torch.cat([q, k], dim=1)
 
 
 class SwiGLU(nn.Module):
@@ -140,11 +187,15 @@ class Block(nn.Module):
         (`kernels_cuda/decode_layer_cpu.cpp`): at decode, torch's twenty-odd small operations cost
         more in dispatch than in arithmetic."""
         kernel, attn, mlp, eps = dense_kernel(), self.attn, self.mlp, self.attn_norm.eps
+        q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
         q, k, v = kernel.attention_in(
             x.contiguous(),
             self.attn_norm.weight,
             eps,
             *attn.wqkv.blocks(),
+            attn.wqkv.bias,  # None where the family has none
+            q_norm,
+            k_norm,
             cos,
             sin,
             attn.num_heads,
@@ -155,6 +206,7 @@ class Block(nn.Module):
             x,
             attended,
             *attn.wo.blocks(),
+            attn.wo.bias,
             self.mlp_norm.weight,
             eps,
             *mlp.w_gate_up.blocks(),

@@ -15,6 +15,13 @@ from rich.table import Table
 
 console = Console()
 err_console = Console(stderr=True)  # what a command says about itself, beside its output
+_every_table_caption: list[str] = []  # what every table of this process says under it (`caption_tables`)
+
+
+def caption_tables(caption: str) -> None:
+    """Say `caption` under every table this process prints from now on: a run on random weights
+    (`--shape`) says so wherever its numbers appear."""
+    _every_table_caption[:] = [caption]
 
 
 def print_json(report: dict) -> None:
@@ -31,7 +38,7 @@ def print_json(report: dict) -> None:
 
 def print_table(console: Console, title: str, columns: list[str], rows: list[list]) -> None:
     """A titled table, every column right-aligned so numbers line up by their last digit."""
-    table = Table(title=title)
+    table = Table(title=title, caption=" ".join(_every_table_caption) or None)
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:

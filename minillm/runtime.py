@@ -32,12 +32,12 @@ class Runtime:
     def kv_bytes_per_token(self) -> int:
         return self.model.config.kv_bytes_per_token(self.model.dtype)
 
-    def prompt_ids(self, prompt: str, chat: bool = False) -> list[int]:
-        return (
-            self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-            if chat
-            else self.tokenizer.encode_prompt(prompt)
-        )
+    def prompt_ids(self, prompt: str, chat: bool = False, template_vars: dict | None = None) -> list[int]:
+        """The prompt as text, or (`chat`) as a user's turn through the chat template, which
+        reads `template_vars` as its own variables."""
+        if not chat:
+            return self.tokenizer.encode_prompt(prompt)
+        return self.tokenizer.encode_chat([{"role": "user", "content": prompt}], **(template_vars or {}))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached") -> Generation:
         return generate(self.model, prompt_ids, params, decoder, self.eos_token_id, self.context_len)

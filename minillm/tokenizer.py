@@ -1,10 +1,12 @@
-"""Text <-> token ids: a Hugging Face tokenizer.json, run by tiktoken, plus the ChatML chat template.
+"""Text <-> token ids: a Hugging Face tokenizer.json, run by tiktoken; a conversation through the
+checkpoint's chat template.
 
 A checkpoint folder holds its tokenizer as Hugging Face saves it: `tokenizer.json` (the vocabulary,
 merges, pre-tokenizer regex and added tokens), `tokenizer_config.json` (bos and eos tokens, the
 chat template) and, as transformers 5 writes it, `chat_template.jinja`. A user's own Hugging Face
 folder works as it is. `minillm/tokenizer_json.py` reads tokenizer.json and says what each part
 means; here its ranks and regex become a tiktoken encoder, which cuts and merges in Rust.
+`encode_chat` lays a conversation out with the chat template (`minillm/chat_template.py` runs it).
 
 What tiktoken does not do is done around it:
 - added tokens (`<|im_end|>`, Qwen3's `<think>`) are cut out of the text first, longest first, as
@@ -27,6 +29,7 @@ from pathlib import Path
 
 import tiktoken
 
+from minillm.chat_template import ChatTemplate
 from minillm.config import FETCH_HINT, ConfigError
 from minillm.tokenizer_json import LOADS, AddedToken, read_tokenizer_json
 
@@ -59,9 +62,15 @@ class Tokenizer:
         self.bos_token: str | None = _token_name(config, "bos_token", model_dir)
         self.eos_token: str | None = _token_name(config, "eos_token", model_dir)
         self.eos_token_id: int | None = self._token_id(self.eos_token, model_dir)
-        # Jinja, for clients that render it (and `encode_chat`, which knows ChatML's)
-        self.chat_template: str | None = _chat_template(config, model_dir)
-        self.chat_format, self.default_system_prompt = _chatml_fields(self.chat_template)
+        self.chat_template: str | None = _chat_template(config, model_dir)  # Jinja source (chat_template.py)
+        self.template = self._compiled_template()
+
+    def _compiled_template(self) -> ChatTemplate | None:
+        """The chat template, compiled at load: a broken one is reported now, not mid-chat."""
+        if not self.chat_template:
+            return None
+        token_names = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        return ChatTemplate(self.chat_template, self.special_tokens, token_names)
 
     def encode(self, text: str) -> list[int]:
         """Plain text to ids. Special-token strings in the text are encoded as text, never as
@@ -89,23 +98,15 @@ class Tokenizer:
     def stream_decoder(self) -> "StreamDecoder":
         return StreamDecoder(self)
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """ChatML: <|im_start|>role\\ncontent<|im_end|>\\n per message, then <|im_start|>assistant\\n.
-        Like the checkpoint's template, a conversation that does not open with a system message
-        gets the default system prompt ("You are a helpful AI assistant named SmolLM, ...")."""
-        if self.chat_format != "chatml":
-            raise ConfigError(
-                "This checkpoint has no ChatML chat template; use `minillm generate` without --chat."
-            )
-        if self.default_system_prompt is not None and (not messages or messages[0]["role"] != "system"):
-            messages = [{"role": "system", "content": self.default_system_prompt}, *messages]
-        start, end = self.special_tokens["<|im_start|>"], self.special_tokens["<|im_end|>"]
-        ids: list[int] = []
-        for message in messages:
-            ids += [start, *self.encode(f"{message['role']}\n{message['content']}"), end, *self.encode("\n")]
-        if add_generation_prompt:
-            ids += [start, *self.encode("assistant\n")]
-        return ids
+    def encode_chat(
+        self, messages: list[dict], /, add_generation_prompt: bool = True, **template_vars
+    ) -> list[int]:
+        """The conversation laid out by the checkpoint's own chat template, as ids: the special
+        tokens the template writes are tokens, the same strings in a message are text.
+        `template_vars` reach the template as variables (Qwen3's `enable_thinking=False`)."""
+        if self.template is None:
+            raise ConfigError("This checkpoint has no chat template; use `minillm generate` without --chat.")
+        return self.template.encode(messages, self.encode, add_generation_prompt, **template_vars)
 
     def _encode(self, text: str, control_tokens: bool) -> list[int]:
         """The added tokens cut out first; a special one found where control tokens are not
@@ -218,11 +219,3 @@ def _chat_template(config: dict, model_dir: Path) -> str | None:
     if template is not None and not isinstance(template, str):
         raise ConfigError(f"{model_dir / CONFIG_FILE}: its chat_template is not a template's text.")
     return template
-
-
-def _chatml_fields(chat_template: str | None) -> tuple[str | None, str | None]:
-    """("chatml", its default system prompt or None) for a ChatML template, else (None, None)."""
-    if not chat_template or "<|im_start|>" not in chat_template:
-        return None, None
-    default = re.search(r"<\|im_start\|>system\n([^{}]*?)<\|im_end\|>", chat_template)
-    return "chatml", default.group(1) if default else None

@@ -1,10 +1,11 @@
-"""Checkpoint -> model: read `model.safetensors` (Hugging Face Llama names), check it, load it.
+"""Checkpoint -> model: read `model.safetensors` (Hugging Face names), check it, load it.
 
 Everything that can be wrong with a checkpoint is caught here and reported in one line that says
 what to do: a missing folder or file, a truncated or corrupt file, a missing or misshapen tensor,
-NaNs. The separate q/k/v and gate/up matrices of the checkpoint are concatenated into the fused
-projections of `model.py`. With `weights="q4_1"` or `"int8"` each projection also gets its GGUF
-blocks (`quantized_weights.py`), which decode-sized products read instead of the dense matrix.
+NaNs. The separate q/k/v and gate/up matrices of the checkpoint (and q/k/v's biases, in Qwen2)
+are concatenated into the fused projections of `model.py`. With `weights="q4_1"` or `"int8"` each
+projection also gets its GGUF blocks (`quantized_weights.py`), which decode-sized products read
+instead of the dense matrix.
 """
 
 from __future__ import annotations
@@ -46,13 +47,26 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def hf_to_minillm(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename checkpoint tensors to this model's names, fusing q|k|v and gate|up."""
-    norms = {"norm.weight": "model.norm.weight"}
+    """Rename checkpoint tensors to this model's names, fusing q|k|v (weights and biases) and gate|up."""
+    return _gather(tensors, _vector_sources(config)) | stack_matrices(tensors, config)
+
+
+def _vector_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """This model's vectors (norm weights, biases) -> the checkpoint tensors each is made of; the
+    family's switches (`ModelConfig`) say which a layer has."""
+    sources = {"norm.weight": ["model.norm.weight"]}
     for i in range(config.num_layers):
-        norms[f"layers.{i}.attn_norm.weight"] = f"model.layers.{i}.input_layernorm.weight"
-        norms[f"layers.{i}.mlp_norm.weight"] = f"model.layers.{i}.post_attention_layernorm.weight"
-    state = {ours: _take(tensors, hf) for ours, hf in norms.items()}
-    return state | stack_matrices(tensors, config)
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
+        sources[ours + "attn_norm.weight"] = [hf + "input_layernorm.weight"]
+        sources[ours + "mlp_norm.weight"] = [hf + "post_attention_layernorm.weight"]
+        if config.qkv_bias:  # stacked in the order of the q|k|v rows they add to
+            sources[ours + "attn.wqkv.bias"] = [hf + f"self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
+        if config.o_bias:
+            sources[ours + "attn.wo.bias"] = [hf + "self_attn.o_proj.bias"]
+        if config.qk_norm:
+            sources[ours + "attn.q_norm.weight"] = [hf + "self_attn.q_norm.weight"]
+            sources[ours + "attn.k_norm.weight"] = [hf + "self_attn.k_norm.weight"]
+    return sources
 
 
 def stack_matrices(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -67,20 +81,28 @@ def stack_matrices(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dic
         sources[ours + "attn.wo.weight"] = [hf + "self_attn.o_proj.weight"]
         sources[ours + "mlp.w_gate_up.weight"] = [hf + f"mlp.{p}_proj.weight" for p in ("gate", "up")]
         sources[ours + "mlp.w_down.weight"] = [hf + "mlp.down_proj.weight"]
-    matrices = {}
+    return _gather(tensors, sources)
+
+
+def _gather(tensors: dict[str, torch.Tensor], sources: dict[str, list[str]]) -> dict[str, torch.Tensor]:
+    """Each of our names -> its checkpoint tensors, concatenated along the first dimension."""
+    gathered = {}
     for ours, names in sources.items():
         parts = [_take(tensors, name) for name in names]
         if len({part.shape[1:] for part in parts}) > 1:
             raise ConfigError(
                 f"The checkpoint's {', '.join(names)} differ in width; they cannot form {ours}."
             )
-        matrices[ours] = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return matrices
+        gathered[ours] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return gathered
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     if name not in tensors:
-        raise ConfigError(f"The checkpoint lacks tensor {name!r}; it is not a complete Llama checkpoint.")
+        raise ConfigError(
+            f"The checkpoint lacks tensor {name!r}; it is not a complete checkpoint of config.json's "
+            "architecture."
+        )
     return tensors[name]
 
 

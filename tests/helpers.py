@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from minillm.decoding import generate
 from minillm.engine import SamplingParams
 from minillm.engine.beam import reference_beam_search
+from minillm.fetch.shapes import random_tensors
 from minillm.memory.events import Snapshot
 from minillm.memory.replay import Replayer
 from minillm.tokenizer_json import bytes_to_unicode
@@ -56,35 +57,8 @@ TINY_CONFIG = {
 
 
 def random_llama_tensors(config: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random weights under Hugging Face names, scaled so activations stay O(1)."""
-    gen = torch.Generator().manual_seed(seed)
-    d, inter, hd = config["hidden_size"], config["intermediate_size"], config["head_dim"]
-    nh, nkv = config["num_attention_heads"], config["num_key_value_heads"]
-
-    def rand(*shape, scale=None):
-        scale = scale if scale is not None else shape[-1] ** -0.5
-        return torch.randn(*shape, generator=gen) * scale
-
-    tensors = {
-        "model.embed_tokens.weight": rand(config["vocab_size"], d, scale=1.0),
-        "model.norm.weight": 1 + rand(d, scale=0.1),
-    }
-    if not config["tie_word_embeddings"]:
-        tensors["lm_head.weight"] = rand(config["vocab_size"], d)
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        tensors |= {
-            p + "input_layernorm.weight": 1 + rand(d, scale=0.1),
-            p + "post_attention_layernorm.weight": 1 + rand(d, scale=0.1),
-            p + "self_attn.q_proj.weight": rand(nh * hd, d),
-            p + "self_attn.k_proj.weight": rand(nkv * hd, d),
-            p + "self_attn.v_proj.weight": rand(nkv * hd, d),
-            p + "self_attn.o_proj.weight": rand(d, nh * hd),
-            p + "mlp.gate_proj.weight": rand(inter, d),
-            p + "mlp.up_proj.weight": rand(inter, d),
-            p + "mlp.down_proj.weight": rand(d, inter),
-        }
-    return tensors
+    """Random weights under Hugging Face names, scaled so activations stay O(1) (`--shape`'s maker)."""
+    return random_tensors(config, seed)
 
 
 def write_checkpoint(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
@@ -193,6 +167,60 @@ def sentencepiece_tokenizer_json() -> dict:
             "merges": [["▁", "t"], ["h", "e"], ["▁t", "he"]],
         },
     }
+
+
+def set_chat_template(folder: Path, template: str | None) -> Path:
+    """`folder`'s tokenizer (tokenizer_config.json) with `template` as its chat template; None:
+    without one."""
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "chat_template": template}))
+    return folder
+
+
+# GGUF blocks: weights on a block format's grid, so reading the blocks is lossless, and the fused
+# decode layer held to the torch layer on them.
+def snap_to_blocks(tensors: dict[str, torch.Tensor], fmt: str) -> tuple[dict, dict, dict]:
+    """Every matrix of `tensors` (Hugging Face names) snapped to `fmt`'s grid (quantized, then
+    dequantized by the `gguf` package): (the snapped tensors, their blocks, each one's format), as
+    weights_fetch.py writes the real model's blocks. Dense weights and blocks then hold the same
+    values, so decoding through the blocks must give the dense model's tokens."""
+    from gguf import GGMLQuantizationType, dequantize, quantize
+
+    kind = GGMLQuantizationType[fmt.upper()]
+    snapped, packed, formats = dict(tensors), {}, {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2:
+            blocks = quantize(tensor.float().numpy(), kind)
+            snapped[name] = torch.from_numpy(dequantize(blocks, kind).astype("float32"))
+            packed[name], formats[name] = torch.from_numpy(blocks), fmt
+    return snapped, packed, formats
+
+
+class _ValuesAttention:
+    """Attention that returns the values repeated over the query heads: no memory to differ in."""
+
+    def attend(self, layer_idx, q, k, v):
+        return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).contiguous()
+
+
+def assert_fused_layers_equal_unfused(model, positions: list[int], seed: int = 4) -> None:
+    """Block.forward_fused against model.py's torch layer on the same blocks, layer after layer:
+    bf16 rounds every operation as torch does (equal but for SiLU's last bit), fp32 within fp32
+    rounding."""
+    dtype = model.dtype
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(len(positions), model.config.hidden_size, generator=gen).to(dtype)
+    where = torch.tensor(positions)
+    cos, sin = model.rope_cos[where].to(dtype), model.rope_sin[where].to(dtype)
+    tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
+    for layer in model.layers:
+        assert layer.fused
+        fused = layer.forward_fused(hidden, cos, sin, _ValuesAttention())
+        layer.fused = False
+        unfused = layer(hidden, cos, sin, _ValuesAttention())
+        layer.fused = True
+        assert (fused.double() - unfused.double()).abs().max() <= tolerance * unfused.abs().max().item()
+        hidden = unfused
 
 
 # The tiny model's KV bytes per token, its soaks' references, and the KV events they replay.

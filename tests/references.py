@@ -10,7 +10,9 @@ naive model over *all* its tokens, each chunk's queries masked to (or reading ro
 exactly the keys the engine should have kept. Nothing here reads the engine's cache, block tables
 or eviction code: from the engine comes only the schedule (which tokens each step computed, and
 whether a step's eviction ran); the kept sets, the H2O scores and the rounding are worked out
-anew from token positions.
+anew from token positions (only the budget's count, `budget_for`, is the engine's: tested alone).
+The `assert_...` functions at the end hold a recorded run to these references, within the
+bounds each lossy switch is allowed.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ from dataclasses import dataclass
 
 import torch
 
+from minillm.memory.eviction import budget_for
 from minillm.memory.quantization import dequantize, quantize
+from minillm.sampling import Sampler
 
 NUM_SINKS = 4  # StreamingLLM's initial tokens, as the papers (and DESIGN.md) state
+QUANT_REFERENCE_ATOL = 1e-4  # float noise between two ways of summing the same numbers
 
 
 @dataclass
@@ -278,3 +283,87 @@ def replay_quantized(
         if chunk.samples:
             logits.append(model.logits(hidden[chunk.end - 1 : chunk.end])[0])
     return Replayed(logits, 0)
+
+
+def kv_shape(model) -> tuple[int, int]:
+    """(layers, kv_heads): the shape of what the KV cache manager keeps per sequence entry."""
+    return model.config.num_layers, model.config.num_kv_heads
+
+
+def held_positions(kv_positions, seq, shape) -> torch.Tensor:
+    """(layers, kv_heads, num_cached): the token position each cache entry of `seq` holds, from
+    the positions the KV cache manager keeps for it (None: nothing moved yet)."""
+    if kv_positions is None:  # nothing moved yet: entry i holds position i
+        return torch.arange(seq.num_cached).expand(*shape, seq.num_cached)
+    assert kv_positions.shape == (*shape, seq.num_cached)
+    return kv_positions
+
+
+def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget, prefix_block_size=0):
+    """The engine's output while entries are really dropped equals `replay_eviction`'s: each sampled
+    token, its logits (1e-4), the positions each head holds and H2O's scores for them. Returns the
+    entries the reference dropped. `prefix_block_size`: with the prefix cache on, its block size
+    (each prompt's full blocks are protected from eviction); 0 without it."""
+    total_dropped = 0
+    for seqs in requests:
+        parent = seqs[0]
+        protected = (
+            len(parent.prompt_ids) // prefix_block_size * prefix_block_size if prefix_block_size else 0
+        )
+        for seq in seqs:
+            history = recorder.history(seq, parent)
+            own = recorder.chunks[seq.seq_id]
+            replayed = replay_eviction(
+                model,
+                seq.token_ids,
+                history,
+                policy,
+                budget_for(budget, seq.max_len),
+                owned_from_step=own[0].step if seq is not parent else 0,
+                protected=protected,
+            )
+            total_dropped += replayed.dropped
+            sampled = [chunk.end for chunk in history if chunk.samples]
+            sampler = Sampler(params, seq.sample_index)  # the same draws, from the reference's logits
+            assert [sampler(logits) for logits in replayed.logits] == [seq.token_ids[end] for end in sampled]
+            if isinstance(seq.sampler, RecordingSampler):
+                assert len(seq.sampler.logits) == len(replayed.logits)
+                for ours, theirs in zip(seq.sampler.logits, replayed.logits):
+                    assert torch.allclose(ours, theirs, atol=1e-4)
+            # entries lie in no order (a newcomer takes a dropped entry's slot): sorted by position,
+            # each head holds exactly the positions the reference holds
+            mass, kv_positions = recorder.freed_state[seq.seq_id]
+            positions = held_positions(kv_positions, seq, kv_shape(model))
+            assert positions.sort(dim=-1).values.tolist() == replayed.held
+            if policy == "h2o":  # the scores H2O kept for the entries it kept, head by head
+                expected = torch.tensor(
+                    [
+                        [
+                            [replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
+                            for head in range(len(replayed.held[layer]))
+                        ]
+                        for layer in range(len(replayed.held))
+                    ]
+                )
+                in_position_order = mass.gather(-1, positions.argsort(dim=-1))
+                assert torch.allclose(in_position_order, expected, atol=1e-4)
+    return total_dropped
+
+
+def assert_near_the_quantized_reference(model, recorder, requests, fmt, key_scales: str, block_size: int):
+    """Every sampled token of a run through a quantized pool is `replay_quantized`'s argmax, and its
+    logits lie within the bounds below of the reference's (`requests`: one sequence each)."""
+    errors, rounding = [], []  # per sampled token: max |engine - reference|, max |reference - unrounded|
+    for (seq,) in requests:
+        history = recorder.history(seq)
+        quantized = replay_quantized(model, seq.token_ids, history, fmt, key_scales, block_size)
+        unrounded = replay_quantized(model, seq.token_ids, history, None, key_scales, block_size)
+        assert len(seq.sampler.logits) == len(quantized.logits) == len(seq.output_ids)
+        for ours, reference, exact in zip(seq.sampler.logits, quantized.logits, unrounded.logits):
+            errors.append(float((ours - reference).abs().max()))
+            rounding.append(float((reference - exact).abs().max()))
+        assert [int(logits.argmax()) for logits in quantized.logits] == seq.output_ids
+    # Float noise (1e-6) between the two computations can tip a value across a rounding boundary
+    # now and then; a stored layout read wrongly would move most logits by as much as rounding does.
+    assert sum(error <= QUANT_REFERENCE_ATOL for error in errors) >= 0.9 * len(errors)
+    assert max(errors) <= 0.2 * max(rounding)

@@ -195,6 +195,33 @@ def test_cli_prompt_too_long_is_one_line(capsys, real_dir):
     assert code == 2 and len(err.strip().splitlines()) == 1 and "shorten the prompt" in err
 
 
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (
+            ["--chat", "--chat-template-kwargs", "{enable_thinking: false}"],
+            "argument --chat-template-kwargs: not JSON",
+        ),
+        (
+            ["--chat", "--chat-template-kwargs", "[false]"],
+            'must be a JSON object such as {"enable_thinking": false}',
+        ),
+        (
+            ["--chat", "--chat-template-kwargs", '{"messages": []}'],
+            "sets messages, which the chat sets itself",
+        ),
+        (
+            ["--chat-template-kwargs", '{"enable_thinking": false}'],
+            "the chat template's variables: add --chat.",
+        ),
+    ],
+)
+def test_cli_chat_template_kwargs_that_cannot_work_are_one_line(capsys, tmp_path, argv, says):
+    # before any weights load
+    code, out, err = run_cli(capsys, "generate", "hi", *argv, "--model", str(tmp_path / "nowhere"))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and says in err
+
+
 def test_cli_generate_json_prints_ids_text_and_timings(capsys, real_dir, real_tokenizer):
     code, out, _ = run_cli(
         capsys,

@@ -17,9 +17,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import heard_snapshot, tiny_with_real_tokenizer
+from helpers import heard_snapshot, set_chat_template, tiny_with_real_tokenizer
 from rich.console import Console
 from safetensors import SafetensorError
+from upstream import upstream_file
 
 import minillm.chat.view
 from minillm.chat import Chat
@@ -90,6 +91,56 @@ def test_set_keeps_the_conversation_and_rebuilds_the_engine(chat_dir, parts):
     assert chat.params.temperature == 0.7 and chat.engine.config.kv_dtype == "int8"
     assert "engine rebuilt with kv_dtype=int8; the conversation stays" in printed(chat)
     assert "sample with temperature=0.7" in printed(chat)
+
+
+def chat_with_template(real_dir, folder, template, template_vars=None) -> Chat:
+    """A chat on the tiny model whose tokenizer carries `template` (None: no chat template)."""
+    model_dir = set_chat_template(
+        tiny_with_real_tokenizer(folder, real_dir, max_position_embeddings=1024), template
+    )
+    llm = fresh_llm(model_dir, (load_model(model_dir), Tokenizer(model_dir)))
+    console = Console(file=io.StringIO(), width=80)
+    return Chat(llm, SamplingParams(max_tokens=8), None, console=console, template_vars=template_vars)
+
+
+def test_the_template_variables_reach_every_turn(real_dir, upstream, tmp_path):
+    """Qwen3's template (over SmolLM2's vocabulary) with {"enable_thinking": false}: each turn's
+    prompt is transformers' (a user's control-token text stays text, as its sanitize does)."""
+    qwen3 = upstream_file("templates/Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    chat = chat_with_template(real_dir, tmp_path, qwen3, {"enable_thinking": False})
+    for question in ("Say hello.", "And <|im_end|> goodbye?"):
+        chat.reply(question)
+        expected = upstream.apply_chat_template(
+            chat.history[:-1],  # the conversation the reply answered
+            chat_template=qwen3,
+            add_generation_prompt=True,
+            enable_thinking=False,
+            sanitize_control_tokens=True,
+            return_dict=False,
+        )
+        assert chat.last[0].prompt_token_ids == expected
+
+
+def test_a_turn_the_template_refuses_is_one_line_and_the_chat_goes_on(real_dir, tmp_path):
+    one_question = (
+        "{% if messages|length > 1 %}{{ raise_exception('One question at a time.') }}{% endif %}"
+        "<|im_start|>user\n{{ messages[0].content }}<|im_end|>\n<|im_start|>assistant\n"
+    )
+    chat = chat_with_template(real_dir, tmp_path, one_question)
+    chat.reply("Say hello.")
+    history = list(chat.history)
+    chat.reply("And goodbye?")
+    assert "error: The chat template refuses this conversation: One question at a time." in printed(chat)
+    assert chat.history == history  # the refused turn left no trace
+
+
+def test_a_checkpoint_without_a_chat_template_refuses_each_turn_in_one_line(real_dir, tmp_path):
+    chat = chat_with_template(real_dir, tmp_path, None)
+    chat.reply("Say hello.")
+    assert "error: This checkpoint has no chat template; use `minillm generate` without --chat." in printed(
+        chat
+    )
+    assert chat.history == []
 
 
 def test_a_temperature_too_small_to_divide_by_replies_as_greedy(chat_dir, parts):

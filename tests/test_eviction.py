@@ -7,13 +7,18 @@ from collections import Counter
 import pytest
 import torch
 from helpers import cached_blocks, free_and_intact, heard_snapshot, slots_of
-from references import RecordingSampler, ScheduleRecorder, replay_eviction, run_recorded
+from references import (
+    ScheduleRecorder,
+    assert_equals_eviction_reference,
+    held_positions,
+    kv_shape,
+    run_recorded,
+)
 
 from minillm.config import ConfigError
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.memory.eviction import NUM_SINKS, budget_for, kept_entries
-from minillm.sampling import Sampler
 
 KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 
@@ -230,68 +235,6 @@ def test_h2o_accumulates_the_attention_each_key_received(tiny_dir, tiny_model):
 # keeps — chosen anew from token positions and attention scores computed head by head.
 
 
-def tiny_config(model):
-    return model.config.num_layers, model.config.num_kv_heads
-
-
-def held_positions(kv_positions, seq, shape) -> torch.Tensor:
-    """(layers, kv_heads, num_cached): the token position each cache entry of `seq` holds, from
-    the positions the KV cache manager keeps for it (None: nothing moved yet)."""
-    if kv_positions is None:  # nothing moved yet: entry i holds position i
-        return torch.arange(seq.num_cached).expand(*shape, seq.num_cached)
-    assert kv_positions.shape == (*shape, seq.num_cached)
-    return kv_positions
-
-
-def assert_equals_eviction_reference(model, recorder, requests, params, policy, budget, prefix_block_size=0):
-    """`prefix_block_size`: with the prefix cache on, its block size (each prompt's full blocks
-    are protected from eviction); 0 without it."""
-    total_dropped = 0
-    for seqs in requests:
-        parent = seqs[0]
-        protected = (
-            len(parent.prompt_ids) // prefix_block_size * prefix_block_size if prefix_block_size else 0
-        )
-        for seq in seqs:
-            history = recorder.history(seq, parent)
-            own = recorder.chunks[seq.seq_id]
-            replayed = replay_eviction(
-                model,
-                seq.token_ids,
-                history,
-                policy,
-                budget_for(budget, seq.max_len),
-                owned_from_step=own[0].step if seq is not parent else 0,
-                protected=protected,
-            )
-            total_dropped += replayed.dropped
-            sampled = [chunk.end for chunk in history if chunk.samples]
-            sampler = Sampler(params, seq.sample_index)  # the same draws, from the reference's logits
-            assert [sampler(logits) for logits in replayed.logits] == [seq.token_ids[end] for end in sampled]
-            if isinstance(seq.sampler, RecordingSampler):
-                assert len(seq.sampler.logits) == len(replayed.logits)
-                for ours, theirs in zip(seq.sampler.logits, replayed.logits):
-                    assert torch.allclose(ours, theirs, atol=1e-4)
-            # entries lie in no order (a newcomer takes a dropped entry's slot): sorted by position,
-            # each head holds exactly the positions the reference holds
-            mass, kv_positions = recorder.freed_state[seq.seq_id]
-            positions = held_positions(kv_positions, seq, tiny_config(model))
-            assert positions.sort(dim=-1).values.tolist() == replayed.held
-            if policy == "h2o":  # the scores H2O kept for the entries it kept, head by head
-                expected = torch.tensor(
-                    [
-                        [
-                            [replayed.mass[layer][head][p] for p in replayed.held[layer][head]]
-                            for head in range(len(replayed.held[layer]))
-                        ]
-                        for layer in range(len(replayed.held))
-                    ]
-                )
-                in_position_order = mass.gather(-1, positions.argsort(dim=-1))
-                assert torch.allclose(in_position_order, expected, atol=1e-4)
-    return total_dropped
-
-
 @pytest.mark.parametrize(
     "policy, backend", [("h2o", "torch"), ("sinks", "torch"), ("window", "torch"), ("sinks", "cpu")]
 )
@@ -374,7 +317,7 @@ def test_each_head_holds_what_the_policy_keeps_out_of_the_whole_history(tiny_dir
     wrote for those positions."""
     budget = 9
     llm = LLM(tiny_dir, model=tiny_model, eviction=policy, kv_budget=budget, block_size=4)
-    engine, shape = llm.engine, tiny_config(tiny_model)
+    engine, shape = llm.engine, kv_shape(tiny_model)
     seq = engine.requests[
         engine.add_request(list(range(5, 20)), SamplingParams(max_tokens=30, ignore_eos=True))
     ][0]

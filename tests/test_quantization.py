@@ -4,7 +4,7 @@ copy-on-write, memory accounting with scales, and the real model's logits under 
 import pytest
 import torch
 from helpers import TINY_CONFIG
-from references import replay_quantized, run_recorded
+from references import assert_near_the_quantized_reference, run_recorded
 
 from minillm.config import ConfigError, ModelConfig
 from minillm.decoding import generate
@@ -16,7 +16,6 @@ from minillm.memory.tiers import TieredKV
 
 FP8_RELATIVE = 2.0**-4  # e4m3 has 3 mantissa bits: rounding is within half a step, 1/16 of the value
 FP8_SUBNORMAL = 2.0**-10  # below 2^-6 the steps are 2^-9 (in units of the scale)
-QUANT_REFERENCE_ATOL = 1e-4  # float noise between two ways of summing the same numbers
 
 
 def sample_kv(seed: int) -> torch.Tensor:
@@ -227,20 +226,7 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(
     )
     recorder, requests = run_recorded(llm, prompts, params)
     assert llm.engine.num_preemptions > 0
-    errors, rounding = [], []  # per sampled token: max |engine - reference|, max |reference - unrounded|
-    for (seq,) in requests:
-        history = recorder.history(seq)
-        quantized = replay_quantized(tiny_model, seq.token_ids, history, FORMATS[kv_dtype], key_scales, 4)
-        unrounded = replay_quantized(tiny_model, seq.token_ids, history, None, key_scales, 4)
-        assert len(seq.sampler.logits) == len(quantized.logits) == len(seq.output_ids)
-        for ours, reference, exact in zip(seq.sampler.logits, quantized.logits, unrounded.logits):
-            errors.append(float((ours - reference).abs().max()))
-            rounding.append(float((reference - exact).abs().max()))
-        assert [int(logits.argmax()) for logits in quantized.logits] == seq.output_ids
-    # Float noise (1e-6) between the two computations can tip a value across a rounding boundary
-    # now and then; a stored layout read wrongly would move most logits by as much as rounding does.
-    assert sum(error <= QUANT_REFERENCE_ATOL for error in errors) >= 0.9 * len(errors)
-    assert max(errors) <= 0.2 * max(rounding)
+    assert_near_the_quantized_reference(tiny_model, recorder, requests, FORMATS[kv_dtype], key_scales, 4)
 
 
 def test_int4_needs_an_even_head_dim(tmp_path):

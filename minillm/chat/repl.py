@@ -64,6 +64,7 @@ CHAT_HELP = (
 class Chat(SessionCommands):
     """One conversation on `llm`, an `LLM` (prefix caching on, normally); it owns the history.
     `live`: draw the memory panel while replies stream, when the console is a terminal.
+    `template_vars`: the chat template's own variables, every turn (Qwen3's enable_thinking).
     /save, /load and /sessions are `SessionCommands`' (sessions.py)."""
 
     def __init__(
@@ -75,8 +76,10 @@ class Chat(SessionCommands):
         sessions_dir: Path = DEFAULT_SESSIONS_DIR,
         console: Console = default_console,
         live: bool = True,
+        template_vars: dict | None = None,
     ):
         self.llm, self.params, self.session, self.console, self.live = llm, params, session, console, live
+        self.template_vars = template_vars or {}
         self.sessions_dir = session.parent if session is not None else Path(sessions_dir)
         self.initial = [{"role": "system", "content": system}] if system else []
         self.reset()
@@ -103,11 +106,18 @@ class Chat(SessionCommands):
 
     def reply(self, user: str) -> None:
         """Stream the answer to `user`. A turn that fails (e.g. the conversation outgrew the
-        context) leaves the history as it was; one stopped by a signal keeps what was said."""
+        context, or the chat template refuses it) leaves the history as it was; one stopped by a
+        signal keeps what was said."""
         self.history.append({"role": "user", "content": user})
+        try:
+            prompt_ids = self.engine.tokenizer.encode_chat(self.history, **self.template_vars)
+        except ValueError as err:  # ConfigError too: no chat template, or it fails on this turn
+            self.history.pop()
+            self.error(str(err))
+            return
         self.defer_signals, self.stop_reply = True, False
         try:
-            out, meter = self.stream(self.engine.tokenizer.encode_chat(self.history))
+            out, meter = self.stream(prompt_ids)
         finally:
             self.defer_signals = False
         if out.finish_reason == "error":
@@ -211,7 +221,10 @@ class Chat(SessionCommands):
             self.llm = self.engine_with(fields)
             carried = ""
             if self.history:
-                tokens = len(self.engine.tokenizer.encode_chat(self.history, add_generation_prompt=False))
+                history_ids = self.engine.tokenizer.encode_chat(
+                    self.history, add_generation_prompt=False, **self.template_vars
+                )
+                tokens = len(history_ids)
                 carried = (
                     f"; the conversation stays: its next reply prefills its {tokens:,} tokens "
                     "into the new pool"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
 from minillm.cli.flags import (
+    add_chat_template_arg,
     add_eviction_args,
     add_kv_quantization_args,
     add_model_args,
@@ -55,6 +56,7 @@ def add_chat(subparsers) -> None:
         description=f"Multi-turn chat with streamed replies. {CHAT_HELP}",
     )
     chat.add_argument("--system", default=None, help="system prompt (default: the checkpoint's own)")
+    add_chat_template_arg(chat)
     chat.add_argument(
         "--session",
         default=None,
@@ -97,7 +99,15 @@ def cmd_chat(args) -> None:
 
     session = session_path(args.sessions_dir, args.session) if args.session is not None else None
     llm = LLM(prefix_caching=True, **engine_switches(args))
-    chat = Chat(llm, sampling_from(args), args.system, session, args.sessions_dir, live=not args.no_live)
+    chat = Chat(
+        llm,
+        sampling_from(args),
+        args.system,
+        session,
+        args.sessions_dir,
+        live=not args.no_live,
+        template_vars=args.chat_template_kwargs,
+    )
     chat.run(args.model.name)
 
 

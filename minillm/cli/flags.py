@@ -10,11 +10,13 @@ as flags for a child `minillm serve`.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from typing import Callable
 
-from minillm.config import SWITCHES, ConfigError
+from minillm.chat_template import template_variables
+from minillm.config import DEFAULT_MODEL_DIR, SWITCHES, ConfigError
 from minillm.switches import Switch
 
 # the attention backends a CPU benchmark can be asked for
@@ -125,6 +127,38 @@ def add_model_args(
         add_switch(parser, switch.name, **override.get(switch.name, {}))
 
 
+def add_shape_arg(parser: argparse.ArgumentParser) -> None:
+    """--shape NAME, for the commands that measure speed and memory: run on NAME's real config with
+    random weights (`minillm/fetch/shapes.py`), written once beside the default checkpoint."""
+    from minillm.fetch.shapes import SHAPES
+
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        action=_ShapeAction,
+        help="instead of --model, the real config of this model with RANDOM weights (speed and memory "
+        "only; its text is noise), written once to weights/NAME-random-weights/",
+    )
+
+
+class _ShapeAction(argparse.Action):
+    """--shape NAME sets the model folder to NAME's random-weight checkpoint, writing it if needed,
+    and captions every table the run prints."""
+
+    def __call__(self, parser, namespace, name, option_string=None):
+        from minillm.fetch.shapes import shape_checkpoint
+        from minillm.report import caption_tables
+
+        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+            parser.error(
+                f"--shape borrows the tokenizer of {DEFAULT_MODEL_DIR}: run python weights_fetch.py first"
+            )
+        namespace.model_dir = shape_checkpoint(name, DEFAULT_MODEL_DIR.parent, DEFAULT_MODEL_DIR)
+        namespace.shape = name
+        caption_tables(f"{name}: its real config with random weights (speed and memory only)")
+
+
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     parser.add_argument(
         "--max-tokens",
@@ -152,6 +186,31 @@ def sampling_from(args):
         max_tokens=args.max_tokens,
         seed=args.seed,
         logprobs=getattr(args, "logprobs", None),  # generate's own flag
+    )
+
+
+def _template_variables(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"not JSON ({err.msg}, at character {err.pos}): {text[:60]!r}"
+        ) from None
+    try:
+        return template_variables(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_chat_template_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=_template_variables,
+        default={},
+        metavar="JSON",
+        help="variables for the checkpoint's chat template, as a JSON object: e.g. "
+        "'{\"enable_thinking\": false}' has Qwen3 answer without thinking first; a template reads "
+        "the ones it knows and ignores the rest",
     )
 
 
@@ -229,6 +288,8 @@ def shown_and_recorded(args, name: str, measure: Callable[[], dict], printer) ->
 
     if args.record and getattr(args, "quick", False):
         raise ConfigError("--record keeps the run the docs quote, at the default sizes: drop --quick.")
+    if args.record and getattr(args, "shape", None):
+        raise ConfigError("--record keeps SmolLM2's run the docs quote: drop --shape (random weights).")
     if args.record and not RESULTS_DIR.is_dir():
         raise ConfigError(f"--record writes into {RESULTS_DIR} (not there): run it in a git checkout.")
     report = measure()

@@ -9,6 +9,7 @@ the memory per tier and the speculation's numbers.
 from __future__ import annotations
 
 from minillm.cli.flags import (
+    add_chat_template_arg,
     add_model_args,
     add_sampling_args,
     add_speculative_args,
@@ -43,6 +44,7 @@ def add_generate(subparsers) -> None:
     gen.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the chat template (as a user turn)"
     )
+    add_chat_template_arg(gen)
     gen.add_argument("--json", action="store_true", help="print one JSON object: ids, text, timings")
     gen.add_argument(
         "--decoder",
@@ -82,9 +84,11 @@ def cmd_generate(args) -> None:
         raise ConfigError("--logprobs is reported by the serving engine: add --decoder paged --json.")
     if args.prefix_caching and args.decoder != "paged":
         raise ConfigError("--prefix-caching runs on the serving engine: add --decoder paged.")
+    if args.chat_template_kwargs and not args.chat:
+        raise ConfigError("--chat-template-kwargs are the chat template's variables: add --chat.")
     runtime = runtime_from(args)
     params = sampling_from(args)
-    prompt_ids = runtime.prompt_ids(args.prompt, chat=args.chat)
+    prompt_ids = runtime.prompt_ids(args.prompt, args.chat, args.chat_template_kwargs)
     if args.decoder == "paged":
         return generate_paged(runtime, prompt_ids, params, args)
     if args.json:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minillm.cli.flags import add_model_args, add_switch, add_trace_arg, positive_int
+from minillm.cli.flags import add_model_args, add_shape_arg, add_switch, add_trace_arg, positive_int
 from minillm.cli.measure_memory import add_bench_memory
 from minillm.cli.measure_scheduling import add_bench_scheduling
 from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
@@ -83,6 +83,7 @@ def add_bench_decode(benches) -> None:
     decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     decode.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(decode)
+    add_shape_arg(decode)
     decode.set_defaults(func=cmd_bench_decode)
 
 

@@ -14,6 +14,7 @@ from minillm.cli.flags import (
     add_eviction_args,
     add_kv_quantization_args,
     add_model_args,
+    add_shape_arg,
     add_switch,
     positive_float,
     positive_int,
@@ -49,6 +50,7 @@ def add_bench_memory(benches) -> None:
     )
     memory.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(memory)
+    add_shape_arg(memory)
     memory.set_defaults(func=cmd_bench_memory)
 
 

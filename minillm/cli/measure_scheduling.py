@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from minillm.cli.flags import add_model_args, add_record_arg, positive_int, seed_list, shown_and_recorded
+from minillm.cli.flags import (
+    add_model_args,
+    add_record_arg,
+    add_shape_arg,
+    positive_int,
+    seed_list,
+    shown_and_recorded,
+)
 
 
 def rate_list(text: str) -> tuple[float, ...]:
@@ -46,6 +53,7 @@ def add_bench_scheduling(benches) -> None:
     scheduling.add_argument("--json", action="store_true", help="print one JSON object")
     add_record_arg(scheduling)
     add_model_args(scheduling, dtype="auto")
+    add_shape_arg(scheduling)
     scheduling.set_defaults(func=cmd_bench_scheduling)
 
 

@@ -18,6 +18,7 @@ from minillm.cli.flags import (
     add_eviction_args,
     add_kv_quantization_args,
     add_model_args,
+    add_shape_arg,
     add_speculative_args,
     add_switch,
     add_tier_args,
@@ -63,6 +64,7 @@ def add_bench_serve(benches) -> None:
     serve.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     serve.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(serve)
+    add_shape_arg(serve)
     serve.set_defaults(func=cmd_bench_serve)
 
 

@@ -7,7 +7,7 @@ one JSON object with --json, else as its module's tables.
 
 from __future__ import annotations
 
-from minillm.cli.flags import add_model_args, add_record_arg, positive_int, shown_and_recorded
+from minillm.cli.flags import add_model_args, add_record_arg, add_shape_arg, positive_int, shown_and_recorded
 
 
 def add_bench_staircase(benches) -> None:
@@ -43,6 +43,7 @@ def add_bench_staircase(benches) -> None:
     staircase.add_argument("--json", action="store_true", help="print one JSON object")
     add_record_arg(staircase)
     add_model_args(staircase, dtype="auto")
+    add_shape_arg(staircase)
     staircase.set_defaults(func=cmd_bench_staircase)
 
 

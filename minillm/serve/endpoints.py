@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from minillm.serve.errors import APIError, shown
-from minillm.serve.fields import parse_common, typed
+from minillm.serve.fields import parse_chat_template_kwargs, parse_common, typed
 from minillm.serve.limits import ServeLimits
 from minillm.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS, Job, check_fields, make_job
 from minillm.tokenizer import Tokenizer
@@ -119,7 +119,8 @@ def parse_chat(
     vocab_size: int,
     limits: ServeLimits,
 ) -> Job:
-    """POST /v1/chat/completions: the conversation is rendered by the checkpoint's chat template."""
+    """POST /v1/chat/completions: the conversation is rendered by the checkpoint's chat template,
+    with chat_template_kwargs as the template's own variables."""
     check_fields(body, CHAT_FIELDS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -131,9 +132,10 @@ def parse_chat(
         raise APIError(
             400, "This model has no tokenizer, so no chat template; use /v1/completions with token ids."
         )
+    template_vars = parse_chat_template_kwargs(body)
     try:
-        prompt = tokenizer.encode_chat(conversation)
-    except ValueError as err:  # ConfigError: no chat template in this checkpoint
+        prompt = tokenizer.encode_chat(conversation, **template_vars)
+    except ValueError as err:  # ConfigError too: no chat template, or it fails on this conversation
         raise APIError(400, str(err)) from None
     common = parse_common(body, None, limits, chat=True)
     return make_job("chat", model, [prompt], common, context_len, vocab_size, limits)

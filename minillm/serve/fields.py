@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from minillm.chat_template import template_variables
 from minillm.sampling import MAX_LOGPROBS, is_real
 from minillm.serve.errors import APIError, shown
 from minillm.serve.limits import ServeLimits
@@ -42,6 +43,18 @@ def typed(body: dict, name: str, kind, default, describe: str):
     if not ok:
         raise APIError(400, f"'{name}' must be {describe}, not {shown(value)}.", name)
     return value
+
+
+def parse_chat_template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs, as vLLM and SGLang take it: the chat template's own variables
+    ({"enable_thinking": false} for Qwen3), passed to it as they are."""
+    value = body.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    try:
+        return template_variables(value)
+    except ValueError as err:
+        raise APIError(400, f"'chat_template_kwargs' {err}.", "chat_template_kwargs") from None
 
 
 def parse_stop(body: dict, limits: ServeLimits) -> list[str]:

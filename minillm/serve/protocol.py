@@ -74,7 +74,7 @@ COMMON_FIELDS = (
     *STRUCTURED_FIELDS,
 )
 COMPLETION_FIELDS = ("prompt", "echo", *COMMON_FIELDS)
-CHAT_FIELDS = ("messages", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
+CHAT_FIELDS = ("messages", "chat_template_kwargs", "max_completion_tokens", "top_logprobs", *COMMON_FIELDS)
 # fields minillm knows but does not implement: refused unless they ask for nothing (their default)
 UNSUPPORTED = {
     "best_of": (None, 1),

@@ -1,8 +1,8 @@
 """vLLM's tokenizer routes: the server's tokenizer, lent to a client that builds its own prompts.
 
     POST /tokenize         {"prompt": str, "add_special_tokens": bool}, or {"messages": [...],
-                           "add_generation_prompt": bool} (the chat template) -> {"count",
-                           "max_model_len", "tokens"}
+                           "add_generation_prompt": bool, "chat_template_kwargs": {...}} (the
+                           chat template) -> {"count", "max_model_len", "tokens"}
     POST /detokenize       {"tokens": [ids]} -> {"prompt": str}
     GET  /tokenizer_info   bos, eos and pad tokens, model_max_length, the chat template
 
@@ -29,13 +29,19 @@ from __future__ import annotations
 
 from minillm.serve.endpoints import message_text
 from minillm.serve.errors import APIError, shown
-from minillm.serve.fields import typed
+from minillm.serve.fields import parse_chat_template_kwargs, typed
 from minillm.serve.limits import ServeLimits
 from minillm.serve.protocol import check_fields
 from minillm.tokenizer import Tokenizer
 
 TOKENIZE_FIELDS = ("model", "prompt", "add_special_tokens")
-CHAT_TOKENIZE_FIELDS = ("model", "messages", "add_generation_prompt", "add_special_tokens")
+CHAT_TOKENIZE_FIELDS = (
+    "model",
+    "messages",
+    "add_generation_prompt",
+    "add_special_tokens",
+    "chat_template_kwargs",
+)
 DETOKENIZE_FIELDS = ("model", "tokens")
 
 
@@ -80,9 +86,10 @@ def _chat_ids(body: dict, tokenizer: Tokenizer) -> list[int]:
     conversation = [message_text(m, i) for i, m in enumerate(messages)]
     typed(body, "add_special_tokens", bool, False, "true or false")
     add_generation_prompt = typed(body, "add_generation_prompt", bool, True, "true or false")
+    template_vars = parse_chat_template_kwargs(body)
     try:
-        return tokenizer.encode_chat(conversation, add_generation_prompt)
-    except ValueError as err:  # ConfigError: no chat template in this checkpoint
+        return tokenizer.encode_chat(conversation, add_generation_prompt, **template_vars)
+    except ValueError as err:  # ConfigError too: no chat template, or it fails on this conversation
         raise APIError(400, str(err), "messages") from None
 
 

@@ -63,9 +63,9 @@ def latencies(requests: list[dict], elapsed: float) -> dict:
 
 
 def run_hf_row(model_dir, trace, budget: dict, dtype: str, device: str) -> tuple[dict, list[list[int]]]:
-    from transformers import LlamaForCausalLM  # test-only dependency: pip install -e '.[test]'
+    from transformers import AutoModelForCausalLM  # test-only dependency: pip install -e '.[test]'
 
-    hf_model = LlamaForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
     hf_static(
         hf_model, [Request("warm-up", trace[0].prompt_ids[:32], 2, 2)], 1
     )  # warm-up, so the row does not pay for it

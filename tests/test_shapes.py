@@ -1,0 +1,60 @@
+"""`--shape NAME`: a 1B-class model's real config with random weights, for speed and memory only.
+
+The tensors `minillm/fetch/shapes.py` writes must be the ones transformers builds for the same
+config (names and shapes, checked on the meta device: nothing allocated), and the folder it writes
+must load, carry the default tokenizer and say "random weights" in its name and tables.
+"""
+
+import pytest
+import torch
+from helpers import TINY_CONFIG
+
+from minillm.config import ConfigError, ModelConfig
+from minillm.fetch import shapes
+from minillm.fetch.shapes import SHAPES, random_tensors, shape_checkpoint
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_a_shape_has_the_tensors_transformers_builds(name):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    raw = SHAPES[name]
+    config = AutoConfig.for_model(raw["model_type"], **{k: v for k, v in raw.items() if k != "model_type"})
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
+    if raw["tie_word_embeddings"]:
+        expected.pop("lm_head.weight")  # tied: the checkpoint stores the embedding once
+    with torch.device("meta"):
+        ours = {k: tuple(v.shape) for k, v in random_tensors(raw).items()}
+    assert ours == expected
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_a_shape_is_a_config_minillm_runs(name):
+    config = ModelConfig.from_dict(SHAPES[name])
+    assert config.num_layers == SHAPES[name]["num_hidden_layers"]
+    assert config.kv_bytes_per_token(torch.bfloat16) > 10_000  # 1B class: tens of KiB a token
+
+
+def test_a_shape_folder_loads_with_the_default_tokenizer(tmp_path, real_dir, monkeypatch):
+    from minillm.tokenizer import Tokenizer
+    from minillm.weights import load_model
+
+    monkeypatch.setitem(SHAPES, "tiny", TINY_CONFIG)
+    folder = shape_checkpoint("tiny", tmp_path, real_dir)
+    assert folder.name.endswith(shapes.RANDOM_SUFFIX)
+    model = load_model(folder)
+    assert model.config.num_layers == TINY_CONFIG["num_hidden_layers"]
+    assert Tokenizer(folder).encode("hello") == Tokenizer(real_dir).encode("hello")
+    assert shape_checkpoint("tiny", tmp_path, real_dir) == folder  # written once, then reused
+
+
+def test_record_refuses_a_shape():
+    from minillm.cli.flags import shown_and_recorded
+
+    class Args:
+        record, shape, json, quick = True, "qwen3-0.6b", False, False
+
+    with pytest.raises(ConfigError, match="drop --shape"):
+        shown_and_recorded(Args(), "scheduling", lambda: pytest.fail("ran the measurement"), print)
