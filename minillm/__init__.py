@@ -2,9 +2,12 @@
 
 The packages, in the order a request meets them (docs/layout.md is the full map):
     config.py, switches.py   EngineConfig and every switch, declared once
-    model_config.py, weights.py, tokenizer.py, model.py, matmul.py, quantized_weights.py
-                             the checkpoint: its config, its tensors, its tokenizer, the Llama
-                             forward and its matrix products
+    model_config.py, weights.py, model.py, matmul.py, quantized_weights.py
+                             the checkpoint: its config, its tensors, the one transformer (Llama,
+                             Qwen2, Qwen3) and its matrix products
+    tokenizer_json.py, tokenizer.py, chat_template.py
+                             Hugging Face's tokenizer.json read into tiktoken; the checkpoint's
+                             chat template rendered in a sandbox
     sampling.py, structured.py
                              from logits to a token: SamplingParams, and structured output
     decoding/                one sequence: the naive oracle and the cached decoder
@@ -18,7 +21,8 @@ The packages, in the order a request meets them (docs/layout.md is the full map)
     evaluation.py, lm_eval_task.py
                              perplexity through the KV cache; an lm-evaluation-harness task
     trace/, tracing.py       --trace FILE: the engine's KV events written, read back and drawn
-    fetch/                   weights_fetch.py's jobs: downloads, GGUF, the texts
+    fetch/                   weights_fetch.py's jobs: downloads, GGUF, the texts; --shape's
+                             random-weight checkpoints
     runtime.py               a loaded model for single-sequence decoding (generate, info)
     report.py, progress.py   the one table printer and --json; the one progress bar
     stop_signals.py          SIGINT and SIGTERM handled whatever the process inherited

@@ -8,6 +8,7 @@
     hub.py             --hf OWNER/REPO: a safetensors checkpoint from the Hugging Face hub
     texts.py           public-domain texts from the test data of the `brotli` source package
     download.py        pip downloads one archive alone; HTTP GET; sha256
+    shapes.py          --shape NAME: a 1B model's real config with random weights, for benchmarks
 
 Only this package imports `gguf`: the engine runs without it.
 """
