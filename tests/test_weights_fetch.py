@@ -28,6 +28,7 @@ from helpers import (
     sentencepiece_tokenizer_json,
 )
 from safetensors.torch import load_file, save_file
+from upstream import upstream_file
 
 import weights_fetch
 from minillm.config import ModelConfig
@@ -36,6 +37,7 @@ from minillm.evaluation import read_text
 from minillm.fetch import FetchError, texts
 from minillm.fetch.checkpoint import fetch_checkpoint
 from minillm.fetch.download import pip_download
+from minillm.fetch.gguf_tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN
 from minillm.fetch.gguf_wheel import undo_rope_permutation
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -181,6 +183,124 @@ def tiny_tokenizer_files(folder: Path, vocab_size: int) -> None:
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
 
 
+# The families as a user meets them on the hub: each repo holds a tiny random model of the family's
+# architecture, a tiny tokenizer laid out as the family's (its pre-tokenizer regex, normalizer,
+# special and plain added tokens, BOS post-processor) and the family's real chat template.
+FAMILY_REPOS = {
+    "llama3": dict(
+        architecture="LlamaForCausalLM",
+        config=dict(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+        pattern=LLAMA3_PATTERN,
+        nfc=False,
+        special=[
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+        ],
+        plain=[],
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        template="templates/meta-llama-Llama-3.2-3B-Instruct.jinja",
+        variables={"date_string": "07 Dec 2026"},
+    ),
+    "qwen2.5": dict(
+        architecture="Qwen2ForCausalLM",
+        config=dict(rope_theta=1e6),
+        pattern=QWEN2_PATTERN,
+        nfc=True,
+        special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        plain=["<tool_call>", "</tool_call>"],
+        bos=None,
+        eos="<|im_end|>",
+        template="templates/Qwen-Qwen2.5-7B-Instruct.jinja",
+        variables={},
+    ),
+    "qwen3": dict(
+        architecture="Qwen3ForCausalLM",
+        config=dict(head_dim=32),
+        pattern=QWEN2_PATTERN,
+        nfc=True,
+        special=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        plain=["<tool_call>", "</tool_call>", "<think>", "</think>"],
+        bos=None,
+        eos="<|im_end|>",
+        template="templates/Qwen-Qwen3-0.6B.jinja",
+        variables={"enable_thinking": False},
+    ),
+}
+
+
+def family_tokenizer(folder: Path, family: dict) -> dict[str, int]:
+    """A small BPE trained on Alice, laid out as the family's tokenizer.json; returns its vocabulary."""
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC() if family["nfc"] else None
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(family["pattern"]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=family["special"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([read_text(TEXTS_DIR / "alice29.txt")[:60_000]], trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in family["plain"]])
+    if family["bos"]:
+        bos_id = tok.token_to_id(family["bos"])
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{family['bos']} $A", special_tokens=[(family["bos"], bos_id)]
+        )
+    tok.save(str(folder / "tokenizer.json"))
+    template = upstream_file(family["template"]).read_text()
+    names = {"bos_token": family["bos"], "eos_token": family["eos"]}
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, **names}))
+    return tok.get_vocab()
+
+
+def family_repo(folder: Path, name: str) -> None:
+    """`folder` as the hub serves a checkpoint of the family `name`: config, weights, tokenizer."""
+    family = FAMILY_REPOS[name]
+    folder.mkdir(parents=True)
+    vocab = family_tokenizer(folder, family)
+    config = {
+        **TINY_CONFIG,
+        "architectures": [family["architecture"]],
+        "model_type": family["architecture"].removesuffix("ForCausalLM").lower(),
+        "vocab_size": len(vocab) + 16,  # padded past the tokenizer, as Qwen's are
+        "bos_token_id": vocab.get(family["bos"]),
+        "eos_token_id": vocab[family["eos"]],
+        **family["config"],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    save_file(random_llama_tensors(config, seed=7), folder / "model.safetensors")
+
+
 @pytest.fixture(scope="module")
 def fake_hub(tmp_path_factory):
     """A folder laid out like the hub's URLs ({repo}/resolve/main/{file}), served on 127.0.0.1."""
@@ -236,6 +356,9 @@ def fake_hub(tmp_path_factory):
     (escaping / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {name: "../../outside.safetensors" for name in names}})
     )
+
+    for family in FAMILY_REPOS:
+        family_repo(root / f"tester/tiny-{family}" / "resolve" / "main", family)
 
     with serve(root, QuietHandler) as endpoint:
         yield {"endpoint": endpoint, "tensors": tensors, "source": single, "root": root}
@@ -301,6 +424,46 @@ def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
     save_file(hub_env["tensors"], reference_dir / "model.safetensors")
     ids = list(range(3, 60))
     assert torch.equal(sequence_logits(load_model(out), ids), sequence_logits(load_model(reference_dir), ids))
+
+
+CHATS = [
+    [{"role": "user", "content": "Who is the White Rabbit?"}],
+    [
+        {"role": "system", "content": "Answer in one line. 123 + 4 = ?"},
+        {"role": "user", "content": "Déjà vu, naïve café: does <think> stay one token?"},
+        {"role": "assistant", "content": "It does."},
+        {"role": "user", "content": "And now?"},
+    ],
+]
+
+
+@pytest.mark.slow  # a transformers model and tokenizer per family (~5-10 s)
+@pytest.mark.parametrize("family", FAMILY_REPOS)
+def test_each_family_fetches_and_chats_token_for_token_as_transformers(hub_env, tmp_path, family):
+    """Run your own model, end to end: `--hf` fetches the family's checkpoint; the chat prompt
+    (the family's own template) has transformers' ids, and greedy decoding its tokens. (A special
+    token's spelling typed by a user is where the two part on purpose: tests/test_chat_template.py.)"""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minillm.engine import LLM, SamplingParams
+
+    assert weights_fetch.main(["--hf", f"tester/tiny-{family}", "--out", str(tmp_path)]) == 0
+    out = tmp_path / f"tester--tiny-{family}"
+    ours, theirs = Tokenizer(out), AutoTokenizer.from_pretrained(out)
+    variables = FAMILY_REPOS[family]["variables"]
+    hf_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    hf_model.generation_config.eos_token_id = None  # decode every token on both sides
+    llm = LLM(out, dtype="float32")
+    for messages in CHATS:
+        prompt = ours.encode_chat(messages, **variables)
+        expected = theirs.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, **variables
+        )
+        assert prompt == list(expected["input_ids"] if hasattr(expected, "keys") else expected)
+        hf_tokens = hf_model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)[0]
+        [output] = llm.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))
+        assert output.token_ids == hf_tokens[len(prompt) :].tolist()
+    assert ours.encode_prompt("Alice") == theirs("Alice")["input_ids"]  # Llama 3's BOS, and none for Qwen
 
 
 def test_a_model_with_more_rows_than_tokens_is_fetched_and_its_extra_ids_decode_to_nothing(hub_env, tmp_path):

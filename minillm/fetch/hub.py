@@ -1,4 +1,4 @@
-"""`--hf OWNER/REPO`: any Llama-family safetensors checkpoint on the Hugging Face hub.
+"""`--hf OWNER/REPO`: a Llama 3.x, Qwen2/2.5, Qwen3 or SmolLM2 checkpoint on the Hugging Face hub.
 
 We GET the repository's files over plain HTTP ({endpoint}/{repo}/resolve/main/{file}, where
 HF_ENDPOINT can move the endpoint): config.json, checked by `ModelConfig` before anything large
