@@ -58,7 +58,7 @@ def lesson_model(args) -> tuple[Path, str]:
     """The checkpoint a lesson measures and its name in the tables: SmolLM2, or --shape's folder
     (whose tables also say "random weights" under them)."""
     if getattr(args, "shape", None):
-        return args.model_dir, f"{args.shape} (random weights)"
+        return args.model, f"{args.shape} (random weights)"  # --shape set --model's value
     return require_model(), "SmolLM2-135M"
 
 

@@ -58,3 +58,15 @@ def test_record_refuses_a_shape():
 
     with pytest.raises(ConfigError, match="drop --shape"):
         shown_and_recorded(Args(), "scheduling", lambda: pytest.fail("ran the measurement"), print)
+
+
+@pytest.mark.parametrize("command", [["bench", "decode"], ["bench", "staircase"], ["bench", "memory"]])
+def test_the_shape_flag_is_the_model_the_command_runs(command, tmp_path, monkeypatch):
+    from minillm.cli.commands import build_parser
+    from minillm.report import caption_tables
+
+    written = tmp_path / "qwen3-0.6b-random-weights"
+    monkeypatch.setattr(shapes, "shape_checkpoint", lambda name, root, tokenizer_from: written)
+    args = build_parser().parse_args([*command, "--shape", "qwen3-0.6b"])
+    caption_tables("")  # the flag captions this process's tables; the next test's start clean
+    assert args.model == written and args.shape == "qwen3-0.6b"

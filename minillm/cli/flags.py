@@ -154,7 +154,8 @@ class _ShapeAction(argparse.Action):
             parser.error(
                 f"--shape borrows the tokenizer of {DEFAULT_MODEL_DIR}: run python weights_fetch.py first"
             )
-        namespace.model_dir = shape_checkpoint(name, DEFAULT_MODEL_DIR.parent, DEFAULT_MODEL_DIR)
+        folder = shape_checkpoint(name, DEFAULT_MODEL_DIR.parent, DEFAULT_MODEL_DIR)
+        setattr(namespace, SWITCHES["model_dir"].dest, folder)
         namespace.shape = name
         caption_tables(f"{name}: its real config with random weights (speed and memory only)")
 
