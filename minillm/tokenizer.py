@@ -36,6 +36,7 @@ from minillm.tokenizer_json import LOADS, AddedToken, read_tokenizer_json
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
+REGEX_PROBE = "Hello, world! It's 12:30.\n\tcafé 😀  x"  # text every pre-tokenizer regex must cover
 
 
 class Tokenizer:
@@ -126,7 +127,7 @@ class Tokenizer:
     def _encode_plain(self, text: str) -> list[int]:
         if self._nfc:
             text = unicodedata.normalize("NFC", text)
-        return [i for i in self.encoding.encode_ordinary(text) if i < self.vocab_size]
+        return [i for i in _encode_ordinary(self.encoding, text) if i < self.vocab_size]
 
     def _token_id(self, name: str | None, model_dir: Path) -> int | None:
         """The id of the token `name` (an added token, or one of the vocabulary), None for None."""
@@ -170,13 +171,39 @@ def _encoder(model_dir: Path, ranks: dict[bytes, int], pattern: str, vocab_size:
     for byte in range(256):
         every_byte.setdefault(bytes([byte]), vocab_size + byte)
     try:
-        return tiktoken.Encoding(
+        encoding = tiktoken.Encoding(
             name=model_dir.name, pat_str=pattern, mergeable_ranks=every_byte, special_tokens={}
         )
     except ValueError as err:  # the regex did not compile
         raise ConfigError(
             f"{model_dir / TOKENIZER_FILE}: its pre-tokenizer regex is not one tiktoken reads "
             f"({err}); {LOADS}."
+        ) from None
+    try:  # tiktoken drops the text no piece covers, and gives up on a regex that matches ""
+        covered = encoding.decode(_encode_ordinary(encoding, REGEX_PROBE)) == REGEX_PROBE
+    except ValueError:
+        covered = False
+    if not covered:
+        raise ConfigError(
+            f"{model_dir / TOKENIZER_FILE}: its pre-tokenizer regex does not cut plain text into "
+            f"pieces that cover it; {LOADS}."
+        )
+    return encoding
+
+
+def _encode_ordinary(encoding: tiktoken.Encoding, text: str) -> list[int]:
+    """tiktoken's encode. Its regex engine gives up on some texts (a run of about a million
+    spaces, with every family's regex) and says so with a Rust panic, which Python raises as a
+    BaseException that passes every `except Exception`: here it is one ValueError line instead,
+    so the text fails alone (a 400 from the server, an error line from the CLI)."""
+    try:
+        return encoding.encode_ordinary(text)
+    except BaseException as err:
+        if type(err).__name__ != "PanicException":  # pyo3's; its module cannot be imported
+            raise
+        raise ValueError(
+            f"The tokenizer's regex gave up on this text of {len(text):,} characters; shorten its "
+            "long runs of spaces."
         ) from None
 
 

@@ -695,6 +695,7 @@ BAD_COMPLETIONS = [  # (fields beside model, what the message says)
     ({"prompt": "Hello", "guided_json": {}, "guided_choice": ["a"]}, "one structured output"),
     ({"prompt": "Hello", "stream_options": {"include_usage": True}}, "only allowed with stream"),
     ({"prompt": "Hello", "n": MAX_NUM_SEQS + 1}, "max_num_seqs"),  # refused by the engine's admission
+    ({"prompt": " " * 1_000_000}, "shorten its long runs of spaces"),  # tiktoken's regex gives up
     ({"prompt": {"text": "Hello"}}, "'prompt' must be"),
     ({}, "'prompt' is required"),
 ]

@@ -263,6 +263,14 @@ def without_byte_zero(tokenizer: dict) -> None:
     tokenizer["model"]["unk_token"] = "<|end|>"
 
 
+def split_by(regex: str):
+    """A change that makes the pre-tokenizer Llama 3's layout around `regex`."""
+    split = {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    layout = {"type": "Sequence", "pretokenizers": [split, byte_level]}
+    return lambda tokenizer: tokenizer.update(pre_tokenizer=layout)
+
+
 def template_of(name: str) -> dict:
     """A TemplateProcessing that puts the special token `name` before the text."""
     bos = {"SpecialToken": {"id": name, "type_id": 0}}
@@ -309,30 +317,9 @@ REFUSED = {  # what the file is -> (its tokenizer.json, words the one line must 
     "a malformed merge": (changed(lambda t: t["model"]["merges"].append(["a", "b", "c"])), "neither"),
     "vocab as a list": (changed(lambda t: t["model"].update(vocab=["a", "b"])), "model.vocab"),
     "no model": (changed(lambda t: t.pop("model")), "'model'"),
-    "a bad regex": (
-        changed(
-            lambda t: t.update(
-                pre_tokenizer={
-                    "type": "Sequence",
-                    "pretokenizers": [
-                        {
-                            "type": "Split",
-                            "pattern": {"Regex": "(["},
-                            "behavior": "Isolated",
-                            "invert": False,
-                        },
-                        {
-                            "type": "ByteLevel",
-                            "add_prefix_space": False,
-                            "trim_offsets": True,
-                            "use_regex": False,
-                        },
-                    ],
-                }
-            )
-        ),
-        "regex",
-    ),
+    "a bad regex": (changed(split_by("([")), "regex"),
+    "a regex that leaves text out": (changed(split_by(r"(a+)+(?=b)")), "pieces that cover it"),
+    "a regex that matches empty pieces": (changed(split_by("(?:)")), "pieces that cover it"),
     "a top-level list": ([1, 2], "not a JSON object"),
     "dropout": (changed(lambda t: t["model"].update(dropout=0.1)), "dropout"),
     "a subword prefix": (
@@ -365,6 +352,18 @@ def test_what_minillm_does_not_read_is_refused_in_one_line(kind, tmp_path):
         Tokenizer(tmp_path)
     message = str(refused.value)
     assert words in message and LOADS in message and "\n" not in message and len(message) < 400, message
+
+
+def test_text_the_regex_engine_gives_up_on_fails_alone_in_one_line(real_dir):
+    """tiktoken's regex engine gives up on a run of a million spaces (`tokenizers` does not) with a
+    Rust panic, a BaseException no `except Exception` catches: a ValueError line instead, and the
+    tokenizer goes on."""
+    tokenizer = Tokenizer(real_dir)
+    with pytest.raises(ValueError, match="shorten its long runs of spaces") as refused:
+        tokenizer.encode("x" + " " * 1_000_000 + "x")
+    assert "\n" not in str(refused.value)
+    text = "still " + " " * 1000 + "here"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
 
 
 def test_the_sentencepiece_file_is_a_tokenizer_tokenizers_reads():

@@ -73,7 +73,10 @@ def _completion_prompts(prompt, tokenizer: Tokenizer | None, limits: ServeLimits
         if isinstance(p, str):
             if tokenizer is None:
                 raise APIError(400, "This model has no tokenizer; send prompts as token ids.", "prompt")
-            ids.append(tokenizer.encode_prompt(p))
+            try:
+                ids.append(tokenizer.encode_prompt(p))
+            except ValueError as err:  # text the tokenizer's regex gives up on
+                raise APIError(400, str(err), "prompt") from None
         else:
             ids.append(list(p))
     return ids

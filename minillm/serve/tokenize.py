@@ -64,7 +64,10 @@ def tokenize(
                 else f"'prompt' must be a string, not {shown(prompt)}."
             )
             raise APIError(400, message, "prompt")
-        ids = tokenizer.encode_with_special_tokens(prompt)
+        try:
+            ids = tokenizer.encode_with_special_tokens(prompt)
+        except ValueError as err:  # text the tokenizer's regex gives up on
+            raise APIError(400, str(err), "prompt") from None
         if add_special_tokens:
             ids = [*tokenizer.prompt_prefix, *ids, *tokenizer.prompt_suffix]
     if len(ids) > limits.max_request_tokens:
