@@ -35,6 +35,8 @@ WHAT_LOADS = (
 FETCH_HINT = "run: python weights_fetch.py"
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta, for a config.json that names none
 QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (not hidden_size / heads)
+# numbers in each RoPE table, max_position_embeddings * head_dim: 1 GiB in fp32, 2x Qwen2.5-1M's
+MAX_ROPE_NUMBERS = 1 << 28
 # config.json fields that size a tensor: each must be a positive integer where present
 SIZE_FIELDS = (
     "vocab_size",
@@ -124,6 +126,7 @@ class ModelConfig:
             )
         qwen2, qwen3 = architecture == "Qwen2ForCausalLM", architecture == "Qwen3ForCausalLM"
         head_dim = raw.get("head_dim") or (QWEN3_HEAD_DIM if qwen3 else raw["hidden_size"] // num_heads)
+        _check_rope_size(head_dim, raw.get("max_position_embeddings", 2048))
         attention_bias = _flag(raw, "attention_bias")  # (Qwen2's config has none: its biases are fixed)
         eos = raw.get("eos_token_id")
         return cls(
@@ -225,6 +228,22 @@ def _architecture(raw: dict) -> str:
             f"minillm runs {', '.join(SUPPORTED_ARCHITECTURES)} checkpoints."
         )
     return architecture
+
+
+def _check_rope_size(head_dim: int, max_position_embeddings: int) -> None:
+    """RoPE turns a head's dimensions in pairs, and its tables (`model.rope_tables`) hold a row of
+    head_dim numbers for every position: checked before they are computed."""
+    if head_dim < 2 or head_dim % 2:
+        raise ConfigError(
+            f"head_dim={head_dim} (hidden_size // num_attention_heads where config.json has no head_dim) "
+            "must be an even number >= 2: RoPE turns a head's dimensions in pairs; fix config.json."
+        )
+    if head_dim * max_position_embeddings > MAX_ROPE_NUMBERS:
+        raise ConfigError(
+            f"max_position_embeddings={max_position_embeddings} positions of head_dim={head_dim} make "
+            f"RoPE tables past the {MAX_ROPE_NUMBERS:,} numbers minillm computes; lower "
+            "max_position_embeddings in config.json."
+        )
 
 
 def _unsupported(what: str) -> ConfigError:

@@ -48,7 +48,19 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 def hf_to_minillm(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Rename checkpoint tensors to this model's names, fusing q|k|v (weights and biases) and gate|up."""
+    _check_layer_count(tensors, config)
     return _gather(tensors, _vector_sources(config)) | stack_matrices(tensors, config)
+
+
+def _check_layer_count(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """The layers config.json names are the checkpoint's, checked before a name is made for each
+    (a num_hidden_layers of 10**9 would otherwise build names and modules without end)."""
+    layers = {name.split(".")[2] for name in tensors if name.startswith("model.layers.")}
+    if len(layers) != config.num_layers:
+        raise ConfigError(
+            f"config.json says num_hidden_layers={config.num_layers} but the checkpoint holds "
+            f"{len(layers)} layers; the weights and config.json disagree."
+        )
 
 
 def _vector_sources(config: ModelConfig) -> dict[str, list[str]]:

@@ -77,6 +77,32 @@ def test_size_field_that_is_not_a_positive_integer_is_named(field, value):
         ModelConfig.from_dict({**TINY_CONFIG, field: value})
 
 
+@pytest.mark.parametrize(
+    "fields, words",
+    [
+        ({"head_dim": 15}, "head_dim=15 .* must be an even number >= 2"),
+        ({"head_dim": None, "hidden_size": 2}, "head_dim=0 .* must be an even number >= 2"),
+        ({"max_position_embeddings": 10**12}, "RoPE tables past the 268,435,456 numbers"),
+    ],
+    ids=["odd head_dim", "head_dim 0", "a trillion positions"],
+)
+def test_a_rope_that_cannot_turn_or_be_held_is_refused_before_its_tables(fields, words):
+    """An odd head_dim failed at the first token, deep in RoPE; a zero one (no head_dim, fewer
+    dimensions than heads) divided by zero; a trillion positions asked torch for 4 TB of tables."""
+    config = {name: value for name, value in {**TINY_CONFIG, **fields}.items() if value is not None}
+    with pytest.raises(ConfigError, match=words):
+        ModelConfig.from_dict(config)
+
+
+@pytest.mark.parametrize("layers", [4, 10**9])
+def test_layers_the_checkpoint_lacks_are_refused_before_the_model_is_built(layers, tmp_path):
+    """A num_hidden_layers of 10**9 once built names and modules for each layer, without end."""
+    config = {**TINY_CONFIG, "num_hidden_layers": layers}
+    write_checkpoint(tmp_path, config, random_llama_tensors(TINY_CONFIG))
+    with pytest.raises(ConfigError, match=f"num_hidden_layers={layers} but the checkpoint holds 3 layers"):
+        load_model(tmp_path)
+
+
 def test_missing_tensor_is_named(tmp_path):
     tensors = random_llama_tensors(TINY_CONFIG)
     del tensors["model.layers.1.mlp.up_proj.weight"]
