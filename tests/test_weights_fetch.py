@@ -301,6 +301,14 @@ def family_repo(folder: Path, name: str) -> None:
     save_file(random_llama_tensors(config, seed=7), folder / "model.safetensors")
 
 
+BROKEN_REPOS = {  # repo -> the file of its that is broken, and its content
+    "tester/bad-config": {"config.json": b"{not json"},
+    "tester/list-config": {"config.json": b"[1, 2]"},
+    "tester/bad-index": {"model.safetensors.index.json": b'{"weight_map": [1]}'},
+    "tester/bad-weights": {"model.safetensors": b"\x08\x00\x00\x00\x00\x00\x00\x00{garbage"},
+}
+
+
 @pytest.fixture(scope="module")
 def fake_hub(tmp_path_factory):
     """A folder laid out like the hub's URLs ({repo}/resolve/main/{file}), served on 127.0.0.1."""
@@ -356,6 +364,14 @@ def fake_hub(tmp_path_factory):
     (escaping / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {name: "../../outside.safetensors" for name in names}})
     )
+
+    for broken_repo, broken_files in BROKEN_REPOS.items():  # REPO's files, one of them broken
+        broken = root / broken_repo / "resolve" / "main"
+        broken.mkdir(parents=True)
+        for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+            (broken / name).write_bytes((single / name).read_bytes())
+        for name, content in broken_files.items():
+            (broken / name).write_bytes(content)
 
     for family in FAMILY_REPOS:
         family_repo(root / f"tester/tiny-{family}" / "resolve" / "main", family)
@@ -590,6 +606,22 @@ def test_a_shard_named_outside_the_folder_is_refused(hub_env, tmp_path, capsys):
     )
     assert not (tmp_path.parent / "outside.safetensors").exists()
     assert not (tmp_path / "tester--tiny-escape").exists()
+
+
+@pytest.mark.parametrize(
+    "repo, words",
+    [
+        ("tester/bad-config", "tester/bad-config's config.json is not valid JSON"),
+        ("tester/list-config", "config.json holds a JSON list, not an object"),
+        ("tester/bad-index", "has no weight_map of tensor names to files"),
+        ("tester/bad-weights", "model.safetensors is not a safetensors file"),
+    ],
+)
+def test_a_repo_whose_files_are_broken_fails_in_one_line(hub_env, tmp_path, capsys, repo, words):
+    assert weights_fetch.main(["--hf", repo, "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert words in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / repo.replace("/", "--")).exists()
 
 
 def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_succeeds(

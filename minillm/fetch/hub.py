@@ -21,6 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from minillm.config import ConfigError, ModelConfig
@@ -44,22 +45,42 @@ def repo_folder(repo: str) -> str:
 
 
 def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
-    config_path = hub_file(repo, "config.json", cache_dir)
-    raw_config = json.loads(config_path.read_text())
+    raw_config = _json_object(repo, hub_file(repo, "config.json", cache_dir))
     try:
         ModelConfig.from_dict(raw_config)  # checked before anything large comes down
     except ConfigError as err:
         raise FetchError(str(err)) from err
     copy_tokenizer(repo, out_dir, cache_dir)
     index = hub_file(repo, "model.safetensors.index.json", cache_dir, required=False)
-    shards = (
-        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index else ["model.safetensors"]
-    )
+    shards = _shards(repo, _json_object(repo, index)) if index else ["model.safetensors"]
     tensors = {}
     for shard in shards:
-        tensors.update(load_file(hub_file(repo, shard, cache_dir)))
+        path = hub_file(repo, shard, cache_dir)
+        try:
+            tensors.update(load_file(path))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise FetchError(f"{repo}'s {shard} is not a safetensors file ({err}).") from None
     (out_dir / "config.json").write_text(json.dumps(raw_config, indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors")
+
+
+def _json_object(repo: str, path: Path) -> dict:
+    """A JSON file of the repository (config.json, the shards' index), which must be an object."""
+    try:
+        value = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as err:  # bad UTF-8 or JSON; nesting too deep to parse
+        raise FetchError(f"{repo}'s {path.name} is not valid JSON ({err}).") from None
+    if not isinstance(value, dict):
+        raise FetchError(f"{repo}'s {path.name} holds a JSON {type(value).__name__}, not an object.")
+    return value
+
+
+def _shards(repo: str, index: dict) -> list[str]:
+    """The shard files an index's weight_map names (tensor name -> file)."""
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise FetchError(f"{repo}'s model.safetensors.index.json has no weight_map of tensor names to files.")
+    return sorted(set(weight_map.values()))
 
 
 def hub_file(repo: str, filename: str, cache_dir: Path, required: bool = True) -> Path | None:
