@@ -53,6 +53,7 @@ OUTPUT_CHARS = 1_000_000  # characters a render may write: more than any context
 STEPS = 100_000  # loop iterations and calls (functions, macros, filters) a render may make
 RENDER_SECONDS = 0.5  # CPU time a render may take; a real template needs milliseconds
 INT_BITS = 1024  # the largest integer `*` or `**` may build, in bits
+MAX_NESTING = 32  # how deep a caller's template variables may nest lists and objects
 TEMPLATE_HINT = "fix or replace the chat_template in the checkpoint's tokenizer_config.json"
 # a user's spelling of a special token travels through the template between these two
 # characters (Unicode's private-use plane 15: no text means them), as in transformers
@@ -153,12 +154,22 @@ def template_variables(value) -> dict:
         raise ValueError(
             f'must be a JSON object such as {{"enable_thinking": false}}, not {json.dumps(value):.60}'
         )
+    if _nested_past(value, MAX_NESTING):  # copying it for the template would recurse past Python's limit
+        raise ValueError(f"nests lists or objects more than {MAX_NESTING} deep; give flatter values")
     taken = [name for name in ("messages", "add_generation_prompt") if name in value]
     if taken:
         raise ValueError(
             f"sets {' and '.join(taken)}, which the chat sets itself; give the template's other variables"
         )
     return value
+
+
+def _nested_past(value, depth: int) -> bool:
+    """Whether the lists and objects in `value` nest more than `depth` levels deep."""
+    if depth < 0:
+        return True
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return any(_nested_past(item, depth - 1) for item in items)
 
 
 def _message(message) -> dict:

@@ -240,6 +240,10 @@ def test_cli_prompt_too_long_is_one_line(capsys, real_dir):
             ["--chat-template-kwargs", '{"enable_thinking": false}'],
             "the chat template's variables: add --chat.",
         ),
+        (  # copied for the template, it once recursed past Python's limit: a RecursionError traceback
+            ["--chat", "--chat-template-kwargs", '{"a": ' * 900 + "1" + "}" * 900],
+            "nests lists or objects more than 32 deep",
+        ),
     ],
 )
 def test_cli_chat_template_kwargs_that_cannot_work_are_one_line(capsys, tmp_path, argv, says):
