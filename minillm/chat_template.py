@@ -231,9 +231,33 @@ _BUDGET: ContextVar[_Budget] = ContextVar("chat_template_budget")
 
 
 def _checked_size(value):
-    if isinstance(value, (str, list, tuple, dict)) and len(value) > OUTPUT_CHARS:
-        raise _OverBudget(f"it built a value of {len(value):,} items (at most {OUTPUT_CHARS:,})")
+    """A value past OUTPUT_CHARS items, counting the characters of a list's strings: `[x] * 2000`
+    is small to build and 2000 times x to join."""
+    size = len(value) if isinstance(value, (str, list, tuple, dict)) else 0
+    if isinstance(value, (list, tuple)):
+        size += sum(len(item) for item in value if isinstance(item, str))
+    if size > OUTPUT_CHARS:
+        raise _OverBudget(f"it built a value of {size:,} items and characters (at most {OUTPUT_CHARS:,})")
     return value
+
+
+def _check_string_call(method, args) -> None:
+    """`str.replace`, `str.expandtabs` and `str.join` can build, in one call, far more than their
+    inputs hold: their result's size is known before they run, so it is checked then."""
+    text, name = getattr(method, "__self__", None), getattr(method, "__name__", "")
+    if not isinstance(text, str):
+        return
+    if name == "replace" and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+        grows = text.count(args[0]) if args[0] else len(text) + 1
+        size = len(text) + grows * max(0, len(args[1]) - len(args[0]))
+    elif name == "expandtabs":
+        size = len(text) + text.count("\t") * (args[0] if args and isinstance(args[0], int) else 8)
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        size = _checked_size(args[0]) and len(text) * len(args[0]) + sum(map(len, map(str, args[0])))
+    else:
+        return
+    if size > OUTPUT_CHARS:
+        raise _OverBudget(f"its {name} would build {size:,} characters (at most {OUTPUT_CHARS:,})")
 
 
 def _check_arguments(args, kwargs) -> None:
@@ -318,6 +342,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
     def call(self, context, obj, /, *args, **kwargs):
         _BUDGET.get().step()
         _check_arguments(args, kwargs)
+        _check_string_call(obj, args)
         if isinstance(obj, LoopContext) and args:  # loop(children) in a recursive for: count it too
             args = (_counted(context, args[0]), *args[1:])
         return _checked_size(super().call(context, obj, *args, **kwargs))
@@ -407,6 +432,12 @@ def _environment() -> _Sandbox:
         namespace=_Namespace,
     )
     del env.globals["lipsum"]  # random text of any length in one call: no template lays out a chat with it
+    for slow in (
+        "wordwrap",
+        "slice",
+        "urlize",
+    ):  # seconds of CPU in one call on a long text; no chat uses them
+        del env.filters[slow]
     return env
 
 
@@ -433,21 +464,21 @@ def _compile(source: str) -> jinja2.Template:
     """The template, instrumented and compiled: a syntax error or a reach for other files is
     reported here, at load, not in the middle of a chat."""
     env = _environment()
-    try:
+    try:  # a syntax error, or (when compiled) a filter this sandbox does not have
         tree = env.parse(source)
+        for reach in tree.find_all((nodes.Extends, nodes.Include, nodes.Import, nodes.FromImport)):
+            raise ConfigError(
+                f"The checkpoint's chat template reads another template (line {reach.lineno}), which a "
+                f"chat template may not; {TEMPLATE_HINT}."
+            )
+        tree = _Instrument().visit(tree)
+        tree.set_environment(env)  # the nodes _Instrument made, too
+        return env.from_string(tree)
     except jinja2.TemplateSyntaxError as err:
         raise ConfigError(
             f"The checkpoint's chat template does not parse (line {err.lineno}: {_one_line(err.message)}); "
             f"{TEMPLATE_HINT}."
         ) from None
-    for reach in tree.find_all((nodes.Extends, nodes.Include, nodes.Import, nodes.FromImport)):
-        raise ConfigError(
-            f"The checkpoint's chat template reads another template (line {reach.lineno}), which a chat "
-            f"template may not; {TEMPLATE_HINT}."
-        )
-    tree = _Instrument().visit(tree)
-    tree.set_environment(env)  # the nodes _Instrument made, too
-    return env.from_string(tree)
 
 
 def _one_line(text) -> str:

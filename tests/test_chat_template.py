@@ -313,6 +313,15 @@ HOSTILE = {  # template -> what the one-line error says
         "{% set s = range(9999)|list %}{% for i in range(99999) %}{{ s|sort|first }}{% endfor %}",
         "s of CPU",
     ),
+    # one call that builds far more than its inputs: refused before it runs (no gigabytes first)
+    "a replace": ("{% set x = 'a' * 999999 %}{{ x.replace('a', 'a' * 2000) }}", "its replace would build"),
+    "expandtabs": ("{% set x = '\t' * 999999 %}{{ x.expandtabs(2000) }}", "its expandtabs would build"),
+    "a join of repeats": ("{% set x = 'a' * 999999 %}{{ ([x] * 2000)|join }}", "items and characters"),
+    "a long separator": (
+        "{% set x = 'ab' * 400000 %}{{ ('-' * 900000).join(x|list) }}",
+        "items and characters",
+    ),
+    "a slow filter": ("{{ messages|string|wordwrap(1) }}", "No filter named 'wordwrap'"),
     "deep recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recursed too deep"),
     "an attribute escape": ("{{ ''.__class__ }}", "reads '__class__' of a str"),
     "a subscript escape": ("{{ messages['__class__'] }}", "reads '__class__' of a list"),
