@@ -31,7 +31,7 @@ def conversation(tokenizer: Tokenizer, history_tokens: int) -> tuple[list[int], 
     `history_tokens` long in the chat template; the prompt adds one user turn and the cue to answer."""
     text_ids = tokenizer.encode(read_text())
     messages: list[dict[str, str]] = []
-    history = tokenizer.encode_chat(messages, add_generation_prompt=False)
+    history: list[int] = []
     for start in range(0, len(text_ids), TURN_TOKENS):
         if len(history) >= history_tokens:
             break
