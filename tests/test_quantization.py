@@ -6,7 +6,7 @@ import torch
 from helpers import TINY_CONFIG
 from references import assert_near_the_quantized_reference, run_recorded
 
-from minillm.config import ConfigError, ModelConfig
+from minillm.config import ModelConfig
 from minillm.decoding import generate
 from minillm.engine import LLM, SamplingParams
 from minillm.evaluation import TeacherForcing
@@ -227,17 +227,6 @@ def test_quantized_engine_equals_a_fake_quantized_no_cache_reference(
     recorder, requests = run_recorded(llm, prompts, params)
     assert llm.engine.num_preemptions > 0
     assert_near_the_quantized_reference(tiny_model, recorder, requests, FORMATS[kv_dtype], key_scales, 4)
-
-
-def test_int4_needs_an_even_head_dim(tmp_path):
-    from conftest import random_llama_tensors, write_checkpoint
-
-    from minillm.weights import load_model
-
-    odd = {**TINY_CONFIG, "head_dim": 15}
-    folder = write_checkpoint(tmp_path / "odd", odd, random_llama_tensors(odd))
-    with pytest.raises(ConfigError, match="even head_dim"):
-        LLM(folder, model=load_model(folder), kv_dtype="int4")
 
 
 class RecordingLogits(TeacherForcing):
