@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from minillm.model_config import FETCH_HINT as FETCH_HINT
+from minillm.model_config import GENERATION_FILE as GENERATION_FILE
 from minillm.model_config import SIZE_FIELDS as SIZE_FIELDS
 from minillm.model_config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from minillm.model_config import ConfigError as ConfigError

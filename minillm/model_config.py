@@ -12,6 +12,11 @@ Three families load into the one transformer of `model.py`, which differ in a fe
 - Qwen2 / Qwen2.5 (`Qwen2ForCausalLM`): q, k and v always carry a bias, the output projection none;
 - Qwen3 (`Qwen3ForCausalLM`): each q and k head RMS-normalized before RoPE, and a head_dim that
   need not be hidden_size / heads (128 when config.json leaves it out, as transformers reads it).
+
+A model may end its answer on any of several tokens: Llama 3.x Instruct's config.json names
+`<|end_of_text|>`, `<|eom_id|>` and `<|eot_id|>` as its eos_token_id, and Qwen2.5 Instruct's
+generation_config.json adds `<|endoftext|>` to config.json's `<|im_end|>`. `eos_token_ids` holds
+them all, config.json's then generation_config.json's, as transformers' `generate` stops at any.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import json
 import numbers
 import reprlib
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +38,7 @@ WHAT_LOADS = (
     "Qwen3ForCausalLM checkpoints, with SiLU MLPs without bias and full attention in every layer"
 )
 FETCH_HINT = "run: python weights_fetch.py"
+GENERATION_FILE = "generation_config.json"  # transformers' generate() defaults, eos_token_id among them
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta, for a config.json that names none
 QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (not hidden_size / heads)
 # numbers in each RoPE table, max_position_embeddings * head_dim: 1 GiB in fp32, 2x Qwen2.5-1M's
@@ -99,7 +105,7 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     bos_token_id: int | None = None
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # any of them ends a sequence; () when the checkpoint names none
     architecture: str = "LlamaForCausalLM"  # one of MODEL_TYPES
     qkv_bias: bool = False  # Qwen2 (always), Llama and Qwen3 with attention_bias
     o_bias: bool = False  # the output projection's bias: Llama and Qwen3 with attention_bias
@@ -128,7 +134,6 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or (QWEN3_HEAD_DIM if qwen3 else raw["hidden_size"] // num_heads)
         _check_rope_size(head_dim, raw.get("max_position_embeddings", 2048))
         attention_bias = _flag(raw, "attention_bias")  # (Qwen2's config has none: its biases are fixed)
-        eos = raw.get("eos_token_id")
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -142,7 +147,7 @@ class ModelConfig:
             rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
             tie_word_embeddings=_flag(raw, "tie_word_embeddings"),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
+            eos_token_ids=_eos_token_ids(raw.get("eos_token_id"), raw["vocab_size"], "config.json"),
             architecture=architecture,
             qkv_bias=qwen2 or attention_bias,
             o_bias=attention_bias and not qwen2,
@@ -152,26 +157,27 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        """config.json, with the end-of-sequence tokens generation_config.json adds (when there)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"Weights not found in {model_dir} (no config.json) — {FETCH_HINT}")
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ConfigError(f"{path} is not valid JSON ({err}) — delete it and {FETCH_HINT}") from err
-        if not isinstance(raw, dict):
-            raise ConfigError(
-                f"{path} holds a JSON {type(raw).__name__}, not an object — delete it and {FETCH_HINT}"
-            )
-        try:
-            return cls.from_dict(raw)
+            config = cls.from_dict(_json_object(path))
         except KeyError as err:
             raise ConfigError(
                 f"{path} lacks the field {err.args[0]!r}; is it a Llama or Qwen config.json?"
             ) from err
+        generation = Path(model_dir) / GENERATION_FILE
+        if not generation.is_file():
+            return config
+        added = _eos_token_ids(
+            _json_object(generation).get("eos_token_id"), config.vocab_size, GENERATION_FILE
+        )
+        return replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + added)))
 
     def to_hf_dict(self) -> dict:
         """config.json as transformers reads it for this family (and our own reader reads it back)."""
+        eos = list(self.eos_token_ids)
         hf = {
             "architectures": [self.architecture],
             "model_type": MODEL_TYPES[self.architecture],
@@ -187,7 +193,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": eos[0] if len(eos) == 1 else eos or None,  # as the Hub writes it
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
@@ -244,6 +250,32 @@ def _check_rope_size(head_dim: int, max_position_embeddings: int) -> None:
             f"RoPE tables past the {MAX_ROPE_NUMBERS:,} numbers minillm computes; lower "
             "max_position_embeddings in config.json."
         )
+
+
+def _json_object(path: Path) -> dict:
+    """A checkpoint's JSON file that must hold an object (config.json, generation_config.json)."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise ConfigError(f"{path} is not valid JSON ({err}) — delete it and {FETCH_HINT}") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(raw).__name__}, not an object — delete it and {FETCH_HINT}"
+        )
+    return raw
+
+
+def _eos_token_ids(value, vocab_size: int, file: str) -> tuple[int, ...]:
+    """eos_token_id as `file` writes it: absent, one token id, or a list of them (Llama 3.x
+    Instruct: end_of_text, eom_id and eot_id); each must be a token of the vocabulary, which a
+    quoted id or one past the logits could never be."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(type(token) is int and 0 <= token < vocab_size for token in ids):
+        raise ConfigError(
+            f"eos_token_id={reprlib.repr(value)} in {file} must be a token id in [0, {vocab_size}) or a "
+            f"list of them; fix {file} or {FETCH_HINT}"
+        )
+    return tuple(dict.fromkeys(ids))  # in the file's order, each once
 
 
 def _unsupported(what: str) -> ConfigError:

@@ -26,7 +26,7 @@ class Runtime:
         bf16_kernel(next(self.model.parameters()))
         self.context_len = self.model.config.context_len(config.max_seq_len)
         self.tokenizer = Tokenizer(config.model_dir)
-        self.eos_token_id = end_of_sequence(self.model.config.eos_token_id, self.tokenizer)
+        self.eos_token_ids = end_of_sequence(self.model.config.eos_token_ids, self.tokenizer)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -40,7 +40,7 @@ class Runtime:
         return self.tokenizer.encode_chat([{"role": "user", "content": prompt}], **(template_vars or {}))
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached") -> Generation:
-        return generate(self.model, prompt_ids, params, decoder, self.eos_token_id, self.context_len)
+        return generate(self.model, prompt_ids, params, decoder, self.eos_token_ids, self.context_len)
 
     def stream_text(
         self, prompt_ids: list[int], params: SamplingParams, decoder: str = "cached"
@@ -49,9 +49,9 @@ class Runtime:
         text = self.tokenizer.stream_decoder()
         gen = None
         for token, gen in stream(
-            self.model, prompt_ids, params, decoder, self.eos_token_id, self.context_len
+            self.model, prompt_ids, params, decoder, self.eos_token_ids, self.context_len
         ):
-            if token != self.eos_token_id:
+            if token not in self.eos_token_ids:
                 yield text.feed(token), gen
         if gen is not None:
             yield text.flush(), gen

@@ -5,7 +5,7 @@
 most likely tokens' (`token_logprob`).
 
 Before any of that, the logits controls users expect from the OpenAI API and vLLM, each with
-vLLM's meaning (`process_logits`): `min_tokens` (EOS and the stop tokens cannot be drawn before
+vLLM's meaning (`process_logits`): `min_tokens` (no EOS token nor stop token can be drawn before
 it), `logit_bias` (added to a token's logit), `repetition_penalty` (a token already in the prompt
 or the output has its logit divided by it if positive, multiplied if negative),
 `frequency_penalty` (minus the penalty times the token's count in the output) and
@@ -209,14 +209,14 @@ def process_logits(
     params: SamplingParams,
     prompt_ids: list[int],
     output_ids: list[int],
-    eos_token_id: int | None,
+    eos_token_ids: frozenset[int],
 ) -> torch.Tensor:
     """logits (vocab,) -> the logits after the request's controls (module docstring), in vLLM's
     order: min_tokens, logit_bias, then the repetition, frequency and presence penalties."""
     logits = logits.float().clone()
     vocab = logits.numel()
     if len(output_ids) < params.min_tokens:
-        banned = [t for t in (eos_token_id, *params.stop_token_ids) if t is not None and t < vocab]
+        banned = [t for t in (*eos_token_ids, *params.stop_token_ids) if t < vocab]
         logits[banned] = float("-inf")
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias])

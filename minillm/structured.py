@@ -3,7 +3,7 @@
 To make a model answer in JSON that fits a schema, or match a regex, or pick one of a few
 strings, nothing about the model changes. Before each token is drawn, every token that cannot
 continue the text inside the grammar gets the logit -inf. The model then chooses freely among
-the tokens that remain. Once the grammar is complete, only EOS remains.
+the tokens that remain. Once the grammar is complete, only the model's EOS tokens remain.
 
 A token is many bytes, and any of them may cut through a JSON string, a number or a keyword. So
 which tokens fit is a question about the grammar and the whole vocabulary at once. That is the
@@ -129,14 +129,16 @@ class Grammars:
     """Compiles requests' grammars for one vocabulary, and masks a batch of logits by them.
     Built on the first constrained request (the vocabulary index takes ~0.2 s)."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None):
-        """`eos_token_id`: the token that ends a sequence, which a complete grammar allows."""
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]):
+        """`eos_token_ids`: the tokens that end a sequence, which a complete grammar allows (every one)."""
+        if not eos_token_ids:
+            raise ValueError("Structured output ends at EOS, and this checkpoint names no EOS token.")
         self.vocab_size = vocab_size  # the model's logits width (a vocabulary may be padded past the tokens)
         self._tokenizer = llguidance.LLTokenizer.from_tiktoken(
             encoder=tokenizer.ranks,
             special_tokens=tokenizer.special_tokens,
             pattern=tokenizer.pattern,
-            eos_token=eos_token_id,
+            eos_token=sorted(eos_token_ids),
             n_vocab=self.vocab_size,
         )
         self._executor = llguidance.LLExecutor()

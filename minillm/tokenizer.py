@@ -156,12 +156,13 @@ class StreamDecoder:
         return self.utf8.decode(b"", final=True)
 
 
-def end_of_sequence(config_eos_token_id: int | None, tokenizer: Tokenizer | None) -> int | None:
-    """The token where generation stops: config.json's eos_token_id, which wins (the model was
-    trained to end there), else the tokenizer's eos (tokenizer_config.json)."""
-    if config_eos_token_id is not None or tokenizer is None:
-        return config_eos_token_id
-    return tokenizer.eos_token_id
+def end_of_sequence(config_eos_token_ids: tuple[int, ...], tokenizer: Tokenizer | None) -> frozenset[int]:
+    """The tokens where generation stops, any of them: the checkpoint's own (config.json's
+    eos_token_id, one id or a list, with generation_config.json's), which win (the model was trained
+    to end there); else the tokenizer's eos (tokenizer_config.json); else none."""
+    if config_eos_token_ids or tokenizer is None or tokenizer.eos_token_id is None:
+        return frozenset(config_eos_token_ids)
+    return frozenset({tokenizer.eos_token_id})
 
 
 def _encoder(model_dir: Path, ranks: dict[bytes, int], pattern: str, vocab_size: int) -> tiktoken.Encoding:

@@ -92,7 +92,7 @@ def naive_real(real_model, real_tokenizer, tmp_path_factory) -> NaiveReference:
     once per session (the workers of one xdist run share the folder above their own)."""
     root = tmp_path_factory.getbasetemp()
     shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
-    return NaiveReference(real_model, real_tokenizer.eos_token_id, shared / "naive_real")
+    return NaiveReference(real_model, frozenset({real_tokenizer.eos_token_id}), shared / "naive_real")
 
 
 @pytest.fixture(scope="session")

@@ -230,7 +230,7 @@ KV_BYTES_PER_TOKEN = 2 * 3 * 2 * 16 * 4  # the tiny model, fp32
 def expected_outputs(model, prompt: list[int], params: SamplingParams) -> list[list[int]]:
     """What an independent reference gives: naive decoding, seeded naive draws, the reference search."""
     if params.beam_width > 1:
-        return reference_beam_search(model, prompt, params.beam_width, params.max_tokens, None)
+        return reference_beam_search(model, prompt, params.beam_width, params.max_tokens, frozenset())
     return [
         generate(
             model,
@@ -321,7 +321,7 @@ def step_without_model(sched) -> list:
     sched.computed(schedule, {}, {})  # no guesses, no attention kept (no H2O)
     for item in schedule.sequences:
         if item.seq.num_uncomputed == 0:
-            reason = item.seq.append(1, None)
+            reason = item.seq.append(1, frozenset())
             if reason:
                 sched.finish(item.seq, reason)
     return [item.seq for item in schedule.sequences]
@@ -422,15 +422,15 @@ class NaiveReference:
     ask for more tokens than are stored decodes only the rest. A lock per prompt makes a second
     worker wait for the first one's answer instead of decoding it again."""
 
-    def __init__(self, model, eos_token_id: int, folder: Path):
-        self.model, self.eos_token_id, self.folder = model, eos_token_id, folder
+    def __init__(self, model, eos_token_ids: frozenset[int], folder: Path):
+        self.model, self.eos_token_ids, self.folder = model, eos_token_ids, folder
         folder.mkdir(parents=True, exist_ok=True)
 
     def __call__(self, prompt_ids: list[int], max_tokens: int) -> list[int]:
         import fcntl
         import hashlib
 
-        name = hashlib.sha256(json.dumps([self.eos_token_id, prompt_ids]).encode()).hexdigest()[:32]
+        name = hashlib.sha256(json.dumps([sorted(self.eos_token_ids), prompt_ids]).encode()).hexdigest()[:32]
         path = self.folder / f"{name}.json"
         with open(self.folder / f"{name}.lock", "w") as lock:
             deadline = time.monotonic() + LOCK_WAIT_S
@@ -446,8 +446,8 @@ class NaiveReference:
                 rest = SamplingParams(max_tokens=max_tokens - len(tokens))
                 tokens = (
                     tokens
-                    + generate(self.model, prompt_ids + tokens, rest, "naive", self.eos_token_id).token_ids
+                    + generate(self.model, prompt_ids + tokens, rest, "naive", self.eos_token_ids).token_ids
                 )
-                ended = tokens[-1] == self.eos_token_id
+                ended = tokens[-1] in self.eos_token_ids
                 path.write_text(json.dumps([tokens, ended]))
         return tokens[:max_tokens]

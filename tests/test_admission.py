@@ -200,7 +200,7 @@ def test_memory_admission_with_samples_and_beams_equals_the_references(tiny_dir,
                 for k in range(3)
             ]
         else:
-            assert out.samples == reference_beam_search(tiny_model, prompt, 2, 8, None)
+            assert out.samples == reference_beam_search(tiny_model, prompt, 2, 8, frozenset())
     assert_drained(llm)
 
 

@@ -23,7 +23,7 @@ def test_engine_beams_equal_reference_beams(tiny_dir, tiny_model, width, prompt_
     params = SamplingParams(beam_width=width, max_tokens=10, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20)
     out = llm.generate([prompt], params)[0]
-    assert out.samples == reference_beam_search(tiny_model, prompt, width, 10, None)
+    assert out.samples == reference_beam_search(tiny_model, prompt, width, 10, frozenset())
     assert out.token_ids == out.samples[0] and out.finished
     assert free_and_intact(llm.engine)  # dropped and finished beams gave everything back
     assert max(m.shared_slots for m in llm.engine.stats.memory) > 0
@@ -31,10 +31,12 @@ def test_engine_beams_equal_reference_beams(tiny_dir, tiny_model, width, prompt_
 
 def test_beams_stop_at_eos(tiny_dir, tiny_model):
     prompt = [1, 2, 3, 4]
-    eos = reference_beam_search(tiny_model, prompt, 3, 3, None)[1][1]  # a token some beam emits second
+    eos = reference_beam_search(tiny_model, prompt, 3, 3, frozenset())[1][1]  # a token some beam emits second
     llm = LLM(tiny_dir, model=tiny_model, block_size=4, kv_cache_bytes=1 << 20)
     out = llm.generate([prompt], SamplingParams(beam_width=3, max_tokens=8))[0]
-    assert out.samples == reference_beam_search(tiny_model, prompt, 3, 8, tiny_model.config.eos_token_id)
+    assert out.samples == reference_beam_search(
+        tiny_model, prompt, 3, 8, frozenset(tiny_model.config.eos_token_ids)
+    )
     assert eos is not None
 
 
@@ -45,7 +47,7 @@ def test_beam_search_under_preemption(tiny_dir, tiny_model):
     outputs = llm.generate(prompts, params)
     assert llm.engine.num_preemptions > 0
     for out, prompt in zip(outputs, prompts):
-        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 12, None)
+        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 12, frozenset())
 
 
 def test_beam_search_needs_greedy_settings():
@@ -97,7 +99,7 @@ def test_a_beam_group_takes_only_logits_that_fit_its_beams():
     logits = torch.zeros(97)
     logits[5], logits[6] = 2.0, 1.0  # every beam's best two: tokens 5 and 6
     assert not group.offer(beams[0], logits) and group.offer(beams[1], logits)
-    survivors, changes = group.advance(itertools.count(2), None)
+    survivors, changes = group.advance(itertools.count(2), frozenset())
     pruned = [beam for beam in beams if beam not in survivors]
     assert len(survivors) == 2 and pruned == [beams[1]] and changes[0] == Finish(beams[1], "pruned")
     for beam in survivors:  # extended by one token, not computed yet: these logits are stale
@@ -126,5 +128,7 @@ def test_beams_with_prefix_caching_and_preemption_under_static_batching(tiny_dir
     )
     out = llm.generate([prompt] + others, params)[0]
     assert llm.engine.num_preemptions > 0
-    assert out.error is None and out.samples == reference_beam_search(tiny_model, prompt, 4, max_tokens, None)
+    assert out.error is None and out.samples == reference_beam_search(
+        tiny_model, prompt, 4, max_tokens, frozenset()
+    )
     assert free_and_intact(llm.engine)

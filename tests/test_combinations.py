@@ -108,7 +108,7 @@ def test_beams_on_cached_prefixes_equal_the_reference_search(tiny_dir, tiny_mode
     params = SamplingParams(beam_width=3, max_tokens=6, ignore_eos=True)
     llm = LLM(tiny_dir, model=tiny_model, prefix_caching=True, block_size=BLOCK)
     for prompt, out in zip(prompts, one_by_one(llm, prompts, params)):
-        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 6, None)
+        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 6, frozenset())
     assert llm.engine.snapshot().prefix_cache["hit_blocks"] >= 2
     assert_drained(llm)
 

@@ -59,7 +59,7 @@ def test_tiny_model_matches_hf_transformers(tiny_dir, tiny_model):
 def test_generation_stops_at_eos_and_at_the_context_end(tiny_model):
     prompt = [5, 6, 7]
     first = generate(tiny_model, prompt, SamplingParams(max_tokens=1)).token_ids[0]
-    stopped = generate(tiny_model, prompt, SamplingParams(max_tokens=20), eos_token_id=first)
+    stopped = generate(tiny_model, prompt, SamplingParams(max_tokens=20), eos_token_ids=frozenset({first}))
     assert stopped.token_ids == [first] and stopped.finish_reason == "eos"
     squeezed = generate(tiny_model, prompt, SamplingParams(max_tokens=20, ignore_eos=True), context_len=10)
     assert len(squeezed.token_ids) == 7 and squeezed.finish_reason == "length"

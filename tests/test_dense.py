@@ -171,7 +171,7 @@ def test_bf16_engine_matches_bf16_cached_decoding_on_the_real_model(real_dir, re
     exact = 0
     for out, prompt, sp in zip(llm.generate(prompts, params), prompts, params):
         ids = real_tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        expected = generate(model, ids, sp, "cached", real_tokenizer.eos_token_id).token_ids
+        expected = generate(model, ids, sp, "cached", frozenset({real_tokenizer.eos_token_id})).token_ids
         if out.token_ids == expected:
             exact += 1
             continue

@@ -250,7 +250,7 @@ def test_a_preempted_sequence_goes_back_to_the_head_of_the_queue():
     scheduler.add(third)
     for seq in (first, second):
         seq.num_computed = 8
-        seq.append(1, None)  # the 9th token needs a third block
+        seq.append(1, frozenset())  # the 9th token needs a third block
     assert [item.seq for item in scheduler.schedule().sequences] == [first]
     assert list(scheduler.waiting) == [second, third] and second.num_computed == 0
 

@@ -22,6 +22,7 @@ from helpers import (
     assert_fused_layers_equal_unfused,
     random_prompts,
     snap_to_blocks,
+    tiny_gpt2_tokenizer_json,
 )
 from references import (
     assert_equals_eviction_reference,
@@ -36,6 +37,7 @@ from minillm.decoding.naive import sequence_logits
 from minillm.engine import LLM, SamplingParams
 from minillm.memory.quantization import FORMATS
 from minillm.model import rope_tables
+from minillm.tokenizer import Tokenizer, end_of_sequence
 from minillm.weights import load_model
 
 VOCAB = 128
@@ -196,6 +198,123 @@ def test_the_fused_layer_equals_the_unfused_one(family, dtype):
     assert_fused_layers_equal_unfused(load_model(family.dir, dtype, weights="int8"), positions=[0, 7, 40])
 
 
+def ends_emitted_early(greedy: dict[tuple, list[int]]) -> list[int]:
+    """Two tokens the eos-free greedy outputs emit early, each ending a different prompt's output
+    (the first token seen again or a chosen one before it disqualifies a position): as end-of-
+    sequence tokens, the second and third of a list stop those outputs after 2-6 tokens."""
+    chosen: list[int] = []
+    for out in greedy.values():
+        for k in range(1, 6):
+            if out[k] not in out[:k] and not any(token in chosen for token in out[: k + 1]):
+                chosen.append(out[k])
+                break
+        if len(chosen) == 2:
+            return chosen
+    raise AssertionError(f"no two early tokens to end on in {list(greedy.values())}")
+
+
+@pytest.fixture(scope="module")
+def llama3_eos(tmp_path_factory):
+    """A Llama 3 folder whose config.json ends on [never emitted, A] and whose
+    generation_config.json on [never emitted, A, B], as Llama 3.1 Instruct lists end_of_text,
+    eom_id and eot_id; A and B are tokens the model emits early (from its eos-free greedy output).
+    Transformers' own `generate` on the folder (reading generation_config.json itself, stopping at
+    any of the list) is the reference."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path_factory.mktemp("llama3-eos")
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(hf_config("llama3-tied"), attn_implementation="eager")
+    randomize(hf, seed=3)
+    hf.eval().save_pretrained(folder)
+    (folder / "tokenizer.json").write_text(json.dumps(tiny_gpt2_tokenizer_json()))  # ids < 128: bytes
+    free = {tuple(p): hf_greedy(hf, p) for p in PROMPTS}
+    second, third = ends_emitted_early(free)
+    never = min(set(range(VOCAB)) - {t for out in free.values() for t in out})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"eos_token_id": [never, second]}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [never, second, third]}))
+    theirs = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    assert theirs.generation_config.eos_token_id == [never, second, third]
+    return SimpleNamespace(
+        dir=folder,
+        hf=theirs,
+        model=load_model(folder),
+        ends=(never, second, third),
+        free=free,
+        stopping={tuple(p): hf_greedy(theirs, p) for p in PROMPTS},
+    )
+
+
+def hf_greedy(hf, prompt: list[int], **options) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=PARAMS.max_tokens, **options)
+    return out[0, len(prompt) :].tolist()
+
+
+def test_every_eos_of_config_and_generation_config_ends_as_in_transformers(llama3_eos):
+    """config.json's list, then the id generation_config.json adds; the naive and cached decoders
+    stop where transformers stops, at the second id for one prompt and the third for another."""
+    never, second, third = llama3_eos.ends
+    ends = end_of_sequence(llama3_eos.model.config.eos_token_ids, None)
+    assert llama3_eos.model.config.eos_token_ids == (never, second, third)
+    last_tokens = {out[-1] for out in llama3_eos.stopping.values() if len(out) < PARAMS.max_tokens}
+    assert {second, third} <= last_tokens, "the tiny model was meant to stop early at both"
+    stopping = SamplingParams(max_tokens=PARAMS.max_tokens)
+    for prompt in PROMPTS:
+        expected = llama3_eos.stopping[tuple(prompt)]
+        for decoder in ("naive", "cached"):
+            gen = generate(llama3_eos.model, prompt, stopping, decoder, ends)
+            assert gen.token_ids == expected
+            assert gen.finish_reason == ("eos" if expected[-1] in ends else "length")
+            ignored = generate(llama3_eos.model, prompt, PARAMS, decoder, ends)  # ignore_eos
+            assert ignored.token_ids == llama3_eos.free[tuple(prompt)]
+
+
+@pytest.mark.parametrize("switches", ["paged", "speculation"])
+def test_the_engine_ends_at_any_eos_as_transformers_does(llama3_eos, switches, always_guess):
+    """Any of the three ends a sequence ("stop") and is not text (the `tokenizers` library decodes
+    the rest); ignore_eos ignores them all; min_tokens bans them all (transformers' min_new_tokens)."""
+    from tokenizers import Tokenizer as Reference
+
+    model, reference = llama3_eos.model, Reference.from_file(str(llama3_eos.dir / "tokenizer.json"))
+    switched = ENGINE_SWITCHES[switches](model.config)
+    llm = LLM(llama3_eos.dir, model=model, tokenizer=Tokenizer(llama3_eos.dir), **switched)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=PARAMS.max_tokens))
+    for prompt, out in zip(PROMPTS, outs):
+        expected = llama3_eos.stopping[tuple(prompt)]
+        stopped = expected[-1] in llama3_eos.ends
+        assert out.outputs[0].token_ids == expected
+        assert out.outputs[0].finish_reason == ("stop" if stopped else "length")
+        assert out.outputs[0].text == reference.decode(expected[:-1] if stopped else expected)
+    ignored = llm.generate(PROMPTS, PARAMS)
+    assert [out.token_ids for out in ignored] == [llama3_eos.free[tuple(p)] for p in PROMPTS]
+    late = llm.generate(PROMPTS, SamplingParams(max_tokens=PARAMS.max_tokens, min_tokens=3))
+    expected = [hf_greedy(llama3_eos.hf, p, min_new_tokens=3) for p in PROMPTS]
+    assert [out.token_ids for out in late] == expected
+    assert expected != [llama3_eos.stopping[tuple(p)] for p in PROMPTS], "min_tokens was meant to bite"
+    assert_drained(llm)
+
+
+BAD_GENERATION_CONFIGS = {  # generation_config.json's text -> what the one line says
+    "not JSON": ("{", "is not valid JSON"),
+    "a list": ("[1, 2]", "holds a JSON list, not an object"),
+    "a quoted id": ('{"eos_token_id": "2"}', "eos_token_id='2' in generation_config.json"),
+    "past the vocabulary": (f'{{"eos_token_id": [1, {VOCAB}]}}', f"must be a token id in \\[0, {VOCAB}\\)"),
+    "negative": ('{"eos_token_id": -1}', "eos_token_id=-1 in generation_config.json"),
+    "a bool": ('{"eos_token_id": true}', "eos_token_id=True in generation_config.json"),
+    "nested": ('{"eos_token_id": [[1]]}', "eos_token_id=\\[\\[1\\]\\]"),
+}
+
+
+@pytest.mark.parametrize("text, message", BAD_GENERATION_CONFIGS.values(), ids=BAD_GENERATION_CONFIGS)
+def test_a_bad_generation_config_is_refused_in_one_line(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(json.dumps(hf_config("llama3-tied").to_dict()))
+    (tmp_path / "generation_config.json").write_text(text)
+    with pytest.raises(ConfigError, match=message) as err:
+        ModelConfig.from_dir(tmp_path)
+    assert "\n" not in str(err.value)
+
+
 LOSSY_REPLAY = pytest.mark.slow  # the references replay every chunk without a cache: 2-6 s each
 
 
@@ -310,6 +429,18 @@ REFUSED = [  # (family, config.json fields changed, what the one line says)
         {"architectures": ["MistralForCausalLM"]},
         "Unsupported architecture 'MistralForCausalLM'",
     ),
+    (
+        "llama3-tied",
+        {"eos_token_id": [1, "2"]},
+        "eos_token_id=\\[1, '2'\\] in config.json must be a token id",
+    ),
+    (
+        "qwen2",
+        {"eos_token_id": VOCAB},
+        f"eos_token_id={VOCAB} in config.json must be a token id in \\[0, {VOCAB}\\)",
+    ),
+    ("qwen3", {"eos_token_id": [2, None]}, "eos_token_id=\\[2, None\\] in config.json"),
+    ("llama3-bias", {"eos_token_id": 2.0}, "eos_token_id=2.0 in config.json"),
 ]
 
 

@@ -18,6 +18,7 @@ from minillm.memory.block_manager import BlockManager
 
 BLOCK = 4
 EOT = 96  # the end-of-turn token of these tests' "chat template"
+EOS_TOKEN_IDS = frozenset({EOT})  # what LearnedLengths counts as closing a message
 
 
 def request(seq_id, prompt, max_tokens, n=1):
@@ -52,7 +53,7 @@ def policy(num_blocks=64, prefix_caching=False, **kwargs) -> MemoryAware:
     manager = KVCacheManager(
         BlockManager(num_blocks=num_blocks, block_size=BLOCK, prefix_caching=prefix_caching)
     )
-    return MemoryAware(manager, 64, kwargs.pop("lengths", LearnedLengths(EOT)), **kwargs)
+    return MemoryAware(manager, 64, kwargs.pop("lengths", LearnedLengths(EOS_TOKEN_IDS)), **kwargs)
 
 
 def scheduler_with(admission, manager=None, max_num_seqs=16) -> Scheduler:
@@ -72,7 +73,7 @@ def scheduler_with(admission, manager=None, max_num_seqs=16) -> Scheduler:
 
 def test_lengths_are_learned_by_the_shape_of_the_request():
     """Essays (a large max_tokens) and one-line answers (a chat turn) are told apart by shape."""
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     chat_turn = [5, 6, EOT, 7, 8]
     teach(lengths, 8, 512, 300, times=32)  # raw prose, room for an essay declared: long answers
     teach(lengths, chat_turn, 64, 6, times=32)  # a chat turn with a small max_tokens: short answers
@@ -83,7 +84,7 @@ def test_lengths_are_learned_by_the_shape_of_the_request():
 def test_a_shape_seen_rarely_is_pulled_toward_the_coarser_estimate():
     """Its own mean counts as much as its peers are many; PRIOR_PEERS more stand for the coarser
     shape's estimate."""
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     teach(lengths, 8, 64, 10)  # 8-token prompts, raw text, 64 declared
     teach(lengths, 200, 64, 40, times=1)  # one 200-token prompt
     everyone = (8 * 10 + 40) / 9
@@ -93,11 +94,13 @@ def test_a_shape_seen_rarely_is_pulled_toward_the_coarser_estimate():
     long_prompt = (40 + PRIOR_PEERS * messages) / (1 + PRIOR_PEERS)
     assert lengths.expected_output(request(2, 200, 64)) == round(long_prompt)
     assert 10 < long_prompt < 40 / 2  # seen once: a little above its kind's 10, far from its own 40
-    assert LearnedLengths(EOT).expected_output(request(3, 8, 16)) == 16  # nothing learned: max_tokens
+    assert (
+        LearnedLengths(EOS_TOKEN_IDS).expected_output(request(3, 8, 16)) == 16
+    )  # nothing learned: max_tokens
 
 
 def test_a_running_request_is_expected_to_outlive_what_it_has_generated():
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     for length in (2, 4, 10, 20, 30, 40, 50, 60):
         lengths.finished(finished(next(TAUGHT_IDS), 8, 100, length))
     survivor = request(1, 8, 100)
@@ -110,7 +113,7 @@ def test_a_running_request_is_expected_to_outlive_what_it_has_generated():
 def test_the_window_is_bounded_and_follows_the_latest_requests():
     """However many requests finish, HISTORY are kept (memory stays flat), and traffic that
     changes is followed."""
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     for i in range(3 * HISTORY):
         lengths.finished(finished(next(TAUGHT_IDS), 8 + i % 50, 256, 100 if i < 2 * HISTORY else 10))
     assert lengths.learned() == HISTORY
@@ -119,7 +122,7 @@ def test_the_window_is_bounded_and_follows_the_latest_requests():
 
 
 def test_the_mean_of_finished_knows_no_shapes():
-    mean = MeanOfFinished(EOT)
+    mean = MeanOfFinished(EOS_TOKEN_IDS)
     teach(mean, 8, 512, 300)
     teach(mean, [5, EOT, 6], 64, 6)
     assert mean.expected_output(request(1, 8, 512)) == mean.expected_output(request(2, [5, EOT, 6], 512))
@@ -130,7 +133,7 @@ def test_the_mean_of_finished_knows_no_shapes():
 
 def test_a_document_costs_less_than_a_long_answer_whose_peak_is_lower():
     """KV block-steps, not peak blocks: 31 blocks for 4 steps is cheaper than 2 growing to 22 for 80."""
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     teach(lengths, 120, 16, 2)  # documents: a long prompt, a short answer
     teach(lengths, 8, 128, 80)  # long answers: a short prompt, a long answer
     costs = policy(lengths=lengths)
@@ -147,7 +150,7 @@ def test_the_price_is_block_steps_over_the_pool_plus_tokens_over_the_budget():
     """The formula, spelled out on an 8-token prompt (2 blocks of 4) expected to answer in 8 tokens,
     a 64-block pool and a 64-token step: it holds its 2 prompt blocks for its prefill step and its
     8 decode steps, and its 2 output blocks as they grow; it computes 8 + 8 tokens."""
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     teach(lengths, 8, 16, 8)
     assert policy(lengths=lengths).cost(request(1, 8, 16)) == pytest.approx(
         (2 * (1 + 8) + 2 * 8 / 2) / 64 + (8 + 8) / 64
@@ -157,7 +160,7 @@ def test_the_price_is_block_steps_over_the_pool_plus_tokens_over_the_budget():
 def test_cached_prompt_blocks_are_neither_held_anew_nor_computed():
     """The same request once its first block is cached: it holds 1 new prompt block and
     computes 4 prompt tokens (the cached block's are neither paid for)."""
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     teach(lengths, 8, 16, 8)
     costs = policy(prefix_caching=True, lengths=lengths)
     sched = scheduler_with(costs)
@@ -179,7 +182,7 @@ def test_each_of_n_samples_is_priced():
 
 
 def test_shortest_predicted_work_is_admitted_first():
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     teach(lengths, 8, 128, 100)
     teach(lengths, 8, 16, 3)
     costs = policy(num_blocks=64, lengths=lengths)
@@ -199,7 +202,7 @@ def test_the_victim_is_the_running_request_with_the_most_remaining_cost(admissio
     that, and the pool runs short as the middle one needs a block. fcfs preempts the newest;
     memory-aware admission the one with the most life left, the middle one itself."""
     manager = KVCacheManager(BlockManager(num_blocks=9, block_size=BLOCK))
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     teach(lengths, 4, 24, 1)
     teach(lengths, 4, 12, 1)
     sched = scheduler_with(make_admission(admission, manager, 64, lengths), manager)
@@ -221,7 +224,7 @@ TARGET = 4 * URGENT_STEPS * STEP_S  # a fresh request has 4 x URGENT_STEPS steps
 
 
 def deadline_policy(clock, lengths=None, num_blocks=64, refuse_late=False):
-    lengths = lengths or LearnedLengths(EOT)
+    lengths = lengths or LearnedLengths(EOS_TOKEN_IDS)
     return policy(
         num_blocks=num_blocks, lengths=lengths, ttft_target=TARGET, refuse_late=refuse_late, clock=clock
     )
@@ -251,7 +254,7 @@ def test_a_request_that_can_no_longer_meet_its_target_yields_to_one_that_can():
 
 def test_a_request_near_its_deadline_goes_before_cheaper_ones():
     clock = FakeClock()
-    lengths = LearnedLengths(EOT)
+    lengths = LearnedLengths(EOS_TOKEN_IDS)
     teach(lengths, 8, 128, 100)
     teach(lengths, 8, 16, 3)
     costs = deadline_policy(clock, lengths)

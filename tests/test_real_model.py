@@ -73,7 +73,9 @@ def test_greedy_chat_reply_is_identical_to_hf(real_model, real_tokenizer, hf_mod
         )
     expected = hf_out[0, len(ids) :].tolist()
     assert naive_real(ids, 40) == expected
-    ours = generate(real_model, ids, SamplingParams(max_tokens=40), "cached", real_tokenizer.eos_token_id)
+    ours = generate(
+        real_model, ids, SamplingParams(max_tokens=40), "cached", frozenset({real_tokenizer.eos_token_id})
+    )
     assert ours.token_ids == expected
 
 

@@ -30,6 +30,7 @@ from minillm.engine import LLM, LLMEngine, SamplingParams
 from minillm.memory.block_ledger import tier_of
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.metrics import parse_metrics
+from minillm.serve.responses import ChoiceText
 from minillm.structured import StructuredOutput
 
 CONTEXT = 1024
@@ -249,6 +250,18 @@ def fetch_status(url: str) -> int:
             return response.status
     except urllib.error.HTTPError as err:
         return err.code
+
+
+def test_a_choice_ends_at_any_of_the_models_eos_tokens_and_shows_none(real_tokenizer):
+    """Qwen2.5 Instruct ends on <|im_end|> or <|endoftext|> (Llama 3.1 Instruct on any of three):
+    either ends a choice ("stop") and neither is text, nor under ignore_eos, which runs on."""
+    hello = real_tokenizer.encode("Hello")
+    ends = frozenset(real_tokenizer.special_tokens[name] for name in ("<|im_end|>", "<|endoftext|>"))
+    for end in ends:
+        choice = ChoiceText(real_tokenizer, [], ends, 10, ignore_eos=False)
+        assert choice.update([*hello, end]) == "Hello" and choice.finish_reason == "stop"
+        running = ChoiceText(real_tokenizer, [], ends, 10, ignore_eos=True)
+        assert running.update([*hello, end, *hello]) == "HelloHello" and not running.done
 
 
 def test_greedy_completions_equal_llm_generate(client, reference):

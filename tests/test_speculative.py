@@ -166,7 +166,7 @@ def test_seeded_samples_and_beams_are_unchanged(tiny_dir, tiny_model):
     for out, prompt in zip(outputs[:4], batch):
         assert out.samples == expected_outputs(tiny_model, prompt, sampled)
     for out, prompt in zip(outputs[4:], batch[:2]):
-        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 12, None)
+        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 12, frozenset())
     assert_guessed_both_ways(llm)
     assert_drained_and_forgotten(llm)
 

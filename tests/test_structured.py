@@ -170,7 +170,9 @@ def test_every_output_of_a_batch_is_valid(llm, temperature):
         check(completion.text)
 
 
-def naive_structured(model, grammars: Grammars, prompt_ids: list[int], spec, max_tokens: int, eos: int):
+def naive_structured(
+    model, grammars: Grammars, prompt_ids: list[int], spec, max_tokens: int, eos_token_ids: frozenset[int]
+):
     """The reference: no cache, the whole sequence each step, and the mask straight from the
     library as a float bias (its own `compute_logit_bias`, not our bitmask unpacking)."""
     matcher = llguidance.LLMatcher(grammars._tokenizer, spec.llguidance_grammar(), log_level=0)
@@ -183,7 +185,7 @@ def naive_structured(model, grammars: Grammars, prompt_ids: list[int], spec, max
         token = int(logits.masked_fill(allowed == 0, float("-inf")).argmax())
         assert matcher.consume_token(token)
         ids.append(token)
-        if token == eos:
+        if token in eos_token_ids:
             break
     return ids[len(prompt_ids) :]
 
@@ -203,10 +205,10 @@ def test_greedy_structured_output_equals_the_naive_decoder_with_the_librarys_mas
     outputs = engine_llm.generate([p for p, _, _ in batch], [params for _, params, _ in batch])
     if "kv_cache_bytes" in switches:
         assert engine.num_preemptions > 0, "the pool was meant to be too small for the batch"
-    tokenizer, eos = engine.tokenizer, engine.eos_token_id
+    tokenizer, eos_token_ids = engine.tokenizer, engine.eos_token_ids
     for (prompt, params, check), out in zip(batch, outputs):
         expected = naive_structured(
-            engine.model, engine.grammars(), tokenizer.encode(prompt), params.structured, 64, eos
+            engine.model, engine.grammars(), tokenizer.encode(prompt), params.structured, 64, eos_token_ids
         )
         assert out.outputs[0].token_ids == expected, params.structured
         check(out.outputs[0].text)
@@ -231,7 +233,7 @@ def test_unpacked_bits_are_the_librarys_mask(model_dir, llm):
     bias = torch.frombuffer(bytearray(state.matcher.compute_logit_bias()), dtype=torch.uint8)
     assert torch.equal(unpack_bits(bitmask, grammars.vocab_size)[0], bias[: grammars.vocab_size] > 0)
     # a model's vocabulary padded past the tokens
-    padded = Grammars(llm.engine.tokenizer, grammars.vocab_size + 64, llm.engine.eos_token_id)
+    padded = Grammars(llm.engine.tokenizer, grammars.vocab_size + 64, llm.engine.eos_token_ids)
     logits = torch.zeros(2, padded.vocab_size)
     padded.mask_logits(logits, [padded.start(StructuredOutput(regex="[a-z]+")), None])
     assert torch.isinf(logits[0, grammars.vocab_size :]).all() and torch.isfinite(logits[0]).any()
@@ -250,6 +252,22 @@ def test_a_grammar_that_cannot_compile_fails_its_request_alone_in_one_line(llm):
     outputs = llm.generate(["Hi", "Hi"], [banned, SamplingParams(max_tokens=4)])
     assert outputs[0].outputs[0].finish_reason == "error" and "no token is left" in outputs[0].error
     assert outputs[1].outputs[0].finish_reason == "length"
+
+
+def test_a_complete_grammar_allows_every_eos_token_and_only_those(llm):
+    """A model that ends on either of two tokens (Qwen2.5 Instruct: <|im_end|>, <|endoftext|>)
+    may end a finished grammar on either; one that names none cannot end one, and says so."""
+    tokenizer = llm.engine.tokenizer
+    ends = frozenset(tokenizer.special_tokens[name] for name in ("<|im_end|>", "<|endoftext|>"))
+    grammars = Grammars(tokenizer, llm.engine.model.config.vocab_size, ends)
+    state = grammars.start(StructuredOutput(choice=("yes",)))
+    for token in tokenizer.encode("yes"):
+        state.advance(token)
+    logits = torch.zeros(1, grammars.vocab_size)
+    grammars.mask_logits(logits, [state])
+    assert set(torch.isfinite(logits[0]).nonzero().flatten().tolist()) == ends
+    with pytest.raises(ValueError, match="names no EOS token"):
+        Grammars(tokenizer, grammars.vocab_size, frozenset())
 
 
 def test_an_engine_without_a_tokenizer_says_structured_output_needs_one(tiny_model, tiny_dir):

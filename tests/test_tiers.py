@@ -159,7 +159,7 @@ def test_beams_with_swaps_equal_the_reference_search(tiny_dir, tiny_model):
     params = SamplingParams(beam_width=3, max_tokens=8, ignore_eos=True)
     llm = tight(tiny_dir, tiny_model, blocks=12)
     for out, prompt in zip(llm.generate(prompts, params), prompts):
-        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 8, None)
+        assert out.samples == reference_beam_search(tiny_model, prompt, 3, 8, frozenset())
     assert_swapped_and_drained(llm)
 
 

@@ -319,6 +319,7 @@ def fake_hub(tmp_path_factory):
     single = root / REPO / "resolve" / "main"
     single.mkdir(parents=True)
     (single / "config.json").write_text(json.dumps(config))
+    (single / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))  # as Qwen2.5's adds
     save_file(tensors, single / "model.safetensors")
     tiny_tokenizer_files(single, config["vocab_size"])
 
@@ -334,7 +335,7 @@ def fake_hub(tmp_path_factory):
     (sharded / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {n: shard for shard, shard_names in shards.items() for n in shard_names}})
     )
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         (sharded / name).write_bytes((single / name).read_bytes())
 
     namesake = root / "other/tiny-llama" / "resolve" / "main"  # REPO's name, another owner, other weights
@@ -356,6 +357,12 @@ def fake_hub(tmp_path_factory):
     (sentencepiece / "config.json").write_bytes((single / "config.json").read_bytes())
     (sentencepiece / "model.safetensors").write_bytes((single / "model.safetensors").read_bytes())
     (sentencepiece / "tokenizer.json").write_text(json.dumps(sentencepiece_tokenizer_json()))
+
+    bad_generation = root / "tester/tiny-badgen" / "resolve" / "main"  # an eos id that is no token's
+    bad_generation.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (bad_generation / name).write_bytes((single / name).read_bytes())
+    (bad_generation / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, "0"]}))
 
     escaping = root / "tester/tiny-escape" / "resolve" / "main"  # its index names a shard outside the folder
     escaping.mkdir(parents=True)
@@ -430,9 +437,11 @@ def test_fetch_from_hub_writes_a_model_minillm_loads(hub_env, tmp_path, repo):
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
+        "generation_config.json",
         "manifest.json",
     }
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # as the hub has them
+    # as the hub has them
+    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         assert (out / name).read_bytes() == (hub_env["source"] / name).read_bytes()
     reference_dir = tmp_path / "reference"
     reference_dir.mkdir()
@@ -497,6 +506,14 @@ def test_a_sentencepiece_tokenizer_is_refused_in_one_line_before_the_weights_com
     assert "SentencePiece" in err and "Llama 3" in err and len(err.splitlines()) == 1
     assert not (tmp_path / ".downloads" / "tester--tiny-spm" / "model.safetensors").exists()
     assert not (tmp_path / "tester--tiny-spm").exists()
+
+
+def test_a_bad_generation_config_is_refused_in_one_line_before_the_weights_come(hub_env, tmp_path, capsys):
+    assert weights_fetch.main(["--hf", "tester/tiny-badgen", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "eos_token_id=[2, '0'] in generation_config.json" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / ".downloads" / "tester--tiny-badgen" / "model.safetensors").exists()
+    assert not (tmp_path / "tester--tiny-badgen").exists()
 
 
 def test_a_folder_fetched_in_the_old_format_is_fetched_again(hub_env, tmp_path, capsys):
@@ -634,7 +651,7 @@ def test_a_download_cut_short_fails_in_one_line_leaves_no_file_and_the_next_run_
     err = capsys.readouterr().err.strip()
     assert "model.safetensors ended after" in err and "run again" in err and len(err.splitlines()) == 1
     # no partial file, no .part: the small files that came whole, each with the record of its hash
-    whole = ("config.json", "tokenizer.json", "tokenizer_config.json")
+    whole = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
     assert sorted(path.name for path in cache.iterdir()) == sorted([*whole, *(f".{n}.sha256" for n in whole)])
     monkeypatch.setenv("HF_ENDPOINT", hub_env["endpoint"])
     assert weights_fetch.main(["--hf", REPO, "--out", str(tmp_path)]) == 0

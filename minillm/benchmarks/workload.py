@@ -199,18 +199,19 @@ def add_conversation(trace, tokenizer, kind: Kind, first_message, clock, prose, 
 
 
 class ScriptedStop:
-    """A request's sampler: greedy, never EOS before its `output_len`-th token, which is EOS. The
-    engine sees an ordinary request that stops on its own before its max_tokens."""
+    """A request's sampler: greedy, never EOS before its `output_len`-th token, which is EOS (the
+    lowest of the model's end-of-sequence tokens). The engine sees an ordinary request that stops
+    on its own before its max_tokens."""
 
-    def __init__(self, output_len: int, eos_token_id: int):
-        self.output_len, self.eos_token_id, self.emitted = output_len, eos_token_id, 0
+    def __init__(self, output_len: int, eos_token_ids: frozenset[int]):
+        self.output_len, self.eos_token_ids, self.emitted = output_len, sorted(eos_token_ids), 0
 
     def __call__(self, logits: torch.Tensor) -> int:
         self.emitted += 1
         if self.emitted == self.output_len:
-            return self.eos_token_id
+            return self.eos_token_ids[0]
         logits = logits.clone()
-        logits[self.eos_token_id] = float("-inf")
+        logits[self.eos_token_ids] = float("-inf")
         return int(logits.argmax())
 
 
@@ -224,7 +225,7 @@ def submit_scripted(
         SamplingParams(max_tokens=request.max_tokens),
         request_id=str(index),
         arrival_time=arrival_time,
-        sampler=ScriptedStop(request.output_len, engine.eos_token_id),
+        sampler=ScriptedStop(request.output_len, engine.eos_token_ids),
     )
 
 

@@ -149,7 +149,7 @@ class Chat(SessionCommands):
                 meter.reused_tokens = engine.prefix_hit_tokens() - hits_before
                 for token in out.token_ids[shown:]:
                     meter.count_token()
-                    if token == engine.eos_token_id:
+                    if token in engine.eos_token_ids:
                         continue
                     piece = decoder.feed(token)
                     text += piece

@@ -129,7 +129,7 @@ def generate_paged(runtime, prompt_ids: list[int], params, args) -> None:
     out, text, shown = None, runtime.tokenizer.stream_decoder(), 0
     for out in llm.stream(prompt_ids, params):  # a step may bring several tokens (speculation)
         for token in out.token_ids[shown:]:
-            if not args.json and token != runtime.eos_token_id:
+            if not args.json and token not in runtime.eos_token_ids:
                 console.print(text.feed(token), end="", markup=False, highlight=False)
         shown = len(out.token_ids)
     if out.error:

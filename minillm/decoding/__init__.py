@@ -4,8 +4,8 @@ naive.py   no cache: every step recomputes the whole sequence (the oracle)
 cached.py  one contiguous KV cache, grown a token at a time
 
 Both decoders answer two questions — `prefill(prompt_ids)` and `step(token_id)` — with the
-logits for the next token. `generate` turns those logits into tokens until EOS, the token limit,
-or the end of the context.
+logits for the next token. `generate` turns those logits into tokens until an end-of-sequence
+token (any of `eos_token_ids`: a model may have several), the token limit, or the end of the context.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def stream(
     prompt_ids: list[int],
     params: SamplingParams,
     decoder: str = "cached",
-    eos_token_id: int | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
     context_len: int | None = None,
 ) -> Iterator[tuple[int, Generation]]:
     """Yield (token_id, generation so far) for every new token; the generation carries timings."""
@@ -80,7 +80,7 @@ def stream(
         else:
             gen.decode_s = now - start
         yield token, gen
-        if token == eos_token_id and not params.ignore_eos:
+        if token in eos_token_ids and not params.ignore_eos:
             gen.finish_reason = "eos"
             return
         if i + 1 < max_new:
@@ -92,10 +92,10 @@ def generate(
     prompt_ids: list[int],
     params: SamplingParams,
     decoder: str = "cached",
-    eos_token_id: int | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
     context_len: int | None = None,
 ) -> Generation:
     gen = None
-    for _, gen in stream(model, prompt_ids, params, decoder, eos_token_id, context_len):
+    for _, gen in stream(model, prompt_ids, params, decoder, eos_token_ids, context_len):
         pass
     return gen

@@ -54,7 +54,9 @@ class BeamGroup:
         self.pending[seq.seq_id] = torch.log_softmax(logits, dim=-1)
         return all(beam.seq_id in self.pending for beam, _ in self.live)
 
-    def advance(self, seq_ids: Iterator[int], eos: int | None) -> tuple[list[Sequence], list[Change]]:
+    def advance(
+        self, seq_ids: Iterator[int], eos_token_ids: frozenset[int]
+    ) -> tuple[list[Sequence], list[Change]]:
         """One step: keep the best `width` (beam, token) pairs; fork beams chosen more than once
         (ids from `seq_ids`), finish beams chosen by nobody (their blocks go back). Returns the
         request's sequences (the live beams, or once none is left, the best finished ones) and the
@@ -79,7 +81,7 @@ class BeamGroup:
             assignments.append((seq, token, score))
         self.live = []
         for seq, token, score in assignments:
-            reason = seq.append(token, eos)
+            reason = seq.append(token, eos_token_ids)
             if reason:
                 changes.append(Finish(seq, reason))
                 self.finished.append((seq, score))
@@ -92,7 +94,7 @@ class BeamGroup:
 
 
 def reference_beam_search(
-    model, prompt_ids: list[int], width: int, max_tokens: int, eos_token_id: int | None
+    model, prompt_ids: list[int], width: int, max_tokens: int, eos_token_ids: frozenset[int]
 ) -> list[list[int]]:
     """The same search, recomputing every beam's whole sequence every step (no cache at all)."""
     live, finished = [([], 0.0)], []
@@ -103,7 +105,7 @@ def reference_beam_search(
         survivors = []
         for beam, token, score in select([score for _, score in live], logprobs, width):
             out = live[beam][0] + [token]
-            done = token == eos_token_id or len(out) >= max_tokens
+            done = token in eos_token_ids or len(out) >= max_tokens
             (finished if done else survivors).append((out, score))
         live = survivors
     return [out for out, _ in sorted(finished, key=lambda beam: -beam[1])[:width]]

@@ -95,7 +95,7 @@ class LLMEngine:
         self.tokenizer = (
             tokenizer if tokenizer is not None or model is not None else Tokenizer(config.model_dir)
         )
-        self.eos_token_id = end_of_sequence(self.model.config.eos_token_id, self.tokenizer)
+        self.eos_token_ids = end_of_sequence(self.model.config.eos_token_ids, self.tokenizer)
         self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
         self.kv_cache = KVCacheManager.build(config, model_config, self.model.dtype, self.model.device)
@@ -105,7 +105,7 @@ class LLMEngine:
             self.proposer = NgramProposer(
                 config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
             )
-        self.scheduler = self._scheduler(output_lengths or LearnedLengths(self.eos_token_id))
+        self.scheduler = self._scheduler(output_lengths or LearnedLengths(self.eos_token_ids))
         self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
@@ -115,7 +115,7 @@ class LLMEngine:
         self.chooser = TokenChooser(  # guess checks, prompt scoring, sampling, constraints, forks
             self.runner,
             self.stats,
-            self.eos_token_id,
+            self.eos_token_ids,
             model_config.vocab_size,
             self.tokenizer,
             self.proposer,
@@ -280,7 +280,7 @@ class LLMEngine:
         """The requests' outputs. A request whose output is final is forgotten: a long-lived engine
         keeps nothing of the requests it has answered."""
         outputs = [
-            RequestOutput.of(self.requests[request_id], self.tokenizer, self.eos_token_id)
+            RequestOutput.of(self.requests[request_id], self.tokenizer, self.eos_token_ids)
             for request_id in request_ids
         ]
         for out in outputs:

@@ -73,9 +73,10 @@ class _Lengths:
 class LearnedLengths:
     """Output lengths by request shape, learned from the latest HISTORY finished requests."""
 
-    def __init__(self, end_of_turn: int | None):
-        """`end_of_turn`: the token that closes a chat message (the checkpoint's EOS), or None."""
-        self.end_of_turn = end_of_turn
+    def __init__(self, eos_token_ids: frozenset[int]):
+        """`eos_token_ids`: the tokens that close a chat message (the checkpoint's end-of-sequence
+        tokens: Llama 3's `<|eot_id|>` is one of three)."""
+        self.eos_token_ids = eos_token_ids
         self._by_shape: dict[tuple, _Lengths] = {}  # a shape at every level of detail -> its lengths
         self._window: deque[tuple[tuple, int]] = deque()  # (finest shape, length), oldest first
         self._shapes: dict[int, list[tuple]] = {}  # seq_id -> its shapes, once looked at
@@ -90,7 +91,7 @@ class LearnedLengths:
 
     def _shapes_of(self, seq: Sequence) -> list[tuple]:
         declared = (seq.max_len - len(seq.prompt_ids)).bit_length()
-        messages = min(seq.prompt_ids.count(self.end_of_turn), 9) if self.end_of_turn is not None else 0
+        messages = min(sum(token in self.eos_token_ids for token in seq.prompt_ids), 9)
         prompt = len(seq.prompt_ids).bit_length()
         return [(declared, messages, prompt), (declared, messages), (declared,), ()]
 

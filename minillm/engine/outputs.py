@@ -53,12 +53,12 @@ class RequestOutput:
     logprobs: list[list[TokenLogprob]] | None = None  # per sample, per token (when asked)
     stop_token_ids: tuple[int, ...] = ()  # tokens that ended a sample as EOS does (SamplingParams)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token, None for the first
-    eos_token_id: int | None = None  # the engine's end of sequence (config.json's), never text
+    eos_token_ids: frozenset[int] = frozenset()  # the engine's end-of-sequence tokens, never text
 
     def decode(self, token_ids: list[int]) -> str:
         if self.tokenizer is None:
             raise ConfigError("This engine has no tokenizer; read token_ids instead of text.")
-        hidden = {self.eos_token_id, *self.stop_token_ids}  # a stop token ends, it is not text
+        hidden = {*self.eos_token_ids, *self.stop_token_ids}  # a stop token ends, it is not text
         return self.tokenizer.decode([t for t in token_ids if t not in hidden])
 
     @property
@@ -69,7 +69,7 @@ class RequestOutput:
     def outputs(self) -> list[CompletionOutput]:
         """Every sample or beam as vLLM's RequestOutput.outputs lists them (decoded on each read)."""
         ended = "length" if self.finish_reason in ("eos", "length") else self.finish_reason
-        stops = {self.eos_token_id, *self.stop_token_ids}
+        stops = {*self.eos_token_ids, *self.stop_token_ids}
 
         def reason(ids: list[int]) -> str | None:
             return ("stop" if ids and ids[-1] in stops else ended) if self.finished else None
@@ -82,7 +82,7 @@ class RequestOutput:
 
     @classmethod
     def of(
-        cls, seqs: list[Sequence], tokenizer: Tokenizer | None, eos_token_id: int | None
+        cls, seqs: list[Sequence], tokenizer: Tokenizer | None, eos_token_ids: frozenset[int]
     ) -> "RequestOutput":
         first = seqs[0]
         ttft = tpot = None
@@ -111,7 +111,7 @@ class RequestOutput:
             [list(seq.logprobs) for seq in seqs] if first.params.logprobs is not None else None,
             first.params.stop_token_ids,
             [None, *first.prompt_logprobs] if first.params.prompt_logprobs is not None else None,
-            eos_token_id,
+            eos_token_ids,
         )
 
     def prefix_miss_report(self) -> dict | None:

@@ -84,7 +84,9 @@ def make_admission(
     TTFT target `ttft_target` (seconds), puts requests that can still meet it first (and with
     `refuse_late` refuses those that cannot)."""
     if policy == "memory":
-        return MemoryAware(manager, step_tokens, lengths or LearnedLengths(None), ttft_target, refuse_late)
+        return MemoryAware(
+            manager, step_tokens, lengths or LearnedLengths(frozenset()), ttft_target, refuse_late
+        )
     simple = {"fcfs": FirstComeFirstServed, "lpm": LongestPrefixFirst, "reserve": MaxLengthReservation}
     return simple[policy]() if policy == "fcfs" else simple[policy](manager)
 

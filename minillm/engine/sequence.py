@@ -92,7 +92,7 @@ class Sequence:
         self.num_computed, self.num_evicted = num_computed, 0
 
     def append(
-        self, token_id: int, eos_token_id: int | None, logprob: TokenLogprob | None = None
+        self, token_id: int, eos_token_ids: frozenset[int], logprob: TokenLogprob | None = None
     ) -> str | None:
         """Add a sampled token (with its log-probability, if asked); return why the sequence must
         stop now ("eos", "length"), or None. Finishing is the scheduler's call: it also gives the
@@ -104,7 +104,7 @@ class Sequence:
         self._token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
-        if token_id == eos_token_id and not self.params.ignore_eos or token_id in self.params.stop_token_ids:
+        if token_id in eos_token_ids and not self.params.ignore_eos or token_id in self.params.stop_token_ids:
             return "eos"
         return "length" if self.num_tokens >= self.max_len else None
 

@@ -69,7 +69,7 @@ class TokenChooser:
         self,
         runner: ModelRunner,
         stats: EngineStats,
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
         vocab_size: int,
         tokenizer: Tokenizer | None,
         proposer: NgramProposer | None,
@@ -79,7 +79,7 @@ class TokenChooser:
         structured output); `proposer`: speculation's guesser, None without it; `seq_ids`: the
         engine's sequence ids, which forks take theirs from too."""
         self.runner, self.stats = runner, stats
-        self.eos_token_id, self.vocab_size, self.tokenizer = eos_token_id, vocab_size, tokenizer
+        self.eos_token_ids, self.vocab_size, self.tokenizer = eos_token_ids, vocab_size, tokenizer
         self.proposer, self.seq_ids = proposer, seq_ids
         self._grammars: Grammars | None = None  # built on the first structured-output request
         self.beam_groups: dict[str, BeamGroup] = {}  # request_id -> its beams, for beam_width > 1
@@ -91,7 +91,7 @@ class TokenChooser:
         if self._grammars is None:
             if self.tokenizer is None:
                 raise ValueError("Structured output needs the checkpoint's tokenizer; this engine has none.")
-            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_id)
+            self._grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
         return self._grammars
 
     def start_beams(self, request_id: str, width: int, seq: Sequence) -> None:
@@ -151,7 +151,7 @@ class TokenChooser:
             self.stats.record_guesses(len(item.guesses), len(tokens) - 1)
             for row, token in zip(rows_of_seq, tokens):  # row i's logits drew token i
                 kept[seq.seq_id] += 1
-                reason = seq.append(token, self.eos_token_id, logprob_of(seq, row, token))
+                reason = seq.append(token, self.eos_token_ids, logprob_of(seq, row, token))
                 if reason:
                     choice.changes.append(Finish(seq, reason))
                     break
@@ -248,13 +248,13 @@ class TokenChooser:
             if not group.offer(seq, logits):
                 return False
             # every live beam has its next-token scores: choose
-            beams, changes = group.advance(self.seq_ids, self.eos_token_id)
+            beams, changes = group.advance(self.seq_ids, self.eos_token_ids)
             choice.families[seq.request_id] = beams
             choice.changes += changes
             return True
         for sample in self.samples_of(seq, choice):  # n > 1: the first sampling forks the prompt
             token = self.draw(sample, logits)
-            reason = sample.append(token, self.eos_token_id, logprob_of(sample, logits, token))
+            reason = sample.append(token, self.eos_token_ids, logprob_of(sample, logits, token))
             if reason:
                 choice.changes.append(Finish(sample, reason))
         return True
@@ -271,7 +271,7 @@ class TokenChooser:
         before this row), then its sampler; the token moves its grammar on."""
         if seq.params.processes_logits:
             logits = process_logits(
-                logits, seq.params, seq.prompt_ids, [*seq.output_ids, *pending], self.eos_token_id
+                logits, seq.params, seq.prompt_ids, [*seq.output_ids, *pending], self.eos_token_ids
             )
         grammar = seq.grammar
         if grammar is not None and seq.params.processes_logits and not torch.isfinite(logits).any():

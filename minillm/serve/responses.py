@@ -30,7 +30,7 @@ class ChoiceText:
         self,
         tokenizer: Tokenizer,
         stop: list[str],
-        eos_token_id: int | None,
+        eos_token_ids: frozenset[int],
         max_new_tokens: int,
         ignore_eos: bool,
         stop_token_ids: tuple[int, ...] = (),
@@ -39,8 +39,9 @@ class ChoiceText:
         self.logprobs: list[TokenLogprob] = []  # of the tokens taken, when the request asked
         self.prompt_ids: list[int] = []  # echo: the prompt, its text and its logprobs first
         self.prompt_logprobs: list[TokenLogprob | None] = []
-        self.stop, self.eos, self.max_new, self.ignore_eos = stop, eos_token_id, max_new_tokens, ignore_eos
-        self.stop_token_ids = stop_token_ids
+        self.stop, self.max_new, self.ignore_eos = stop, max_new_tokens, ignore_eos
+        self.eos_token_ids, self.stop_token_ids = eos_token_ids, stop_token_ids
+        self.hidden = {*eos_token_ids, *stop_token_ids}  # never text, as in RequestOutput.text
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.text, self.sent, self.num_tokens = "", 0, 0
         self.token_ids: list[int] = []  # every token taken, EOS and stop tokens included
@@ -64,7 +65,7 @@ class ChoiceText:
         searched_from = max(0, len(self.text) - self.hold)
         self.token_ids += token_ids[self.num_tokens :]
         for token in token_ids[self.num_tokens :]:
-            if token != self.eos and token not in self.stop_token_ids:  # never text, as in RequestOutput.text
+            if token not in self.hidden:
                 self.text += self.decoder.feed(token)
         self.num_tokens = len(token_ids)
         ended_by_engine = self.ended(token_ids)
@@ -87,9 +88,8 @@ class ChoiceText:
     def ended(self, token_ids: list[int]) -> str | None:
         """Whether this sample has ended by the engine's rules (it may end before its request does,
         when the request has n samples): EOS, or max_tokens (or the context) reached."""
-        if token_ids and (
-            token_ids[-1] == self.eos and not self.ignore_eos or token_ids[-1] in self.stop_token_ids
-        ):
+        last = token_ids[-1] if token_ids else None
+        if last in self.eos_token_ids and not self.ignore_eos or last in self.stop_token_ids:
             return "stop"
         return "length" if len(token_ids) >= self.max_new else None
 
@@ -115,12 +115,12 @@ class LogprobsWriter:
     in the choice's text, counted across takes); for chat, a list of {token, logprob, bytes,
     top_logprobs}. Every token the choice took is there, its EOS and a stop string's too."""
 
-    def __init__(self, job: Job, tokenizer: Tokenizer, eos_token_id: int | None):
+    def __init__(self, job: Job, tokenizer: Tokenizer, eos_token_ids: frozenset[int]):
         self.job, self.tokenizer = job, tokenizer
         self.written = 0  # of the choice's tokens
         self.prompt_written = not job.echo
         self.decoder, self.length = tokenizer.stream_decoder(), 0  # text_offset's running count
-        self.hidden = {eos_token_id, *job.params.stop_token_ids}  # never text (ChoiceText)
+        self.hidden = {*eos_token_ids, *job.params.stop_token_ids}  # never text (ChoiceText)
 
     def take(self, choice: ChoiceText) -> dict:
         ids = [lp.token_id for lp in choice.logprobs[self.written :]]

@@ -17,7 +17,7 @@ from minillm.benchmarks.stats import spread, tails
 from minillm.config import DTYPES, ConfigError, EngineConfig, resolve_dtype
 from minillm.engine import LLMEngine, SamplingParams
 from minillm.progress import progress_bar
-from minillm.tokenizer import Tokenizer
+from minillm.tokenizer import Tokenizer, end_of_sequence
 from minillm.weights import load_model
 
 # the rows: a name -> (its admission, the output lengths memory-aware admission is given, whether
@@ -86,7 +86,8 @@ def serve_trace(model, tokenizer, trace, row: str, sizes: dict, slo: dict, commo
     """One row on one trace: goodput (TTFT and TPOT both within their SLOs), latencies, every
     request's tokens (for the greedy comparison), and how well the learned lengths ranked."""
     script = {str(index): request.output_len for index, request in enumerate(trace)}
-    lengths = predictor_for(ROWS[row][1], tokenizer.eos_token_id, script) if ROWS[row][1] else None
+    eos_token_ids = end_of_sequence(model.config.eos_token_ids, tokenizer)  # close a chat's messages
+    lengths = predictor_for(ROWS[row][1], eos_token_ids, script) if ROWS[row][1] else None
     engine = engine_for(model, tokenizer, row, sizes["kv_tokens"], slo, common, lengths)
     served, busy, steps = replay(engine, tokenizer, trace)
     memory = engine.snapshot()
@@ -294,10 +295,11 @@ def scheduler_cost(model, tokenizer, queue_lengths: tuple[int, ...], slo: dict, 
     rng = random.Random(TUNING_SEED)
     system = [rng.randrange(1000, 20000) for _ in range(128)]
     costs = {}
+    eos_token_ids = end_of_sequence(model.config.eos_token_ids, tokenizer)
     for policy in POLICIES:
         costs[policy] = {}
         for waiting in queue_lengths:
-            lengths = predictor_for(ROWS[policy][1], tokenizer.eos_token_id, {}) if ROWS[policy][1] else None
+            lengths = predictor_for(ROWS[policy][1], eos_token_ids, {}) if ROWS[policy][1] else None
             engine = engine_for(model, tokenizer, policy, 2048, slo, common, lengths)
             for index in range(waiting):
                 prompt = (system if index % 2 else []) + [rng.randrange(1000, 20000) for _ in range(32)]

@@ -28,8 +28,8 @@ PREDICTORS = ("learned", "mean", "oracle")
 class RecordedLengths(LearnedLengths):
     """The learned predictor, keeping its first prediction for every request."""
 
-    def __init__(self, end_of_turn: int | None):
-        super().__init__(end_of_turn)
+    def __init__(self, eos_token_ids: frozenset[int]):
+        super().__init__(eos_token_ids)
         self.first: dict[str, int] = {}  # request_id -> its length predicted when first ranked
 
     def expected_output(self, seq: Sequence) -> int:
@@ -52,11 +52,11 @@ class OracleLengths:
         pass
 
 
-def predictor_for(name: str, end_of_turn: int | None, lengths: dict[str, int]):
+def predictor_for(name: str, eos_token_ids: frozenset[int], lengths: dict[str, int]):
     """A fresh predictor of kind `name` for one run (every run starts knowing nothing)."""
     if name == "oracle":
         return OracleLengths(lengths)
-    return RecordedLengths(end_of_turn) if name == "learned" else MeanOfFinished(end_of_turn)
+    return RecordedLengths(eos_token_ids) if name == "learned" else MeanOfFinished(eos_token_ids)
 
 
 def ranks(values: list[float]) -> list[float]:
