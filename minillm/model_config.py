@@ -351,6 +351,8 @@ def _rope(raw: dict) -> tuple[float, Llama3RopeScaling | None]:
             f"{field}={reprlib.repr(rope)} in config.json must be an object or null; fix config.json."
         )
     theta = _positive_number(rope, "rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    if theta <= 1:  # theta^(-2i/head_dim) would grow, past float32 for a tiny theta: NaN angles
+        raise ConfigError(f"rope_theta={theta} in config.json must be above 1; fix config.json.")
     if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor")) not in (None, 1.0):
         raise _unsupported("partial_rotary_factor (RoPE on part of each head)")
     kind = rope.get("rope_type", rope.get("type", "default"))

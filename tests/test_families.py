@@ -409,6 +409,11 @@ REFUSED = [  # (family, config.json fields changed, what the one line says)
         "a positive integer",
     ),
     ("qwen2", {"rope_parameters": {"rope_type": "default", "rope_theta": -1.0}}, "rope_theta=-1.0"),
+    (
+        "qwen3",
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e-300}},
+        "rope_theta=1e-300 in config.json must be above 1",
+    ),
     ("qwen3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ("llama3-bias", {"mlp_bias": True}, "mlp_bias=true"),
     ("qwen2", {"hidden_act": "gelu"}, "hidden_act='gelu'"),
