@@ -226,7 +226,7 @@ def _token_name(config: dict, key: str, model_dir: Path) -> str | None:
     """`bos_token` or `eos_token`: a string, or {"content": string} as transformers writes it."""
     value = config.get(key)
     if isinstance(value, dict):
-        value = value.get("content")
+        value = value.get("content", value)  # without "content" it is refused below, not dropped
     if value is not None and not isinstance(value, str):
         raise ConfigError(f"{model_dir / CONFIG_FILE}: {key} is {reprlib.repr(value)}, not a token's text.")
     return value
@@ -242,8 +242,17 @@ def _chat_template(config: dict, model_dir: Path) -> str | None:
             raise ConfigError(f"{model_dir / TEMPLATE_FILE} is not UTF-8 text ({err}).") from None
     template = config.get("chat_template")
     if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        named = {
+            t["name"]: t.get("template")
+            for t in template
+            if isinstance(t, dict) and type(t.get("name")) is str
+        }
+        if "default" not in named:  # transformers refuses to guess which one too
+            raise ConfigError(
+                f"{model_dir / CONFIG_FILE}: its chat_template is a list of named templates, none named "
+                '"default"; put the one to use in chat_template.jinja beside it.'
+            )
+        template = named["default"]
     if template is not None and not isinstance(template, str):
         raise ConfigError(f"{model_dir / CONFIG_FILE}: its chat_template is not a template's text.")
     return template
