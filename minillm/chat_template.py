@@ -134,6 +134,12 @@ class ChatTemplate:
             "messages": [_message(message) for message in messages],
             "add_generation_prompt": add_generation_prompt,
         }
+        given = _text_chars(variables["messages"]) + _text_chars(template_vars)
+        if given > OUTPUT_CHARS:  # the caller's text alone: not the template's fault
+            raise ValueError(
+                f"The conversation holds {given:,} characters, more than the {OUTPUT_CHARS:,} a chat "
+                "template may write; shorten it."
+            )
         token = _BUDGET.set(_Budget())
         try:
             return self.template.render(variables)
@@ -170,6 +176,14 @@ def _nested_past(value, depth: int) -> bool:
         return True
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     return any(_nested_past(item, depth - 1) for item in items)
+
+
+def _text_chars(value) -> int:
+    """Characters in the strings of a caller's data (plain JSON values, as `_plain` copied them)."""
+    if isinstance(value, str):
+        return len(value)
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+    return sum(_text_chars(item) for item in items)
 
 
 def _message(message) -> dict:

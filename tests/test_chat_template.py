@@ -278,6 +278,14 @@ def test_the_templates_own_refusal_is_a_value_error():
         template.render([{"role": "user", "content": "hi"}])
 
 
+def test_a_conversation_too_long_for_any_template_is_the_callers_value_error():
+    """A million characters of the caller's own: its fault, not the checkpoint's template's."""
+    template = ChatTemplate(family_template("qwen3"), {}, QWEN_TOKENS)
+    with pytest.raises(ValueError, match="^The conversation holds 1,000,005 characters") as caught:
+        template.render([{"role": "user", "content": "x" * 1_000_001}])
+    assert not isinstance(caught.value, ConfigError)
+
+
 HOSTILE = {  # template -> what the one-line error says
     "loops": (
         "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
