@@ -57,8 +57,16 @@ def shape_option(parser) -> None:
 def lesson_model(args) -> tuple[Path, str]:
     """The checkpoint a lesson measures and its name in the tables: SmolLM2, or --shape's folder
     (whose tables also say "random weights" under them)."""
+    from minillm.cli.flags import use_shape
+    from minillm.config import ConfigError
+
     if getattr(args, "shape", None):
-        return args.model, f"{args.shape} (random weights)"  # --shape set --model's value
+        try:
+            use_shape(args)
+        except ConfigError as err:
+            console.print(f"[red]error:[/red] {err}")
+            sys.exit(2)
+        return args.model, f"{args.shape} (random weights)"
     return require_model(), "SmolLM2-135M"
 
 

@@ -50,23 +50,37 @@ def test_a_shape_folder_loads_with_the_default_tokenizer(tmp_path, real_dir, mon
     assert shape_checkpoint("tiny", tmp_path, real_dir) == folder  # written once, then reused
 
 
-def test_record_refuses_a_shape():
-    from minillm.cli.flags import shown_and_recorded
+def test_record_refuses_a_shape(monkeypatch):
+    from minillm.cli.commands import build_parser
+    from minillm.cli.flags import use_shape
 
-    class Args:
-        record, shape, json, quick = True, "qwen3-0.6b", False, False
-
+    monkeypatch.setattr(shapes, "shape_checkpoint", lambda *_: pytest.fail("wrote a checkpoint"))
+    args = build_parser().parse_args(["bench", "scheduling", "--shape", "qwen3-0.6b", "--record"])
     with pytest.raises(ConfigError, match="drop --shape"):
-        shown_and_recorded(Args(), "scheduling", lambda: pytest.fail("ran the measurement"), print)
+        use_shape(args)
+
+
+def test_shape_and_another_model_are_refused_in_either_order(monkeypatch):
+    from minillm.cli.commands import build_parser
+    from minillm.cli.flags import use_shape
+
+    monkeypatch.setattr(shapes, "shape_checkpoint", lambda *_: pytest.fail("wrote a checkpoint"))
+    shape, model = ["--shape", "qwen3-0.6b"], ["--model", "elsewhere"]
+    for order in (shape + model, model + shape):
+        args = build_parser().parse_args(["bench", "decode", *order])
+        with pytest.raises(ConfigError, match="--shape qwen3-0.6b and --model elsewhere both name the model"):
+            use_shape(args)
 
 
 @pytest.mark.parametrize("command", [["bench", "decode"], ["bench", "staircase"], ["bench", "memory"]])
 def test_the_shape_flag_is_the_model_the_command_runs(command, tmp_path, monkeypatch):
     from minillm.cli.commands import build_parser
+    from minillm.cli.flags import use_shape
     from minillm.report import caption_tables
 
     written = tmp_path / "qwen3-0.6b-random-weights"
     monkeypatch.setattr(shapes, "shape_checkpoint", lambda name, root, tokenizer_from: written)
     args = build_parser().parse_args([*command, "--shape", "qwen3-0.6b"])
+    use_shape(args)
     caption_tables("")  # the flag captions this process's tables; the next test's start clean
     assert args.model == written and args.shape == "qwen3-0.6b"

@@ -36,6 +36,7 @@ from minillm.cli.flags import (
     add_trace_arg,
     engine_switches,
     sampling_from,
+    use_shape,
 )
 from minillm.cli.generate import add_generate, runtime_from
 from minillm.cli.measure import add_bench
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "dtype", None) == "auto":  # every command below sees the precision it runs in
         args.dtype = resolve_dtype("auto", getattr(args, "device", "cpu"))
     try:
+        use_shape(args)
         with tracing(getattr(args, "trace_file", None)):
             return args.func(args) or 0  # a command that can partly fail returns 1 (bench all)
     except (ConfigError, ValueError) as err:

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Callable
 
 from minillm.chat_template import template_variables
@@ -136,28 +137,32 @@ def add_shape_arg(parser: argparse.ArgumentParser) -> None:
         "--shape",
         choices=sorted(SHAPES),
         default=None,
-        action=_ShapeAction,
         help="instead of --model, the real config of this model with RANDOM weights (speed and memory "
         "only; its text is noise), written once to weights/NAME-random-weights/",
     )
 
 
-class _ShapeAction(argparse.Action):
-    """--shape NAME sets the model folder to NAME's random-weight checkpoint, writing it if needed,
-    and captions every table the run prints."""
+def use_shape(args) -> None:
+    """--shape NAME, once the whole command line is read (so --help and the other flags' checks
+    come first): the model folder becomes NAME's random-weight checkpoint, written the first
+    time, and every table the run prints says so."""
+    from minillm.fetch.shapes import shape_checkpoint
+    from minillm.report import caption_tables
 
-    def __call__(self, parser, namespace, name, option_string=None):
-        from minillm.fetch.shapes import shape_checkpoint
-        from minillm.report import caption_tables
-
-        if not (DEFAULT_MODEL_DIR / "config.json").is_file():
-            parser.error(
-                f"--shape borrows the tokenizer of {DEFAULT_MODEL_DIR}: run python weights_fetch.py first"
-            )
-        folder = shape_checkpoint(name, DEFAULT_MODEL_DIR.parent, DEFAULT_MODEL_DIR)
-        setattr(namespace, SWITCHES["model_dir"].dest, folder)
-        namespace.shape = name
-        caption_tables(f"{name}: its real config with random weights (speed and memory only)")
+    name, dest = getattr(args, "shape", None), SWITCHES["model_dir"].dest
+    if name is None:
+        return
+    given = getattr(args, dest, None)
+    if given is not None and Path(given) != DEFAULT_MODEL_DIR:
+        raise ConfigError(f"--shape {name} and --model {given} both name the model: give one of them.")
+    if getattr(args, "record", False):
+        raise ConfigError("--record keeps SmolLM2's run the docs quote: drop --shape (random weights).")
+    if not (DEFAULT_MODEL_DIR / "config.json").is_file():
+        raise ConfigError(
+            f"--shape borrows the tokenizer of {DEFAULT_MODEL_DIR}: run python weights_fetch.py first."
+        )
+    setattr(args, dest, shape_checkpoint(name, DEFAULT_MODEL_DIR.parent, DEFAULT_MODEL_DIR))
+    caption_tables(f"{name}: its real config with random weights (speed and memory only)")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -289,8 +294,6 @@ def shown_and_recorded(args, name: str, measure: Callable[[], dict], printer) ->
 
     if args.record and getattr(args, "quick", False):
         raise ConfigError("--record keeps the run the docs quote, at the default sizes: drop --quick.")
-    if args.record and getattr(args, "shape", None):
-        raise ConfigError("--record keeps SmolLM2's run the docs quote: drop --shape (random weights).")
     if args.record and not RESULTS_DIR.is_dir():
         raise ConfigError(f"--record writes into {RESULTS_DIR} (not there): run it in a git checkout.")
     report = measure()
