@@ -1048,3 +1048,18 @@ def test_generate_json_logprobs_are_the_greedy_tokens_and_the_most_likely(capsys
         assert len(lp["top"]) == 3 and lp["top"][0]["token_id"] == lp["token_id"]
         assert lp["logprob"] == lp["top"][0]["logprob"] <= 0
         assert [t["logprob"] for t in lp["top"]] == sorted((t["logprob"] for t in lp["top"]), reverse=True)
+
+
+def test_a_tokenizer_without_chatml_is_refused_by_the_workload_in_one_line(tmp_path):
+    """The benches lay conversations out as ChatML token ids; Llama 3's tokenizer has no
+    <|im_start|>, which must read as one line, not a KeyError."""
+    from helpers import tiny_gpt2_tokenizer_json
+
+    from minillm.benchmarks.workload import chat_message
+    from minillm.config import ConfigError
+    from minillm.tokenizer import Tokenizer
+
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tiny_gpt2_tokenizer_json()))
+    with pytest.raises(ConfigError, match=r"this tokenizer has no <\|im_start\|>") as refused:
+        chat_message(Tokenizer(tmp_path), "user", [1, 2])
+    assert "\n" not in str(refused.value)

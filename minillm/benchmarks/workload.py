@@ -164,18 +164,29 @@ def exact_rate(trace: list[Request], rate: float) -> None:
 
 def chat_message(tokenizer: Tokenizer, role: str, content_ids: list[int]) -> list[int]:
     """One ChatML message from token ids: <|im_start|>role\\n content <|im_end|>\\n."""
-    start, end = tokenizer.special_tokens["<|im_start|>"], tokenizer.special_tokens["<|im_end|>"]
+    start, end = _chatml(tokenizer, "<|im_start|>"), _chatml(tokenizer, "<|im_end|>")
     return [start, *tokenizer.encode(f"{role}\n"), *content_ids, end, *tokenizer.encode("\n")]
 
 
 def assistant_header(tokenizer: Tokenizer) -> list[int]:
-    return [tokenizer.special_tokens["<|im_start|>"], *tokenizer.encode("assistant\n")]
+    return [_chatml(tokenizer, "<|im_start|>"), *tokenizer.encode("assistant\n")]
+
+
+def _chatml(tokenizer: Tokenizer, token: str) -> int:
+    """The id of a ChatML control token: the workload's turns are laid out in token ids, in the
+    layout SmolLM2 and Qwen share, not rendered through each checkpoint's template."""
+    if token not in tokenizer.special_tokens:
+        raise ConfigError(
+            f"The benches' conversations are ChatML turns, and this tokenizer has no {token} (Llama 3's has "
+            "none): bench a ChatML model (SmolLM2, Qwen), or its size with --shape."
+        )
+    return tokenizer.special_tokens[token]
 
 
 def next_turn_prompt(tokenizer: Tokenizer, previous_prompt: list[int], answer: list[int], message: list[int]):
     """A conversation's next prompt: the last prompt, the answer it got (ending with its EOS, which
     closes the assistant's message), a newline, and the new message with the assistant's header."""
-    end = tokenizer.special_tokens["<|im_end|>"]
+    end = _chatml(tokenizer, "<|im_end|>")
     closed = answer if answer and answer[-1] == end else [*answer, end]
     return [*previous_prompt, *closed, *tokenizer.encode("\n"), *message]
 
