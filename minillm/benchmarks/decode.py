@@ -123,14 +123,15 @@ def block_models(model_dir: Path, dtype: str) -> tuple[dict, str | None]:
     from minillm.config import DTYPES, ConfigError
     from minillm.weights import resolve_weights
 
-    models, skipped = {}, None
+    models, reasons = {}, {}  # reason -> the rows it leaves out
     for name, (weights, fused) in WEIGHT_ROWS.items():
         try:
             resolve_weights(weights, model_dir, DTYPES[dtype], "cpu")
             models[name] = load_model(model_dir, DTYPES[dtype], weights=weights, fused=fused)
         except ConfigError as err:
-            skipped = f"{name} left out: {err}"
-    return models, skipped
+            reasons.setdefault(str(err), []).append(name)
+    skipped = [f"{' and '.join(names)} left out: {reason}" for reason, names in reasons.items()]
+    return models, " ".join(skipped) or None
 
 
 def decoder_models(model_dir: Path, dtype: str, include_hf: bool) -> tuple[dict, object]:
