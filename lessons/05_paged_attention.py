@@ -23,7 +23,7 @@ from matplotlib.colors import ListedColormap  # noqa: E402
 from minillm.attention.kernels import attention_backend  # noqa: E402
 from minillm.decoding import generate  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
-from minillm.tokenizer import Tokenizer  # noqa: E402
+from minillm.tokenizer import Tokenizer, end_of_sequence  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 PROMPTS = ["The history of the printing press", "def quicksort(items):", "Ten facts about octopuses:"]
@@ -62,8 +62,9 @@ def same_as_naive(model, tokenizer, new_tokens: int) -> list[bool]:
     params = SamplingParams(max_tokens=new_tokens)
     outputs = LLM(model=model, tokenizer=tokenizer, block_size=16).generate(PROMPTS, params)
     rows, identical = [], []
+    eos_token_ids = end_of_sequence(model.config.eos_token_ids, tokenizer)  # the ones the engine stops at
     for prompt, out in zip(PROMPTS, outputs):
-        naive = generate(model, tokenizer.encode(prompt), params, "naive", tokenizer.eos_token_id)
+        naive = generate(model, tokenizer.encode_prompt(prompt), params, "naive", eos_token_ids)
         identical.append(out.token_ids == naive.token_ids)
         rows.append([prompt, len(out.token_ids), str(identical[-1])])
     table("paged engine vs naive decoding (greedy)", ["prompt", "tokens", "identical"], rows)
