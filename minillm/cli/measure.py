@@ -1,4 +1,4 @@
-"""The commands that measure: `minillm bench decode|speculative|structured|attention|chat-view`
+"""The commands that measure: `minillm bench decode|speculative|structured|attention|chat-view|open`
 (speed), and
 `minillm bench all` (every benchmark, written to files); the engine serving many requests, `bench
 serve|serve-http|prefix`, is `measure_serving.py`; what the memory system's choices cost, `bench
@@ -42,11 +42,12 @@ def add_bench(subparsers) -> None:
         add_bench_staircase,
         add_bench_attention,
         add_bench_chat_view,
+        add_bench_open,
         add_bench_all,
     ):
         add_command(benches)
     for name, command in benches.choices.items():
-        if name != "serve-http":  # its engines run in a `minillm serve` child; its old --trace: one line
+        if name not in ("serve-http", "open"):  # their engines run in child processes
             add_trace_arg(command)
 
 
@@ -223,6 +224,39 @@ def cmd_bench_chat_view(args) -> None:
     from minillm.benchmarks.chat_view import bench_chat_view, print_chat_view_report
 
     show(bench_chat_view(args.model, args.rounds, args.tokens, args.dtype), print_chat_view_report, args.json)
+
+
+# ----------------------------------------------------------------------------- bench open
+
+
+def add_bench_open(benches) -> None:
+    from minillm.benchmarks.open import DEFAULT_GGUF
+
+    opening = benches.add_parser(
+        "open",
+        help="open time, first token and peak memory: the fetched folder vs its GGUF file",
+        description="Open one model in two forms, the folder weights_fetch.py wrote (safetensors) "
+        "and the GGUF file it came from (opened in place), each in fresh processes taking turns: "
+        "seconds to open, seconds to the first token of a 32-token prompt, and peak resident "
+        "memory, as median, min and max.",
+    )
+    opening.add_argument(
+        "--model", type=Path, default=DEFAULT_MODEL_DIR, help=f"the folder (default: {DEFAULT_MODEL_DIR})"
+    )
+    opening.add_argument(
+        "--gguf", type=Path, default=DEFAULT_GGUF, help=f"the GGUF file (default: {DEFAULT_GGUF})"
+    )
+    opening.add_argument(
+        "--repeats", type=positive_int, default=3, help="timed processes per form (default: 3)"
+    )
+    opening.add_argument("--json", action="store_true", help="print one JSON object")
+    opening.set_defaults(func=cmd_bench_open)
+
+
+def cmd_bench_open(args) -> None:
+    from minillm.benchmarks.open import bench_open, print_open_report
+
+    show(bench_open(args.model, args.gguf, args.repeats), print_open_report, args.json)
 
 
 # ----------------------------------------------------------------------------- bench attention
