@@ -3,12 +3,15 @@
 //
 // A Q4_1 block is 20 bytes: a scale d and a minimum m (fp16 each) and 32 four-bit numbers q, two a
 // byte (byte i holds weight i in its low nibble and weight i + 16 in its high one); weight i is
-// d * q_i + m. A Q8_0 block is 34 bytes: d (fp16) and 32 int8 q; weight i is d * q_i. d * q_i is
-// exact in fp32 (11 bits of d times 4 or 8 bits of q), so one fused multiply-add rounds exactly as
-// the `gguf` package's dequantization does: these products multiply by the very fp32 values of
+// d * q_i + m. A Q4_0 block is 18 bytes: d (fp16) and the same 16 bytes of nibbles; weight i is
+// d * (q_i - 8), which is Q4_1's d * q_i + m with m = -8d, so both share one unpacking. A Q8_0
+// block is 34 bytes: d (fp16) and 32 int8 q; weight i is d * q_i. d * q_i is exact in fp32 (11 bits
+// of d times 4 or 8 bits of q), and so is d * (q_i - 8), so one fused multiply-add rounds exactly
+// as the `gguf` package's dequantization does: these products multiply by the very fp32 values of
 // the checkpoint weights_fetch.py wrote, and differ from its F.linear only in the order of the sums.
 //
-// A step reads 0.625 bytes a weight in Q4_1 and 1.06 in Q8_0, against 2 in bf16 and 4 in fp32. At
+// A step reads 0.56 bytes a weight in Q4_0, 0.625 in Q4_1 and 1.06 in Q8_0, against 2 in bf16 and
+// 4 in fp32. At
 // decode the reading would be the time (dense_cpu.cpp says why), so the same loop as dense_cpu.cpp's
 // streams the blocks past the activation rows; but unpacking costs instructions (measured on a
 // 2-core Xeon: ~10 GB/s of blocks on two threads, 6 on one, where bf16 streams ~16), so here the
@@ -38,9 +41,9 @@
 namespace {
 
 constexpr int64_t kBlock = 32;  // weights a block
-enum Format : int64_t { kQ4_1 = 0, kQ8_0 = 1 };  // minillm/quantized_weights.py's BLOCK_FORMATS
+enum Format : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2 };  // minillm/quantized_weights.py's FORMAT_CODES
 
-constexpr int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : 34; }
+constexpr int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : format == kQ4_0 ? 18 : 34; }
 
 #if defined(__AVX512F__) && defined(__F16C__)
 using Vec = __m512;
@@ -56,14 +59,23 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-inline void dequantize_q4_1(const uint8_t* block, Vec w[2]) {  // d and m converted in one instruction
-  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(block)));
-  const Vec d = _mm512_broadcastss_ps(dm), m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+// 16 bytes of nibbles -> the block's 32 weights d * q + m
+inline void dequantize_nibbles(const uint8_t* nibbles, Vec d, Vec m, Vec w[2]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
   const __m128i nibble = _mm_set1_epi8(0x0F);
   const __m128i low = _mm_and_si128(packed, nibble), high = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble);
   w[0] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), m);   // weights 0..15
   w[1] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), m);  // weights 16..31
+}
+
+inline void dequantize_q4_1(const uint8_t* block, Vec w[2]) {  // d and m converted in one instruction
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(block)));
+  dequantize_nibbles(block + 4, _mm512_broadcastss_ps(dm), _mm512_broadcastss_ps(_mm_movehdup_ps(dm)), w);
+}
+
+inline void dequantize_q4_0(const uint8_t* block, Vec w[2]) {
+  const float d = half(block);
+  dequantize_nibbles(block + 2, _mm512_set1_ps(d), _mm512_set1_ps(-8.f * d), w);
 }
 
 inline void dequantize_q8_0(const uint8_t* block, Vec w[2]) {
@@ -91,15 +103,24 @@ inline float half(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
-inline void dequantize_q4_1(const uint8_t* block, Vec w[4]) {
-  const Vec d = _mm256_set1_ps(half(block)), m = _mm256_set1_ps(half(block + 2));
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));
+// 16 bytes of nibbles -> the block's 32 weights d * q + m
+inline void dequantize_nibbles(const uint8_t* nibbles, Vec d, Vec m, Vec w[4]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles));
   const __m128i nibble = _mm_set1_epi8(0x0F);
   const __m128i halves[2] = {_mm_and_si128(packed, nibble), _mm_and_si128(_mm_srli_epi16(packed, 4), nibble)};
   for (int h = 0; h < 2; ++h) {  // weights 16h .. 16h+7, then 16h+8 .. 16h+15
     w[2 * h] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[h])), m);
     w[2 * h + 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(halves[h], 8))), m);
   }
+}
+
+inline void dequantize_q4_1(const uint8_t* block, Vec w[4]) {
+  dequantize_nibbles(block + 4, _mm256_set1_ps(half(block)), _mm256_set1_ps(half(block + 2)), w);
+}
+
+inline void dequantize_q4_0(const uint8_t* block, Vec w[4]) {
+  const float d = half(block);
+  dequantize_nibbles(block + 2, _mm256_set1_ps(d), _mm256_set1_ps(-8.f * d), w);
 }
 
 inline void dequantize_q8_0(const uint8_t* block, Vec w[4]) {
@@ -123,12 +144,21 @@ inline float half(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-inline void dequantize_q4_1(const uint8_t* block, Vec w[kBlock]) {
-  const float d = half(block), m = half(block + 2);
+// 16 bytes of nibbles -> the block's 32 weights d * q + m
+inline void dequantize_nibbles(const uint8_t* nibbles, float d, float m, Vec w[kBlock]) {
   for (int i = 0; i < 16; ++i) {
-    w[i] = d * static_cast<float>(block[4 + i] & 0x0F) + m;
-    w[i + 16] = d * static_cast<float>(block[4 + i] >> 4) + m;
+    w[i] = d * static_cast<float>(nibbles[i] & 0x0F) + m;
+    w[i + 16] = d * static_cast<float>(nibbles[i] >> 4) + m;
   }
+}
+
+inline void dequantize_q4_1(const uint8_t* block, Vec w[kBlock]) {
+  dequantize_nibbles(block + 4, half(block), half(block + 2), w);
+}
+
+inline void dequantize_q4_0(const uint8_t* block, Vec w[kBlock]) {
+  const float d = half(block);
+  dequantize_nibbles(block + 2, d, -8.f * d, w);
 }
 
 inline void dequantize_q8_0(const uint8_t* block, Vec w[kBlock]) {
@@ -157,7 +187,9 @@ inline void group_rows(const float* x, const uint8_t* w, Out* out, int64_t K, in
       const uint8_t* block = w + (n0 + j) * row_bytes + b * block_bytes(F);
       if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(block + G * row_bytes), _MM_HINT_T0);
       Vec wv[kVecs];
-      if constexpr (F == kQ4_1)
+      if constexpr (F == kQ4_0)
+        dequantize_q4_0(block, wv);
+      else if constexpr (F == kQ4_1)
         dequantize_q4_1(block, wv);
       else
         dequantize_q8_0(block, wv);
@@ -214,9 +246,10 @@ void products_for_rows(const float* x, const uint8_t* w, Out* out, int64_t M, in
 }  // namespace
 
 // x (M, K) fp32 or bf16 @ the (N, K) weight held as `blocks` (N, K / 32 * block bytes) uint8, in
-// `format` (0: Q4_1, 1: Q8_0) -> (M, N) in x's dtype.
+// `format` (0: Q4_1, 1: Q8_0, 2: Q4_0) -> (M, N) in x's dtype.
 at::Tensor quant_dense(const at::Tensor& x, const at::Tensor& blocks, int64_t format) {
-  TORCH_CHECK(format == kQ4_1 || format == kQ8_0, "quant_dense: format 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(format == kQ4_1 || format == kQ8_0 || format == kQ4_0,
+              "quant_dense: format 0 (Q4_1), 1 (Q8_0) or 2 (Q4_0)");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "quant_dense: fp32 or bf16 rows");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
               "quant_dense: contiguous uint8 blocks (N, bytes a row)");
@@ -234,7 +267,9 @@ at::Tensor quant_dense(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   const uint8_t* w_data = blocks.data_ptr<uint8_t>();
   auto run = [&](auto* out_data) {  // fp32 or bf16 results
     using Out = std::remove_pointer_t<decltype(out_data)>;
-    if (format == kQ4_1)
+    if (format == kQ4_0)
+      products_for_rows<kQ4_0, Out>(rows.data(), w_data, out_data, M, K, N);
+    else if (format == kQ4_1)
       products_for_rows<kQ4_1, Out>(rows.data(), w_data, out_data, M, K, N);
     else
       products_for_rows<kQ8_0, Out>(rows.data(), w_data, out_data, M, K, N);

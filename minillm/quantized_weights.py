@@ -4,7 +4,8 @@ At batch 1 a decode step reads every weight once, so its time is the bytes it re
 The default checkpoint comes from a Q4_1 GGUF file (`fetch/gguf_wheel.py`): blocks of 32 weights,
 each with a scale d and a minimum m, weight = d * q + m for a four-bit q. `model.safetensors`
 holds those weights dequantized to fp32; `PACKED_FILE` beside it holds the blocks themselves, as
-the GGUF stores them (its embedding is Q8_0: weight = d * q for an int8 q). The C++ product
+the GGUF stores them (its embedding is Q8_0: weight = d * q for an int8 q). Q4_0 blocks, the most
+common small GGUF format, hold only the scale: weight = d * (q - 8). The C++ product
 `quant_dense` (`kernels_cuda/quant_dense_cpu.cpp`) reads the blocks and dequantizes in registers,
 so it multiplies by exactly the fp32 checkpoint's values: lossless, up to the order of the sums.
 
@@ -34,8 +35,9 @@ from minillm.config import FETCH_HINT, ConfigError
 
 PACKED_FILE = "model.q4_1.safetensors"  # written by weights_fetch.py beside model.safetensors
 BLOCK = 32  # weights a block
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # d, m (fp16) + 16 bytes of nibbles | d (fp16) + 32 int8
-FORMAT_CODES = {"q4_1": 0, "q8_0": 1}  # quant_dense's `format`
+# q4_0: d (fp16) + 16 bytes of nibbles | q4_1: d, m (fp16) + 16 bytes of nibbles | q8_0: d + 32 int8
+BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_0": 2}  # quant_dense's `format`
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class QuantizedWeight:
     / 32 * block bytes) uint8, each row its blocks in order."""
 
     blocks: torch.Tensor
-    format: str  # "q4_1" | "q8_0"
+    format: str  # "q4_0" | "q4_1" | "q8_0"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -85,5 +87,7 @@ def read_packed(model_dir: Path) -> dict[str, QuantizedWeight]:
         raise ConfigError(f"{path} is truncated or corrupt ({err}) — {FETCH_HINT}") from err
     for name, weight in weights.items():
         if weight.format not in BLOCK_BYTES or weight.blocks.dtype != torch.uint8 or weight.blocks.dim() != 2:
-            raise ConfigError(f"{path}: {name} is not a uint8 tensor of Q4_1 or Q8_0 blocks — {FETCH_HINT}")
+            raise ConfigError(
+                f"{path}: {name} is not a uint8 tensor of Q4_0, Q4_1 or Q8_0 blocks — {FETCH_HINT}"
+            )
     return weights

@@ -26,30 +26,40 @@ from minillm.matmul import QUANT_MAX_ROWS, dense_kernel
 from minillm.quantized_weights import FORMAT_CODES, PACKED_FILE, QuantizedWeight, read_packed
 from minillm.weights import load_model, resolve_weights
 
-GGML = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+BLOCK_FORMATS = ["q4_0", "q4_1", "q8_0"]  # what quant_dense reads
 
 
 def blocks_of(weight: torch.Tensor, fmt: str) -> QuantizedWeight:
-    return QuantizedWeight(torch.from_numpy(quantize(weight.numpy(), GGML[fmt])), fmt)
+    """`weight` quantized by the `gguf` package, as llama.cpp writes a GGUF's blocks."""
+    blocks = quantize(weight.numpy(), GGMLQuantizationType[fmt.upper()])
+    return QuantizedWeight(torch.from_numpy(blocks), fmt)
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+def assert_within_rounding(out: torch.Tensor, x: torch.Tensor, exact: torch.Tensor) -> None:
+    """out == x @ exact.T but for the rounding of the sums (and of bf16's result): each output
+    within a tolerance of sum_k |x_k w_k|, what a dot product's rounding error is bounded by."""
+    expected = F.linear(x.double(), exact.double())
+    magnitude = F.linear(x.double().abs(), exact.double().abs())
+    tolerance = 2**-7 if x.dtype == torch.bfloat16 else 1e-5
+    assert out.dtype == x.dtype and out.shape == expected.shape
+    assert ((out.double() - expected).abs() <= tolerance * magnitude).all()
+
+
+@pytest.mark.parametrize("fmt", BLOCK_FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quant_dense_is_the_dequantized_product_within_rounding(fmt, dtype):
-    """Every decode-sized row count; output counts that are whole weight groups and one that is not
-    (97); a row's result does not depend on the rows beside it."""
+    """Every decode-sized row count; output counts that are whole weight groups and ones that are
+    not (1, 3, 17, 97); rows of 1, 3 and 5 blocks (not whole pairs); a row's result does not
+    depend on the rows beside it."""
     kernel = dense_kernel()
     gen = torch.Generator().manual_seed(0)
-    for out_features, in_features in ((96, 64), (97, 96), (576, 1536)):
+    for out_features, in_features in ((1, 32), (3, 96), (17, 160), (96, 64), (97, 96), (576, 1536)):
         weight = blocks_of(torch.randn(out_features, in_features, generator=gen) / 8, fmt)
         exact = weight.dequantize()  # the gguf package's fp32 values
         for rows in range(1, QUANT_MAX_ROWS + 1):
             x = torch.randn(rows, in_features, generator=gen).to(dtype)
             out = kernel.quant_dense(x, weight.blocks, FORMAT_CODES[fmt])
-            expected = F.linear(x.double(), exact.double())
-            assert out.dtype == dtype and out.shape == (rows, out_features)
-            tolerance = 2**-7 if dtype == torch.bfloat16 else 1e-5
-            assert (out.double() - expected).abs().max() <= tolerance * expected.abs().max()
+            assert_within_rounding(out, x, exact)
             assert torch.equal(
                 out[-1:], kernel.quant_dense(x[-1:].contiguous(), weight.blocks, FORMAT_CODES[fmt])
             )
@@ -64,7 +74,9 @@ def snapped_checkpoint(folder, fmt: str):
     return folder
 
 
-@pytest.mark.parametrize("weights, fmt", [("q4_1", "q4_1"), ("q4_1", "q8_0"), ("int8", "q8_0")])
+@pytest.mark.parametrize(
+    "weights, fmt", [("q4_1", "q4_1"), ("q4_1", "q4_0"), ("q4_1", "q8_0"), ("int8", "q8_0")]
+)
 @pytest.mark.parametrize("fused", [True, False])
 def test_decoding_through_blocks_gives_the_naive_decoders_tokens(tmp_path, weights, fmt, fused):
     """fp32, paged KV, C++ attention, batches of 1-4 sequences (decode-sized, so every product of a
@@ -103,9 +115,11 @@ def test_lossless_switches_through_fused_blocks_give_the_naive_tokens(tmp_path, 
         assert [out.token_ids for out in llm.generate(prompts, params)] == expected
 
 
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_fused_layer_equals_the_unfused_one(tmp_path, dtype):
-    model = load_model(snapped_checkpoint(tmp_path / "tiny", "q4_1"), dtype, weights="q4_1")
+def test_the_fused_layer_equals_the_unfused_one(tmp_path, fmt, dtype):
+    model = load_model(snapped_checkpoint(tmp_path / "tiny", fmt), dtype, weights="q4_1")
+    assert {m.quantized.format for m in model.products().values()} == {fmt}
     assert_fused_layers_equal_unfused(model, positions=[0, 7, 40])
 
 
@@ -188,13 +202,13 @@ def test_quant_dense_without_avx512_builds_and_agrees(tmp_path, isa, flags):
         build_directory=str(tmp_path),
     )
     gen = torch.Generator().manual_seed(5)
-    for fmt in ("q4_1", "q8_0"):
+    for fmt in BLOCK_FORMATS:
         weight = blocks_of(torch.randn(97, 96, generator=gen) / 8, fmt)
         for rows in (1, 3):
             x = torch.randn(rows, 96, generator=gen)
-            expected = F.linear(x.double(), weight.dequantize().double())
-            out = kernel.quant_dense(x, weight.blocks, FORMAT_CODES[fmt])
-            assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+            assert_within_rounding(
+                kernel.quant_dense(x, weight.blocks, FORMAT_CODES[fmt]), x, weight.dequantize()
+            )
 
 
 def test_int8_leaves_a_matrix_whose_rows_are_not_whole_blocks_dense(tmp_path):

@@ -142,7 +142,7 @@ def rope_heads(gguf_name: str, config: ModelConfig) -> int:
     return config.num_kv_heads if ".attn_k." in gguf_name else 0
 
 
-PACKED_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}  # the block formats quant_dense reads
+PACKED_TYPES = {"Q4_0": "q4_0", "Q4_1": "q4_1", "Q8_0": "q8_0"}  # the block formats quant_dense reads
 
 
 def gguf_tensors(reader: GGUFReader, config: ModelConfig) -> tuple[dict, dict, dict]:
