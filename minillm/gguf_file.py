@@ -75,6 +75,8 @@ def open_gguf(path: str | Path) -> GGUFReader:
     ever written back). Parsed once while the file is unchanged: a 128k-token vocabulary takes
     seconds, and the config, the tokenizer and the weights each ask for the file."""
     path = Path(path).resolve()
+    if not path.is_file():
+        raise ConfigError(f"No GGUF file at {path}; give the path of a .gguf file or a checkpoint folder.")
     stat = path.stat()
     return _parsed(path, stat.st_mtime_ns, stat.st_size)
 

@@ -235,7 +235,7 @@ def is_gguf(model_path: str | Path) -> bool:
     """Whether the model is a GGUF file rather than a checkpoint folder: the one test every
     reader of a model (config, tokenizer, weights) branches on."""
     path = Path(model_path)
-    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+    return path.suffix.lower() == GGUF_SUFFIX and not path.is_dir()  # (a missing file: said on opening)
 
 
 def _architecture(raw: dict) -> str:

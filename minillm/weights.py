@@ -238,20 +238,33 @@ def load_model_for(config: EngineConfig) -> Transformer:
 
 def resolve_weights(weights: str, model_dir: Path, dtype: torch.dtype, device: str) -> str:
     """`weights` as asked, or for "auto" the checkpoint's own blocks where this machine can read
-    them (a CPU whose kernels build, fp32 or bf16, the blocks fetched), else the dense weights."""
-    if weights == "model" or (weights == "auto" and not _has_blocks(model_dir)):
+    them (a CPU whose kernels build, fp32 or bf16, the blocks fetched), else the dense weights. A
+    GGUF file's blocks not read under "auto" are said in one line: that model runs slower."""
+    if weights == "model":
         return "model"
-    if weights == "q4_1" and is_gguf(model_dir) and not _has_blocks(model_dir):
-        raise ConfigError(
-            f"weights='q4_1' reads the GGUF's own Q4_1 or Q8_0 blocks, and {model_dir} stores none; use "
-            "--weights int8 or model."
-        )
+    if not _has_blocks(model_dir):
+        if weights == "q4_1" and is_gguf(model_dir):
+            raise ConfigError(
+                f"weights='q4_1' reads the GGUF's own Q4_1 or Q8_0 blocks, and {model_dir} stores none; "
+                "use --weights int8 or model."
+            )
+        if weights == "auto":
+            _say_dense(model_dir, "it stores no matrix as Q4_1 or Q8_0")
+            return "model"
     problem = _blocks_problem(dtype, device)  # (builds the C++ kernels, the first time on a machine)
     if weights == "auto":
+        if problem is not None:
+            _say_dense(model_dir, f"its blocks {problem.replace('is read', 'are read')}")
         return "q4_1" if problem is None else "model"
     if problem is not None:
         raise ConfigError(f"weights={weights!r} {problem}; use --weights model.")
     return weights
+
+
+def _say_dense(model_path: Path, why: str) -> None:
+    """One line on stderr when a GGUF file's products all read the dense weights under "auto"."""
+    if is_gguf(model_path):
+        print(f"weights: every product of {model_path.name} reads the dense weights: {why}", file=sys.stderr)
 
 
 def _blocks_problem(dtype: torch.dtype, device: str) -> str | None:

@@ -255,6 +255,9 @@ def test_the_blocks_are_read_in_place_and_the_rest_named(written, capsys):
     products = model.products()
     if "quantized" not in str(path.parent.name):
         assert all(m.quantized is None for m in products.values())
+        assert "reads the dense weights: it stores no matrix as Q4_1 or Q8_0" in said
+        with pytest.raises(ConfigError, match="reads the GGUF's own Q4_1 or Q8_0 blocks, and .* stores none"):
+            load_model(path, weights="q4_1")
         return
     for name, matmul in products.items():
         if "wqkv" in name:  # Q8_0 | Q4_1 | Q4_0: no one block format
@@ -290,6 +293,8 @@ def test_another_architecture_is_refused_in_one_line(tmp_path):
         ConfigError, match="holds a 'phi3' model; minillm opens GGUF files of the architectures"
     ):
         ModelConfig.from_dir(path)
+    with pytest.raises(ConfigError, match="No GGUF file at"):
+        Tokenizer(tmp_path / "missing.gguf")
     with pytest.raises(ConfigError, match="not a GGUF file"):
         (tmp_path / "broken.gguf").write_bytes(b"GGUF\x03\x00")
         ModelConfig.from_dir(tmp_path / "broken.gguf")
