@@ -130,6 +130,7 @@ def _stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     adjacent = all(
         before.is_contiguous()
         and after.is_contiguous()
+        and after.shape[1:] == first.shape[1:]
         and after.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
         and after.data_ptr() == before.data_ptr() + before.nbytes
         for before, after in zip(parts, parts[1:])
@@ -207,7 +208,8 @@ def _attach_blocks(
         kinds = sorted({re.sub(r"^layers\.\d+\.", "layers.*.", name) for name in dense})
         print(
             f"weights: {len(dense)} of {len(model.products())} products read the dense weights, not "
-            f"blocks (their GGUF type is not Q4_1 or Q8_0): {', '.join(kinds)}",
+            f"blocks (their matrices are not all in one of {', '.join(map(str.upper, BLOCK_BYTES))}): "
+            f"{', '.join(kinds)}",
             file=sys.stderr,
         )
 
@@ -254,7 +256,7 @@ def resolve_weights(weights: str, model_dir: Path, dtype: torch.dtype, device: s
     problem = _blocks_problem(dtype, device)  # (builds the C++ kernels, the first time on a machine)
     if weights == "auto":
         if problem is not None:
-            _say_dense(model_dir, f"its blocks {problem.replace('is read', 'are read')}")
+            _say_dense(model_dir, f"weights='q4_1' {problem}")
         return "q4_1" if problem is None else "model"
     if problem is not None:
         raise ConfigError(f"weights={weights!r} {problem}; use --weights model.")
