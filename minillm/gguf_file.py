@@ -42,7 +42,7 @@ from minillm.config import ConfigError, ModelConfig
 from minillm.gguf_tokenizer import tokenizer_json_from_gguf
 from minillm.model import rope_frequencies
 from minillm.progress import progress_bar
-from minillm.quantized_weights import QuantizedWeight
+from minillm.quantized_weights import BLOCK_BYTES, QuantizedWeight
 
 # general.architecture -> the Hugging Face architecture it is
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -63,8 +63,8 @@ GGUF_TO_HF = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# the GGUF block types `quant_dense` reads (quantized_weights.BLOCK_BYTES), by the name minillm gives them
-PACKED_TYPES = {"Q4_1": "q4_1", "Q8_0": "q8_0"}
+# the GGUF block types `quant_dense` reads, by the name minillm gives them ("Q4_1" -> "q4_1")
+PACKED_TYPES = {fmt.upper(): fmt for fmt in BLOCK_BYTES}
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.x's rope_scaling, as llama.cpp's converter writes it
 # what llama.cpp's converter assumes of "llama3" rope_scaling besides the factor (its defaults)
 LLAMA3_RULE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

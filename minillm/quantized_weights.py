@@ -37,6 +37,7 @@ PACKED_FILE = "model.q4_1.safetensors"  # written by weights_fetch.py beside mod
 BLOCK = 32  # weights a block
 BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # d, m (fp16) + 16 bytes of nibbles | d (fp16) + 32 int8
 FORMAT_CODES = {"q4_1": 0, "q8_0": 1}  # quant_dense's `format`
+BLOCK_TYPES = ", ".join(fmt.upper() for fmt in BLOCK_BYTES)  # as GGUF names them: "Q4_1, Q8_0"
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from minillm.model import Transformer
 from minillm.quantized_weights import (
     BLOCK,
     BLOCK_BYTES,
+    BLOCK_TYPES,
     PACKED_FILE,
     QuantizedWeight,
     quantize_q8_0,
@@ -208,7 +209,7 @@ def _attach_blocks(
         kinds = sorted({re.sub(r"^layers\.\d+\.", "layers.*.", name) for name in dense})
         print(
             f"weights: {len(dense)} of {len(model.products())} products read the dense weights, not "
-            f"blocks (their matrices are not all in one of {', '.join(map(str.upper, BLOCK_BYTES))}): "
+            f"blocks (their matrices are not all in one of {BLOCK_TYPES}): "
             f"{', '.join(kinds)}",
             file=sys.stderr,
         )
@@ -247,11 +248,11 @@ def resolve_weights(weights: str, model_dir: Path, dtype: torch.dtype, device: s
     if not _has_blocks(model_dir):
         if weights == "q4_1" and is_gguf(model_dir):
             raise ConfigError(
-                f"weights='q4_1' reads the GGUF's own Q4_1 or Q8_0 blocks, and {model_dir} stores none; "
+                f"weights='q4_1' reads the GGUF's own blocks ({BLOCK_TYPES}), and {model_dir} stores none; "
                 "use --weights int8 or model."
             )
         if weights == "auto":
-            _say_dense(model_dir, "it stores no matrix as Q4_1 or Q8_0")
+            _say_dense(model_dir, f"it stores no matrix in {BLOCK_TYPES}")
             return "model"
     problem = _blocks_problem(dtype, device)  # (builds the C++ kernels, the first time on a machine)
     if weights == "auto":
