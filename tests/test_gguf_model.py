@@ -26,7 +26,7 @@ from helpers import tiny_gpt2_tokenizer_json
 
 from minillm.config import ConfigError, ModelConfig
 from minillm.engine import LLM, SamplingParams
-from minillm.gguf_file import PACKED_TYPES
+from minillm.gguf_file import PACKED_TYPES, gguf_tensors, open_gguf
 from minillm.quantized_weights import BLOCK_TYPES
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
@@ -218,8 +218,6 @@ def test_the_config_is_the_models(written):
 
 
 def test_the_dequantized_weights_equal_transformers_reading(written):
-    from minillm.gguf_file import gguf_tensors, open_gguf
-
     _, path, folder = written
     ours, theirs = gguf_tensors(open_gguf(path)), theirs_tensors(path, folder)
     assert set(ours) == set(theirs) - {"lm_head.weight"} or set(ours) == set(theirs)
@@ -271,12 +269,10 @@ def test_the_blocks_are_read_in_place_and_the_rest_named(written, capsys):
     )
 
 
-def test_a_qwen_file_is_not_unpermuted_and_a_llama_file_is(tmp_path):
-    """The same weights written as qwen2 (not permuted) and as llama (permuted) read back alike."""
+def test_a_qwen_file_is_read_as_it_is_written(tmp_path):
+    """llama.cpp writes Qwen's q/k rows unpermuted: they must come back in the model's own order."""
     model = hf_model("qwen2")
     write_gguf(tmp_path / "qwen2.gguf", "qwen2", model, {})
-    from minillm.gguf_file import gguf_tensors, open_gguf
-
     ours = gguf_tensors(open_gguf(tmp_path / "qwen2.gguf"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(ours[name], tensor), name
@@ -331,8 +327,6 @@ def any_blocks(qtype: GGMLQuantizationType, rows: int, columns: int, rng) -> np.
 def test_every_type_the_gguf_package_dequantizes_opens(tmp_path, capsys):
     """One llama file with its matrices in every type, round robin (rows 256 weights wide: a
     K-quant block): minillm reads each as gguf.dequantize does, and loads the model."""
-    from minillm.gguf_file import gguf_tensors, open_gguf
-
     rng, path, layers = np.random.default_rng(0), tmp_path / "every-type.gguf", 4
     qtypes = every_dequantized_type()
     writer = GGUFWriter(path, "llama")
