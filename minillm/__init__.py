@@ -5,6 +5,8 @@ The packages, in the order a request meets them (docs/layout.md is the full map)
     model_config.py, weights.py, model.py, matmul.py, quantized_weights.py
                              the checkpoint: its config, its tensors, the one transformer (Llama,
                              Qwen2, Qwen3) and its matrix products
+    gguf_file.py, gguf_tokenizer.py
+                             a llama.cpp GGUF file as the model: opened in place, nothing written
     tokenizer_json.py, tokenizer.py, chat_template.py
                              Hugging Face's tokenizer.json read into tiktoken; the checkpoint's
                              chat template rendered in a sandbox

@@ -22,6 +22,7 @@ from minillm.model_config import SIZE_FIELDS as SIZE_FIELDS
 from minillm.model_config import SUPPORTED_ARCHITECTURES as SUPPORTED_ARCHITECTURES
 from minillm.model_config import ConfigError as ConfigError
 from minillm.model_config import ModelConfig as ModelConfig
+from minillm.model_config import is_gguf as is_gguf
 from minillm.model_config import prompt_problem as prompt_problem
 from minillm.switches import DTYPES as DTYPES
 from minillm.switches import declared_switches

@@ -30,7 +30,7 @@ import re
 import sys
 from pathlib import Path
 
-from minillm.config import ConfigError
+from minillm.config import ConfigError, is_gguf
 from minillm.evaluation import DEFAULT_TEXT, read_text
 from minillm.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -167,6 +167,8 @@ def write_hf_model(model_dir: Path, hf_dir: Path, tokenizer) -> None:
 
 def write(out_dir: Path, model_dir: Path, text_file: Path, count: int, seed: int) -> None:
     """The task, checked against the HF tokenizer, and the HF model folder, into `out_dir`."""
+    if is_gguf(model_dir):  # the HF folder links the checkpoint's config.json and model.safetensors
+        raise ConfigError(f"{model_dir} is a GGUF file; give a checkpoint folder for the lm-eval task.")
     items = cloze_items(read_text(text_file), count, seed)
     tokenizer = Tokenizer(model_dir)
     hf = hf_tokenizer(model_dir)

@@ -72,14 +72,20 @@ def rope_tables(config: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.
     Llama) by the angle position * theta^(-2i/head_dim): fast for early dims, slow for late ones.
     The sin table carries the rotation's sign (-sin for the first half), see `apply_rope`.
     """
+    inv_freq = rope_frequencies(config)  # (head_dim/2,)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, head_dim/2)
+    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)  # (max_len, head_dim)
+    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
+    return cos, signed_sin
+
+
+def rope_frequencies(config: ModelConfig) -> torch.Tensor:
+    """Each pair's angle per position, theta^(-2i/head_dim): (head_dim/2,), as rope_scaling sets them."""
     half = config.head_dim // 2
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, half, dtype=torch.float32) * 2 / config.head_dim))
     if config.rope_scaling is not None:  # Llama 3.x
         inv_freq = _llama3_frequencies(inv_freq, config.rope_scaling)
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)  # (max_len, half)
-    cos = torch.cat([angles.cos(), angles.cos()], dim=-1)  # (max_len, head_dim)
-    signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
-    return cos, signed_sin
+    return inv_freq
 
 
 def _llama3_frequencies(inv_freq: torch.Tensor, scaling: Llama3RopeScaling) -> torch.Tensor:

@@ -3,8 +3,8 @@
 It is validated here, so an unsupported architecture fails with one clear line instead of deep inside
 a matmul. config.json is outside input: every field that sizes a tensor or turns a switch is checked
 for its type before anything is allocated. `ConfigError` (the one error a user can act on) and
-`prompt_problem` (the one prompt check) live here too, so this module imports nothing of minillm's;
-`minillm.config` re-exports them all.
+`prompt_problem` (the one prompt check) live here too, so this module imports nothing of minillm's
+(but `gguf_file.py`, when the model is a GGUF file); `minillm.config` re-exports them all.
 
 Three families load into the one transformer of `model.py`, which differ in a few switches:
 - Llama (`LlamaForCausalLM`: SmolLM2, Llama 3.x): plain RoPE or Llama 3's "llama3" rope_scaling;
@@ -38,6 +38,7 @@ WHAT_LOADS = (
     "Qwen3ForCausalLM checkpoints, with SiLU MLPs without bias and full attention in every layer"
 )
 FETCH_HINT = "run: python weights_fetch.py"
+GGUF_SUFFIX = ".gguf"  # a model given as one llama.cpp file, opened in place (`gguf_file.py`)
 GENERATION_FILE = "generation_config.json"  # transformers' generate() defaults, eos_token_id among them
 DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta, for a config.json that names none
 QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (not hidden_size / heads)
@@ -157,7 +158,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        """config.json, with the end-of-sequence tokens generation_config.json adds (when there)."""
+        """config.json, with the end-of-sequence tokens generation_config.json adds (when there);
+        or a GGUF file's metadata."""
+        if is_gguf(model_dir):
+            from minillm.gguf_file import gguf_config, open_gguf  # (imports this module)
+
+            return gguf_config(open_gguf(model_dir))
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"Weights not found in {model_dir} (no config.json) — {FETCH_HINT}")
@@ -223,6 +229,13 @@ class ModelConfig:
         """The KV cache formula: K and V, for every layer and KV head, head_dim numbers each."""
         element_size = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+
+
+def is_gguf(model_path: str | Path) -> bool:
+    """Whether the model is a GGUF file rather than a checkpoint folder: the one test every
+    reader of a model (config, tokenizer, weights) branches on."""
+    path = Path(model_path)
+    return path.suffix.lower() == GGUF_SUFFIX and not path.is_dir()  # (a missing file: said on opening)
 
 
 def _architecture(raw: dict) -> str:

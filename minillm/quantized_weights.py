@@ -10,7 +10,8 @@ common small GGUF format, hold only the scale: weight = d * (q - 8). The C++ pro
 so it multiplies by exactly the fp32 checkpoint's values: lossless, up to the order of the sums.
 
 `EngineConfig.weights` chooses what decode-sized products read:
-- "q4_1": the GGUF's own blocks (the fetched default checkpoint has them);
+- "q4_1": the GGUF's own blocks (the fetched default checkpoint has them; a `.gguf` given as the
+  model has them for each matrix it stores as Q4_1 or Q8_0, read in place: `gguf_file.py`);
 - "int8": every matrix quantized here to Q8_0 (per 32 weights an fp16 scale, as llama.cpp's
   Q8_0; lossy, and it works for any checkpoint);
 - "model": the weights in the model's dtype, as before;
@@ -38,6 +39,7 @@ BLOCK = 32  # weights a block
 # q4_0: d (fp16) + 16 bytes of nibbles | q4_1: d, m (fp16) + 16 bytes of nibbles | q8_0: d + 32 int8
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
 FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_0": 2}  # quant_dense's `format`
+BLOCK_TYPES = ", ".join(fmt.upper() for fmt in BLOCK_BYTES)  # as GGUF names them: "Q4_0, Q4_1, Q8_0"
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,8 @@ _TABLE = {
     "model": (  # which checkpoint, in which precision, where
         Switch(
             "model_dir",
-            "checkpoint folder written by weights_fetch.py (default: %(default)s)",
+            "checkpoint folder (weights_fetch.py writes one) or a llama.cpp .gguf file, opened in place "
+            "(default: %(default)s)",
             parse=Path,
             flag="model",
         ),
@@ -94,9 +95,10 @@ _TABLE = {
         ),
         Switch(
             "weights",
-            "what decode's products read: q4_1, the GGUF blocks the default checkpoint came from "
-            "(lossless); int8, every matrix quantized to Q8_0 here (lossy); model, the weights in "
-            "--dtype; auto: q4_1 where the blocks were fetched and the CPU kernels build, else model "
+            "what decode's products read: q4_1, the GGUF blocks the default checkpoint came from, or a "
+            ".gguf --model's Q4_1/Q8_0 blocks (lossless); int8, every matrix quantized to Q8_0 here "
+            "(lossy); model, the weights in --dtype; auto: q4_1 where there are blocks and the CPU "
+            "kernels build, else model "
             "(default: %(default)s)",
             choices=WEIGHT_FORMATS,
             lossy=True,

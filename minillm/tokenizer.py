@@ -4,8 +4,9 @@ checkpoint's chat template.
 A checkpoint folder holds its tokenizer as Hugging Face saves it: `tokenizer.json` (the vocabulary,
 merges, pre-tokenizer regex and added tokens), `tokenizer_config.json` (bos and eos tokens, the
 chat template) and, as transformers 5 writes it, `chat_template.jinja`. A user's own Hugging Face
-folder works as it is. `minillm/tokenizer_json.py` reads tokenizer.json and says what each part
-means; here its ranks and regex become a tiktoken encoder, which cuts and merges in Rust.
+folder works as it is, and so does a llama.cpp GGUF file, whose tokenizer metadata
+`gguf_file.py` reads as those files' contents. `minillm/tokenizer_json.py` reads tokenizer.json and
+says what each part means; here its ranks and regex become a tiktoken encoder, which cuts and merges in Rust.
 `encode_chat` lays a conversation out with the chat template (`minillm/chat_template.py` runs it).
 
 What tiktoken does not do is done around it:
@@ -30,8 +31,8 @@ from pathlib import Path
 import tiktoken
 
 from minillm.chat_template import ChatTemplate
-from minillm.config import FETCH_HINT, ConfigError
-from minillm.tokenizer_json import LOADS, AddedToken, read_tokenizer_json
+from minillm.config import FETCH_HINT, ConfigError, is_gguf
+from minillm.tokenizer_json import LOADS, AddedToken, TokenizerSpec, read_tokenizer_json, tokenizer_spec
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -40,11 +41,32 @@ REGEX_PROBE = "Hello, world! It's 12:30.\n\tcafé 😀  x"  # text every pre-tok
 
 
 class Tokenizer:
-    def __init__(self, model_dir: str | Path):
-        model_dir = Path(model_dir)
-        if not (model_dir / TOKENIZER_FILE).is_file():
-            raise ConfigError(f"No {TOKENIZER_FILE} in {model_dir} — {FETCH_HINT}")
-        spec = read_tokenizer_json(model_dir / TOKENIZER_FILE)
+    def __init__(self, model_path: str | Path):
+        """The tokenizer of a checkpoint folder (its files) or of a GGUF file (its metadata, read as
+        the same two dicts in `gguf_file.py`); both are built by `_build`."""
+        model_path = Path(model_path)
+        if is_gguf(model_path):
+            from minillm.gguf_file import gguf_tokenizer_files, open_gguf
+
+            tokenizer_json, config = gguf_tokenizer_files(open_gguf(model_path))
+            try:
+                spec = tokenizer_spec(tokenizer_json)
+            except ConfigError as err:
+                raise ConfigError(f"{model_path}: {err}") from None
+            self._build(spec, config, model_path, model_path)
+            return
+        if not (model_path / TOKENIZER_FILE).is_file():
+            raise ConfigError(f"No {TOKENIZER_FILE} in {model_path} — {FETCH_HINT}")
+        config = _read_config(model_path)
+        if (model_path / TEMPLATE_FILE).is_file():  # transformers 5 saves the template so; it wins
+            config["chat_template"] = _read_template(model_path / TEMPLATE_FILE)
+        self._build(
+            read_tokenizer_json(model_path / TOKENIZER_FILE), config, model_path, model_path / CONFIG_FILE
+        )
+
+    def _build(self, spec: TokenizerSpec, config: dict, model_path: Path, config_where: Path) -> None:
+        """The tokenizer from tokenizer.json's spec and tokenizer_config.json's dict; `config_where`
+        names where the latter came from, for errors."""
         self.ranks: dict[bytes, int] = spec.ranks  # the vocabulary's tokens (bytes -> id)
         self.pattern: str = spec.pattern  # the pre-tokenizer's regex
         self.vocab_size: int = spec.vocab_size  # ids the tokenizer knows (the model may have more)
@@ -58,12 +80,13 @@ class Tokenizer:
         self._bytes_of = {i: b for b, i in spec.ranks.items()} | {
             token.id: token.content.encode() for token in spec.added_tokens
         }
-        self.encoding = _encoder(model_dir, spec.ranks, spec.pattern, spec.vocab_size)
-        config = _read_config(model_dir)
-        self.bos_token: str | None = _token_name(config, "bos_token", model_dir)
-        self.eos_token: str | None = _token_name(config, "eos_token", model_dir)
-        self.eos_token_id: int | None = self._token_id(self.eos_token, model_dir)
-        self.chat_template: str | None = _chat_template(config, model_dir)  # Jinja source (chat_template.py)
+        self.encoding = _encoder(model_path, spec.ranks, spec.pattern, spec.vocab_size)
+        self.bos_token: str | None = _token_name(config, "bos_token", config_where)
+        self.eos_token: str | None = _token_name(config, "eos_token", config_where)
+        self.eos_token_id: int | None = self._token_id(self.eos_token, config_where)
+        self.chat_template: str | None = _chat_template(
+            config, config_where
+        )  # Jinja source (chat_template.py)
         self.template = self._compiled_template()
 
     def _compiled_template(self) -> ChatTemplate | None:
@@ -129,15 +152,13 @@ class Tokenizer:
             text = unicodedata.normalize("NFC", text)
         return [i for i in _encode_ordinary(self.encoding, text) if i < self.vocab_size]
 
-    def _token_id(self, name: str | None, model_dir: Path) -> int | None:
+    def _token_id(self, name: str | None, config_where: Path) -> int | None:
         """The id of the token `name` (an added token, or one of the vocabulary), None for None."""
         if name is None:
             return None
         token_id = self._added[name].id if name in self._added else self.ranks.get(name.encode())
         if token_id is None:
-            raise ConfigError(
-                f"{model_dir / CONFIG_FILE} names {name!r}, which is not one token of {TOKENIZER_FILE}."
-            )
+            raise ConfigError(f"{config_where} names {name!r}, which is not one token of {TOKENIZER_FILE}.")
         return token_id
 
 
@@ -165,7 +186,7 @@ def end_of_sequence(config_eos_token_ids: tuple[int, ...], tokenizer: Tokenizer 
     return frozenset({tokenizer.eos_token_id})
 
 
-def _encoder(model_dir: Path, ranks: dict[bytes, int], pattern: str, vocab_size: int) -> tiktoken.Encoding:
+def _encoder(model_path: Path, ranks: dict[bytes, int], pattern: str, vocab_size: int) -> tiktoken.Encoding:
     """tiktoken over the vocabulary's ranks; a byte with no token gets a rank past the vocabulary
     (tiktoken needs one for every byte), and `encode` drops what it gives."""
     every_byte = dict(ranks)
@@ -173,11 +194,11 @@ def _encoder(model_dir: Path, ranks: dict[bytes, int], pattern: str, vocab_size:
         every_byte.setdefault(bytes([byte]), vocab_size + byte)
     try:
         encoding = tiktoken.Encoding(
-            name=model_dir.name, pat_str=pattern, mergeable_ranks=every_byte, special_tokens={}
+            name=model_path.name, pat_str=pattern, mergeable_ranks=every_byte, special_tokens={}
         )
     except ValueError as err:  # the regex did not compile
         raise ConfigError(
-            f"{model_dir / TOKENIZER_FILE}: its pre-tokenizer regex is not one tiktoken reads "
+            f"{_tokenizer_where(model_path)}: its pre-tokenizer regex is not one tiktoken reads "
             f"({err}); {LOADS}."
         ) from None
     try:  # tiktoken drops the text no piece covers, and gives up on a regex that matches ""
@@ -186,10 +207,15 @@ def _encoder(model_dir: Path, ranks: dict[bytes, int], pattern: str, vocab_size:
         covered = False
     if not covered:
         raise ConfigError(
-            f"{model_dir / TOKENIZER_FILE}: its pre-tokenizer regex does not cut plain text into "
+            f"{_tokenizer_where(model_path)}: its pre-tokenizer regex does not cut plain text into "
             f"pieces that cover it; {LOADS}."
         )
     return encoding
+
+
+def _tokenizer_where(model_path: Path) -> Path:
+    """Where the tokenizer was read: tokenizer.json of a folder, or the GGUF file itself."""
+    return model_path if is_gguf(model_path) else model_path / TOKENIZER_FILE
 
 
 def _encode_ordinary(encoding: tiktoken.Encoding, text: str) -> list[int]:
@@ -222,24 +248,26 @@ def _read_config(model_dir: Path) -> dict:
     return config
 
 
-def _token_name(config: dict, key: str, model_dir: Path) -> str | None:
+def _token_name(config: dict, key: str, where: Path) -> str | None:
     """`bos_token` or `eos_token`: a string, or {"content": string} as transformers writes it."""
     value = config.get(key)
     if isinstance(value, dict):
         value = value.get("content", value)  # without "content" it is refused below, not dropped
     if value is not None and not isinstance(value, str):
-        raise ConfigError(f"{model_dir / CONFIG_FILE}: {key} is {reprlib.repr(value)}, not a token's text.")
+        raise ConfigError(f"{where}: {key} is {reprlib.repr(value)}, not a token's text.")
     return value
 
 
-def _chat_template(config: dict, model_dir: Path) -> str | None:
-    """The chat template: chat_template.jinja when the folder has one (transformers 5 saves it so),
-    else tokenizer_config.json's, a string or a list of named ones of which "default" is used."""
-    if (model_dir / TEMPLATE_FILE).is_file():
-        try:
-            return (model_dir / TEMPLATE_FILE).read_text(encoding="utf-8")
-        except UnicodeDecodeError as err:
-            raise ConfigError(f"{model_dir / TEMPLATE_FILE} is not UTF-8 text ({err}).") from None
+def _read_template(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path} is not UTF-8 text ({err}).") from None
+
+
+def _chat_template(config: dict, where: Path) -> str | None:
+    """The chat template: tokenizer_config.json's (or chat_template.jinja's, put there), a string
+    or a list of named ones of which "default" is used."""
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {
@@ -249,10 +277,10 @@ def _chat_template(config: dict, model_dir: Path) -> str | None:
         }
         if "default" not in named:  # transformers refuses to guess which one too
             raise ConfigError(
-                f"{model_dir / CONFIG_FILE}: its chat_template is a list of named templates, none named "
+                f"{where}: its chat_template is a list of named templates, none named "
                 '"default"; put the one to use in chat_template.jinja beside it.'
             )
         template = named["default"]
     if template is not None and not isinstance(template, str):
-        raise ConfigError(f"{model_dir / CONFIG_FILE}: its chat_template is not a template's text.")
+        raise ConfigError(f"{where}: its chat_template is not a template's text.")
     return template

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+import sys
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from minillm.config import FETCH_HINT, ConfigError, EngineConfig, ModelConfig
+from minillm.config import FETCH_HINT, ConfigError, EngineConfig, ModelConfig, is_gguf
 from minillm.matmul import dense_kernel
 from minillm.model import Transformer
 from minillm.quantized_weights import (
     BLOCK,
     BLOCK_BYTES,
+    BLOCK_TYPES,
     PACKED_FILE,
     QuantizedWeight,
     quantize_q8_0,
@@ -34,7 +37,12 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of `model_dir/model.safetensors`, by their Hugging Face names."""
+    """All tensors of `model_dir/model.safetensors`, or of a GGUF file dequantized, by their
+    Hugging Face names."""
+    if is_gguf(model_dir):
+        from minillm.gguf_file import gguf_tensors, open_gguf
+
+        return gguf_tensors(open_gguf(model_dir))
     path = Path(model_dir) / WEIGHTS_FILE
     if not path.is_file():
         raise ConfigError(f"Weights not found: {path} is missing — {FETCH_HINT}")
@@ -84,6 +92,11 @@ def _vector_sources(config: ModelConfig) -> dict[str, list[str]]:
 def stack_matrices(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's matrices under this model's names, q|k|v and gate|up stacked row after row
     (a row is one output's weights, so GGUF blocks stack the same way as numbers)."""
+    return _gather(tensors, _matrix_sources(config))
+
+
+def _matrix_sources(config: ModelConfig) -> dict[str, list[str]]:
+    """This model's matrices -> the checkpoint matrices each is stacked from."""
     sources = {"embed.weight": ["model.embed_tokens.weight"]}
     if not config.tie_word_embeddings:
         sources["lm_head.weight"] = ["lm_head.weight"]
@@ -93,11 +106,11 @@ def stack_matrices(tensors: dict[str, torch.Tensor], config: ModelConfig) -> dic
         sources[ours + "attn.wo.weight"] = [hf + "self_attn.o_proj.weight"]
         sources[ours + "mlp.w_gate_up.weight"] = [hf + f"mlp.{p}_proj.weight" for p in ("gate", "up")]
         sources[ours + "mlp.w_down.weight"] = [hf + "mlp.down_proj.weight"]
-    return _gather(tensors, sources)
+    return sources
 
 
 def _gather(tensors: dict[str, torch.Tensor], sources: dict[str, list[str]]) -> dict[str, torch.Tensor]:
-    """Each of our names -> its checkpoint tensors, concatenated along the first dimension."""
+    """Each of our names -> its checkpoint tensors, stacked along the first dimension."""
     gathered = {}
     for ours, names in sources.items():
         parts = [_take(tensors, name) for name in names]
@@ -105,8 +118,28 @@ def _gather(tensors: dict[str, torch.Tensor], sources: dict[str, list[str]]) -> 
             raise ConfigError(
                 f"The checkpoint's {', '.join(names)} differ in width; they cannot form {ours}."
             )
-        gathered[ours] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        gathered[ours] = _stack_rows(parts)
     return gathered
+
+
+def _stack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts' rows one after another: a view where they already lie so in one storage (the
+    gate and up blocks of a GGUF file, one after the other in it), else a copy."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    adjacent = all(
+        before.is_contiguous()
+        and after.is_contiguous()
+        and after.shape[1:] == first.shape[1:]
+        and after.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and after.data_ptr() == before.data_ptr() + before.nbytes
+        for before, after in zip(parts, parts[1:])
+    )
+    if not adjacent:
+        return torch.cat(parts)
+    rows = sum(part.shape[0] for part in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
 def _take(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor:
@@ -158,16 +191,45 @@ def load_model(
     return model.eval()
 
 
-def _attach_blocks(model: Transformer, state: dict[str, torch.Tensor], weights: str, model_dir: Path) -> None:
-    """Give each product its GGUF blocks: the packed file's ("q4_1"), or its matrix quantized to
-    Q8_0 here ("int8"; a matrix whose rows are not whole blocks keeps only its dense weight)."""
+def _attach_blocks(
+    model: Transformer, state: dict[str, torch.Tensor], weights: str, model_path: Path
+) -> None:
+    """Give each product its GGUF blocks: the checkpoint's own ("q4_1": the packed file beside a
+    folder's weights, or a GGUF file's, read in place), or its matrix quantized to Q8_0 here
+    ("int8"; a matrix whose rows are not whole blocks keeps only its dense weight)."""
     if weights == "int8":
         for name, matmul in model.products().items():
             matmul.quantized = quantize_q8_0(state[name]) if state[name].shape[1] % BLOCK == 0 else None
         return
-    packed = stack_matrices({name: w.blocks for name, w in read_packed(model_dir).items()}, model.config)
+    packed, sources = _checkpoint_blocks(model_path), _matrix_sources(model.config)
     for name, matmul in model.products().items():
-        matmul.quantized = _blocks_for(name, packed[name], state[name])
+        matmul.quantized = _blocks_for(name, [packed.get(source) for source in sources[name]], state[name])
+    dense = [name for name, matmul in model.products().items() if matmul.quantized is None]
+    if dense:  # said, not silent: these products run at the dense weights' speed
+        kinds = sorted({re.sub(r"^layers\.\d+\.", "layers.*.", name) for name in dense})
+        print(
+            f"weights: {len(dense)} of {len(model.products())} products read the dense weights, not "
+            f"blocks (their matrices are not all in one of {BLOCK_TYPES}): "
+            f"{', '.join(kinds)}",
+            file=sys.stderr,
+        )
+
+
+def _checkpoint_blocks(model_path: Path) -> dict[str, QuantizedWeight]:
+    """The checkpoint's own blocks by Hugging Face name: a GGUF file's, or the packed file's."""
+    if is_gguf(model_path):
+        from minillm.gguf_file import gguf_blocks, open_gguf
+
+        return gguf_blocks(open_gguf(model_path))
+    return read_packed(model_path)
+
+
+def _has_blocks(model_path: Path) -> bool:
+    if is_gguf(model_path):
+        from minillm.gguf_file import has_blocks, open_gguf
+
+        return has_blocks(open_gguf(model_path))
+    return (model_path / PACKED_FILE).is_file()
 
 
 def load_model_for(config: EngineConfig) -> Transformer:
@@ -179,15 +241,33 @@ def load_model_for(config: EngineConfig) -> Transformer:
 
 def resolve_weights(weights: str, model_dir: Path, dtype: torch.dtype, device: str) -> str:
     """`weights` as asked, or for "auto" the checkpoint's own blocks where this machine can read
-    them (a CPU whose kernels build, fp32 or bf16, the blocks fetched), else the dense weights."""
-    if weights == "model" or (weights == "auto" and not (model_dir / PACKED_FILE).is_file()):
+    them (a CPU whose kernels build, fp32 or bf16, the blocks fetched), else the dense weights. A
+    GGUF file's blocks not read under "auto" are said in one line: that model runs slower."""
+    if weights == "model":
         return "model"
+    if not _has_blocks(model_dir):
+        if weights == "q4_1" and is_gguf(model_dir):
+            raise ConfigError(
+                f"weights='q4_1' reads the GGUF's own blocks ({BLOCK_TYPES}), and {model_dir} stores none; "
+                "use --weights int8 or model."
+            )
+        if weights == "auto":
+            _say_dense(model_dir, f"it stores no matrix in {BLOCK_TYPES}")
+            return "model"
     problem = _blocks_problem(dtype, device)  # (builds the C++ kernels, the first time on a machine)
     if weights == "auto":
+        if problem is not None:
+            _say_dense(model_dir, f"weights='q4_1' {problem}")
         return "q4_1" if problem is None else "model"
     if problem is not None:
         raise ConfigError(f"weights={weights!r} {problem}; use --weights model.")
     return weights
+
+
+def _say_dense(model_path: Path, why: str) -> None:
+    """One line on stderr when a GGUF file's products all read the dense weights under "auto"."""
+    if is_gguf(model_path):
+        print(f"weights: every product of {model_path.name} reads the dense weights: {why}", file=sys.stderr)
 
 
 def _blocks_problem(dtype: torch.dtype, device: str) -> str | None:
@@ -201,16 +281,21 @@ def _blocks_problem(dtype: torch.dtype, device: str) -> str | None:
     return None
 
 
-def _blocks_for(name: str, blocks: torch.Tensor, dense: torch.Tensor) -> QuantizedWeight:
-    """The packed file's blocks for one product, checked against its dense weight's shape."""
+def _blocks_for(
+    name: str, parts: list[QuantizedWeight | None], dense: torch.Tensor
+) -> QuantizedWeight | None:
+    """One product's blocks, its checkpoint matrices' stacked, checked against its dense weight's
+    shape; None where a matrix has no blocks or they differ in format (a GGUF may mix types)."""
+    if any(part is None for part in parts) or len({part.format for part in parts}) > 1:
+        return None
+    blocks, fmt = _stack_rows([part.blocks for part in parts]), parts[0].format
     rows, columns = dense.shape
-    for fmt, size in BLOCK_BYTES.items():
-        if blocks.shape == (rows, columns // BLOCK * size) and columns % BLOCK == 0:
-            return QuantizedWeight(blocks.contiguous(), fmt)
-    raise ConfigError(
-        f"{PACKED_FILE}: {name}'s blocks {tuple(blocks.shape)} do not hold a {rows} x {columns} weight "
-        f"in Q4_1 or Q8_0 — {FETCH_HINT}"
-    )
+    if blocks.shape != (rows, columns // BLOCK * BLOCK_BYTES[fmt]) or columns % BLOCK:
+        raise ConfigError(
+            f"{name}'s blocks {tuple(blocks.shape)} do not hold a {rows} x {columns} weight in "
+            f"{fmt.upper()} — {FETCH_HINT}"
+        )
+    return QuantizedWeight(blocks, fmt)
 
 
 def model_fingerprint(model: Transformer) -> str:

@@ -26,8 +26,7 @@ from upstream import upstream_file, vocab_cases
 
 from minillm import tokenizer_json
 from minillm.config import ConfigError
-from minillm.fetch import FetchError
-from minillm.fetch.gguf_tokenizer import tokenizer_json_from_gguf
+from minillm.gguf_tokenizer import tokenizer_json_from_gguf
 from minillm.tokenizer import Tokenizer
 from minillm.tokenizer_json import LOADS
 
@@ -427,7 +426,7 @@ def test_a_sentencepiece_gguf_is_refused_in_one_line():
     from gguf import GGUFReader
 
     reader = GGUFReader(upstream_file("ggml-vocab-llama-spm.gguf"))
-    with pytest.raises(FetchError, match="SentencePiece") as refused:
+    with pytest.raises(ConfigError, match="SentencePiece") as refused:
         tokenizer_json_from_gguf({key: field.contents() for key, field in reader.fields.items()})
     assert "\n" not in str(refused.value)
 
@@ -480,6 +479,6 @@ GGUF_REFUSED = {
 @pytest.mark.parametrize("kind", list(GGUF_REFUSED))
 def test_gguf_fields_minillm_does_not_read_are_refused_in_one_line(kind):
     fields, words = GGUF_REFUSED[kind]
-    with pytest.raises(FetchError, match=re.escape(words)) as refused:
+    with pytest.raises(ConfigError, match=re.escape(words)) as refused:
         tokenizer_json_from_gguf(fields)
     assert "\n" not in str(refused.value)

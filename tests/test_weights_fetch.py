@@ -37,8 +37,8 @@ from minillm.evaluation import read_text
 from minillm.fetch import FetchError, texts
 from minillm.fetch.checkpoint import fetch_checkpoint
 from minillm.fetch.download import pip_download
-from minillm.fetch.gguf_tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN
-from minillm.fetch.gguf_wheel import undo_rope_permutation
+from minillm.gguf_file import undo_rope_permutation
+from minillm.gguf_tokenizer import LLAMA3_PATTERN, QWEN2_PATTERN
 from minillm.tokenizer import Tokenizer
 from minillm.weights import load_model
 

@@ -145,9 +145,9 @@ def decoder_models(model_dir: Path, dtype: str, include_hf: bool) -> tuple[dict,
         models[f"cached_{other_dtype(dtype)}"] = load_model(model_dir, DTYPES[other_dtype(dtype)])
     if not include_hf:
         return models, None
-    from transformers import AutoModelForCausalLM  # test-only dependency: pip install -e '.[test]'
+    from minillm.benchmarks.hf_baseline import hf_model
 
-    return models, AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
+    return models, hf_model(model_dir, DTYPES[dtype])
 
 
 def tok_s_by_threads(run_cached) -> dict[int, float]:

@@ -9,8 +9,23 @@ from a streamer (`_TokenClock`) that notes when each of the batch's tokens appea
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
+
+from minillm.config import is_gguf
+
+
+def hf_model(model_path: str | Path, dtype: torch.dtype):
+    """transformers' model of the checkpoint, in eval mode: a folder, or a GGUF file read by
+    transformers' own GGUF loader (which dequantizes it, and drops Llama 3's rope_freqs and Qwen3's
+    key_length: those two families' baselines run a plain-RoPE, hidden/heads-head_dim model)."""
+    from transformers import AutoModelForCausalLM  # test-only dependency: pip install -e '.[test]'
+
+    path = Path(model_path)
+    if is_gguf(path):
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 class _TokenClock:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from minillm.benchmarks.hf_baseline import hf_static
+from minillm.benchmarks.hf_baseline import hf_model, hf_static
 from minillm.benchmarks.stats import percentile
 from minillm.benchmarks.workload import Request, submit_exact, uniform_trace
 from minillm.config import DTYPES, ConfigError, ModelConfig
@@ -160,10 +160,7 @@ def run_servers(
         "minillm_static": run_minillm(model, tokenizer, trace, "static", 16, max_num_seqs, attention_backend),
     }
     if include_hf:
-        from transformers import AutoModelForCausalLM  # test-only dependency: pip install -e '.[test]'
-
-        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).eval()
-        servers["hf_transformers_static"] = run_hf(hf_model, trace, max_num_seqs)
+        servers["hf_transformers_static"] = run_hf(hf_model(model_dir, DTYPES[dtype]), trace, max_num_seqs)
     return servers
 
 

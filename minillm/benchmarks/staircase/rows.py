@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from statistics import median
 
-from minillm.benchmarks.hf_baseline import hf_static
+from minillm.benchmarks.hf_baseline import hf_model, hf_static
 from minillm.benchmarks.stats import tails
 from minillm.benchmarks.workload import BLOCK_SIZE, Request, blocks_for, run_trace, warm_up
 from minillm.config import DTYPES, ConfigError
@@ -63,14 +63,12 @@ def latencies(requests: list[dict], elapsed: float) -> dict:
 
 
 def run_hf_row(model_dir, trace, budget: dict, dtype: str, device: str) -> tuple[dict, list[list[int]]]:
-    from transformers import AutoModelForCausalLM  # test-only dependency: pip install -e '.[test]'
-
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(device).eval()
+    hf = hf_model(model_dir, DTYPES[dtype]).to(device)
     hf_static(
-        hf_model, [Request("warm-up", trace[0].prompt_ids[:32], 2, 2)], 1
+        hf, [Request("warm-up", trace[0].prompt_ids[:32], 2, 2)], 1
     )  # warm-up, so the row does not pay for it
     batch = budget["hf_batch_size"]
-    requests, elapsed = hf_static(hf_model, trace, batch)
+    requests, elapsed = hf_static(hf, trace, batch)
     batches = [trace[first : first + batch] for first in range(0, len(trace), batch)]
     # a batch's cache ends holding every row's padded prompt and the longest output (less its last token)
     peak_tokens = max(

@@ -1,4 +1,4 @@
-"""A GGUF file's tokenizer, written out as Hugging Face's `tokenizer.json` and `tokenizer_config.json`.
+"""A GGUF file's tokenizer, as Hugging Face's `tokenizer.json` and `tokenizer_config.json` would hold it.
 
 llama.cpp's converter keeps a byte-level BPE tokenizer in the GGUF metadata as lists and names:
 
@@ -10,10 +10,12 @@ llama.cpp's converter keeps a byte-level BPE tokenizer in the GGUF metadata as l
     tokenizer.ggml.merges       "a b", best first
     tokenizer.ggml.bos_token_id, eos_token_id, add_bos_token, and tokenizer.chat_template
 
-`tokenizer_json_from_gguf` turns them back into the files a Hugging Face checkpoint ships, so
-the engine reads one format (`minillm/tokenizer_json.py`). The pre-tokenizer's name becomes the
-steps Hugging Face's tokenizer.json of that family holds; a control token becomes a special added
-token, a user-defined one an added token that text produces. The fields are outside input: each
+`tokenizer_json_from_gguf` turns them back into what the files of a Hugging Face checkpoint hold,
+as dicts, so the engine reads one format (`minillm/tokenizer_json.py`): a GGUF opened in place
+(`gguf_file.py`) hands them to `Tokenizer` as they are, and weights_fetch.py writes them out.
+The pre-tokenizer's name becomes the steps Hugging Face's tokenizer.json of that family holds;
+a control token becomes a special added token, a user-defined one an added token that text
+produces. The fields are outside input: each
 is checked for its type and size, and anything unknown is refused in one line.
 """
 
@@ -23,7 +25,7 @@ import copy
 import reprlib
 from collections.abc import Mapping
 
-from minillm.fetch import FetchError
+from minillm.config import ConfigError
 from minillm.tokenizer_json import MAX_IDS
 
 # Llama 3's pre-tokenizer regex, as its tokenizer.json has it; Qwen2's cuts digits one at a time.
@@ -63,19 +65,19 @@ def tokenizer_json_from_gguf(fields: Mapping[str, object]) -> tuple[dict, dict]:
     """(tokenizer.json, tokenizer_config.json) as dicts, from a GGUF's metadata (key -> value)."""
     model, pre = fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre")
     if model != "gpt2":
-        raise FetchError(
+        raise ConfigError(
             f"The GGUF's tokenizer is {reprlib.repr(model)}, not byte-level BPE ('gpt2'); minillm reads "
             "Llama 3, Qwen2/2.5/3 and SmolLM2 tokenizers, not SentencePiece ones (Llama 2, Mistral v0.1)."
         )
     if pre not in PRE_TOKENIZERS:
-        raise FetchError(
+        raise ConfigError(
             f"The GGUF's pre-tokenizer {reprlib.repr(pre)} is not one minillm knows "
             f"({', '.join(PRE_TOKENIZERS)})."
         )
     tokens = _strings(fields, "tokenizer.ggml.tokens")
     token_types = fields.get("tokenizer.ggml.token_type")
     if not isinstance(token_types, list) or len(token_types) != len(tokens):
-        raise FetchError("The GGUF's tokenizer.ggml.token_type is not one type per token.")
+        raise ConfigError("The GGUF's tokenizer.ggml.token_type is not one type per token.")
     vocab, added = _vocab_and_added(tokens, token_types)
     merges = [_merge(merge) for merge in _strings(fields, "tokenizer.ggml.merges")]
     normalizer, pre_tokenizer = copy.deepcopy(PRE_TOKENIZERS[pre])  # the caller's to change
@@ -122,18 +124,18 @@ def _vocab_and_added(tokens: list[str], token_types: list) -> tuple[dict[str, in
         if kind == UNUSED or (kind == USER_DEFINED and token == f"[PAD{token_id}]"):
             continue
         if kind not in (NORMAL, CONTROL, USER_DEFINED):
-            raise FetchError(
+            raise ConfigError(
                 f"The GGUF's token {token_id} has type {reprlib.repr(kind)}; byte-level BPE uses types "
                 "1 (normal), 3 (control), 4 (user-defined) and 5 (unused)."
             )
         if kind != NORMAL:
             added.append({"id": token_id, "content": token, **NOT_STRIPPED, "special": kind == CONTROL})
         elif vocab.setdefault(token, token_id) != token_id:
-            raise FetchError(f"The GGUF's vocabulary holds the token {reprlib.repr(token)} twice.")
+            raise ConfigError(f"The GGUF's vocabulary holds the token {reprlib.repr(token)} twice.")
     vocab_end = max(vocab.values(), default=-1) + 1
     for token in added:
         if token["id"] < vocab_end and vocab.setdefault(token["content"], token["id"]) != token["id"]:
-            raise FetchError(f"The GGUF holds the token {reprlib.repr(token['content'])} twice.")
+            raise ConfigError(f"The GGUF holds the token {reprlib.repr(token['content'])} twice.")
     return vocab, added
 
 
@@ -162,7 +164,7 @@ def _post_processor(bos: str | None, eos: str | None, added: list[dict]) -> dict
 
 def _tokenizer_config(bos: str | None, eos: str | None, chat_template: object) -> dict:
     if chat_template is not None and not isinstance(chat_template, str):
-        raise FetchError("The GGUF's tokenizer.chat_template is not a string.")
+        raise ConfigError("The GGUF's tokenizer.chat_template is not a string.")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
@@ -175,23 +177,23 @@ def _tokenizer_config(bos: str | None, eos: str | None, chat_template: object) -
 def _strings(fields: Mapping[str, object], key: str) -> list[str]:
     values = fields.get(key)
     if not isinstance(values, list) or not 0 < len(values) <= MAX_IDS:
-        raise FetchError(f"The GGUF's {key} is not a list of 1 to {MAX_IDS} entries.")
+        raise ConfigError(f"The GGUF's {key} is not a list of 1 to {MAX_IDS} entries.")
     if not all(isinstance(value, str) and value for value in values):
-        raise FetchError(f"The GGUF's {key} holds an entry that is not a non-empty string.")
+        raise ConfigError(f"The GGUF's {key} holds an entry that is not a non-empty string.")
     return values
 
 
 def _merge(merge: str) -> list[str]:
     pair = merge.split(" ")
     if len(pair) != 2:
-        raise FetchError(f"The GGUF's merge {reprlib.repr(merge)} is not two tokens joined by a space.")
+        raise ConfigError(f"The GGUF's merge {reprlib.repr(merge)} is not two tokens joined by a space.")
     return pair
 
 
 def _flag(fields: Mapping[str, object], key: str, default: bool) -> bool:
     value = fields.get(key, default)
     if not isinstance(value, bool):
-        raise FetchError(f"The GGUF's {key} is {reprlib.repr(value)}, not true or false.")
+        raise ConfigError(f"The GGUF's {key} is {reprlib.repr(value)}, not true or false.")
     return value
 
 
@@ -202,5 +204,7 @@ def _added_text(fields: Mapping[str, object], key: str, added: list[dict]) -> st
         return None
     text = next((token["content"] for token in added if token["id"] == token_id), None)
     if isinstance(token_id, bool) or text is None:
-        raise FetchError(f"The GGUF's {key} {reprlib.repr(token_id)} is not a control or user-defined token.")
+        raise ConfigError(
+            f"The GGUF's {key} {reprlib.repr(token_id)} is not a control or user-defined token."
+        )
     return text
