@@ -1063,3 +1063,25 @@ def test_a_tokenizer_without_chatml_is_refused_by_the_workload_in_one_line(tmp_p
     with pytest.raises(ConfigError, match=r"this tokenizer has no <\|im_start\|>") as refused:
         chat_message(Tokenizer(tmp_path), "user", [1, 2])
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.slow
+def test_bench_open_times_the_folder_and_its_gguf_in_fresh_processes(capsys, real_dir):
+    """Both forms open and give a token in their own processes; the numbers are what a process
+    can report (positive seconds, a peak memory at least the folder's fp32 weights)."""
+    from minillm.benchmarks.open import DEFAULT_GGUF, FORMS
+
+    report = run_json(capsys, "bench", "open", "--repeats", "1", "--json")
+    assert set(report["rows"]) == set(FORMS) and report["paths"][FORMS[1]] == str(DEFAULT_GGUF)
+    weights_bytes = (real_dir / "model.safetensors").stat().st_size
+    for row in report["rows"].values():
+        assert row["open_s"]["min"] > 0 and row["first_token_s"]["min"] > 0
+        assert row["peak_rss_bytes"]["min"] > weights_bytes / 2  # the dense weights are held
+
+
+def test_bench_open_names_a_missing_gguf_in_one_line(capsys, tmp_path):
+    from minillm.cli import main
+
+    assert main(["bench", "open", "--gguf", str(tmp_path / "none.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "none.gguf is not there" in err and len(err.strip().splitlines()) == 1
