@@ -11,7 +11,7 @@ so it multiplies by exactly the fp32 checkpoint's values: lossless, up to the or
 
 `EngineConfig.weights` chooses what decode-sized products read:
 - "q4_1": the GGUF's own blocks (the fetched default checkpoint has them; a `.gguf` given as the
-  model has them for each matrix it stores as Q4_1 or Q8_0, read in place: `gguf_file.py`);
+  model has them for each matrix it stores as Q4_0, Q4_1 or Q8_0, read in place: `gguf_file.py`);
 - "int8": every matrix quantized here to Q8_0 (per 32 weights an fp16 scale, as llama.cpp's
   Q8_0; lossy, and it works for any checkpoint);
 - "model": the weights in the model's dtype, as before;

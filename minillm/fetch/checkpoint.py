@@ -25,7 +25,7 @@ from minillm.weights import load_model
 
 WRITTEN_FILES = ("config.json", "model.safetensors", TOKENIZER_FILE)
 # and where the source has them: the generation config, the tokenizer's config and chat template,
-# and from a GGUF whose matrices are Q4_1 or Q8_0 (the default checkpoint), PACKED_FILE
+# and from a GGUF whose matrices are in block formats (the default checkpoint), PACKED_FILE
 OPTIONAL_FILES = (GENERATION_FILE, CONFIG_FILE, TEMPLATE_FILE, PACKED_FILE)
 
 

@@ -67,7 +67,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config, tensors, blocks = gguf_config(reader), gguf_tensors(reader), gguf_blocks(reader)
     (out_dir / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2))
     save_file({name: t.contiguous() for name, t in tensors.items()}, out_dir / "model.safetensors")
-    if set(blocks) == {name for name, t in tensors.items() if t.dim() == 2}:  # every matrix Q4_1 or Q8_0
+    if set(blocks) == {name for name, t in tensors.items() if t.dim() == 2}:  # every matrix in a block format
         formats = {name: weight.format for name, weight in blocks.items()}
         # (cloned: the views share the mapped file's storage, which safetensors refuses)
         packed = {name: weight.blocks.clone() for name, weight in blocks.items()}
