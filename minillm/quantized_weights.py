@@ -33,11 +33,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from minillm.config import FETCH_HINT, ConfigError
+from minillm.safetensors_check import check_safetensors
 
 PACKED_FILE = "model.q4_1.safetensors"  # written by weights_fetch.py beside model.safetensors
 BLOCK = 32  # weights a block
 # q4_0: d (fp16) + 16 bytes of nibbles | q4_1: d, m (fp16) + 16 bytes of nibbles | q8_0: d + 32 int8
 BLOCK_BYTES = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+SCALE_BYTES = {"q4_0": 2, "q4_1": 4, "q8_0": 2}  # the fp16 d (and Q4_1's m) opening each block
 FORMAT_CODES = {"q4_1": 0, "q8_0": 1, "q4_0": 2}  # quant_dense's `format`
 BLOCK_TYPES = ", ".join(fmt.upper() for fmt in BLOCK_BYTES)  # as GGUF names them: "Q4_0, Q4_1, Q8_0"
 
@@ -78,6 +80,7 @@ def read_packed(model_dir: Path) -> dict[str, QuantizedWeight]:
             f"weights='q4_1' needs {path}, the GGUF's own blocks, which weights_fetch.py writes for the "
             "default checkpoint — run python weights_fetch.py, or use --weights int8 or model."
         )
+    check_safetensors(path)
     try:
         with safe_open(path, "pt") as packed:
             formats = packed.metadata() or {}
@@ -92,4 +95,18 @@ def read_packed(model_dir: Path) -> dict[str, QuantizedWeight]:
             raise ConfigError(
                 f"{path}: {name} is not a uint8 tensor of Q4_0, Q4_1 or Q8_0 blocks — {FETCH_HINT}"
             )
+        if not _scales_finite(weight):
+            raise ConfigError(f"{path}: {name} has NaN or inf scales; the file is corrupt — {FETCH_HINT}")
     return weights
+
+
+def _scales_finite(weight: QuantizedWeight) -> bool:
+    """Each block opens with its fp16 scale d (and Q4_1's minimum m): finite ones make finite
+    weights (d * q + m or d * (q - 8) with a 4-bit q, d * q with an int8 q, stay far inside
+    fp32). A row that is not whole blocks is refused by its shape (`weights._blocks_for`)."""
+    size = BLOCK_BYTES[weight.format]
+    whole = weight.blocks[:, : weight.blocks.shape[1] // size * size]
+    blocks = whole.reshape(-1, size)  # (blocks, block bytes)
+    return bool(
+        torch.isfinite(blocks[:, : SCALE_BYTES[weight.format]].contiguous().view(torch.float16)).all()
+    )

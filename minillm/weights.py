@@ -32,6 +32,7 @@ from minillm.quantized_weights import (
     quantize_q8_0,
     read_packed,
 )
+from minillm.safetensors_check import check_safetensors
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -46,6 +47,7 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
     path = Path(model_dir) / WEIGHTS_FILE
     if not path.is_file():
         raise ConfigError(f"Weights not found: {path} is missing — {FETCH_HINT}")
+    check_safetensors(path)
     try:
         return load_file(path)
     except (SafetensorError, OSError, ValueError) as err:
