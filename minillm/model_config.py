@@ -25,6 +25,7 @@ import json
 import numbers
 import reprlib
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -44,6 +45,7 @@ DEFAULT_ROPE_THETA = 10000.0  # transformers' default_theta, for a config.json t
 QWEN3_HEAD_DIM = 128  # Qwen3Config's head_dim when config.json has none (not hidden_size / heads)
 # numbers in each RoPE table, max_position_embeddings * head_dim: 1 GiB in fp32, 2x Qwen2.5-1M's
 MAX_ROPE_NUMBERS = 1 << 28
+MAX_JSON_BYTES = 1 << 20  # the largest config.json read (SmolLM2's is 1 KB; with id2label tables, ~100 KB)
 # config.json fields that size a tensor: each must be a positive integer where present
 SIZE_FIELDS = (
     "vocab_size",
@@ -267,9 +269,15 @@ def _check_rope_size(head_dim: int, max_position_embeddings: int) -> None:
 
 def _json_object(path: Path) -> dict:
     """A checkpoint's JSON file that must hold an object (config.json, generation_config.json)."""
+    size = path.stat().st_size
+    if size > MAX_JSON_BYTES:
+        raise ConfigError(
+            f"{path} is {size:,} bytes, more than a config holds ({MAX_JSON_BYTES:,}) — delete it and "
+            f"{FETCH_HINT}"
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    except (ValueError, RecursionError) as err:  # bad UTF-8 or JSON; too deep; an int of 5,000 digits
         raise ConfigError(f"{path} is not valid JSON ({err}) — delete it and {FETCH_HINT}") from err
     if not isinstance(raw, dict):
         raise ConfigError(
@@ -328,11 +336,11 @@ def _refuse_unsupported(raw: dict) -> None:
     if _flag(raw, "mlp_bias"):
         raise _unsupported("mlp_bias=true (biases in the MLP)")
     sliding = _sliding_layers(raw)
-    if sliding:
-        raise _unsupported(f"sliding-window attention in layers {reprlib.repr(sliding)}")
+    if sliding:  # (reprlib shows 6 layers and "...": 7 are enough to show, of a range of 10**12)
+        raise _unsupported(f"sliding-window attention in layers {reprlib.repr(list(sliding[:7]))}")
 
 
-def _sliding_layers(raw: dict) -> list[int]:
+def _sliding_layers(raw: dict) -> Sequence[int]:
     """The layers transformers gives sliding-window attention (Qwen2, Qwen3): those config.json's
     `layer_types` does not mark "full_attention", or without that list, with `use_sliding_window`
     and a `sliding_window`, every layer from `max_window_layers` on."""
@@ -350,7 +358,7 @@ def _sliding_layers(raw: dict) -> list[int]:
         raise ConfigError(
             f"max_window_layers={reprlib.repr(first)} in config.json must be an integer; fix config.json."
         )
-    return list(range(max(first, 0), raw["num_hidden_layers"]))
+    return range(max(first, 0), raw["num_hidden_layers"])  # not a list: it may end at 10**12
 
 
 def _rope(raw: dict) -> tuple[float, Llama3RopeScaling | None]:
