@@ -323,8 +323,9 @@ def _template_piece(piece: object, named: dict, vocab_size: int) -> list[int] | 
         and piece["Sequence"].get("id") == "A"
     ):
         return None
-    name = piece.get("SpecialToken", {}).get("id") if isinstance(piece, dict) else None
-    entry = named.get(name) if isinstance(name, str) and isinstance(piece.get("SpecialToken"), dict) else None
+    special = piece.get("SpecialToken") if isinstance(piece, dict) else None
+    name = special.get("id") if isinstance(special, dict) else None
+    entry = named.get(name) if isinstance(name, str) else None
     ids = entry.get("ids") if isinstance(entry, dict) else None
     if not isinstance(ids, list) or not all(_is_id(i) and i < vocab_size for i in ids):
         raise _refused(f"its TemplateProcessing piece {reprlib.repr(piece)} is not a known token nor A")
