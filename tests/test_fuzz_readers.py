@@ -10,7 +10,9 @@ tensor dequantized: whatever escapes after `check_gguf` passed a file is a hole 
 `derandomize=True` makes the cases the same on every run.
 """
 
+import copy
 import json
+import shutil
 import signal
 import tracemalloc
 from pathlib import Path
@@ -18,16 +20,21 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from helpers import TINY_CONFIG, random_llama_tensors, tiny_gpt2_tokenizer_json, write_checkpoint
+import torch
+from helpers import ANY_JSON, TINY_CONFIG, random_llama_tensors, tiny_gpt2_tokenizer_json, write_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from safetensors.torch import save_file
 
 from minillm.config import ConfigError, ModelConfig
 from minillm.gguf_check import check_gguf
+from minillm.quantized_weights import BLOCK_BYTES, PACKED_FILE, read_packed
 from minillm.tokenizer import Tokenizer
+from minillm.tokenizer_json import GPT2_PATTERN
 from minillm.weights import load_model
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
+FORMATS = ("q4_1", "q8_0")
 DEADLINE_S = 2.0
 MEMORY_CAP = 64 << 20
 FUZZ = settings(
@@ -80,6 +87,12 @@ MUTATION = st.one_of(
     st.tuples(st.just("duplicate"), POSITION, st.integers(1, 256), POSITION),
 )
 MUTATIONS = st.lists(MUTATION, min_size=1, max_size=4)
+# a JSON file's values swapped for others (where byte mutations mostly break its syntax): a path
+# of child indices from the top, and what goes there
+JSON_VALUE = ANY_JSON | st.sampled_from(
+    [2**63 - 1, 2**64, 10**400, -(2**63), 1e308, "x" * 10_000, [[[[[]]]]]]
+)
+JSON_EDITS = st.lists(st.tuples(st.lists(st.integers(0, 2**16), max_size=5), JSON_VALUE), max_size=3)
 
 
 def mutate(seed: bytes, mutations: list[tuple]) -> bytes:
@@ -99,6 +112,29 @@ def mutate(seed: bytes, mutations: list[tuple]) -> bytes:
             to = args[1] % (len(data) + 1)
             data[to:to] = region
     return bytes(data)
+
+
+def edit_json(raw: object, edits: list[tuple[list[int], object]]) -> bytes:
+    """`raw` as JSON with each edit's value put at the end of its path (an index picks a key or an
+    item, modulo their count; the path stops early at a leaf)."""
+    raw = copy.deepcopy(raw)
+    for path, shared_value in edits:
+        value = copy.deepcopy(shared_value)  # (Hypothesis may hand the same list to two edits)
+        parent, key = None, None
+        node = raw
+        for index in path:
+            keys = (
+                list(node) if isinstance(node, dict) else range(len(node)) if isinstance(node, list) else []
+            )
+            if not keys:
+                break
+            parent, key = node, keys[index % len(keys)]
+            node = node[key]
+        if parent is None:
+            raw = value
+        else:
+            parent[key] = value
+    return json.dumps(raw).encode()
 
 
 class Hang(BaseException):
@@ -136,6 +172,34 @@ def small_dir(tmp_path_factory) -> Path:
     return write_checkpoint(tmp_path_factory.mktemp("fuzz"), SMALL_CONFIG, random_llama_tensors(SMALL_CONFIG))
 
 
+def split_tokenizer_json() -> dict:
+    """The tiny tokenizer laid out as Llama 3's: a Split regex before a ByteLevel without its own,
+    and a TemplateProcessing that puts <|end|> before each prompt."""
+    raw = tiny_gpt2_tokenizer_json()
+    split = {"type": "Split", "pattern": {"Regex": GPT2_PATTERN}, "behavior": "Isolated", "invert": False}
+    byte_level = raw["pre_tokenizer"] | {"use_regex": False}
+    raw["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, byte_level]}
+    raw["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [
+            {"SpecialToken": {"id": "<|end|>", "type_id": 0}},
+            {"Sequence": {"id": "A", "type_id": 0}},
+        ],
+        "special_tokens": {"<|end|>": {"id": "<|end|>", "ids": [259], "tokens": ["<|end|>"]}},
+    }
+    return raw
+
+
+def packed_file(path: Path) -> Path:
+    """A packed-blocks file as weights_fetch.py writes one: a Q4_1 and a Q8_0 matrix, 2 x 64."""
+    rows = np.linspace(-2, 2, 128, dtype=np.float32).reshape(2, 64)
+    blocks = {f: torch.from_numpy(gguf.quantize(rows, gguf.GGMLQuantizationType[f.upper()])) for f in FORMATS}
+    save_file(
+        {f"{f}.weight": b for f, b in blocks.items()}, path, metadata={f"{f}.weight": f for f in FORMATS}
+    )
+    return path
+
+
 def tiny_gguf(path: Path) -> Path:
     """A GGUF of a few metadata kinds (strings, numbers, arrays of numbers, strings and arrays)
     and two small tensors, F32 and Q8_0, written by the gguf package."""
@@ -169,18 +233,81 @@ def read_gguf(path: Path) -> None:
         gguf.dequantize(tensor.data, tensor.tensor_type)
 
 
+def read_tokenizer(path: Path) -> None:
+    Tokenizer(path.parent)
+
+
+def read_config(path: Path) -> None:
+    ModelConfig.from_dir(path.parent)
+
+
+def read_weights(path: Path) -> None:
+    load_model(path.parent)
+
+
+def read_blocks(path: Path) -> None:
+    """read_packed, and each matrix its blocks hold, which must be finite once read_packed passed."""
+    for name, weight in read_packed(path.parent).items():
+        if weight.blocks.shape[1] % BLOCK_BYTES[weight.format] == 0:  # (else load_model refuses its shape)
+            assert torch.isfinite(weight.dequantize()).all(), name
+
+
 def test_the_seeds_are_valid(small_dir, tmp_path):
     """Each seed reads without error, so the mutants start from a file each reader takes."""
-    ModelConfig.from_dir(small_dir)
-    load_model(small_dir)
-    (tmp_path / "tokenizer.json").write_text(json.dumps(tiny_gpt2_tokenizer_json()))
-    Tokenizer(tmp_path)
+    read_config(small_dir / "config.json")
+    read_weights(small_dir / "model.safetensors")
+    for raw in (tiny_gpt2_tokenizer_json(), split_tokenizer_json()):
+        (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+        assert Tokenizer(tmp_path).encode_prompt("the end") == Tokenizer(tmp_path).encode_prompt("the end")
+    read_blocks(packed_file(tmp_path / PACKED_FILE))
     read_gguf(tiny_gguf(tmp_path / "tiny.gguf"))
 
 
 @pytest.fixture(scope="module")
 def gguf_seed(tmp_path_factory) -> bytes:
     return tiny_gguf(tmp_path_factory.mktemp("gguf") / "seed.gguf").read_bytes()
+
+
+@pytest.fixture(scope="module")
+def mutant_dir(small_dir, tmp_path_factory) -> Path:
+    """A checkpoint folder whose one file under test each case replaces."""
+    folder = tmp_path_factory.mktemp("mutant")
+    shutil.copytree(small_dir, folder, dirs_exist_ok=True)
+    return folder
+
+
+@FUZZ
+@given(edits=JSON_EDITS, mutations=st.lists(MUTATION, max_size=4))
+def test_a_mutated_config_json_is_refused_in_one_line_or_read(edits, mutations, mutant_dir):
+    seed = edit_json(SMALL_CONFIG, edits)
+    survives(read_config, mutant_dir / "config.json", mutate(seed, mutations))
+
+
+@FUZZ
+@given(
+    layout=st.sampled_from([tiny_gpt2_tokenizer_json, split_tokenizer_json]),
+    edits=JSON_EDITS,
+    mutations=st.lists(MUTATION, max_size=4),
+)
+def test_a_mutated_tokenizer_json_is_refused_in_one_line_or_read(layout, edits, mutations, tmp_path_factory):
+    seed = edit_json(layout(), edits)
+    survives(read_tokenizer, tmp_path_factory.getbasetemp() / "tokenizer.json", mutate(seed, mutations))
+
+
+@FUZZ
+@given(mutations=MUTATIONS)
+def test_a_mutated_safetensors_checkpoint_is_refused_in_one_line_or_loaded(mutations, small_dir, mutant_dir):
+    (mutant_dir / "config.json").write_bytes((small_dir / "config.json").read_bytes())
+    seed = (small_dir / "model.safetensors").read_bytes()
+    survives(read_weights, mutant_dir / "model.safetensors", mutate(seed, mutations))
+
+
+@FUZZ
+@given(mutations=MUTATIONS)
+def test_a_mutated_packed_blocks_file_is_refused_in_one_line_or_read(mutations, tmp_path_factory):
+    folder = tmp_path_factory.getbasetemp()
+    seed = packed_file(folder / "seed.safetensors").read_bytes()
+    survives(read_blocks, folder / PACKED_FILE, mutate(seed, mutations))
 
 
 @FUZZ
