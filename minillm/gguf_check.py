@@ -68,7 +68,7 @@ class _Cursor:
         self.path, self.data, self.order, self.pos = path, data, order, 0
 
     def refuse(self, problem: str) -> ConfigError:
-        return ConfigError(f"{self.path} is not a GGUF file minillm reads: {problem}.")
+        return _refused(self.path, problem)
 
     def left(self) -> int:
         return len(self.data) - self.pos
@@ -85,7 +85,7 @@ class _Cursor:
         return struct.unpack_from(self.order + fmt, self.data, start)[0]
 
     def string(self, what: str, limit: int) -> str:
-        size = self.number("Q", f"{what}'s length")
+        size = self.number("Q", f"the length of {what}")
         if size > limit:
             raise self.refuse(f"{what} is {size:,} bytes long, more than the {limit:,} allowed")
         start = self.skip(size, what)
@@ -96,7 +96,7 @@ class _Cursor:
 
     def count(self, item_bytes: int, what: str) -> int:
         """A uint64 count of items of at least `item_bytes` each, checked against the bytes left."""
-        count = self.number("Q", f"{what}'s count")
+        count = self.number("Q", f"the count of {what}")
         if count * item_bytes > self.left():
             raise self.refuse(
                 f"{what} counts {count:,} items, more than the {self.left():,} bytes left could hold"
@@ -107,9 +107,9 @@ class _Cursor:
 def check_gguf(path: str | Path) -> None:
     """Refuse, in one ConfigError line, a GGUF file GGUFReader would misread, crash on or hang on."""
     path = Path(path)
+    if path.stat().st_size < 4 + 4 + 8 + 8:  # (and mmap cannot map an empty file)
+        raise _refused(path, "it is too short for a header")
     with open(path, "rb") as file:
-        if path.stat().st_size < 4 + 4 + 8 + 8:
-            raise ConfigError(f"{path} is not a GGUF file minillm reads: it is too short for a header.")
         with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
             cursor = _Cursor(path, data, "<")
             _check_preamble(cursor)
@@ -144,7 +144,7 @@ def _check_metadata(cursor: _Cursor, entry_count: int) -> int:
         if key in keys or key in RESERVED_KEYS:
             raise cursor.refuse(f"the metadata key {key!r} appears twice")
         keys.add(key)
-        value_type = _value_type(cursor, f"{key!r}'s value type")
+        value_type = _value_type(cursor, f"the value type of {key!r}")
         value = _check_value(cursor, value_type, key, depth=0)
         if key == "general.alignment":
             if value_type != GGUFValueType.UINT32 or value == 0 or value & (value - 1):
@@ -164,41 +164,41 @@ def _value_type(cursor: _Cursor, what: str) -> GGUFValueType:
 def _check_value(cursor: _Cursor, value_type: GGUFValueType, key: str, depth: int):
     """Step over one value; returns it for a scalar (general.alignment is read so), else None."""
     if value_type in SCALARS:
-        return cursor.number(SCALARS[value_type], f"{key!r}'s value")
+        return cursor.number(SCALARS[value_type], f"the value of {key!r}")
     if value_type == GGUFValueType.STRING:
-        cursor.string(f"{key!r}'s string", MAX_STRING_BYTES)
+        cursor.string(f"the string of {key!r}", MAX_STRING_BYTES)
         return None
     if depth >= MAX_ARRAY_DEPTH:
-        raise cursor.refuse(f"{key!r} nests arrays more than {MAX_ARRAY_DEPTH} deep")
-    item_type = _value_type(cursor, f"{key!r}'s array item type")
+        raise cursor.refuse(f"the value of {key!r} nests arrays more than {MAX_ARRAY_DEPTH} deep")
+    item_type = _value_type(cursor, f"the array item type of {key!r}")
     if item_type in SCALARS:  # fixed-size items: stepped over at once
         size = struct.calcsize(SCALARS[item_type])
-        cursor.skip(cursor.count(size, f"{key!r}'s array") * size, f"{key!r}'s array")
+        cursor.skip(cursor.count(size, f"the array of {key!r}") * size, f"the array of {key!r}")
         return None
     inner_types = set()
-    for _ in range(cursor.count(8 if item_type == GGUFValueType.STRING else 12, f"{key!r}'s array")):
+    for _ in range(cursor.count(8 if item_type == GGUFValueType.STRING else 12, f"the array of {key!r}")):
         if item_type == GGUFValueType.ARRAY:  # GGUFReader flattens an array of arrays: one item type
             start = cursor.pos
-            inner_types.add(_value_type(cursor, f"{key!r}'s inner array item type"))
+            inner_types.add(_value_type(cursor, f"an inner array item type of {key!r}"))
             cursor.pos = start
         _check_value(cursor, item_type, key, depth + 1)
     if len(inner_types) > 1:
-        raise cursor.refuse(f"{key!r}'s inner arrays hold items of different types")
+        raise cursor.refuse(f"the inner arrays of {key!r} hold items of different types")
     return None
 
 
 def _tensor_info(cursor: _Cursor) -> tuple[str, int, int]:
     """One tensor's name, offset and size in bytes, each part of its entry checked."""
     name = cursor.string("a tensor name", MAX_NAME_BYTES)
-    n_dims = cursor.number("I", f"tensor {name!r}'s n_dims")
+    n_dims = cursor.number("I", f"the n_dims of tensor {name!r}")
     if not 1 <= n_dims <= MAX_DIMS:
         raise cursor.refuse(f"tensor {name!r} has {n_dims} dimensions; GGML tensors have 1 to {MAX_DIMS}")
-    dims = [cursor.number("Q", f"tensor {name!r}'s dimensions") for _ in range(n_dims)]
-    raw_type = cursor.number("I", f"tensor {name!r}'s type")
+    dims = [cursor.number("Q", f"the dimensions of tensor {name!r}") for _ in range(n_dims)]
+    raw_type = cursor.number("I", f"the type of tensor {name!r}")
     tensor_type = GGMLQuantizationType(raw_type) if raw_type in DECODED_TYPES else None
     if tensor_type is None:
         raise cursor.refuse(f"tensor {name!r} has type {raw_type}, not one the gguf package decodes")
-    offset = cursor.number("Q", f"tensor {name!r}'s offset")
+    offset = cursor.number("Q", f"the offset of tensor {name!r}")
     block, block_bytes = GGML_QUANT_SIZES[tensor_type]
     if not all(dims) or dims[0] % block:
         raise cursor.refuse(
@@ -223,12 +223,16 @@ def _check_tensor_data(
     end_of_previous, previous = 0, None
     for name, offset, size in sorted(tensors, key=lambda tensor: tensor[1]):
         if offset % alignment:
-            raise cursor.refuse(f"tensor {name!r}'s offset {offset:,} is not a multiple of {alignment}")
+            raise cursor.refuse(f"the offset {offset:,} of tensor {name!r} is not a multiple of {alignment}")
         if data_start + offset + size > len(cursor.data):
             raise cursor.refuse(
-                f"tensor {name!r}'s {size:,} bytes at offset {offset:,} run past the end of the file "
+                f"the {size:,} bytes of tensor {name!r} at offset {offset:,} run past the end of the file "
                 f"({len(cursor.data) - data_start:,} bytes of data)"
             )
         if offset < end_of_previous:
             raise cursor.refuse(f"tensors {previous!r} and {name!r} overlap")
         end_of_previous, previous = offset + size, name
+
+
+def _refused(path: Path, problem: str) -> ConfigError:
+    return ConfigError(f"{path} is not a GGUF file minillm reads: {problem}; download or convert it again.")

@@ -12,8 +12,10 @@ tensor dequantized: whatever escapes after `check_gguf` passed a file is a hole 
 
 import copy
 import json
+import re
 import shutil
 import signal
+import struct
 import tracemalloc
 from pathlib import Path
 
@@ -24,14 +26,14 @@ import torch
 from helpers import ANY_JSON, TINY_CONFIG, random_llama_tensors, tiny_gpt2_tokenizer_json, write_checkpoint
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from minillm.config import ConfigError, ModelConfig
 from minillm.gguf_check import check_gguf
 from minillm.quantized_weights import BLOCK_BYTES, PACKED_FILE, read_packed
 from minillm.tokenizer import Tokenizer
 from minillm.tokenizer_json import GPT2_PATTERN
-from minillm.weights import load_model
+from minillm.weights import load_model, read_checkpoint
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 FORMATS = ("q4_1", "q8_0")
@@ -169,7 +171,11 @@ def survives(read, path: Path, data: bytes) -> None:
 
 @pytest.fixture(scope="module")
 def small_dir(tmp_path_factory) -> Path:
-    return write_checkpoint(tmp_path_factory.mktemp("fuzz"), SMALL_CONFIG, random_llama_tensors(SMALL_CONFIG))
+    folder = write_checkpoint(
+        tmp_path_factory.mktemp("fuzz"), SMALL_CONFIG, random_llama_tensors(SMALL_CONFIG)
+    )
+    load_model(folder)  # the first load imports what torch imports lazily: seconds, outside the deadline
+    return folder
 
 
 def split_tokenizer_json() -> dict:
@@ -314,3 +320,172 @@ def test_a_mutated_packed_blocks_file_is_refused_in_one_line_or_read(mutations, 
 @given(mutations=MUTATIONS)
 def test_a_mutated_gguf_is_refused_in_one_line_or_read(mutations, gguf_seed, tmp_path_factory):
     survives(read_gguf, tmp_path_factory.getbasetemp() / "mutant.gguf", mutate(gguf_seed, mutations))
+
+
+# ------------------------------------------------------------------ each refusal, made by hand
+
+
+def _string(text: bytes) -> bytes:
+    return struct.pack("<Q", len(text)) + text
+
+
+def _entry(key: bytes, value_type: int, value: bytes) -> bytes:
+    return _string(key) + struct.pack("<I", value_type) + value
+
+
+def _tensor(name: bytes, dims: list[int], tensor_type: int = 0, offset: int = 0) -> bytes:
+    return _string(name) + struct.pack(f"<I{len(dims)}QIQ", len(dims), *dims, tensor_type, offset)
+
+
+def handmade_gguf(entries=(), tensors=(), data=b"", counts=None, version=3) -> bytes:
+    """A GGUF laid out by hand: the header, padding to 32 bytes, `data`."""
+    counts = counts or (len(tensors), len(entries))
+    header = b"GGUF" + struct.pack("<IQQ", version, *counts) + b"".join(entries) + b"".join(tensors)
+    return header + bytes(-len(header) % 32) + data
+
+
+UINT32, STRING, ARRAY = 4, 8, 9
+HOSTILE_GGUFS = {
+    "a version 1 file": (handmade_gguf(version=1), "its version is 1"),
+    "a count of 2**63 entries": (handmade_gguf(counts=(0, 2**63)), "counts 9,223,372,036,854,775,808 items"),
+    "a string of 2**63 bytes": (
+        handmade_gguf([_entry(b"general.name", STRING, struct.pack("<Q", 2**63))]),
+        "the string of 'general.name' is 9,223,372,036,854,775,808 bytes long",
+    ),
+    "an array of 2**63 - 1 items": (
+        handmade_gguf([_entry(b"a", ARRAY, struct.pack("<IQ", 0, 2**63 - 1))]),
+        "the array of 'a' counts 9,223,372,036,854,775,807 items",
+    ),
+    "arrays three deep": (
+        handmade_gguf([_entry(b"a", ARRAY, struct.pack("<IQIQIQ", ARRAY, 1, ARRAY, 1, 0, 0))]),
+        "nests arrays more than 2 deep",
+    ),
+    "a file cut inside a value": (
+        handmade_gguf([_entry(b"a", UINT32, bytes(4))])[:38],
+        "needs 4 bytes but 1 are left",
+    ),
+    "a key twice": (
+        handmade_gguf([_entry(b"a", UINT32, bytes(4))] * 2),
+        "the metadata key 'a' appears twice",
+    ),
+    "an alignment of 3": (
+        handmade_gguf([_entry(b"general.alignment", UINT32, struct.pack("<I", 3))]),
+        "general.alignment is 3, not a uint32 power of two",
+    ),
+    "five dimensions": (handmade_gguf(tensors=[_tensor(b"w", [1] * 5)]), "tensor 'w' has 5 dimensions"),
+    "an unknown type": (handmade_gguf(tensors=[_tensor(b"w", [8], 99)]), "has type 99, not one the gguf"),
+    "a tensor past the end": (
+        handmade_gguf(tensors=[_tensor(b"w", [8])], data=bytes(16)),
+        "the 32 bytes of tensor 'w' at offset 0 run past the end of the file (16 bytes of data)",
+    ),
+    "dims whose product passes 2**64": (
+        handmade_gguf(tensors=[_tensor(b"w", [2**32] * 4)], data=bytes(32)),
+        "the 1,361,129,467,683,753,853,853,498,429,727,072,845,824 bytes of tensor 'w'",  # 2**130
+    ),
+    "a misaligned offset": (
+        handmade_gguf(tensors=[_tensor(b"w", [1], offset=4)], data=bytes(32)),
+        "the offset 4 of tensor 'w' is not a multiple of 32",
+    ),
+    "a tensor name twice": (
+        handmade_gguf(tensors=[_tensor(b"w", [8]), _tensor(b"w", [8], offset=32)], data=bytes(64)),
+        "the tensor name 'w' appears twice",
+    ),
+    "overlapping tensors": (
+        handmade_gguf(tensors=[_tensor(b"v", [16]), _tensor(b"w", [8], offset=32)], data=bytes(64)),
+        "tensors 'v' and 'w' overlap",
+    ),
+}
+
+
+@pytest.mark.parametrize("data, problem", HOSTILE_GGUFS.values(), ids=HOSTILE_GGUFS)
+def test_each_hostile_gguf_is_refused_in_one_line(data, problem, tmp_path):
+    (tmp_path / "x.gguf").write_bytes(data)
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        check_gguf(tmp_path / "x.gguf")
+
+
+def handmade_safetensors(header: bytes | dict, data: bytes = b"", length: int | None = None) -> bytes:
+    header = header if isinstance(header, bytes) else json.dumps(header).encode()
+    return struct.pack("<Q", len(header) if length is None else length) + header + data
+
+
+F32_PAIR = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+HOSTILE_SAFETENSORS = {
+    "a header of 2**63 bytes": (handmade_safetensors(b"{}", length=2**63), "its header of 9,223,372,036"),
+    "a header that is not JSON": (handmade_safetensors(b"{not json"), "its header is not JSON"),
+    "a name twice": (handmade_safetensors(b'{"a": {}, "a": {}}'), "its header names 'a' twice"),
+    "an unknown dtype": (
+        handmade_safetensors({"a": F32_PAIR | {"dtype": "F128"}}, bytes(8)),
+        "tensor 'a' lacks a known dtype",
+    ),
+    "a tensor past the end": (
+        handmade_safetensors({"a": F32_PAIR}, bytes(4)),
+        "tensor 'a' (F32 [2]) has bytes [0, 8), which its shape does not fill or its 4 bytes",
+    ),
+    "a shape of 2**63": (
+        handmade_safetensors({"a": F32_PAIR | {"shape": [2**63]}}, bytes(8)),
+        "tensor 'a' (F32 [9223372036854775808]) has bytes [0, 8)",
+    ),
+    "overlapping tensors": (
+        handmade_safetensors({"a": F32_PAIR, "b": F32_PAIR | {"data_offsets": [4, 12]}}, bytes(12)),
+        "tensors 'a' and 'b' overlap",
+    ),
+    "metadata that is not strings": (
+        handmade_safetensors({"__metadata__": {"format": 1}}),
+        "its __metadata__ is not an object of strings",
+    ),
+}
+
+
+@pytest.mark.parametrize("data, problem", HOSTILE_SAFETENSORS.values(), ids=HOSTILE_SAFETENSORS)
+def test_each_hostile_safetensors_file_is_refused_in_one_line(data, problem, tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(data)
+    with pytest.raises(ConfigError, match="is truncated or corrupt: " + re.escape(problem)):
+        read_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("fmt, scale", [("q4_1", b"\x00\x7e"), ("q8_0", b"\x00\x7c")])
+def test_packed_blocks_with_a_nan_or_inf_scale_are_refused(fmt, scale, tmp_path):
+    """Each block's fp16 scale d opens it: NaN (or inf) there makes its 32 weights NaN."""
+    packed = load_file(packed_file(tmp_path / PACKED_FILE))
+    packed[f"{fmt}.weight"][1, BLOCK_BYTES[fmt] : BLOCK_BYTES[fmt] + 2] = torch.frombuffer(
+        scale, dtype=torch.uint8
+    )
+    save_file(packed, tmp_path / PACKED_FILE, metadata={f"{f}.weight": f for f in FORMATS})
+    with pytest.raises(ConfigError, match=f"{fmt}.weight has NaN or inf scales"):
+        read_packed(tmp_path)
+
+
+HOSTILE_CONFIGS = {
+    "a config of 2 MB": (b"{" + b" " * (2 << 20) + b"}", "is 2,097,154 bytes, more than a config holds"),
+    "an integer of 5,000 digits": (b'{"vocab_size": ' + b"9" * 5000 + b"}", "is not valid JSON (Exceeds"),
+    "10**12 sliding layers": (
+        json.dumps(
+            SMALL_CONFIG
+            | {
+                "use_sliding_window": True,
+                "sliding_window": 8,
+                "max_window_layers": 0,
+                "num_hidden_layers": 10**12,
+            }
+        ).encode(),
+        "sliding-window attention in layers [0, 1, 2, 3, 4, 5, ...]",
+    ),
+}
+
+
+@pytest.mark.parametrize("data, problem", HOSTILE_CONFIGS.values(), ids=HOSTILE_CONFIGS)
+def test_each_hostile_config_json_is_refused_in_one_line(data, problem, tmp_path):
+    """(The sliding layers of a 10**12-layer config were a list of 10**12 numbers.)"""
+    (tmp_path / "config.json").write_bytes(data)
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_a_template_piece_whose_special_token_is_not_an_object_is_refused(tmp_path):
+    """(It was an AttributeError: the piece's SpecialToken was read as an object.)"""
+    raw = split_tokenizer_json()
+    raw["post_processor"]["single"][0] = {"SpecialToken": "<|end|>"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="its TemplateProcessing piece .* is not a known token nor A"):
+        Tokenizer(tmp_path)
