@@ -141,7 +141,7 @@ def _check_metadata(cursor: _Cursor, entry_count: int) -> int:
     alignment = GGUF_DEFAULT_ALIGNMENT
     for _ in range(entry_count):
         key = cursor.string("a metadata key", MAX_KEY_BYTES)
-        if key in keys or key in RESERVED_KEYS:
+        if key in keys or key in RESERVED_KEYS:  # GGUFReader files the header's own fields as GGUF.*
             raise cursor.refuse(f"the metadata key {key!r} appears twice")
         keys.add(key)
         value_type = _value_type(cursor, f"the value type of {key!r}")

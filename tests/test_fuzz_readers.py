@@ -1,13 +1,15 @@
 """Every file from outside is hostile: each reader, fed a thousand mutations of a small valid file.
 
-The seeds are tiny valid files of each kind minillm reads: config.json, tokenizer.json,
-model.safetensors and a GGUF. Hypothesis mutates each (bit flips, bytes overwritten with boundary
-values such as 2**63 - 1 or a NaN, truncations, insertions, a region copied elsewhere) and the
-reader must answer each mutant with its one-line ConfigError or accept it: no other exception, no
-case running past `DEADLINE_S`, no more Python/numpy memory than the file plus `MEMORY_CAP`. The
-GGUF's reader is `check_gguf` and then `gguf.GGUFReader`, every field and tensor read and every
-tensor dequantized: whatever escapes after `check_gguf` passed a file is a hole in `check_gguf`.
-`derandomize=True` makes the cases the same on every run.
+The seeds are tiny valid files of each kind minillm reads: config.json, tokenizer.json (two
+layouts), model.safetensors, the packed Q4_1/Q8_0 blocks beside it, and a GGUF. Hypothesis mutates
+each (bit flips, bytes overwritten with boundary values such as 2**63 - 1 or a NaN, truncations,
+insertions, a region copied elsewhere; in a JSON file, values swapped for extreme ones too, which
+byte mutations rarely get past the JSON syntax to reach) and the reader must answer each mutant
+with its one-line ConfigError or accept it: no other exception, no case running past `DEADLINE_S`,
+no more Python/numpy memory than the file plus `MEMORY_CAP`. The GGUF's reader is `check_gguf` and
+then `gguf.GGUFReader`, every field and tensor read and every tensor dequantized: whatever escapes
+after `check_gguf` passed a file is a hole in `check_gguf`. `derandomize=True` makes the cases the
+same on every run.
 """
 
 import copy
@@ -22,8 +24,16 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import tokenizers
 import torch
-from helpers import ANY_JSON, TINY_CONFIG, random_llama_tensors, tiny_gpt2_tokenizer_json, write_checkpoint
+from helpers import (
+    ANY_JSON,
+    GGUF_CACHE,
+    TINY_CONFIG,
+    random_llama_tensors,
+    tiny_gpt2_tokenizer_json,
+    write_checkpoint,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
@@ -31,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from minillm.config import ConfigError, ModelConfig
 from minillm.gguf_check import check_gguf
 from minillm.quantized_weights import BLOCK_BYTES, PACKED_FILE, read_packed
+from minillm.safetensors_check import check_safetensors
 from minillm.tokenizer import Tokenizer
 from minillm.tokenizer_json import GPT2_PATTERN
 from minillm.weights import load_model, read_checkpoint
@@ -185,12 +196,11 @@ def split_tokenizer_json() -> dict:
     split = {"type": "Split", "pattern": {"Regex": GPT2_PATTERN}, "behavior": "Isolated", "invert": False}
     byte_level = raw["pre_tokenizer"] | {"use_regex": False}
     raw["pre_tokenizer"] = {"type": "Sequence", "pretokenizers": [split, byte_level]}
+    end, prompt = {"SpecialToken": {"id": "<|end|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}
     raw["post_processor"] = {
         "type": "TemplateProcessing",
-        "single": [
-            {"SpecialToken": {"id": "<|end|>", "type_id": 0}},
-            {"Sequence": {"id": "A", "type_id": 0}},
-        ],
+        "single": [end, prompt],
+        "pair": [end, prompt, {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {"<|end|>": {"id": "<|end|>", "ids": [259], "tokens": ["<|end|>"]}},
     }
     return raw
@@ -262,9 +272,10 @@ def test_the_seeds_are_valid(small_dir, tmp_path):
     """Each seed reads without error, so the mutants start from a file each reader takes."""
     read_config(small_dir / "config.json")
     read_weights(small_dir / "model.safetensors")
-    for raw in (tiny_gpt2_tokenizer_json(), split_tokenizer_json()):
+    for raw in (tiny_gpt2_tokenizer_json(), split_tokenizer_json()):  # as the tokenizers library reads them
         (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
-        assert Tokenizer(tmp_path).encode_prompt("the end") == Tokenizer(tmp_path).encode_prompt("the end")
+        upstream = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        assert Tokenizer(tmp_path).encode_prompt("the theme") == upstream.encode("the theme").ids
     read_blocks(packed_file(tmp_path / PACKED_FILE))
     read_gguf(tiny_gguf(tmp_path / "tiny.gguf"))
 
@@ -308,12 +319,17 @@ def test_a_mutated_safetensors_checkpoint_is_refused_in_one_line_or_loaded(mutat
     survives(read_weights, mutant_dir / "model.safetensors", mutate(seed, mutations))
 
 
+@pytest.fixture(scope="module")
+def packed_seed(tmp_path_factory) -> bytes:
+    return packed_file(tmp_path_factory.mktemp("packed") / PACKED_FILE).read_bytes()
+
+
 @FUZZ
 @given(mutations=MUTATIONS)
-def test_a_mutated_packed_blocks_file_is_refused_in_one_line_or_read(mutations, tmp_path_factory):
-    folder = tmp_path_factory.getbasetemp()
-    seed = packed_file(folder / "seed.safetensors").read_bytes()
-    survives(read_blocks, folder / PACKED_FILE, mutate(seed, mutations))
+def test_a_mutated_packed_blocks_file_is_refused_in_one_line_or_read(
+    mutations, packed_seed, tmp_path_factory
+):
+    survives(read_blocks, tmp_path_factory.getbasetemp() / PACKED_FILE, mutate(packed_seed, mutations))
 
 
 @FUZZ
@@ -489,3 +505,15 @@ def test_a_template_piece_whose_special_token_is_not_an_object_is_refused(tmp_pa
     (tmp_path / "tokenizer.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="its TemplateProcessing piece .* is not a known token nor A"):
         Tokenizer(tmp_path)
+
+
+def test_the_fetched_files_pass_their_checks(real_dir):
+    """The checks refuse damage, not the files minillm fetches: SmolLM2's GGUF (the tensor list
+    GGUFReader reads from it), its safetensors checkpoint and its packed blocks."""
+    path = next(GGUF_CACHE.glob("*.gguf"), None)
+    if path is None:
+        pytest.fail(f"No GGUF file in {GGUF_CACHE}: run `python weights_fetch.py` first.")
+    check_gguf(path)
+    assert len(gguf.GGUFReader(path).tensors) == 30 * 9 + 2  # 30 layers of 9, the embedding, the norm
+    check_safetensors(real_dir / "model.safetensors")
+    check_safetensors(real_dir / PACKED_FILE)
