@@ -27,6 +27,7 @@ non-finite values, as `weights.check_state` does for a safetensors checkpoint.
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 from pathlib import Path
 
@@ -57,6 +58,7 @@ SCALARS = {  # value type -> struct format
 }
 # the tensor types gguf.dequantize decodes (it raises NotImplementedError for the others)
 DECODED_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, *_type_traits}
+HEADER_BYTES = 4 + 4 + 8 + 8  # magic, version, tensor count, metadata count
 MIN_ENTRY_BYTES = 8 + 4 + 1  # a metadata entry: an empty key, a type, a one-byte value
 MIN_TENSOR_BYTES = 8 + 4 + 8 + 4 + 8  # a tensor: an empty name, n_dims 1, one dim, type, offset
 
@@ -107,18 +109,24 @@ class _Cursor:
 def check_gguf(path: str | Path) -> None:
     """Refuse, in one ConfigError line, a GGUF file GGUFReader would misread, crash on or hang on."""
     path = Path(path)
-    if path.stat().st_size < 4 + 4 + 8 + 8:  # (and mmap cannot map an empty file)
-        raise _refused(path, "it is too short for a header")
-    with open(path, "rb") as file:
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            cursor = _Cursor(path, data, "<")
-            _check_preamble(cursor)
-            tensor_count = cursor.count(MIN_TENSOR_BYTES, "the tensor list")
-            entry_count = cursor.count(MIN_ENTRY_BYTES, "the metadata")
-            alignment = _check_metadata(cursor, entry_count)
-            tensors = [_tensor_info(cursor) for _ in range(tensor_count)]
-            data_start = -(-cursor.pos // alignment) * alignment  # the header, padded to the alignment
-            _check_tensor_data(cursor, tensors, data_start, alignment)
+    try:
+        with open(path, "rb") as file:
+            if os.fstat(file.fileno()).st_size < HEADER_BYTES:  # (and mmap cannot map an empty file)
+                raise _refused(path, "it is too short for a header")
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                _check_header(_Cursor(path, data, "<"))
+    except OSError as err:  # missing, a folder, unreadable
+        raise _refused(path, f"it cannot be read ({err.strerror})") from None
+
+
+def _check_header(cursor: _Cursor) -> None:
+    _check_preamble(cursor)
+    tensor_count = cursor.count(MIN_TENSOR_BYTES, "the tensor list")
+    entry_count = cursor.count(MIN_ENTRY_BYTES, "the metadata")
+    alignment = _check_metadata(cursor, entry_count)
+    tensors = [_tensor_info(cursor) for _ in range(tensor_count)]
+    data_start = -(-cursor.pos // alignment) * alignment  # the header, padded to the alignment
+    _check_tensor_data(cursor, tensors, data_start, alignment)
 
 
 def _check_preamble(cursor: _Cursor) -> None:

@@ -15,6 +15,7 @@ wrong and how; the library's own checks remain behind it.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from minillm.config import FETCH_HINT, ConfigError
@@ -43,16 +44,19 @@ DTYPE_BYTES = {
 
 def check_safetensors(path: Path) -> None:
     """Refuse, in one ConfigError line, a safetensors file whose header does not fit its bytes."""
-    size = path.stat().st_size
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        if size < 8 or length > min(size - 8, MAX_HEADER_BYTES):
-            raise _refused(
-                path,
-                f"its header of {length:,} bytes is not within its {size:,} bytes and the "
-                f"{MAX_HEADER_BYTES:,} read",
-            )
-        header = _header(path, file.read(length))
+    try:
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            length = int.from_bytes(file.read(8), "little")
+            if size < 8 or length > min(size - 8, MAX_HEADER_BYTES):
+                raise _refused(
+                    path,
+                    f"its header of {length:,} bytes is not within its {size:,} bytes and the "
+                    f"{MAX_HEADER_BYTES:,} read",
+                )
+            header = _header(path, file.read(length))
+    except OSError as err:  # a folder, unreadable
+        raise _refused(path, f"it cannot be read ({err.strerror})") from None
     data_bytes = size - 8 - length
     spans = sorted(_span(path, name, entry, data_bytes) for name, entry in header.items())
     for (begin, end, name), (next_begin, _, next_name) in zip(spans, spans[1:]):

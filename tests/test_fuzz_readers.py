@@ -420,6 +420,14 @@ def test_each_hostile_gguf_is_refused_in_one_line(data, problem, tmp_path):
         check_gguf(tmp_path / "x.gguf")
 
 
+def test_a_gguf_that_cannot_be_read_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match=r"missing.gguf is not a GGUF .*: it cannot be read \(No such file"):
+        check_gguf(tmp_path / "missing.gguf")
+    (tmp_path / "empty.gguf").touch()
+    with pytest.raises(ConfigError, match="empty.gguf is not a GGUF .*: it is too short for a header"):
+        check_gguf(tmp_path / "empty.gguf")
+
+
 def handmade_safetensors(header: bytes | dict, data: bytes = b"", length: int | None = None) -> bytes:
     header = header if isinstance(header, bytes) else json.dumps(header).encode()
     return struct.pack("<Q", len(header) if length is None else length) + header + data
