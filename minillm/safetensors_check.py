@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import reprlib
 from pathlib import Path
 
 from minillm.config import FETCH_HINT, ConfigError
@@ -94,16 +95,17 @@ def _span(path: Path, name: str, entry: object, data_bytes: int) -> tuple[int, i
     """(begin, end, name) of one tensor's bytes, once its dtype, shape and offsets agree."""
     fields = entry if isinstance(entry, dict) else {}
     dtype, shape, offsets = fields.get("dtype"), fields.get("shape"), fields.get("data_offsets")
-    if dtype not in DTYPE_BYTES or not _counts(shape) or not (_counts(offsets) and len(offsets) == 2):
+    known = isinstance(dtype, str) and dtype in DTYPE_BYTES  # (a list is not a key: no `in` for it)
+    if not known or not _counts(shape) or not (_counts(offsets) and len(offsets) == 2):
         raise _refused(
-            path, f"tensor {name!r} lacks a known dtype, a shape or two data_offsets ({str(entry)[:80]})"
+            path, f"tensor {name!r} lacks a known dtype, a shape or two data_offsets ({reprlib.repr(entry)})"
         )
     begin, end = offsets
     if not begin <= end <= data_bytes or end - begin != _size(shape, DTYPE_BYTES[dtype], data_bytes):
         raise _refused(
             path,
-            f"tensor {name!r} ({dtype} {shape}) has bytes [{begin}, {end}), which its shape does not "
-            f"fill or its {data_bytes:,} bytes of data do not hold",
+            f"tensor {name!r} ({dtype} {reprlib.repr(shape)}) has bytes [{begin}, {end}), which its "
+            f"shape does not fill or its {data_bytes:,} bytes of data do not hold",
         )
     return begin, end, name
 

@@ -3,13 +3,13 @@
 The seeds are tiny valid files of each kind minillm reads: config.json, tokenizer.json (two
 layouts), model.safetensors, the packed Q4_1/Q8_0 blocks beside it, and a GGUF. Hypothesis mutates
 each (bit flips, bytes overwritten with boundary values such as 2**63 - 1 or a NaN, truncations,
-insertions, a region copied elsewhere; in a JSON file, values swapped for extreme ones too, which
-byte mutations rarely get past the JSON syntax to reach) and the reader must answer each mutant
-with its one-line ConfigError or accept it: no other exception, no case running past `DEADLINE_S`,
-no more Python/numpy memory than the file plus `MEMORY_CAP`. The GGUF's reader is `check_gguf` and
-then `gguf.GGUFReader`, every field and tensor read and every tensor dequantized: whatever escapes
-after `check_gguf` passed a file is a hole in `check_gguf`. `derandomize=True` makes the cases the
-same on every run.
+insertions, a region copied elsewhere; in JSON, a file's or a safetensors header's, values swapped
+for extreme ones too, which byte mutations rarely get past the JSON syntax to reach) and the reader
+must answer each mutant with its one-line ConfigError or accept it: no other exception, no case
+running past `DEADLINE_S`, no more Python/numpy memory than the file plus `MEMORY_CAP`. The GGUF's
+reader is `check_gguf` and then `gguf.GGUFReader`, every field and tensor read and every tensor
+dequantized: whatever escapes after `check_gguf` passed a file is a hole in `check_gguf`.
+`derandomize=True` makes the cases the same on every run.
 """
 
 import copy
@@ -148,6 +148,13 @@ def edit_json(raw: object, edits: list[tuple[list[int], object]]) -> bytes:
         else:
             parent[key] = value
     return json.dumps(raw).encode()
+
+
+def edit_header(seed: bytes, edits: list[tuple[list[int], object]]) -> bytes:
+    """A safetensors file with `edit_json`'s edits made to its JSON header (its length updated)."""
+    length = int.from_bytes(seed[:8], "little")
+    header = edit_json(json.loads(seed[8 : 8 + length]), edits)
+    return struct.pack("<Q", len(header)) + header + seed[8 + length :]
 
 
 class Hang(BaseException):
@@ -312,10 +319,12 @@ def test_a_mutated_tokenizer_json_is_refused_in_one_line_or_read(layout, edits, 
 
 
 @FUZZ
-@given(mutations=MUTATIONS)
-def test_a_mutated_safetensors_checkpoint_is_refused_in_one_line_or_loaded(mutations, small_dir, mutant_dir):
+@given(edits=JSON_EDITS, mutations=st.lists(MUTATION, max_size=4))
+def test_a_mutated_safetensors_checkpoint_is_refused_in_one_line_or_loaded(
+    edits, mutations, small_dir, mutant_dir
+):
     (mutant_dir / "config.json").write_bytes((small_dir / "config.json").read_bytes())
-    seed = (small_dir / "model.safetensors").read_bytes()
+    seed = edit_header((small_dir / "model.safetensors").read_bytes(), edits)
     survives(read_weights, mutant_dir / "model.safetensors", mutate(seed, mutations))
 
 
@@ -325,11 +334,12 @@ def packed_seed(tmp_path_factory) -> bytes:
 
 
 @FUZZ
-@given(mutations=MUTATIONS)
+@given(edits=JSON_EDITS, mutations=st.lists(MUTATION, max_size=4))
 def test_a_mutated_packed_blocks_file_is_refused_in_one_line_or_read(
-    mutations, packed_seed, tmp_path_factory
+    edits, mutations, packed_seed, tmp_path_factory
 ):
-    survives(read_blocks, tmp_path_factory.getbasetemp() / PACKED_FILE, mutate(packed_seed, mutations))
+    seed = edit_header(packed_seed, edits)
+    survives(read_blocks, tmp_path_factory.getbasetemp() / PACKED_FILE, mutate(seed, mutations))
 
 
 @FUZZ
@@ -440,6 +450,10 @@ HOSTILE_SAFETENSORS = {
     "a name twice": (handmade_safetensors(b'{"a": {}, "a": {}}'), "its header names 'a' twice"),
     "an unknown dtype": (
         handmade_safetensors({"a": F32_PAIR | {"dtype": "F128"}}, bytes(8)),
+        "tensor 'a' lacks a known dtype",
+    ),
+    "a dtype that is a list": (
+        handmade_safetensors({"a": F32_PAIR | {"dtype": ["F32"]}}, bytes(8)),
         "tensor 'a' lacks a known dtype",
     ),
     "a tensor past the end": (
