@@ -24,7 +24,8 @@ transformers' GGUF loader assumes too. And Llama 3.x's rope_scaling is no metada
 rule's for minillm to run it.
 
 `open_gguf` is the one place a GGUF is opened: every command and `LLM`, `load_model`, `Tokenizer`
-and `ModelConfig` reach the file through it.
+and `ModelConfig` reach the file through it, and it has `gguf_check.py` walk the header against the
+file's size before `GGUFReader` trusts it.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from gguf import GGUFReader, ReaderTensor, dequantize
 
 from minillm.config import ConfigError, ModelConfig
+from minillm.gguf_check import check_gguf
 from minillm.gguf_tokenizer import tokenizer_json_from_gguf
 from minillm.model import rope_frequencies
 from minillm.progress import progress_bar
@@ -83,6 +85,7 @@ def open_gguf(path: str | Path) -> GGUFReader:
 
 @functools.lru_cache(maxsize=1)
 def _parsed(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    check_gguf(path)  # GGUFReader trusts every count and offset in the file: each is checked first
     try:
         return GGUFReader(path, "c")
     except (ValueError, OSError, IndexError, KeyError, TypeError, OverflowError) as err:

@@ -8,7 +8,9 @@ for extreme ones too, which byte mutations rarely get past the JSON syntax to re
 must answer each mutant with its one-line ConfigError or accept it: no other exception, no case
 running past `DEADLINE_S`, no more Python/numpy memory than the file plus `MEMORY_CAP`. The GGUF's
 reader is `check_gguf` and then `gguf.GGUFReader`, every field and tensor read and every tensor
-dequantized: whatever escapes after `check_gguf` passed a file is a hole in `check_gguf`.
+dequantized: whatever escapes after `check_gguf` passed a file is a hole in `check_gguf`. A
+second GGUF seed is a whole tiny Qwen3 in block formats, opened as `--model FILE.gguf` opens it
+(`Tokenizer` and `load_model`, through `open_gguf`, which runs `check_gguf` first).
 `derandomize=True` makes the cases the same on every run.
 """
 
@@ -346,6 +348,32 @@ def test_a_mutated_packed_blocks_file_is_refused_in_one_line_or_read(
 @given(mutations=MUTATIONS)
 def test_a_mutated_gguf_is_refused_in_one_line_or_read(mutations, gguf_seed, tmp_path_factory):
     survives(read_gguf, tmp_path_factory.getbasetemp() / "mutant.gguf", mutate(gguf_seed, mutations))
+
+
+@pytest.fixture(scope="module")
+def model_gguf_seed(tmp_path_factory) -> bytes:
+    """A whole model as llama.cpp writes it: a tiny Qwen3 with Q8_0, Q4_0 and Q4_1 matrices."""
+    from test_gguf_model import QUANTIZED, hf_model, write_gguf
+
+    path = tmp_path_factory.mktemp("model-gguf") / "seed.gguf"
+    write_gguf(path, "qwen3", hf_model("qwen3"), QUANTIZED)
+    open_gguf_model(path)  # once outside the alarm: the first load also loads the C++ kernels
+    return path.read_bytes()
+
+
+def open_gguf_model(path: Path) -> None:
+    """What `--model FILE.gguf` does with the file: its config, tokenizer, weights and blocks."""
+    Tokenizer(path)
+    load_model(path, weights="auto")
+
+
+@FUZZ
+@given(mutations=MUTATIONS)
+def test_a_mutated_gguf_model_is_refused_in_one_line_or_opened(mutations, model_gguf_seed, tmp_path_factory):
+    """The loader itself, on a model file. Each case has its own path:
+    `open_gguf` keeps the last file parsed while its path, size and mtime are unchanged."""
+    folder = tmp_path_factory.mktemp("mutant-model")
+    survives(open_gguf_model, folder / "model.gguf", mutate(model_gguf_seed, mutations))
 
 
 # ------------------------------------------------------------------ each refusal, made by hand
