@@ -7,6 +7,8 @@ The packages, in the order a request meets them (docs/layout.md is the full map)
                              Qwen2, Qwen3) and its matrix products
     gguf_file.py, gguf_tokenizer.py
                              a llama.cpp GGUF file as the model: opened in place, nothing written
+    gguf_check.py, safetensors_check.py
+                             a file from outside checked against its own size before it is read
     tokenizer_json.py, tokenizer.py, chat_template.py
                              Hugging Face's tokenizer.json read into tiktoken; the checkpoint's
                              chat template rendered in a sandbox

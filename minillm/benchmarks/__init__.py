@@ -6,6 +6,7 @@ attention.py            bench attention: decode attention alone, every backend a
 speculative.py          bench speculative: decode with and without n-gram speculation
 structured.py           bench structured: what constraining the output to a grammar costs a step
 chat_view.py            bench chat-view: what the chat's live memory panel costs in decode speed
+open.py                 bench open: a folder and its GGUF file, to open and to the first token
 serve.py                bench serve: one request trace, three servers (HF, minillm static and continuous)
 prefix.py               bench prefix: requests sharing a system prompt, with and without the cache
 serve_http.py           bench serve-http: what the HTTP server costs against LLM.generate
