@@ -101,6 +101,11 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
             f"architectures {', '.join(ARCHITECTURES)}."
         )
     names = {t.name for t in reader.tensors}
+    if "token_embd.weight" not in names:  # llama.cpp's vocabulary files hold the tokenizer alone
+        raise ConfigError(
+            f"{reader.data.filename} holds no model (no token_embd.weight tensor): a vocabulary-only "
+            "file? Give the GGUF of a whole model."
+        )
     raw = {
         "architectures": [ARCHITECTURES[arch]],
         "vocab_size": _rows(reader, "token_embd.weight"),

@@ -434,3 +434,22 @@ def test_smollm2s_gguf_gives_the_fetched_folders_greedy_ids(real_dir):
     assert ours == folders == theirs.tolist()
     chat = [{"role": "user", "content": "Hi"}]
     assert Tokenizer(gguf).encode_chat(chat) == Tokenizer(real_dir).encode_chat(chat)
+
+
+def test_a_vocabulary_only_file_is_refused_in_one_line(tmp_path):
+    """llama.cpp's ggml-vocab-*.gguf files hold a tokenizer and no tensors: said so, not as a
+    missing vocab_size."""
+    path = tmp_path / "vocab.gguf"
+    writer = GGUFWriter(path, "qwen2")
+    tokens, token_types, merges = tiny_tokenizer()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(token_types)
+    writer.add_token_merges(merges)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="holds no model \\(no token_embd.weight tensor\\)") as refused:
+        ModelConfig.from_dir(path)
+    assert "\n" not in str(refused.value)
