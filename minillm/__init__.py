@@ -9,7 +9,7 @@ The packages, in the order a request meets them (docs/layout.md is the full map)
                              a llama.cpp GGUF file as the model: opened in place, nothing written
     gguf_check.py, safetensors_check.py
                              a file from outside checked against its own size before it is read
-    tokenizer_json.py, tokenizer.py, chat_template.py
+    tokenizer_json.py, tokenizer.py, chat_template.py, template_sandbox.py
                              Hugging Face's tokenizer.json read into tiktoken; the checkpoint's
                              chat template rendered in a sandbox
     sampling.py, structured.py

@@ -13,8 +13,9 @@ import pytest
 from helpers import run_json, set_chat_template, tiny_with_real_tokenizer
 from upstream import upstream_file
 
-from minillm.chat_template import OUTPUT_CHARS, STEPS, ChatTemplate
+from minillm.chat_template import ChatTemplate
 from minillm.config import ConfigError
+from minillm.template_sandbox import OUTPUT_CHARS, STEPS
 from minillm.tokenizer import Tokenizer
 
 LLAMA_TOKENS = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
