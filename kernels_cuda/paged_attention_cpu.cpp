@@ -10,20 +10,22 @@
 //                the attention each entry got, summed over its KV head's query heads (what H2O
 //                accumulates), else empty}
 //
-// One task per sequence, spread over threads with at::parallel_for. It walks the history block by
-// block through the block table, asking for the next block before it works on this one (blocks
-// lie scattered, so the hardware prefetcher cannot guess them). A block's slots hold every KV
-// head's row side by side, so the task serves all heads from a block while it is in cache, and
-// each KV head serves its whole GQA group of query heads: every K and V byte is read from memory
-// once. (A task per (sequence, KV head) read each cache line once per head: int8 rows are 64
-// bytes, and the neighbouring heads' rows in the same lines were fetched and thrown away.)
-// Per block it converts the block's stored keys to floats in a small tile (16 x head_dim:
-// it stays in L1, nothing full-precision goes back to memory) and scores them, folding the
-// scales and centres into the query and the scores instead of applying them number by number;
-// it keeps an *online softmax* per query head: the running maximum m, the running sum l of
-// exp(score - m) and the running weighted sum of values acc, rescaled by exp(m_old - m_new) when
-// a block raises the maximum. Then it converts the block's values into the tile and adds them,
-// their per-token scales folded into the softmax weights. One pass over the history.
+// One task per sequence, or per 512 tokens of a longer one (`kPartitionTokens`), spread over threads
+// with at::parallel_for: a single long conversation is then attended by every thread, each task's
+// partial softmax merged at the end (`merge`). A task walks its stretch block by block through the
+// block table, asking for the next block before it works on this one (blocks lie scattered, so
+// the hardware prefetcher cannot guess them). A block's slots hold every KV head's row side by
+// side, so the task serves all heads from a block while it is in cache, and each KV head serves
+// its whole GQA group of query heads: every K and V byte is read from memory once. (A task per
+// (sequence, KV head) read each cache line once per head: int8 rows are 64 bytes, and the
+// neighbouring heads' rows in the same lines were fetched and thrown away.)
+// Per block it converts the block's stored keys to floats in a small tile (16 x head_dim: it
+// stays in L1, nothing full-precision goes back to memory) and scores them, folding the scales
+// and centres into the query and the scores instead of applying them number by number; it keeps
+// an *online softmax* per query head: the running maximum m, the running sum l of exp(score - m)
+// and the running weighted sum of values acc, rescaled by exp(m_old - m_new) when a block raises
+// the maximum. Then it converts the block's values into the tile and adds them,
+// their per-token scales folded into the softmax weights. One pass over the task's stretch.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -73,6 +75,74 @@ inline void add_weighted_rows(float* __restrict acc, float correction, const flo
   }
 }
 
+// A stretch of one sequence's history, attended as one task: up to kPartitionTokens of it.
+struct Task {
+  int64_t seq, first, last;  // cache indices [first, last) of sequence seq
+};
+
+// One long sequence is split into partitions of this many tokens (whole blocks), so that two
+// threads share a single conversation's attention (flash-decoding's split). The split depends only
+// on the context length, never on the thread count or the batch: a row's result is the same
+// whoever runs beside it. A history of one partition or less is one pass, as before the split.
+constexpr int64_t kPartitionTokens = 512;
+
+std::vector<Task> tasks_of(const int32_t* lens, int64_t num_seqs, int64_t block_size) {
+  const int64_t span = std::max<int64_t>(1, kPartitionTokens / block_size) * block_size;
+  std::vector<Task> tasks;
+  for (int64_t seq = 0; seq < num_seqs; ++seq)
+    for (int64_t first = 0; first < lens[seq]; first += span)
+      tasks.push_back({seq, first, std::min<int64_t>(first + span, lens[seq])});
+  return tasks;
+}
+
+// What one task leaves for the merge, per query head h: the running maximum m[h], the sum l[h] of
+// exp(score - m), and acc[h] (head_dim) and center_acc[h], the weighted sums of the values; all
+// but m start at zero, as a vector's floats do.
+struct Partials {
+  std::vector<float> m, l, center_acc, acc;
+  Partials(int64_t tasks, int64_t heads, int64_t head_dim)
+      : m(tasks * heads), l(tasks * heads), center_acc(tasks * heads), acc(tasks * heads * head_dim) {}
+};
+
+// Each sequence's partitions into its output, in order: with M the largest of their maxima, a
+// partition's sums count exp(m - M) times (flash-decoding's reduction). For a sequence of one
+// partition the factor is exp(0) = 1: the one-pass result, bit for bit. Then, with H2O, each
+// entry's probability under every query head of a KV head's group, summed.
+template <typename scalar_t>
+void merge(const std::vector<Task>& tasks, const Partials& parts, const int32_t* lens, int64_t num_seqs,
+           int64_t num_heads, int64_t head_dim, int64_t group, int64_t num_kv_heads, scalar_t* out_all,
+           const std::vector<float>& raw_scores, float* mass, int64_t mass_width) {
+  // sequence seq's tasks are first_task[seq] .. first_task[seq + 1] (none for an empty history)
+  std::vector<int64_t> first_task(num_seqs + 1, static_cast<int64_t>(tasks.size()));
+  for (int64_t t = static_cast<int64_t>(tasks.size()) - 1; t >= 0; --t) first_task[tasks[t].seq] = t;
+  for (int64_t seq = num_seqs - 1; seq >= 0; --seq) first_task[seq] = std::min(first_task[seq], first_task[seq + 1]);
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(head_dim);
+    for (int64_t seq = begin; seq < end; ++seq) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        float top = -std::numeric_limits<float>::infinity(), l = 0.f, center = 0.f;
+        for (int64_t t = first_task[seq]; t < first_task[seq + 1]; ++t) top = std::max(top, parts.m[t * num_heads + h]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = first_task[seq]; t < first_task[seq + 1]; ++t) {
+          const int64_t i = t * num_heads + h;
+          const float weight = std::exp(parts.m[i] - top);
+          l += parts.l[i] * weight;
+          center += parts.center_acc[i] * weight;
+          for (int64_t d = 0; d < head_dim; ++d) acc[d] += parts.acc[i * head_dim + d] * weight;
+        }
+        scalar_t* out_row = out_all + (seq * num_heads + h) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d)
+          out_row[d] = static_cast<scalar_t>(l > 0.f ? (acc[d] + center) / l : 0.f);
+        if (mass) {
+          const float* scores = &raw_scores[(seq * num_heads + h) * mass_width];
+          float* row = mass + (seq * num_kv_heads + h / group) * mass_width;
+          for (int64_t t = 0; t < lens[seq]; ++t) row[t] += exp_nonpositive(scores[t] - top) / l;
+        }
+      }
+    }
+  });
+}
+
 template <typename scalar_t, int64_t FORMAT, int64_t HEAD_DIM>
 void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_tables, const at::Tensor& context_lens,
             at::Tensor& out, float* mass, int64_t mass_width) {
@@ -85,34 +155,38 @@ void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_t
   const scalar_t* q_all = query.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  scalar_t* out_all = out.data_ptr<scalar_t>();
   const char* k_bytes = static_cast<const char*>(pool.k);
   const char* v_bytes = static_cast<const char*>(pool.v);
   const scalar_t* staged = static_cast<const scalar_t*>(pool.k_staged);
+  const std::vector<Task> tasks = tasks_of(lens, num_seqs, bs);
+  Partials parts(static_cast<int64_t>(tasks.size()), num_heads, head_dim);
+  // with H2O, every query head's raw score of every entry: (num_seqs, num_heads, mass_width)
+  std::vector<float> raw_scores(mass ? num_seqs * num_heads * mass_width : 0);
 
-  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
-    // per query head h: q[h] and sum(q[h]), the block's scores, m[h], l[h], acc[h] and center_acc[h];
-    // tile: one KV head's keys or values of a block; row_scale, row_center, weight: per token of the block
-    std::vector<float> q(num_heads * head_dim), q_sum(num_heads), scores(num_heads * bs), acc(num_heads * head_dim);
-    std::vector<float> m(num_heads), l(num_heads), center_acc(num_heads), tile(bs * head_dim), raw_scores;
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    // per query head h: q[h] and sum(q[h]), the block's scores; tile: one KV head's keys or values of
+    // a block; row_scale, row_center, weight: per token of the block
+    std::vector<float> q(num_heads * head_dim), q_sum(num_heads), scores(num_heads * bs), tile(bs * head_dim);
     std::vector<float> channel_scale(head_dim), channel_center(head_dim), q_folded(head_dim);
     std::vector<float> row_scale(bs), row_center(bs), weight(bs);
-    for (int64_t seq = begin; seq < end; ++seq) {
+    for (int64_t t = begin; t < end; ++t) {
+      const auto [seq, task_first, task_last] = tasks[t];
+      float* m = &parts.m[t * num_heads];
+      float* l = &parts.l[t * num_heads];
+      float* center_acc = &parts.center_acc[t * num_heads];
+      float* acc = &parts.acc[t * num_heads * head_dim];
       const scalar_t* q_rows = q_all + seq * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) q[i] = static_cast<float>(q_rows[i]) * scale;
       for (int64_t h = 0; h < num_heads; ++h) q_sum[h] = std::accumulate(&q[h * head_dim], &q[(h + 1) * head_dim], 0.f);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(center_acc.begin(), center_acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
+      std::fill(m, m + num_heads, -std::numeric_limits<float>::infinity());
+      float* seq_scores = mass ? &raw_scores[seq * num_heads * mass_width] : nullptr;
       const int64_t context_len = lens[seq];
-      if (mass) raw_scores.resize(num_heads * context_len);
 
-      for (int64_t first = 0; first < context_len; first += bs) {
+      for (int64_t first = task_first; first < task_last; first += bs) {
         const int64_t block = tables[seq * max_blocks + first / bs];
         const int64_t n = std::min(bs, context_len - first);  // tokens in this block
         const int32_t staged_row = pool.staged_row ? pool.staged_row[block] : -1;
-        if (first + bs < context_len) {  // the next block lies elsewhere in the pool: ask for it now
+        if (first + bs < task_last) {  // the next block lies elsewhere in the pool: ask for it now
           const int64_t next = tables[seq * max_blocks + first / bs + 1] * bs * num_kv_heads * pool.row_bytes;
           for (int64_t offset = 0; offset < bs * num_kv_heads * pool.row_bytes; offset += 64) {
             __builtin_prefetch(k_bytes + next + offset);
@@ -165,7 +239,7 @@ void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_t
               dot_rows<HEAD_DIM>(qh, tile.data(), sh, n, head_dim);
               for (int64_t j = 0; j < n; ++j) sh[j] = sh[j] * row_scale[j] + row_center[j] * q_sum[h];
             }
-            if (mass) std::copy(sh, sh + n, &raw_scores[h * context_len + first]);
+            if (mass) std::copy(sh, sh + n, &seq_scores[h * mass_width + first]);
           }
           // 3. the block's values into the tile, as stored; value = x * s + c per token, so
           //    sum_j p_j value_j = sum_j (p_j s_j) x_j + sum_j p_j c_j: the scale goes into the weight,
@@ -195,20 +269,10 @@ void decode(const at::Tensor& query, const Pool& pool, const at::Tensor& block_t
           }
         }
       }
-      scalar_t* out_rows = out_all + seq * num_heads * head_dim;
-      for (int64_t h = 0; h < num_heads; ++h)
-        for (int64_t d = 0; d < head_dim; ++d)
-          out_rows[h * head_dim + d] =
-              static_cast<scalar_t>(l[h] > 0.f ? (acc[h * head_dim + d] + center_acc[h]) / l[h] : 0.f);
-      if (mass) {  // each entry's probability under every query head of a KV head's group, summed
-        for (int64_t h = 0; h < num_heads; ++h) {
-          float* row = mass + (seq * num_kv_heads + h / group) * mass_width;
-          for (int64_t t = 0; t < context_len; ++t)
-            row[t] += exp_nonpositive(raw_scores[h * context_len + t] - m[h]) / l[h];
-        }
-      }
     }
   });
+  merge(tasks, parts, lens, num_seqs, num_heads, head_dim, group, num_kv_heads, out.data_ptr<scalar_t>(), raw_scores,
+        mass, mass_width);
 }
 
 }  // namespace

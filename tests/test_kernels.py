@@ -48,12 +48,13 @@ def random_case(
     dtype=torch.float32,
     device="cpu",
     rounded_to=None,
+    lens_between=(1, 300),
 ):
     """Ragged sequences whose blocks are scattered at random through one layer of a real pool;
     the last block of most is still filling (with per-channel keys: staged). `rounded_to`: the
     numbers are rounded to that dtype first (an fp32 twin of a bf16 case)."""
     rng = random.Random(seed)
-    lens = [rng.randint(1, 300) for _ in range(num_seqs)]
+    lens = [rng.randint(*lens_between) for _ in range(num_seqs)]
     blocks_per_seq = [-(-n // block_size) for n in lens]
     num_blocks = sum(blocks_per_seq) + 5
     order = list(range(num_blocks))
@@ -160,6 +161,24 @@ def test_cpu_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales)
     got, mass = kernel_backend("cpu").decode(**case, with_mass=True)
     assert (got - expected).abs().max() <= 1e-5
     assert (mass - expected_mass).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("kv_dtype, key_scales", [("auto", "channel"), *FORMATS_TESTED])
+def test_cpu_kernel_splits_long_histories_over_threads_and_merges_them(kv_dtype, key_scales):
+    """Past 512 tokens a history is attended in partitions, on every thread, then merged: the same
+    attention and mass as the reference, and the same bits whatever the thread count."""
+    case = random_case(11, 3, 9, 3, 64, 16, kv_dtype, key_scales, lens_between=(600, 1600))
+    expected, expected_mass = paged_decode_attention(**case, with_mass=True)
+    got, mass = kernel_backend("cpu").decode(**case, with_mass=True)
+    assert (got - expected).abs().max() <= 1e-5
+    assert (mass - expected_mass).abs().max() <= 1e-5
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone, _ = kernel_backend("cpu").decode(**case)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, got)
 
 
 def test_cpu_kernel_attention_mass_sums_to_the_group_size():
