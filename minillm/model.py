@@ -188,29 +188,17 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cos, sin, ctx)
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward_fused(self, x, cos, sin, ctx):
-        """The same layer, its weights read as GGUF blocks, in two C++ calls around the attention
-        (`kernels_cuda/decode_layer_cpu.cpp`): at decode, torch's twenty-odd small operations cost
-        more in dispatch than in arithmetic."""
-        kernel, attn, mlp, eps = dense_kernel(), self.attn, self.mlp, self.attn_norm.eps
+    def fuse(self, on: bool) -> None:
+        """Decode-sized batches through `forward_fused` (or not). The two C++ calls' weight
+        arguments are gathered here once, not looked up on every call of every step."""
+        self.fused = on
+        if not on:
+            return
+        attn, mlp, eps = self.attn, self.mlp, self.attn_norm.eps
         q_norm, k_norm = (attn.q_norm.weight, attn.k_norm.weight) if attn.q_norm is not None else (None, None)
-        q, k, v = kernel.attention_in(
-            x.contiguous(),
-            self.attn_norm.weight,
-            eps,
-            *attn.wqkv.blocks(),
-            attn.wqkv.bias,  # None where the family has none
-            q_norm,
-            k_norm,
-            cos,
-            sin,
-            attn.num_heads,
-            attn.num_kv_heads,
-        )
-        attended = ctx.attend(attn.layer_idx, q, k, v)  # (N, num_heads, head_dim)
-        return kernel.layer_out(
-            x,
-            attended,
+        # None where the family has no such weight (biases, q/k norms)
+        self._weights_in = (self.attn_norm.weight, eps, *attn.wqkv.blocks(), attn.wqkv.bias, q_norm, k_norm)
+        self._weights_out = (
             *attn.wo.blocks(),
             attn.wo.bias,
             self.mlp_norm.weight,
@@ -218,6 +206,15 @@ class Block(nn.Module):
             *mlp.w_gate_up.blocks(),
             *mlp.w_down.blocks(),
         )
+
+    def forward_fused(self, x, cos, sin, ctx):
+        """The same layer, its weights read as GGUF blocks, in two C++ calls around the attention
+        (`kernels_cuda/decode_layer_cpu.cpp`): at decode, torch's twenty-odd small operations cost
+        more in dispatch than in arithmetic."""
+        kernel, attn = dense_kernel(), self.attn
+        q, k, v = kernel.attention_in(x.contiguous(), *self._weights_in, cos, sin, attn.num_heads, attn.num_kv_heads)
+        attended = ctx.attend(attn.layer_idx, q, k, v)  # (N, num_heads, head_dim)
+        return kernel.layer_out(x, attended, *self._weights_out)
 
 
 class Transformer(nn.Module):
@@ -259,7 +256,7 @@ class Transformer(nn.Module):
     def fuse_layers(self, on: bool) -> None:
         """Decode-sized batches through `Block.forward_fused` (every product must have GGUF blocks)."""
         for layer in self.layers:
-            layer.fused = on
+            layer.fuse(on)
 
     def products(self) -> dict[str, Matmul]:
         """Each weight matrix's name (as in the state dict) -> the Matmul that multiplies by it."""
