@@ -43,19 +43,22 @@ int64_t read_bytes(const at::Tensor& t);
 #endif
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_decode", &paged_attention_decode, "decode attention over the paged KV pool");
-  m.def("paged_attention_prefill", &paged_attention_prefill,
+  // The kernels run without Python's lock, as torch's own operations do: the server's HTTP thread
+  // reads requests and writes tokens while a step computes, instead of waiting for it to end.
+  const auto free = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention_decode", &paged_attention_decode, free, "decode attention over the paged KV pool");
+  m.def("paged_attention_prefill", &paged_attention_prefill, free,
         "flash attention for prefill chunks over the paged KV pool");
 #ifdef MINILLM_CPU_BUILD
-  m.def("quantize_write", &quantize_write, "one layer's new keys and values into a quantized KV pool");
+  m.def("quantize_write", &quantize_write, free, "one layer's new keys and values into a quantized KV pool");
   m.def("dense_fits", &dense_fits, "whether dense takes a (K inputs, N outputs) weight");
-  m.def("dense", &dense, "x @ w.T for a few rows of bf16, streaming the weight (decode's products)");
-  m.def("quant_dense", &quant_dense, "x @ w.T for a few rows, w in GGUF blocks (Q4_1, Q8_0) read as stored");
-  m.def("rms_norm", &rms_norm, "RMSNorm of fp32 or bf16 rows times the weight, in one call");
-  m.def("rope", &rope, "RoPE of fp32 or bf16 heads, in one call");
-  m.def("attention_in", &attention_in,
+  m.def("dense", &dense, free, "x @ w.T for a few rows of bf16, streaming the weight (decode's products)");
+  m.def("quant_dense", &quant_dense, free, "x @ w.T for a few rows, w in GGUF blocks (Q4_1, Q8_0) read as stored");
+  m.def("rms_norm", &rms_norm, free, "RMSNorm of fp32 or bf16 rows times the weight, in one call");
+  m.def("rope", &rope, free, "RoPE of fp32 or bf16 heads, in one call");
+  m.def("attention_in", &attention_in, free,
         "a decode layer's norm, q|k|v product (and bias, q/k norms) and RoPE, in one call");
-  m.def("layer_out", &layer_out, "a decode layer's output product, residual and MLP, in one call");
+  m.def("layer_out", &layer_out, free, "a decode layer's output product, residual and MLP, in one call");
   m.def("read_bytes", &read_bytes, "sum a tensor's bytes on every thread: the read roof's probe");
 #endif
 }
