@@ -43,7 +43,8 @@ class Switch:
     """How one EngineConfig field is spelled and what it takes. Its default is the field's."""
 
     name: str  # the EngineConfig field
-    help: str  # what it does, the flag's --help; argparse writes %(default)s as the default
+    help: str  # what it does, the flag's --help; argparse writes %(default)s as the default (an
+    # on/off switch's names none: `cli/flags.add_switch` adds on or off, as each command has it)
     choices: tuple[str, ...] = ()  # a choice switch takes one of these
     minimum: int | None = None  # a whole-number switch takes this or more (in the flag's unit)
     parse: Callable[[str], object] | None = None  # text -> value for the rest; ValueError says why
@@ -106,7 +107,7 @@ _TABLE = {
         Switch(
             "fused_decode",
             "with --weights q4_1 or int8, a decode layer's dense work in two C++ calls around its "
-            "attention instead of some twenty torch operations (default: on)",
+            "attention instead of some twenty torch operations",
         ),
         Switch("device", "cpu or cuda (default: %(default)s)"),
     ),
@@ -128,7 +129,7 @@ _TABLE = {
         Switch("max_seq_len", "tokens one sequence may hold (default: the model's context)", minimum=2),
         Switch(
             "prefix_caching",
-            "share the KV of full prompt blocks computed for earlier requests (default: off)",
+            "share the KV of full prompt blocks computed for earlier requests",
         ),
         Switch(
             "attention_backend",
@@ -138,7 +139,7 @@ _TABLE = {
         ),
         Switch(
             "flash_prefill",
-            "with a kernel backend, attend prefill chunks with its flash kernel, not torch (default: on)",
+            "with a kernel backend, attend prefill chunks with its flash kernel, not torch",
         ),
         Switch(
             "scheduling",
@@ -163,7 +164,7 @@ _TABLE = {
         Switch(
             "refuse_late",
             "with --ttft-target: refuse a request that can no longer meet it, so its client can retry "
-            "elsewhere (the server answers 503 with Retry-After), instead of serving it late (default: off)",
+            "elsewhere (the server answers 503 with Retry-After), instead of serving it late",
         ),
     ),
     "kv_quantization": (  # minillm.memory.quantization

@@ -872,6 +872,29 @@ def test_serve_help_explains_routes_and_flags(capsys):
         assert words in text
 
 
+class Built(Exception):
+    """Raised with the EngineConfig `minillm serve` built, instead of building its engine."""
+
+
+@pytest.mark.parametrize("flags, cached", [([], True), (["--no-prefix-caching"], False)])
+def test_serve_starts_with_the_prefix_cache_on_and_no_prefix_caching_turns_it_off(
+    monkeypatch, capsys, model_dir, flags, cached
+):
+    def engine(config):
+        raise Built(config)
+
+    monkeypatch.setattr("minillm.engine.LLMEngine", engine)
+    with pytest.raises(Built) as built:
+        main(["serve", "--model", str(model_dir), "--port", "0", *flags])
+    assert built.value.args[0].prefix_caching is cached
+    assert main(["serve", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert (
+        "--prefix-caching, --no-prefix-caching share the KV of full prompt blocks computed for "
+        "earlier requests (default: on)" in help_text
+    )
+
+
 def test_serve_on_a_port_in_use_is_one_line(capsys, model_dir):
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
@@ -926,3 +949,15 @@ def test_bench_serve_http_reports_speed_latency_and_no_block_left(capsys, model_
     left = report["disconnect"]
     assert left["clients_hung_up"] == left["requests_aborted"] == 2 and left["others_finished"]
     assert left["blocks_held_after"] == left["requests_left"] == 0
+
+
+@pytest.mark.slow  # a minillm serve child (10-30 s)
+def test_bench_serve_http_turns_reach_a_child_with_the_prefix_cache_on(capsys, model_dir):
+    """The child runs at serve's defaults, the prefix cache on: turn 2 finds turn 1's prompt there."""
+    flags = ["--turns", "2", "--clients", "2", "--max-tokens", "4", "--threads", "1", "--kv-cache-mb", "8"]
+    assert main(["bench", "serve-http", "--json", *flags, "--model", str(model_dir)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "--prefix-caching" in report["serve_args"] and report["answers_tokenized_again"] == 0
+    assert report["rounds"][0]["all_finished"] and report["answers"] == 4
+    first_prompts = 2 * report["by_turn"]["1"]["prompt_tokens"]  # the mean of the 2 clients'
+    assert report["prefix_cache"]["hits"] >= first_prompts - 2 * 16  # all but a part block each

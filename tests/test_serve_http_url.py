@@ -15,20 +15,26 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import tokenizers
 from helpers import tiny_with_real_tokenizer
-from serving import running_server
+from serving import fetch, running_server
 
 from minillm.benchmarks.serve import OUTPUT_LEN, PROMPT_LEN
 from minillm.benchmarks.serve_http import client_trace
+from minillm.benchmarks.serve_http_turns import MESSAGE_LEN
 from minillm.benchmarks.workload import uniform_trace
 from minillm.cli import main
+from minillm.cli.flags import SERVING_DEFAULTS
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
+from minillm.evaluation import read_text
 from minillm.serve.engine_loop import EngineLoop
+from minillm.serve.metrics import parse_metrics
 from minillm.tokenizer import Tokenizer
 
 DELAY_S = 0.03  # between two tokens of the fake server's streams
 FAKE_MODEL = "fake/llama-135m"
+FAKE_ID = 1000  # the fake server's first token id in an answer; the next are 1001, 1002...
 
 
 class FakeCompletions(BaseHTTPRequestHandler):
@@ -49,7 +55,10 @@ class FakeCompletions(BaseHTTPRequestHandler):
         self.end_headers()
         for i in range(body["max_tokens"]):
             time.sleep(DELAY_S if i else 0)
-            self.event({"choices": [{"index": 0, "text": f" w{i}", "finish_reason": None}]})
+            choice = {"index": 0, "text": f" w{i}", "finish_reason": None}
+            if self.server.ids and body.get("return_token_ids"):
+                choice["token_ids"] = [FAKE_ID + i]
+            self.event({"choices": [choice]})
         self.event({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
         if self.server.usage:
             usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
@@ -73,12 +82,13 @@ class FakeCompletions(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def fake_server():
-    """Start one with start(usage=..., error=...): its URL, and the request bodies it got."""
+    """Start one with start(usage=..., error=..., ids=...): its URL, and the request bodies it got."""
     servers = []
 
-    def start(usage: bool = True, error: str | None = None):
+    def start(usage: bool = True, error: str | None = None, ids: bool = False):
         server = ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
         server.daemon_threads, server.usage, server.error, server.bodies = True, usage, error, []
+        server.ids = ids  # send each token's id (FAKE_ID + its index) when asked, as minillm and vLLM do
         threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
         servers.append(server)
         return f"http://127.0.0.1:{server.server_address[1]}", server.bodies
@@ -166,13 +176,46 @@ def test_max_tokens_makes_every_output_that_long_on_the_same_prompts(real_dir):
     assert [(r.prompt_ids, r.output_len) for r in longer] == [(r.prompt_ids, 128) for r in seeded]
 
 
+@pytest.mark.parametrize("ids", [True, False], ids=["the server's ids", "its text tokenized again"])
+def test_each_turn_resends_the_last_prompt_its_answer_and_a_new_message(capsys, real_dir, fake_server, ids):
+    """--turns: the answer resent is the server's token ids where it sends them, else its text
+    tokenized again (here by the `tokenizers` library, minillm's tokenizer's reference); the new
+    message is a stretch of the trace's prose."""
+    url, bodies = fake_server(ids=ids)
+    report = bench_url(capsys, real_dir, url, "--turns", "3", "--clients", "1", "--max-tokens", "3")
+    reference = tokenizers.Tokenizer.from_file(str(real_dir / "tokenizer.json"))
+    answer = [FAKE_ID, FAKE_ID + 1, FAKE_ID + 2] if ids else reference.encode(" w0 w1 w2").ids
+    turns = bodies[1:]  # after the warm-up
+    assert len(turns) == 3 and all(body["return_token_ids"] for body in turns)
+    for last, this in zip(turns, turns[1:]):
+        resent = [*last["prompt"], *answer]
+        message = this["prompt"][len(resent) :]
+        assert this["prompt"][: len(resent)] == resent
+        assert MESSAGE_LEN[0] <= len(message) <= MESSAGE_LEN[1] and reference.decode(message) in read_text()
+    assert list(report["by_turn"]) == ["1", "2", "3", "2-3"]
+    assert [report["by_turn"][turn]["prompt_tokens"] for turn in "123"] == [len(b["prompt"]) for b in turns]
+    assert report["answers"] == 3 and report["answers_tokenized_again"] == (0 if ids else 3)
+    assert report["rounds"][0]["output_tokens"] == report["output_tokens_asked"] == 3 * 3
+    for turn in report["by_turn"].values():
+        assert 0 < turn["ttft_p50_s"]["median"] <= turn["ttft_p99_s"]["median"]
+
+
+def test_turns_and_workload_are_two_loads_one_line_says(capsys, real_dir):
+    flags = ["--turns", "2", "--workload", "--url", "http://127.0.0.1:9", "--model", str(real_dir)]
+    assert main(["bench", "serve-http", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "--turns and --workload" in err and err.count("\n") == 1
+
+
 @pytest.fixture(scope="module")
 def minillm_url(real_dir, tmp_path_factory):
-    """A `minillm serve` app on the tiny random Llama with the real tokenizer, served as "tiny"."""
+    """A `minillm serve` app on the tiny random Llama with the real tokenizer, served as "tiny", its
+    prefix cache on as `minillm serve` starts it."""
     model_dir = tiny_with_real_tokenizer(
         tmp_path_factory.mktemp("url-model"), real_dir, max_position_embeddings=1024, tie_word_embeddings=True
     )
-    engine = LLMEngine(EngineConfig(model_dir=model_dir, kv_cache_bytes=8 << 20, max_num_seqs=8))
+    config = EngineConfig(model_dir=model_dir, kv_cache_bytes=8 << 20, max_num_seqs=8, **SERVING_DEFAULTS)
+    engine = LLMEngine(config)
     with running_server(EngineLoop(engine)) as url:
         yield url, model_dir
 
@@ -197,3 +240,16 @@ def test_the_workload_replays_against_a_url(capsys, minillm_url):
     assert served["requests"] == 4 and served["errors"] == 0, served["first_errors"]
     assert served["output_tokens"] == report["workload"]["output_tokens"] == 4 * 4
     assert report["blocks_held_after"] is None  # /metrics is minillm's: not read through --url
+
+
+def test_each_turn_finds_the_history_it_resends_in_minillm_serves_prefix_cache(capsys, minillm_url):
+    """Turn k resends turn k-1's prompt and answer: the cache holds at least that prompt's full
+    16-token blocks (/metrics' hits, in tokens), and the answers went back as the server's ids."""
+    url, model_dir = minillm_url
+    before = parse_metrics(fetch(url + "/metrics").text)
+    report = bench_url(capsys, model_dir, url, "--turns", "3", "--clients", "1", "--max-tokens", "4")
+    after = parse_metrics(fetch(url + "/metrics").text)
+    prompts = [report["by_turn"][turn]["prompt_tokens"] for turn in "123"]
+    assert prompts[0] < prompts[1] < prompts[2] and report["answers_tokenized_again"] == 0
+    hits = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    assert hits >= sum(tokens // 16 * 16 for tokens in prompts[:2]) > 0

@@ -12,6 +12,7 @@ prefix.py               bench prefix: requests sharing a system prompt, with and
 serve_http.py           bench serve-http: what the HTTP server costs against LLM.generate
 serve_http_url.py       bench serve-http --url: the same clients against any OpenAI-compatible server
 serve_http_workload.py  bench serve-http --workload: bench scheduling's traffic over HTTP
+serve_http_turns.py     bench serve-http --turns: conversations, each turn resending the history
 memory/                 bench memory: the memory system built up one layer at a time
 tiers/                  bench tiers: preemption, resume, prefix spill, the spill rule
 scheduling/             bench scheduling: admission policies where memory binds, held-out traces

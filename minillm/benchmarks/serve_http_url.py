@@ -18,6 +18,7 @@ blocks held, requests aborted), so no round of clients hanging up either.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
 from pathlib import Path
 
 from minillm.benchmarks.http_client import Endpoint, model_name, parse_url
@@ -46,10 +47,11 @@ ROUND_NUMBERS = {
 }
 
 
-def run_round(server: Endpoint, model: str, trace) -> dict:
-    """Every client at once; a request that fails stops the benchmark with what the server said."""
+def run_checked(server: Endpoint, clients: Coroutine) -> tuple[list[dict], float]:
+    """Run `clients` (a coroutine giving every request's result and the elapsed seconds); a request
+    that fails stops the benchmark with what the server said."""
     try:
-        results, elapsed = asyncio.run(run_clients(server, model, trace))
+        results, elapsed = asyncio.run(clients)
     except (OSError, EOFError, RuntimeError, ValueError, IndexError) as err:  # refused, cut, an error event
         raise ConfigError(
             f"a request to {server.url}/v1/completions failed: {type(err).__name__}: {err}"
@@ -60,7 +62,12 @@ def run_round(server: Endpoint, model: str, trace) -> dict:
             f"{len(failed)} of {len(results)} requests to {server.url}/v1/completions failed, the first: "
             + (failed[0]["error"] or "its stream ended before [DONE]")
         )
-    return clients_summary(results, elapsed)
+    return results, elapsed
+
+
+def run_round(server: Endpoint, model: str, trace) -> dict:
+    """Every client at once."""
+    return clients_summary(*run_checked(server, run_clients(server, model, trace)))
 
 
 def over_rounds(rounds: list[dict], name: str) -> dict | None:
@@ -96,18 +103,30 @@ def row(spreads: dict, pick: str) -> list[str]:
     return [show(spreads[name][pick]) if spreads[name] else "-" for name, show in ROUND_NUMBERS.items()]
 
 
-def print_serve_http_url_report(report: dict, console) -> None:
-    trace, repeats = report["trace"], report["repeats"]
+def print_rounds_table(console, title: str, report: dict) -> None:
+    """The round's numbers (ROUND_NUMBERS): their median, and with --repeats their min and max."""
+    repeats = report["repeats"]
     rows = [[f"median of {repeats} rounds" if repeats > 1 else "1 round", *row(report["spread"], "median")]]
     if repeats > 1:
         rows += [[pick, *row(report["spread"], pick)] for pick in ("min", "max")]
     print_table(
+        console, title, ["", "output tok/s", "elapsed", "TTFT p50", "TTFT p99", *PER_CLIENT_COLUMNS], rows
+    )
+
+
+def print_serve_http_url_report(report: dict, console) -> None:
+    trace = report["trace"]
+    print_rounds_table(
         console,
         f"{report['clients']} streaming clients at once to {report['url']} ({report['model']}): prompts "
         f"{trace['prompt_len']}, outputs {trace['output_len']} tokens, greedy, EOS ignored",
-        ["", "output tok/s", "elapsed", "TTFT p50", "TTFT p99", *PER_CLIENT_COLUMNS],
-        rows,
+        report,
     )
+    print_tokens_counted(report, console)
+
+
+def print_tokens_counted(report: dict, console) -> None:
+    """How many output tokens each round got, and where the count came from."""
     counted = {
         "usage": "from the server's usage",
         "chunks": "as the chunks with text (the server sent no usage; one token a chunk)",

@@ -54,7 +54,7 @@ from minillm.benchmarks.scheduling.trace import describe_trace, make_trace
 from minillm.benchmarks.serve_child import blocks_held, metrics, minillm_serve, wait_idle
 from minillm.benchmarks.serve_http import duration
 from minillm.benchmarks.stats import tails
-from minillm.benchmarks.workload import Request, next_turn_prompt
+from minillm.benchmarks.workload import Request, answer_ids, next_turn_prompt
 from minillm.config import ConfigError
 from minillm.progress import progress_bar
 from minillm.report import print_table
@@ -182,9 +182,7 @@ async def replay_http(
 def resent_answer(tokenizer: Tokenizer, answered: Answered) -> list[int]:
     """What a chat's next turn resends of this answer: the server's token ids, else its text
     tokenized again; nothing if it failed."""
-    if answered.error is not None:
-        return []
-    return answered.token_ids if answered.token_ids is not None else tokenizer.encode(answered.text)
+    return [] if answered.error is not None else answer_ids(tokenizer, answered.text, answered.token_ids)
 
 
 def retokenized_apart(tokenizer: Tokenizer, answered: list[Answered]) -> int:

@@ -191,6 +191,13 @@ def next_turn_prompt(tokenizer: Tokenizer, previous_prompt: list[int], answer: l
     return [*previous_prompt, *closed, *tokenizer.encode("\n"), *message]
 
 
+def answer_ids(tokenizer: Tokenizer, text: str, token_ids: list[int] | None) -> list[int]:
+    """What a client resends of an answer: the token ids the server made, else its text tokenized
+    again, which may part from them (an EOS made under `ignore_eos` has no text; a word may split
+    otherwise): the server's cache then holds the history only up to there."""
+    return token_ids if token_ids is not None else tokenizer.encode(text)
+
+
 def add_conversation(trace, tokenizer, kind: Kind, first_message, clock, prose, rng, scale, longest) -> None:
     """A conversation of CHAT_TURNS turns: the first at `clock`, each later one THINK_S (exponential
     mean) after the previous answer: a closed loop, whose later prompts are known only as it runs."""

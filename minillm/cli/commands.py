@@ -3,7 +3,7 @@
     minillm generate "Why is the sky blue?" --chat --max-tokens 64
     minillm chat --kv-dtype int8
     minillm chat --admission memory --eviction h2o --kv-budget 256 --eviction-trigger pressure
-    minillm serve --prefix-caching --port 8000
+    minillm serve --port 8000
     minillm info --json
     minillm bench decode --json
     minillm bench all --quick
@@ -25,6 +25,7 @@ from pathlib import Path
 
 from minillm.chat import CHAT_HELP, DEFAULT_SESSIONS_DIR, Chat, session_path
 from minillm.cli.flags import (
+    SERVING_DEFAULTS,
     add_chat_template_arg,
     add_eviction_args,
     add_kv_quantization_args,
@@ -95,11 +96,12 @@ def add_chat_engine_args(chat) -> None:
 
 
 def cmd_chat(args) -> None:
-    """The conversation runs on the serving engine with the prefix cache on (see minillm.chat)."""
+    """The conversation runs on the serving engine with the prefix cache on, as `minillm serve`
+    starts it (SERVING_DEFAULTS; see minillm.chat)."""
     from minillm.engine import LLM
 
     session = session_path(args.sessions_dir, args.session) if args.session is not None else None
-    llm = LLM(prefix_caching=True, **engine_switches(args))
+    llm = LLM(**SERVING_DEFAULTS, **engine_switches(args))
     chat = Chat(
         llm,
         sampling_from(args),

@@ -91,9 +91,16 @@ def _argparse_type(parse):
     return parse_flag
 
 
+# where the commands that serve conversations (serve, bench serve-http, chat) start otherwise than
+# EngineConfig's library default: the prefix cache on, as in vLLM's V1 server and llama.cpp's (which
+# keeps each slot's prompt), so a conversation resent with every turn is prefilled from its new turn
+SERVING_DEFAULTS = {"prefix_caching": True}
+
+
 def add_switch(parser, name: str, **overrides) -> None:
     """The flag of EngineConfig switch `name`, as `SWITCHES` declares it; a command may narrow its
-    choices or give it its own help, default or nargs."""
+    choices or give it its own help, default or nargs. An on/off flag's help ends with its default
+    in this command, on or off."""
     switch = SWITCHES[name]
     spec = {"default": switch.default, "help": switch.help}
     if switch.on_off:  # --flag and --no-flag
@@ -104,13 +111,19 @@ def add_switch(parser, name: str, **overrides) -> None:
         spec["type"] = COUNT_TYPES[switch.minimum]
     elif switch.parse is not None:
         spec["type"] = _argparse_type(switch.parse)
-    parser.add_argument(switch.option, **{**spec, **overrides})
+    spec.update(overrides)
+    if switch.on_off:
+        spec["help"] += f" (default: {'on' if spec['default'] else 'off'})"
+    parser.add_argument(switch.option, **spec)
 
 
-def _add_group(parser, group: str) -> None:
+def _add_group(parser, group: str, defaults: dict | None = None) -> None:
+    """Every switch of `group`; `defaults` gives some of them the command's own default."""
+    defaults = defaults or {}
     for switch in SWITCHES.values():
         if switch.group == group:
-            add_switch(parser, switch.name)
+            own = {"default": defaults[switch.name]} if switch.name in defaults else {}
+            add_switch(parser, switch.name, **own)
 
 
 def add_model_args(
@@ -238,8 +251,8 @@ def add_speculative_args(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The serving engine's own switches, for the commands that run one engine for many requests
-    (serve, bench serve-http)."""
-    _add_group(parser.add_argument_group("engine (EngineConfig switches)"), "engine")
+    (serve, bench serve-http), at SERVING_DEFAULTS where those differ from EngineConfig's."""
+    _add_group(parser.add_argument_group("engine (EngineConfig switches)"), "engine", SERVING_DEFAULTS)
 
 
 def add_trace_arg(parser: argparse.ArgumentParser) -> None:

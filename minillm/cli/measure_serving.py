@@ -1,7 +1,8 @@
 """The commands that measure the engine serving many requests: `minillm bench serve` (one seeded
 trace through continuous and static batching and HF transformers), `minillm bench serve-http` (the
 same trace through a `minillm serve` child, N streaming clients, or bench scheduling's workload with
---workload; or through any OpenAI-compatible server with --url) and `minillm bench prefix` (a
+--workload, or conversations resending their history with --turns; or through any
+OpenAI-compatible server with --url) and `minillm bench prefix` (a
 shared system prompt with the prefix cache off and on).
 
 As in `measure.py`: each benchmark lives in `minillm.benchmarks` and returns one dict, printed as
@@ -102,7 +103,9 @@ def add_bench_serve_http(benches) -> None:
         "mid-stream (must be 0). Per client: the inter-token latency p50/p99 and decode tok/s. "
         "With --url, the same clients against a server already running (llama.cpp's, vLLM, "
         "minillm serve...). With --workload, bench scheduling's seeded traffic instead, each "
-        "request at its arrival time: goodput within a TTFT and a TPOT SLO. Needs the serve "
+        "request at its arrival time: goodput within a TTFT and a TPOT SLO. With --turns N, each "
+        "client a conversation of N turns, every turn resending the history: TTFT per turn. The "
+        "prefix cache is on, as minillm serve starts it; --no-prefix-caching turns it off. Needs the serve "
         'extra: pip install -e ".[serve]" (not with --url).',
     )
     add_client_args(http)
@@ -177,6 +180,7 @@ class Renamed(argparse.Action):
 
 def cmd_bench_serve_http(args) -> None:
     from minillm.benchmarks.serve_http import bench_serve_http, print_serve_http_report
+    from minillm.benchmarks.serve_http_turns import print_serve_http_turns_report
     from minillm.benchmarks.serve_http_url import bench_serve_http_url, print_serve_http_url_report
     from minillm.benchmarks.serve_http_workload import print_serve_http_workload_report
     from minillm.config import ConfigError
@@ -191,7 +195,11 @@ def cmd_bench_serve_http(args) -> None:
 
         torch.set_num_threads(args.threads)
     serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
-    if args.workload:
+    if args.turns and args.workload:
+        raise ConfigError("--turns and --workload are two different loads: give one of them.")
+    if args.turns:
+        show(bench_turns_from(args, serve_args), print_serve_http_turns_report, args.json)
+    elif args.workload:
         show(bench_workload_from(args, serve_args, switches), print_serve_http_workload_report, args.json)
     elif args.url:
         show(
@@ -239,6 +247,17 @@ def add_client_args(parser) -> None:
         "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
     )
     parser.add_argument(
+        "--turns",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="each client holds a conversation of N turns instead of one request: turn 1 its prompt, "
+        "each later turn the whole history resent (the last prompt, the answer's token ids, or its "
+        "text tokenized again where the server sends none, and a new user message of prose); TTFT "
+        "per turn, with --repeats its median and min-max over rounds of new conversations; against "
+        "the minillm serve child or --url (default: off, one request per client)",
+    )
+    parser.add_argument(
         "--disconnect-after",
         type=positive_int,
         default=4,
@@ -257,6 +276,20 @@ def add_client_args(parser) -> None:
         default=1,
         help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
         "other work (here: the clients) more threads wait for each other (default: 1)",
+    )
+
+
+def bench_turns_from(args, serve_args: list[str]) -> dict:
+    from minillm.benchmarks.serve_http_turns import bench_serve_http_turns
+
+    return bench_serve_http_turns(
+        args.model,
+        serve_args,
+        url=args.url,
+        clients=args.clients,
+        turns=args.turns,
+        max_tokens=args.max_tokens,
+        repeats=args.repeats,
     )
 
 

@@ -41,7 +41,8 @@ SEND_LAST_S = 2.0  # after the engine stops, the time responses get to send thei
 SERVE_EXAMPLES = """\
 examples:
   minillm serve                                   # http://127.0.0.1:8000/v1, the default model
-  minillm serve --prefix-caching --kv-dtype int8  # engine switches are the other commands' flags
+  minillm serve --kv-dtype int8 --max-num-seqs 32  # engine switches are the other commands' flags
+  minillm serve --no-prefix-caching               # the prefix cache is on unless this turns it off
   curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
        -d '{"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 16}'
   curl http://127.0.0.1:8000/metrics              # KV blocks per state, hit rate, queue, tokens/s
@@ -60,11 +61,14 @@ SERVE_DESCRIPTION = textwrap.fill(
     "/metrics (Prometheus text), and the tokenizer's: POST /tokenize, /detokenize, GET "
     "/tokenizer_info. One engine loop (the main thread; HTTP runs in another) batches "
     "every request in flight; a client that disconnects aborts its request and its KV blocks go "
-    "back at once. SIGTERM or Ctrl-C stops it in order: new requests get a 503, those in flight "
+    "back at once. The prefix cache is on, as in vLLM's V1 server: a conversation resent with "
+    "every turn is prefilled from its new turn (--no-prefix-caching turns it off). "
+    "SIGTERM or Ctrl-C stops it in order: new requests get a 503, those in flight "
     "get --shutdown-timeout seconds to finish, the rest end with an error; exit status 0 after "
     "SIGTERM, 130 after Ctrl-C. "
     'Needs the serve extra: pip install -e ".[serve]".',
     100,
+    break_on_hyphens=False,  # a flag stays whole
 )
 
 
