@@ -212,7 +212,9 @@ class Block(nn.Module):
         (`kernels_cuda/decode_layer_cpu.cpp`): at decode, torch's twenty-odd small operations cost
         more in dispatch than in arithmetic."""
         kernel, attn = dense_kernel(), self.attn
-        q, k, v = kernel.attention_in(x.contiguous(), *self._weights_in, cos, sin, attn.num_heads, attn.num_kv_heads)
+        q, k, v = kernel.attention_in(
+            x.contiguous(), *self._weights_in, cos, sin, attn.num_heads, attn.num_kv_heads
+        )
         attended = ctx.attend(attn.layer_idx, q, k, v)  # (N, num_heads, head_dim)
         return kernel.layer_out(x, attended, *self._weights_out)
 
