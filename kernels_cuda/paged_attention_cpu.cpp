@@ -285,7 +285,11 @@ std::vector<at::Tensor> paged_attention_decode(at::Tensor query, at::Tensor k, a
                             block_size, kv_format, keys_per_channel);
   const int64_t head_dim = query.size(2);
   auto out = at::empty_like(query);
-  const int64_t width = context_lens.numel() > 0 ? context_lens.max().item<int32_t>() : 0;
+  // the longest context: the width of the mass H2O asks for
+  int64_t width = 0;
+  if (with_mass)
+    for (int64_t seq = 0; seq < context_lens.numel(); ++seq)
+      width = std::max<int64_t>(width, context_lens.data_ptr<int32_t>()[seq]);
   auto mass = with_mass ? at::zeros({query.size(0), k.size(1), width}, query.options().dtype(at::kFloat))
                         : at::empty({0}, query.options().dtype(at::kFloat));
   float* mass_ptr = with_mass ? mass.data_ptr<float>() : nullptr;

@@ -137,8 +137,9 @@ class PagedKVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (n, kv_heads, head_dim) go into `slots` (n,)."""
-        self.k_cache[layer].index_copy_(0, slots, k)
-        self.v_cache[layer].index_copy_(0, slots, v)
+        stored = self._layers[layer]  # its views of k_cache and v_cache
+        stored.k.index_copy_(0, slots, k)
+        stored.v.index_copy_(0, slots, v)
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values in `slots` (any shape): (*slots.shape, kv_heads, head_dim) each."""
