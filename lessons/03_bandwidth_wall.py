@@ -14,6 +14,11 @@ GGUF file; its own blocks (4 bits a weight plus a scale and a minimum per 32) ca
 and dequantized in registers (`--weights q4_1`), and a layer's twenty-odd small operations fused
 into two C++ calls (`--fused-decode`). The second table times those rows side by side.
 
+Last, batch 1 as its conversation grows: every step also reads the KV cache of the whole context,
+so past some length the cache, not the weights, is what a token waits for. The third table times
+the engine's step after prompts of growing length (`bench decode --contexts`), the KV in the
+model's dtype and in int8, with the attention's share of the step.
+
 `--shape llama-3.2-1b` (or qwen3-0.6b, qwen2.5-1.5b) runs a 1B-class model's real config on random
 weights instead (a step's time does not depend on the weights' values): there the bytes, not the
 small operations, set batch 1's pace.
@@ -33,11 +38,13 @@ from _common import console, lesson_args, lesson_model, save_numbers, save_plot,
 
 from minillm.benchmarks import copy_bandwidth, read_bandwidth  # noqa: E402
 from minillm.benchmarks.decode import weight_bytes_read  # noqa: E402
+from minillm.benchmarks.step_profile import bench_step_profile  # noqa: E402
 from minillm.config import DTYPES, ConfigError, resolve_dtype  # noqa: E402
 from minillm.engine import LLM, SamplingParams  # noqa: E402
 from minillm.weights import load_model  # noqa: E402
 
 PROMPT_LEN = 64
+CONTEXTS = {"quick": ([128, 1024], 8), "default": ([256, 1024, 4096], 16)}  # (contexts, new tokens)
 
 
 def matmul_flops(dtype: torch.dtype, size: int = 1024, repeats: int = 5) -> float:
@@ -187,6 +194,56 @@ def plot_formats(ax, formats: dict) -> None:
     ax.set_title(f"Batch 1 by weight format\nfastest: {fastest}, {speedup:.1f}x {first.split(',')[0]}")
 
 
+def measure_contexts(model_dir, dtype: str, contexts: list[int], tokens: int) -> dict:
+    """Batch 1 after a prompt of each context length, KV in the model's dtype and in int8: kv ->
+    context -> ms per token, attention's share of the step, KV bytes per token and per step."""
+    report = bench_step_profile(model_dir, dtype, PROMPT_LEN, tokens, 1, profile=False, contexts=contexts)
+    by_kv, rows = {}, []
+    for r in report["contexts"]:
+        by_kv.setdefault(r["kv"], {})[r["context"]] = {
+            "ms_per_token": r["ms_per_token"],
+            "attention_share": r["attention_share"],
+            "kv_bytes_per_token": r["kv_bytes_per_token"],
+            "kv_mb_per_step": r["kv_bytes_per_step"] / 1e6,
+        }
+        rows.append(
+            [
+                r["kv"],
+                r["prompt_len"],
+                f"{r['kv_bytes_per_step'] / 1e6:.1f}",
+                f"{r['attention_share']:.0%}",
+                f"{r['ms_per_token']:.1f}",
+            ]
+        )
+    table(
+        f"batch 1 as the context grows, weights {report['contexts'][0]['weights']}, {tokens} new tokens",
+        ["KV", "context", "KV MB read/step", "attention", "ms/token"],
+        rows,
+    )
+    return by_kv
+
+
+def plot_contexts(by_kv: dict, out) -> None:
+    """ms per token against the context, one line a KV format, the attention's share beside it."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for kv, rows in by_kv.items():
+        contexts = list(rows)
+        left.plot(contexts, [r["ms_per_token"] for r in rows.values()], marker="o", label=f"KV {kv}")
+        right.plot(
+            contexts, [100 * r["attention_share"] for r in rows.values()], marker="o", label=f"KV {kv}"
+        )
+    left.set(xscale="log", xlabel="context, tokens (log)", ylabel="ms per token", title="Batch 1 by context")
+    right.set(xscale="log", xlabel="context, tokens (log)", ylabel="% of the step", title="Attention's share")
+    right.axhline(50, color="gray", linestyle=":", linewidth=1)
+    for ax in (left, right):
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    save_plot(fig, out, "03_context_wall.png")
+
+
 def main():
     args = lesson_args(__doc__, shape_option)
     model_dir, name = lesson_model(args)
@@ -207,6 +264,8 @@ def main():
     )
     formats = measure_weight_formats(model_dir, dtype, timed_steps, bandwidth)
     plot_roofs(batches, throughput, bw_fraction, flop_fraction, formats, args.out)
+    by_context = measure_contexts(model_dir, dtype, *CONTEXTS["quick" if args.quick else "default"])
+    plot_contexts(by_context, args.out)
     save_numbers(
         args.out,
         "03_bandwidth_wall.json",
@@ -222,10 +281,12 @@ def main():
             "read_roof_fraction_largest_batch": bw_fraction[-1],
             "matmul_roof_fraction_largest_batch": flop_fraction[-1],
             "batch_1_by_weights": formats,
+            "batch_1_by_context": by_context,
         },
     )
     console.print(batch_meaning(name, batches, throughput, bw_fraction, flop_fraction))
     console.print(formats_meaning(formats))
+    console.print(contexts_meaning(by_context))
 
 
 def batch_meaning(name: str, batches, throughput, bw_fraction, flop_fraction) -> str:
@@ -264,6 +325,37 @@ def formats_meaning(formats: dict) -> str:
         + f"the fused step reads at {fused['roof']:.0%} of the read roof. The blocks' values are the fp32 "
         "checkpoint's, so nothing is lost; what is left is unpacking 4-bit numbers, which costs the "
         "cores more instructions per byte than bf16 does."
+    )
+
+
+def contexts_meaning(by_context: dict) -> str:
+    """What the context table says, from its numbers: where attention is most of the step, and
+    what int8 KV buys at the longest context."""
+    kvs = list(by_context)
+    dense, int8 = by_context[kvs[0]], by_context[kvs[-1]]
+    last = list(dense)[-1]
+    ratio = dense[last]["kv_bytes_per_token"] / int8[last]["kv_bytes_per_token"]
+    return (
+        "A long conversation is the third wall: each step reads the whole context's KV, so "
+        + "; ".join(attention_said(kv, rows) for kv, rows in by_context.items())
+        + f". int8 KV reads {ratio:.1f}x fewer bytes a token: at {last:,} tokens its step takes "
+        f"{int8[last]['ms_per_token']:.1f} ms against {dense[last]['ms_per_token']:.1f}."
+    )
+
+
+def attention_said(kv: str, rows: dict) -> str:
+    """From which context attention is most of the step; where it never is here, its share at the
+    longest context and near which context it would pass half, growing on as it grew here."""
+    past_half = [context for context, r in rows.items() if r["attention_share"] >= 0.5]
+    if past_half:
+        return f"with {kv} KV attention is most of the step from {past_half[0]:,} tokens on"
+    (first, low), (last, high) = list(rows.items())[0], list(rows.items())[-1]
+    attention = [r["ms_per_token"] * r["attention_share"] for r in (low, high)]
+    per_token = (attention[1] - attention[0]) / (last - first)  # the attention's ms per context token
+    rest = high["ms_per_token"] - attention[1]  # the part of the step the context does not grow
+    half = f"; growing as here, it would be half near {last + (rest - attention[1]) / per_token:,.0f}"
+    return f"with {kv} KV attention is {high['attention_share']:.0%} of the step at {last:,} tokens" + (
+        half if per_token > 0 else ""
     )
 
 

@@ -48,6 +48,19 @@ def check_bandwidth_wall(numbers):
     by_weights = numbers["batch_1_by_weights"]
     dense, q4_1 = by_weights["dense, in the model's dtype"], by_weights["Q4_1 blocks, fused layers"]
     assert q4_1["mb_per_step"] < dense["mb_per_step"] / 2 and set(by_weights) >= {"Q4_1 blocks, unfused"}
+    # int8 KV: a byte a number and its scales, against two bytes (bf16) or four; a context 8x longer
+    # reads 8x the KV a step (attention's share of the step is timed over 8 steps: too noisy to hold)
+    by_context = numbers["batch_1_by_context"]
+    assert list(by_context) == [numbers["dtype"], "int8"]
+    for rows in by_context.values():
+        shortest, longest = rows[min(rows, key=int)], rows[max(rows, key=int)]
+        assert longest["kv_mb_per_step"] > 4 * shortest["kv_mb_per_step"]
+        assert 0 < shortest["attention_share"] < 1 and 0 < longest["attention_share"] < 1
+    last = max(by_context["int8"], key=int)
+    assert (
+        by_context["int8"][last]["kv_bytes_per_token"]
+        < by_context[numbers["dtype"]][last]["kv_bytes_per_token"]
+    )
 
 
 def check_fragmentation(numbers):

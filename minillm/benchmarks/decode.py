@@ -77,11 +77,13 @@ def weight_bytes_read(model) -> int:
     """The weights one decode step reads: each product's matrix, or its GGUF blocks where a decode
     product reads those (the lm_head reads the whole tied embedding), and the norms."""
     matrices = model.state_dict()
-    products = sum(
-        matmul.quantized.blocks.nbytes if matmul.quantized is not None else matrices[name].nbytes
-        for name, matmul in model.products().items()
-    )
+    products = sum(product_bytes(matmul, matrices[name]) for name, matmul in model.products().items())
     return products + sum(p.nbytes for p in model.parameters() if p.dim() == 1)
+
+
+def product_bytes(matmul, matrix: torch.Tensor) -> int:
+    """What one decode product reads: its GGUF blocks where it reads those, else its matrix."""
+    return matmul.quantized.blocks.nbytes if matmul.quantized is not None else matrix.nbytes
 
 
 def bytes_per_step(model, prompt_len: int, new_tokens: int, with_kv: bool) -> float:

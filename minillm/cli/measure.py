@@ -82,6 +82,20 @@ def add_bench_decode(benches) -> None:
         "--prompt-len", type=positive_int, default=64, help="prompt length in tokens (default: 64)"
     )
     decode.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    decode.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the decoders: where each ms of the engine's decode step goes (C++ calls, "
+        "attention, logits, the rest), timed with and without the timers",
+    )
+    decode.add_argument(
+        "--contexts",
+        type=positive_int,
+        nargs="+",
+        metavar="N",
+        help="instead of the decoders: the engine's decode step after a prompt of each N tokens, KV in "
+        "--dtype and int8, with attention's share (fewer new tokens at long contexts; default: off)",
+    )
     decode.add_argument("--json", action="store_true", help="print one JSON object")
     add_model_args(decode)
     add_shape_arg(decode)
@@ -90,7 +104,21 @@ def add_bench_decode(benches) -> None:
 
 def cmd_bench_decode(args) -> None:
     from minillm.benchmarks.decode import bench_decode, print_decode_report
+    from minillm.benchmarks.step_profile import bench_step_profile, print_step_report
 
+    if args.profile or args.contexts:
+        report = bench_step_profile(
+            args.model,
+            args.dtype,
+            args.prompt_len,
+            args.tokens,
+            args.repeats,
+            args.profile,
+            args.contexts,
+            progress=not args.json,
+        )
+        show(report, print_step_report, args.json)
+        return
     show(
         bench_decode(
             args.model,
