@@ -21,7 +21,7 @@
 // quant_dense: quant_dense_cpu.cpp), so the fused layer matches the unfused one within rounding.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/Parallel.h>
+#include "kv_rows_cpu.h"
 
 #include <cmath>
 #include <optional>
@@ -41,22 +41,27 @@ void add_residual(const at::Tensor& residual, at::Tensor& sum) {
   for (int64_t i = 0; i < sum.numel(); ++i) s[i] = T(static_cast<float>(r[i]) + static_cast<float>(s[i]));
 }
 
+// SiLU(g) = g / (1 + exp(-g)); for g < 0 written g exp(g) / (1 + exp(g)), so that exp's argument is
+// never positive: no overflow, and kv_rows' exp, which the compiler vectorizes (a call of std::exp per
+// number was ~10 us of a layer's ~100)
+inline float silu(float g) {
+  const float e = kv_rows::exp_nonpositive(-std::abs(g));
+  return g >= 0.f ? g / (1.f + e) : g * e / (1.f + e);
+}
+
 // act (N, I) = T(T(silu(gate)) * up), gate and up the two halves of each row of gate_up (N, 2I),
 // as model.py's F.silu(gate) * up rounds it
 template <typename T>
 at::Tensor silu_times_up(const at::Tensor& gate_up) {
   const int64_t rows = gate_up.size(0), width = gate_up.size(1) / 2;
   at::Tensor act = at::empty({rows, width}, gate_up.options());
-  const T* gu = gate_up.data_ptr<T>();
-  T* out = act.data_ptr<T>();
-  at::parallel_for(0, rows * width, 4096, [&](int64_t first, int64_t last) {
-    for (int64_t i = first; i < last; ++i) {
-      const int64_t r = i / width, c = i % width;
-      const float gate = static_cast<float>(gu[r * 2 * width + c]), up = static_cast<float>(gu[r * 2 * width + width + c]);
-      const float silu = static_cast<float>(T(gate / (1.f + std::exp(-gate))));
-      out[i] = T(silu * up);
-    }
-  });
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* gate = gate_up.data_ptr<T>() + r * 2 * width;
+    const T* up = gate + width;
+    T* out = act.data_ptr<T>() + r * width;
+    for (int64_t c = 0; c < width; ++c)
+      out[c] = T(static_cast<float>(T(silu(static_cast<float>(gate[c])))) * static_cast<float>(up[c]));
+  }
   return act;
 }
 

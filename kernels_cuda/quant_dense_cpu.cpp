@@ -40,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // weights a block
+constexpr int64_t kBlock = 32;                              // weights a block
 enum Format : int64_t { kQ4_1 = 0, kQ8_0 = 1, kQ4_0 = 2 };  // minillm/quantized_weights.py's FORMAT_CODES
 
 constexpr int64_t block_bytes(int64_t format) { return format == kQ4_1 ? 20 : format == kQ4_0 ? 18 : 34; }
@@ -167,6 +167,72 @@ inline void dequantize_q8_0(const uint8_t* block, Vec w[kBlock]) {
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// bf16 activations against four-bit blocks, by the bf16 dot product (vdpbf16ps: 32 multiply-adds an
+// instruction, where the fp32 path above takes a zero-extension, a conversion and a multiply-add per
+// 16 weights). The 32 nibbles of a block become the bf16 numbers 0..15 by one table lookup (vpermw):
+// exact, as is every product of one with a bf16 activation. The block's scale and minimum come
+// out of the sum: sum_k x_k (d q_k + m) = d (sum_k x_k q_k) + m (sum_k x_k), with each activation
+// row's sum per block computed once a call. The same weights and products as the fp32 path, summed
+// in another order: bf16 results within their rounding, not bit for bit the fp32 path's.
+constexpr bool kBf16Dot = true;
+
+inline __m512i bf16_of_nibble_values() {  // lane i: the bf16 bits of i (0..15); lanes 16..31 unused
+  alignas(64) uint16_t bits[32] = {};
+  for (int i = 0; i < 16; ++i) bits[i] = c10::BFloat16(static_cast<float>(i)).x;
+  return _mm512_load_si512(bits);
+}
+
+// 16 bytes of nibbles -> the block's 32 numbers q as bf16, weight order (low nibbles, then high)
+inline __m512bh nibbles_as_bf16(const uint8_t* nibbles, __m512i table) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(nibbles)));
+  const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(0x0F)), high = _mm256_srli_epi16(bytes, 4);
+  const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  return reinterpret_cast<__m512bh>(_mm512_permutexvar_epi16(q, table));
+}
+
+// a four-bit block's scale d and minimum m (Q4_0: m = -8d) and where its nibbles start
+template <int64_t F>
+inline const uint8_t* scale_and_minimum(const uint8_t* block, float& d, float& m) {
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(block)));
+  d = _mm_cvtss_f32(dm);
+  m = F == kQ4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(dm)) : -8.f * d;
+  return block + (F == kQ4_1 ? 4 : 2);
+}
+
+// dot_rows<F, MR, G>: group_rows' twin for bf16 rows x (M, K) and four-bit blocks; sums[i][b]:
+// row i's sum over block b
+template <int64_t F, int MR, int64_t G>
+inline void dot_rows(const at::BFloat16* x, const float* sums, const uint8_t* w, at::BFloat16* out, int64_t K,
+                     int64_t N, int64_t m0, int64_t n0, bool prefetch_next) {
+  const int64_t blocks = K / kBlock, row_bytes = blocks * block_bytes(F);
+  const __m512i table = bf16_of_nibble_values();
+  __m512 acc[MR][G];
+  float minimums[MR][G] = {};
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < G; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512bh xv[MR];
+    for (int i = 0; i < MR; ++i) xv[i] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + (m0 + i) * K + b * kBlock));
+    for (int j = 0; j < G; ++j) {
+      const uint8_t* block = w + (n0 + j) * row_bytes + b * block_bytes(F);
+      if (prefetch_next) _mm_prefetch(reinterpret_cast<const char*>(block + G * row_bytes), _MM_HINT_T0);
+      float d, m;
+      const __m512bh q = nibbles_as_bf16(scale_and_minimum<F>(block, d, m), table);
+      for (int i = 0; i < MR; ++i) {
+        acc[i][j] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv[i], q), _mm512_set1_ps(d), acc[i][j]);
+        minimums[i][j] += m * sums[(m0 + i) * blocks + b];
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < G; ++j)
+      out[(m0 + i) * N + n0 + j] = at::BFloat16(_mm512_reduce_add_ps(acc[i][j]) + minimums[i][j]);
+}
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
 constexpr int kVecs = kBlock / kLanes;  // vectors a block fills
 
 // group_rows<F, MR, G>: out[m0 .. m0+MR, n0 .. n0+G), MR activation rows against a group of G
@@ -201,24 +267,40 @@ inline void group_rows(const float* x, const uint8_t* w, Out* out, int64_t K, in
     for (int j = 0; j < G; ++j) out[(m0 + i) * N + n0 + j] = Out(lane_sum(acc[i][j]));
 }
 
+// The activation rows as a product reads them: converted to fp32 (group_rows), or as given in bf16
+// with each row's sum over each block (dot_rows, where the CPU has the bf16 dot product).
+struct Rows {
+  const float* fp32;
+  const at::BFloat16* bf16;
+  const float* block_sums;
+};
+
+template <int64_t F, bool Dot, int MR, int64_t G, typename Out>
+inline void tile(const Rows& x, const uint8_t* w, Out* out, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                 bool prefetch_next) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if constexpr (Dot) return dot_rows<F, MR, G>(x.bf16, x.block_sums, w, out, K, N, m0, n0, prefetch_next);
+#endif
+  if constexpr (!Dot) group_rows<F, MR, G, Out>(x.fp32, w, out, K, N, m0, n0, prefetch_next);
+}
+
 // Every activation row against one group of G weight rows, in passes of `Tile` rows (what is left
 // over, one row at a time); the first pass prefetches the next group.
-template <int64_t F, int64_t G, int Tile, typename Out>
-void group(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N, int64_t n0,
-           bool prefetch_next) {
+template <int64_t F, bool Dot, int64_t G, int Tile, typename Out>
+void group(const Rows& x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N, int64_t n0, bool prefetch_next) {
   int64_t m = 0;
   for (; M - m >= Tile; m += Tile, prefetch_next = false)
-    group_rows<F, Tile, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
-  for (; m < M; ++m, prefetch_next = false) group_rows<F, 1, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
+    tile<F, Dot, Tile, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
+  for (; m < M; ++m, prefetch_next = false) tile<F, Dot, 1, G, Out>(x, w, out, K, N, m, n0, prefetch_next);
 }
 
 // All of out's columns: whole groups of G on the threads, then the last N % G weight rows one by one.
-template <int64_t F, int64_t G, int Tile, typename Out>
-void products(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
+template <int64_t F, bool Dot, int64_t G, int Tile, typename Out>
+void products(const Rows& x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
   at::parallel_for(0, N / G, 16, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g) group<F, G, Tile, Out>(x, w, out, M, K, N, g * G, g + 1 < last);
+    for (int64_t g = first; g < last; ++g) group<F, Dot, G, Tile, Out>(x, w, out, M, K, N, g * G, g + 1 < last);
   });
-  for (int64_t n = N - N % G; n < N; ++n) group<F, 1, Tile, Out>(x, w, out, M, K, N, n, false);
+  for (int64_t n = N - N % G; n < N; ++n) group<F, Dot, 1, Tile, Out>(x, w, out, M, K, N, n, false);
 }
 
 // Each block is dequantized once per pass over the rows, so up to 6 rows take one pass (speculation
@@ -226,21 +308,44 @@ void products(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, 
 // activations and the block in registers (AVX-512: G x Tile sums + 2 x Tile activation vectors + 4
 // <= 32). Measured (2-core Xeon, all of SmolLM2's products): 5 rows in one pass take 0.73x the time
 // of a pass of 4 and one of 1.
-template <int64_t F, typename Out>
-void products_for_rows(const float* x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
+template <int64_t F, bool Dot, typename Out>
+void products_for_rows(const Rows& x, const uint8_t* w, Out* out, int64_t M, int64_t K, int64_t N) {
 #if defined(__AVX512F__) && defined(__F16C__)
   switch (M) {
-    case 1: return products<F, 8, 1, Out>(x, w, out, M, K, N);
-    case 2: return products<F, 8, 2, Out>(x, w, out, M, K, N);
-    case 3: return products<F, 4, 3, Out>(x, w, out, M, K, N);
-    case 4: return products<F, 4, 4, Out>(x, w, out, M, K, N);
-    case 5: return products<F, 2, 5, Out>(x, w, out, M, K, N);
-    case 6: return products<F, 2, 6, Out>(x, w, out, M, K, N);
-    default: return products<F, 4, 4, Out>(x, w, out, M, K, N);  // one weight row a group streams worse
+    case 1:
+      return products<F, Dot, 8, 1, Out>(x, w, out, M, K, N);
+    case 2:
+      return products<F, Dot, 8, 2, Out>(x, w, out, M, K, N);
+    case 3:
+      return products<F, Dot, 4, 3, Out>(x, w, out, M, K, N);
+    case 4:
+      return products<F, Dot, 4, 4, Out>(x, w, out, M, K, N);
+    case 5:
+      return products<F, Dot, 2, 5, Out>(x, w, out, M, K, N);
+    case 6:
+      return products<F, Dot, 2, 6, Out>(x, w, out, M, K, N);
+    default:
+      return products<F, Dot, 4, 4, Out>(x, w, out, M, K, N);  // one weight row a group streams worse
   }
 #else
-  products<F, 4, 1, Out>(x, w, out, M, K, N);  // AVX2: 4 sums + 4 activation vectors + 4 of 16
+  products<F, Dot, 4, 1, Out>(x, w, out, M, K, N);  // AVX2: 4 sums + 4 activation vectors + 4 of 16
 #endif
+}
+
+// bf16 rows against four-bit blocks by the bf16 dot product: each row's sum over each block first
+at::Tensor dot_products(const at::Tensor& x, const uint8_t* w, int64_t format, int64_t N) {
+  const int64_t M = x.size(0), K = x.size(1), blocks = K / kBlock;
+  const at::BFloat16* rows = x.data_ptr<at::BFloat16>();
+  std::vector<float> sums(M * blocks, 0.f);
+  for (int64_t i = 0; i < M * blocks; ++i)
+    for (int64_t k = 0; k < kBlock; ++k) sums[i] += static_cast<float>(rows[i * kBlock + k]);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const Rows activations{nullptr, rows, sums.data()};
+  if (format == kQ4_1)
+    products_for_rows<kQ4_1, true>(activations, w, out.data_ptr<at::BFloat16>(), M, K, N);
+  else
+    products_for_rows<kQ4_0, true>(activations, w, out.data_ptr<at::BFloat16>(), M, K, N);
+  return out;
 }
 
 }  // namespace
@@ -256,23 +361,25 @@ at::Tensor quant_dense(const at::Tensor& x, const at::Tensor& blocks, int64_t fo
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kBlock == 0, "quant_dense: x (M, K) with K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
   TORCH_CHECK(blocks.size(1) == K / kBlock * block_bytes(format), "quant_dense: blocks (N, K / 32 * block bytes)");
+  const at::Tensor x_rows = x.contiguous();
+  const uint8_t* w_data = blocks.data_ptr<uint8_t>();
+  if (kBf16Dot && x.scalar_type() == at::kBFloat16 && format != kQ8_0) return dot_products(x_rows, w_data, format, N);
   // the activation rows in fp32, converted once here (a few KB) rather than in every sum
   std::vector<float> rows(M * K);
-  const at::Tensor x_rows = x.contiguous();
   if (x.scalar_type() == at::kFloat)
     std::memcpy(rows.data(), x_rows.data_ptr<float>(), M * K * sizeof(float));
   else
     std::copy_n(x_rows.data_ptr<at::BFloat16>(), M * K, rows.begin());  // bf16 -> fp32, exact
+  const Rows activations{rows.data(), nullptr, nullptr};
   at::Tensor out = at::empty({M, N}, x.options());
-  const uint8_t* w_data = blocks.data_ptr<uint8_t>();
   auto run = [&](auto* out_data) {  // fp32 or bf16 results
     using Out = std::remove_pointer_t<decltype(out_data)>;
     if (format == kQ4_0)
-      products_for_rows<kQ4_0, Out>(rows.data(), w_data, out_data, M, K, N);
+      products_for_rows<kQ4_0, false, Out>(activations, w_data, out_data, M, K, N);
     else if (format == kQ4_1)
-      products_for_rows<kQ4_1, Out>(rows.data(), w_data, out_data, M, K, N);
+      products_for_rows<kQ4_1, false, Out>(activations, w_data, out_data, M, K, N);
     else
-      products_for_rows<kQ8_0, Out>(rows.data(), w_data, out_data, M, K, N);
+      products_for_rows<kQ8_0, false, Out>(activations, w_data, out_data, M, K, N);
   };
   if (x.scalar_type() == at::kFloat)
     run(out.data_ptr<float>());
