@@ -2,6 +2,7 @@
 dict (printed as JSON with --json) so numbers can be compared across commits.
 
 decode.py               bench decode: batch-1 decode speed beside its physical roof
+step_profile.py         bench decode --profile, --contexts: where a decode step's milliseconds go
 attention.py            bench attention: decode attention alone, every backend and KV format
 speculative.py          bench speculative: decode with and without n-gram speculation
 structured.py           bench structured: what constraining the output to a grammar costs a step
