@@ -34,6 +34,8 @@
 
 #include "kv_rows_cpu.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -48,8 +50,8 @@ using namespace kv_rows;
 
 // scores[j] = q . rows[j] for the n rows of a tile (restrict: nothing aliases, so q stays in registers)
 template <int64_t HEAD_DIM>
-inline void dot_rows(const float* __restrict q, const float* __restrict rows, float* __restrict scores, int64_t n,
-                     int64_t head_dim) {
+inline void dot_rows_plain(const float* __restrict q, const float* __restrict rows, float* __restrict scores, int64_t n,
+                           int64_t head_dim) {
   const int64_t dim = HEAD_DIM ? HEAD_DIM : head_dim;
   for (int64_t j = 0; j < n; ++j) {
     float dot = 0.f;
@@ -57,6 +59,55 @@ inline void dot_rows(const float* __restrict q, const float* __restrict rows, fl
     scores[j] = dot;
   }
 }
+
+#if defined(__AVX512F__)
+// lane j of the result = the sum of v[j]'s 16 lanes: a tree of shuffles and adds (45 instructions for
+// the 16 sums, where a horizontal sum of each vector takes ~8)
+inline __m512 lane_sums(const __m512 v[16]) {
+  __m512 pairs[8], quads[4];
+  for (int k = 0; k < 8; ++k)  // per 128 bits: v[2k]'s and v[2k+1]'s sums of two, alternating
+    pairs[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128 bits: v[4k .. 4k+3]'s sums of that 128-bit stretch
+    quads[k] = _mm512_add_ps(_mm512_shuffle_ps(pairs[2 * k], pairs[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(pairs[2 * k], pairs[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // the four 128-bit stretches of each quad added: 0x88 takes stretches 0 and 2 of each, 0xDD 1 and 3
+  const __m512 halves01 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 halves23 =
+      _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves01, halves23, 0x88), _mm512_shuffle_f32x4(halves01, halves23, 0xDD));
+}
+
+// dot_rows_plain with AVX-512 and head_dim a multiple of 16: 16 rows at a time, each row's products
+// kept as a vector and the 16 vectors summed lane-wise at once (`lane_sums`)
+template <int64_t HEAD_DIM>
+inline void dot_rows(const float* __restrict q, const float* __restrict rows, float* __restrict scores, int64_t n,
+                     int64_t head_dim) {
+  if constexpr (HEAD_DIM == 0 || HEAD_DIM % 16 != 0) {
+    dot_rows_plain<HEAD_DIM>(q, rows, scores, n, head_dim);
+  } else {
+    __m512 qv[HEAD_DIM / 16];
+    for (int64_t c = 0; c < HEAD_DIM / 16; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int64_t first = 0; first < n; first += 16) {
+      const int64_t count = std::min<int64_t>(16, n - first);
+      __m512 products[16];
+      for (int64_t j = 0; j < 16; ++j) {
+        products[j] = _mm512_setzero_ps();
+        if (j < count)
+          for (int64_t c = 0; c < HEAD_DIM / 16; ++c)
+            products[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(rows + (first + j) * HEAD_DIM + 16 * c), products[j]);
+      }
+      _mm512_mask_storeu_ps(scores + first, static_cast<__mmask16>((1u << count) - 1), lane_sums(products));
+    }
+  }
+}
+#else
+template <int64_t HEAD_DIM>
+inline void dot_rows(const float* __restrict q, const float* __restrict rows, float* __restrict scores, int64_t n,
+                     int64_t head_dim) {
+  dot_rows_plain<HEAD_DIM>(q, rows, scores, n, head_dim);
+}
+#endif
 
 // acc[d] = acc[d] * correction + sum_j p[j] * rows[j][d]; with HEAD_DIM known, acc lives in registers
 template <int64_t HEAD_DIM>
