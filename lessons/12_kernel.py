@@ -11,7 +11,7 @@ tensors, then runs the math. A kernel avoids both extra passes:
      per group of numbers) is dequantized in registers, so it reads 3.5x (int8) or 6x (int4)
      fewer bytes than fp32 — a torch path that first dequantizes into a full-precision copy
      reads the small numbers *and* writes and reads the big ones.
-The C++ kernel (kernels_cuda/paged_attention_cpu.cpp) runs one task per sequence (per 512 tokens
+The C++ kernel (kernels_cuda/paged_attention_cpu.cpp) runs one task per sequence (per 128 tokens
 of a longer one, merged at the end, so one long conversation uses every thread), walking its
 blocks in order and serving every KV head's GQA group from each block while it is in cache; the
 CUDA kernel (kernels_cuda/paged_attention.cu) runs one thread block per (sequence, query head),

@@ -165,7 +165,7 @@ def test_cpu_kernel_reads_quantized_blocks_in_place(shape, kv_dtype, key_scales)
 
 @pytest.mark.parametrize("kv_dtype, key_scales", [("auto", "channel"), *FORMATS_TESTED])
 def test_cpu_kernel_splits_long_histories_over_threads_and_merges_them(kv_dtype, key_scales):
-    """Past 512 tokens a history is attended in partitions, on every thread, then merged: the same
+    """Past 128 tokens a history is attended in partitions, on every thread, then merged: the same
     attention and mass as the reference, and the same bits whatever the thread count."""
     case = random_case(11, 3, 9, 3, 64, 16, kv_dtype, key_scales, lens_between=(600, 1600))
     expected, expected_mass = paged_decode_attention(**case, with_mass=True)
