@@ -112,7 +112,7 @@ def test_url_reports_the_servers_tokens_its_model_and_each_clients_inter_token_l
     report = bench_url(capsys, real_dir, url, "--clients", "3", "--max-tokens", "6", "--repeats", "2")
     assert report["model"] == FAKE_MODEL and report["url"] == url
     assert len(report["rounds"]) == 2 and report["tokens_from"] == "usage"
-    assert all(run["output_tokens"] == report["output_tokens_asked"] == 3 * 6 for run in report["rounds"])
+    assert all(run["output_tokens"] == run["output_tokens_asked"] == 3 * 6 for run in report["rounds"])
     assert len(bodies) == 1 + 2 * 3  # the warm-up, then 2 rounds of 3 clients
     for body in bodies:
         assert body["model"] == FAKE_MODEL and body["max_tokens"] == 6 and body["stream"]
@@ -136,6 +136,37 @@ def test_without_usage_the_tokens_are_the_chunks_that_carried_text(capsys, real_
     assert main(["bench", "serve-http", *flags]) == 0  # the table, not --json
     printed = " ".join(capsys.readouterr().out.split())  # as one line, however the table wrapped it
     assert FAKE_MODEL in printed and "the server sent no usage" in printed
+
+
+@pytest.mark.parametrize("flags", [[], ["--prompt-tokens", "50"]], ids=["the trace's lengths", "50 tokens"])
+def test_every_round_and_the_warm_up_send_prompts_of_their_own(capsys, real_dir, fake_server, flags):
+    """No round's prompt is one an earlier round (or the warm-up) left in the server's cache; each
+    is a stretch of the prose (decoded by the `tokenizers` library), of exactly --prompt-tokens."""
+    url, bodies = fake_server()
+    report = bench_url(capsys, real_dir, url, "--clients", "3", "--max-tokens", "2", "--repeats", "2", *flags)
+    assert len(bodies) == 1 + 2 * 3 and report["trace"]["seeds"] == {"warm_up": 0, "rounds": [1, 2]}
+    reference = tokenizers.Tokenizer.from_file(str(real_dir / "tokenizer.json"))
+    assert all(reference.decode(body["prompt"]) in read_text() for body in bodies)
+    sent = [{tuple(body["prompt"]) for body in group} for group in (bodies[:1], bodies[1:4], bodies[4:])]
+    assert [len(prompts) for prompts in sent] == [1, 3, 3]  # the clients of a round differ too
+    assert not sent[0] & sent[1] and not sent[0] & sent[2] and not sent[1] & sent[2]
+    lengths = [len(body["prompt"]) for body in bodies]
+    if flags:
+        assert lengths == [50] * 7 and report["trace"]["prompt_len"] == "50"
+    else:
+        assert all(PROMPT_LEN[0] <= n <= PROMPT_LEN[1] for n in lengths)
+    assert sum(run["prompt_tokens"] for run in report["rounds"]) == sum(lengths[1:])
+
+
+@pytest.mark.parametrize(
+    "tokens, says",
+    [("0", "0 is not a positive count"), ("1000000", "prompts of up to 1000000 tokens cannot be cut")],
+)
+def test_prompt_tokens_that_no_prompt_can_have_is_one_line(capsys, real_dir, tokens, says):
+    flags = ["--url", "http://127.0.0.1:9", "--prompt-tokens", tokens, "--model", str(real_dir)]
+    assert main(["bench", "serve-http", *flags]) == 2  # refused before any request: nothing listens there
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and says in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
@@ -195,7 +226,7 @@ def test_each_turn_resends_the_last_prompt_its_answer_and_a_new_message(capsys, 
     assert list(report["by_turn"]) == ["1", "2", "3", "2-3"]
     assert [report["by_turn"][turn]["prompt_tokens"] for turn in "123"] == [len(b["prompt"]) for b in turns]
     assert report["answers"] == 3 and report["answers_tokenized_again"] == (0 if ids else 3)
-    assert report["rounds"][0]["output_tokens"] == report["output_tokens_asked"] == 3 * 3
+    assert report["rounds"][0]["output_tokens"] == report["rounds"][0]["output_tokens_asked"] == 3 * 3
     for turn in report["by_turn"].values():
         assert 0 < turn["ttft_p50_s"]["median"] <= turn["ttft_p99_s"]["median"]
 

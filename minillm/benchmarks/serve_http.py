@@ -1,8 +1,8 @@
 """`minillm bench serve-http`: what the HTTP server costs, against `LLM.generate` on the same prompts.
 
-The prompts are `bench serve`'s seeded trace (prompts U[16, 320] tokens of real prose, outputs
-U[8, 160] tokens decoded greedily to exactly that length, EOS ignored), one per client, so both
-sides do the same work:
+The prompts are `bench serve`'s seeded trace (prompts U[16, 320] tokens of real prose, or exactly
+--prompt-tokens; outputs U[8, 160] tokens, or --max-tokens, decoded greedily to exactly that
+length, EOS ignored), one per client, so both sides do the same work:
   1. `LLM.generate` on all of them in this process (no HTTP): output tok/s, time to first token;
   2. `minillm serve` in a child process (`serve_child.py`) with the same engine switches, and N
      streaming clients (default 32) sending their requests at once to /v1/completions: aggregate
@@ -59,9 +59,17 @@ def decode_speeds(inter_token: list[float | None]) -> dict:
 # ----------------------------------------------------------------------------- the clients
 
 
-def client_trace(tokenizer: Tokenizer, clients: int, max_tokens: int | None = None) -> list[Request]:
-    """bench serve's seeded trace, one request per client; with `max_tokens`, every output that long."""
-    trace = uniform_trace(tokenizer, clients, PROMPT_LEN, OUTPUT_LEN)
+def client_trace(
+    tokenizer: Tokenizer,
+    clients: int,
+    max_tokens: int | None = None,
+    prompt_tokens: int | None = None,
+    seed: int = 0,
+) -> list[Request]:
+    """bench serve's seeded trace, one request per client; with `max_tokens`, every output that
+    long; with `prompt_tokens`, every prompt that long (a ConfigError if the text is shorter)."""
+    prompt_len = (prompt_tokens, prompt_tokens) if prompt_tokens else PROMPT_LEN
+    trace = uniform_trace(tokenizer, clients, prompt_len, OUTPUT_LEN, seed)
     return [replace(r, output_len=max_tokens, max_tokens=max_tokens) for r in trace] if max_tokens else trace
 
 
@@ -134,12 +142,20 @@ def best(rounds: list[dict]) -> dict:
     return max(rounds, key=lambda run: run["output_tok_s"])
 
 
-def describe_trace(trace, max_tokens: int | None = None) -> dict:
+def trace_lengths(max_tokens: int | None = None, prompt_tokens: int | None = None) -> dict:
+    """The trace's prompt and output lengths, as the reports write them."""
+    return {
+        "prompt_len": str(prompt_tokens) if prompt_tokens else f"U{list(PROMPT_LEN)}",
+        "output_len": str(max_tokens) if max_tokens else f"U{list(OUTPUT_LEN)}",
+    }
+
+
+def describe_trace(trace, max_tokens: int | None = None, prompt_tokens: int | None = None) -> dict:
+    """One trace sent every round, seed 0."""
     return {
         "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
         "output_tokens": sum(r.output_len for r in trace),
-        "prompt_len": f"U{list(PROMPT_LEN)}",
-        "output_len": str(max_tokens) if max_tokens else f"U{list(OUTPUT_LEN)}",
+        **trace_lengths(max_tokens, prompt_tokens),
         "seed": 0,
     }
 
@@ -165,8 +181,9 @@ def bench_serve_http(
     disconnect_after: int = 4,
     repeats: int = 1,
     max_tokens: int | None = None,
+    prompt_tokens: int | None = None,
 ) -> dict:
-    trace = client_trace(Tokenizer(model_dir), clients, max_tokens)
+    trace = client_trace(Tokenizer(model_dir), clients, max_tokens, prompt_tokens)
     params = [SamplingParams(max_tokens=r.output_len, ignore_eos=True) for r in trace]
     llm = LLM(model_dir, **switches)
     llm.generate([trace[0].prompt_ids], SamplingParams(max_tokens=4))  # warm-up
@@ -188,7 +205,7 @@ def bench_serve_http(
         "model": model,
         "repeats": repeats,
         "torch_threads": torch.get_num_threads(),
-        "trace": describe_trace(trace, max_tokens),
+        "trace": describe_trace(trace, max_tokens, prompt_tokens),
         "serve_args": serve_args,
         "llm_generate": generate,
         "server": served,

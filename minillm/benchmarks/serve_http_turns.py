@@ -5,7 +5,8 @@ turn 2 and later is what it keeps of the history: vLLM's and minillm's prefix ca
 slot, which holds its last prompt. Each of the --clients holds a conversation of N turns, all at
 once, each a closed loop (its next turn goes out as soon as its last answer has ended):
 
-  turn 1 sends a prompt of bench serve's seeded trace (as bench serve-http's clients do);
+  turn 1 sends a prompt of bench serve's seeded trace (as bench serve-http's clients do; with
+  --prompt-tokens, that many tokens);
   turn k+1 sends turn k's prompt, the answer's token ids, then a new user message: a stretch of
   the same prose, MESSAGE_LEN tokens long (seeded). No chat template wraps the turns: the trace's
   prompts are plain text too, so any tokenizer serves.
@@ -64,13 +65,15 @@ class Conversation:
     messages: list[list[int]]  # the user's messages of turns 2..N, token ids
 
 
-def conversations(tokenizer: Tokenizer, count: int, turns: int, max_tokens: int | None) -> list[Conversation]:
+def conversations(
+    tokenizer: Tokenizer, count: int, turns: int, max_tokens: int | None, prompt_tokens: int | None
+) -> list[Conversation]:
     """`count` conversations of `turns` turns: first prompts from bench serve's seeded trace, later
     messages cut from the same prose at seeded lengths and offsets."""
     prose, rng = Prose(tokenizer), random.Random(MESSAGE_SEED)
     return [
         Conversation(request, [prose.cut(rng.randint(*MESSAGE_LEN), rng) for _ in range(turns - 1)])
-        for request in client_trace(tokenizer, count, max_tokens)
+        for request in client_trace(tokenizer, count, max_tokens, prompt_tokens)
     ]
 
 
@@ -125,6 +128,7 @@ def turns_round(
         "by_turn": by_turn(results, turns),
         "answers": len(results),
         "answers_tokenized_again": sum(r["token_ids"] is None for r in results),
+        "output_tokens_asked": turns * sum(talk.first.output_len for talk in talks),
     }
 
 
@@ -136,9 +140,10 @@ def bench_serve_http_turns(
     turns: int = 4,
     max_tokens: int | None = None,
     repeats: int = 1,
+    prompt_tokens: int | None = None,
 ) -> dict:
     tokenizer = Tokenizer(model_dir)
-    drawn = conversations(tokenizer, clients * repeats + 1, turns, max_tokens)
+    drawn = conversations(tokenizer, clients * repeats + 1, turns, max_tokens, prompt_tokens)
     rounds_of = [drawn[i * clients : (i + 1) * clients] for i in range(repeats)]
     warm_up = Conversation(drawn[-1].first, [])  # one request, cached by no round
     with nullcontext(parse_url(url)) if url else minillm_serve(serve_args) as server:
@@ -156,8 +161,7 @@ def bench_serve_http_turns(
         "clients": clients,
         "turns": turns,
         "repeats": repeats,
-        "trace": {**describe_trace(first, max_tokens), "message_len": f"U{list(MESSAGE_LEN)}"},
-        "output_tokens_asked": turns * sum(r.output_len for r in first),
+        "trace": {**describe_trace(first, max_tokens, prompt_tokens), "message_len": f"U{list(MESSAGE_LEN)}"},
         "tokens_from": " and ".join(sorted({run["tokens_from"] for run in rounds})),
         "answers": sum(run["answers"] for run in rounds),
         "answers_tokenized_again": sum(run["answers_tokenized_again"] for run in rounds),

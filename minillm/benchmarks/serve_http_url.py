@@ -3,9 +3,14 @@
 `vllm bench serve` measures whatever server a URL names; this does the same with bench
 serve-http's load, so that minillm and another engine (llama.cpp's server, vLLM, a `minillm
 serve` started by hand) are compared with one command each, on the same machine and the same
-requests: bench serve's seeded trace, one prompt per client, sent at once as token ids of
---model's tokenizer (the server should serve the same model, or one with its vocabulary), each
-decoding exactly its output length (`ignore_eos`), or --max-tokens.
+requests: bench serve's seeded trace, one prompt per client (U[16, 320] tokens of prose, or
+exactly --prompt-tokens), sent at once as token ids of --model's tokenizer (the server should
+serve the same model, or one with its vocabulary), each decoding exactly its output length
+(`ignore_eos`), or --max-tokens.
+
+Both servers keep prompts: minillm's prefix cache, llama.cpp's slots. A round that resent an
+earlier round's prompts would time a cache hit, not a prefill, so every round draws its own: the
+warm-up the trace of seed 0, round i (from 1) that of seed i. Every server gets the same ones.
 
 Per round: aggregate output tok/s, TTFT p50/p99, and per client the inter-token latency p50/p99
 and mean decode tok/s. On a shared machine one round is noisy, so with --repeats every round is
@@ -26,9 +31,9 @@ from minillm.benchmarks.serve_http import (
     PER_CLIENT_COLUMNS,
     client_trace,
     clients_summary,
-    describe_trace,
     duration,
     run_clients,
+    trace_lengths,
 )
 from minillm.benchmarks.stats import spread
 from minillm.config import ConfigError
@@ -67,7 +72,11 @@ def run_checked(server: Endpoint, clients: Coroutine) -> tuple[list[dict], float
 
 def run_round(server: Endpoint, model: str, trace) -> dict:
     """Every client at once."""
-    return clients_summary(*run_checked(server, run_clients(server, model, trace)))
+    return {
+        **clients_summary(*run_checked(server, run_clients(server, model, trace))),
+        "prompt_tokens": sum(len(r.prompt_ids) for r in trace),
+        "output_tokens_asked": sum(r.output_len for r in trace),
+    }
 
 
 def over_rounds(rounds: list[dict], name: str) -> dict | None:
@@ -77,21 +86,28 @@ def over_rounds(rounds: list[dict], name: str) -> dict | None:
 
 
 def bench_serve_http_url(
-    model_dir: Path, url: str, clients: int = 32, max_tokens: int | None = None, repeats: int = 1
+    model_dir: Path,
+    url: str,
+    clients: int = 32,
+    max_tokens: int | None = None,
+    repeats: int = 1,
+    prompt_tokens: int | None = None,
 ) -> dict:
     server = parse_url(url)
+    tokenizer = Tokenizer(model_dir)
+    warm_up = client_trace(tokenizer, 1, max_tokens, prompt_tokens, seed=0)
+    seeds = list(range(1, repeats + 1))  # a round's own prompts: none is cached by an earlier one
+    traces = [client_trace(tokenizer, clients, max_tokens, prompt_tokens, seed) for seed in seeds]
     model = model_name(server)
-    trace = client_trace(Tokenizer(model_dir), clients, max_tokens)
-    run_round(server, model, trace[:1])  # warm-up
-    rounds = [run_round(server, model, trace) for _ in range(repeats)]
+    run_round(server, model, warm_up)
+    rounds = [run_round(server, model, trace) for trace in traces]
     return {
         "mode": "url",
         "url": server.url,
         "model": model,
         "clients": clients,
         "repeats": repeats,
-        "trace": describe_trace(trace, max_tokens),
-        "output_tokens_asked": sum(r.output_len for r in trace),
+        "trace": {**trace_lengths(max_tokens, prompt_tokens), "seeds": {"warm_up": 0, "rounds": seeds}},
         "tokens_from": " and ".join(sorted({run["tokens_from"] for run in rounds})),
         "spread": {name: over_rounds(rounds, name) for name in ROUND_NUMBERS},
         "rounds": rounds,
@@ -131,8 +147,5 @@ def print_tokens_counted(report: dict, console) -> None:
         "usage": "from the server's usage",
         "chunks": "as the chunks with text (the server sent no usage; one token a chunk)",
     }.get(report["tokens_from"], "from usage where the server sent it, else the chunks with text")
-    got = [run["output_tokens"] for run in report["rounds"]]
-    console.print(
-        f"output tokens per round: {', '.join(map(str, got))} of {report['output_tokens_asked']} asked, "
-        f"counted {counted}"
-    )
+    got = [f"{run['output_tokens']} of {run['output_tokens_asked']}" for run in report["rounds"]]
+    console.print(f"output tokens per round: {', '.join(got)} asked, counted {counted}")

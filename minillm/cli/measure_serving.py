@@ -197,13 +197,17 @@ def cmd_bench_serve_http(args) -> None:
     serve_args = engine_argv(args) + (["--threads", str(args.threads)] if args.threads else [])
     if args.turns and args.workload:
         raise ConfigError("--turns and --workload are two different loads: give one of them.")
+    if args.prompt_tokens and args.workload:
+        raise ConfigError("--workload brings its own prompt lengths: drop --prompt-tokens, or --workload.")
     if args.turns:
         show(bench_turns_from(args, serve_args), print_serve_http_turns_report, args.json)
     elif args.workload:
         show(bench_workload_from(args, serve_args, switches), print_serve_http_workload_report, args.json)
     elif args.url:
         show(
-            bench_serve_http_url(args.model, args.url, args.clients, args.max_tokens, args.repeats),
+            bench_serve_http_url(
+                args.model, args.url, args.clients, args.max_tokens, args.repeats, args.prompt_tokens
+            ),
             print_serve_http_url_report,
             args.json,
         )
@@ -217,6 +221,7 @@ def cmd_bench_serve_http(args) -> None:
                 disconnect_after=args.disconnect_after,
                 repeats=args.repeats,
                 max_tokens=args.max_tokens,
+                prompt_tokens=args.prompt_tokens,
             ),
             print_serve_http_report,
             args.json,
@@ -232,7 +237,9 @@ def add_client_args(parser) -> None:
         "child: the same streaming requests to URL/v1/completions (prompt as token ids of --model's "
         "tokenizer, so serve the same model; ignore_eos), the model named by URL/v1/models; no "
         "LLM.generate comparison, no /metrics checks, no disconnect round, and the engine flags "
-        "and --threads do not apply. With --repeats, the median and min-max of the rounds. With "
+        "and --threads do not apply. The warm-up and every round get their own seeded prompts "
+        "(seeds 0, 1, 2...), so that no round finds its prompts in the server's cache from an "
+        "earlier one. With --repeats, the median and min-max of the rounds. With "
         "--workload, that workload replayed against URL (no KV blocks check)",
     )
     parser.add_argument(
@@ -242,6 +249,16 @@ def add_client_args(parser) -> None:
         metavar="N",
         help="every request decodes exactly N tokens instead of its own length (e.g. --clients 1 "
         "--max-tokens 128: one stream's decode speed)",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every prompt is exactly N tokens of prose instead of U[16, 320] (e.g. --clients 1 "
+        "--prompt-tokens 4000 --max-tokens 128: one conversation's time to first token and decode "
+        "speed at that prompt length), cut from the same text, so shorter than it; with --turns, "
+        "turn 1's prompt; not with --workload (default: off)",
     )
     parser.add_argument(
         "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
@@ -290,6 +307,7 @@ def bench_turns_from(args, serve_args: list[str]) -> dict:
         turns=args.turns,
         max_tokens=args.max_tokens,
         repeats=args.repeats,
+        prompt_tokens=args.prompt_tokens,
     )
 
 
