@@ -177,11 +177,10 @@ inline void dequantize_q8_0(const uint8_t* block, Vec w[kBlock]) {
 // in another order: bf16 results within their rounding, not bit for bit the fp32 path's.
 constexpr bool kBf16Dot = true;
 
-inline __m512i bf16_of_nibble_values() {  // lane i: the bf16 bits of i (0..15); lanes 16..31 unused
-  alignas(64) uint16_t bits[32] = {};
-  for (int i = 0; i < 16; ++i) bits[i] = c10::BFloat16(static_cast<float>(i)).x;
-  return _mm512_load_si512(bits);
-}
+// lane i: the bf16 bits of the number i (0..15), what vpermw looks each nibble up in; lanes 16..31
+// unused (a nibble never indexes them)
+alignas(64) constexpr uint16_t kNibbleBf16[32] = {0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+                                                  0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
 // 16 bytes of nibbles -> the block's 32 numbers q as bf16, weight order (low nibbles, then high)
 inline __m512bh nibbles_as_bf16(const uint8_t* nibbles, __m512i table) {
@@ -206,7 +205,7 @@ template <int64_t F, int MR, int64_t G>
 inline void dot_rows(const at::BFloat16* x, const float* sums, const uint8_t* w, at::BFloat16* out, int64_t K,
                      int64_t N, int64_t m0, int64_t n0, bool prefetch_next) {
   const int64_t blocks = K / kBlock, row_bytes = blocks * block_bytes(F);
-  const __m512i table = bf16_of_nibble_values();
+  const __m512i table = _mm512_load_si512(kNibbleBf16);
   __m512 acc[MR][G];
   float minimums[MR][G] = {};
   for (int i = 0; i < MR; ++i)
