@@ -229,7 +229,7 @@ def cmd_bench_serve_http(args) -> None:
 
 
 def add_client_args(parser) -> None:
-    """Who the clients talk to, how many there are, how long they decode, and how often."""
+    """Who the clients talk to, how many there are, what they ask (`_add_request_args`) and how often."""
     parser.add_argument(
         "--url",
         metavar="URL",
@@ -243,37 +243,9 @@ def add_client_args(parser) -> None:
         "--workload, that workload replayed against URL (no KV blocks check)",
     )
     parser.add_argument(
-        "--max-tokens",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="every request decodes exactly N tokens instead of its own length (e.g. --clients 1 "
-        "--max-tokens 128: one stream's decode speed)",
-    )
-    parser.add_argument(
-        "--prompt-tokens",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="every prompt is exactly N tokens of prose instead of U[16, 320] (e.g. --clients 1 "
-        "--prompt-tokens 4000 --max-tokens 128: one conversation's time to first token and decode "
-        "speed at that prompt length), cut from the same text, so shorter than it; with --turns, "
-        "turn 1's prompt; not with --workload (default: off)",
-    )
-    parser.add_argument(
         "--clients", type=positive_int, default=32, help="streaming clients, one request each (default: 32)"
     )
-    parser.add_argument(
-        "--turns",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="each client holds a conversation of N turns instead of one request: turn 1 its prompt, "
-        "each later turn the whole history resent (the last prompt, the answer's token ids, or its "
-        "text tokenized again where the server sends none, and a new user message of prose); TTFT "
-        "per turn, with --repeats its median and min-max over rounds of new conversations; against "
-        "the minillm serve child or --url (default: off, one request per client)",
-    )
+    _add_request_args(parser)
     parser.add_argument(
         "--disconnect-after",
         type=positive_int,
@@ -293,6 +265,39 @@ def add_client_args(parser) -> None:
         default=1,
         help="torch threads for LLM.generate and for the server's engine; on a CPU shared with "
         "other work (here: the clients) more threads wait for each other (default: 1)",
+    )
+
+
+def _add_request_args(parser) -> None:
+    """What each client asks: how long its prompt and answer are, and how many turns it talks."""
+    parser.add_argument(
+        "--max-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every request decodes exactly N tokens instead of its own length (e.g. --clients 1 "
+        "--max-tokens 128: one stream's decode speed)",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every prompt is exactly N tokens of prose instead of U[16, 320] (e.g. --clients 1 "
+        "--prompt-tokens 4000 --max-tokens 128: one conversation's time to first token and decode "
+        "speed at that prompt length), cut from the same text, so shorter than it; with --turns, "
+        "turn 1's prompt; not with --workload (default: off)",
+    )
+    parser.add_argument(
+        "--turns",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="each client holds a conversation of N turns instead of one request: turn 1 its prompt, "
+        "each later turn the whole history resent (the last prompt, the answer's token ids, or its "
+        "text tokenized again where the server sends none, and a new user message of prose); TTFT "
+        "per turn, with --repeats its median and min-max over rounds of new conversations; against "
+        "the minillm serve child or --url (default: off, one request per client)",
     )
 
 
