@@ -505,6 +505,30 @@ def test_structured_output_through_the_openai_client_matches_its_schema(client, 
     assert choice.choices[0].text in ("left", "right") and choice.choices[0].finish_reason == "stop"
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_gave(server, client):
+    """usage.prompt_tokens_details.cached_tokens, as OpenAI and vLLM report it (the official client
+    reads it), streamed or not: the full blocks of a prompt sent again, all but its last token's."""
+    prompt = "Cached tokens are counted in the usage the server reports. " * 6
+    first = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    wait_until_idle(server)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    block_size = server[1].engine.config.block_size
+    cacheable = (again.usage.prompt_tokens - 1) // block_size * block_size
+    assert first.usage.prompt_tokens_details.cached_tokens < cacheable
+    assert again.usage.prompt_tokens_details.cached_tokens == cacheable > 0
+    chunks = read_all(
+        client.completions.create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=2,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cacheable
+
+
 def test_chat_answers_with_the_chat_template(client, reference):
     messages = [
         {"role": "system", "content": "Be brief."},

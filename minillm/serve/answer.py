@@ -64,6 +64,7 @@ class Answer:
             for prompt in job.prompts
             for _ in range(n)
         ]
+        self.cached_tokens: dict[int, int] = {}  # prompt index -> tokens its prefix-cache lookup gave
         scored = job.params.logprobs is not None
         self.writers = [
             LogprobsWriter(job, engine.tokenizer, engine.eos_token_ids) if scored else None
@@ -76,6 +77,8 @@ class Answer:
         n, changed = self.job.params.n, []
         if out.finish_reason == "error":
             raise RuntimeError(out.error)
+        if out.prefix_miss is not None:  # the prefix cache is on and the prompt was looked up
+            self.cached_tokens[index] = out.prefix_miss.cached_tokens
         for j in range(n):
             choice = self.choices[index * n + j]
             if choice.done:
@@ -97,7 +100,11 @@ class Answer:
         return writer.take(self.choices[index]) if writer is not None else None
 
     def usage(self) -> dict:
-        return usage(sum(map(len, self.job.prompts)), sum(c.num_tokens for c in self.choices))
+        """Tokens in and out; the cached prompt tokens once every prompt's lookup is known."""
+        cached = (
+            sum(self.cached_tokens.values()) if len(self.cached_tokens) == len(self.job.prompts) else None
+        )
+        return usage(sum(map(len, self.job.prompts)), sum(c.num_tokens for c in self.choices), cached)
 
     async def whole(self, request: Request):
         """Run to the end, then answer in one body; a client that leaves first aborts the request."""

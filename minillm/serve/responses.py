@@ -99,12 +99,17 @@ class ChoiceText:
         return ids
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `cached_tokens` (the prompt tokens the prefix cache gave, known with the
+    cache on) goes in `prompt_tokens_details`, where OpenAI and vLLM put it."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 class LogprobsWriter:
