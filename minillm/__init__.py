@@ -19,6 +19,7 @@ The packages, in the order a request meets them (docs/layout.md is the full map)
     attention/               attention over the paged pool: the reference and the kernels
     engine/                  the serving engine: scheduler, admission, speculation, LLM
     serve/                   the OpenAI-compatible HTTP server on the engine
+    route/                   the KV-aware router in front of several servers
     chat/                    the terminal chat with its memory view
     cli/                     the `minillm` command line
     benchmarks/              `minillm bench ...`: what each technique costs and saves, measured

@@ -3,6 +3,7 @@
 commands.py         chat, info and `main`: each command an `add_X` that declares its flags and a `cmd_X`
 generate.py         generate: one prompt on the single-sequence decoders or the serving engine
 serve.py            serve: the HTTP server
+route.py            route: the KV-aware router in front of several servers (minillm/route/)
 measure.py          bench decode|attention|chat-view|all: the commands that measure speed
 measure_serving.py  bench serve|serve-http|prefix: the engine under many requests
 measure_memory.py   bench memory and eval: what the memory system's choices cost

@@ -1,20 +1,21 @@
-"""The `minillm` command: generate, chat, serve, info, bench, eval.
+"""The `minillm` command: generate, chat, serve, route, info, bench, eval.
 
     minillm generate "Why is the sky blue?" --chat --max-tokens 64
     minillm chat --kv-dtype int8
     minillm chat --admission memory --eviction h2o --kv-budget 256 --eviction-trigger pressure
     minillm serve --port 8000
+    minillm route --engine http://127.0.0.1:8001 --engine http://127.0.0.1:8002
     minillm info --json
     minillm bench decode --json
     minillm bench all --quick
     minillm eval ppl --eviction h2o --kv-budget 0.2
 
 Each command is a pair: `add_X(subparsers)` declares its flags, `cmd_X(args)` runs it. The flags
-several commands share live in `flags.py`; generate in `generate.py`; serve in `serve.py`; the
-commands that measure (bench, eval) in `measure.py`, `measure_serving.py` and `measure_memory.py`.
-Every error a user can cause (missing weights, a bad switch, a prompt too long) ends in one line on
-stderr that says what to do, and exit status 2. Every command that measures takes --json and prints
-one JSON object.
+several commands share live in `flags.py`; generate in `generate.py`; serve in `serve.py`; route
+in `route.py`; the commands that measure (bench, eval) in `measure.py`, `measure_serving.py` and
+`measure_memory.py`. Every error a user can cause (missing weights, a bad switch, a prompt too
+long) ends in one line on stderr that says what to do, and exit status 2. Every command that
+measures takes --json and prints one JSON object.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from minillm.cli.flags import (
 from minillm.cli.generate import add_generate, runtime_from
 from minillm.cli.measure import add_bench
 from minillm.cli.measure_memory import add_eval
+from minillm.cli.route import add_route
 from minillm.cli.serve import add_serve
 from minillm.cli.trace import add_trace
 from minillm.config import DTYPES, ConfigError, resolve_dtype
@@ -190,7 +192,16 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="First fetch the default weights: python weights_fetch.py",
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add_command in (add_generate, add_chat, add_serve, add_info, add_bench, add_eval, add_trace):
+    for add_command in (
+        add_generate,
+        add_chat,
+        add_serve,
+        add_route,
+        add_info,
+        add_bench,
+        add_eval,
+        add_trace,
+    ):
         add_command(subparsers)
     return parser
 
