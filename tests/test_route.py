@@ -30,6 +30,7 @@ from minillm.cli import main
 from minillm.config import EngineConfig
 from minillm.engine import LLMEngine
 from minillm.route.app import Router, build_app
+from minillm.route.index import BlockIndex
 from minillm.route.policy import cacheable
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.metrics import parse_metrics
@@ -380,3 +381,35 @@ def test_route_help_and_bad_flags(capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert says in err and err.count("\n") == 1, err
+
+
+# ----------------------------------------------------------------------------- the index alone
+
+
+def stored(block_hash, parent, tokens, medium="GPU"):
+    return {
+        "type": "BlockStored",
+        "block_hashes": [block_hash],
+        "parent_block_hash": parent,
+        "token_ids": tokens,
+        "block_size": 2,
+        "medium": medium,
+    }
+
+
+def test_the_index_keys_blocks_by_content_not_by_each_engines_hash():
+    index = BlockIndex()
+    index.apply("a", [stored(11, None, [1, 2]), stored(12, 11, [3, 4])])
+    index.apply("b", [stored(91, None, [1, 2])])  # the same first block under another process's hash
+    assert index.overlap([1, 2, 3, 4, 5]) == {"a": 2, "b": 1}
+    assert index.overlap([1, 2, 9, 9]) == {"a": 1, "b": 1} and index.overlap([7, 7]) == {}
+    # a spill to host: removed from the device, stored on the host; still held
+    index.apply(
+        "a", [{"type": "BlockRemoved", "block_hashes": [12], "medium": "GPU"}, stored(12, 11, [3, 4], "CPU")]
+    )
+    assert index.overlap([1, 2, 3, 4]) == {"a": 2, "b": 1}
+    index.apply("a", [{"type": "BlockRemoved", "block_hashes": [11], "medium": "GPU"}])
+    assert index.overlap([1, 2, 3, 4]) == {"b": 1}  # a chain is held only from its first block on
+    index.apply("b", [{"type": "AllBlocksCleared"}])
+    index.drop("a")
+    assert index.overlap([1, 2, 3, 4]) == {} and index.root.children == {}
