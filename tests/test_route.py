@@ -36,6 +36,8 @@ from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.metrics import parse_metrics
 from minillm.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.server  # it starts HTTP servers, as the test_serve* modules do
+
 SHARED = "You are the router's test. Every request in this test begins with this long instruction. "
 JSON = {"Content-Type": "application/json"}
 
