@@ -45,14 +45,15 @@ def store(tmp_path):
         server.stop()
 
 
-def engine(tiny_dir, model, url: str) -> LLM:
+def engine(tiny_dir, model, url: str, **switches) -> LLM:
     return LLM(
         tiny_dir,
         model=model,
         block_size=BLOCK,
         prefix_caching=True,
-        kv_cache_bytes=64 * BLOCK * 768,  # 64 blocks of the tiny model
+        kv_cache_bytes=64 * BLOCK * 768,  # 64 blocks of the tiny model (in fp32; more when quantized)
         remote_kv=url,
+        **switches,
     )
 
 
@@ -80,14 +81,17 @@ def stored_value(client, tokens: list[int]) -> tuple[bytes, bytes]:
     raise AssertionError(f"no stored block holds {tokens}")
 
 
-def test_a_fresh_engine_reads_the_blocks_another_computed(tiny_dir, tiny_model, store):
-    first = engine(tiny_dir, tiny_model, store.url)
+@pytest.mark.parametrize("switches", [{}, {"kv_dtype": "int8"}])
+def test_a_fresh_engine_reads_the_blocks_another_computed(tiny_dir, tiny_model, store, switches):
+    first = engine(tiny_dir, tiny_model, store.url, **switches)
     out = first.generate([PROMPT], PARAMS)[0].token_ids
     written(first, 9)  # the prompt's 8 full blocks and the one its answer filled
     assert remote_stats(first)["blocks_written"] == 9
 
-    second = engine(tiny_dir, tiny_model, store.url)
-    assert second.generate([PROMPT], PARAMS)[0].token_ids == out == naive(tiny_model, PROMPT, PARAMS)
+    second = engine(tiny_dir, tiny_model, store.url, **switches)
+    assert second.generate([PROMPT], PARAMS)[0].token_ids == out  # what computing them gives
+    if not switches:  # lossless: the oracle's tokens
+        assert out == naive(tiny_model, PROMPT, PARAMS)
     stats = remote_stats(second)
     assert stats["blocks_read"] == 8 and stats["hit_blocks"] == 8 and stats["bytes_read"] > 0
     assert second.engine.stats.tokens_computed == first.engine.stats.tokens_computed - 8 * BLOCK
@@ -251,3 +255,11 @@ def test_an_unreachable_store_warns_once_and_the_engine_serves(tiny_dir, tiny_mo
             assert llm.generate([prompt], PARAMS)[0].token_ids == naive(tiny_model, prompt, PARAMS)
         wait_until(lambda: remote_stats(llm)["store_errors"] >= 1, what="the refused connection")
     assert outages(caplog) == 1
+
+
+def test_a_full_write_queue_drops_writes_and_never_blocks(tiny_dir, tiny_model, store, monkeypatch):
+    monkeypatch.setattr(remote, "WRITE_QUEUE", 0)
+    llm = engine(tiny_dir, tiny_model, store.url)
+    assert llm.generate([PROMPT], PARAMS)[0].token_ids == naive(tiny_model, PROMPT, PARAMS)
+    stats = remote_stats(llm)
+    assert stats["dropped_writes"] == 9 and stats["blocks_written"] == 0

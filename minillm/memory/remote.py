@@ -189,18 +189,20 @@ class _Write:
 
 
 def _connect(url: str):
+    """A Redis client for `url` (it connects at its first command), and the errors it fails with."""
     try:
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
     except ImportError:
         raise ConfigError("remote_kv needs the redis client: pip install redis") from None
-    return redis.Redis.from_url(
+    client = redis.Redis.from_url(
         url,
         socket_timeout=SOCKET_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=Retry(NoBackoff(), 0),  # a failure is reported at once; the backoff is ours
     )
+    return client, (redis.RedisError, OSError)
 
 
 class _Store:
@@ -208,12 +210,9 @@ class _Store:
     then writes), the store's health, and every block's generation (bumped by the engine thread)."""
 
     def __init__(self, url: str, ttl: int, pool, namespace: bytes, layout: dict):
-        import redis
-
         self.url, self._ttl, self._pool, self._namespace = url, ttl, pool, namespace
         self._layout = layout  # name -> (dtype, shape) of each tensor of a block's stored form
-        self._client = _connect(url)
-        self._failures = (redis.RedisError, OSError)
+        self._client, self._failures = _connect(url)
         self._wake = threading.Condition()
         self._fetches: deque[Fetch] = deque()
         self._writes: deque[_Write] = deque()
@@ -267,12 +266,15 @@ class _Store:
                 fetch = self._fetches.popleft() if self._fetches else None
                 taken = 0 if fetch else min(WRITE_CHUNK, len(self._writes))
                 writes = [self._writes.popleft() for _ in range(taken)]
-            if fetch is not None:
-                self._serve(fetch)
-            elif self.available():
-                self._write(writes)
-            else:
-                self.counters["skipped_writes"] += len(writes)
+            try:
+                if fetch is not None:
+                    self._serve(fetch)
+                elif self.available():
+                    self._write(writes)
+                else:
+                    self.counters["skipped_writes"] += len(writes)
+            except Exception as err:  # a bug, or a failure no one foresaw: the thread goes on serving
+                self._failed(err)
 
     def _serve(self, fetch: Fetch) -> None:
         """GET the blocks in order, a chunk per round trip, until the first absent or refused one."""
