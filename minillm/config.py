@@ -25,7 +25,7 @@ from minillm.model_config import ModelConfig as ModelConfig
 from minillm.model_config import is_gguf as is_gguf
 from minillm.model_config import prompt_problem as prompt_problem
 from minillm.switches import DTYPES as DTYPES
-from minillm.switches import declared_switches
+from minillm.switches import declared_switches, parse_redis_url
 
 DEFAULT_MODEL_DIR = Path("weights") / "SmolLM2-135M-Instruct"
 
@@ -83,6 +83,8 @@ class EngineConfig:
     disk_cache_dir: str | None = None
     preemption: str = "auto"  # swap needs a tier
     spill: str = "all"  # which cached prefix blocks leaving the device are copied to the host
+    remote_kv: str | None = None  # redis://HOST:PORT[/DB]: a store shared by engines (memory/remote.py)
+    remote_kv_ttl: int = 3600  # seconds a block written there lives
     # speculative decoding (minillm.engine.speculative): lossless
     speculative: str = "none"
     num_speculative_tokens: int = 4  # vLLM's k
@@ -184,6 +186,28 @@ class EngineConfig:
         if self.preemption == "swap" and not self.has_tiers:
             raise ConfigError(
                 "preemption='swap' needs somewhere to swap to: set host_cache_bytes or disk_cache_dir."
+            )
+        self.check_remote_kv()
+
+    def check_remote_kv(self) -> None:
+        if not (type(self.remote_kv_ttl) is int and self.remote_kv_ttl >= 1):
+            raise ConfigError(
+                f"remote_kv_ttl must be a whole number of seconds >= 1, not {self.remote_kv_ttl!r}."
+            )
+        if self.remote_kv is None:
+            return
+        if not isinstance(self.remote_kv, str):
+            raise ConfigError(
+                f"remote_kv must be a redis://HOST:PORT[/DB] URL or None, not {self.remote_kv!r}."
+            )
+        try:
+            parse_redis_url(self.remote_kv)
+        except ValueError as err:
+            raise ConfigError(f"remote_kv: {err}.") from None
+        if not self.prefix_caching:
+            raise ConfigError(
+                "remote_kv shares full prefix blocks, found through the prefix cache; set "
+                "prefix_caching=True (--prefix-caching)."
             )
 
     def check_speculative(self) -> None:

@@ -38,6 +38,25 @@ def parse_seconds(text: str) -> float:
     return seconds
 
 
+def parse_redis_url(text: str) -> str:
+    """redis://HOST:PORT or redis://HOST:PORT/DB, as given; anything else says what it takes."""
+    from urllib.parse import urlsplit
+
+    wanted = f"give redis://HOST:PORT[/DB], not {text[:60]!r}"
+    try:
+        url = urlsplit(text)
+        port = url.port
+    except ValueError:  # a port that is not a number, or out of 0..65535
+        raise ValueError(f"the remote KV store's port must be 1 to 65535; {wanted}") from None
+    if url.scheme != "redis" or not url.hostname or port is None:
+        raise ValueError(f"the remote KV store is a Redis server; {wanted}")
+    if port == 0:
+        raise ValueError(f"the remote KV store's port must be 1 to 65535; {wanted}")
+    if (url.path not in ("", "/") and not url.path[1:].isdigit()) or url.query or url.fragment:
+        raise ValueError(f"the remote KV store's database is a number; {wanted}")
+    return text
+
+
 @dataclass(frozen=True)
 class Switch:
     """How one EngineConfig field is spelled and what it takes. Its default is the field's."""
@@ -225,6 +244,19 @@ _TABLE = {
             "with a host tier: which cached prefix blocks leaving the device are copied there: all, "
             "or only those a prompt read again (or that extend one) (default: %(default)s)",
             choices=("all", "reused"),
+        ),
+        Switch(
+            "remote_kv",
+            "a Redis server shared by engines, redis://HOST:PORT[/DB]: full prefix blocks computed "
+            "here are written to it, and a prompt's blocks missing locally are read from it instead "
+            "of recomputed; its size is the server's maxmemory (with maxmemory-policy allkeys-lru); "
+            "needs the prefix cache (default: none)",
+            parse=parse_redis_url,
+        ),
+        Switch(
+            "remote_kv_ttl",
+            "with --remote-kv: seconds each block written there lives (default: %(default)s)",
+            minimum=1,
         ),
     ),
     "speculative": (  # minillm.engine.speculative

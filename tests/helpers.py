@@ -1,9 +1,9 @@
 """Helpers the tests share: the tiny random Llama's config and checkpoint writer, where the real
 checkpoint and texts live, the independent references the soaks check against, and small tools
-(a failing sampler, strict JSON, a KV-event router), and what the memory system shows through its
-door (the `Snapshot` a new subscriber hears, the blocks the prefix cache would give, a sequence's
-slots, a drained pool). Fixtures and hooks stay in conftest.py; test modules import from here,
-never from each other.
+(a failing sampler, strict JSON, a KV-event router, a redis-server of a test's own), and what the
+memory system shows through its door (the `Snapshot` a new subscriber hears, the blocks the prefix
+cache would give, a sequence's slots, a drained pool). Fixtures and hooks stay in conftest.py;
+test modules import from here, never from each other.
 """
 
 import json
@@ -451,3 +451,74 @@ class NaiveReference:
                 ended = tokens[-1] in self.eos_token_ids
                 path.write_text(json.dumps([tokens, ended]))
         return tokens[:max_tokens]
+
+
+REDIS_START_S = 10.0  # the longest a test's redis-server may take to answer PING
+
+
+def free_port() -> int:
+    """A TCP port nothing on 127.0.0.1 listens on now."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server of the test's own on a free 127.0.0.1 port, saving nothing to disk; `start`
+    waits for its PING (with a deadline), `stop` kills it. Use it in a `with` block, or stop it
+    in a finally."""
+
+    def __init__(self, folder: Path, *options: str):
+        self.folder, self.options, self.port = folder, options, free_port()
+        self.process = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def client(self):
+        import redis
+
+        return redis.Redis(port=self.port, socket_timeout=2, socket_connect_timeout=2)
+
+    def start(self) -> "RedisServer":
+        import subprocess
+
+        import redis
+
+        argv = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly"]
+        argv += ["no", "--dir", str(self.folder), *self.options]
+        self.process = subprocess.Popen(
+            argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + REDIS_START_S
+        while True:
+            assert self.process.poll() is None, f"redis-server exited ({self.process.returncode}): {argv}"
+            try:
+                if self.client().ping():
+                    return self
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, f"redis-server did not answer PING in {REDIS_START_S} s"
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+        self.process = None
+
+    def __enter__(self) -> "RedisServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def wait_until(condition, seconds: float = 10.0, what: str = "the condition") -> None:
+    """Poll `condition()` until it holds; fail after `seconds`."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} did not hold within {seconds} s"
+        time.sleep(0.01)

@@ -23,7 +23,8 @@ recorded.py             the runs the pages quote, committed in docs/results/, an
 shared by them: workload.py (what the benches serve: requests cut from prose, arriving over
 time), stats.py (percentiles, spreads, MiB), hf_baseline.py (HF transformers on static
 batches), serve_child.py (`minillm serve` in a child process), http_client.py (the clients
-bench serve-http measures a server with)."""
+bench serve-http measures a server with), delay_proxy.py (a TCP proxy that delays every reply: a
+slow store for the remote KV tier's tests)."""
 
 from contextlib import contextmanager
 

@@ -19,6 +19,10 @@
      what that changes: the scheduler carries out the forks and the finishes (blocks go back);
   6. one `RequestOutput` for every request that changed (`outputs.py`).
 
+With a remote KV store (`memory/remote.py`), a new request first asks it for the prompt's blocks
+the local prefix cache lacks; it is held out of the scheduler (`fetching`) until they come back and
+are installed as cached prefix blocks, or until waiting would cost more than recomputing them.
+
 The memory system's bookkeeping of a step (its events numbered, the pass timed for the swap cost
 model, who ran told to listeners, the pressure ladder's rungs) is its own: `begin_step` and
 `end_step`. Speculation's (what a decode step costs, which guesses were checked) is the token
@@ -48,12 +52,15 @@ from minillm.engine.speculative import NgramProposer
 from minillm.engine.token_choice import Choice, TokenChooser
 from minillm.memory import KVCacheManager, MemorySnapshot, MemoryStats
 from minillm.memory.events import Subscriber
+from minillm.memory.remote import Fetch
 from minillm.model import Transformer
 from minillm.sampling import Sampler, SamplingParams
 from minillm.structured import Grammars
 from minillm.tokenizer import Tokenizer, end_of_sequence
 from minillm.tracing import attach
 from minillm.weights import load_model_for, model_fingerprint
+
+FETCH_POLL_S = 0.005  # a step with nothing to run but remote fetches waits this long for one, at most
 
 
 def check_request_args(params: SamplingParams, arrival_time, priority, sampler, vocab_size: int) -> None:
@@ -98,7 +105,9 @@ class LLMEngine:
         self.eos_token_ids = end_of_sequence(self.model.config.eos_token_ids, self.tokenizer)
         self.context_len = self.model.config.context_len(config.max_seq_len)
         model_config = self.model.config
-        self.kv_cache = KVCacheManager.build(config, model_config, self.model.dtype, self.model.device)
+        identity = self._session_identity() if config.remote_kv else None  # names its blocks in the store
+        model_dtype, device = self.model.dtype, self.model.device
+        self.kv_cache = KVCacheManager.build(config, model_config, model_dtype, device, identity)
         attach(self.kv_cache)  # `--trace FILE`: this engine's KV events go into the command's trace
         self.proposer = None
         if config.speculative == "ngram":
@@ -109,6 +118,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, attention_backend(config))
         self.requests: dict[str, list[Sequence]] = {}  # request_id -> its samples' (or beams') sequences
         self.rejected: list[Sequence] = []  # failed at admission; reported by the next step
+        self.fetching: dict[str, tuple[Sequence, Fetch]] = {}  # request_id -> its sequence, held out of
+        #   the scheduler while the remote store is asked for its prompt's blocks
         self.stats = EngineStats()
         self.seq_ids = itertools.count()
         self.num_steps = 0
@@ -182,9 +193,33 @@ class LLMEngine:
         self.requests[request_id] = [seq]
         if params.beam_width > 1:
             self.chooser.start_beams(request_id, params.beam_width, seq)
-        if not self.scheduler.add(seq):
+        if not self.scheduler.admits(seq):
             self.rejected.append(seq)
+        elif not self._fetch_from_store(seq):
+            self.scheduler.add(seq)
         return request_id
+
+    def _fetch_from_store(self, seq: Sequence) -> bool:
+        """Ask the remote store for the prompt's blocks missing here; True if the sequence waits for
+        them (not a request that needs every prompt token's logits: it computes them all anyway)."""
+        fetch = self.kv_cache.fetch_remote(seq.prompt_ids) if seq.params.prompt_logprobs is None else None
+        if fetch is not None:
+            self.fetching[seq.request_id] = (seq, fetch)
+        return fetch is not None
+
+    def _take_fetched(self) -> None:
+        """Requests whose fetch came back (its blocks installed first) or is too late to wait for
+        (they recompute; what comes after is dropped) join the scheduler."""
+        for request_id, (seq, fetch) in list(self.fetching.items()):
+            if fetch.ended:
+                del self.fetching[request_id]
+                self.kv_cache.install_remote(fetch)
+                self.scheduler.add(seq)
+
+    def _wait_for_fetch(self) -> None:
+        """Nothing else to run: wait briefly for a fetch to end rather than spin."""
+        _, fetch = next(iter(self.fetching.values()))
+        fetch.wait(FETCH_POLL_S)
 
     def grammars(self) -> Grammars:
         """Structured output's grammar compiler for this engine's vocabulary (the token chooser's)."""
@@ -194,6 +229,9 @@ class LLMEngine:
         """Stop a request now: its blocks go back, and the engine forgets it (no output follows)."""
         if request_id not in self.requests:
             raise ValueError(f"There is no request {request_id!r} to abort (unknown, or already returned).")
+        held = self.fetching.pop(request_id, None)
+        if held is not None:
+            held[1].cancelled = True  # what it brings is dropped
         for seq in self.requests[request_id]:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")
@@ -214,7 +252,7 @@ class LLMEngine:
         return self.scheduler.max_len(prompt_len, max_tokens)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.rejected)
+        return self.scheduler.has_unfinished() or bool(self.rejected) or bool(self.fetching)
 
     # ----------------------------------------------------------------- one step
     @torch.inference_mode()
@@ -224,6 +262,10 @@ class LLMEngine:
         self.rejected.clear()
         self.num_steps += 1
         self.kv_cache.begin_step(self.num_steps)  # its events carry the number; last step's prefetch is done
+        self._take_fetched()
+        if self.fetching and not self.scheduler.has_unfinished():
+            self._wait_for_fetch()
+            return outputs
         started = time.perf_counter()
         schedule = self.scheduler.schedule()  # 1. who runs, how many tokens; blocks reserved
         self.stats.schedule_s.append(time.perf_counter() - started)
@@ -319,7 +361,7 @@ class LLMEngine:
         bytes, tables, counters, prefix-cache hits. What anything outside the engine reads."""
         sequences = [
             (seq.seq_id, seq.request_id, seq.status.value, seq.num_computed, seq.num_cached, seq.max_len)
-            for seq in self.scheduler.unfinished()
+            for seq in [*self.scheduler.unfinished(), *(seq for seq, _ in self.fetching.values())]
         ]
         return self.kv_cache.snapshot(sequences, {"preemptions": self.scheduler.num_preemptions})
 

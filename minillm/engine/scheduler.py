@@ -130,14 +130,19 @@ class Scheduler:
     def add(self, seq: Sequence) -> bool:
         """Queue a new request's sequence, or finish it with the reason it can never run (it
         fails alone; the others go on). Returns whether it was queued."""
-        limits = (self.context_len, self.vocab_size, self.max_num_seqs, self.max_num_batched_tokens)
-        problem = admission_problem(seq, self.capacity, *limits)
-        if problem:
-            seq.finish("error", problem)
+        if not self.admits(seq):
             return False
         seq.arrival_step = self.steps
         self.waiting.append(seq)
         return True
+
+    def admits(self, seq: Sequence) -> bool:
+        """Can the new sequence ever run here? If not, it is finished with the reason."""
+        limits = (self.context_len, self.vocab_size, self.max_num_seqs, self.max_num_batched_tokens)
+        problem = admission_problem(seq, self.capacity, *limits)
+        if problem:
+            seq.finish("error", problem)
+        return not problem
 
     def take_refused(self) -> list[str]:
         """The requests the admission policy refused since the last call (their sequences have ended)."""

@@ -136,6 +136,7 @@ class MemorySnapshot:
     prefill_rate: float | None = None  # prefill tokens/s measured so far (the cost model's other rate)
     # preemption="auto": its latest swap-or-recompute decisions (tokens, blocks, (recompute s, swap s), swap)
     swap_decisions: tuple[dict, ...] = ()
+    remote: dict | None = None  # the remote store's counters (`RemoteKV.stats`), None without one
 
     @property
     def num_blocks(self) -> int:
@@ -199,10 +200,12 @@ def take_snapshot(
     counters: dict[str, int],
     preemption: str,
     swap_cost,
+    remote: dict | None = None,
 ) -> MemorySnapshot:
     """The `MemorySnapshot` of a block manager, its tiers (`TieredKV`: the device pool first) and
     its cost model (`SwapCost`, or None without a tier to swap to). `sequences`: (seq_id,
-    request_id, status, num_computed, num_cached, max_len) of each unfinished one."""
+    request_id, status, num_computed, num_cached, max_len) of each unfinished one; `remote`: the
+    remote store's counters, if there is one."""
     pool, cache = tiers.device, manager.prefix_cache
     views = tuple(
         SequenceView(*seq, tuple(manager.table(seq[0])) if manager.has_table(seq[0]) else ())
@@ -234,4 +237,5 @@ def take_snapshot(
         copy_rates=rates,
         prefill_rate=swap_cost.prefill_rate() if swap_cost else None,
         swap_decisions=tuple(swap_cost.decisions) if swap_cost else (),
+        remote=remote,
     )

@@ -21,6 +21,8 @@ the CacheManager). It owns every part of the memory system and answers in the sc
     rollback(...)        speculation's rejected guesses cut (`rollback.py`)
     begin_step / end_step   a step's events numbered, its pass timed, who ran told; its numbers
     sessions()           a conversation's KV parked in a file, and back (`sessions.Sessions`)
+    fetch_remote / install_remote   a prompt's blocks asked of the store engines share, and put
+                         into the pool as cached prefix blocks when they come (`remote.py`)
     snapshot(...)        one read-only picture of all of it (`accounting.MemorySnapshot`)
     subscribe(...)       every change of a block's life from now on, as events (`events.py`);
                          it returns the call that stops them
@@ -55,6 +57,7 @@ from minillm.memory.events import EntriesEvicted, Step, Subscriber
 from minillm.memory.eviction import Evictor
 from minillm.memory.prefix_cache import PrefixMiss
 from minillm.memory.pressure import PressureLadder
+from minillm.memory.remote import Fetch, RemoteKV
 from minillm.memory.replay import Replayer
 from minillm.memory.rollback import Rollback, room_to_guess
 from minillm.memory.sessions import Sessions
@@ -136,9 +139,10 @@ class KVCacheManager:
         preemption: str = "recompute",
         evictor: Evictor | None = None,
         eviction_trigger: str | None = None,
+        remote: RemoteKV | None = None,
     ):
         """`preemption`: "recompute", "swap" or "auto"; `eviction_trigger`: None (no eviction),
-        "always" or "pressure"."""
+        "always" or "pressure"; `remote`: the store engines share, or None."""
         self._blocks, self._tiers, self._evictor = block_manager, tiers, evictor
         self._moves = block_manager.moves  # swaps, spills, bring-backs over the block manager's tables
         self._pool = tiers.device if tiers else None  # what attention reads and writes
@@ -146,14 +150,26 @@ class KVCacheManager:
         # swap or recompute is only a question with somewhere to swap to: without, nothing is timed
         self._swap_cost = SwapCost(tiers) if tiers and (tiers.host or tiers.disk) else None
         self._ladder = PressureLadder(self._moves, preemption, self._swap_cost, eviction_trigger)
+        self._remote = remote
+        # the prefill rate measured from the passes: swap or recompute weighs it, and a remote fetch
+        #   is waited for no longer than prefilling its tokens would take
+        self._prefill = self._swap_cost or (SwapCost(tiers) if remote else None)
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._events = block_manager.events
         self._rollback = Rollback(block_manager, self._pool, evictor)  # speculation's guesses undone
 
     @classmethod
-    def build(cls, config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device) -> KVCacheManager:
+    def build(
+        cls,
+        config: EngineConfig,
+        model: ModelConfig,
+        dtype: torch.dtype,
+        device,
+        identity: dict[str, str] | None = None,
+    ) -> KVCacheManager:
         """The memory system a run's switches ask for: the tiers (`TieredKV.build`), the block
-        manager over them, an evictor."""
+        manager over them, an evictor, the remote store (`identity`: what the engine's KV depends
+        on, which names its blocks there)."""
         tiers = TieredKV.build(config, model, dtype, device)
         host_blocks, disk = (tiers.host.num_blocks if tiers.host else 0), tiers.disk is not None
         blocks = BlockManager(
@@ -164,7 +180,11 @@ class KVCacheManager:
             shape = (model.num_layers, model.num_kv_heads)
             evictor = Evictor(config.eviction, config.kv_budget, tiers, blocks, *shape)
         preemption = config.preemption if config.has_tiers else "recompute"
-        return cls(blocks, tiers, preemption, evictor, config.eviction_trigger if evictor else None)
+        remote = None
+        if config.remote_kv is not None:
+            remote = RemoteKV(config.remote_kv, config.remote_kv_ttl, identity, blocks, tiers)
+        trigger = config.eviction_trigger if evictor else None
+        return cls(blocks, tiers, preemption, evictor, trigger, remote)
 
     # ---------------------------------------------------------------- what the scheduler asks
     def capacity(self) -> Capacity:
@@ -384,9 +404,9 @@ class KVCacheManager:
         `live`: seq_id -> KV entries each running sequence stores now. The cost model learns the
         prefill rate from the pass, a `Step` event tells who ran (if anybody listens). Returns the
         memory's numbers now and this step's rungs of the pressure ladder, in ladder order."""
-        if self._swap_cost:
+        if self._prefill:
             tokens = sum(num_tokens for _, _, num_tokens, _ in ran)
-            self._swap_cost.record_forward(tokens, len(ran), forward_seconds)
+            self._prefill.record_forward(tokens, len(ran), forward_seconds)
         if self._events:
             self._events.emit(Step(seconds, tuple(ran)))
         stats = paged_stats(self._blocks, live, self._pool.bytes_per_slot, self._tiers.moved())
@@ -400,6 +420,21 @@ class KVCacheManager:
     def sessions(self) -> Sessions:
         """Parking a conversation's KV in a file and loading it back (`sessions.py`)."""
         return Sessions(self._blocks, self._tiers, self._finish_prefetch)
+
+    # ---------------------------------------------------------------- the remote store (remote.py)
+    def fetch_remote(self, token_ids: list[int]) -> Fetch | None:
+        """Ask the shared store for the prompt's full blocks after those cached here; None without a
+        store, when it is backing off, or when there is nothing to ask for. The engine holds the
+        request until `fetch.ended`, then calls `install_remote`."""
+        if self._remote is None:
+            return None
+        return self._remote.fetch(token_ids, self._prefill.prefill_rate())
+
+    def install_remote(self, fetch: Fetch) -> int:
+        """The blocks a fetch brought, as cached prefix blocks (nothing if it came too late).
+        Returns how many."""
+        self._finish_prefetch()  # no block is written while a prefetch may copy into the pool
+        return self._remote.install(fetch)
 
     # ---------------------------------------------------------------- events and pictures
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
@@ -422,4 +457,7 @@ class KVCacheManager:
         """The picture. `sequences`: (seq_id, request_id, status, num_computed, num_cached, max_len)
         of every unfinished sequence, running ones first; `counters`: the scheduler's own (preemptions)."""
         every_counter, preemption = {**counters, **self._counters}, self._ladder.preemption
-        return take_snapshot(self._blocks, self._tiers, sequences, every_counter, preemption, self._swap_cost)
+        remote = self._remote.stats() if self._remote else None
+        return take_snapshot(
+            self._blocks, self._tiers, sequences, every_counter, preemption, self._swap_cost, remote
+        )

@@ -1,16 +1,17 @@
 """`GET /metrics`: the engine's numbers in Prometheus' text format, named as vLLM names its own.
 
 `metric_values` reads them on the engine thread between two steps: the memory system's snapshot
-(`LLMEngine.snapshot`: KV blocks per state and tier, prefix-cache hits, requests running and
-waiting) and the engine loop's counters (tokens, finish reasons, aborts, tokens/s).
-`prometheus` writes them out, every name prefixed `minillm:`; `parse_metrics` reads them back,
-for the tests and the benchmark.
+(`LLMEngine.snapshot`: KV blocks per state and tier, prefix-cache hits, the remote KV store's
+counters, requests running and waiting) and the engine loop's counters (tokens, finish reasons,
+aborts, tokens/s). `prometheus` writes them out, every name prefixed `minillm:`; `parse_metrics`
+reads them back, for the tests and the benchmark.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from minillm.memory.remote import REFUSALS
 from minillm.serve.engine_loop import EngineLoop
 
 
@@ -20,8 +21,10 @@ def metric_values(engine_loop: EngineLoop) -> dict:
     finished = Counter()
     for reason, count in engine_loop.finished.items():
         finished[{"eos": "stop"}.get(reason, reason)] += count
+    memory = engine.snapshot()
     return {
-        **_memory_values(engine.snapshot()),
+        **_memory_values(memory),
+        **_remote_values(memory.remote),
         "prompt_tokens_total": engine_loop.prompt_tokens,
         "generation_tokens_total": engine.stats.tokens_generated,
         "generation_tokens_per_second": engine_loop.tokens_per_second(),
@@ -31,6 +34,27 @@ def metric_values(engine_loop: EngineLoop) -> dict:
         "engine_steps_total": engine.stats.steps,
         **_speculation_values(engine.stats.speculation(), engine.config),
     }
+
+
+REMOTE_COUNTERS = (  # RemoteKV.stats() -> /metrics (memory/remote.py)
+    "blocks_written",
+    "bytes_written",
+    "blocks_read",
+    "bytes_read",
+    "fetches",
+    "hit_blocks",
+    "late_fetches",
+    "dropped_writes",
+    "store_errors",
+)
+
+
+def _remote_values(stats: dict | None) -> dict:
+    """The remote KV store's counters (0 without a store)."""
+    values = {f"remote_kv_{name}_total": stats[name] if stats else 0 for name in REMOTE_COUNTERS}
+    refused = stats["refused"] if stats else {}
+    values["remote_kv_refused_total"] = {reason: refused.get(reason, 0) for reason in REFUSALS}
+    return values
 
 
 def _speculation_values(numbers: dict, config) -> dict:
@@ -73,6 +97,32 @@ METRIC_HELP = {
         "Prompt lookups by why their hit ended there: hit (every full block), diverged (the prompt "
         "parts from a cached or recent one), evicted (blocks a recent prompt shared are gone), new.",
     ),
+    "remote_kv_blocks_written_total": ("counter", "KV blocks written to the remote store (--remote-kv)."),
+    "remote_kv_bytes_written_total": ("counter", "Bytes of those blocks, headers included."),
+    "remote_kv_blocks_read_total": ("counter", "KV blocks read back from the remote store and checked."),
+    "remote_kv_bytes_read_total": ("counter", "Bytes of those blocks, headers included."),
+    "remote_kv_fetches_total": ("counter", "Prompts whose missing blocks were asked of the remote store."),
+    "remote_kv_hit_blocks_total": (
+        "counter",
+        "Blocks from the remote store installed as cached prefix blocks (prefill not computed).",
+    ),
+    "remote_kv_late_fetches_total": (
+        "counter",
+        "Fetches given up: recomputing was quicker than waiting for them any longer.",
+    ),
+    "remote_kv_dropped_writes_total": (
+        "counter",
+        "Blocks not written: the write queue was full, or the store failed before their turn.",
+    ),
+    "remote_kv_store_errors_total": (
+        "counter",
+        "Commands the remote store failed (refused, timed out, full); each outage is one warning.",
+    ),
+    "remote_kv_refused_total": (
+        "counter",
+        "Blocks read from the remote store and refused, by what did not match: malformed, namespace "
+        "(another model or format), tokens, parent, checksum, layout.",
+    ),
     "prompt_tokens_total": ("counter", "Prompt tokens of the requests accepted."),
     "generation_tokens_total": ("counter", "Tokens generated."),
     "generation_tokens_per_second": ("gauge", "Tokens generated per second over the last 10 s."),
@@ -94,6 +144,7 @@ LABELS = {
     "request_success_total": "finished_reason",
     "spec_decode_num_accepted_tokens_per_pos_total": "position",
     "prefix_cache_lookups_total": "cause",
+    "remote_kv_refused_total": "reason",
 }
 
 
