@@ -231,7 +231,7 @@ class LLMEngine:
             raise ValueError(f"There is no request {request_id!r} to abort (unknown, or already returned).")
         held = self.fetching.pop(request_id, None)
         if held is not None:
-            held[1].cancelled = True  # what it brings is dropped
+            held[1].cancel()
         for seq in self.requests[request_id]:
             if seq.status is not Status.FINISHED:
                 self.scheduler.finish(seq, "abort")

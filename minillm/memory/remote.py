@@ -179,6 +179,10 @@ class Fetch:
     def wait(self, seconds: float) -> None:
         self.done.wait(max(0.0, min(seconds, self.deadline - time.monotonic())))
 
+    def cancel(self) -> None:
+        """Give it up (its request was aborted): the worker stops asking, what came is dropped."""
+        self.cancelled = True
+
 
 @dataclass(frozen=True)
 class _Write:
