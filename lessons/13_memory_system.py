@@ -81,6 +81,9 @@ COLORS = ["#eeeeee", "#9ecae1", "#31a354", "#fd8d3c", "#756bb1", "#bcbddc"]
 
 
 # ---------------------------------------------------------------- (a) three problems, three rows of the bench
+SHOWN_ROWS = ("reserve", "paged", "prefix", "int8", "lossless")  # the bench's rows this lesson compares
+
+
 def three_problems(model_dir, settings: dict) -> dict:
     """`minillm bench memory` at its --quick lengths (no load tests); the rows each problem compares
     (scheduling: (3) first come first served against (L), memory-aware with a host tier, both fp32)."""
@@ -90,6 +93,7 @@ def three_problems(model_dir, settings: dict) -> dict:
         num_requests=settings["bench_requests"],
         load=False,
         threads=torch.get_num_threads(),
+        rows=SHOWN_ROWS,
     )
     rows = report["rows"]
     return {

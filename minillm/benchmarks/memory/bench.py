@@ -148,14 +148,18 @@ def compare_rows(rows: dict, outputs: dict, quality: dict) -> None:
         )
 
 
-def measure(model, tokenizer, sizes: dict, common: dict, load: bool, progress: bool) -> dict:
-    """The trace and budget, the calibration, every row, quality and the load tests: the report's
-    measured part, in its order."""
+def measure(
+    model, tokenizer, sizes: dict, common: dict, load: bool, progress: bool, only: tuple[str, ...] | None
+) -> dict:
+    """The trace and budget, the calibration, every row (or `only` those), quality and the load
+    tests: the report's measured part, in its order. The targets need every row."""
     trace = make_trace(tokenizer, sizes["requests"], sizes["rate"], sizes["scale"], sizes["seed"])
     kv_bytes, host_bytes = kv_budgets(model, trace, sizes["kv_tokens"])
     warm_up(model, tokenizer, common)
     calibration = calibrate(model, tokenizer, trace, common)
     switches = row_switches(host_bytes)
+    if only is not None:
+        switches = {name: switches[name] for name in only}
     rows, outputs = run_rows(model, tokenizer, trace, switches, kv_bytes, common, calibration, progress)
     settings = dict(filter(None, (quality_setting(row) for _, row in switches.values())))
     quality = measure_quality(
@@ -174,10 +178,10 @@ def measure(model, tokenizer, sizes: dict, common: dict, load: bool, progress: b
         },
         "calibration": calibration,
         "rows": rows,
-        "lossless_outputs_equal": all(rows[name]["outputs_equal"] for name in LOSSLESS),
+        "lossless_outputs_equal": all(rows[name]["outputs_equal"] for name in LOSSLESS if name in rows),
         "quality": quality,
         "load": load_report,
-        "targets": targets(rows, quality),
+        "targets": targets(rows, quality) if only is None else None,
     }
 
 
@@ -194,13 +198,20 @@ def bench_memory(
     dtype: str = "float32",
     device: str = "cpu",
     progress: bool = False,
+    rows: tuple[str, ...] | None = None,
 ) -> dict:
+    """`rows`: run only these rows (`rows.row_switches`' names, "paged" among them: every row's
+    outputs are compared with its), for a caller that shows only them; the report then has no
+    targets and no load tests."""
+    if rows is not None and "paged" not in rows:
+        raise ValueError(f"rows={rows}: every row is compared with 'paged', so it must be among them")
     sizes = dict(SIZES["quick" if quick else "full"])
     given = {"requests": num_requests, "rate": rate, "kv_tokens": kv_tokens, "clients": clients}
     sizes.update({key: value for key, value in given.items() if value is not None}, seed=seed)
     with torch_threads(threads):
         model, tokenizer = load_model(model_dir, DTYPES[dtype], device), Tokenizer(model_dir)
-        measured = measure(model, tokenizer, sizes, {"dtype": dtype, "device": device}, load, progress)
+        common = {"dtype": dtype, "device": device}
+        measured = measure(model, tokenizer, sizes, common, load and rows is None, progress, rows)
     return {
         "machine": machine(threads),
         "model_dir": str(model_dir),
