@@ -18,13 +18,14 @@ memory/                 bench memory: the memory system built up one layer at a 
 tiers/                  bench tiers: preemption, resume, prefix spill, the spill rule
 scheduling/             bench scheduling: admission policies where memory binds, held-out traces
 staircase/              bench staircase: HF transformers, then each technique in turn
+fleet/                  bench fleet: engines in their own processes, a Redis KV store, the router
 all/                    bench all: every benchmark in one command, into results.json and plots
 recorded.py             the runs the pages quote, committed in docs/results/, and the quotes checked
 shared by them: workload.py (what the benches serve: requests cut from prose, arriving over
 time), stats.py (percentiles, spreads, MiB), hf_baseline.py (HF transformers on static
 batches), serve_child.py (`minillm serve` in a child process), http_client.py (the clients
 bench serve-http measures a server with), delay_proxy.py (a TCP proxy that delays every reply: a
-slow store for the remote KV tier's tests)."""
+slow store for the remote KV tier's tests and bench fleet)."""
 
 from contextlib import contextmanager
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from minillm.benchmarks import machine
 from minillm.benchmarks.all.headlines import (
     Headline,
+    fleet_headlines,
     scheduling_headlines,
     staircase_headlines,
     tiers_headlines,
@@ -34,7 +35,12 @@ from minillm.benchmarks.all.headlines import (
 REPO = Path(__file__).resolve().parents[2]
 RESULTS_DIR = REPO / "docs" / "results"
 # what can be recorded: the benches whose figures the pages quote
-HEADLINES = {"scheduling": scheduling_headlines, "staircase": staircase_headlines, "tiers": tiers_headlines}
+HEADLINES = {
+    "fleet": fleet_headlines,
+    "scheduling": scheduling_headlines,
+    "staircase": staircase_headlines,
+    "tiers": tiers_headlines,
+}
 
 
 def record(name: str, report: dict, command: str, threads: int, results_dir: Path = RESULTS_DIR) -> Path:

@@ -10,6 +10,7 @@ measure_memory.py   bench memory and eval: what the memory system's choices cost
 measure_tiers.py    bench tiers: preemption, resume, prefix spill, the spill rule
 measure_scheduling.py  bench scheduling: admission policies against first come first served
 measure_staircase.py   bench staircase: HF transformers, then paging, int8 KV, flash prefill in turn
+measure_fleet.py    bench fleet: a Redis KV store two engines share, the KV-aware router
 trace.py            trace show: a --trace file's KV memory, summarized and drawn (minillm/trace/)
 flags.py            the flag groups several commands share, made from `config.SWITCHES`
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minillm.cli.flags import add_model_args, add_shape_arg, add_switch, add_trace_arg, positive_int
+from minillm.cli.measure_fleet import add_bench_fleet
 from minillm.cli.measure_memory import add_bench_memory
 from minillm.cli.measure_scheduling import add_bench_scheduling
 from minillm.cli.measure_serving import add_bench_prefix, add_bench_serve, add_bench_serve_http
@@ -40,6 +41,7 @@ def add_bench(subparsers) -> None:
         add_bench_memory,
         add_bench_scheduling,
         add_bench_staircase,
+        add_bench_fleet,
         add_bench_attention,
         add_bench_chat_view,
         add_bench_open,
@@ -47,7 +49,7 @@ def add_bench(subparsers) -> None:
     ):
         add_command(benches)
     for name, command in benches.choices.items():
-        if name not in ("serve-http", "open"):  # their engines run in child processes
+        if name not in ("serve-http", "open", "fleet"):  # their engines run in child processes
             add_trace_arg(command)
 
 

@@ -4,9 +4,9 @@ one JSON object with --json, else as tables."""
 
 from __future__ import annotations
 
-from minillm.cli.flags import positive_float
+from minillm.cli.flags import add_record_arg, positive_float, shown_and_recorded
 from minillm.config import DEFAULT_MODEL_DIR
-from minillm.report import err_console, show
+from minillm.report import err_console
 
 
 def add_bench_fleet(benches) -> None:
@@ -34,14 +34,17 @@ def add_bench_fleet(benches) -> None:
     )
     fleet.add_argument("--model", default=DEFAULT_MODEL_DIR, help="checkpoint folder (default: %(default)s)")
     fleet.add_argument("--json", action="store_true", help="print one JSON object")
-    fleet.set_defaults(func=cmd_bench_fleet)
+    add_record_arg(fleet)
+    fleet.set_defaults(func=cmd_bench_fleet, threads=1)  # each engine's torch threads, as recorded
 
 
 def cmd_bench_fleet(args) -> None:
     from minillm.benchmarks.fleet import bench_fleet, print_fleet_report
 
     say = None if args.json else (lambda line: err_console.print(f"[dim]{line}[/dim]"))
-    report = bench_fleet(
-        args.model, "quick" if args.quick else "full", tuple(args.parts), args.rate, progress=say
-    )
-    show(report, print_fleet_report, args.json)
+    size = "quick" if args.quick else "full"
+
+    def measure() -> dict:
+        return bench_fleet(args.model, size, tuple(args.parts), args.rate, progress=say)
+
+    shown_and_recorded(args, "fleet", measure, print_fleet_report)

@@ -12,6 +12,7 @@ node lets a later `BlockRemoved`, which names only the hash, find what to take o
     index.apply(engine, events)       one message's events, in order
     index.overlap(token_ids)          {engine: leading full blocks of token_ids it holds}
     index.drop(engine)                forget everything an engine held
+    index.blocks_held(engine), index.blocks_shared(engine)   how many, and how many another holds too
 
 A block cached on any tier (device or host) counts: the engine brings it back instead of
 recomputing it. All engines are expected to use one block size, the first one an event names;
@@ -76,6 +77,10 @@ class BlockIndex:
 
     def blocks_held(self, engine: str) -> int:
         return len(self.held.get(engine, {}))
+
+    def blocks_shared(self, engine: str) -> int:
+        """Blocks `engine` holds that another engine holds too: the same KV kept twice."""
+        return sum(len(node.holders) > 1 for node in set(self.held.get(engine, {}).values()))
 
     def _stored(self, engine: str, event: dict) -> None:
         """vLLM may store several chained blocks in one event: their tokens, block after block."""

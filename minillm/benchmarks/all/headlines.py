@@ -82,6 +82,48 @@ def tiers_headlines(r: dict) -> list[Headline]:
     ]
 
 
+def fleet_headlines(r: dict) -> list[Headline]:
+    """`bench fleet`: the store's TTFT, the step beside a slow store, the router at each load."""
+    rows: list[Headline] = []
+    if "store" in r:
+        store, tokens = r["store"], r["store"]["prefix_tokens"]
+        rows += [
+            (f"TTFT, a {tokens}-token prefix on engine B: {name}", store[f"{key}_s"]["median"], "s")
+            for name, key in (
+                ("recomputed", "recompute"),
+                ("read from the store", "store"),
+                ("at home", "home"),
+            )
+        ]
+        rows.append(
+            (
+                f"TTFT, a {tokens}-token prefix: recompute / store",
+                store["recompute_over_store"]["median"],
+                "x",
+            )
+        )
+    if "step" in r:
+        rows.append(("median decode step, store 50 ms away / no store", r["step"]["slow_over_none"], "x"))
+    for load, numbers in r.get("router", {}).items():
+        means = numbers["means"]
+        for store in ("off", "on"):
+            kv, rr = means[f"store {store}, kv"], means[f"store {store}, round-robin"]
+            at = f"{load} load, store {store}"
+            rows += [
+                (f"{at}: prefix hit rate, router", 100 * kv["prefix_hit_rate"], "%"),
+                (f"{at}: prefix hit rate, round-robin", 100 * rr["prefix_hit_rate"], "%"),
+                (
+                    f"{at}: prefix hit rate, router / round-robin",
+                    kv["prefix_hit_rate"] / rr["prefix_hit_rate"],
+                    "x",
+                ),
+                (f"{at}: goodput, router", 100 * kv["goodput"], "%"),
+                (f"{at}: goodput, round-robin", 100 * rr["goodput"], "%"),
+                (f"{at}: goodput, router / round-robin", kv["goodput"] / rr["goodput"], "x"),
+            ]
+    return rows
+
+
 def memory_headlines(r: dict) -> list[Headline]:
     rows = r["rows"]
     tok_s = [(f"{row['label']}: output", row["output_tok_s"], "tok/s") for row in rows.values()]

@@ -9,11 +9,13 @@ again, and a step that never waits for the store.
    prompt; and A, asked again, finds the prefix in its own cache (the request a KV-aware router
    sends home). Each a fresh prefix per repeat, fp32 and greedy: B's answer must equal C's token
    for token (the store's bytes are the pool's bytes).
-2. **The step never waits on the store.** One engine in this process steps a stream of requests
-   whose prompts the store does not hold (every fetch misses, every full block is written) against
-   a store behind `delay_proxy`, which holds every reply `delay_s`, and against no store at all; the
-   configurations alternate, the median step of each is compared. What the store costs a step is
-   only what the engine thread does for it: queue a write, install blocks that came back.
+2. **The step never waits on the store.** One engine in this process decodes a few streams while
+   new prompts arrive, each answered with one token: each asks the store for its blocks (which it
+   does not hold: a miss), waits in the queue, is prefilled, and has its blocks written. Against a
+   store behind `delay_proxy`, which holds every reply `delay_s`, and against no store at all,
+   alternating; compared: the median of the steps that only decoded the streams, the same work in
+   both. What the store may cost such a step is what the engine thread does for it (queue a
+   write) and what the store's threads take from it (the worker, the proxy in this process).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from minillm.benchmarks.workload import Prose
 from minillm.config import ConfigError, EngineConfig
 from minillm.engine import LLMEngine, SamplingParams
 from minillm.tokenizer import Tokenizer
-from minillm.weights import load_model
+from minillm.weights import load_model_for
 
 ANSWER_TOKENS = 16  # each answer's greedy tokens, compared between B and C
 QUESTION_TOKENS = 24
@@ -108,44 +110,55 @@ def _block_size(endpoint: Endpoint) -> int:
 # ----------------------------------------------------------------------------- the step and a slow store
 
 
-def _stream_of_requests(
-    engine: LLMEngine, prompts: list[list[int]], every: int, max_tokens: int
+def _decode_steps(
+    engine: LLMEngine, streams: list[list[int]], arrivals: list[list[int]], sizes: dict
 ) -> list[float]:
-    """Add a prompt every `every` steps and step until all are answered; the seconds of each step
-    that ran a forward pass (a step that only waited for fetches is not a step)."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    pending, seconds, calls = list(prompts), [], 0
+    """`streams` decode `sizes["stream_tokens"]` tokens each; while they do, a prompt of `arrivals`
+    comes every `sizes["every"]` steps and is answered with one token (it asks the store for its
+    blocks, waits, is prefilled, writes its blocks). The seconds of each step that only decoded the
+    streams: the same work with a store and without."""
+    for prompt in streams:
+        engine.add_request(prompt, SamplingParams(max_tokens=sizes["stream_tokens"], ignore_eos=True))
+    pending, seconds, calls = list(arrivals), [], 0
     while pending or engine.has_unfinished_requests():
-        if pending and calls % every == 0:
-            engine.add_request(pending.pop(0), params)
+        if pending and calls % sizes["every"] == 0:
+            engine.add_request(pending.pop(0), SamplingParams(max_tokens=1))
         calls += 1
         steps, start = engine.stats.steps, time.perf_counter()
         engine.step()
-        if engine.stats.steps > steps:
-            seconds.append(time.perf_counter() - start)
+        took = time.perf_counter() - start
+        batch = engine.stats.batches[-1] if engine.stats.steps > steps else []
+        if len(batch) == len(streams) and all(tokens == 1 for _, tokens in batch):
+            seconds.append(took)
     return seconds
 
 
 def step_with_slow_store(model_dir, store_url: str, delay_s: float, sizes: dict) -> dict:
-    """Median step time with no store, and with the store behind a proxy delaying every reply by
-    `delay_s`, alternating `sizes["repeats"]` times; fresh prompts each run (the store misses)."""
+    """Median decode step with no store, and with the store behind a proxy delaying every reply by
+    `delay_s`, alternating `sizes["repeats"]` times; fresh prompts each run (the store misses, and
+    every arrival's blocks are written)."""
     torch.set_num_threads(1)
-    model, tokenizer = load_model(model_dir), Tokenizer(model_dir)
+    served = {"dtype": "auto", "weights": "auto", "prefix_caching": True}  # as `minillm serve` runs
+    model, tokenizer = load_model_for(EngineConfig(model_dir=model_dir, **served)), Tokenizer(model_dir)
     prose, rng = Prose(tokenizer), random.Random(1)
     host, port = store_url.removeprefix("redis://").rsplit(":", 1)
-    steps: dict[str, list[float]] = {"no store": [], f"store +{delay_s * 1000:g} ms": []}
+    slow = f"store +{delay_s * 1000:g} ms"
+    steps: dict[str, list[float]] = {"no store": [], slow: []}
     with delay_proxy(int(port), delay_s, host) as proxy_port:
-        urls = {"no store": None, f"store +{delay_s * 1000:g} ms": f"redis://127.0.0.1:{proxy_port}"}
+        urls = {"no store": None, slow: f"redis://127.0.0.1:{proxy_port}"}
         for _ in range(sizes["repeats"]):
             for name, url in urls.items():
-                engine = LLMEngine(EngineConfig(prefix_caching=True, remote_kv=url), model, tokenizer)
-                prompts = [prose.cut(sizes["prompt_tokens"], rng) for _ in range(sizes["requests"])]
-                steps[name] += _stream_of_requests(engine, prompts, sizes["every"], sizes["max_tokens"])
+                config = EngineConfig(model_dir=model_dir, remote_kv=url, **served)
+                engine = LLMEngine(config, model, tokenizer)
+                streams = [prose.cut(sizes["stream_prompt"], rng) for _ in range(sizes["streams"])]
+                count = sizes["stream_tokens"] // sizes["every"]
+                arrivals = [prose.cut(sizes["prompt_tokens"], rng) for _ in range(count)]
+                steps[name] += _decode_steps(engine, streams, arrivals, sizes)
     medians = {name: statistics.median(values) for name, values in steps.items()}
-    base, slow = medians.values()
     return {
         "delay_s": delay_s,
+        "streams": sizes["streams"],
         "steps": {name: len(values) for name, values in steps.items()},
         "median_step_ms": {name: 1000 * value for name, value in medians.items()},
-        "slow_over_none": slow / base,
+        "slow_over_none": medians[slow] / medians["no store"],
     }

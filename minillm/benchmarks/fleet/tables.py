@@ -28,7 +28,7 @@ def print_store(store: dict, console) -> None:
     console.print(
         f"Through the store B answered first {ratio:.1f}x sooner than recomputing "
         f"({'meets' if ratio >= STORE_TARGET else 'misses'} the {STORE_TARGET:g}x target), reading "
-        f"{mib(store['bytes_read'])} from the store; greedy fp32 answers "
+        f"{mib(store['bytes_read'])} MiB from the store; greedy fp32 answers "
         f"{'identical' if store['identical'] else 'DIFFER'}."
     )
 
@@ -44,32 +44,62 @@ def print_step(step: dict, console) -> None:
 
 
 def print_router(report: dict, console) -> None:
-    means = report["router"]["means"]
-    rows = [
-        [
-            name,
-            f"{m['goodput']:.0%}",
-            f"{m['prefix_hit_rate']:.0%}",
-            _ms(m["ttft_p50_s"]),
-            _ms(m["ttft_p99_s"]),
-            f"{m['store_blocks_read']:.0f}",
-            f"{m['errors']:.0f}",
+    engines = report["sizes"]["engines"]
+    for load, numbers in report["router"].items():
+        means, rate = numbers["means"], numbers["fleet_rate"]
+        rows = [
+            [
+                name,
+                f"{m['goodput']:.0%}",
+                f"{m['prefix_hit_rate']:.0%}",
+                _ms(m["ttft_p50_s"]),
+                _ms(m["ttft_p99_s"]),
+                f"{m['store_blocks_read']:.0f}",
+                f"{m['errors']:.0f}",
+            ]
+            for name, m in means.items()
         ]
-        for name, m in means.items()
-    ]
-    engines, rate = report["sizes"]["engines"], report["fleet_rate"]
-    title = f"{engines} engines at {rate:.2f} requests/s (mean over held-out seeds)"
-    columns = ["fleet", "goodput", "prefix hit rate", "TTFT p50 ms", "TTFT p99 ms", "store blocks", "errors"]
-    print_table(console, title, columns, rows)
-    for store in ("off", "on"):
-        kv, rr = means.get(f"store {store}, kv"), means.get(f"store {store}, round-robin")
-        if kv and rr:
-            hits = kv["prefix_hit_rate"] / rr["prefix_hit_rate"] if rr["prefix_hit_rate"] else float("inf")
-            good = kv["goodput"] / rr["goodput"] if rr["goodput"] else float("inf")
-            console.print(
-                f"Store {store}: the KV-aware router's hit rate is x{hits:.2f} round-robin's and its "
-                f"goodput x{good:.2f} (targets x{HIT_TARGET:g} and x{GOODPUT_TARGET:g} with the store off)."
-            )
+        where = f"load: one engine's goodput {load} at 1/{engines} of it" if load != "given" else "rate given"
+        title = f"{engines} engines at {rate:.2f} requests/s ({where}; mean over held-out seeds)"
+        columns = [
+            "fleet",
+            "goodput",
+            "prefix hit rate",
+            "TTFT p50 ms",
+            "TTFT p99 ms",
+            "store blocks",
+            "errors",
+        ]
+        print_table(console, title, columns, rows)
+        _lookups(means, console)
+        for store in ("off", "on"):
+            kv, rr = means.get(f"store {store}, kv"), means.get(f"store {store}, round-robin")
+            if kv and rr:
+                console.print(
+                    f"Store {store}: the KV-aware router's hit rate is x{_ratio(kv, rr, 'prefix_hit_rate')} "
+                    f"round-robin's and its goodput x{_ratio(kv, rr, 'goodput')} (targets "
+                    f"x{HIT_TARGET:g} and x{GOODPUT_TARGET:g} with the store off; round-robin's goodput "
+                    f"caps the second at x{1 / rr['goodput']:.2f})."
+                    if rr["goodput"]
+                    else f"Store {store}: round-robin served no request within its SLOs."
+                )
+
+
+def _lookups(means: dict, console) -> None:
+    """Why the prefix cache's hits ended where they did, per fleet (`PrefixMiss` causes)."""
+    rows = []
+    for name, m in means.items():
+        causes = m["lookups"]
+        total = sum(causes.values()) or 1
+        rows.append(
+            [name, *(f"{causes.get(c, 0) / total:.0%}" for c in ("hit", "diverged", "evicted", "new"))]
+        )
+    columns = ["fleet", "every block hit", "diverged", "evicted", "new"]
+    print_table(console, "Why each prompt's prefix hit ended where it did (share of lookups)", columns, rows)
+
+
+def _ratio(kv: dict, rr: dict, key: str) -> str:
+    return f"{kv[key] / rr[key]:.2f}" if rr[key] else "inf"
 
 
 def print_fleet_report(report: dict, console) -> None:
