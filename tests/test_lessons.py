@@ -6,6 +6,7 @@ claims checked hold exactly (token ids, counts, bytes) or by a wide margin (a 3x
 a tight timing."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 LESSONS = Path(__file__).parent.parent / "lessons"
+NO_REDIS = "lesson 16 runs a real Redis server: apt-get install redis-server (CI installs it)"
 
 
 def run_lesson(name: str, out: Path) -> dict:
@@ -172,6 +174,16 @@ def check_life_of_a_block(numbers):
     assert fixed["diverged_at"] > trapped["diverged_at"]
 
 
+def check_memory_across_processes(numbers):
+    store, runs = numbers["store"], numbers["runs"]
+    # the store's bytes are the pool's: the same greedy tokens; reading beats recomputing, home beats both
+    assert store["identical"] and store["bytes_read"] > 0
+    assert store["home_s"]["median"] < store["store_s"]["median"] < store["recompute_s"]["median"]
+    assert runs["kv"]["errors"] == runs["round-robin"]["errors"] == 0
+    assert runs["kv"]["prefix_hit_rate"] >= runs["round-robin"]["prefix_hit_rate"]
+    assert len(numbers["pictures"]["kv"]["seconds"]) > 1
+
+
 @pytest.mark.parametrize(
     "name, makes_plot, check",
     [
@@ -190,6 +202,12 @@ def check_life_of_a_block(numbers):
         ("13_memory_system", True, check_memory_system),
         ("14_speculation", True, check_speculation),
         ("15_life_of_a_block", True, check_life_of_a_block),
+        pytest.param(
+            "16_memory_across_processes",
+            True,
+            check_memory_across_processes,
+            marks=pytest.mark.skipif(not shutil.which("redis-server"), reason=NO_REDIS),
+        ),
     ],
 )
 def test_lesson_runs_saves_and_its_claim_holds(name, makes_plot, check, real_dir, tmp_path):
