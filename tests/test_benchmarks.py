@@ -11,6 +11,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -1085,3 +1086,20 @@ def test_bench_open_names_a_missing_gguf_in_one_line(capsys, tmp_path):
     assert main(["bench", "open", "--gguf", str(tmp_path / "none.gguf")]) == 2
     err = capsys.readouterr().err
     assert "none.gguf is not there" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(
+    not shutil.which("redis-server"), reason="bench fleet runs redis-server: apt-get install redis-server"
+)
+def test_bench_fleet_times_the_step_beside_a_slow_store(capsys, real_dir):
+    """Part 2 of `bench fleet` alone, at --quick: decode steps counted on both sides, a finite ratio."""
+    report = run_json(capsys, "bench", "fleet", "--parts", "step", "--quick", "--json", "--model", real_dir)
+    step = report["step"]
+    assert set(report) >= {"step", "sizes"} and "store" not in report and "router" not in report
+    assert all(count > 0 for count in step["steps"].values()) and len(step["steps"]) == 2
+    assert 0 < step["slow_over_none"] < 10 and step["delay_s"] == 0.05
+
+
+def test_bench_fleet_refuses_to_record_a_quick_run(capsys):
+    assert main(["bench", "fleet", "--quick", "--record"]) != 0
+    assert "--record" in capsys.readouterr().err

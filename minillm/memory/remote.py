@@ -228,7 +228,8 @@ class _Store:
         self._warned: set[str] = set()  # kinds of refusal already warned of
         self.counters = Counter(dict.fromkeys((*STORE_COUNTERS, "stale_writes", "skipped_writes"), 0))
         self.refused = Counter(dict.fromkeys(REFUSALS, 0))
-        threading.Thread(target=self._run, name="minillm-remote-kv", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="minillm-remote-kv", daemon=True)
+        self._thread.start()
 
     # ---------------------------------------------------------------- the engine thread
     def available(self) -> bool:
@@ -256,9 +257,13 @@ class _Store:
         return True
 
     def close(self) -> None:
+        """Stop the worker, and wait for it to leave what it was doing (a copy out of the pool, a
+        command): a daemon thread still inside torch when the interpreter exits aborts the process."""
         with self._wake:
             self._closed = True
             self._wake.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=SOCKET_TIMEOUT_S + 1.0)
 
     # ---------------------------------------------------------------- the worker thread
     def _run(self) -> None:

@@ -25,8 +25,7 @@ import random
 import statistics
 import time
 
-import torch
-
+from minillm.benchmarks import torch_threads
 from minillm.benchmarks.delay_proxy import delay_proxy
 from minillm.benchmarks.fleet.processes import engines
 from minillm.benchmarks.http_client import Endpoint, model_name
@@ -137,7 +136,21 @@ def step_with_slow_store(model_dir, store_url: str, delay_s: float, sizes: dict)
     """Median decode step with no store, and with the store behind a proxy delaying every reply by
     `delay_s`, alternating `sizes["repeats"]` times; fresh prompts each run (the store misses, and
     every arrival's blocks are written)."""
-    torch.set_num_threads(1)
+    with torch_threads(1):  # one thread, as each engine of the fleet
+        steps = _alternated(model_dir, store_url, delay_s, sizes)
+    slow = next(name for name in steps if name != "no store")
+    medians = {name: statistics.median(values) for name, values in steps.items()}
+    return {
+        "delay_s": delay_s,
+        "streams": sizes["streams"],
+        "steps": {name: len(values) for name, values in steps.items()},
+        "median_step_ms": {name: 1000 * value for name, value in medians.items()},
+        "slow_over_none": medians[slow] / medians["no store"],
+    }
+
+
+def _alternated(model_dir, store_url: str, delay_s: float, sizes: dict) -> dict[str, list[float]]:
+    """The decode steps' seconds with no store and with the slow one, the two alternating."""
     served = {"dtype": "auto", "weights": "auto", "prefix_caching": True}  # as `minillm serve` runs
     model, tokenizer = load_model_for(EngineConfig(model_dir=model_dir, **served)), Tokenizer(model_dir)
     prose, rng = Prose(tokenizer), random.Random(1)
@@ -154,11 +167,4 @@ def step_with_slow_store(model_dir, store_url: str, delay_s: float, sizes: dict)
                 count = sizes["stream_tokens"] // sizes["every"]
                 arrivals = [prose.cut(sizes["prompt_tokens"], rng) for _ in range(count)]
                 steps[name] += _decode_steps(engine, streams, arrivals, sizes)
-    medians = {name: statistics.median(values) for name, values in steps.items()}
-    return {
-        "delay_s": delay_s,
-        "streams": sizes["streams"],
-        "steps": {name: len(values) for name, values in steps.items()},
-        "median_step_ms": {name: 1000 * value for name, value in medians.items()},
-        "slow_over_none": medians[slow] / medians["no store"],
-    }
+    return steps
