@@ -67,7 +67,7 @@ SETTINGS = {
         "sched_requests": 40,
     },
     "quick": {
-        "bench_requests": 8,
+        "bench_requests": 6,
         "busy_requests": 6,
         "busy_system_tokens": 48,
         "busy_device_blocks": 16,
