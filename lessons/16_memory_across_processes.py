@@ -39,7 +39,7 @@ from minillm.tracing import read_trace  # noqa: E402
 
 SETTINGS = {
     "default": {"prefix_tokens": 1000, "repeats": 2, "requests": 40, "rate": 2.0},
-    "quick": {"prefix_tokens": 256, "repeats": 1, "requests": 16, "rate": 4.0},
+    "quick": {"prefix_tokens": 256, "repeats": 1, "requests": 12, "rate": 4.0},
 }
 SAMPLE_S = 0.25  # the picture's time step
 NO_SLO = {

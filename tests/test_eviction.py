@@ -123,10 +123,11 @@ def test_exactly_the_budget_is_kept_and_the_rest_given_back(tiny_dir, tiny_model
     evicted = False
     while engine.has_unfinished_requests():
         engine.step()
+        tables = {view.seq_id: view.table for view in engine.snapshot().sequences}  # one snapshot a step
         for seq in engine.scheduler.running:
             keep = budget_for(budget, seq.max_len)
             assert seq.num_cached == min(keep, seq.num_computed)
-            table = next(view.table for view in engine.snapshot().sequences if view.seq_id == seq.seq_id)
+            table = tables[seq.seq_id]
             assert len(table) == engine.kv_cache.capacity().blocks_for(seq.num_cached)
             if policy == "h2o":
                 mass, _ = engine.kv_cache.eviction_state(seq.seq_id)

@@ -30,10 +30,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _stop(child: subprocess.Popen) -> None:
-    """SIGTERM, then SIGKILL if it has not gone within 30 s."""
-    if child.poll() is None:
-        child.terminate()
+def _stop(*children: subprocess.Popen) -> None:
+    """SIGTERM to all at once (they shut down side by side), then SIGKILL to any still there 30 s on."""
+    for child in children:
+        if child.poll() is None:
+            child.terminate()
+    for child in children:
         try:
             child.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -42,14 +44,20 @@ def _stop(child: subprocess.Popen) -> None:
 
 
 @contextmanager
-def _child(argv: list[str], what: str) -> Iterator[tuple[subprocess.Popen, object]]:
-    """`argv` running, its output going to a file (a pipe nobody reads would stop it once full)."""
-    with tempfile.TemporaryFile() as log:
-        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+def _children(argvs: list[list[str]]) -> Iterator[list[tuple[subprocess.Popen, object]]]:
+    """Each argv running, its output going to a file of its own (a pipe nobody reads would stop it
+    once full); all stopped together when the block ends."""
+    with ExitStack() as logs:
+        started = []
         try:
-            yield child, log
+            for argv in argvs:
+                log = logs.enter_context(tempfile.TemporaryFile())
+                started.append(
+                    (subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ}), log)
+                )
+            yield started
         finally:
-            _stop(child)
+            _stop(*(child for child, _ in started))
 
 
 def _last_words(log) -> str:
@@ -103,7 +111,7 @@ def redis_server(maxmemory_mib: int = 0) -> Iterator[str]:
     if maxmemory_mib:
         argv += ["--maxmemory", f"{maxmemory_mib}mb", "--maxmemory-policy", "allkeys-lru"]
     url = f"redis://127.0.0.1:{port}"
-    with _child(argv, "redis-server") as (child, log):
+    with _children([argv]) as [(child, log)]:
         _wait_until(lambda: redis_ping(url), child, log, "redis-server", time.monotonic() + START_S)
         yield url
 
@@ -112,19 +120,19 @@ def redis_server(maxmemory_mib: int = 0) -> Iterator[str]:
 def engines(count: int, serve_args: list[str], trace_dir: Path | None = None) -> Iterator[list[Endpoint]]:
     """`count` `minillm serve` children with the same flags, started together; with `trace_dir`,
     engine i writes its KV events to engine-i.jsonl there (`--trace`)."""
-    with ExitStack() as stack:
-        started = []
-        for index in range(count):
-            endpoint = Endpoint("127.0.0.1", free_port())
-            argv = [sys.executable, "-m", "minillm.cli", "serve", "--port", str(endpoint.port)]
-            argv += ["--log-level", "warning", *serve_args]
-            if trace_dir is not None:
-                argv += ["--trace", str(Path(trace_dir) / f"engine-{index}.jsonl")]
-            started.append((endpoint, *stack.enter_context(_child(argv, "minillm serve"))))
+    endpoints = [Endpoint("127.0.0.1", free_port()) for _ in range(count)]
+    argvs = []
+    for index, endpoint in enumerate(endpoints):
+        argv = [sys.executable, "-m", "minillm.cli", "serve", "--port", str(endpoint.port)]
+        argv += ["--log-level", "warning", *serve_args]
+        if trace_dir is not None:
+            argv += ["--trace", str(Path(trace_dir) / f"engine-{index}.jsonl")]
+        argvs.append(argv)
+    with _children(argvs) as started:
         deadline = time.monotonic() + START_S
-        for endpoint, child, log in started:
+        for endpoint, (child, log) in zip(endpoints, started):
             _wait_until(_http_answers(endpoint), child, log, "minillm serve", deadline)
-        yield [endpoint for endpoint, *_ in started]
+        yield endpoints
 
 
 @contextmanager
@@ -135,6 +143,6 @@ def router(backends: list[Endpoint], policy: str, model_dir) -> Iterator[Endpoin
     argv += ["--model", str(model_dir)]
     for backend in backends:
         argv += ["--engine", backend.url]
-    with _child(argv, "minillm route") as (child, log):
+    with _children([argv]) as [(child, log)]:
         _wait_until(_http_answers(endpoint), child, log, "minillm route", time.monotonic() + START_S)
         yield endpoint
