@@ -26,9 +26,18 @@ from minillm.serve.limits import ServeLimits
 @contextmanager
 def running_server(engine_loop: EngineLoop, limits: ServeLimits = ServeLimits(), **app_options):
     """The base URL of a server for `engine_loop` (served as "tiny") until the block ends."""
-    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on
     app = build_app(engine_loop, "tiny", limits=limits, **app_options)
-    server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning"))
+    with running_app(uvicorn_config(app, limits, log_level="warning")) as url:
+        yield url
+    assert not engine_loop.thread.is_alive(), "the app's lifespan did not stop the engine thread"
+
+
+@contextmanager
+def running_app(config: uvicorn.Config):
+    """Any app uvicorn serves (`config`: the app and its settings) on a free port of 127.0.0.1, in a
+    thread: its base URL until the block ends."""
+    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -41,7 +50,6 @@ def running_server(engine_loop: EngineLoop, limits: ServeLimits = ServeLimits(),
         server.should_exit = True
         thread.join(timeout=30)
         assert not thread.is_alive(), "uvicorn did not stop within 30 s"
-        assert not engine_loop.thread.is_alive(), "the app's lifespan did not stop the engine thread"
 
 
 class Answer(NamedTuple):

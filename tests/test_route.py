@@ -24,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from helpers import tiny_with_real_tokenizer
-from serving import fetch, read_all, running_server
+from serving import fetch, read_all, running_app, running_server
 
 from minillm.cli import main
 from minillm.config import EngineConfig
@@ -74,30 +74,16 @@ def engines(model_dir):
         yield [first, second]
 
 
-@contextmanager
-def running_app(app: FastAPI):
-    """Any ASGI app on a free port in a thread (a router, a stub engine): its base URL."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "uvicorn did not stop within 30 s"
+def served(app: FastAPI):
+    """Any ASGI app (a router, a stub engine) on a free port in a thread: its base URL."""
+    return running_app(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
 
 
 @contextmanager
 def running_router(urls, tokenizer, wait_for_feeds=True, **options):
     """(URL, Router) of a router over `urls`; by default once every feed has joined."""
     router = Router(urls, tokenizer, **options)
-    with running_app(build_app(router)) as url:
+    with served(build_app(router)) as url:
         if wait_for_feeds:
             wait_until(lambda: not any(metrics(url)["feed_lagging"].values()), "the feeds did not join")
         yield url, router
@@ -315,7 +301,7 @@ def stub_engine(stream_behaviour: str) -> FastAPI:
 
 @pytest.mark.parametrize("behaviour", ["hang up", "stall"])
 def test_a_stream_broken_midway_ends_with_an_error_event_and_done(tokenizer, behaviour):
-    with running_app(stub_engine(behaviour)) as stub:
+    with served(stub_engine(behaviour)) as stub:
         with running_router([stub], tokenizer, read_timeout=1.0) as (url, _):
             body = {"model": "tiny", "prompt": "Hello", "max_tokens": 8, "stream": True}
             answer = fetch(url + "/v1/completions", json.dumps(body), JSON, timeout=10)
@@ -355,7 +341,7 @@ def test_a_feed_silent_after_a_request_lags(engines, tokenizer):
     """An engine whose feed joined, took a request that computes new blocks, and says nothing of it:
     after lag_s the router stops trusting the index."""
     complete(engines[1], SHARED * 2)  # a block stored: the router learns the block size from its events
-    with running_app(stub_engine("stall")) as stub:
+    with served(stub_engine("stall")) as stub:
         with running_router([stub, engines[1]], tokenizer, lag_s=0.3) as (url, router):
             wait_until(lambda: router.index.block_size is not None, "no block size heard")
             prompt = "Nothing in any cache yet: a prompt of several blocks for the silent engine. " * 3
