@@ -21,6 +21,7 @@ from minillm.benchmarks.delay_proxy import delay_proxy
 from minillm.config import ConfigError
 from minillm.engine import LLM, SamplingParams
 from minillm.memory import remote
+from minillm.memory.remote_values import HEADER
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.metrics import metric_values, parse_metrics, prometheus
 from minillm.weights import load_model
@@ -75,8 +76,8 @@ def stored_value(client, tokens: list[int]) -> tuple[bytes, bytes]:
     """(key, value) of the stored block holding `tokens`, found by its header."""
     for key in client.keys(b"minillm:kv:*"):
         value = client.get(key)
-        count = remote.HEADER.unpack_from(value)[4]
-        if list(struct.unpack_from(f"<{count}i", value, remote.HEADER.size)) == tokens:
+        count = HEADER.unpack_from(value)[4]
+        if list(struct.unpack_from(f"<{count}i", value, HEADER.size)) == tokens:
             return key, value
     raise AssertionError(f"no stored block holds {tokens}")
 
@@ -142,7 +143,7 @@ def test_a_damaged_block_is_refused_and_recomputed(tiny_dir, tiny_model, store, 
     written(first, 9)
     client = store.client()
     key, value = stored_value(client, PROMPT[3 * BLOCK : 4 * BLOCK])  # the prompt's 4th block
-    where = len(value) - 1 if damage == "checksum" else remote.HEADER.size  # a payload byte, a token id
+    where = len(value) - 1 if damage == "checksum" else HEADER.size  # a payload byte, a token id
     client.set(key, value[:where] + bytes([value[where] ^ 0x01]) + value[where + 1 :])
 
     second = engine(tiny_dir, tiny_model, store.url)
@@ -181,7 +182,7 @@ def test_another_models_blocks_are_never_read(tiny_dir, tiny_model, store, tmp_p
 
 def _holds(client, key: bytes, tokens: list[int]) -> bool:
     value = client.get(key)
-    return list(struct.unpack_from(f"<{len(tokens)}i", value, remote.HEADER.size)) == tokens
+    return list(struct.unpack_from(f"<{len(tokens)}i", value, HEADER.size)) == tokens
 
 
 def test_a_full_store_fails_writes_with_one_warning(tiny_dir, tiny_model, tmp_path, caplog):

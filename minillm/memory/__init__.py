@@ -13,6 +13,7 @@ eviction.py          keep a budget of entries per sequence: window, attention si
 rollback.py          speculation's rollback: how far a sequence may guess, its rejected guesses cut
 sessions.py          a conversation's KV parked in one file, resumed by a later run
 remote.py            RemoteKV: full prefix blocks shared by engines through a Redis server, checked
+remote_values.py     ...its keys (a sha256 chain) and values (a checked header, the stored block)
 pressure.py          the pressure ladder: reclaim, preempt, evict, cheapest first
 arena.py             the "traditional" baseline: one max-length reservation per request
 accounting.py        one place that answers: reserved, live, shared, utilization; MemorySnapshot

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from minillm.memory.remote import REFUSALS
+from minillm.memory.remote_values import REFUSALS
 from minillm.serve.engine_loop import EngineLoop
 
 
