@@ -48,6 +48,13 @@ def add_route(subparsers) -> None:
         description=ROUTE_DESCRIPTION,
         epilog=ROUTE_EXAMPLES,
     )
+    _add_engine_args(route)
+    _add_listen_args(route)
+    route.set_defaults(func=cmd_route)
+
+
+def _add_engine_args(route) -> None:
+    """What the router sits in front of, and how it routes to it."""
     route.add_argument(
         "--engine",
         action="append",
@@ -62,10 +69,6 @@ def add_route(subparsers) -> None:
         metavar="DIR",
         help="the engines' checkpoint folder (or .gguf file): only its tokenizer and chat template are "
         "loaded, to read each prompt as the engines will (default: %(default)s)",
-    )
-    route.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    route.add_argument(
-        "--port", type=whole_number(0, "a port number", 65535), default=8000, help="(default: 8000)"
     )
     route.add_argument(
         "--policy",
@@ -88,13 +91,20 @@ def add_route(subparsers) -> None:
         help="the longest wait for the next piece of an engine's answer (a request that does not "
         "stream comes whole at its end) before the request fails (default: 300)",
     )
+
+
+def _add_listen_args(route) -> None:
+    """Where the router answers clients, and what it logs."""
+    route.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    route.add_argument(
+        "--port", type=whole_number(0, "a port number", 65535), default=8000, help="(default: 8000)"
+    )
     route.add_argument(
         "--log-level",
         choices=["critical", "error", "warning", "info", "debug"],
         default="info",
         help="uvicorn's log level; info logs every request (default: info)",
     )
-    route.set_defaults(func=cmd_route)
 
 
 def engine_urls(given: list[str]) -> list[str]:
