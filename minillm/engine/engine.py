@@ -291,7 +291,7 @@ class LLMEngine:
         self._carry_out(chosen)  # forks join, finished sequences leave
         step_seconds = time.perf_counter() - forward.started
         live = self.scheduler.cached_entries()
-        memory, rungs = self.kv_cache.end_step(ran, forward.seconds, step_seconds, live)
+        memory, rungs = self.kv_cache.end_step(ran, forward.seconds, step_seconds, live, self.scheduler.queue)
         self.stats.record(schedule, checked.appended + chosen.appended, evicted, memory, rungs)
         return self._outputs_of(list(dict.fromkeys(checked.changed + chosen.changed)))  # 6.
 

@@ -155,6 +155,10 @@ class Scheduler:
     def unfinished(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
 
+    def queue(self) -> list[tuple[int, str]]:
+        """(seq_id, request_id) of each waiting sequence, in the queue's order."""
+        return [(seq.seq_id, seq.request_id) for seq in self.waiting]
+
     # ----------------------------------------------------------------- one step
     def schedule(self) -> Schedule:
         """This step's sequences and token counts. If nothing could be scheduled while requests wait
@@ -286,7 +290,9 @@ class Scheduler:
             return False
         for seq in reversed(self.waiting):
             if seq.seq_id in holders:
-                self.kv_cache.preempt(seq.seq_id, seq.num_computed, {seq.seq_id: seq.num_computed})
+                self.kv_cache.preempt(
+                    seq.seq_id, seq.num_computed, {seq.seq_id: seq.num_computed}, keep.seq_id
+                )
                 if not self.kv_cache.holding(seq.seq_id).has_table:
                     seq.forget_cache()
                 return True
@@ -354,7 +360,8 @@ class Scheduler:
                 and s.seq_id not in self._scheduled_ids
                 and (s is seq or s is not protect)
             }
-        left = set(self.kv_cache.preempt(seq.seq_id, seq.num_computed, group))
+        for_seq = protect.seq_id if protect is not None else -1
+        left = set(self.kv_cache.preempt(seq.seq_id, seq.num_computed, group, for_seq))
         victims = [s for s in self.running if s.seq_id in left]
         for victim in victims:
             self.running.remove(victim)

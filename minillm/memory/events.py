@@ -18,7 +18,9 @@ The block manager and the prefix cache tell every change of a block's life to wh
     Truncated      a table was cut back (speculation's rollback, eviction's shrink)
     Freed          a sequence let go of its table; blocks nobody holds wait in the cached LRU
     Uncached       a block's prefix-cache entry is gone (reused, rewritten, or an ancestor went)
-    Step           the engine finished a step: who ran, how many tokens, how many entries read
+    Preempted      sequences left the device for want of blocks: by swap (tables kept) or recompute
+    Step           the engine finished a step: who ran, how many tokens, how many entries read, and
+                   who waits in the queue
 
 A subscriber is any callable `(step, event)`. Subscribing first hands it a `Snapshot` of the state
 now (pool sizes, every table, every cached block), so it can follow from any moment on. With
@@ -167,18 +169,31 @@ class Uncached(Event):
 
 
 @dataclass(frozen=True, slots=True)
+class Preempted(Event):
+    """`seq_ids` left the device to make room (`how`: "swap" keeps their tables in a slower tier,
+    "recompute" frees them); `for_seq`: the running sequence the room was for, or -1 when the room
+    was for the queue (nothing could run)."""
+
+    seq_ids: tuple[int, ...]
+    how: str
+    for_seq: int
+
+
+@dataclass(frozen=True, slots=True)
 class Step(Event):
     """`sequences`: (seq_id, request_id, tokens computed, KV entries attention read) of each
-    sequence that ran; `seconds`: the step's time."""
+    sequence that ran; `seconds`: the step's time; `waiting`: (seq_id, request_id) of the queue,
+    in its order (empty in traces written before it was recorded)."""
 
     seconds: float
     sequences: tuple[tuple[int, str, int, int], ...]
+    waiting: tuple[tuple[int, str], ...] = ()
 
 
 EVENT_TYPES = {
     cls.__name__: cls
     for cls in (Snapshot, Allocated, Reused, Filled, Registered, BroughtBack, Hit, Forked, CopiedOnWrite)
-    + (SwappedOut, SwappedIn, Spilled, EntriesEvicted, Truncated, Freed, Uncached, Step)
+    + (SwappedOut, SwappedIn, Spilled, EntriesEvicted, Truncated, Freed, Uncached, Preempted, Step)
 }
 
 
@@ -196,12 +211,15 @@ def _tuples(value):
 
 
 def event_from_json(record: dict) -> Event:
-    """The event a `to_json` dict (read back from JSON) describes; extra keys are ignored."""
+    """The event a `to_json` dict (read back from JSON) describes; extra keys are ignored, a
+    missing field with a default (one added since the file was written) takes it."""
     cls = EVENT_TYPES.get(record.get("type"))
     if cls is None:
         raise ValueError(f"not a KV event: {str(record)[:80]}")
     fields = {}
     for field in dataclasses.fields(cls):
+        if field.name not in record and field.default is not dataclasses.MISSING:
+            continue
         value = record[field.name]
         if field.name == "tables":
             value = {int(seq_id): tuple(table) for seq_id, table in value.items()}

@@ -53,7 +53,7 @@ import torch
 from minillm.config import EngineConfig, ModelConfig
 from minillm.memory.accounting import MemorySnapshot, MemoryStats, paged_stats, take_snapshot
 from minillm.memory.block_manager import BlockManager
-from minillm.memory.events import EntriesEvicted, Step, Subscriber
+from minillm.memory.events import EntriesEvicted, Preempted, Step, Subscriber
 from minillm.memory.eviction import Evictor
 from minillm.memory.prefix_cache import PrefixMiss
 from minillm.memory.pressure import PressureLadder
@@ -291,21 +291,25 @@ class KVCacheManager:
         self._counters["recomputed_tokens"] += num_computed
 
     # ---------------------------------------------------------------- making room (the ladder's rung 3)
-    def preempt(self, victim: int, num_computed: int, swap_group: dict[int, int]) -> list[int]:
-        """Take `victim` (`num_computed` tokens) off the device. `swap_group`: seq_id -> tokens
-        computed, of the sequences that would leave with it by swap (its request's running ones,
-        which share blocks; empty if the victim holds none). By swap, when a tier can take their
-        device blocks and the policy or the cost model prefers it, the group moves to the host (or
-        disk) and keeps its tables; otherwise the victim alone is freed, to be recomputed.
-        Returns the sequences that left."""
+    def preempt(
+        self, victim: int, num_computed: int, swap_group: dict[int, int], for_seq: int = -1
+    ) -> list[int]:
+        """Take `victim` (`num_computed` tokens) off the device, to make room for `for_seq` (-1: for
+        the queue). `swap_group`: seq_id -> tokens computed, of the sequences that would leave with
+        it by swap (its request's running ones, which share blocks; empty if the victim holds none).
+        By swap, when a tier can take their device blocks and the policy or the cost model prefers
+        it, the group moves to the host (or disk) and keeps its tables; otherwise the victim alone
+        is freed, to be recomputed. Returns the sequences that left."""
         if swap_group and self._ladder.prefers_swap(list(swap_group), sum(swap_group.values())):
             self._moves.swap_out(list(swap_group))
             self._counters["swapped_out"] += len(swap_group)
-            left = list(swap_group)
+            left, how = list(swap_group), "swap"
         else:
             self._forget(victim, num_computed)
-            left = [victim]
+            left, how = [victim], "recompute"
         self._ladder.took("preempt", len(left))
+        if self._events:
+            self._events.emit(Preempted(tuple(left), how, for_seq))
         return left
 
     # ---------------------------------------------------------------- copies and the forward pass
@@ -398,17 +402,19 @@ class KVCacheManager:
         forward_seconds: float,
         seconds: float,
         live: dict[int, int],
+        queue: Callable[[], list[tuple[int, str]]] = list,
     ) -> tuple[MemoryStats, dict[str, int]]:
         """The step is over. `ran`: (seq_id, request_id, tokens computed, KV entries attention read)
         of each sequence in its forward pass, which took `forward_seconds` of the step's `seconds`;
-        `live`: seq_id -> KV entries each running sequence stores now. The cost model learns the
-        prefill rate from the pass, a `Step` event tells who ran (if anybody listens). Returns the
+        `live`: seq_id -> KV entries each running sequence stores now; `queue()`: (seq_id,
+        request_id) of the waiting, asked only if somebody listens. The cost model learns the
+        prefill rate from the pass, a `Step` event tells who ran and who waits. Returns the
         memory's numbers now and this step's rungs of the pressure ladder, in ladder order."""
         if self._prefill:
             tokens = sum(num_tokens for _, _, num_tokens, _ in ran)
             self._prefill.record_forward(tokens, len(ran), forward_seconds)
         if self._events:
-            self._events.emit(Step(seconds, tuple(ran)))
+            self._events.emit(Step(seconds, tuple(ran), tuple(queue())))
         stats = paged_stats(self._blocks, live, self._pool.bytes_per_slot, self._tiers.moved())
         return stats, self._ladder.end_step()
 

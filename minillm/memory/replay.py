@@ -133,7 +133,7 @@ class Replayer:
     def _Reused(self, e: Reused) -> None:
         """The content's end is told by Spilled or Uncached; nothing held changes."""
 
-    _Filled = _EntriesEvicted = _Step = _Reused
+    _Filled = _EntriesEvicted = _Preempted = _Step = _Reused
 
     def check(self, tables: dict[int, list[int]], refcounts: dict[int, int], cached: dict[int, int]) -> None:
         """Raise AssertionError at the first difference from the real state: tables (seq_id ->

@@ -90,7 +90,7 @@ class RunView:
         self.pool.apply(e)
         return []
 
-    _EntriesEvicted = _Filled
+    _EntriesEvicted = _Preempted = _Filled
 
     def _Registered(self, step: int, e: ev.Registered) -> list[int]:
         self.pool.apply(e)
