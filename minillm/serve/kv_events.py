@@ -94,7 +94,7 @@ class KVEventFeed:
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
-        self.batches: asyncio.Queue = asyncio.Queue()
+        self._batches: asyncio.Queue = asyncio.Queue()
         self.pending: list[Event] = []  # this step's events so far (engine thread)
         self.queued = 0  # batches handed over and not yet read (approximate across threads)
         self.unsubscribe = lambda: None  # once subscribed, the engine's: how the feed takes itself off
@@ -103,63 +103,87 @@ class KVEventFeed:
         """On the engine thread: collect, and hand the batch over at the end of a step."""
         self.pending.append(event)
         if isinstance(event, (Step, Snapshot)):
-            batch, self.pending = (step, self.pending), []
+            batch, self.pending = (step, time.time(), self.pending), []
             self.queued += 1
             if self.queued > MAX_BATCHES:
                 self.unsubscribe()
                 batch = None  # the reader's signal: it fell behind
             try:
-                self.loop.call_soon_threadsafe(self.batches.put_nowait, batch)
+                self.loop.call_soon_threadsafe(self._batches.put_nowait, batch)
             except RuntimeError:  # the client's event loop has closed
                 self.unsubscribe()
 
-    async def messages(self, shape: str, alive):
-        """Server-sent events, one per batch with something to say, while `alive()` (the engine
-        loop runs); a comment line when idle for KEEPALIVE_S."""
-        vllm, idle = VllmEvents(), 0.0
+    async def batches(self, alive, tick_s: float = 1.0):
+        """Each step's (step, the time.time() it ended, events) as they come, and None after each
+        `tick_s` of silence (the reader's chance to send what it holds, or a keepalive), while
+        `alive()` (the engine loop runs). Raises FellBehind if the engine cut this feed off."""
         while True:
             try:
-                batch = await asyncio.wait_for(self.batches.get(), timeout=1.0)
+                batch = await asyncio.wait_for(self._batches.get(), timeout=tick_s)
             except asyncio.TimeoutError:
                 if not alive():
                     return
-                idle += 1.0
-                if idle >= KEEPALIVE_S:
-                    idle = 0.0
-                    yield ": idle\n\n"
+                yield None
                 continue
             self.queued -= 1
             if batch is None:
-                yield _sse({"error": f"This stream fell {MAX_BATCHES} steps behind and was closed."})
-                return
-            step, events = batch
-            if shape == "vllm":
-                items = [item for event in events for item in vllm(event)]
-            else:
-                items = [event.to_json() for event in events]
-            if items:
-                yield _sse({"step": step, "ts": time.time(), "events": items})
+                raise FellBehind(f"This stream fell {MAX_BATCHES} steps behind and was closed.")
+            yield batch
+
+    async def messages(self, shape: str, alive):
+        """Server-sent events, one per batch with something to say; a comment line when idle for
+        KEEPALIVE_S."""
+        vllm, idle = VllmEvents(), 0.0
+        try:
+            async for batch in self.batches(alive):
+                if batch is None:
+                    idle += 1.0
+                    if idle >= KEEPALIVE_S:
+                        idle = 0.0
+                        yield ": idle\n\n"
+                    continue
+                step, _, events = batch
+                if shape == "vllm":
+                    items = [item for event in events for item in vllm(event)]
+                else:
+                    items = [event.to_json() for event in events]
+                if items:
+                    yield sse({"step": step, "ts": time.time(), "events": items})
+        except FellBehind as err:
+            yield sse({"error": str(err)})
 
 
-async def event_stream(engine_loop, shape: str):
-    """A new client's messages: subscribed on the engine thread between two steps (so its first
-    message is the state then), unsubscribed however the stream ends."""
+class FellBehind(Exception):
+    """A feed the engine cut off: its reader fell MAX_BATCHES steps behind."""
+
+
+async def subscribed_feed(engine_loop) -> KVEventFeed:
+    """A new feed, subscribed on the engine thread between two steps (so its first batch is the
+    state then). Its reader must call `feed.unsubscribe()` however it ends."""
     feed, engine = KVEventFeed(asyncio.get_running_loop()), engine_loop.engine
 
     def subscribe(_):
         feed.unsubscribe = engine.subscribe(feed)
 
     await engine_loop.call(subscribe)
+    return feed
+
+
+async def event_stream(engine_loop, shape: str):
+    """A new client's messages, unsubscribed however the stream ends (the client went away, or
+    the engine stopped)."""
+    feed = await subscribed_feed(engine_loop)
 
     async def stream():
         try:
             async for message in feed.messages(shape, lambda: engine_loop.alive):
                 yield message
-        finally:  # the client went away, or the engine stopped
+        finally:
             feed.unsubscribe()
 
     return stream()
 
 
-def _sse(payload: dict) -> str:
+def sse(payload: dict) -> str:
+    """One server-sent event holding `payload` as compact JSON."""
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
