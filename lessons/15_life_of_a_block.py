@@ -22,6 +22,9 @@ them. This lesson:
       cached one; the fix is to normalize the prompt (what changes per request goes last).
 
     python lessons/15_life_of_a_block.py [--quick] [--out DIR]
+
+The same run in a browser, block by block and step by step: `minillm trace serve` on the trace
+it writes (docs/memory-page.md); a server under load draws it live at /memory.
 """
 
 import random
@@ -352,7 +355,8 @@ def main() -> None:
     console.print(
         f"{run['requests']} requests in {run['steps']} steps ({run['seconds']:.1f} s); "
         f"the trace: {path} ({path.stat().st_size / 1e6:.1f} MB); `minillm trace show {path}` "
-        "prints what follows"
+        f"prints what follows, and `minillm trace serve {path}` replays it in the browser, step by "
+        "step (docs/memory-page.md)"
     )
 
     console.rule("2. The picture, and what it reveals")

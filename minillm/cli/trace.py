@@ -4,9 +4,11 @@
     minillm trace show run.jsonl                 # every run listed; the busiest summarized and drawn
     minillm trace show run.jsonl --run 1 --plot run1.png
     minillm trace show run.jsonl --json --no-plot
+    minillm trace serve run.jsonl                # the same run in the browser, step by step
 
 The numbers come from `minillm/trace/` (one walk over the run's events); this module only chooses
-the run, prints the tables (or one JSON object) and says where the picture went.
+the run, prints the tables (or one JSON object) and says where the picture went. `trace serve`
+replays a run in the memory view's page (`minillm/view/`, `serve/memory_page.py`).
 """
 
 from __future__ import annotations
@@ -61,15 +63,52 @@ def add_trace(subparsers) -> None:
     trace_show.add_argument("--no-plot", action="store_true", help="no timeline, the numbers only")
     trace_show.add_argument("--json", action="store_true", help="print one JSON object")
     trace_show.set_defaults(func=cmd_trace_show)
+    _add_trace_serve(commands)
 
 
-def cmd_trace_show(args) -> None:
+SERVE_DESCRIPTION = (
+    "Replay a run of a trace in the browser: the page `minillm serve` shows live at /memory (the "
+    "device pool as a grid of blocks coloured by state, the host and disk tiers, each request's block "
+    "table, preemptions and their cause, counters over time), driven by the recorded events, with a "
+    "scrubber to step forward and back or play. It listens on 127.0.0.1 only unless --host says "
+    "otherwise; open the address it prints. Ctrl-C stops it."
+)
+
+
+def _add_trace_serve(commands) -> None:
+    from minillm.cli.serve import whole_number
+
+    trace_serve = commands.add_parser(
+        "serve", help="replay a run of a trace in the browser, step by step", description=SERVE_DESCRIPTION
+    )
+    trace_serve.add_argument("file", type=Path, metavar="FILE", help="a trace written with --trace FILE")
+    trace_serve.add_argument(
+        "--run",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the run to replay (default: the busiest)",
+    )
+    trace_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    trace_serve.add_argument(
+        "--port", type=whole_number(0, "a port number", 65535), default=8001, help="(default: 8001)"
+    )
+    trace_serve.set_defaults(func=cmd_trace_serve)
+
+
+def _chosen_run(args) -> tuple[dict, list, int]:
+    """The file's runs described, and the events of the run --run names (or the busiest)."""
     runs = read_trace(args.file)  # a TraceError (a ValueError) is main's one-line error, exit 2
     described = trace.describe_runs(runs)
     run = trace.busiest(described) if args.run is None else args.run
     if run not in runs:
         raise ValueError(f"{args.file} has no run {run}; its runs are {', '.join(map(str, runs))}.")
-    view = trace.walk(runs[run])
+    return described, runs[run], run
+
+
+def cmd_trace_show(args) -> None:
+    described, events, run = _chosen_run(args)
+    view = trace.walk(events)
     report = {"file": str(args.file), "run": run, "run_chosen": "busiest" if args.run is None else "--run"}
     report |= {"runs": described} | trace.summarize(view)
     report["plot"], report["plot_cells"] = None, None
@@ -243,3 +282,31 @@ def print_places(places: dict, console, shown: int = 10) -> None:
         columns = ["request", "waiting", "device", "host", "disk", "mixed"]
         rows = [[row[column] for column in columns] for row in away[:shown]]
         print_table(console, "requests with steps off the device (most first)", columns, rows)
+
+
+def cmd_trace_serve(args) -> None:
+    from minillm.serve import missing_server_packages
+
+    problem = missing_server_packages()
+    if problem:
+        raise ValueError(problem)
+    import uvicorn
+
+    from minillm.cli.serve import listening_socket
+    from minillm.progress import progress_bar
+    from minillm.serve.memory_page import build_replay_app
+    from minillm.serve.origins import allowed_for
+    from minillm.view import Replay
+
+    _, events, run = _chosen_run(args)
+    sock = listening_socket(args.host, args.port)
+    with progress_bar("reading the run", total=len(events)) as advance:
+        replay = Replay(events, progress=lambda done: advance())
+    app = build_replay_app(replay, f"{args.file.name} · run {run}", allowed_for(args.host))
+    host, port = sock.getsockname()[:2]
+    err_console.print(
+        f"minillm trace serve: run {run} of {args.file} ({len(replay)} frames) on "
+        f"http://{host}:{port}/memory; Ctrl-C stops",
+        soft_wrap=True,
+    )
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -20,6 +20,8 @@ connections.py  uvicorn as the server runs it: a cap on connections (503 JSON), 
                 request's head
 metrics.py      /metrics: the snapshot and the loop's counters in Prometheus' text format
 kv_events.py    /v1/kv_events: the KV events streamed as server-sent events; VllmEvents, vLLM's shape
+memory_page.py  /memory: the page that draws the memory system live (`minillm/view/`), and the app
+                that replays a trace in it (`minillm trace serve`)
 tokenize.py     /tokenize, /detokenize, /tokenizer_info: the server's tokenizer, as vLLM serves it
 
 FastAPI and uvicorn are an optional extra: pip install -e ".[serve]".

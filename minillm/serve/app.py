@@ -8,6 +8,8 @@
                                 rate, requests running and waiting, tokens/s, counters
     GET  /v1/kv_events          the KV cache's events as server-sent events (`kv_events.py`), for
                                 a KV-aware router or a dashboard; open like /metrics, or keyed
+    GET  /memory                the memory system drawn live in a browser (`memory_page.py`); its
+                                data open like /metrics, or keyed
     POST /tokenize, /detokenize the server's tokenizer (`tokenize.py`, vLLM's routes), keyed like
     GET  /tokenizer_info        /v1/*: what an evaluation harness tokenizes its prompts with
 
@@ -57,6 +59,7 @@ from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.errors import APIError, error_body, parse_json, shown
 from minillm.serve.kv_events import FORMATS, event_stream
 from minillm.serve.limits import ServeLimits
+from minillm.serve.memory_page import add_live_routes
 from minillm.serve.metrics import metric_values, prometheus
 from minillm.serve.origins import Allowed, HostOriginCheck
 from minillm.serve.protocol import Job
@@ -227,6 +230,7 @@ def _add_status_routes(
     if metrics_keyed is not None:  # what is cached says what others asked: the same access as /metrics
         app.get("/metrics", dependencies=metrics_keyed)(metrics)
         app.get("/v1/kv_events", dependencies=metrics_keyed)(kv_events)
+        add_live_routes(app, engine_loop, model_name, metrics_keyed)
 
 
 def _unavailable(engine_loop: EngineLoop) -> JSONResponse:
