@@ -137,7 +137,12 @@ class ViewState:
         self._preempted += len(e.seq_ids)
         self._preemptions.update(e.seq_ids)
         who = ", ".join(f"seq {seq_id} ({self._requests.get(seq_id, '?')})" for seq_id in e.seq_ids)
-        why = "for the queue" if e.for_seq < 0 else f"room for seq {e.for_seq} to grow"
+        if e.for_seq < 0:
+            why = "room for the queue"
+        elif e.for_seq in e.seq_ids:
+            why = "no room to grow, and nobody else to take it from"
+        else:
+            why = f"room for seq {e.for_seq} to grow"
         self._log.append((step, f"{who} preempted by {e.how}: {why}"))
 
     def _Step(self, step: int, e: ev.Step) -> None:

@@ -799,6 +799,7 @@ async function start() {
   byId("title").textContent = info.title;
   byId("mode").textContent = info.mode;
   byId("model").textContent = info.model;
+  byId("model-fact").hidden = !info.model; // a replayed trace names no model
   byId("age-fact").hidden = info.mode !== "live";
   if (info.mode === "live") byId("counters-caption").textContent = `the last ${LIVE_HISTORY} frames`;
   if (info.needs_key) page.apiKey = await askForKey("");
