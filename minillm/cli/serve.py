@@ -263,9 +263,10 @@ def _serve(args, stop: GracefulStop) -> int:
         uvicorn_config(app, limits, log_level=args.log_level, timeout_graceful_shutdown=SEND_LAST_S)
     )
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="minillm-http", daemon=True)
+    page = f"; its memory drawn live at http://{host}:{port}/memory" if args.metrics != "off" else ""
     err_console.print(
         f"minillm serve: {model_name} on http://{host}:{port}/v1 ({engine.snapshot().num_blocks} KV "
-        f"blocks of {engine.config.block_size} tokens); Ctrl-C or SIGTERM stops",
+        f"blocks of {engine.config.block_size} tokens){page}; Ctrl-C or SIGTERM stops",
         soft_wrap=True,
     )
     stop.serving(engine_loop, server)
