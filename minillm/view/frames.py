@@ -22,7 +22,8 @@ a few frames a second) and for a recorded trace (`replay.py`, one frame per step
     log      the last preemptions, each with its cause
     counters utilization, prefix hit rate, tokens/s, preemptions, bytes moved between tiers
 
-Everything is computed from the events alone, so a live server and a trace file draw the same.
+Everything is computed from the events alone, so a live server and a trace file draw the same (a
+live frame adds `ts`, when the step it shows ended, from which the page tells its own lag).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
  *   - every sequence's block table (the running batch, then the waiting queue);
  *   - the log of preemptions and their causes, and five counters as numbers and small charts.
  *
- * Where the data comes from (all same-origin GETs; docs: the frame spec beside the Python side):
+ * Where the data comes from (all same-origin GETs; a frame's fields: minillm/view/frames.py):
  *   GET /memory/info           which mode (live or replay) and whether an API key is needed;
  *   GET /memory/stream         live: a server-sent-event stream of frames, read with fetch()
  *                              because EventSource cannot send the Authorization header;
