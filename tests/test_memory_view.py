@@ -129,3 +129,15 @@ def test_a_damaged_trace_is_one_clear_error(change, then, message):
     records = [{**snapshot, "tables": {}, "cached": [], **change}, *then]
     with pytest.raises(ValueError, match=message):
         Replay([(0, 0.0, event_from_json(record)) for record in records])
+
+
+def test_a_replay_stops_at_its_memory_bound_with_one_clear_error(monkeypatch):
+    """A small file may claim a big pool and many steps: the frames stop at MAX_BYTES."""
+    from minillm.memory.events import Snapshot, Step
+    from minillm.view import replay
+
+    monkeypatch.setattr(replay, "MAX_BYTES", 50_000)
+    events = [(0, 0.0, Snapshot(10_000, 0, 16, 8, {}, ()))]
+    events += [(step, 0.0, Step(0.01, ())) for step in range(1, 100)]
+    with pytest.raises(ValueError, match="This run's frames pass 0 MiB by step [0-9]+ .10,000 blocks"):
+        Replay(events)

@@ -38,8 +38,8 @@ MAX_BLOCKS = 1 << 20  # device and host blocks a view draws at most (a trace fil
 RATE_STEPS = 16  # tokens/s is over the last this many steps
 
 
-class PoolTooLarge(ValueError):
-    """A Snapshot whose pool no frame should hold."""
+class TooLargeToDraw(ValueError):
+    """A run whose pool, or whose frames in all, the view will not hold (a trace file is hostile)."""
 
 
 class ViewState:
@@ -88,7 +88,7 @@ class ViewState:
     def _check_size(e: ev.Snapshot) -> None:
         """A pool a frame can hold, before anything is sized by it (a trace file is hostile)."""
         if min(e.num_blocks, e.host_blocks) < 0 or e.num_blocks + e.host_blocks > MAX_BLOCKS:
-            raise PoolTooLarge(
+            raise TooLargeToDraw(
                 f"This run claims a pool of {e.num_blocks:,} device and {e.host_blocks:,} host blocks; "
                 f"the memory view draws at most {MAX_BLOCKS:,} in all. Is the trace file damaged?"
             )

@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 
 from minillm.memory.events import Event, Snapshot, Step
-from minillm.view.frames import PoolTooLarge, ViewState
+from minillm.view.frames import TooLargeToDraw, ViewState
+
+MAX_BYTES = 1 << 30  # a replay's frames, encoded, at most: a small file may claim a huge pool x many steps
 
 
 class Replay:
@@ -24,12 +26,13 @@ class Replay:
         self._steps: list[int] = []
         self._seconds: list[float] = []
         self._counters: list[dict] = []
+        self._bytes = 0  # of every frame kept, encoded
         for done, (step, seconds, event) in enumerate(events, 1):
             try:
                 view.apply(step, seconds, event)
                 if isinstance(event, (Snapshot, Step)):
                     self._keep(view.frame())
-            except PoolTooLarge:
+            except TooLargeToDraw:
                 raise
             except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:  # a damaged file
                 raise ValueError(
@@ -39,7 +42,14 @@ class Replay:
             progress(done)
 
     def _keep(self, frame: dict) -> None:
-        self._frames.append(json.dumps(frame, separators=(",", ":")))
+        encoded = json.dumps(frame, separators=(",", ":"))
+        self._bytes += len(encoded)
+        if self._bytes > MAX_BYTES:
+            raise TooLargeToDraw(
+                f"This run's frames pass {MAX_BYTES >> 20:,} MiB by step {frame['step']:,} "
+                f"({frame['device'] + frame['host']:,} blocks a frame); replay a shorter run (--run N)."
+            )
+        self._frames.append(encoded)
         self._steps.append(frame["step"])
         self._seconds.append(frame["t"])
         self._counters.append(frame["counters"])
