@@ -233,8 +233,10 @@ def browser_cpu_seconds() -> float:
     return total
 
 
-def spread(values: list[float]) -> str:
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
+def spread(values: list[float], scale: float = 1.0, unit: str = "") -> str:
+    """Median (min-max) of `values`, each times `scale`."""
+    low, mid, high = (scale * value for value in (min(values), statistics.median(values), max(values)))
+    return f"{mid:.3g}{unit} ({low:.3g}-{high:.3g}{unit})"
 
 
 def bench(args, driver) -> None:
@@ -250,8 +252,8 @@ def bench(args, driver) -> None:
     print(
         f"\n{results['date']}, {cpu}, {args.streams} streams x {args.max_tokens} tokens, {args.pairs} pairs"
     )
-    emit = spread([run["emit_share_of_step_time"] for run in in_process])
-    view = spread([run["view_share_of_wall"] for run in in_process])
+    emit = spread([run["emit_share_of_step_time"] for run in in_process], 100, "%")
+    view = spread([run["view_share_of_wall"] for run in in_process], 100, "%")
     browser_load = spread([run["browser_cores_busy"] for run in in_process])
     lags = results["live"]["lags"]
     walked = results["replay"]
