@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from pathlib import Path
 
@@ -90,32 +91,41 @@ class TraceError(ValueError):
 
 def read_trace(path: str | Path) -> dict[int, list[tuple[int, float, Event]]]:
     """The runs of a trace file: run -> [(step, seconds, event)], in file order. A last line cut
-    short (a server stopped mid-write) is ignored; any other bad line is an error naming it."""
+    short (a server stopped mid-write) and blank lines are ignored; any other bad line is an error
+    naming it."""
     path = Path(path)
     if not path.is_file():
         raise TraceError(
             f"No trace file at {path}; write one with --trace {path} on generate, chat, serve or bench."
         )
     runs: dict[int, list[tuple[int, float, Event]]] = {}
-    with path.open(encoding="utf-8", errors="replace") as lines:
+    with path.open(encoding="utf-8-sig", errors="replace") as lines:  # a BOM an editor added is no line
         previous = None
         for number, line in enumerate(lines, 1):
-            if previous is not None:
+            if previous is not None and previous.strip():
                 _read_line(previous, number - 1, path, runs)
             previous = line
-        if previous is not None and previous.endswith("\n"):
+        if previous is not None and previous.endswith("\n") and previous.strip():
             _read_line(previous, number, path, runs)
     if not runs:
         raise TraceError(f"{path} holds no KV events; was the command run with --trace?")
     return runs
 
 
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _read_line(line: str, number: int, path: Path, runs: dict) -> None:
     try:
         record = json.loads(line)
-        run, step, seconds = int(record["run"]), int(record["step"]), float(record["t"])
+        run, step, seconds = record["run"], record["step"], record["t"]
+        if not (
+            _whole(run) and _whole(step) and isinstance(seconds, (int, float)) and math.isfinite(seconds)
+        ):
+            raise ValueError(f"run, step and t must be whole numbers and a finite one: {str(record)[:60]}")
         event = event_from_json(record)
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         raise TraceError(
             f"{path}:{number} is not a KV event line ({type(err).__name__}: {str(err)[:60]})."
         ) from None

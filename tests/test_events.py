@@ -113,6 +113,23 @@ def test_a_bad_trace_file_is_one_clear_error(tmp_path):
         read_trace(bad)
     with pytest.raises(TraceError, match="No trace file"):
         read_trace(tmp_path / "missing.jsonl")
+    snapshot = '{"run": 0, "step": 0, "t": 0, "type": "Snapshot", "num_blocks": 4, "host_blocks": 0, '
+    snapshot += '"block_size": 4, "bytes_per_token": 8, "tables": {}, "cached": []}\n'
+    wrong = {  # a field of the wrong type or shape, each named (a trace file is hostile)
+        snapshot.replace('"block_size": 4', '"block_size": "x"'): "Snapshot.block_size should be int",
+        snapshot + '{"run": 0, "step": 1, "t": NaN, "type": "Step", "seconds": 0.1, "sequences": []}\n': ":2",
+        snapshot + '{"run": 0, "step": 1, "t": 0, "type": "Step", "seconds": 1, "sequences": "abc"}\n': (
+            "Step.sequences should be"
+        ),
+        snapshot + '{"run": true, "step": 1, "t": 0, "type": "Reused", "block": 1}\n': "whole numbers",
+        snapshot + "[" * 100_000 + "\n": ":2",
+    }
+    for text, message in wrong.items():
+        bad.write_text(text)
+        with pytest.raises(TraceError, match=message):
+            read_trace(bad)
+    bad.write_text("\ufeff" + snapshot + "\n\n")  # a BOM and blank lines are no events
+    assert len(read_trace(bad)[0]) == 1
 
 
 def test_vllm_events_rebuild_the_prefix_cache_per_medium(tiny_dir, tiny_model, tmp_path):

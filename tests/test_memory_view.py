@@ -116,9 +116,10 @@ ORPHAN = {"type": "CopiedOnWrite", "seq_id": 5, "index": 0, "source": 1, "block"
 @pytest.mark.parametrize(
     "change, then, message",
     [
-        ({"num_blocks": 10**12}, [], "draws at most 1,048,576"),
+        ({"num_blocks": 10**12}, [], "draws at most 262,144"),
         ({"num_blocks": -5}, [], "draws at most"),
-        ({"tables": {"1": [0, 1, "a"]}}, [], "Event 1 of this run .Snapshot. does not follow"),
+        ({"tables": {"1": [0, 1, "a"]}}, [], "Snapshot.tables should be dict.int, tuple.int, ....., not"),
+        ({"block_size": 0}, [], "blocks of 0 tokens"),
         ({}, [ORPHAN], "Event 2 of this run .CopiedOnWrite. does not follow"),
     ],
 )

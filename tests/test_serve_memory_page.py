@@ -117,11 +117,11 @@ def test_the_routes_serve_a_strict_read_only_page(model_dir):
         script = fetch(url + "/memory/static/memory.js")
         assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
         assert fetch(url + "/memory/static/..%2fframes.py").status_code == 404
-        assert fetch(url + "/memory/info").json() == {
+        assert fetch(url + "/memory/info").json() == {  # asked before the key: no model named
             "mode": "live",
             "needs_key": True,
-            "model": "tiny",
-            "title": "minillm · tiny",
+            "model": "",
+            "title": "minillm · memory",
         }
         assert fetch(url + "/memory/stream").status_code == 401  # the data takes the key, as /metrics
         assert fetch(url + "/").status_code == 307
@@ -200,6 +200,8 @@ def test_a_trace_replays_forward_and_back(tiny_dir, tiny_model, browser, tmp_pat
             "s.dispatchEvent(new Event('input'))"
         )
         final = json.loads(replay.frame(last))
+        for index in ("abc", "1.0", "-1", str(len(replay))):
+            assert fetch(f"{url}/memory/frames/{index}").status_code == 404
         wait_for(
             browser,
             f"return document.querySelector('#step').textContent === '{final['step']}'",

@@ -35,7 +35,11 @@ derives vLLM's shape from them for a KV-aware router.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import math
+import types
+import typing
 from dataclasses import dataclass
 from typing import Callable
 
@@ -210,10 +214,43 @@ def _tuples(value):
     return tuple(_tuples(item) for item in value) if isinstance(value, list) else value
 
 
+@functools.cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _fits(value, hint) -> bool:
+    """Is `value`, as JSON gives it back (lists for tuples, strings for dict keys), of type `hint`?
+    Numbers must be finite: a trace file is read as a hostile one."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        return any(_fits(value, arg) for arg in args)
+    if origin is tuple:
+        if not isinstance(value, list):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_fits(item, args[0]) for item in value)
+        return len(value) == len(args) and all(map(_fits, value, args))
+    if origin is dict:
+        return isinstance(value, dict) and all(
+            _is_int_text(key) and _fits(item, args[1]) for key, item in value.items()
+        )
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
+
+
+def _is_int_text(key) -> bool:
+    return isinstance(key, str) and key.removeprefix("-").isdigit()
+
+
 def event_from_json(record: dict) -> Event:
     """The event a `to_json` dict (read back from JSON) describes; extra keys are ignored, a
-    missing field with a default (one added since the file was written) takes it."""
-    cls = EVENT_TYPES.get(record.get("type"))
+    missing field with a default (one added since the file was written) takes it. A field of the
+    wrong type or shape is a ValueError naming it."""
+    cls = EVENT_TYPES.get(record.get("type")) if isinstance(record.get("type"), str) else None
     if cls is None:
         raise ValueError(f"not a KV event: {str(record)[:80]}")
     fields = {}
@@ -221,6 +258,8 @@ def event_from_json(record: dict) -> Event:
         if field.name not in record and field.default is not dataclasses.MISSING:
             continue
         value = record[field.name]
+        if not _fits(value, _hints(cls)[field.name]):
+            raise ValueError(f"{cls.__name__}.{field.name} should be {field.type}, not {str(value)[:40]}")
         if field.name == "tables":
             value = {int(seq_id): tuple(table) for seq_id, table in value.items()}
         fields[field.name] = _tuples(value)

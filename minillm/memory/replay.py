@@ -86,7 +86,7 @@ class Replayer:
             self._hold(e.seq_id, block)
 
     def _Forked(self, e: Forked) -> None:
-        for block in self.tables[e.parent_id]:
+        for block in list(self.tables[e.parent_id]):  # a copy: a file may name the child its own parent
             self._hold(e.child_id, block)
         self.tables.setdefault(e.child_id, [])
 

@@ -41,6 +41,7 @@ CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
+DATA_HEADERS = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"}
 PAGE_HEADERS = {
     "Content-Security-Policy": CSP,
     "X-Content-Type-Options": "nosniff",
@@ -74,7 +75,13 @@ def add_page_routes(app: FastAPI, info: dict) -> None:
 
 def add_live_routes(app: FastAPI, engine_loop, model_name: str, keyed: list) -> None:
     """The page over a running engine: `keyed` (the dependencies /metrics takes) guard the stream."""
-    info = {"mode": "live", "needs_key": bool(keyed), "model": model_name, "title": f"minillm · {model_name}"}
+    shown = "" if keyed else model_name  # asked before the key: a keyed server names no model
+    info = {
+        "mode": "live",
+        "needs_key": bool(keyed),
+        "model": shown,
+        "title": f"minillm · {shown or 'memory'}",
+    }
     add_page_routes(app, info)
 
     @app.get("/memory/stream", dependencies=keyed)
@@ -83,7 +90,7 @@ def add_live_routes(app: FastAPI, engine_loop, model_name: str, keyed: list) -> 
             return _error(503, str(engine_loop.unavailable()))
         feed = await subscribed_feed(engine_loop)
         frames = _frames(feed, lambda: engine_loop.alive, request.is_disconnected)
-        return StreamingResponse(frames, media_type="text/event-stream")
+        return StreamingResponse(frames, media_type="text/event-stream", headers=DATA_HEADERS)
 
 
 async def _frames(feed, alive, gone):
@@ -91,8 +98,8 @@ async def _frames(feed, alive, gone):
     when something changed and 1/FRAMES_PER_S has passed since the last frame; a comment line when
     idle for KEEPALIVE_S. Ends when the engine stops or, asked at each quiet tick, the page has
     gone (`await gone()`): an idle stream writes nothing that would tell."""
-    view, started = ViewState(), time.time()
-    last_sent = quiet_since = ended = started
+    view, started = ViewState(), None  # t counts from the end of the first step this page saw
+    last_sent = quiet_since = ended = time.time()
     changed = False
     try:
         async for batch in feed.batches(alive, tick_s=1 / FRAMES_PER_S):
@@ -101,6 +108,7 @@ async def _frames(feed, alive, gone):
                 return
             if batch is not None:
                 step, ended, events = batch
+                started = ended if started is None else started
                 for event in events:
                     view.apply(step, ended - started, event)
                 changed = True
@@ -126,14 +134,14 @@ def build_replay_app(replay: Replay, title: str, allowed: Allowed = Allowed()) -
 
     @app.get("/memory/replay")
     async def replay_summary():
-        return summary
+        return JSONResponse(summary, headers=DATA_HEADERS)
 
     @app.get("/memory/frames/{index}")
-    async def frame(index: int):
+    async def frame(index: str):
         try:
-            return Response(replay.frame(index), media_type="application/json")
-        except IndexError as err:
-            return _error(404, str(err))
+            return Response(replay.frame(int(index)), media_type="application/json", headers=DATA_HEADERS)
+        except (IndexError, ValueError):
+            return _error(404, f"This run has frames 0 to {len(replay) - 1}, not {index[:20]!r}.")
 
     return app
 

@@ -34,7 +34,8 @@ from minillm.memory import events as ev
 from minillm.memory.replay import Replayer
 
 LOG_LINES = 50  # preemptions a frame carries, newest last
-MAX_BLOCKS = 1 << 20  # device and host blocks a view draws at most (a trace file may claim any number)
+MAX_BLOCKS = 1 << 18  # device and host blocks a view draws at most (a trace file may claim any number)
+MAX_BLOCK_BYTES = 1 << 40  # a block's KV bytes, at most (the same: a file's claim)
 RATE_STEPS = 16  # tokens/s is over the last this many steps
 
 
@@ -91,6 +92,11 @@ class ViewState:
             raise TooLargeToDraw(
                 f"This run claims a pool of {e.num_blocks:,} device and {e.host_blocks:,} host blocks; "
                 f"the memory view draws at most {MAX_BLOCKS:,} in all. Is the trace file damaged?"
+            )
+        if e.block_size < 1 or not 0 <= e.bytes_per_token * e.block_size <= MAX_BLOCK_BYTES:
+            raise TooLargeToDraw(
+                f"This run claims blocks of {e.block_size:,} tokens of {e.bytes_per_token:,} bytes; "
+                "no engine writes those. Is the trace file damaged?"
             )
 
     def _Snapshot(self, step: int, e: ev.Snapshot) -> None:
@@ -185,7 +191,7 @@ class ViewState:
     def counters(self) -> dict:
         """The numbers the page charts over time."""
         pool = self._pool
-        held = sum(1 for block in pool.refcounts if block < pool.num_blocks)
+        held = sum(1 for block in pool.refcounts if 0 <= block < pool.num_blocks)
         tokens = sum(count for count, _ in self._recent)
         seconds = sum(spent for _, spent in self._recent)
         return {

@@ -13,7 +13,7 @@ import json
 from minillm.memory.events import Event, Snapshot, Step
 from minillm.view.frames import TooLargeToDraw, ViewState
 
-MAX_BYTES = 1 << 30  # a replay's frames, encoded, at most: a small file may claim a huge pool x many steps
+MAX_BYTES = 1 << 28  # a replay's frames, encoded, at most: a small file may claim a huge pool x many steps
 
 
 class Replay:

@@ -26,7 +26,7 @@ const LIVE_HISTORY = 300; // frames of counters the live charts keep
 const RETRY_MS = 2000; // wait before reconnecting a stream that ended
 const STALL_MS = 30000; // a stream silent this long (no frame, no keepalive) counts as dead
 const PLAY_INTERVAL_MS = 100; // replay plays ~10 frames per second
-const FRAME_CACHE_SIZE = 400; // replay frames kept in memory (a 4,096-block frame is ~40 KB)
+const CACHE_BLOCKS = 2_000_000; // replay frames kept in memory, counted in blocks (~20 MB of heap)
 const GRID_WIDTH = 900; // px: the device pool fits this width...
 const GRID_MAX_HEIGHT = 420; // ...and this height, with squares of MIN_CELL..MAX_CELL px
 const MIN_CELL = 4;
@@ -97,7 +97,9 @@ function askForKey(message) {
       (event) => {
         event.preventDefault(); // the CSP forbids form submission; the key goes in a header
         form.hidden = true;
-        resolve(input.value.trim());
+        const key = input.value.trim();
+        input.value = ""; // the key lives in one variable only, not in the page
+        resolve(key);
       },
       { once: true },
     );
@@ -301,7 +303,9 @@ async function replayFrame(i) {
   if (cache.has(i)) return cache.get(i);
   const frame = await (await get(`/memory/frames/${i}`)).json();
   cache.set(i, frame);
-  if (cache.size > FRAME_CACHE_SIZE) cache.delete(cache.keys().next().value);
+  // at most CACHE_BLOCKS blocks' worth of frames (a frame of 1M blocks is ~11 MB of heap), 2 at least
+  const most = Math.max(2, Math.floor(CACHE_BLOCKS / Math.max(1, frame.states.length)));
+  while (cache.size > most) cache.delete(cache.keys().next().value);
   return frame;
 }
 
@@ -661,7 +665,9 @@ function drawCounters(series, cursor) {
   for (const counter of COUNTERS) {
     const values = series.map((counters) => counters[counter.key]);
     byId(`counter-${counter.key}`).textContent = counter.format(values[at]);
-    drawChart(byId(`chart-${counter.key}`), values, counter.max ?? Math.max(...values), cursor);
+    // a loop, not Math.max(...values): a long run's values overflow the call stack as arguments
+    const top = counter.max ?? values.reduce((most, value) => Math.max(most, value), 0);
+    drawChart(byId(`chart-${counter.key}`), values, top, cursor);
   }
 }
 
