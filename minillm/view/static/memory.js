@@ -61,6 +61,7 @@ const page = {
   view: null, // the frame on screen and the facts derived from it (see describeFrame)
   arrivedAt: 0, // performance.now() when the live frame on screen arrived
   history: [], // live: the COUNTERS of the last LIVE_HISTORY frames
+  unshown: null, // live: the latest frame that came while the tab was hidden
   replay: null, // replay: the index from /memory/replay, the frame cache and the cursor
   hover: null, // the pointer over a block: {canvas, clientX, clientY}
   colours: null, // the block colours, read once from memory.css
@@ -135,6 +136,12 @@ async function fetchInfo() {
 
 async function runLive() {
   setInterval(showAge, 250);
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden || page.unshown === null) return;
+    const frame = page.unshown;
+    page.unshown = null;
+    drawLiveFrame(frame);
+  });
   for (;;) {
     setStatus("connecting…");
     let ending;
@@ -210,6 +217,14 @@ function onLiveFrame(frame) {
   page.arrivedAt = performance.now();
   page.history.push(frame.counters);
   if (page.history.length > LIVE_HISTORY) page.history.shift();
+  if (document.hidden) {
+    page.unshown = frame; // a hidden tab draws nothing; shown again, it draws the latest frame
+    return;
+  }
+  drawLiveFrame(frame);
+}
+
+function drawLiveFrame(frame) {
   showFrame(frame);
   drawCounters(page.history, null);
   // the lag: how long after the engine ended the step drawn it is on screen (one machine's clock)
