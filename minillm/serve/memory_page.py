@@ -33,6 +33,7 @@ from minillm.serve.errors import error_body
 from minillm.serve.kv_events import KEEPALIVE_S, FellBehind, sse, subscribed_feed
 from minillm.serve.origins import Allowed, HostOriginCheck
 from minillm.view import Replay, ViewState
+from minillm.view.frames import TooLargeToDraw
 
 FRAMES_PER_S = 4  # the live stream's most; each frame is the state at the time it is sent
 STATIC = Path(minillm.view.__file__).parent / "static"
@@ -119,7 +120,7 @@ async def _frames(feed, alive, gone):
             elif now - quiet_since >= KEEPALIVE_S:
                 yield ": idle\n\n"
                 quiet_since = now
-    except FellBehind as err:
+    except (FellBehind, TooLargeToDraw) as err:  # the page shows the message
         yield sse({"error": str(err)})
     finally:
         feed.unsubscribe()
