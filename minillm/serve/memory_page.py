@@ -32,8 +32,7 @@ import minillm.view
 from minillm.serve.errors import error_body
 from minillm.serve.kv_events import KEEPALIVE_S, FellBehind, sse, subscribed_feed
 from minillm.serve.origins import Allowed, HostOriginCheck
-from minillm.view import Replay, ViewState
-from minillm.view.frames import TooLargeToDraw
+from minillm.view import Replay, TooLargeToDraw, ViewState
 
 FRAMES_PER_S = 4  # the live stream's most; each frame is the state at the time it is sent
 STATIC = Path(minillm.view.__file__).parent / "static"
@@ -43,12 +42,7 @@ CSP = (
     "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 DATA_HEADERS = {"X-Content-Type-Options": "nosniff", "Cache-Control": "no-store"}
-PAGE_HEADERS = {
-    "Content-Security-Policy": CSP,
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
+PAGE_HEADERS = {**DATA_HEADERS, "Content-Security-Policy": CSP, "Referrer-Policy": "no-referrer"}
 
 
 def add_page_routes(app: FastAPI, info: dict) -> None:

@@ -14,7 +14,7 @@ static/     the page itself: memory.html, memory.js, memory.css (no build step, 
 The routes that serve them are `serve/memory_page.py`'s.
 """
 
-from minillm.view.frames import ViewState
+from minillm.view.frames import TooLargeToDraw, ViewState
 from minillm.view.replay import Replay
 
-__all__ = ["Replay", "ViewState"]
+__all__ = ["Replay", "TooLargeToDraw", "ViewState"]
