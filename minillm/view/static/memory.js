@@ -54,6 +54,10 @@ const COUNTERS = [
 ];
 
 const byId = (id) => document.getElementById(id);
+/** Set an element's text only when it changes: an unchanged element is not laid out again. */
+const setText = (element, text) => {
+  if (element.textContent !== text) element.textContent = text;
+};
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
 const page = {
@@ -235,7 +239,7 @@ function drawLiveFrame(frame) {
 
 function showAge() {
   if (page.view === null) return;
-  byId("age").textContent = ((performance.now() - page.arrivedAt) / 1000).toFixed(1);
+  setText(byId("age"), ((performance.now() - page.arrivedAt) / 1000).toFixed(1));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -412,23 +416,25 @@ function showFrame(frame) {
 }
 
 function showHeader(frame) {
-  byId("step").textContent = String(frame.step);
-  byId("t").textContent = frame.t.toFixed(1);
+  setText(byId("step"), String(frame.step));
+  setText(byId("t"), frame.t.toFixed(1));
   showAge();
 }
 
 function setStatus(text, bad = false) {
   const status = byId("status");
-  status.textContent = text;
+  setText(status, text);
   status.classList.toggle("bad", bad);
 }
 
 function showDevice(view) {
   const frame = view.frame;
   drawPool(byId("grid-device"), view, range(0, frame.device), poolCellSize(frame.device));
-  byId("device-caption").textContent =
+  setText(
+    byId("device-caption"),
     `${frame.device} blocks × ${frame.block_size} tokens, ${formatBytes(frame.block_bytes)} each ` +
-    `(all layers): ${formatBytes(frame.device * frame.block_bytes)} of KV cache. Hover a block for details.`;
+      `(all layers): ${formatBytes(frame.device * frame.block_bytes)} of KV cache. Hover a block for details.`,
+  );
   showDeviceCounts(frame.states.slice(0, frame.device));
 }
 
@@ -441,7 +447,7 @@ function showDeviceCounts(deviceStates) {
   const legend = byId("device-counts");
   for (const [name, count] of Object.entries(counts)) {
     legend.dataset[name] = String(count);
-    legend.querySelector(`[data-count="${name}"]`).textContent = String(count);
+    setText(legend.querySelector(`[data-count="${name}"]`), String(count));
   }
 }
 
@@ -472,7 +478,7 @@ function showTier(name, view, ids, size) {
     if (kind in copies && (inTier(source) || inTier(destination))) copies[kind] += 1;
   }
   const copyText = Object.entries(copies).map(([kind, count]) => `${kind} ${count}`).join(" · ");
-  byId(`${name}-caption`).textContent = `${size}, ${held} in use. Copies this frame: ${copyText}.`;
+  setText(byId(`${name}-caption`), `${size}, ${held} in use. Copies this frame: ${copyText}.`);
 }
 
 /** Draw a pool's blocks as a grid of `cell`-px squares, GRID_WIDTH wide. */
@@ -594,16 +600,22 @@ function updateRow(view, sequence) {
     states,
     hit: String(sequence.hit),
   });
-  row.querySelector(".request-id").textContent = sequence.request;
+  setText(row.querySelector(".request-id"), sequence.request);
   row.querySelector(".request-id").title = sequence.request;
-  row.querySelector(".state").textContent = sequence.status;
+  setText(row.querySelector(".state"), sequence.status);
   row.classList.toggle("idle", !sequence.ran);
   const preempted = row.querySelector(".preempted");
-  preempted.textContent = `preempted ${sequence.preemptions}×`;
+  setText(preempted, `preempted ${sequence.preemptions}×`);
   preempted.classList.toggle("some", sequence.preemptions > 0);
-  const table = row.querySelector("canvas");
-  drawBlocks(table, view, sequence.blocks, { cell: TABLE_CELL, columns: TABLE_COLUMNS, hits: sequence.hit });
-  row.querySelector(".table-size").textContent = tableSummary(sequence);
+  // a table is drawn again only when a square would change: most rows keep theirs from step to step
+  const moved = sequence.blocks.some((id) => view.moved.has(id));
+  const drawn = `${sequence.blocks.join(",")}|${states}|${sequence.hit}|${moved}`;
+  if (row.dataset.drawn !== drawn) {
+    const table = row.querySelector("canvas");
+    drawBlocks(table, view, sequence.blocks, { cell: TABLE_CELL, columns: TABLE_COLUMNS, hits: sequence.hit });
+    row.dataset.drawn = drawn;
+  }
+  setText(row.querySelector(".table-size"), tableSummary(sequence));
   return row;
 }
 
@@ -677,17 +689,18 @@ function buildCounters() {
 /** Numbers at the cursor (the last frame when `cursor` is null) and one chart per counter. */
 function drawCounters(series, cursor) {
   const at = cursor ?? series.length - 1;
-  for (const counter of COUNTERS) {
+  // every chart's width read before anything is written: one layout, not one per chart
+  const widths = COUNTERS.map((counter) => byId(`chart-${counter.key}`).parentElement.clientWidth);
+  COUNTERS.forEach((counter, k) => {
     const values = series.map((counters) => counters[counter.key]);
-    byId(`counter-${counter.key}`).textContent = counter.format(values[at]);
+    setText(byId(`counter-${counter.key}`), counter.format(values[at]));
     // a loop, not Math.max(...values): a long run's values overflow the call stack as arguments
     const top = counter.max ?? values.reduce((most, value) => Math.max(most, value), 0);
-    drawChart(byId(`chart-${counter.key}`), values, top, cursor);
-  }
+    drawChart(byId(`chart-${counter.key}`), widths[k], values, top, cursor);
+  });
 }
 
-function drawChart(canvas, values, top, cursor) {
-  const width = canvas.parentElement.clientWidth;
+function drawChart(canvas, width, values, top, cursor) {
   const height = CHART_HEIGHT;
   const context = sizeCanvas(canvas, width, height);
   const span = cursor === null ? LIVE_HISTORY : values.length;
