@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import pytest
 import uvicorn
 from helpers import tiny_with_real_tokenizer
+from selenium import webdriver
 from serving import fetch, running_app, running_server
 
 from minillm.config import EngineConfig
@@ -41,12 +42,15 @@ def engine_loop(model_dir) -> EngineLoop:
     return EngineLoop(LLMEngine(config), threads=1)
 
 
+NO_BROWSER = not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER))
+needs_browser = pytest.mark.skipif(
+    NO_BROWSER, reason="the browser tests drive Debian's chromium: apt-get install chromium chromium-driver"
+)
+
+
 @pytest.fixture(scope="module")
 def browser():
     """One headless chromium for the module; its console log is read (and so emptied) by each test."""
-    webdriver = pytest.importorskip("selenium.webdriver", reason="pip install -e '.[test]' brings selenium")
-    if not (shutil.which(CHROMIUM) and shutil.which(CHROMEDRIVER)):
-        pytest.skip("the browser tests drive Debian's chromium: apt-get install chromium chromium-driver")
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
@@ -130,6 +134,7 @@ def test_the_routes_serve_a_strict_read_only_page(model_dir):
         assert fetch(url + "/memory").status_code == 404  # /metrics off: no page either
 
 
+@needs_browser
 def test_a_live_page_draws_the_pool_a_request_and_a_prefix_hit(model_dir, browser, tmp_path):
     loop = engine_loop(model_dir)
     num_blocks = loop.engine.snapshot().num_blocks
@@ -173,6 +178,7 @@ def test_a_live_page_draws_the_pool_a_request_and_a_prefix_hit(model_dir, browse
         browser.get("about:blank")  # the page's stream closes before the server stops
 
 
+@needs_browser
 def test_a_trace_replays_forward_and_back(tiny_dir, tiny_model, browser, tmp_path):
     path = tmp_path / "run.jsonl"
     with tracing(path):
