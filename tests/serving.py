@@ -8,8 +8,6 @@ ends sends something on every read.
 
 import http.client
 import json
-import socket
-import threading
 import time
 import urllib.parse
 from contextlib import contextmanager
@@ -18,7 +16,7 @@ from typing import NamedTuple
 import uvicorn
 
 from minillm.serve.app import build_app
-from minillm.serve.connections import uvicorn_config
+from minillm.serve.connections import serving_in_a_thread, uvicorn_config
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.limits import ServeLimits
 
@@ -32,24 +30,10 @@ def running_server(engine_loop: EngineLoop, limits: ServeLimits = ServeLimits(),
     assert not engine_loop.thread.is_alive(), "the app's lifespan did not stop the engine thread"
 
 
-@contextmanager
 def running_app(config: uvicorn.Config):
     """Any app uvicorn serves (`config`: the app and its settings) on a free port of 127.0.0.1, in a
     thread: its base URL until the block ends."""
-    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "uvicorn did not stop within 30 s"
+    return serving_in_a_thread(config)
 
 
 class Answer(NamedTuple):

@@ -1,6 +1,7 @@
 """The connections: uvicorn, with at most `max_connections` of them and a deadline for each request's head.
 
-`uvicorn_config` is how both `minillm serve` and the tests run the app. uvicorn has no deadline
+`uvicorn_config` is how both `minillm serve` and the tests run the app (`serving_in_a_thread`:
+beside the caller's own work, as the tests and the scripts do). uvicorn has no deadline
 for a request's head: its keep-alive timer restarts on every byte, so a client that sends one byte
 a second (slowloris) holds its connection, and one of the few a server allows, for ever.
 `ServerProtocol` is uvicorn's HTTP/1.1 protocol with that deadline (the body's is the app's,
@@ -19,12 +20,15 @@ evaluation harness sends thousands of small ones).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import socket
+import threading
+import time
 from http import HTTPStatus
 
-from uvicorn import Config
+from uvicorn import Config, Server
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from minillm.serve.errors import error_body
@@ -114,3 +118,26 @@ def uvicorn_config(app, limits: ServeLimits, **options) -> Config:
         ServerProtocol, read_timeout=limits.read_timeout, max_connections=limits.max_connections
     )
     return Config(app, http=protocol, **options)
+
+
+@contextlib.contextmanager
+def serving_in_a_thread(config: Config, start_s: float = 30.0, stop_s: float = 30.0):
+    """The app `config` names, served by uvicorn in a thread on a free port of 127.0.0.1: its base
+    URL while the block runs (how the tests and the scripts run an app beside their own work).
+    Raises RuntimeError if it has not started within `start_s` or not stopped within `stop_s`."""
+    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on
+    server = Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_s
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=stop_s)
+        if thread.is_alive():
+            raise RuntimeError(f"uvicorn did not stop within {stop_s:.0f} s")
