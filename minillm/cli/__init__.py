@@ -12,6 +12,7 @@ measure_scheduling.py  bench scheduling: admission policies against first come f
 measure_staircase.py   bench staircase: HF transformers, then paging, int8 KV, flash prefill in turn
 measure_fleet.py    bench fleet: a Redis KV store two engines share, the KV-aware router
 trace.py            trace show: a --trace file's KV memory, summarized and drawn (minillm/trace/)
+trace_serve.py      trace serve: a traced run replayed in the browser (minillm/view/, the memory page)
 flags.py            the flag groups several commands share, made from `config.SWITCHES`
 """
 

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from minillm import trace
+from minillm.cli.trace_serve import add_trace_serve
 from minillm.report import err_console, print_table, show
 from minillm.tracing import read_trace
 
@@ -45,14 +46,7 @@ def add_trace(subparsers) -> None:
     trace_show = commands.add_parser(
         "show", help="summarize a run of a trace and draw its timeline", description=DESCRIPTION
     )
-    trace_show.add_argument("file", type=Path, metavar="FILE", help="a trace written with --trace FILE")
-    trace_show.add_argument(
-        "--run",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the run to summarize, as numbered in the list (default: the one with the most steps)",
-    )
+    add_run_args(trace_show, "summarize")
     trace_show.add_argument(
         "--plot",
         type=Path,
@@ -63,40 +57,22 @@ def add_trace(subparsers) -> None:
     trace_show.add_argument("--no-plot", action="store_true", help="no timeline, the numbers only")
     trace_show.add_argument("--json", action="store_true", help="print one JSON object")
     trace_show.set_defaults(func=cmd_trace_show)
-    _add_trace_serve(commands)
+    add_trace_serve(commands)
 
 
-SERVE_DESCRIPTION = (
-    "Replay a run of a trace in the browser: the page `minillm serve` shows live at /memory (the "
-    "device pool as a grid of blocks coloured by state, the host and disk tiers, each request's block "
-    "table, preemptions and their cause, counters over time), driven by the recorded events, with a "
-    "scrubber to step forward and back or play. It listens on 127.0.0.1 only unless --host says "
-    "otherwise; open the address it prints. Ctrl-C stops it."
-)
-
-
-def _add_trace_serve(commands) -> None:
-    from minillm.cli.serve import whole_number
-
-    trace_serve = commands.add_parser(
-        "serve", help="replay a run of a trace in the browser, step by step", description=SERVE_DESCRIPTION
-    )
-    trace_serve.add_argument("file", type=Path, metavar="FILE", help="a trace written with --trace FILE")
-    trace_serve.add_argument(
+def add_run_args(parser, verb: str) -> None:
+    """FILE and --run, which `trace show` and `trace serve` both take."""
+    parser.add_argument("file", type=Path, metavar="FILE", help="a trace written with --trace FILE")
+    parser.add_argument(
         "--run",
         type=int,
         default=None,
         metavar="N",
-        help="the run to replay (default: the busiest)",
+        help=f"the run to {verb}, as numbered in `trace show`'s list (default: the one with the most steps)",
     )
-    trace_serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    trace_serve.add_argument(
-        "--port", type=whole_number(0, "a port number", 65535), default=8001, help="(default: 8001)"
-    )
-    trace_serve.set_defaults(func=cmd_trace_serve)
 
 
-def _chosen_run(args) -> tuple[dict, list, int]:
+def chosen_run(args) -> tuple[dict, list, int]:
     """The file's runs described, and the events of the run --run names (or the busiest)."""
     runs = read_trace(args.file)  # a TraceError (a ValueError) is main's one-line error, exit 2
     described = trace.describe_runs(runs)
@@ -107,7 +83,7 @@ def _chosen_run(args) -> tuple[dict, list, int]:
 
 
 def cmd_trace_show(args) -> None:
-    described, events, run = _chosen_run(args)
+    described, events, run = chosen_run(args)
     view = trace.walk(events)
     report = {"file": str(args.file), "run": run, "run_chosen": "busiest" if args.run is None else "--run"}
     report |= {"runs": described} | trace.summarize(view)
@@ -282,31 +258,3 @@ def print_places(places: dict, console, shown: int = 10) -> None:
         columns = ["request", "waiting", "device", "host", "disk", "mixed"]
         rows = [[row[column] for column in columns] for row in away[:shown]]
         print_table(console, "requests with steps off the device (most first)", columns, rows)
-
-
-def cmd_trace_serve(args) -> None:
-    from minillm.serve import missing_server_packages
-
-    problem = missing_server_packages()
-    if problem:
-        raise ValueError(problem)
-    import uvicorn
-
-    from minillm.cli.serve import listening_socket
-    from minillm.progress import progress_bar
-    from minillm.serve.memory_page import build_replay_app
-    from minillm.serve.origins import allowed_for
-    from minillm.view import Replay
-
-    _, events, run = _chosen_run(args)
-    sock = listening_socket(args.host, args.port)
-    with progress_bar("reading the run", total=len(events)) as advance:
-        replay = Replay(events, progress=lambda done: advance())
-    app = build_replay_app(replay, f"{args.file.name} · run {run}", allowed_for(args.host))
-    host, port = sock.getsockname()[:2]
-    err_console.print(
-        f"minillm trace serve: run {run} of {args.file} ({len(replay)} frames) on "
-        f"http://{host}:{port}/memory; Ctrl-C stops",
-        soft_wrap=True,
-    )
-    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
