@@ -29,13 +29,11 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
 import tempfile
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import uvicorn
@@ -45,7 +43,7 @@ from minillm.config import EngineConfig
 from minillm.engine import LLM, LLMEngine, SamplingParams
 from minillm.memory.events import KVEvents
 from minillm.serve.app import build_app
-from minillm.serve.connections import uvicorn_config
+from minillm.serve.connections import serving_in_a_thread, uvicorn_config
 from minillm.serve.engine_loop import EngineLoop
 from minillm.serve.limits import ServeLimits
 from minillm.serve.memory_page import build_replay_app
@@ -80,22 +78,9 @@ class Clock:
         return taken
 
 
-@contextmanager
 def serving(app, config=uvicorn.Config):
     """`app` on a free port of 127.0.0.1, uvicorn in a thread: its base URL while the block runs."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
+    return serving_in_a_thread(config(app, log_level="warning"), start_s=60, stop_s=60)
 
 
 def serving_engine(engine: LLMEngine):
@@ -176,9 +161,11 @@ def live(args, driver) -> dict:
             sampler = threading.Thread(target=sample_lags, args=(driver, stop, lags))
             sampler.start()
             started, browser_before = time.perf_counter(), browser_cpu_seconds()
+            page_before = page_metrics(driver)
             opened = one_run(url, args.streams, args.max_tokens, tag=2 * pair + 1)
             wall = time.perf_counter() - started
             browser_cpu = browser_cpu_seconds() - browser_before
+            page_spent = {name: value - page_before[name] for name, value in page_metrics(driver).items()}
             stop.set()
             sampler.join()
             spent = clock.take()
@@ -189,6 +176,8 @@ def live(args, driver) -> dict:
                     "emit_share_of_step_time": spent.get("emit", 0.0) / step_s,
                     "view_share_of_wall": spent.get("view", 0.0) / wall,
                     "browser_cores_busy": browser_cpu / wall,
+                    "browser_cpu_s": browser_cpu,
+                    **{f"page_{name}_s": value for name, value in page_spent.items()},
                 }
             )
             pairs.append({"closed_tok_s": closed, "open_tok_s": opened, "ratio": opened / closed})
@@ -216,6 +205,17 @@ def replay(args, driver) -> dict:
             wait_ready(driver)
             page_s = time.perf_counter() - started
         return {"frames": len(walked), "events": len(events), "walk_s": walk_s, "page_ready_s": page_s}
+
+
+def page_metrics(driver) -> dict[str, float]:
+    """Chrome's own seconds so far on the page's main thread: all its tasks, scripts, layout."""
+    driver.execute_cdp_cmd("Performance.enable", {})
+    metrics = {m["name"]: m["value"] for m in driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}
+    return {
+        "task": metrics["TaskDuration"],
+        "script": metrics["ScriptDuration"],
+        "layout": metrics["LayoutDuration"],
+    }
 
 
 def browser_cpu_seconds() -> float:
@@ -261,6 +261,10 @@ def bench(args, driver) -> None:
     print(f"engine thread inside emit, share of step time: {emit}")
     print(f"event loop building frames, share of wall time: {view}")
     print(f"the browser's CPU while the page was open, in cores busy: {browser_load}")
+    for part in ("task", "script", "layout"):
+        seconds = spread([run[f"page_{part}_s"] for run in in_process])
+        print(f"the page's main thread, {part} seconds per open run: {seconds}")
+    print(f"the browser's CPU seconds per open run: {spread([run['browser_cpu_s'] for run in in_process])}")
     print(f"lag drawn: median {statistics.median(lags):.3f} s, max {max(lags):.3f} s ({len(lags)} samples)")
     print(
         f"replay: {walked['frames']} frames ({walked['events']} events) walked in {walked['walk_s']:.2f} s; "
